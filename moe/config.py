@@ -1,0 +1,223 @@
+"""Typed, strict configuration: YAML maps one-to-one onto dataclasses.
+
+Every section is a dataclass whose fields carry a docstring-like comment and a
+``validate()`` that rejects impossible values *before* any tensor is made
+(DESIGN principle 6). ``from_dict`` builds a dataclass tree from plain dicts and
+refuses unknown keys, naming the nearest valid one, so a typo such as
+``moe.capcity_factor`` fails loudly instead of silently training the default.
+
+This module holds the model-side sections (``ModelConfig``, ``MoEConfig``) and
+the generic strict loader; the run-level sections live in ``training.config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or impossible."""
+
+
+# ---------------------------------------------------------------------------
+# Generic strict loader
+# ---------------------------------------------------------------------------
+
+
+def nearest(name: str, valid: typing.Iterable[str]) -> str:
+    """A 'did you mean' suffix naming the closest valid key, or the list of keys."""
+    valid = sorted(valid)
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return f"valid keys: {', '.join(valid)}"
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check ``value`` against a field annotation, converting only lossless cases (int -> float)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {args}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return origin(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, value, where)
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: unsupported annotation {annotation!r}")
+
+
+def from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """Build dataclass ``cls`` from a dict, recursively; unknown keys and bad types raise ConfigError."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}': {nearest(str(key), names)}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict:
+    """The plain-dict (YAML-serialisable) form of a config dataclass tree."""
+    return dataclasses.asdict(obj)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+# ---------------------------------------------------------------------------
+# Model sections
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the decoder-only transformer language model."""
+
+    vocab_size: int = 256  # byte-level tokens by default
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
+    seq_len: int = 256  # training context length
+    ffn_hidden: int = 512  # hidden size of the dense SwiGLU FFN blocks
+    moe_every: int = 1  # every moe_every-th layer (from first_moe_layer on) is MoE; 0 = no MoE layer
+    first_moe_layer: int = 0  # layers before it are dense (DeepSeek-V3 keeps its first 3 dense)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        if self.moe_every == 0 or index < self.first_moe_layer:
+            return False
+        return (index - self.first_moe_layer) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "ffn_hidden"):
+            _require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+            f"valid head counts: {[h for h in range(1, 65) if self.d_model % h == 0]}",
+        )
+        _require(self.head_dim % 2 == 0, f"head dimension d_model/n_heads={self.head_dim} must be even for RoPE")
+        _require(
+            self.n_kv_heads is None or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
+            f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}",
+        )
+        _require(self.moe_every >= 0, f"model.moe_every must be >= 0, got {self.moe_every}")
+        _require(
+            0 <= self.first_moe_layer < self.n_layers or self.moe_every == 0,
+            f"model.first_moe_layer={self.first_moe_layer} must be in [0, n_layers={self.n_layers})",
+        )
+        _require(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0,
+                 "model.rope_theta, model.norm_eps and model.init_std must be positive")
+
+
+@dataclass
+class MoEConfig:
+    """Routing, capacity, balancing and expert shapes of every MoE layer."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 512  # hidden size of one routed expert
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True  # rescale the k selected weights to sum to 1
+    jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps) in training (Switch Transformer)
+    capacity_factor: float | None = 1.25  # None = dropless
+    drop_policy: Literal["probability", "position"] = "probability"
+    aux_loss_coef: float = 0.01  # Switch/GShard load-balancing loss weight (Switch: 1e-2)
+    aux_loss_scope: Literal["batch", "sequence"] = "batch"  # balance per micro-batch or per sequence
+    z_loss_coef: float = 0.001  # ST-MoE router z-loss weight (ST-MoE: 1e-3)
+    bias_update_rate: float = 0.0  # > 0 enables aux-loss-free balancing (DeepSeek-V3: 1e-3)
+    num_shared_experts: int = 0  # DeepSeek-style experts that see every token
+    shared_expert_hidden: int | None = None  # None = expert_hidden * num_shared_experts
+    force_balance: bool = False  # DEBUG/BENCHMARK ONLY: round-robin assignment ignoring the router
+
+    @property
+    def shared_hidden(self) -> int:
+        return self.shared_expert_hidden or self.expert_hidden * self.num_shared_experts
+
+    def validate(self) -> None:
+        _require(self.num_experts >= 1, f"moe.num_experts must be >= 1, got {self.num_experts}")
+        _require(
+            1 <= self.top_k <= self.num_experts,
+            f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}",
+        )
+        _require(self.expert_hidden > 0, f"moe.expert_hidden must be positive, got {self.expert_hidden}")
+        _require(
+            self.capacity_factor is None or (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)),
+            f"moe.capacity_factor={self.capacity_factor} must be a positive number, or null for dropless",
+        )
+        _require(0 <= self.jitter_eps < 1, f"moe.jitter_eps must be in [0, 1), got {self.jitter_eps}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            _require(getattr(self, name) >= 0, f"moe.{name} must be >= 0, got {getattr(self, name)}")
+        _require(self.num_shared_experts >= 0, "moe.num_shared_experts must be >= 0")
+        _require(
+            self.shared_expert_hidden is None or self.shared_expert_hidden > 0,
+            "moe.shared_expert_hidden must be positive or null",
+        )
+
+
+__all__ = ["ConfigError", "ModelConfig", "MoEConfig", "from_dict", "nearest", "to_dict"]

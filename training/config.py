@@ -1,0 +1,192 @@
+"""The run configuration: one YAML file per named config, plus ``--set key=value`` overrides.
+
+Sections: ``model``, ``moe`` (from ``moe.config``), ``parallel``, ``data``, ``train``,
+``logging``, ``checkpoint``. ``load_config("moe-8x", ["train.steps=50"])`` reads
+``configs/moe-8x.yaml``, applies the overrides (CLI > file > dataclass defaults),
+builds the typed tree and validates it, all before any process group or tensor exists.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from moe.config import ConfigError, ModelConfig, MoEConfig, from_dict, nearest, to_dict
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of the parallel dimensions. Their product must equal the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1 = whatever is left of the world size
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def validate(self) -> None:
+        for name in ("pp", "dp_replicate", "tp", "ep", "etp"):
+            _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.dp_shard == -1 or self.dp_shard >= 1,
+                 f"parallel.dp_shard must be >= 1 or -1 (the rest), got {self.dp_shard}")
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from and how it is split."""
+
+    source: str = "stdlib"  # "stdlib" (the running Python's standard library sources), a text file or folder, or a uint16 .bin
+    val_fraction: float = 0.005  # held-out tail of the token stream used for validation
+    cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
+
+    def validate(self) -> None:
+        _require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: steps, batch, AdamW with warmup + cosine decay, precision, evaluation."""
+
+    steps: int = 300
+    seed: int = 0
+    global_batch_size: int = 16  # sequences per optimizer step, across all data-parallel ranks
+    micro_batch_size: int | None = None  # sequences per forward pass on one rank; None = no accumulation
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    eval_interval: int = 100  # steps between validation passes; 0 = only at the end
+    eval_batches: int = 8  # micro-batches per validation pass
+
+    def validate(self) -> None:
+        _require(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        _require(self.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.micro_batch_size is not None:
+            _require(
+                self.micro_batch_size >= 1 and self.global_batch_size % self.micro_batch_size == 0,
+                f"train.micro_batch_size={self.micro_batch_size} must divide "
+                f"train.global_batch_size={self.global_batch_size}",
+            )
+        _require(self.lr > 0, f"train.lr must be positive, got {self.lr}")
+        _require(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(0 <= self.warmup_steps <= self.steps,
+                 f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps={self.steps}]")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
+        _require(self.weight_decay >= 0 and self.grad_clip >= 0, "train.weight_decay and train.grad_clip must be >= 0")
+        _require(self.eval_interval >= 0 and self.eval_batches >= 1,
+                 "train.eval_interval must be >= 0 and train.eval_batches >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    """What a person sees while the run trains, and where metrics go."""
+
+    log_interval: int = 10  # steps between metric records (metrics.jsonl, wandb, plain lines)
+    progress: Literal["auto", "bar", "lines"] = "auto"  # auto = a bar on a terminal, plain lines otherwise
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "moe-toolkit"
+
+    def validate(self) -> None:
+        _require(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint policy. Saving and resuming are not implemented yet; any interval is rejected."""
+
+    interval: int | None = None  # steps between checkpoints; None = never
+
+    def validate(self) -> None:
+        _require(
+            self.interval is None,
+            f"checkpoint.interval={self.interval}: checkpointing is not available in this version yet; "
+            "leave it null",
+        )
+
+
+@dataclass
+class RunConfig:
+    """The whole configuration of one training run."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> None:
+        for section in (self.model, self.moe, self.parallel, self.data, self.train, self.logging, self.checkpoint):
+            section.validate()
+        _require(
+            self.model.vocab_size >= 256 or self.data.source.endswith(".bin"),
+            f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
+        )
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """``moe-8x`` -> ``configs/moe-8x.yaml``; an existing path is taken as it is."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist")
+        return path
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    names = [p.stem for p in CONFIG_DIR.glob("*.yaml")]
+    raise ConfigError(f"no config named '{name_or_path}': {nearest(name_or_path, names)}")
+
+
+def apply_override(tree: dict, assignment: str) -> None:
+    """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (``null``, ``1e-3``, ``true``)."""
+    if "=" not in assignment:
+        raise ConfigError(f"override '{assignment}' must look like section.key=value")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{assignment}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a named config or YAML path, apply overrides, build and validate the typed tree."""
+    path = resolve_config_path(name_or_path)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+    tree = copy.deepcopy(tree)
+    tree.setdefault("name", path.stem)
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    config = from_dict(RunConfig, tree)
+    config.validate()
+    return config
