@@ -30,13 +30,13 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------
 
 
-def nearest(name: str, valid: typing.Iterable[str]) -> str:
+def nearest(name: str, valid: typing.Iterable[str], prefix: str = "") -> str:
     """A 'did you mean' suffix naming the closest valid key, or the list of keys."""
     valid = sorted(valid)
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     if close:
-        return f"did you mean '{close[0]}'?"
-    return f"valid keys: {', '.join(valid)}"
+        return f"did you mean '{prefix}{close[0]}'?"
+    return f"valid keys: {', '.join(prefix + v for v in valid)}"
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -97,7 +97,7 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
-            raise ConfigError(f"unknown config key '{path}': {nearest(str(key), names)}")
+            raise ConfigError(f"unknown config key '{path}': {nearest(str(key), names, f'{where}.' if where else '')}")
         kwargs[key] = _coerce(value, hints[key], path)
     return cls(**kwargs)
 
