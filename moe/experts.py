@@ -1,0 +1,111 @@
+"""Routed experts as stacked weights, computed with grouped GEMM on tokens grouped by expert.
+
+Shapes: N grouped tokens, D = d_model, H = expert hidden size, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+def compute_dtype(reference: Tensor) -> torch.dtype:
+    """The dtype matrix products should run in: autocast's when it is on, else the tensor's own."""
+    device = reference.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return reference.dtype
+
+
+def _grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
+    """torch's grouped_mm wants 16-byte aligned rows everywhere, and bf16 on CUDA."""
+    if not HAS_GROUPED_MM:
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    return all(dim * x.element_size() % 16 == 0 for dim in (x.shape[-1], weight.shape[-1]))
+
+
+def _padded_bmm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    """Fallback for torches without grouped_mm: pad each group to the largest and use one bmm."""
+    num_experts = weight.shape[0]
+    group = torch.repeat_interleave(torch.arange(num_experts, device=x.device), tokens_per_expert)
+    starts = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert
+    slot = torch.arange(x.shape[0], device=x.device) - starts[group]
+    longest = int(tokens_per_expert.max()) if x.shape[0] else 0  # one host sync
+    padded = x.new_zeros(num_experts, longest, x.shape[1]).index_put((group, slot), x)
+    return torch.bmm(padded, weight)[group, slot]
+
+
+def grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    """Row block ``e`` of ``x`` times ``weight[e]``: [N, in] x [E, in, out] -> [N, out].
+
+    The blocks are consecutive with sizes ``tokens_per_expert`` (summing to N); empty
+    groups are fine. One kernel for all experts: no Python loop over experts.
+    """
+    if _grouped_mm_supported(x, weight):
+        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        return F.grouped_mm(x, weight, offs=offsets)
+    return _padded_bmm(x, weight, tokens_per_expert)
+
+
+class GroupedExperts(nn.Module):
+    """E feed-forward experts with stacked weights, SwiGLU or GELU.
+
+    ``forward(x, tokens_per_expert)`` takes tokens already grouped by expert and the
+    group sizes, and returns outputs in the same order. This narrow signature is the
+    seam expert parallelism hooks into: ``parallel/expert.py`` wraps this module to
+    exchange tokens between ranks before and after it, and the rest of ``MoELayer``
+    never knows.
+
+    Weights are stored input-major (``w_in: [E, D, H]``, ``w_out: [E, H, D]``) so the
+    grouped GEMM reads them without transposes. SwiGLU (Shazeer 2020) keeps its gate
+    and up projections separate (``w_gate``, ``w_in``) so tensor parallelism can split
+    both on H without reshuffling.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int, activation: str = "swiglu"):
+        super().__init__()
+        self.num_experts = num_experts
+        self.activation = activation
+        self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if activation == "swiglu" else None
+        self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for weight in (self.w_in, self.w_gate):
+            if weight is not None:
+                nn.init.normal_(weight, std=std)
+        nn.init.normal_(self.w_out, std=out_std)
+
+    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """x: [N, D] grouped by expert; tokens_per_expert: [E] -> [N, D] in the compute dtype."""
+        dtype = compute_dtype(x)
+        x = x.to(dtype)
+        hidden = grouped_matmul(x, self.w_in.to(dtype), tokens_per_expert)
+        if self.w_gate is not None:
+            hidden = F.silu(grouped_matmul(x, self.w_gate.to(dtype), tokens_per_expert)) * hidden
+        else:
+            hidden = F.gelu(hidden)
+        return grouped_matmul(hidden, self.w_out.to(dtype), tokens_per_expert)
+
+
+class FeedForward(nn.Module):
+    """A dense SwiGLU feed-forward: the FFN of dense blocks and the shared experts of MoE layers."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w_in = nn.Linear(d_model, hidden, bias=False)
+        self.w_gate = nn.Linear(d_model, hidden, bias=False)
+        self.w_out = nn.Linear(hidden, d_model, bias=False)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w_in.weight, std=std)
+        nn.init.normal_(self.w_gate.weight, std=std)
+        nn.init.normal_(self.w_out.weight, std=out_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_out(F.silu(self.w_gate(x)) * self.w_in(x))

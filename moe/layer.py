@@ -1,0 +1,110 @@
+"""The MoE layer: route -> permute -> (token exchange) -> experts -> un-permute -> combine.
+
+Shapes: B sequences of S tokens, T = B * S, D = d_model, E experts, k choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moe.config import MoEConfig
+from moe.dispatch import expert_capacity, permute, plan_dispatch, unpermute_and_combine
+from moe.experts import FeedForward, GroupedExperts
+from moe.losses import attach_loss, load_balancing_loss, z_loss
+from moe.router import TopKRouter
+
+
+@dataclass
+class RoutingStats:
+    """One forward pass's routing, as detached tensors (no host sync until someone reads them)."""
+
+    tokens_per_expert: Tensor  # [E] assignments the router made to each expert, before drops
+    num_dropped: Tensor  # assignments dropped for lack of capacity
+    num_assignments: int  # T * k
+    entropy: Tensor  # mean over tokens of the router distribution's entropy (nats)
+    aux_loss: Tensor  # unscaled load-balancing loss (1.0 = perfectly balanced)
+    z_loss: Tensor  # unscaled router z-loss
+
+    @property
+    def dropped_fraction(self) -> Tensor:
+        return self.num_dropped.float() / self.num_assignments
+
+
+class MoELayer(nn.Module):
+    """A sparse feed-forward layer: each token goes to its top-k of E experts.
+
+    The phases, each a named step of ``forward``:
+
+    1. **route**: ``TopKRouter`` scores experts in fp32 and picks k per token.
+    2. **permute**: ``plan_dispatch`` groups assignments by expert and drops those
+       beyond capacity (none when dropless); tokens are gathered in that order.
+    3. **exchange + experts**: ``self.experts(grouped, tokens_per_expert)``. Locally
+       the exchange is the identity; expert parallelism wraps ``self.experts`` with an
+       all-to-all before and after, so this file does not change.
+    4. **un-permute + combine**: each token's expert outputs, weighted by the router.
+    5. shared experts (if any) see every token and are added unweighted.
+
+    The balancing losses ride on the output through ``attach_loss`` and so reach
+    backward by themselves; ``aux_loss_scale`` is set by the trainer (1 / micro-batches
+    under gradient accumulation). ``last_stats`` holds the latest pass's routing
+    statistics for logging; recomputation (activation checkpointing) overwrites it
+    with identical values rather than counting twice.
+    """
+
+    def __init__(self, d_model: int, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.router = TopKRouter(d_model, config)
+        self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden, config.activation)
+        self.shared_experts = FeedForward(d_model, config.shared_hidden) if config.num_shared_experts else None
+        self.aux_loss_scale = 1.0
+        self.last_stats: RoutingStats | None = None
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.router.gate, std=std)
+        self.router.expert_bias.zero_()
+        self.experts.init_weights(std, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std, out_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [B, S, D] -> [B, S, D]."""
+        batch, seq, dim = x.shape
+        tokens = x.reshape(batch * seq, dim)
+        cfg = self.config
+
+        routed = self.router(tokens)
+        capacity = None
+        if cfg.capacity_factor is not None:
+            capacity = expert_capacity(tokens.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+        plan = plan_dispatch(routed.expert_ids, routed.weights, cfg.num_experts, capacity, cfg.drop_policy)
+
+        grouped = permute(tokens, plan)
+        expert_out = self.experts(grouped, plan.tokens_per_expert)
+        out = unpermute_and_combine(expert_out, plan, routed.weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+
+        num_sequences = batch if cfg.aux_loss_scope == "sequence" else 1
+        balance = load_balancing_loss(routed.probs, routed.expert_ids, cfg.num_experts, num_sequences)
+        router_z = z_loss(routed.logits)
+        out = attach_loss(out, balance, cfg.aux_loss_coef * self.aux_loss_scale)
+        out = attach_loss(out, router_z, cfg.z_loss_coef * self.aux_loss_scale)
+
+        self.last_stats = self._stats(routed.probs, plan.selected_per_expert, plan.num_dropped, balance, router_z)
+        return out.view(batch, seq, -1)
+
+    @torch.no_grad()
+    def _stats(self, probs: Tensor, selected: Tensor, dropped: Tensor, balance: Tensor, router_z: Tensor):
+        entropy = -(probs * torch.log(probs.clamp_min(1e-20))).sum(-1).mean()
+        return RoutingStats(
+            tokens_per_expert=selected.detach(),
+            num_dropped=dropped.detach(),
+            num_assignments=probs.shape[0] * self.config.top_k,
+            entropy=entropy,
+            aux_loss=balance.detach(),
+            z_loss=router_z.detach(),
+        )

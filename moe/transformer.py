@@ -1,0 +1,147 @@
+"""The decoder-only MoE language model: RMSNorm, RoPE attention, dense and MoE blocks.
+
+Shapes: B sequences, S positions, D = d_model, nh / nkv query / key-value heads, hd = head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.config import ModelConfig, MoEConfig
+from moe.experts import FeedForward
+from moe.layer import MoELayer, RoutingStats
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles, [max_len, hd/2] (Su et al. 2021, RoFormer eq. 34)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs (i, i + hd/2) of x: [B, heads, S, hd] by the position's angles."""
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (or grouped-query) attention with rotary positions, on SDPA."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
+        self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.normal_(linear.weight, std=std)
+        nn.init.normal_(self.wo.weight, std=out_std)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, nh, S, hd]
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, nkv, S, hd]
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x)); ffn dense or MoE."""
+
+    def __init__(self, config: ModelConfig, moe_config: MoEConfig, is_moe: bool):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.moe = MoELayer(config.d_model, moe_config) if is_moe else None
+        self.ffn = None if is_moe else FeedForward(config.d_model, config.ffn_hidden)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        return self.moe if self.moe is not None else self.ffn
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attn_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attn.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class MoETransformer(nn.Module):
+    """Token embedding -> blocks -> RMSNorm -> LM head; returns logits [B, S, V].
+
+    ``layers`` is a ModuleDict keyed by the layer index as a string, so parameter
+    names stay the same when pipeline parallelism keeps only some of the layers.
+
+    Initialisation (``init_weights``): every weight matrix and the embedding are
+    N(0, init_std) and norms are ones, except the projections that write into the
+    residual stream (attention ``wo``, FFN and expert ``w_out``), which are
+    N(0, init_std / sqrt(2 * n_layers)) so the residual's variance does not grow with
+    depth (GPT-2, Radford et al. 2019 sec. 2.3; Megatron-LM's scaled init).
+    """
+
+    def __init__(self, config: ModelConfig, moe_config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleDict(
+            {str(i): Block(config, moe_config, config.is_moe_layer(i)) for i in range(config.n_layers)}
+        )
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(config.head_dim, config.seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for block in self.layers.values():
+            block.init_weights(std, out_std)
+        self.norm.reset_parameters()
+        if not self.config.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens: [B, S] int64 -> logits [B, S, V] (fp32 under autocast too)."""
+        seq = tokens.shape[1]
+        if seq > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.rope_cos.shape[0]}")
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            x = block(x, cos, sin)
+        return self.output(self.norm(x)).float()
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """The MoE layers by layer index."""
+        return {int(i): block.moe for i, block in self.layers.items() if block.moe is not None}
+
+    def routing_stats(self) -> dict[int, RoutingStats]:
+        """Each MoE layer's statistics from the latest forward pass."""
+        return {i: layer.last_stats for i, layer in self.moe_layers().items() if layer.last_stats is not None}
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Weight of the injected balancing losses relative to the LM loss (1 / micro-batches)."""
+        for layer in self.moe_layers().values():
+            layer.aux_loss_scale = scale

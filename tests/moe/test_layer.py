@@ -1,0 +1,156 @@
+"""MoELayer against a naive per-token reference; grouped experts against a per-expert loop."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe import experts as experts_module
+from moe.config import MoEConfig
+from moe.experts import GroupedExperts
+from moe.layer import MoELayer
+
+D = 16
+
+
+def naive_expert(x, w_in, w_gate, w_out, activation):
+    """One expert on one token, written out: [D] -> [D]."""
+    if activation == "swiglu":
+        return (F.silu(x @ w_gate) * (x @ w_in)) @ w_out
+    return F.gelu(x @ w_in) @ w_out
+
+
+def naive_moe(layer: MoELayer, x, params):
+    """Per-token loop: softmax/sigmoid router, top-k, renormalise, weighted sum, shared experts, aux losses."""
+    cfg = layer.config
+    tokens = x.reshape(-1, D)
+    outputs = []
+    lb_probs, lb_ids, lses = [], [], []
+    for t in range(tokens.shape[0]):
+        logits = tokens[t] @ params["gate"].t()
+        scores = torch.softmax(logits, -1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
+        ids = torch.topk(scores, cfg.top_k).indices
+        w = scores[ids]
+        if cfg.renormalize:
+            w = w / w.sum()
+        y = sum(
+            w[j] * naive_expert(tokens[t], params["w_in"][e], params.get("w_gate", [None] * 99)[e],
+                                params["w_out"][e], cfg.activation)
+            for j, e in enumerate(ids.tolist())
+        )
+        if layer.shared_experts is not None:
+            s = params["shared"]
+            y = y + (F.silu(tokens[t] @ s[1].t()) * (tokens[t] @ s[0].t())) @ s[2].t()
+        outputs.append(y)
+        lb_probs.append(scores / scores.sum())
+        lb_ids.append(ids)
+        lses.append(torch.logsumexp(logits, -1))
+    probs, ids = torch.stack(lb_probs), torch.stack(lb_ids)
+    counts = torch.stack([(ids == e).sum() for e in range(cfg.num_experts)]).float()
+    aux = cfg.num_experts * ((counts / ids.numel()) * probs.mean(0)).sum()
+    z = torch.stack(lses).square().mean()
+    return torch.stack(outputs).view_as(x), aux, z
+
+
+def layer_params(layer):
+    params = {"gate": layer.router.gate, "w_in": layer.experts.w_in, "w_out": layer.experts.w_out}
+    if layer.experts.w_gate is not None:
+        params["w_gate"] = layer.experts.w_gate
+    if layer.shared_experts is not None:
+        s = layer.shared_experts
+        params["shared"] = (s.w_in.weight, s.w_gate.weight, s.w_out.weight)
+    return params
+
+
+CASES = [
+    dict(activation="swiglu", top_k=2),
+    dict(activation="gelu", top_k=1),
+    dict(activation="swiglu", top_k=3, score_func="sigmoid"),
+    dict(activation="swiglu", top_k=2, num_shared_experts=1, renormalize=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_dropless_layer_matches_naive_reference(case):
+    torch.manual_seed(0)
+    config = MoEConfig(num_experts=6, expert_hidden=12, capacity_factor=None, aux_loss_coef=0.1,
+                       z_loss_coef=0.01, **case)
+    layer = MoELayer(D, config)
+    layer.init_weights(0.3, 0.3)
+    x = torch.randn(2, 7, D, requires_grad=True)
+    grad_out = torch.randn(2, 7, D)
+
+    out = layer(x)
+    (out * grad_out).sum().backward()
+    got = {name: p.grad.clone() for name, p in layer.named_parameters()} | {"x": x.grad.clone()}
+
+    layer.zero_grad()
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref, aux, z = naive_moe(layer, x_ref, layer_params(layer))
+    ((ref * grad_out).sum() + 0.1 * aux + 0.01 * z).backward()
+    expected = {name: p.grad for name, p in layer.named_parameters()} | {"x": x_ref.grad}
+
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+    stats = layer.last_stats
+    torch.testing.assert_close(stats.aux_loss, aux.detach())
+    assert int(stats.num_dropped) == 0 and int(stats.tokens_per_expert.sum()) == 14 * config.top_k
+
+
+def test_fully_dropped_tokens_get_a_zero_routed_output():
+    """A token whose every assignment is dropped gets a zero routed output."""
+    torch.manual_seed(0)
+    config = MoEConfig(num_experts=4, top_k=1, expert_hidden=8, capacity_factor=0.25, force_balance=False)
+    layer = MoELayer(D, config)
+    layer.init_weights(0.3, 0.3)
+    x = torch.randn(1, 16, D)
+    out = layer(x).view(16, D)
+    capacity = 1  # ceil(0.25 * 1 * 16 / 4)
+    kept_rows = (out.abs().sum(-1) > 0).sum().item()
+    assert kept_rows <= 4 * capacity
+    assert int(layer.last_stats.num_dropped) == 16 - kept_rows
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_grouped_experts_equal_a_per_expert_loop(activation, use_grouped_mm, monkeypatch):
+    if not use_grouped_mm:
+        monkeypatch.setattr(experts_module, "HAS_GROUPED_MM", False)  # the padded-bmm fallback
+    torch.manual_seed(0)
+    experts = GroupedExperts(5, D, 12, activation)
+    experts.init_weights(0.3, 0.3)
+    counts = torch.tensor([3, 0, 7, 1, 5])  # an empty group included
+    x = torch.randn(int(counts.sum()), D, requires_grad=True)
+    grad = torch.randn(int(counts.sum()), D)
+    out = experts(x, counts)
+    (out * grad).sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in experts.parameters()]
+
+    experts.zero_grad()
+    x_ref = x.detach().clone().requires_grad_(True)
+    pieces, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        w_gate = experts.w_gate[e] if experts.w_gate is not None else None
+        pieces.append(torch.stack([naive_expert(x_ref[i], experts.w_in[e], w_gate, experts.w_out[e], activation)
+                                   for i in range(start, start + n)]) if n else x_ref[:0])
+        start += n
+    ref = torch.cat(pieces)
+    (ref * grad).sum().backward()
+    expected = [x_ref.grad] + [p.grad for p in experts.parameters()]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_autocast_layer_close_to_fp32():
+    torch.manual_seed(0)
+    config = MoEConfig(num_experts=8, top_k=2, expert_hidden=32, capacity_factor=None)
+    layer = MoELayer(D, config)
+    layer.init_weights(0.2, 0.2)
+    x = torch.randn(2, 32, D)
+    ref = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.02)
