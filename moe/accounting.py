@@ -1,0 +1,66 @@
+"""Parameter and FLOP counts from a config alone, without building the model.
+
+Used for MFU in training logs and by the memory model and planner in ``analysis/``,
+so they must agree exactly with the modules in ``moe/`` (a test checks the totals
+against a built model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe.config import ModelConfig, MoEConfig
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    total: int  # every parameter
+    active: int  # parameters one token uses: shared weights + top_k routed experts per MoE layer
+    embedding: int  # the token-embedding table (a lookup: no matmul FLOPs)
+    routed_experts: int  # all routed-expert weights (what expert parallelism shards)
+
+    @property
+    def dense(self) -> int:
+        """Everything but the routed experts (what tensor/data parallelism handle)."""
+        return self.total - self.routed_experts
+
+
+def parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
+    d, hd = model.d_model, model.head_dim
+    attention = d * model.n_heads * hd * 2 + d * model.kv_heads * hd * 2  # wq, wo, wk, wv
+    norms = 2 * d
+    dense_ffn = 3 * d * model.ffn_hidden
+    matrices_per_expert = 3 if moe.activation == "swiglu" else 2
+    one_expert = matrices_per_expert * d * moe.expert_hidden
+    shared = 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
+    router = d * moe.num_experts
+
+    n_moe = model.n_moe_layers
+    n_dense = model.n_layers - n_moe
+    embedding = model.vocab_size * d
+    head = 0 if model.tie_embeddings else model.vocab_size * d
+    common = embedding + head + d + model.n_layers * (attention + norms) + n_dense * dense_ffn
+    common += n_moe * (router + shared)
+    routed_total = n_moe * moe.num_experts * one_expert
+    routed_active = n_moe * moe.top_k * one_expert
+    return ParameterCounts(
+        total=common + routed_total,
+        active=common + routed_active,
+        embedding=embedding,
+        routed_experts=routed_total,
+    )
+
+
+def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
+    """Model FLOPs of one training token (forward + backward), without recomputation.
+
+    ``6 * N_active`` for the weight matmuls (2 forward, 4 backward per parameter;
+    Kaplan et al. 2020 sec. 2.1) over the active parameters that do matmuls (the
+    embedding lookup does none; a tied head still does), plus ``12 * L * d_model * S``
+    for attention scores and values (PaLM, Chowdhery et al. 2022, appendix B).
+    """
+    counts = parameter_counts(model, moe)
+    matmul_params = counts.active - counts.embedding
+    if model.tie_embeddings:
+        matmul_params += model.vocab_size * model.d_model
+    return 6.0 * matmul_params + 12.0 * model.n_layers * model.d_model * model.seq_len

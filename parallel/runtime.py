@@ -1,0 +1,54 @@
+"""The process's place in the job: rank, world size, device, and the default process group.
+
+``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK; a plain ``python train.py`` runs as
+a world of one without any process group. The backend follows the device: NCCL on
+GPUs, gloo on CPUs. Every other group is built from this one by ``parallel/groups.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes logs, metrics and files for the whole job."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def init_runtime() -> Runtime:
+    """Join the job torchrun started (if any) and pick this process's device."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, device_id=device
+                                if device.type == "cuda" else None)
+    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def shutdown_runtime() -> None:
+    """Leave the job cleanly (also after an error, so peers are not left hanging)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

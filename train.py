@@ -1,0 +1,53 @@
+"""Train an MoE language model.
+
+    python train.py --config moe-8x
+    torchrun --nproc-per-node 1 train.py --config moe-8x --set train.steps=100 moe.top_k=1
+
+``--config`` takes a name from ``configs/`` or a YAML path; ``--set section.key=value``
+overrides any key (repeatable, and several may follow one ``--set``); ``--run-dir``
+defaults to ``runs/<config name>``. Exit status 0 on success; on any error the
+message goes to stderr and the status is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moe.config import ConfigError
+from parallel.runtime import init_runtime, shutdown_runtime
+from training.config import load_config
+from training.loop import train
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="moe-8x", help="config name in configs/ or a YAML path")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override config keys, e.g. --set train.steps=50 moe.capacity_factor=null")
+    parser.add_argument("--run-dir", type=Path, default=None, help="output directory (default runs/<config name>)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)  # validated before any process group or tensor
+        run_dir = args.run_dir or Path("runs") / config.name
+        runtime = init_runtime()
+        try:
+            train(config, run_dir, runtime)
+        finally:
+            shutdown_runtime()
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""Training data: a byte-level token stream, its train/validation split, and the batch samplers.
+
+Every machine can train with no download: the default corpus is the running Python's own standard
+library sources, tokenised one byte per token (vocab 256). A corpus is tokenised once into a raw
+uint16 file in ``data.cache_dir`` and memory-mapped from then on, so start-up is instant and every
+rank of a job shares one page cache instead of holding its own copy.
+
+The sampler's order is a pure function of (seed, sample number): it depends neither on the
+data-parallel layout nor on how many steps ran in this process, which is what makes a resumed run,
+even one resumed on a different number of ranks, see exactly the samples an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Bump when tokenisation changes, so old caches are not mistaken for new ones.
+TOKENISER_VERSION = "bytes-v1"
+# Appended after every document, so the model sees where one file ends and the next begins.
+DOCUMENT_SEPARATOR = b"\n\n"
+# A file with a NUL byte this early is almost surely not text (the heuristic git and grep use).
+BINARY_SNIFF_BYTES = 8192
+CHUNK_BYTES = 1 << 24
+
+_VALID_SOURCES = "use 'stdlib', a text file or folder, or a uint16 .bin file"
+
+# (relative posix path, absolute path, stat) of one corpus document.
+_Document = tuple[str, Path, os.stat_result]
+
+
+def load_tokens(source: str, cache_dir: str | Path) -> np.memmap:
+    """The whole token stream of ``data.source`` as a read-only uint16 memmap, shape ``[tokens]``.
+
+    ``"stdlib"`` and text files/folders are tokenised once (bytes -> tokens 0..255) into
+    ``cache_dir``; the cache file is named by a hash of what went into it, so an edited corpus is
+    re-tokenised rather than served stale. A ``.bin`` is taken as already tokenised and mapped as is.
+    """
+    if source.endswith(".bin"):
+        return _map_uint16(Path(source), source)
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        # Third-party packages installed into the interpreter are not the standard library, and
+        # would make the corpus differ between machines.
+        docs = _walk(
+            root,
+            keep=lambda name: name.endswith(".py"),
+            prune=lambda name: name in ("site-packages", "dist-packages"),
+        )
+        key = [TOKENISER_VERSION, sys.version, str(root), [(rel, st.st_size) for rel, _, st in docs]]
+        return _cached_tokens(docs, "stdlib", key, cache_dir, source, skip_binary=False)
+
+    path = Path(source).resolve()
+    if path.is_dir():
+        # Hidden entries (.git, .cache, editor files) are not corpus text; skipping them also keeps
+        # a cache_dir inside the folder from changing the folder's own hash on every call.
+        docs = _walk(path, keep=lambda name: not _is_hidden(name), prune=_is_hidden)
+    elif path.is_file():
+        docs = [(path.name, path, path.stat())]
+    else:
+        raise ValueError(f"data.source={source!r}: no such file or folder; {_VALID_SOURCES}")
+    key = [TOKENISER_VERSION, str(path), [(rel, st.st_size, st.st_mtime_ns) for rel, _, st in docs]]
+    label = "text-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name)[:40]
+    return _cached_tokens(docs, label, key, cache_dir, source, skip_binary=True)
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Split the stream into (train head, validation tail); both are views of ``tokens``, not copies.
+
+    A contiguous tail (rather than random windows) keeps validation text unseen by training even
+    across window boundaries. Whether each part fits one sequence is checked by the samplers.
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
+    num_val = int(len(tokens) * val_fraction)  # < len(tokens) as val_fraction < 1: train is never empty
+    if num_val == 0:
+        raise ValueError(
+            f"data.val_fraction={val_fraction} of {len(tokens)} tokens leaves no validation tokens; "
+            "use a larger corpus or a larger val_fraction"
+        )
+    return tokens[:-num_val], tokens[-num_val:]
+
+
+class TokenSampler:
+    """Random training windows, the same for any data-parallel layout, resumable from a tiny state.
+
+    Sample ``g`` (numbered globally across epochs) is window ``perm_e[g % W]`` of epoch
+    ``e = g // W``, where ``W`` is the number of windows and ``perm_e`` a permutation drawn from
+    ``default_rng((seed, e))``. A window is ``seq_len + 1`` tokens starting at a multiple of
+    ``seq_len``, so inputs never overlap and each window yields inputs and next-token targets.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+        _check_layout(seq_len, dp_rank, dp_size)
+        if seed < 0:
+            raise ValueError(f"train.seed={seed}: must be non-negative (it seeds numpy's SeedSequence)")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.num_windows = _num_windows(tokens, seq_len, "training")
+        self.samples_seen = 0
+        self._permutations: dict[int, np.ndarray] = {}
+
+    def next_batch(self, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the next global batch: (inputs, targets), both int64 ``[n, seq_len]``.
+
+        ``n = global_batch_size // dp_size``; rank r takes global samples ``[r*n, (r+1)*n)`` of the
+        batch. Every rank advances by the whole global batch, so ranks stay in step without talking.
+        """
+        local = _local_batch_size(global_batch_size, self.dp_size)
+        first = self.samples_seen + self.dp_rank * local
+        windows = self._window_indices(np.arange(first, first + local, dtype=np.int64))
+        self.samples_seen += global_batch_size
+        return _gather(self.tokens, windows, self.seq_len)
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: the order itself is recomputed from the seed."""
+        return {"samples_seen": self.samples_seen, "seed": self.seed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``; a different seed or seq_len would silently change the data order."""
+        for name in ("seed", "seq_len"):
+            saved, current = state.get(name), getattr(self, name)
+            if saved != current:
+                raise ValueError(
+                    f"sampler state {name}={saved} does not match this run's {name}={current}; "
+                    f"resume with the same {name} or start a fresh run"
+                )
+        if state["samples_seen"] < 0:
+            raise ValueError(f"sampler state samples_seen={state['samples_seen']}: must be non-negative")
+        self.samples_seen = int(state["samples_seen"])
+
+    def _window_indices(self, samples: np.ndarray) -> np.ndarray:
+        """Window index of each global sample number; a batch may straddle two epochs."""
+        epochs, positions = np.divmod(samples, self.num_windows)
+        windows = np.empty_like(samples)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            windows[mask] = self._permutation(int(epoch))[positions[mask]]
+        return windows
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._permutations:
+            # Only the current and next epoch are ever needed again; older ones would just hold memory.
+            self._permutations = {e: p for e, p in self._permutations.items() if e >= epoch - 1}
+            rng = np.random.default_rng((self.seed, epoch))
+            self._permutations[epoch] = rng.permutation(self.num_windows)
+        return self._permutations[epoch]
+
+
+def eval_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int, dp_rank: int = 0, dp_size: int = 1
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The same validation batches on every call: consecutive windows from the start of ``tokens``.
+
+    A fixed set makes validation losses comparable across steps and runs. ``batch_size`` is global
+    and split across ranks like :meth:`TokenSampler.next_batch`; a short split wraps around.
+    Arguments are checked here, before the first batch is asked for.
+    """
+    _check_layout(seq_len, dp_rank, dp_size)
+    local = _local_batch_size(batch_size, dp_size)
+    num_windows = _num_windows(tokens, seq_len, "validation")
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in range(num_batches):
+            first = batch * batch_size + dp_rank * local
+            yield _gather(tokens, np.arange(first, first + local, dtype=np.int64) % num_windows, seq_len)
+
+    return batches()
+
+
+def _gather(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read windows ``[n]`` into (inputs, targets) ``[n, seq_len]`` with one fancy-indexed memmap read."""
+    offsets = windows[:, None] * seq_len + np.arange(seq_len + 1)
+    batch = torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+def _num_windows(tokens: np.ndarray, seq_len: int, split: str) -> int:
+    # Window i spans tokens [i*seq_len, i*seq_len + seq_len], so it needs i*seq_len + seq_len < len.
+    if len(tokens) < seq_len + 1:
+        raise ValueError(
+            f"the {split} split has {len(tokens)} tokens, fewer than model.seq_len + 1 = {seq_len + 1}; "
+            "use a larger data.source, a smaller model.seq_len, or adjust data.val_fraction"
+        )
+    return (len(tokens) - 1) // seq_len
+
+
+def _check_layout(seq_len: int, dp_rank: int, dp_size: int) -> None:
+    if seq_len < 1:
+        raise ValueError(f"model.seq_len={seq_len}: must be at least 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} with dp_size={dp_size}: rank must be in [0, dp_size)")
+
+
+def _local_batch_size(global_batch_size: int, dp_size: int) -> int:
+    if global_batch_size < 1 or global_batch_size % dp_size:
+        raise ValueError(
+            f"train.global_batch_size={global_batch_size}: must be a positive multiple of the "
+            f"data-parallel size {dp_size}"
+        )
+    return global_batch_size // dp_size
+
+
+def _is_hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def _walk(root: Path, keep: Callable[[str], bool], prune: Callable[[str], bool]) -> list[_Document]:
+    """Regular files under ``root`` whose name passes ``keep``, sorted by relative posix path.
+
+    Sorting by the relative path string (not walk order, which depends on the file system) makes
+    the corpus, and so the token stream, identical on every machine with the same files.
+    """
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [name for name in dirnames if not prune(name)]
+        for name in filenames:
+            path = Path(dirpath, name)
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            if keep(name) and stat.S_ISREG(st.st_mode):
+                found.append((path.relative_to(root).as_posix(), path, st))
+    return sorted(found, key=lambda doc: doc[0])
+
+
+def _cached_tokens(
+    docs: list[_Document], label: str, key: list, cache_dir: str | Path, source: str, skip_binary: bool
+) -> np.memmap:
+    """Map the cached tokens for ``key``, tokenising ``docs`` first if no cache exists yet."""
+    cache_dir = Path(cache_dir)
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    cache_file = cache_dir / f"{label}-{digest}.bin"
+    if not cache_file.exists():
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(
+                f"data.cache_dir={str(cache_dir)!r}: cannot create it ({error}); use a writable folder"
+            ) from error
+        if _write_tokens(cache_file, [path for _, path, _ in docs], skip_binary) == 0:
+            raise ValueError(
+                f"data.source={source!r}: no readable text in {len(docs)} candidate files; {_VALID_SOURCES}"
+            )
+    return _map_uint16(cache_file, source)
+
+
+def _write_tokens(dest: Path, paths: list[Path], skip_binary: bool) -> int:
+    """Tokenise ``paths`` into ``dest`` atomically; return the token count (0: nothing written).
+
+    Writing a temp file in the same folder, fsyncing it and renaming it over ``dest`` means a crash
+    never leaves a half-written cache, and ranks building the same cache at once cannot corrupt it.
+    Files are streamed in chunks so a corpus larger than memory still tokenises.
+    """
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o644)  # mkstemp makes it private; a shared cache must be readable by every user's ranks
+    tokens = 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for path in paths:
+                doc_start = out.tell()
+                try:
+                    with open(path, "rb") as doc:
+                        chunk = doc.read(CHUNK_BYTES)
+                        if skip_binary and b"\0" in chunk[:BINARY_SNIFF_BYTES]:
+                            continue
+                        while chunk:
+                            out.write(_bytes_to_tokens(chunk))
+                            chunk = doc.read(CHUNK_BYTES)
+                except OSError:
+                    # Unreadable (permissions, vanished mid-walk): drop the whole document, not half.
+                    out.seek(doc_start)
+                    out.truncate()
+                    continue
+                out.write(_bytes_to_tokens(DOCUMENT_SEPARATOR))
+            tokens = out.tell() // 2
+            out.flush()
+            os.fsync(out.fileno())
+        if tokens:
+            os.replace(tmp_name, dest)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return tokens
+
+
+def _bytes_to_tokens(data: bytes) -> np.ndarray:
+    """Byte-level tokenisation: each byte is one token, widened to the uint16 cache format."""
+    return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+
+
+def _map_uint16(path: Path, source: str) -> np.memmap:
+    """Memory-map a raw uint16 token file read-only, after checking it can be one."""
+    if not path.is_file():
+        raise ValueError(f"data.source={source!r}: no such file or folder; {_VALID_SOURCES}")
+    size = path.stat().st_size
+    if size == 0 or size % 2:
+        raise ValueError(
+            f"data.source={source!r}: {path} has {size} bytes; a token file must be non-empty uint16 "
+            f"(an even number of bytes); {_VALID_SOURCES}"
+        )
+    return np.memmap(path, dtype=np.uint16, mode="r")

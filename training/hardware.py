@@ -1,0 +1,64 @@
+"""What this hardware does well: which precision to train in, and its matmul peak for MFU."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), FLOP/s.
+GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+# bf16 must beat fp32 by this much to be worth its rounding on a CPU.
+BF16_SPEEDUP_THRESHOLD = 1.5
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    precision: str  # "fp32" or "bf16"
+    reason: str
+    peak_flops: float  # FLOP/s of dense matmuls in that precision, for MFU
+    peak_source: str  # "datasheet" or "measured"
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.15) -> float:
+    """Sustained FLOP/s of a square matmul on this device: the CPU's practical peak."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b  # warm-up: oneDNN picks and JIT-compiles its kernel on the first call
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or runs < 2:
+        a @ b
+        runs += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2.0 * size**3 * runs / (time.perf_counter() - start)
+
+
+def choose_precision(requested: str, device: torch.device) -> PrecisionChoice:
+    """Resolve ``train.precision``: ``auto`` picks bf16 where bf16 matmuls are clearly faster.
+
+    On GPUs that is every bf16-capable one (Ampere and newer). On CPUs we measure,
+    because it depends on AMX / AVX-512-BF16 and on the oneDNN build: a CPU without
+    them emulates bf16 and runs it slower than fp32.
+    """
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        bf16_ok = torch.cuda.is_bf16_supported()
+        precision = requested if requested != "auto" else ("bf16" if bf16_ok else "fp32")
+        peak = next((flops for key, flops in GPU_BF16_PEAK.items() if key in name), None)
+        if peak is not None and precision == "bf16":
+            return PrecisionChoice(precision, f"{name}: bf16 tensor cores", peak, "datasheet")
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        return PrecisionChoice(precision, name, measure_matmul_flops(device, dtype, size=4096), "measured")
+
+    fp32 = measure_matmul_flops(device, torch.float32)
+    bf16 = measure_matmul_flops(device, torch.bfloat16)
+    speedup = bf16 / fp32
+    if requested == "auto":
+        precision = "bf16" if speedup >= BF16_SPEEDUP_THRESHOLD else "fp32"
+        reason = f"auto: bf16 matmuls run {speedup:.1f}x fp32 here (threshold {BF16_SPEEDUP_THRESHOLD}x)"
+    else:
+        precision, reason = requested, f"requested (bf16 matmuls run {speedup:.1f}x fp32 here)"
+    return PrecisionChoice(precision, reason, bf16 if precision == "bf16" else fp32, "measured")

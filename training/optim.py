@@ -1,0 +1,41 @@
+"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from training.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over two groups: matrices (and expert stacks) decay, vectors (norm gains) do not.
+
+    Decaying norm gains pulls them toward zero, which only fights the normalisation
+    (the convention of GPT-3 and nanoGPT). ``foreach`` keeps the step to a few fused
+    kernels per group instead of one per parameter.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """LR for optimizer step ``step`` (1-based): linear warmup, then cosine decay to ``lr * min_lr_ratio``.
+
+    A run shorter than its warmup simply warms up for all its steps.
+    """
+    warmup = min(config.warmup_steps, config.steps)
+    if step <= warmup:
+        return config.lr * step / warmup
+    progress = (step - warmup) / max(1, config.steps - warmup)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    floor = config.lr * config.min_lr_ratio
+    return floor + (config.lr - floor) * cosine
