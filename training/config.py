@@ -47,7 +47,8 @@ class ParallelConfig:
 class DataConfig:
     """Where the training text comes from and how it is split."""
 
-    source: str = "stdlib"  # "stdlib" (the running Python's standard library sources), a text file or folder, or a uint16 .bin
+    # "stdlib" (the running Python's standard-library sources), a text file or folder, or a uint16 .bin
+    source: str = "stdlib"
     val_fraction: float = 0.005  # held-out tail of the token stream used for validation
     cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
 

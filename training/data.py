@@ -164,20 +164,26 @@ class TokenSampler:
 def eval_batches(
     tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int, dp_rank: int = 0, dp_size: int = 1
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The same validation batches on every call: consecutive windows from the start of ``tokens``.
+    """The same validation batches on every call: windows spread evenly over the whole split.
 
-    A fixed set makes validation losses comparable across steps and runs. ``batch_size`` is global
-    and split across ranks like :meth:`TokenSampler.next_batch`; a short split wraps around.
-    Arguments are checked here, before the first batch is asked for.
+    A fixed set makes validation losses comparable across steps and runs; spreading it
+    (window ``i * W // n`` of ``W`` for the ``n`` needed) samples every part of the
+    held-out text rather than whichever file happens to open it. When the split holds
+    fewer windows than needed, they repeat in order. ``batch_size`` is global and split
+    across ranks like :meth:`TokenSampler.next_batch`. Arguments are checked here,
+    before the first batch is asked for.
     """
     _check_layout(seq_len, dp_rank, dp_size)
     local = _local_batch_size(batch_size, dp_size)
     num_windows = _num_windows(tokens, seq_len, "validation")
+    needed = batch_size * num_batches
+    sample = np.arange(needed, dtype=np.int64)
+    windows = sample * num_windows // needed if needed <= num_windows else sample % num_windows
 
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for batch in range(num_batches):
             first = batch * batch_size + dp_rank * local
-            yield _gather(tokens, np.arange(first, first + local, dtype=np.int64) % num_windows, seq_len)
+            yield _gather(tokens, windows[first:first + local], seq_len)
 
     return batches()
 

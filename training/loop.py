@@ -177,7 +177,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime) -> dict[str, float
                                      f"Try a lower train.lr (now {config.train.lr}) or train.grad_clip")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        for i, layer in model.moe_layers().items():
+        for layer in model.moe_layers().values():
             layer.router.update_bias(layer.last_stats.tokens_per_expert)
 
         interval.steps += 1

@@ -122,7 +122,8 @@ def test_balancing_gradients_reach_the_gate_without_the_caller():
     from moe.layer import MoELayer
 
     torch.manual_seed(1)
-    config = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, capacity_factor=None, aux_loss_coef=0.5, z_loss_coef=0.1)
+    config = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, capacity_factor=None,
+                       aux_loss_coef=0.5, z_loss_coef=0.1)
     layer = MoELayer(6, config)
     layer.init_weights(0.5, 0.5)
     x = torch.randn(2, 5, 6)

@@ -287,7 +287,7 @@ def test_sampler_rejects_a_split_shorter_than_one_window():
     assert TokenSampler(STREAM[: SEQ + 1], SEQ, seed=0).num_windows == 1
 
 
-def test_eval_batches_are_fixed_consecutive_windows_that_wrap():
+def test_eval_batches_are_fixed_windows_that_wrap_on_a_short_split():
     val = STREAM[: 5 * SEQ + 3]  # 5 windows
     batches = list(eval_batches(val, SEQ, batch_size=4, num_batches=3))
     assert [starts_of(inputs) for inputs, _ in batches] == [
@@ -302,6 +302,12 @@ def test_eval_batches_are_fixed_consecutive_windows_that_wrap():
     per_rank = [list(eval_batches(val, SEQ, 4, 3, dp_rank=r, dp_size=2)) for r in range(2)]
     for b, (inputs, _) in enumerate(batches):
         assert torch.equal(torch.cat([per_rank[0][b][0], per_rank[1][b][0]]), inputs)
+
+
+def test_eval_batches_spread_over_the_whole_split():
+    val = STREAM[: 20 * SEQ + 1]  # 20 windows, 4 needed: every fifth
+    batches = list(eval_batches(val, SEQ, batch_size=2, num_batches=2))
+    assert [starts_of(inputs) for inputs, _ in batches] == [[0, 5 * SEQ], [10 * SEQ, 15 * SEQ]]
 
 
 def test_eval_batches_checks_arguments_before_iteration():

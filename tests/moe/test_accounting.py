@@ -1,0 +1,51 @@
+"""Parameter counts from the config equal the built model's; published shapes come out at their published sizes."""
+
+import pytest
+
+from moe.accounting import parameter_counts, training_flops_per_token
+from moe.config import ModelConfig, MoEConfig
+from moe.transformer import MoETransformer
+from training.config import load_config
+
+SMALL = [
+    (ModelConfig(d_model=32, n_layers=3, n_heads=4, seq_len=16, ffn_hidden=48), MoEConfig(expert_hidden=24)),
+    (ModelConfig(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=16, ffn_hidden=48, moe_every=2,
+                 first_moe_layer=1, tie_embeddings=True),
+     MoEConfig(num_experts=6, top_k=3, expert_hidden=16, num_shared_experts=2, activation="gelu")),
+    (ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16, ffn_hidden=48, moe_every=0), MoEConfig()),
+]
+
+
+@pytest.mark.parametrize("model_config, moe_config", SMALL)
+def test_counts_match_the_built_model(model_config, moe_config):
+    model = MoETransformer(model_config, moe_config)
+    counts = parameter_counts(model_config, moe_config)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    routed = sum(layer.experts.w_in.numel() + layer.experts.w_out.numel()
+                 + (layer.experts.w_gate.numel() if layer.experts.w_gate is not None else 0)
+                 for layer in model.moe_layers().values())
+    assert counts.routed_experts == routed
+    per_expert = routed // max(1, len(model.moe_layers()) * moe_config.num_experts)
+    inactive = len(model.moe_layers()) * (moe_config.num_experts - moe_config.top_k) * per_expert
+    assert counts.active == counts.total - inactive
+
+
+def test_mixtral_shape_has_its_published_size():
+    config = load_config("mixtral-8x7b")
+    counts = parameter_counts(config.model, config.moe)
+    assert counts.total / 1e9 == pytest.approx(46.7, abs=0.1)  # "47B total" (Jiang et al. 2024)
+    assert counts.active / 1e9 == pytest.approx(12.9, abs=0.1)  # "13B active"
+
+
+def test_flops_per_token_hand_formula():
+    model_config, moe_config = SMALL[0]
+    counts = parameter_counts(model_config, moe_config)
+    expected = 6 * (counts.active - 256 * 32) + 12 * 3 * 32 * 16
+    assert training_flops_per_token(model_config, moe_config) == expected
+
+
+def test_a_dense_model_has_no_inactive_parameters():
+    model_config, moe_config = SMALL[2]
+    counts = parameter_counts(model_config, moe_config)
+    assert counts.active == counts.total and counts.routed_experts == 0
+    assert not MoETransformer(model_config, moe_config).moe_layers()
