@@ -18,7 +18,7 @@ from pathlib import Path
 from moe.config import ConfigError
 from parallel.runtime import init_runtime, shutdown_runtime
 from training.config import load_config
-from training.loop import train
+from training.loop import NonFiniteLossError, train
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -117,6 +117,35 @@ def evaluate(model: MoETransformer, val_tokens, config: RunConfig, micro: int, a
     return sum(losses) / len(losses)
 
 
+def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+               micro: int, grad_clip: float, autocast, interval: IntervalStats) -> tuple[float, float]:
+    """One optimizer step over this rank's batch in micro-batches; returns (mean LM loss, gradient norm).
+
+    The step is skipped (no update) when the loss or gradient norm is not finite, so
+    bad values never reach the weights; the caller decides what to do about it.
+    """
+    device = next(model.parameters()).device
+    accumulation = inputs.shape[0] // micro
+    step_loss, step_load = 0.0, {}
+    for m in range(accumulation):
+        x = inputs[m * micro:(m + 1) * micro].to(device)
+        y = targets[m * micro:(m + 1) * micro].to(device)
+        with autocast():
+            loss = lm_loss(model(x), y)
+        (loss / accumulation).backward()
+        step_loss += loss.item() / accumulation
+        interval.add_routing(model)
+        for i, stats in model.routing_stats().items():
+            step_load[i] = step_load.get(i, 0) + stats.tokens_per_expert
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf))
+    if math.isfinite(step_loss) and math.isfinite(grad_norm):
+        optimizer.step()
+        for i, layer in model.moe_layers().items():
+            layer.router.update_bias(step_load[i])  # aux-loss-free balancing, from the whole step's load
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm
+
+
 def train(config: RunConfig, run_dir: Path, runtime: Runtime) -> dict[str, float]:
     """Train ``config`` in ``run_dir``; returns the final summary."""
     if runtime.world_size > 1:
@@ -160,25 +189,12 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime) -> dict[str, float
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
-        step_loss = 0.0
-        for m in range(accumulation):
-            x = inputs[m * micro:(m + 1) * micro].to(device)
-            y = targets[m * micro:(m + 1) * micro].to(device)
-            with autocast():
-                loss = lm_loss(model(x), y)
-            (loss / accumulation).backward()
-            step_loss += loss.item() / accumulation
-            interval.add_routing(model)
-        clip = config.train.grad_clip if config.train.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
+                                          autocast, interval)
         if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             logger.close()
             raise NonFiniteLossError(f"step {step}: loss {step_loss}, gradient norm {grad_norm}; stopping. "
                                      f"Try a lower train.lr (now {config.train.lr}) or train.grad_clip")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for layer in model.moe_layers().values():
-            layer.router.update_bias(layer.last_stats.tokens_per_expert)
 
         interval.steps += 1
         interval.tokens += tokens_per_step

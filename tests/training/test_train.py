@@ -1,5 +1,6 @@
 """End to end: train.py learns real text, writes its run directory, and fails cleanly on bad input."""
 
+import contextlib
 import json
 import math
 import subprocess
@@ -7,10 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import train
+from moe.transformer import MoETransformer
+from training.config import load_config
+from training.loop import IntervalStats, train_step
 from training.metrics import read_metrics
+from training.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,3 +93,47 @@ def test_errors_exit_non_zero_with_the_message_on_stderr(args, message, tmp_path
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_a_diverging_run_stops_with_a_clear_message(tmp_path):
+    command = [sys.executable, "train.py", "--run-dir", str(tmp_path / "r"), "--set", *TINY, "train.steps=20",
+               "train.lr=1e30", "train.warmup_steps=0", "train.eval_interval=0"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3
+    assert "gradient norm" in result.stderr and "train.lr" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_aux_loss_free_bias_follows_the_whole_steps_load():
+    """The bias update uses the load summed over every micro-batch of the step, not just the last one."""
+    rate = 0.01
+    config = load_config("moe-8x", [*TINY, "moe.aux_loss_coef=0", f"moe.bias_update_rate={rate}"])
+    torch.manual_seed(0)
+    model = MoETransformer(config.model, config.moe)
+    inputs = torch.randint(0, 256, (8, 64))
+    inputs[:4] = 32  # all spaces: every token of the first micro-batch routes alike, unlike the second
+    with torch.no_grad():  # the load each micro-batch will produce, before any update
+        loads = []
+        for half in (inputs[:4], inputs[4:]):
+            model(half)
+            loads.append(model.moe_layers()[0].last_stats.tokens_per_expert.float())
+    step_load = loads[0] + loads[1]
+    expected = rate * torch.sign(step_load.mean() - step_load)
+
+    train_step(model, build_optimizer(model, config.train), inputs, inputs, 4, 1.0, contextlib.nullcontext,
+               IntervalStats())
+    torch.testing.assert_close(model.moe_layers()[0].router.expert_bias, expected)
+    assert not torch.equal(torch.sign(loads[1].mean() - loads[1]), torch.sign(step_load.mean() - step_load))
+
+
+def test_training_with_aux_loss_free_balancing_runs(tmp_path):
+    assert train.main(["--run-dir", str(tmp_path / "r"), "--set", *TINY, "train.steps=4", "train.eval_interval=0",
+                       "moe.aux_loss_coef=0", "moe.bias_update_rate=0.001"]) == 0
+
+
+def test_torchrun_single_process(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               "train.py", "--run-dir", str(tmp_path / "r"), "--set", *TINY, "train.steps=3", "train.eval_interval=0"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "train/loss" in r] == [3]
