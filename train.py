@@ -12,10 +12,14 @@ message goes to stderr and the status is non-zero.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from moe.config import ConfigError
+from parallel import check_supported
+from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.runtime import init_runtime, shutdown_runtime
 from training.config import load_config
 from training.loop import NonFiniteLossError, train
@@ -33,11 +37,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        config = load_config(args.config, args.overrides)  # validated before any process group or tensor
+        # everything is validated before any process group or tensor exists
+        config = load_config(args.config, args.overrides)
+        layout = Layout.resolve(int(os.environ.get("WORLD_SIZE", 1)), **asdict(config.parallel))
+        validate_for_model(layout, config.model, config.moe)
+        check_supported(layout)
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
         try:
-            train(config, run_dir, runtime)
+            groups = ParallelGroups.build(layout, runtime.device.type)
+            if runtime.is_main and layout.world_size > 1:
+                print(groups.describe(), file=sys.stderr)
+            train(config, run_dir, runtime, groups)
         finally:
             shutdown_runtime()
     except (ConfigError, ValueError, FileNotFoundError) as exc:

@@ -27,7 +27,10 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass
 class ParallelConfig:
-    """Degrees of the parallel dimensions. Their product must equal the world size."""
+    """Degrees of the parallel dimensions; the dense ones multiply to the world size.
+
+    One degree may be -1: whatever is left. Expert parallelism folds over dp_shard * tp.
+    """
 
     pp: int = 1
     dp_replicate: int = 1
@@ -37,10 +40,10 @@ class ParallelConfig:
     etp: int = 1
 
     def validate(self) -> None:
-        for name in ("pp", "dp_replicate", "tp", "ep", "etp"):
-            _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        _require(self.dp_shard == -1 or self.dp_shard >= 1,
-                 f"parallel.dp_shard must be >= 1 or -1 (the rest), got {self.dp_shard}")
+        """Per-key checks; the layout as a whole is checked against the world size by ``parallel.groups``."""
+        for name in ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp"):
+            value = getattr(self, name)
+            _require(value >= 1 or value == -1, f"parallel.{name} must be >= 1, or -1 for the rest; got {value}")
 
 
 @dataclass

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
+from torch.distributed.tensor import DTensor
 
 from moe.accounting import parameter_counts, training_flops_per_token
 from moe.config import ConfigError
 from moe.transformer import MoETransformer
+from parallel import parallelize
+from parallel.groups import ParallelGroups
 from parallel.runtime import Runtime
 from training.config import RunConfig
 from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
@@ -38,6 +43,13 @@ class NonFiniteLossError(RuntimeError):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy: logits [B, S, V], targets [B, S]."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce over ``group``; the identity when there is no group (one data-parallel rank)."""
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
 
 
 @dataclass
@@ -69,24 +81,38 @@ class IntervalStats:
             self.z_loss += sum(float(s.z_loss) for s in stats.values()) / len(stats)
         self.micro_batches += 1
 
-    def record(self) -> dict[str, float | list[float]]:
-        """Interval means: losses per step, routing per micro-batch, router load as fractions."""
+    def record(self, dp_group: dist.ProcessGroup | None = None) -> dict[str, float | list[float]]:
+        """Interval means: losses per step, routing per micro-batch, router load as fractions.
+
+        Routing figures are summed over the data-parallel ranks first, so they describe the
+        global batch (a collective: every data-parallel rank must call this).
+        """
         elapsed = time.perf_counter() - self.started
+        layers = sorted(self.load)
+        dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        scalars = torch.tensor([self.aux_loss, self.z_loss] + [self.dropped[i] for i in layers]
+                               + [self.entropy[i] for i in layers], dtype=torch.float64)
+        scalars = all_reduce(scalars, dp_group)
+        loads = all_reduce(torch.stack([self.load[i] for i in layers]).double(), dp_group) if layers else None
+        micro_batches = max(1, self.micro_batches) * dp_size
         out: dict[str, float | list[float]] = {
             "train/loss": self.lm_loss / self.steps,
             "train/lm_loss": self.lm_loss / self.steps,
-            "train/aux_loss": self.aux_loss / max(1, self.micro_batches),
-            "train/z_loss": self.z_loss / max(1, self.micro_batches),
+            "train/aux_loss": float(scalars[0]) / micro_batches,
+            "train/z_loss": float(scalars[1]) / micro_batches,
             "perf/tokens_per_s": self.tokens / elapsed,
         }
-        if self.load:
-            out["train/dropped_frac"] = sum(self.dropped.values()) / sum(self.assignments.values())
-        for i, load in self.load.items():
-            fraction = load.double() / load.sum()
+        if layers:
+            dropped = scalars[2:2 + len(layers)]
+            entropy = scalars[2 + len(layers):]
+            assignments = [self.assignments[i] * dp_size for i in layers]
+            out["train/dropped_frac"] = float(dropped.sum()) / sum(assignments)
+        for n, i in enumerate(layers):
+            fraction = loads[n] / loads[n].sum()
             out[f"router/layer{i}/load"] = fraction.tolist()
             out[f"router/layer{i}/imbalance"] = float(fraction.max() / fraction.mean())
-            out[f"router/layer{i}/dropped"] = self.dropped[i] / self.assignments[i]
-            out[f"router/layer{i}/entropy"] = self.entropy[i] / self.micro_batches
+            out[f"router/layer{i}/dropped"] = float(dropped[n]) / assignments[n]
+            out[f"router/layer{i}/entropy"] = float(entropy[n]) / micro_batches
         return out
 
 
@@ -105,64 +131,80 @@ def micro_batching(config: RunConfig, dp_size: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate(model: MoETransformer, val_tokens, config: RunConfig, micro: int, autocast) -> float:
-    """Mean LM loss over the fixed validation batches."""
+def evaluate(model: MoETransformer, val_tokens, config: RunConfig, micro: int, autocast,
+             dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None) -> float:
+    """Mean LM loss over the fixed validation batches, each split across the data-parallel ranks."""
     model.eval()
-    losses = []
-    for inputs, targets in eval_batches(val_tokens, config.model.seq_len, micro, config.train.eval_batches):
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64)
+    batches = eval_batches(val_tokens, config.model.seq_len, micro * dp_size, config.train.eval_batches,
+                           dp_rank, dp_size)
+    for inputs, targets in batches:
         with autocast():
-            losses.append(lm_loss(model(inputs.to(next(model.parameters()).device)),
-                                  targets.to(next(model.parameters()).device)).item())
+            total += lm_loss(model(inputs.to(device)), targets.to(device)).double().cpu()
     model.train()
-    return sum(losses) / len(losses)
+    return float(all_reduce(total, dp_group)) / (config.train.eval_batches * dp_size)
 
 
 def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-               micro: int, grad_clip: float, autocast, interval: IntervalStats) -> tuple[float, float]:
-    """One optimizer step over this rank's batch in micro-batches; returns (mean LM loss, gradient norm).
+               micro: int, grad_clip: float, autocast, interval: IntervalStats,
+               dp_group: dist.ProcessGroup | None = None) -> tuple[float, float]:
+    """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
 
     The step is skipped (no update) when the loss or gradient norm is not finite, so
-    bad values never reach the weights; the caller decides what to do about it.
+    bad values never reach the weights; every rank sees the same reduced values and so
+    takes the same decision. The caller decides what to do about it.
     """
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
-    step_loss, step_load = 0.0, {}
+    step_loss, step_load = torch.zeros((), dtype=torch.float64), {}
     for m in range(accumulation):
         x = inputs[m * micro:(m + 1) * micro].to(device)
         y = targets[m * micro:(m + 1) * micro].to(device)
         with autocast():
             loss = lm_loss(model(x), y)
         (loss / accumulation).backward()
-        step_loss += loss.item() / accumulation
+        step_loss += loss.detach().double().cpu() / accumulation
         interval.add_routing(model)
         for i, stats in model.routing_stats().items():
             step_load[i] = step_load.get(i, 0) + stats.tokens_per_expert
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    step_loss = float(all_reduce(step_loss, dp_group)) / dp_size
+    grad_norm = float(grad_norm)
     if math.isfinite(step_loss) and math.isfinite(grad_norm):
         optimizer.step()
         for i, layer in model.moe_layers().items():
-            layer.router.update_bias(step_load[i])  # aux-loss-free balancing, from the whole step's load
+            # aux-loss-free balancing from the whole step's load over all data-parallel ranks
+            layer.router.update_bias(all_reduce(step_load[i], dp_group))
     optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
 
 
-def train(config: RunConfig, run_dir: Path, runtime: Runtime) -> dict[str, float]:
-    """Train ``config`` in ``run_dir``; returns the final summary."""
-    if runtime.world_size > 1:
-        raise ConfigError(f"this version trains in one process; got a world of {runtime.world_size} ranks. "
-                          "Run `python train.py` or `torchrun --nproc-per-node 1 train.py`")
+@dataclass
+class RunResult:
+    summary: dict[str, float]
+    model: MoETransformer  # the trained model, parallelized as it was trained
+
+
+def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups) -> RunResult:
+    """Train ``config`` in ``run_dir`` under ``groups``' layout."""
     device = runtime.device
-    micro, accumulation = micro_batching(config, dp_size=1)
-    torch.manual_seed(config.train.seed)
+    dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
+    dp_group = groups.group("dp") if dp_size > 1 else None
+    micro, accumulation = micro_batching(config, dp_size)
     precision = choose_precision(config.train.precision, device)
     autocast = lambda: (torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
                         if precision.precision == "bf16" else contextlib.nullcontext())
 
     tokens = load_tokens(config.data.source, config.data.cache_dir)
     train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction)
-    sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed)
+    sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
 
-    model = MoETransformer(config.model, config.moe).to(device)
+    torch.manual_seed(config.train.seed)  # every rank builds the same full model, then keeps its shards
+    model = parallelize(MoETransformer(config.model, config.moe).to(device), groups)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
     counts = parameter_counts(config.model, config.moe)
@@ -178,10 +220,12 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime) -> dict[str, float
     say(f"run '{config.name}' in {run_dir}: {counts.total / 1e6:.2f}M parameters, {counts.active / 1e6:.2f}M active; "
         f"{config.model.n_moe_layers} MoE layers of {config.moe.num_experts} experts, top-{config.moe.top_k}")
     say(f"data: {config.data.source} ({len(train_tokens):,} train / {len(val_tokens):,} val tokens); "
-        f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens, {accumulation} micro-batch(es)")
+        f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {dp_size} rank(s) x "
+        f"{accumulation} micro-batch(es) of {micro}")
     say(f"precision: {precision.precision} on {device} ({precision.reason})")
 
-    progress = Progress(config.train.steps, config.logging.progress)
+    progress = Progress(config.train.steps, config.logging.progress,
+                        stream=sys.stderr if runtime.is_main else open(os.devnull, "w"))  # noqa: SIM115
     interval, start, total_tokens = IntervalStats(), time.perf_counter(), 0
     summary: dict[str, float] = {}
     for step in range(1, config.train.steps + 1):
@@ -190,7 +234,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime) -> dict[str, float
             group["lr"] = lr
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
-                                          autocast, interval)
+                                          autocast, interval, dp_group)
         if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             logger.close()
             raise NonFiniteLossError(f"step {step}: loss {step_loss}, gradient norm {grad_norm}; stopping. "
@@ -202,7 +246,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime) -> dict[str, float
         total_tokens += tokens_per_step
         progress.tick(step)
         if step % config.logging.log_interval == 0 or step == config.train.steps:
-            record = interval.record()
+            record = interval.record(dp_group)
             record.update({"train/lr": lr, "train/grad_norm": grad_norm,
                            "perf/mfu": record["perf/tokens_per_s"] * flops_per_token / precision.peak_flops})
             logger.log(step, record)
@@ -210,11 +254,11 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime) -> dict[str, float
             summary["train/loss"] = record["train/loss"]
             interval = IntervalStats()
         if config.train.eval_interval and step % config.train.eval_interval == 0 and step != config.train.steps:
-            val = evaluate(model, val_tokens, config, micro, autocast)
+            val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
             logger.log(step, {"val/loss": val})
             progress.message(f"step {step}: val loss {val:.4f}")
 
-    val = evaluate(model, val_tokens, config, micro, autocast)
+    val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
     logger.log(config.train.steps, {"val/loss": val})
     elapsed = time.perf_counter() - start
     summary.update({"val/loss": val, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,
@@ -222,4 +266,4 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime) -> dict[str, float
     logger.summary(summary)
     logger.close()
     progress.close(summary)
-    return summary
+    return RunResult(summary, model)

@@ -1,0 +1,73 @@
+"""Run the same training under a parallel layout and under one process, and collect what to compare.
+
+A layout run spawns ``world_size`` gloo processes on this CPU; rank 0 writes the metrics and the
+gathered final parameters. The reference runs in this process. Both use ``training.loop.train``,
+the code ``train.py`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from parallel.groups import Layout, ParallelGroups
+from parallel.runtime import Runtime, init_runtime, shutdown_runtime
+from training.config import load_config
+from training.loop import train
+from training.metrics import read_metrics
+
+# A tiny MoE (fp32, 2 MoE layers, 4 experts top-2) whose steps take milliseconds.
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_len=32", "model.ffn_hidden=64",
+        "moe.num_experts=4", "moe.expert_hidden=32", "train.global_batch_size=8",
+        "train.warmup_steps=2", "train.lr=1e-2", "train.precision=fp32", "train.eval_interval=0",
+        "train.eval_batches=2", "logging.wandb=disabled", "logging.log_interval=1", "logging.progress=lines"]
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full tensor (gathering shards: a collective)."""
+    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+            for name, value in model.state_dict().items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, overrides: list[str], run_dir: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    config = load_config("moe-8x", overrides)
+    runtime = init_runtime()
+    try:
+        groups = ParallelGroups.build(Layout.resolve(world_size, **asdict(config.parallel)), "cpu")
+        result = train(config, Path(run_dir), runtime, groups)
+        state = full_state(result.model)
+        if rank == 0:
+            torch.save(state, out)
+    finally:
+        shutdown_runtime()
+
+
+def run(overrides: list[str], world_size: int, run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Train with ``overrides`` on ``world_size`` processes (1: in this process); (metric records, final state)."""
+    overrides = [*TINY, *overrides]
+    if world_size == 1:
+        config = load_config("moe-8x", overrides)
+        groups = ParallelGroups.build(Layout.resolve(1, **asdict(config.parallel)), "cpu")
+        result = train(config, run_dir, Runtime(0, 1, 0, torch.device("cpu")), groups)
+        state = full_state(result.model)
+    else:
+        out = run_dir / "final_state.pt"
+        mp.spawn(_worker, args=(world_size, _free_port(), overrides, str(run_dir), str(out)), nprocs=world_size)
+        state = torch.load(out, weights_only=True)
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r]
+    return records, state
