@@ -24,6 +24,7 @@ class DispatchPlan:
 
     order: Tensor  # [N] assignment ids grouped by expert (expert-major); rows of the grouped tensor
     token_index: Tensor  # [N] the token each grouped row reads (order // k)
+    assignment_row: Tensor  # [T*k] the grouped row holding each assignment; N where it was dropped
     tokens_per_expert: Tensor  # [E] int64: kept assignments per expert (the grouped-GEMM group sizes)
     selected_per_expert: Tensor  # [E] int64: assignments the router made per expert, before any drop
     num_dropped: Tensor  # scalar int64: assignments beyond capacity
@@ -66,9 +67,13 @@ def plan_dispatch(
         order = order[keep]
         kept = selected.clamp(max=capacity)
         num_dropped = flat_ids.numel() - kept.sum()
+    num_kept = order.numel()
+    assignment_row = order.new_full((flat_ids.numel(),), num_kept)
+    assignment_row[order] = torch.arange(num_kept, device=order.device)
     return DispatchPlan(
         order=order,
         token_index=torch.div(order, top_k, rounding_mode="floor"),
+        assignment_row=assignment_row,
         tokens_per_expert=kept,
         selected_per_expert=selected,
         num_dropped=num_dropped,
@@ -81,15 +86,53 @@ def permute(x: Tensor, plan: DispatchPlan) -> Tensor:
 
 
 def unpermute_and_combine(expert_out: Tensor, plan: DispatchPlan, weights: Tensor) -> Tensor:
-    """Weighted sum of each token's expert outputs: [N, D] -> [T, D].
+    """Weighted sum of each token's expert outputs: [N, D] -> [T, D] in ``expert_out``'s dtype.
 
-    Results are written back to their assignment slots ([T*k, D], zero where dropped)
-    and reduced with one batched matmul, ``out[t] = sum_j weights[t, j] * slot[t, j]``.
-    This is deterministic (no scatter-add races on GPU) and gives the gradient of the
-    combine weights for free.
+    ``out[t] = sum_j weights[t, j] * expert_out[row of (t, j)]``, a dropped assignment
+    contributing exactly nothing (and receiving no gradient). See ``_WeightedCombine``.
     """
-    num_tokens, top_k = weights.shape
-    dim = expert_out.shape[-1]
-    slots = expert_out.new_zeros(num_tokens * top_k, dim).index_copy(0, plan.order, expert_out)
-    combined = torch.bmm(weights.to(expert_out.dtype).unsqueeze(1), slots.view(num_tokens, top_k, dim))
-    return combined.squeeze(1)
+    return _WeightedCombine.apply(expert_out, weights, plan.order, plan.token_index, plan.assignment_row)
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """The combine as one autograd node: in bf16 every pass over [N, D] shows.
+
+    Forward scales each grouped row by its weight, into a buffer with one extra zero
+    row that dropped assignments point at, then gathers each token's k rows and adds
+    them in choice order: a gather, not a scatter-add, so the sum is deterministic on
+    every device. Backward gathers the output gradient once per grouped row and
+    derives both gradients from it; the weight gradients are dot products over D
+    (accumulated in fp32 inside the reduction). Written with autograd ops, the same
+    maths needs a zero-filled [T*k, D] slot buffer, a batched matmul of k-row
+    matrices and their backward: two to three times the time on CPU.
+    """
+
+    @staticmethod
+    def forward(ctx, expert_out, weights, order, token_index, assignment_row):
+        num_tokens, top_k = weights.shape
+        num_rows, dim = expert_out.shape
+        grouped_weights = weights.reshape(-1).index_select(0, order).to(expert_out.dtype)  # [N]
+        scaled = expert_out.new_empty(num_rows + 1, dim)
+        torch.mul(expert_out, grouped_weights.unsqueeze(1), out=scaled[:num_rows])
+        scaled[num_rows] = 0  # what dropped assignments read
+        rows = assignment_row.view(num_tokens, top_k)
+        out = scaled.index_select(0, rows[:, 0])
+        for choice in range(1, top_k):
+            out += scaled.index_select(0, rows[:, choice])
+        ctx.save_for_backward(expert_out, grouped_weights, order, token_index)
+        ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        expert_out, grouped_weights, order, token_index = ctx.saved_tensors
+        grad_rows = grad_out.index_select(0, token_index)  # [N, D]: d out[t] for each grouped row
+        grad_expert_out = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            grad_expert_out = grad_rows * grouped_weights.unsqueeze(1)
+        if ctx.needs_input_grad[1]:
+            grad_grouped = grad_rows.mul_(expert_out).sum(-1).to(ctx.weights_dtype)  # [N]; grad_rows is spent
+            grad_weights = grad_grouped.new_zeros(ctx.weights_shape.numel())  # zero for dropped assignments
+            grad_weights = grad_weights.index_copy_(0, order, grad_grouped).view(ctx.weights_shape)
+        return grad_expert_out, grad_weights, None, None, None

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from moe.config import MoEConfig
 from moe.dispatch import expert_capacity, permute, plan_dispatch, unpermute_and_combine
-from moe.experts import FeedForward, GroupedExperts
+from moe.experts import FeedForward, GroupedExperts, compute_dtype
 from moe.losses import attach_loss, load_balancing_loss, z_loss
 from moe.router import TopKRouter
 
@@ -82,7 +82,10 @@ class MoELayer(nn.Module):
             capacity = expert_capacity(tokens.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
         plan = plan_dispatch(routed.expert_ids, routed.weights, cfg.num_experts, capacity, cfg.drop_policy)
 
-        grouped = permute(tokens, plan)
+        # Cast before gathering: the gather (and the all-to-all under expert parallelism)
+        # then moves compute-dtype rows, which the experts need anyway. As for any tensor
+        # autocast casts once and uses twice, a token's k gradients add in that dtype.
+        grouped = permute(tokens.to(compute_dtype(tokens)), plan)
         expert_out = self.experts(grouped, plan.tokens_per_expert)
         out = unpermute_and_combine(expert_out, plan, routed.weights)
         if self.shared_experts is not None:

@@ -1,0 +1,224 @@
+"""MoE layer overhead: forward + backward of ``MoELayer`` against its expert-math floor.
+
+What is measured. The standard layer (E=8 experts, top-2, d_model=512, SwiGLU
+experts of hidden 1024, 4096 tokens as [4, 1024, 512], 2 threads) runs forward
+and backward in fp32, and in bf16 mixed precision (``torch.autocast`` on CPU,
+fp32 master weights), dropless and with capacity factor 1.25. In the same
+process, interleaved step for step with it, runs the *floor*: the expert math
+alone, i.e. the three grouped GEMMs of the SwiGLU experts and the activation
+between them, forward and backward, on tokens that are already grouped, with the
+group sizes the layer really produced (the kept sizes, after drops, under a
+capacity factor). In bf16 the floor takes bf16 tokens and bf16 weights directly.
+The floor has no router, no permutation, no combine, no casts, no balancing
+losses and no statistics.
+
+Why. ``layer / floor`` is what routing, dispatch, combine, casts and the balancing
+losses cost on top of the expert math; the goal is at most 1.20 in both
+precisions. Absolute speed depends on the machine, the ratio much less. bf16 is
+the hard case: on CPUs with AVX512-BF16 its GEMMs are ~4x faster than fp32, so
+the memory-bound rest no longer hides behind them.
+
+Routing. ``random``: a freshly initialised router on Gaussian tokens, i.e. what
+that router really picks (nearly balanced). ``skewed``: the same router on tokens
+sharing a mean direction, as real residual streams do, which concentrates load the
+way a real router's is concentrated (max/mean around 1.7). ``balanced``:
+``MoEConfig.force_balance`` (round robin). The ``imbal`` column is max / mean
+assignments per expert as the router chose them (before drops); ``kept`` is the
+fraction of assignments the capacity left to the experts.
+
+Noise. On a shared machine a step can stall at any time. Each repeat runs a layer
+step and a floor step back to back (alternating which goes first); ``ratio`` is
+the median of the per-repeat ratios, the times are medians, and ``best`` is the
+fastest layer step over the fastest floor step, the estimate least disturbed by
+other processes. This is a measurement, never a pass/fail test.
+
+    python benchmarks/moe_layer.py [--repeats N] [--precision fp32|bf16|both] [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moe.config import MoEConfig
+from moe.dispatch import expert_capacity
+from moe.experts import grouped_matmul
+from moe.layer import MoELayer
+
+NUM_EXPERTS, TOP_K, D_MODEL, HIDDEN = 8, 2, 512, 1024
+BATCH, SEQ = 4, 1024  # 4096 tokens
+THREADS = 2
+ROUTINGS = ("random", "skewed", "balanced")
+CAPACITY_FACTORS = {"dropless": None, "cf1.25": 1.25}
+DEFAULT_REPEATS = {"fp32": 7, "bf16": 21}  # bf16 steps are ~4x cheaper and its ratio is the close one
+SKEW = 0.45  # size of the shared direction in ``skewed`` tokens, relative to their unit-variance noise
+
+
+@dataclass
+class Result:
+    precision: str
+    mode: str
+    routing: str
+    imbalance: float  # max / mean assignments per expert, as routed (before drops)
+    kept_fraction: float  # kept / routed assignments
+    layer_s: float  # median forward + backward of MoELayer
+    floor_s: float  # median forward + backward of the expert math alone
+    ratio: float  # median of per-repeat layer / floor
+    best_ratio: float  # fastest layer step / fastest floor step: the least disturbed estimate
+    tokens_per_s: float  # tokens / layer_s
+
+
+def make_layer(capacity_factor: float | None, routing: str) -> MoELayer:
+    config = MoEConfig(num_experts=NUM_EXPERTS, top_k=TOP_K, expert_hidden=HIDDEN,
+                       capacity_factor=capacity_factor, force_balance=routing == "balanced")
+    layer = MoELayer(D_MODEL, config)
+    layer.init_weights(std=0.02, out_std=0.01)
+    return layer
+
+
+def make_tokens(routing: str) -> torch.Tensor:
+    """[B, S, D] layer inputs; ``skewed`` ones share a direction, as real hidden states do."""
+    x = torch.randn(BATCH, SEQ, D_MODEL)
+    if routing == "skewed":
+        x = x + SKEW * torch.randn(D_MODEL)
+    return x
+
+
+def autocast(precision: str):
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_layer_step(layer: MoELayer, x: torch.Tensor, precision: str) -> Callable[[], None]:
+    """Forward + backward of the whole layer, as in training (fp32 gradient from the residual stream)."""
+    x = x.detach().requires_grad_(True)
+    grad = torch.randn_like(x)
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with autocast(precision):
+            out = layer(x)
+        out.backward(grad)
+
+    return step
+
+
+def make_floor_step(layer: MoELayer, group_sizes: torch.Tensor, precision: str) -> Callable[[], None]:
+    """Forward + backward of the SwiGLU expert math alone, on already-grouped tokens."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    experts = layer.experts
+    w_in, w_gate, w_out = (w.detach().to(dtype).requires_grad_(True)
+                           for w in (experts.w_in, experts.w_gate, experts.w_out))
+    rows = int(group_sizes.sum())
+    x = torch.randn(rows, D_MODEL, dtype=dtype, requires_grad=True)
+    grad = torch.randn(rows, D_MODEL, dtype=dtype)
+
+    def step() -> None:
+        for leaf in (x, w_in, w_gate, w_out):
+            leaf.grad = None
+        hidden = F.silu(grouped_matmul(x, w_gate, group_sizes)) * grouped_matmul(x, w_in, group_sizes)
+        grouped_matmul(hidden, w_out, group_sizes).backward(grad)
+
+    return step
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_pair(layer_step, floor_step, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Per-repeat times of both steps, run back to back, alternating which goes first."""
+    for _ in range(warmup):
+        layer_step()
+        floor_step()
+    layer_times, floor_times = [], []
+    for repeat in range(repeats):
+        if repeat % 2:
+            floor_times.append(timed(floor_step))
+            layer_times.append(timed(layer_step))
+        else:
+            layer_times.append(timed(layer_step))
+            floor_times.append(timed(floor_step))
+    return layer_times, floor_times
+
+
+def run_case(precision: str, mode: str, routing: str, repeats: int, warmup: int = 1) -> Result:
+    torch.manual_seed(0)
+    capacity_factor = CAPACITY_FACTORS[mode]
+    layer = make_layer(capacity_factor, routing)
+    x = make_tokens(routing)
+    with torch.no_grad(), autocast(precision):
+        layer(x)
+    routed = layer.last_stats.tokens_per_expert
+    group_sizes = routed
+    if capacity_factor is not None:
+        group_sizes = routed.clamp(max=expert_capacity(BATCH * SEQ, TOP_K, NUM_EXPERTS, capacity_factor))
+
+    layer_times, floor_times = time_pair(make_layer_step(layer, x, precision),
+                                         make_floor_step(layer, group_sizes, precision), repeats, warmup)
+    layer_s = statistics.median(layer_times)
+    return Result(
+        precision=precision,
+        mode=mode,
+        routing=routing,
+        imbalance=float(routed.max() / routed.float().mean()),
+        kept_fraction=float(group_sizes.sum() / routed.sum()),
+        layer_s=layer_s,
+        floor_s=statistics.median(floor_times),
+        ratio=statistics.median(a / b for a, b in zip(layer_times, floor_times, strict=True)),
+        best_ratio=min(layer_times) / min(floor_times),
+        tokens_per_s=BATCH * SEQ / layer_s,
+    )
+
+
+def print_table(results: list[Result]) -> None:
+    header = (f"{'prec':<5} {'mode':<9} {'routing':<9} {'imbal':>6} {'kept':>6} "
+              f"{'layer s':>8} {'floor s':>8} {'ratio':>6} {'best':>5} {'tokens/s':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r.precision:<5} {r.mode:<9} {r.routing:<9} {r.imbalance:>6.2f} {r.kept_fraction:>6.3f} "
+              f"{r.layer_s:>8.4f} {r.floor_s:>8.4f} {r.ratio:>6.2f} {r.best_ratio:>5.2f} {r.tokens_per_s:>9.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed steps per case (default: fp32 7, bf16 21; quick: 3)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both")
+    parser.add_argument("--quick", action="store_true", help="3 repeats, random and balanced routing only")
+    parser.add_argument("--json", type=Path, default=None, help="also write the settings and results here")
+    args = parser.parse_args()
+
+    torch.set_num_threads(THREADS)
+    precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
+    repeats = {precision: args.repeats or (3 if args.quick else DEFAULT_REPEATS[precision])
+               for precision in precisions}
+    routings = ("random", "balanced") if args.quick else ROUTINGS
+    settings = dict(num_experts=NUM_EXPERTS, top_k=TOP_K, d_model=D_MODEL, expert_hidden=HIDDEN,
+                    tokens=BATCH * SEQ, threads=torch.get_num_threads(), repeats=repeats,
+                    torch=torch.__version__)
+    print("MoE layer vs expert-math floor, forward + backward: "
+          + " ".join(f"{key}={value}" for key, value in settings.items()))
+    results = [run_case(precision, mode, routing, repeats[precision])
+               for precision in precisions for mode in CAPACITY_FACTORS for routing in routings]
+    print_table(results)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"settings": settings, "results": [asdict(r) for r in results]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
