@@ -83,14 +83,23 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: [N, D] grouped by expert; tokens_per_expert: [E] -> [N, D] in the compute dtype."""
-        dtype = compute_dtype(x)
-        x = x.to(dtype)
-        hidden = grouped_matmul(x, self.w_in.to(dtype), tokens_per_expert)
-        if self.w_gate is not None:
-            hidden = F.silu(grouped_matmul(x, self.w_gate.to(dtype), tokens_per_expert)) * hidden
-        else:
-            hidden = F.gelu(hidden)
-        return grouped_matmul(hidden, self.w_out.to(dtype), tokens_per_expert)
+        return expert_ffn(x, tokens_per_expert, self.w_in, self.w_gate, self.w_out)
+
+
+def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tensor | None, w_out: Tensor) -> Tensor:
+    """The experts' feed-forward on grouped rows, given their stacked weights (SwiGLU when ``w_gate`` is set).
+
+    A function of the weights, not of the module, so ``parallel/expert.py`` runs the same math on the
+    local slice of an ep-sharded stack.
+    """
+    dtype = compute_dtype(x)
+    x = x.to(dtype)
+    hidden = grouped_matmul(x, w_in.to(dtype), tokens_per_expert)
+    if w_gate is not None:
+        hidden = F.silu(grouped_matmul(x, w_gate.to(dtype), tokens_per_expert)) * hidden
+    else:
+        hidden = F.gelu(hidden)
+    return grouped_matmul(hidden, w_out.to(dtype), tokens_per_expert)
 
 
 class FeedForward(nn.Module):

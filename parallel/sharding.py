@@ -1,9 +1,13 @@
-"""Sharded data parallelism with FSDP2 (``fully_shard``) over the data-parallel ranks.
+"""Sharded data parallelism with FSDP2 (``fully_shard``), and the global gradient norm over sharded gradients.
 
 Each transformer block is its own FSDP unit (its parameters are all-gathered just
 before it runs and freed after), and the root wraps what is left: embedding, final
 norm and head. With ``dp_replicate > 1`` the mesh is 2-D and FSDP2 runs HSDP:
 shards within a replica group, gradients all-reduced across replicas.
+
+Under expert parallelism the routed experts of each MoE layer are their own FSDP unit
+first, over the expert-data-parallel mesh (dp_replicate, edp) instead of the dense one
+(torchtitan's order: experts, then the block that holds router and shared experts).
 
 Parameters stay fp32 (the master weights); bf16 compute comes from autocast in the
 training loop, which keeps the router in fp32 as ``moe/router.py`` requires.
@@ -11,19 +15,93 @@ training loop, which keeps the router in fp32 as ``moe/router.py`` requires.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from moe.transformer import MoETransformer
 
 
-def apply_fsdp(model: MoETransformer, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
+def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_size: int) -> set[nn.Parameter]:
+    """Make each layer's ep-sharded experts reduce their gradients to those of the global mean loss.
+
+    After the all-to-all's backward, an expert's gradient on its ep rank is the SUM over the ranks
+    of its ep group of their local mean losses' gradients. The global loss is the mean over all
+    ``dp_size`` data-parallel ranks, so the gradient is the sum over the expert's replicas (the
+    expert-data-parallel ranks, dp_replicate × edp) divided by ``dp_size``: averaged over edp, never
+    over ep, with the data-parallel size as the divisor.
+
+    With several replicas FSDP2 shards each layer's experts over ``expert_dp_mesh`` (1-D edp, or 2-D
+    (dp_replicate, edp) for HSDP). FSDP averages over that mesh, i.e. divides by dp_replicate × edp;
+    an all-reduce hook divides the rest, ep (= dp / mesh size). This, rather than
+    ``set_gradient_divide_factor(dp)``, keeps to the reductions every backend has: on gloo a custom
+    factor needs ``set_force_sum_reduction_for_comms``, and torch 2.13 then divides twice when the
+    shard group has one rank (HSDP with edp = 1). With a single replica (``expert_dp_mesh`` None: ep
+    spans all of dp_shard) there is nothing to shard or reduce: the experts stay out of FSDP and a
+    gradient hook only divides. Returns the parameters FSDP must leave alone in the dense units
+    (empty in the first case: FSDP already owns them).
+    """
+    unmanaged: set[nn.Parameter] = set()
+    for layer in model.moe_layers().values():
+        experts = layer.experts
+        if expert_dp_mesh is None:
+            for param in experts.parameters():
+                param.register_hook(lambda grad: grad / dp_size)
+                unmanaged.add(param)
+            continue
+        # Shard the experts dim when it splits evenly over the edp ranks, else the model dim (torchtitan).
+        dim = 0 if experts.num_local_experts % expert_dp_mesh.size(-1) == 0 else 1
+        fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=lambda param, dim=dim: Shard(dim))
+        rest = dp_size // expert_dp_mesh.size()
+        experts.set_all_reduce_hook(lambda reduced, rest=rest: reduced.div_(rest))
+    return unmanaged
+
+
+def apply_fsdp(model: MoETransformer, mesh: DeviceMesh, reshard_after_forward: bool = True,
+               ignored_params: set[nn.Parameter] | None = None) -> None:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
 
     Gradients are averaged over the mesh, which with every rank's loss a mean over its
     own equal share of the global batch gives the gradient of the global mean loss.
+    Parameters already in an FSDP unit (the routed experts under expert parallelism)
+    are skipped by FSDP itself; ``ignored_params`` are left alone entirely.
     """
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
     # the root's parameters (embedding, norm, head) are needed again right after forward: keep them
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored_params)
+
+
+def _mesh_key(tensor: Tensor) -> object:
+    return tensor.device_mesh if isinstance(tensor, DTensor) else None
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip gradients to a global ``norm_type``-norm of at most ``max_norm``; returns the norm before clipping.
+
+    ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms into one tensor, which fails for
+    DTensors on different meshes (dense FSDP shards and the ep-sharded experts). Here the norm is
+    taken per mesh, made a full (reduced) value there, then combined: every shard counts exactly
+    once, replicas not at all. Returns a plain scalar tensor, the same on every rank.
+    """
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            by_mesh.setdefault(_mesh_key(param.grad), []).append(param)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if max_norm < math.inf:
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
-from torch.distributed.tensor import DTensor
 
 from moe.accounting import parameter_counts, training_flops_per_token
 from moe.config import ConfigError
 from moe.transformer import MoETransformer
-from parallel import parallelize
+from parallel import clip_grad_norm_, parallelize
 from parallel.groups import ParallelGroups
 from parallel.runtime import Runtime
 from training.config import RunConfig
@@ -168,9 +167,7 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
         interval.add_routing(model)
         for i, stats in model.routing_stats().items():
             step_load[i] = step_load.get(i, 0) + stats.tokens_per_expert
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     step_loss = float(all_reduce(step_loss, dp_group)) / dp_size
     grad_norm = float(grad_norm)

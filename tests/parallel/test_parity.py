@@ -16,6 +16,14 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     pytest.param(["parallel.dp_shard=2"], 2, "1.25", id="dp_shard=2-capacity"),
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2"], 4, "1.25", id="dp_replicate=2xdp_shard=2"),
+    # expert parallelism folded over dp_shard: edp = dp_shard / ep replicas of each expert
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2"], 2, "null", id="ep=2-dropless"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2"], 2, "1.25", id="ep=2-capacity"),
+    pytest.param(["parallel.dp_shard=4", "parallel.ep=4"], 4, "1.25", id="ep=4"),
+    pytest.param(["parallel.dp_shard=4", "parallel.ep=2"], 4, "null", id="ep=2xedp=2-dropless"),
+    # HSDP experts: one shard per replica group (edp=1), all-reduced over dp_replicate
+    pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"], 4, "1.25",
+                 id="dp_replicate=2xep=2"),
 ]
 
 

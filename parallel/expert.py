@@ -1,0 +1,157 @@
+"""Expert parallelism: each ep rank holds E / ep of the routed experts and tokens travel to them by all-to-all.
+
+It plugs into ``MoELayer``'s one seam, ``self.experts(grouped, tokens_per_expert)``: ``apply_expert_parallel``
+replaces each layer's ``GroupedExperts`` with an ``ExpertParallelExperts`` taking the same arguments, tokens
+grouped by *global* expert id after the local routing, permutation and capacity drop, and returning their
+outputs in the same order. The model code does not change. One forward, with ep ranks r and local experts l:
+
+    1. counts:   all-to-all of tokens_per_expert [E]: what every rank sends to each of my local experts
+    2. splits:   rows to send to / receive from each rank (the one device-to-host sync)
+    3. dispatch: uneven all-to-all of the rows; they arrive rank-major  (r0: l0 l1 .., r1: l0 l1 .., ...)
+    4. experts:  reorder to local-expert-major (l0: r0 r1 .., l1: ...), grouped GEMM on the local experts
+    5. combine:  inverse reorder, reverse all-to-all (splits swapped): each row returns to its sender
+
+Backward mirrors it through autograd: the all-to-all's gradient is the reverse all-to-all. The exchange moves
+exactly the kept assignments (capacity drops happen before it, in ``moe/dispatch.py``): no padding, so the
+bytes a rank sends forward are its kept (token, expert) pairs bound for other ranks × d_model × element size.
+Any alignment padding a grouped-GEMM backend wants would be added locally, after the exchange.
+
+Shapes: E experts, ep ranks in the expert-parallel group, L = E / ep local experts, N rows sent (kept
+assignments of this rank), M rows received, D = d_model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from moe.experts import GroupedExperts, expert_ffn
+from moe.transformer import MoETransformer
+
+
+def expert_major_index(counts: Tensor, num_rows: int | None = None) -> Tensor:
+    """Rows of the rank-major received tensor, listed in local-expert-major order.
+
+    counts: [ep, L], ``counts[r, l]`` rows from rank r for local expert l; the received rows are blocks in
+    rank-major order (r, then l). Returns ``index`` [M] with ``received[index]`` in expert-major order
+    (l, then r), each block keeping its row order. ``num_rows`` (M, when known on the host) avoids a sync.
+    """
+    sizes = counts.reshape(-1)  # rank-major block sizes
+    rank_major_start = (torch.cumsum(sizes, 0) - sizes).view_as(counts)
+    sizes_em = counts.t().reshape(-1)  # the same blocks, expert-major
+    starts_em = rank_major_start.t().reshape(-1)  # where each expert-major block sits in the received rows
+    out_start = torch.cumsum(sizes_em, 0) - sizes_em  # where it goes
+    rows = torch.arange(int(sizes.sum()) if num_rows is None else num_rows, device=counts.device)
+    return torch.repeat_interleave(starts_em - out_start, sizes_em, output_size=rows.numel()) + rows
+
+
+@dataclass
+class ExchangePlan:
+    """One forward's exchange, built by ``plan_exchange`` and used by dispatch and combine of that call only.
+
+    It lives on the stack of ``ExpertParallelExperts.forward``, never on the module, so nothing carries
+    from one call to the next (activation checkpointing may re-run a forward; overlapped schedules may
+    interleave two).
+    """
+
+    send_splits: list[int]  # [ep] rows this rank sends to each ep rank (its experts' share of our kept rows)
+    recv_splits: list[int]  # [ep] rows this rank receives from each ep rank
+    expert_major: Tensor  # [M] received rows in local-expert-major order (``expert_major_index``)
+    tokens_per_local_expert: Tensor  # [L] group sizes for the local grouped GEMM
+
+
+def plan_exchange(tokens_per_expert: Tensor, group: dist.ProcessGroup) -> ExchangePlan:
+    """Steps 1-2: exchange per-expert counts over the ep group and derive the splits. tokens_per_expert: [E]."""
+    ep = dist.get_world_size(group)
+    send_counts = tokens_per_expert.to(torch.int64).contiguous()
+    recv_counts = torch.empty_like(send_counts)
+    # rank r's slice l of the input is its count for my local expert l: equal splits of L per rank
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    recv_counts = recv_counts.view(ep, -1)  # [ep, L]: rows from rank r for local expert l
+    splits = torch.stack([send_counts.view(ep, -1).sum(1), recv_counts.sum(1)])
+    # NOTE: the one device-to-host sync of expert parallelism: the collective needs the split sizes as
+    # host integers. On GPU it stalls the host until the counts have arrived (FSDP prefetching across it
+    # must be set explicitly); the rest of the exchange is launched without waiting.
+    send_splits, recv_splits = splits.tolist()
+    return ExchangePlan(
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        expert_major=expert_major_index(recv_counts, sum(recv_splits)),
+        tokens_per_local_expert=recv_counts.sum(0),
+    )
+
+
+def all_to_all_rows(x: Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+    """Uneven all-to-all of rows, differentiable: [sum(send_splits), D] -> [sum(recv_splits), D].
+
+    torch's functional collective (the one ``torch.distributed.nn.functional``'s deprecation points to):
+    autograd-aware, its backward the same exchange with the splits swapped, and traceable by
+    ``torch.compile``. It returns before the data has arrived; the first use of the result waits.
+    """
+    return funcol.all_to_all_single(x.contiguous(), recv_splits, send_splits, group)
+
+
+class ExpertParallelExperts(nn.Module):
+    """The routed experts of one MoE layer, spread over the expert-parallel group: ``GroupedExperts``' seam.
+
+    Parameters keep ``GroupedExperts``' names and global shapes ([E, D, H], [E, H, D]) as DTensors
+    sharded on dim 0 (``Shard(0)``) over the ep mesh: this rank's local tensors are experts
+    [r·L, (r+1)·L). So the state dict is that of the single-process model (``full_tensor()`` gives the
+    [E, ...] stack, ``torch.distributed.checkpoint`` saves and reshards it across ep degrees), FSDP2
+    composes with it over the expert-data-parallel mesh as it does with tensor parallelism, and a global
+    gradient norm counts each expert once (``sharding.clip_grad_norm_``).
+
+    The local grouped GEMM is ``moe.experts.expert_ffn``, the function ``GroupedExperts`` itself runs,
+    applied to this rank's local tensors (``DTensor.to_local``, differentiable).
+    """
+
+    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh):
+        super().__init__()
+        if ep_mesh.ndim != 1:
+            raise ValueError(f"expert parallelism needs a 1-D ep mesh, got {ep_mesh}")
+        ep = ep_mesh.size()
+        if experts.num_experts % ep:
+            raise ValueError(f"parallel.ep={ep} does not divide the {experts.num_experts} experts")
+        self.num_experts = experts.num_experts
+        self.num_local_experts = experts.num_experts // ep
+        self.ep_mesh = ep_mesh
+        self.group = ep_mesh.get_group()
+        first = ep_mesh.get_local_rank() * self.num_local_experts
+        for name, param in experts.named_parameters():  # [E, ...], identical on every rank (same seed)
+            # keep this rank's slice, copied so the full stack can be freed; no communication
+            local = param.detach()[first:first + self.num_local_experts].clone()
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            self.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        self.has_gate = experts.w_gate is not None
+
+    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """x: [N, D] grouped by global expert id; tokens_per_expert: [E] -> [N, D] in the experts' compute dtype."""
+        plan = plan_exchange(tokens_per_expert, self.group)
+        received = all_to_all_rows(x, plan.send_splits, plan.recv_splits, self.group)  # [M, D] rank-major
+        grouped = received.index_select(0, plan.expert_major)  # [M, D] local-expert-major
+        w_gate = self.w_gate.to_local() if self.has_gate else None
+        out = expert_ffn(grouped, plan.tokens_per_local_expert, self.w_in.to_local(), w_gate, self.w_out.to_local())
+        returned = out.new_empty(out.shape).index_copy(0, plan.expert_major, out)  # back to rank-major
+        return all_to_all_rows(returned, plan.recv_splits, plan.send_splits, self.group)
+
+    def extra_repr(self) -> str:
+        ep, rank = self.ep_mesh.size(), self.ep_mesh.get_local_rank()
+        first = rank * self.num_local_experts
+        return f"experts {first}..{first + self.num_local_experts - 1} of {self.num_experts} (ep rank {rank} of {ep})"
+
+
+def apply_expert_parallel(model: MoETransformer, ep_mesh: DeviceMesh) -> None:
+    """Replace every MoE layer's routed experts with their ep-sharded version (in place).
+
+    Call it on the full model every rank built from the same seed, before any FSDP: initialisation is
+    then independent of the layout. The router and shared experts stay as they are (replicated, then
+    sharded with their block by FSDP).
+    """
+    for layer in model.moe_layers().values():
+        layer.experts = ExpertParallelExperts(layer.experts, ep_mesh)

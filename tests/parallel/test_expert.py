@@ -1,0 +1,185 @@
+"""Expert parallelism: the reorder, the support check, and EP against one process on 2 gloo ranks.
+
+The spawned test runs every check in one pair of processes (spawning is the slow part): for each
+case the EP MoELayer must give each rank the output and gradients the single-process MoELayer gives
+for that rank's tokens (experts' gradients: the sum over both ranks' tokens, gathered into the full
+[E, ...] order), and the token all-to-all must carry exactly the kept assignments bound for the
+other rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from moe.config import ConfigError, MoEConfig
+from moe.dispatch import expert_capacity, plan_dispatch
+from moe.layer import MoELayer
+from parallel import check_supported
+from parallel.expert import ExpertParallelExperts, expert_major_index
+from parallel.groups import Layout, ParallelGroups
+from parallel.sharding import clip_grad_norm_
+
+
+@pytest.mark.parametrize("counts, expected", [
+    # ep=2, L=2. Received rank-major: r0l0 [0] | r0l1 [1 2] | r1l0 [3 4 5] | r1l1 [6].
+    # Expert-major: l0 <- r0 [0], r1 [3 4 5]; l1 <- r0 [1 2], r1 [6].
+    ([[1, 2], [3, 1]], [0, 3, 4, 5, 1, 2, 6]),
+    # ep=3, L=2, with empty blocks. Rank-major: r0l1 [0 1] | r1l0 [2] | r2l0 [3 4] | r2l1 [5].
+    # Expert-major: l0 <- r1 [2], r2 [3 4]; l1 <- r0 [0 1], r2 [5].
+    ([[0, 2], [1, 0], [2, 1]], [2, 3, 4, 0, 1, 5]),
+    ([[0, 0], [0, 0]], []),  # nothing received
+])
+def test_expert_major_index(counts, expected):
+    counts = torch.tensor(counts)
+    for num_rows in (None, len(expected)):
+        index = expert_major_index(counts, num_rows)
+        assert index.tolist() == expected
+    received = torch.arange(len(expected) * 3, dtype=torch.float32).view(-1, 3)
+    grouped = received.index_select(0, index)
+    assert torch.equal(grouped.new_empty(grouped.shape).index_copy(0, index, grouped), received)  # inverse
+
+
+def test_check_supported_accepts_ep_and_refuses_the_rest():
+    check_supported(Layout(4, dp_shard=4, ep=2))
+    check_supported(Layout(4, dp_replicate=2, dp_shard=2, ep=2))
+    with pytest.raises(ConfigError, match=r"parallel.etp=2: expert tensor parallelism is not supported"):
+        check_supported(Layout(4, dp_shard=2, tp=2, ep=1, etp=2))
+    with pytest.raises(ConfigError, match=r"parallel.tp=2: .*set parallel.tp=1"):
+        check_supported(Layout(4, dp_shard=2, tp=2, ep=2))
+    with pytest.raises(ConfigError, match=r"parallel.pp=2: .*set parallel.pp=1"):
+        check_supported(Layout(4, pp=2, dp_shard=2, ep=2))
+
+
+# ---------------------------------------------------------------------------
+# Two ranks: EP MoELayer against the single-process MoELayer
+# ---------------------------------------------------------------------------
+
+D, HIDDEN, WORLD = 16, 24, 2
+CASES = [  # (capacity factor, autocast dtype); capacity 1.0 drops some assignments
+    (None, None),
+    (1.0, None),
+    (None, torch.bfloat16),
+]
+
+
+def _layer(capacity_factor: float | None) -> MoELayer:
+    config = MoEConfig(num_experts=4, top_k=2, expert_hidden=HIDDEN, capacity_factor=capacity_factor,
+                       num_shared_experts=1, aux_loss_coef=0.01, z_loss_coef=0.001)
+    torch.manual_seed(0)  # every rank builds the same weights
+    layer = MoELayer(D, config)
+    layer.init_weights(0.1, 0.05)
+    return layer
+
+
+def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s tokens [2, 8, D] and the projection that turns the output into a loss."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(2, 8, D, generator=generator), torch.randn(2, 8, D, generator=generator)
+
+
+def _run(layer: MoELayer, x: torch.Tensor, projection: torch.Tensor, dtype: torch.dtype | None):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        out = layer(x)
+    (out.float() * projection).sum().backward()
+    return out.detach().float(), x.grad
+
+
+def _full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for name, p in module.named_parameters()}
+
+
+def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None, dtype: torch.dtype | None):
+    reference = _layer(capacity_factor)
+    ep_layer = copy.deepcopy(reference)
+    ep_layer.experts = ExpertParallelExperts(ep_layer.experts, groups.mesh("ep"))
+    assert ep_layer.experts.state_dict().keys() == reference.experts.state_dict().keys()
+    for name, value in ep_layer.experts.state_dict().items():  # same names, full [E, ...] stacks
+        assert torch.equal(value.full_tensor(), reference.experts.state_dict()[name])
+
+    # reference: each rank's tokens through the one-process layer; experts' gradients summed over ranks
+    expert_grads = {name: torch.zeros_like(p) for name, p in reference.experts.named_parameters()}
+    for source in range(WORLD):
+        reference.zero_grad()
+        out, x_grad = _run(reference, *_inputs(source), dtype)
+        for name, p in reference.experts.named_parameters():
+            expert_grads[name] += p.grad
+        if source == rank:
+            ref_out, ref_x_grad = out, x_grad
+            ref_grads = {name: p.grad.clone() for name, p in reference.named_parameters()}
+            with torch.no_grad():  # what this rank's routing keeps, for the traffic check
+                routed = reference.router(_inputs(rank)[0].reshape(-1, D))
+            capacity = None if capacity_factor is None else expert_capacity(16, 2, 4, capacity_factor)
+            plan = plan_dispatch(routed.expert_ids, routed.weights, 4, capacity)
+    ref_grads.update({f"experts.{name}": grad for name, grad in expert_grads.items()})
+
+    sent = []  # (input rows, input splits) of each token all-to-all this rank starts, and the row bytes
+
+    def counting_all_to_all(x, output_split_sizes, input_split_sizes, group, tag=""):
+        sent.append((x.shape[0], list(input_split_sizes), x.shape[1] * x.element_size(), x.dtype))
+        return original(x, output_split_sizes, input_split_sizes, group, tag)
+
+    original, funcol.all_to_all_single = funcol.all_to_all_single, counting_all_to_all
+    try:
+        out, x_grad = _run(ep_layer, *_inputs(rank), dtype)
+    finally:
+        funcol.all_to_all_single = original
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype is None else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(x_grad, ref_x_grad, **tol)
+    grads = _full_grads(ep_layer)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **tol, msg=name)
+
+    # Traffic: forward = dispatch + combine (backward's exchanges are autograd's, not counted here).
+    (rows, splits, row_bytes, sent_dtype), (back_rows, back_splits, _, _) = sent
+    local = range(rank * 2, rank * 2 + 2)
+    remote_kept = sum(int(n) for e, n in enumerate(plan.tokens_per_expert) if e not in local)
+    element_size = torch.tensor([], dtype=dtype or torch.float32).element_size()
+    assert sent_dtype == (dtype or torch.float32) and row_bytes == D * element_size
+    assert rows == int(plan.tokens_per_expert.sum())  # exactly the kept assignments: no padding
+    assert (rows - splits[rank]) * row_bytes == remote_kept * D * element_size
+    if capacity_factor is not None:
+        assert int(plan.num_dropped) > 0 and rows < int(plan.selected_per_expert.sum())  # dropped before sending
+    peers = [0] * WORLD  # what the other rank sent me comes back to it, no more
+    dist.all_gather_object(peers, splits)
+    assert (back_rows - back_splits[rank]) * row_bytes == peers[1 - rank][rank] * row_bytes
+
+    # The global gradient norm counts each expert once (DTensors on the ep mesh) next to plain tensors.
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
+    params = list(ep_layer.parameters())
+    norm = clip_grad_norm_(params, max_norm=float(expected) / 2)
+    torch.testing.assert_close(norm, expected, **tol)
+    for name, grad in _full_grads(ep_layer).items():
+        torch.testing.assert_close(grad, ref_grads[name] * 0.5, **tol, msg=name)
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        groups = ParallelGroups.build(Layout(WORLD, dp_shard=WORLD, ep=WORLD), "cpu")
+        for capacity_factor, dtype in CASES:
+            _check_case(rank, groups, capacity_factor, dtype)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_layer_matches_single_process():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port,), nprocs=WORLD)
