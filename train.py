@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from moe.config import ConfigError
@@ -22,7 +21,7 @@ from parallel import check_supported
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.runtime import init_runtime, shutdown_runtime
 from training.config import load_config
-from training.loop import NonFiniteLossError, train
+from training.loop import NonFiniteLossError, micro_batching, train
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # everything is validated before any process group or tensor exists
         config = load_config(args.config, args.overrides)
-        layout = Layout.resolve(int(os.environ.get("WORLD_SIZE", 1)), **asdict(config.parallel))
+        layout = Layout.resolve(int(os.environ.get("WORLD_SIZE", 1)), **config.parallel.degrees())
         validate_for_model(layout, config.model, config.moe)
         check_supported(layout)
+        micro_batching(config, layout.dp)
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
         try:

@@ -4,6 +4,7 @@
 layout enables: expert parallelism (ep, folded over dp_shard; ``parallel/expert.py``),
 then FSDP2 over the expert-data-parallel mesh for the routed experts and over the dense
 data-parallel mesh for everything else (HSDP with dp_replicate; ``parallel/sharding.py``).
+Activation checkpointing (``parallel/activation_checkpoint.py``) goes on between the two.
 Tensor, expert-tensor and pipeline parallelism are refused by ``check_supported`` before
 any process group exists.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from moe.config import ConfigError
 from moe.transformer import MoETransformer
+from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.expert import apply_expert_parallel
 from parallel.groups import Layout, ParallelGroups
 from parallel.sharding import apply_fsdp, clip_grad_norm_, shard_experts
@@ -33,8 +35,9 @@ def check_supported(layout: Layout) -> None:
                               f"set parallel.{key}=1")
 
 
-def parallelize(model: MoETransformer, groups: ParallelGroups) -> MoETransformer:
-    """Apply the layout's parallelism to ``model`` in place and return it.
+def parallelize(model: MoETransformer, groups: ParallelGroups,
+                activation_checkpointing: str = "none") -> MoETransformer:
+    """Apply the layout's parallelism and activation checkpointing to ``model`` in place and return it.
 
     Every rank passes the same fully initialised model (same seed): expert parallelism keeps this
     rank's experts and FSDP this rank's shards of them, so the weights do not depend on the layout.
@@ -47,6 +50,7 @@ def parallelize(model: MoETransformer, groups: ParallelGroups) -> MoETransformer
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
         expert_dp_mesh = groups.mesh(*expert_axes) if layout.dp_replicate * layout.edp > 1 else None
         unmanaged = shard_experts(model, expert_dp_mesh, layout.dp)
+    apply_activation_checkpointing(model, activation_checkpointing)  # before FSDP (see its module)
     if layout.dp > 1:
         axes = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, groups.mesh(*axes), ignored_params=unmanaged or None)

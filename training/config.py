@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import yaml
 
@@ -38,12 +38,27 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     etp: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_virtual_stages: int = 1  # pipeline stages per pp rank (v); > 1 with the interleaved schedule
+    # micro-batches per optimizer step on one pipeline; None = derived from train.micro_batch_size
+    microbatches: int | None = None
+    # recompute activations in backward: none, every block ("full"), or only the MoE blocks ("moe")
+    activation_checkpointing: Literal["none", "full", "moe"] = "none"
+
+    DEGREES: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp")
+
+    def degrees(self) -> dict[str, int]:
+        """The six degrees, as ``parallel.groups.Layout.resolve`` takes them."""
+        return {name: getattr(self, name) for name in self.DEGREES}
 
     def validate(self) -> None:
         """Per-key checks; the layout as a whole is checked against the world size by ``parallel.groups``."""
-        for name in ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp"):
+        for name in self.DEGREES:
             value = getattr(self, name)
             _require(value >= 1 or value == -1, f"parallel.{name} must be >= 1, or -1 for the rest; got {value}")
+        _require(self.pp_virtual_stages >= 1, f"parallel.pp_virtual_stages must be >= 1, got {self.pp_virtual_stages}")
+        _require(self.microbatches is None or self.microbatches >= 1,
+                 f"parallel.microbatches must be >= 1 or null, got {self.microbatches}")
 
 
 @dataclass

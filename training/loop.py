@@ -116,16 +116,31 @@ class IntervalStats:
 
 
 def micro_batching(config: RunConfig, dp_size: int) -> tuple[int, int]:
-    """(micro-batch size, micro-batches per step) on one rank for the global batch."""
+    """(micro-batch size, micro-batches per step) on one rank for the global batch.
+
+    The global batch is fixed by config; the layout only changes how it is cut: per-rank batch =
+    global / data-parallel ranks, then ``parallel.microbatches`` pieces or pieces of
+    ``train.micro_batch_size`` sequences (either, or both if they agree; neither = one piece).
+    ``train.py`` calls this before any process group exists, so a bad split fails early.
+    """
     global_batch = config.train.global_batch_size
     if global_batch % dp_size:
         raise ConfigError(f"train.global_batch_size={global_batch} must be divisible by the {dp_size} "
                           "data-parallel ranks")
     per_rank = global_batch // dp_size
-    micro = config.train.micro_batch_size or per_rank
+    count, micro = config.parallel.microbatches, config.train.micro_batch_size
+    if count is not None:
+        if per_rank % count:
+            raise ConfigError(f"parallel.microbatches={count} must divide the per-rank batch {per_rank} "
+                              f"(train.global_batch_size={global_batch} / {dp_size} data-parallel ranks)")
+        if micro is not None and micro * count != per_rank:
+            raise ConfigError(f"train.micro_batch_size={micro} and parallel.microbatches={count} disagree: "
+                              f"the per-rank batch is {per_rank}; set only one of them")
+        return per_rank // count, count
+    micro = micro or per_rank
     if per_rank % micro:
         raise ConfigError(f"train.micro_batch_size={micro} must divide the per-rank batch {per_rank} "
-                          f"(global {global_batch} / {dp_size} ranks)")
+                          f"(train.global_batch_size={global_batch} / {dp_size} data-parallel ranks)")
     return micro, per_rank // micro
 
 
@@ -201,7 +216,8 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
 
     torch.manual_seed(config.train.seed)  # every rank builds the same full model, then keeps its shards
-    model = parallelize(MoETransformer(config.model, config.moe).to(device), groups)
+    model = parallelize(MoETransformer(config.model, config.moe).to(device), groups,
+                        activation_checkpointing=config.parallel.activation_checkpointing)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
     counts = parameter_counts(config.model, config.moe)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -48,7 +47,7 @@ def _worker(rank: int, world_size: int, port: int, overrides: list[str], run_dir
     config = load_config("moe-8x", overrides)
     runtime = init_runtime()
     try:
-        groups = ParallelGroups.build(Layout.resolve(world_size, **asdict(config.parallel)), "cpu")
+        groups = ParallelGroups.build(Layout.resolve(world_size, **config.parallel.degrees()), "cpu")
         result = train(config, Path(run_dir), runtime, groups)
         state = full_state(result.model)
         if rank == 0:
@@ -62,7 +61,7 @@ def run(overrides: list[str], world_size: int, run_dir: Path) -> tuple[list[dict
     overrides = [*TINY, *overrides]
     if world_size == 1:
         config = load_config("moe-8x", overrides)
-        groups = ParallelGroups.build(Layout.resolve(1, **asdict(config.parallel)), "cpu")
+        groups = ParallelGroups.build(Layout.resolve(1, **config.parallel.degrees()), "cpu")
         result = train(config, run_dir, Runtime(0, 1, 0, torch.device("cpu")), groups)
         state = full_state(result.model)
     else:

@@ -24,6 +24,11 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # HSDP experts: one shard per replica group (edp=1), all-reduced over dp_replicate
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"], 4, "1.25",
                  id="dp_replicate=2xep=2"),
+    # activation checkpointing under FSDP: the recompute gathers the block's shards (and redoes the all-to-alls)
+    pytest.param(["parallel.dp_shard=2", "parallel.activation_checkpointing=full"], 2, "1.25",
+                 id="dp_shard=2-recompute"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpointing=moe"], 2, "null",
+                 id="ep=2-recompute-moe"),
 ]
 
 

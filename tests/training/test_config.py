@@ -4,6 +4,7 @@ import pytest
 
 from moe.config import ConfigError
 from training.config import CONFIG_DIR, load_config
+from training.loop import micro_batching
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
@@ -45,6 +46,8 @@ def test_a_yaml_path_works(tmp_path):
         (["model.vocab_size=100"], r"model.vocab_size=100 is below 256"),
         (["moe.jitter_eps=1.5"], r"moe.jitter_eps must be in \[0, 1\)"),
         (["parallel.tp=0"], r"parallel.tp must be >= 1"),
+        (["parallel.microbatches=0"], r"parallel.microbatches must be >= 1 or null"),
+        (["parallel.activation_checkpointing=some"], r"parallel.activation_checkpointing: 'some' is not one of"),
         (["checkpoint.interval=100"], r"checkpointing is not available"),
         (["train.steps"], r"must look like section.key=value"),
         (["train.steps.x=1"], r"'steps' is not a section"),
@@ -70,3 +73,32 @@ def test_malformed_yaml(tmp_path):
     path.write_text("moe: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "overrides, dp, expected",
+    [
+        ([], 1, (16, 1)),
+        ([], 4, (4, 1)),  # the global batch stays 16 sequences: 4 per data-parallel rank
+        (["train.micro_batch_size=2"], 4, (2, 2)),
+        (["parallel.microbatches=4"], 2, (2, 4)),
+        (["parallel.microbatches=2", "train.micro_batch_size=4"], 2, (4, 2)),  # both, agreeing
+    ],
+)
+def test_micro_batching_keeps_the_global_batch(overrides, dp, expected):
+    micro, count = micro_batching(load_config("moe-8x", overrides), dp)
+    assert (micro, count) == expected and micro * count * dp == 16
+
+
+@pytest.mark.parametrize(
+    "overrides, dp, message",
+    [
+        ([], 3, r"global_batch_size=16 must be divisible by the 3 data-parallel ranks"),
+        (["parallel.microbatches=3"], 2, r"parallel.microbatches=3 must divide the per-rank batch 8"),
+        (["parallel.microbatches=2", "train.micro_batch_size=2"], 2, r"disagree: the per-rank batch is 8"),
+        (["train.micro_batch_size=8"], 4, r"train.micro_batch_size=8 must divide the per-rank batch 4"),
+    ],
+)
+def test_micro_batching_refuses_a_batch_that_does_not_split(overrides, dp, message):
+    with pytest.raises(ConfigError, match=message):
+        micro_batching(load_config("moe-8x", overrides), dp)
