@@ -1,5 +1,6 @@
 """Capacity and drop policies on constructed cases; permutation round trips."""
 
+import pytest
 import torch
 
 from moe.dispatch import expert_capacity, permute, plan_dispatch, unpermute_and_combine
@@ -66,3 +67,33 @@ def test_permute_then_combine_with_identity_experts_sums_kept_weights():
     kept[plan.order] = 1.0
     expected = x * (weights * kept.view(7, 2)).sum(-1, keepdim=True)
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("policy", ["position", "probability"])
+def test_combine_gradients_with_dropped_assignments_match_a_naive_sum(policy):
+    """The hand-written backward of the combine against autograd through a per-token loop, with drops."""
+    torch.manual_seed(1)
+    num_tokens, top_k, num_experts, dim = 9, 2, 3, 5
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, dtype=torch.float64, requires_grad=True)
+    plan = plan_dispatch(ids, weights.detach(), num_experts=num_experts, capacity=3, drop_policy=policy)
+    assert int(plan.num_dropped) > 0  # the case has drops, or it proves nothing about them
+    rows = torch.randn(int(plan.tokens_per_expert.sum()), dim, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(num_tokens, dim, dtype=torch.float64)
+
+    out = unpermute_and_combine(rows, plan, weights)
+    got = torch.autograd.grad(out, (rows, weights), grad_out)
+
+    row_of = {int(a): r for r, a in enumerate(plan.order)}  # assignment id -> grouped row; absent = dropped
+    naive = torch.stack([
+        sum((weights[t, j] * rows[row_of[t * top_k + j]] for j in range(top_k) if t * top_k + j in row_of),
+            torch.zeros(dim, dtype=torch.float64))
+        for t in range(num_tokens)
+    ])
+    expected = torch.autograd.grad(naive, (rows, weights), grad_out)
+    torch.testing.assert_close(out, naive)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+    dropped = [a for a in range(num_tokens * top_k) if a not in row_of]
+    assert torch.all(got[1].reshape(-1)[dropped] == 0)  # a dropped assignment's weight gets no gradient
+    torch.autograd.gradcheck(lambda r, w: unpermute_and_combine(r, plan, w), (rows, weights))
