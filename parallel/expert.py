@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moe.experts import GroupedExperts, expert_ffn
 from moe.transformer import MoETransformer
+from parallel.tensor import gather_rows, scatter_rows
 
 
 def expert_major_index(counts: Tensor, num_rows: int | None = None) -> Tensor:
@@ -111,7 +112,7 @@ class ExpertParallelExperts(nn.Module):
     applied to this rank's local tensors (``DTensor.to_local``, differentiable).
     """
 
-    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh):
+    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None):
         super().__init__()
         if ep_mesh.ndim != 1:
             raise ValueError(f"expert parallelism needs a 1-D ep mesh, got {ep_mesh}")
@@ -122,6 +123,7 @@ class ExpertParallelExperts(nn.Module):
         self.num_local_experts = experts.num_experts // ep
         self.ep_mesh = ep_mesh
         self.group = ep_mesh.get_group()
+        self.tp_mesh = tp_mesh  # tokens replicated over it: each tp rank sends only its share of the rows
         first = ep_mesh.get_local_rank() * self.num_local_experts
         for name, param in experts.named_parameters():  # [E, ...], identical on every rank (same seed)
             # keep this rank's slice, copied so the full stack can be freed; no communication
@@ -132,6 +134,12 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: [N, D] grouped by global expert id; tokens_per_expert: [E] -> [N, D] in the experts' compute dtype."""
+        if self.tp_mesh is not None:
+            share, share_tokens, bounds = scatter_rows(x, tokens_per_expert, self.tp_mesh)
+            return gather_rows(self._exchange_and_compute(share, share_tokens), bounds, self.tp_mesh)
+        return self._exchange_and_compute(x, tokens_per_expert)
+
+    def _exchange_and_compute(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         plan = plan_exchange(tokens_per_expert, self.group)
         received = all_to_all_rows(x, plan.send_splits, plan.recv_splits, self.group)  # [M, D] rank-major
         grouped = received.index_select(0, plan.expert_major)  # [M, D] local-expert-major
@@ -146,12 +154,15 @@ class ExpertParallelExperts(nn.Module):
         return f"experts {first}..{first + self.num_local_experts - 1} of {self.num_experts} (ep rank {rank} of {ep})"
 
 
-def apply_expert_parallel(model: MoETransformer, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: MoETransformer, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
     """Replace every MoE layer's routed experts with their ep-sharded version (in place).
+
+    With tensor parallelism (``tp_mesh``) the layer's tokens are the same on every tp rank; each tp rank
+    then exchanges and computes a distinct 1/tp share of the grouped rows (``parallel/tensor.py``).
 
     Call it on the full model every rank built from the same seed, before any FSDP: initialisation is
     then independent of the layout. The router and shared experts stay as they are (replicated, then
     sharded with their block by FSDP).
     """
     for layer in model.moe_layers().values():
-        layer.experts = ExpertParallelExperts(layer.experts, ep_mesh)
+        layer.experts = ExpertParallelExperts(layer.experts, ep_mesh, tp_mesh)

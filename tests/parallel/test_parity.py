@@ -9,7 +9,9 @@ The reference runs the global batch of 8 as the same micro-batches that each dat
 import pytest
 import torch
 
+from parallel.groups import Layout
 from tests.parallel.parity import run
+from training.config import load_config
 
 STEPS = 5
 LAYOUTS = [  # (overrides, world size, capacity factor)
@@ -29,7 +31,18 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                  id="dp_shard=2-recompute"),
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpointing=moe"], 2, "null",
                  id="ep=2-recompute-moe"),
+    # tensor parallelism: heads and FFN hidden split, router replicated; one data-parallel rank
+    pytest.param(["parallel.tp=2"], 2, "null", id="tp=2-dropless"),
+    pytest.param(["parallel.tp=2"], 2, "1.25", id="tp=2-capacity"),
+    # ep=2 folded over the tp group: each tp rank sends its half of the rows to the experts
+    pytest.param(["parallel.tp=2", "parallel.ep=2"], 2, "1.25", id="tp=2xep=2"),
+    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], 4, "null", id="dp_shard=2xtp=2xep=2"),
 ]
+
+
+def _dp_size(layout: list[str], world_size: int) -> int:
+    """Data-parallel ranks of a layout: each sees its own micro-batches (tensor-parallel ranks share theirs)."""
+    return Layout.resolve(world_size, **load_config("moe-8x", layout).parallel.degrees()).dp
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +61,8 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("layout, world_size, capacity", LAYOUTS)
 def test_layout_matches_single_process(layout, world_size, capacity, references, tmp_path):
-    settings = [f"train.steps={STEPS}", f"moe.capacity_factor={capacity}", f"train.micro_batch_size={8 // world_size}"]
+    micro_batch = 8 // _dp_size(layout, world_size)
+    settings = [f"train.steps={STEPS}", f"moe.capacity_factor={capacity}", f"train.micro_batch_size={micro_batch}"]
     ref_records, ref_state = references(settings)
     records, state = run([*settings, *layout], world_size, tmp_path)
 
