@@ -55,15 +55,23 @@ def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_s
                 param.register_hook(lambda grad: grad / dp_size)
                 unmanaged.add(param)
             continue
-        # Shard the experts dim when it splits evenly over the edp ranks, else the model dim (torchtitan).
-        dim = 0 if experts.num_local_experts % expert_dp_mesh.size(-1) == 0 else 1
-        fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=lambda param, dim=dim: Shard(dim))
+        # Shard the experts dim when it splits evenly over the edp ranks, else the first dim that expert
+        # tensor parallelism leaves whole (torchtitan: dim 1).
+        by_experts = experts.num_local_experts % expert_dp_mesh.size(-1) == 0
+        placement = (lambda param: Shard(0)) if by_experts else (lambda param: Shard(_free_dim(param)))
+        fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=placement)
         # FSDP divided by the replicas; the global mean needs dp_size. With tp folded in, the replicas can
         # outnumber the data-parallel ranks (edp = dp_shard·tp/ep), so this factor may exceed one.
         factor = expert_dp_mesh.size() / dp_size
         if factor != 1:
             experts.set_all_reduce_hook(lambda reduced, factor=factor: reduced.mul_(factor))
     return unmanaged
+
+
+def _free_dim(param: Tensor) -> int:
+    """The first dim after the experts dim that the parameter's own placements do not shard."""
+    taken = {p.dim for p in param.placements if isinstance(p, Shard)} if isinstance(param, DTensor) else set()
+    return next(dim for dim in range(1, param.dim()) if dim not in taken)
 
 
 def apply_fsdp(model: MoETransformer, mesh: DeviceMesh, reshard_after_forward: bool = True,

@@ -70,62 +70,78 @@ def share_counts(tokens_per_expert: Tensor, start: int, stop: int) -> Tensor:
     return (ends.clamp(start, stop) - begins.clamp(start, stop)).to(tokens_per_expert.dtype)
 
 
-def _all_gather_rows(share: Tensor, bounds: list[int], group: dist.ProcessGroup) -> Tensor:
-    """Concatenate every rank's share (sizes from ``bounds``) on every rank: [share, D] -> [bounds[-1], D]."""
+def _all_gather_rows(part: Tensor, bounds: list[int], ranks_per_share: int, group: dist.ProcessGroup) -> Tensor:
+    """Every share on every rank: [share, D] -> [bounds[-1], D], share sizes from ``bounds``.
+
+    ``ranks_per_share`` consecutive ranks hold parts of the same share (expert tensor parallelism: each a
+    partial sum over its slice of the expert hidden dim); their parts are added, in rank order, so every
+    rank gets the same bits.
+    """
     sizes = [stop - start for start, stop in zip(bounds, bounds[1:], strict=False)]
-    longest = max(sizes)
-    padded = share.new_zeros(longest, *share.shape[1:])
-    padded[:share.shape[0]] = share
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded.contiguous(), group=group)
-    return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
+    padded = part.new_zeros(max(sizes), *part.shape[1:])
+    padded[:part.shape[0]] = part
+    parts = [torch.empty_like(padded) for _ in range(len(sizes) * ranks_per_share)]
+    dist.all_gather(parts, padded, group=group)
+    shares = []
+    for index, size in enumerate(sizes):
+        share = parts[index * ranks_per_share][:size]
+        for other in parts[index * ranks_per_share + 1:(index + 1) * ranks_per_share]:
+            share = share + other[:size]
+        shares.append(share)
+    return torch.cat(shares)
 
 
 class _ScatterRows(torch.autograd.Function):
-    """Forward: keep this rank's rows of a tp-replicated tensor. Backward: all-gather the shares' gradients.
+    """Forward: keep this rank's share of a tp-replicated tensor. Backward: all-gather the shares' gradients.
 
-    Each share's gradient exists only on its rank; the all-gather makes the replicated input's gradient
-    whole (and again identical) on every tp rank.
+    Each share's gradient exists only on the ranks holding it (partial sums, one per expert-tensor-parallel
+    rank); the all-gather adds those and makes the replicated input's gradient whole (and again identical)
+    on every tp rank.
     """
 
     @staticmethod
-    def forward(ctx, x, bounds, rank, group):
-        ctx.bounds, ctx.group = bounds, group
-        return x[bounds[rank]:bounds[rank + 1]]
+    def forward(ctx, x, bounds, share, ranks_per_share, group):
+        ctx.bounds, ctx.ranks_per_share, ctx.group = bounds, ranks_per_share, group
+        return x[bounds[share]:bounds[share + 1]]
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_rows(grad.contiguous(), ctx.bounds, ctx.group), None, None, None
+        return _all_gather_rows(grad.contiguous(), ctx.bounds, ctx.ranks_per_share, ctx.group), None, None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
-    """Forward: all-gather the shares into the replicated whole. Backward: keep this rank's rows of the gradient.
+    """Forward: all-gather (and add the partial sums of) the shares into the replicated whole.
 
-    The whole's gradient is identical on every tp rank (the layers after it are replicated or tensor
-    parallel), so each rank's share of it needs no communication; a reduce-scatter would count it tp times.
+    Backward: keep this rank's share of the gradient. The whole's gradient is identical on every tp rank (the
+    layers after it are replicated or tensor parallel), and each partial sum gets the gradient of the sum,
+    so no communication is needed; a reduce-scatter would count it tp times.
     """
 
     @staticmethod
-    def forward(ctx, share, bounds, rank, group):
-        ctx.bounds, ctx.rank = bounds, rank
-        return _all_gather_rows(share.contiguous(), bounds, group)
+    def forward(ctx, part, bounds, share, ranks_per_share, group):
+        ctx.bounds, ctx.share = bounds, share
+        return _all_gather_rows(part.contiguous(), bounds, ranks_per_share, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.bounds[ctx.rank]:ctx.bounds[ctx.rank + 1]], None, None, None
+        return grad[ctx.bounds[ctx.share]:ctx.bounds[ctx.share + 1]], None, None, None, None
 
 
-def scatter_rows(x: Tensor, tokens_per_expert: Tensor, tp_mesh: DeviceMesh) -> tuple[Tensor, Tensor, list[int]]:
+def scatter_rows(x: Tensor, tokens_per_expert: Tensor, tp_mesh: DeviceMesh,
+                 ranks_per_share: int = 1) -> tuple[Tensor, Tensor, list[int]]:
     """This tp rank's share of rows grouped by expert: x [N, D] -> ([n, D], its tokens per expert [E], bounds).
 
-    The share is contiguous, so it stays grouped by expert; ``bounds`` is what ``gather_rows`` needs.
+    The rows are cut into tp / ``ranks_per_share`` contiguous shares (so each stays grouped by expert);
+    ``ranks_per_share`` consecutive tp ranks (an expert-tensor-parallel group) hold the same share.
+    ``bounds`` is what ``gather_rows`` needs.
     """
-    rank = tp_mesh.get_local_rank()
-    bounds = row_bounds(x.shape[0], tp_mesh.size())
-    share = _ScatterRows.apply(x, bounds, rank, tp_mesh.get_group())
-    return share, share_counts(tokens_per_expert, bounds[rank], bounds[rank + 1]), bounds
+    share = tp_mesh.get_local_rank() // ranks_per_share
+    bounds = row_bounds(x.shape[0], tp_mesh.size() // ranks_per_share)
+    part = _ScatterRows.apply(x, bounds, share, ranks_per_share, tp_mesh.get_group())
+    return part, share_counts(tokens_per_expert, bounds[share], bounds[share + 1]), bounds
 
 
-def gather_rows(share: Tensor, bounds: list[int], tp_mesh: DeviceMesh) -> Tensor:
-    """The shares of every tp rank, in order: [n, D] -> [N, D], identical on every tp rank."""
-    return _GatherRows.apply(share, bounds, tp_mesh.get_local_rank(), tp_mesh.get_group())
+def gather_rows(part: Tensor, bounds: list[int], tp_mesh: DeviceMesh, ranks_per_share: int = 1) -> Tensor:
+    """Every tp rank's share, in order (parts of one share added): [n, D] -> [N, D], identical on every tp rank."""
+    share = tp_mesh.get_local_rank() // ranks_per_share
+    return _GatherRows.apply(part, bounds, share, ranks_per_share, tp_mesh.get_group())

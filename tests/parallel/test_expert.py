@@ -48,12 +48,11 @@ def test_expert_major_index(counts, expected):
     assert torch.equal(grouped.new_empty(grouped.shape).index_copy(0, index, grouped), received)  # inverse
 
 
-def test_check_supported_accepts_ep_and_tp_and_refuses_the_rest():
+def test_check_supported_accepts_ep_tp_etp_and_refuses_the_rest():
     check_supported(Layout(4, dp_shard=4, ep=2))
     check_supported(Layout(4, dp_replicate=2, dp_shard=2, ep=2))
     check_supported(Layout(4, dp_shard=2, tp=2, ep=2))
-    with pytest.raises(ConfigError, match=r"parallel.etp=2: expert tensor parallelism is not supported"):
-        check_supported(Layout(4, dp_shard=2, tp=2, ep=1, etp=2))
+    check_supported(Layout(4, dp_shard=2, tp=2, ep=1, etp=2))
     with pytest.raises(ConfigError, match=r"parallel.pp=2: .*set parallel.pp=1"):
         check_supported(Layout(4, pp=2, dp_shard=2, ep=2))
 

@@ -1,9 +1,10 @@
-"""Tensor parallelism: the row shares, the layout checks, and a tp=2 model against one process on 2 gloo ranks.
+"""Tensor parallelism: the row shares, the layout checks, and tp=2 models against one process on 2 gloo ranks.
 
 The spawned test runs every check in one pair of processes: a small model (a dense block with GQA
-attention, then an MoE block with a shared expert) parallelized with tp=2, and with ep=2 folded over the
-tp group, must give the single-process logits, gradients (gathered) and global gradient norm; with ep
-over tp, the expert all-to-all must carry each kept assignment once, not once per tp rank.
+attention, then an MoE block with a shared expert) parallelized with tp=2, with ep=2 folded over the
+tp group, and with etp=2 (each expert's hidden dim split), must give the single-process logits,
+gradients (gathered) and global gradient norm; with ep over tp, the expert all-to-all must carry each
+kept assignment once, not once per tp rank.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def _check(groups: ParallelGroups, capacity_factor: float | None) -> None:
     attn = model.layers["0"].attn
     assert isinstance(attn.wq.weight, DTensor) and attn.wq.weight.to_local().shape == (8, 16)  # 2 of 4 heads
     assert not isinstance(model.layers["1"].moe.router.gate, DTensor)  # the router stays whole
+    if groups.layout.etp > 1:  # each rank holds half of every expert's hidden dim
+        assert model.layers["1"].moe.experts.w_out.to_local().shape == (4, 6, 16)
 
     ref_logits, ref_loss = _step(reference)
     sent = []  # rows of each token all-to-all this rank starts
@@ -139,7 +142,7 @@ def _check(groups: ParallelGroups, capacity_factor: float | None) -> None:
         if capacity_factor is not None:
             assert int(stats.num_dropped) > 0  # dropped before sending
     else:
-        assert sent == []
+        assert sent == []  # tp alone replicates the experts; etp alone splits them in place: no exchange
 
 
 def _worker(rank: int, port: int) -> None:
@@ -147,7 +150,7 @@ def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        for layout in (Layout(WORLD, tp=WORLD), Layout(WORLD, tp=WORLD, ep=WORLD)):
+        for layout in (Layout(WORLD, tp=WORLD), Layout(WORLD, tp=WORLD, ep=WORLD), Layout(WORLD, tp=WORLD, etp=WORLD)):
             groups = ParallelGroups.build(layout, "cpu")
             for capacity_factor in (None, 1.0):
                 _check(groups, capacity_factor)
