@@ -37,6 +37,8 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # ep=2 folded over the tp group: each tp rank sends its half of the rows to the experts
     pytest.param(["parallel.tp=2", "parallel.ep=2"], 2, "1.25", id="tp=2xep=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], 4, "null", id="dp_shard=2xtp=2xep=2"),
+    # more expert replicas (edp=2) than data-parallel ranks (1): their gradients are summed, not averaged
+    pytest.param(["parallel.tp=4", "parallel.ep=2"], 4, "null", id="tp=4xep=2"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
     pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),

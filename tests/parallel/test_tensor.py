@@ -83,29 +83,28 @@ def _model(capacity_factor: float | None) -> MoETransformer:
     return MoETransformer(MODEL, moe)
 
 
-def _step(model: MoETransformer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and loss of one fixed batch (the same on both ranks: tp ranks share their data), then backward."""
+def _forward(model: MoETransformer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and loss of one fixed batch (the same on both ranks: tp ranks share their data)."""
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     logits = model(tokens[:, :-1])
-    loss = lm_loss(logits, tokens[:, 1:])
-    loss.backward()
-    return logits.detach(), loss.detach()
+    return logits, lm_loss(logits, tokens[:, 1:])
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _check(groups: ParallelGroups, capacity_factor: float | None) -> None:
+def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str = "none") -> None:
     reference = _model(capacity_factor)
-    model = parallelize(copy.deepcopy(reference), groups)
+    model = parallelize(copy.deepcopy(reference), groups, activation_checkpointing=recompute)
     attn = model.layers["0"].attn
     assert isinstance(attn.wq.weight, DTensor) and attn.wq.weight.to_local().shape == (8, 16)  # 2 of 4 heads
     assert not isinstance(model.layers["1"].moe.router.gate, DTensor)  # the router stays whole
     if groups.layout.etp > 1:  # each rank holds half of every expert's hidden dim
         assert model.layers["1"].moe.experts.w_out.to_local().shape == (4, 6, 16)
 
-    ref_logits, ref_loss = _step(reference)
+    ref_logits, ref_loss = _forward(reference)
+    ref_loss.backward()
     sent = []  # rows of each token all-to-all this rank starts
 
     def counting_all_to_all(x, output_split_sizes, input_split_sizes, group, tag=""):
@@ -114,12 +113,13 @@ def _check(groups: ParallelGroups, capacity_factor: float | None) -> None:
 
     original, funcol.all_to_all_single = funcol.all_to_all_single, counting_all_to_all
     try:
-        logits, loss = _step(model)
+        logits, loss = _forward(model)
     finally:
         funcol.all_to_all_single = original
+    loss.backward()
 
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.detach(), ref_logits.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-6)
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
     grads = {name: _full(p.grad) for name, p in model.named_parameters()}
     assert grads.keys() == ref_grads.keys()
@@ -152,8 +152,9 @@ def _worker(rank: int, port: int) -> None:
     try:
         for layout in (Layout(WORLD, tp=WORLD), Layout(WORLD, tp=WORLD, ep=WORLD), Layout(WORLD, tp=WORLD, etp=WORLD)):
             groups = ParallelGroups.build(layout, "cpu")
-            for capacity_factor in (None, 1.0):
-                _check(groups, capacity_factor)
+            for capacity_factor, recompute in ((None, "none"), (1.0, "none"), (None, "full")):
+                # "full": backward re-runs each block, its tp collectives and row shares included
+                _check(groups, capacity_factor, recompute)
     finally:
         dist.destroy_process_group()
 
