@@ -5,8 +5,9 @@ layout enables: expert parallelism (ep, folded over dp_shard; ``parallel/expert.
 then FSDP2 over the expert-data-parallel mesh for the routed experts and over the dense
 data-parallel mesh for everything else (HSDP with dp_replicate; ``parallel/sharding.py``).
 Activation checkpointing (``parallel/activation_checkpoint.py``) goes on between the two.
-Tensor, expert-tensor and pipeline parallelism are refused by ``check_supported`` before
-any process group exists.
+Pipeline parallelism (``parallel/pipeline.py``) cuts the model into stages first and calls
+``parallelize`` on each. Tensor and expert-tensor parallelism are refused by ``check_supported``
+before any process group exists.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from parallel.expert import apply_expert_parallel
 from parallel.groups import Layout, ParallelGroups
 from parallel.sharding import apply_fsdp, clip_grad_norm_, shard_experts
 
-SUPPORTED = ("dp_replicate", "dp_shard", "ep")
+SUPPORTED = ("pp", "dp_replicate", "dp_shard", "ep")
 
 __all__ = ["check_supported", "clip_grad_norm_", "parallelize"]
 
@@ -28,16 +29,18 @@ def check_supported(layout: Layout) -> None:
     if layout.etp > 1:
         raise ConfigError(f"parallel.etp={layout.etp}: expert tensor parallelism is not supported yet; experts are "
                           "split across ranks whole (parallel.ep) and parallel.etp must be 1")
-    for key in ("pp", "tp"):
+    for key in ("tp",):
         if layout.degree(key) > 1:
-            raise ConfigError(f"parallel.{key}={layout.degree(key)}: this version supports data and expert "
-                              f"parallelism only ({', '.join('parallel.' + k for k in SUPPORTED)}); "
+            raise ConfigError(f"parallel.{key}={layout.degree(key)}: this version supports data, expert and "
+                              f"pipeline parallelism only ({', '.join('parallel.' + k for k in SUPPORTED)}); "
                               f"set parallel.{key}=1")
 
 
 def parallelize(model: MoETransformer, groups: ParallelGroups,
                 activation_checkpointing: str = "none") -> MoETransformer:
-    """Apply the layout's parallelism and activation checkpointing to ``model`` in place and return it.
+    """Apply the layout's data, expert and activation-checkpoint settings to ``model`` in place and return it.
+
+    Under pipeline parallelism ``model`` is one stage (``parallel.pipeline.cut_stage``).
 
     Every rank passes the same fully initialised model (same seed): expert parallelism keeps this
     rank's experts and FSDP this rank's shards of them, so the weights do not depend on the layout.
