@@ -3,7 +3,9 @@
 The ``pp × v`` stages are contiguous runs of blocks; the first also holds the token embedding,
 the last the final norm, the LM head and the loss. Stage ``s`` lives on pipeline rank ``s mod pp``
 (torch's "loop" placement), so with ``v > 1`` each rank holds ``v`` stages that the interleaved
-schedule alternates between (Narayanan et al. 2021, sec. 2.2). The split minimises the costliest
+schedule alternates between. With m micro-batches per step the idle "bubble" is (p−1)/m of the
+step for GPipe and 1F1B and (p−1)/(v·m) interleaved (Narayanan et al. 2021, arXiv:2104.04473,
+sec. 2.2.1–2.2.2): more micro-batches and more virtual stages shrink it. The split minimises the costliest
 stage, in training FLOPs per token from ``moe/accounting.py``: a MoE block with top-k experts costs
 more than a dense one, the head adds its vocabulary matmul to the last stage.
 
@@ -166,9 +168,15 @@ class PipelineModel:
         self.microbatches, self.is_first, self.is_last = microbatches, is_first, is_last
         self._routing: list[list[dict[int, RoutingStats]]] = [[] for _ in stages]
         for records, stage in zip(self._routing, stages, strict=True):
-            stage.register_forward_hook(
-                lambda module, args, output, records=records:
-                records.append(module.routing_stats()) if module.training else None)
+            stage.register_forward_hook(self._routing_recorder(records))
+
+    @staticmethod
+    def _routing_recorder(records: list[dict[int, RoutingStats]]) -> Callable:
+        """A forward hook that keeps the stage's routing statistics of each training micro-batch."""
+        def record(module: MoETransformer, args, output) -> None:
+            if module.training:
+                records.append(module.routing_stats())
+        return record
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for stage in self.stages:

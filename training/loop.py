@@ -132,12 +132,13 @@ class IntervalStats:
         return out
 
 
-def micro_batching(config: RunConfig, dp_size: int) -> tuple[int, int]:
+def micro_batching(config: RunConfig, dp_size: int, pp: int = 1) -> tuple[int, int]:
     """(micro-batch size, micro-batches per step) on one rank for the global batch.
 
     The global batch is fixed by config; the layout only changes how it is cut: per-rank batch =
     global / data-parallel ranks, then ``parallel.microbatches`` pieces or pieces of
-    ``train.micro_batch_size`` sequences (either, or both if they agree; neither = one piece).
+    ``train.micro_batch_size`` sequences (either, or both if they agree; neither = one piece, or
+    ``pp`` pieces under pipeline parallelism so that every stage has a micro-batch to work on).
     ``train.py`` calls this before any process group exists, so a bad split fails early.
     """
     global_batch = config.train.global_batch_size
@@ -154,6 +155,8 @@ def micro_batching(config: RunConfig, dp_size: int) -> tuple[int, int]:
             raise ConfigError(f"train.micro_batch_size={micro} and parallel.microbatches={count} disagree: "
                               f"the per-rank batch is {per_rank}; set only one of them")
         return per_rank // count, count
+    if micro is None and pp > 1 and per_rank % pp == 0:
+        micro = per_rank // pp
     micro = micro or per_rank
     if per_rank % micro:
         raise ConfigError(f"train.micro_batch_size={micro} must divide the per-rank batch {per_rank} "
@@ -233,7 +236,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
     dp_group = groups.group("dp") if dp_size > 1 else None
     pp_group = groups.group("pp") if groups.layout.pp > 1 else None
-    micro, accumulation = micro_batching(config, dp_size)
+    micro, accumulation = micro_batching(config, dp_size, groups.layout.pp)
     precision = choose_precision(config.train.precision, device)
     autocast = lambda: (torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
                         if precision.precision == "bf16" else contextlib.nullcontext())
