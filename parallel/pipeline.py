@@ -163,8 +163,9 @@ class PipelineModel:
     """
 
     def __init__(self, stages: list[MoETransformer], schedule, pp_group: dist.ProcessGroup,
-                 microbatches: int, is_first: bool, is_last: bool):
+                 microbatches: int, is_first: bool, is_last: bool, stage_layers: list[range]):
         self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
+        self.stage_layers = stage_layers  # every stage's blocks, on all ranks (stage s on pp rank s mod pp)
         self.microbatches, self.is_first, self.is_last = microbatches, is_first, is_last
         self._routing: list[list[dict[int, RoutingStats]]] = [[] for _ in stages]
         for records, stage in zip(self._routing, stages, strict=True):
@@ -177,6 +178,14 @@ class PipelineModel:
             if module.training:
                 records.append(module.routing_stats())
         return record
+
+    def describe(self) -> str:
+        """One line for the start-up log: the schedule and which blocks each stage runs."""
+        pp = dist.get_world_size(self.pp_group)
+        stages = ", ".join(f"{s}: layers {r.start}-{r.stop - 1} (rank {s % pp})" if len(r) > 1
+                           else f"{s}: layer {r.start} (rank {s % pp})" for s, r in enumerate(self.stage_layers))
+        return (f"pipeline: {type(self.schedule).__name__}, {self.microbatches} micro-batches per step; "
+                f"stages {stages}")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for stage in self.stages:
@@ -292,4 +301,4 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
               if schedule == "interleaved_1f1b"
               else schedule_class(pipeline_stages[0], microbatches, loss_fn=micro_batch_loss, scale_grads=False))
     return PipelineModel(stages, runner, groups.group("pp"), microbatches, is_first=pp_rank == 0,
-                         is_last=pp_rank == layout.pp - 1)
+                         is_last=pp_rank == layout.pp - 1, stage_layers=ranges)

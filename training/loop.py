@@ -271,6 +271,8 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
         f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {dp_size} rank(s) x "
         f"{accumulation} micro-batch(es) of {micro}")
     say(f"precision: {precision.precision} on {device} ({precision.reason})")
+    if isinstance(model, PipelineModel):
+        say(model.describe())
 
     progress = Progress(config.train.steps, config.logging.progress,
                         stream=sys.stderr if runtime.is_main else open(os.devnull, "w"))  # noqa: SIM115
