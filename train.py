@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from moe.config import ConfigError
-from parallel import check_supported
 from parallel.groups import Layout, ParallelGroups, validate_for_model
+from parallel.pipeline import check_pipeline
 from parallel.runtime import init_runtime, shutdown_runtime
 from training.config import load_config
 from training.loop import NonFiniteLossError, micro_batching, train
@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         layout = Layout.resolve(int(os.environ.get("WORLD_SIZE", 1)), **config.parallel.degrees())
         validate_for_model(layout, config.model, config.moe)
-        check_supported(layout)
-        micro_batching(config, layout.dp)
+        _, microbatches = micro_batching(config, layout.dp, layout.pp)
+        check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
+                       microbatches)
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
         try:

@@ -64,3 +64,27 @@ def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
     if model.tie_embeddings:
         matmul_params += model.vocab_size * model.d_model
     return 6.0 * matmul_params + 12.0 * model.n_layers * model.d_model * model.seq_len
+
+
+def block_flops_per_token(model: ModelConfig, moe: MoEConfig, is_moe: bool) -> float:
+    """Training FLOPs of one token through one transformer block, on the terms of ``training_flops_per_token``.
+
+    ``6 *`` the block's active matmul parameters (attention, its two norms, and the dense FFN or
+    the router, shared experts and top_k routed experts) ``+ 12 * d_model * S`` for attention.
+    A MoE block with top_k experts of the dense FFN's size costs more than a dense block; the
+    pipeline split (``parallel/pipeline.py``) balances stages by these numbers.
+    """
+    d, hd = model.d_model, model.head_dim
+    params = d * model.n_heads * hd * 2 + d * model.kv_heads * hd * 2 + 2 * d
+    if is_moe:
+        matrices_per_expert = 3 if moe.activation == "swiglu" else 2
+        params += d * moe.num_experts + moe.top_k * matrices_per_expert * d * moe.expert_hidden
+        params += 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
+    else:
+        params += 3 * d * model.ffn_hidden
+    return 6.0 * params + 12.0 * d * model.seq_len
+
+
+def head_flops_per_token(model: ModelConfig) -> float:
+    """Training FLOPs of one token through the final norm and the LM head (the embedding lookup has none)."""
+    return 6.0 * (model.vocab_size * model.d_model + model.d_model)

@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -94,13 +95,16 @@ def _mesh_key(tensor: Tensor) -> object:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0,
+                    pp_group: dist.ProcessGroup | None = None) -> Tensor:
     """Clip gradients to a global ``norm_type``-norm of at most ``max_norm``; returns the norm before clipping.
 
     ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms into one tensor, which fails for
     DTensors on different meshes (dense FSDP shards and the ep-sharded experts). Here the norm is
     taken per mesh, made a full (reduced) value there, then combined: every shard counts exactly
-    once, replicas not at all. Returns a plain scalar tensor, the same on every rank.
+    once, replicas not at all. Under pipeline parallelism each rank holds only its stages'
+    parameters, so the stages' norms are combined over ``pp_group`` (sum of p-th powers; max for
+    the inf-norm). Returns a plain scalar tensor, the same on every rank.
     """
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for param in parameters:
@@ -110,10 +114,21 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
-        return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
+    if pp_group is not None:
+        total = _combine_over_stages(total, norm_type, pp_group)
     if max_norm < math.inf:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _combine_over_stages(norm: Tensor, norm_type: float, pp_group: dist.ProcessGroup) -> Tensor:
+    """The norm over all pipeline stages from each stage's own ``norm_type``-norm."""
+    if math.isinf(norm_type):
+        out = norm.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=pp_group)
+        return out
+    out = norm.pow(norm_type)
+    dist.all_reduce(out, group=pp_group)
+    return out.pow(1.0 / norm_type)

@@ -23,9 +23,11 @@ import yaml
 
 from moe.accounting import parameter_counts, training_flops_per_token
 from moe.config import ConfigError
+from moe.layer import RoutingStats
 from moe.transformer import MoETransformer
 from parallel import clip_grad_norm_, parallelize
 from parallel.groups import ParallelGroups
+from parallel.pipeline import PipelineModel, build_pipeline
 from parallel.runtime import Runtime
 from training.config import RunConfig
 from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
@@ -58,7 +60,7 @@ class IntervalStats:
     steps: int = 0
     tokens: int = 0
     lm_loss: float = 0.0
-    aux_loss: float = 0.0
+    aux_loss: float = 0.0  # summed over micro-batches and MoE layers
     z_loss: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> assignments per expert
@@ -67,29 +69,44 @@ class IntervalStats:
     entropy: dict[int, float] = field(default_factory=dict)
     micro_batches: int = 0
 
-    def add_routing(self, model: MoETransformer) -> None:
-        """Accumulate the routing statistics of the micro-batch that just ran."""
-        stats = model.routing_stats()
+    def add_routing(self, stats: dict[int, RoutingStats]) -> None:
+        """Accumulate the routing statistics of one micro-batch (``model.routing_stats()`` after it ran)."""
         for i, s in stats.items():
             self.load[i] = self.load.get(i, 0) + s.tokens_per_expert.cpu()
             self.dropped[i] = self.dropped.get(i, 0.0) + float(s.num_dropped)
             self.assignments[i] = self.assignments.get(i, 0) + s.num_assignments
             self.entropy[i] = self.entropy.get(i, 0.0) + float(s.entropy)
-        if stats:
-            self.aux_loss += sum(float(s.aux_loss) for s in stats.values()) / len(stats)
-            self.z_loss += sum(float(s.z_loss) for s in stats.values()) / len(stats)
+        self.aux_loss += sum(float(s.aux_loss) for s in stats.values())
+        self.z_loss += sum(float(s.z_loss) for s in stats.values())
         self.micro_batches += 1
 
-    def record(self, dp_group: dist.ProcessGroup | None = None) -> dict[str, float | list[float]]:
+    def _gather_stages(self, pp_group: dist.ProcessGroup) -> None:
+        """Merge in the other pipeline stages' MoE layers, so every rank holds every layer's figures."""
+        parts: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, (self.load, self.dropped, self.assignments, self.entropy,
+                                       self.aux_loss, self.z_loss), group=pp_group)
+        for load, dropped, assignments, entropy, _, _ in parts:
+            self.load.update(load)
+            self.dropped.update(dropped)
+            self.assignments.update(assignments)
+            self.entropy.update(entropy)
+        self.aux_loss, self.z_loss = sum(p[4] for p in parts), sum(p[5] for p in parts)
+
+    def record(self, dp_group: dist.ProcessGroup | None = None,
+               pp_group: dist.ProcessGroup | None = None) -> dict[str, float | list[float]]:
         """Interval means: losses per step, routing per micro-batch, router load as fractions.
 
-        Routing figures are summed over the data-parallel ranks first, so they describe the
-        global batch (a collective: every data-parallel rank must call this).
+        Routing figures are gathered over the pipeline stages (each holds some layers) and summed
+        over the data-parallel ranks, so they describe the whole model on the global batch (a
+        collective: every rank must call this).
         """
         elapsed = time.perf_counter() - self.started
+        if pp_group is not None:
+            self._gather_stages(pp_group)
         layers = sorted(self.load)
         dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        scalars = torch.tensor([self.aux_loss, self.z_loss] + [self.dropped[i] for i in layers]
+        per_layer = max(1, len(layers))  # aux and z losses are reported as means over the MoE layers
+        scalars = torch.tensor([self.aux_loss / per_layer, self.z_loss / per_layer] + [self.dropped[i] for i in layers]
                                + [self.entropy[i] for i in layers], dtype=torch.float64)
         scalars = all_reduce(scalars, dp_group)
         loads = all_reduce(torch.stack([self.load[i] for i in layers]).double(), dp_group) if layers else None
@@ -115,12 +132,13 @@ class IntervalStats:
         return out
 
 
-def micro_batching(config: RunConfig, dp_size: int) -> tuple[int, int]:
+def micro_batching(config: RunConfig, dp_size: int, pp: int = 1) -> tuple[int, int]:
     """(micro-batch size, micro-batches per step) on one rank for the global batch.
 
     The global batch is fixed by config; the layout only changes how it is cut: per-rank batch =
     global / data-parallel ranks, then ``parallel.microbatches`` pieces or pieces of
-    ``train.micro_batch_size`` sequences (either, or both if they agree; neither = one piece).
+    ``train.micro_batch_size`` sequences (either, or both if they agree; neither = one piece, or
+    ``pp`` pieces under pipeline parallelism so that every stage has a micro-batch to work on).
     ``train.py`` calls this before any process group exists, so a bad split fails early.
     """
     global_batch = config.train.global_batch_size
@@ -137,6 +155,8 @@ def micro_batching(config: RunConfig, dp_size: int) -> tuple[int, int]:
             raise ConfigError(f"train.micro_batch_size={micro} and parallel.microbatches={count} disagree: "
                               f"the per-rank batch is {per_rank}; set only one of them")
         return per_rank // count, count
+    if micro is None and pp > 1 and per_rank % pp == 0:
+        micro = per_rank // pp
     micro = micro or per_rank
     if per_rank % micro:
         raise ConfigError(f"train.micro_batch_size={micro} must divide the per-rank batch {per_rank} "
@@ -153,16 +173,20 @@ def evaluate(model: MoETransformer, val_tokens, config: RunConfig, micro: int, a
     total = torch.zeros((), dtype=torch.float64)
     batches = eval_batches(val_tokens, config.model.seq_len, micro * dp_size, config.train.eval_batches,
                            dp_rank, dp_size)
-    for inputs, targets in batches:
-        with autocast():
-            total += lm_loss(model(inputs.to(device)), targets.to(device)).double().cpu()
+    if isinstance(model, PipelineModel):  # forward only, through the pipeline schedule
+        total += model.eval_losses([(x.to(device), y.to(device)) for x, y in batches]).sum()
+    else:
+        for inputs, targets in batches:
+            with autocast():
+                total += lm_loss(model(inputs.to(device)), targets.to(device)).double().cpu()
     model.train()
     return float(all_reduce(total, dp_group)) / (config.train.eval_batches * dp_size)
 
 
-def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-               micro: int, grad_clip: float, autocast, interval: IntervalStats,
-               dp_group: dist.ProcessGroup | None = None) -> tuple[float, float]:
+def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+               targets: torch.Tensor, micro: int, grad_clip: float, autocast, interval: IntervalStats,
+               dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
+               ) -> tuple[float, float]:
     """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
 
     The step is skipped (no update) when the loss or gradient norm is not finite, so
@@ -171,18 +195,23 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
     """
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
-    step_loss, step_load = torch.zeros((), dtype=torch.float64), {}
-    for m in range(accumulation):
-        x = inputs[m * micro:(m + 1) * micro].to(device)
-        y = targets[m * micro:(m + 1) * micro].to(device)
-        with autocast():
-            loss = lm_loss(model(x), y)
-        (loss / accumulation).backward()
-        step_loss += loss.detach().double().cpu() / accumulation
-        interval.add_routing(model)
-        for i, stats in model.routing_stats().items():
-            step_load[i] = step_load.get(i, 0) + stats.tokens_per_expert
-    grad_norm = clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    step_loss, step_load, routing = torch.zeros((), dtype=torch.float64), {}, []
+    if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
+        step_loss, routing = model.step(inputs.to(device), targets.to(device))
+    else:
+        for m in range(accumulation):
+            x = inputs[m * micro:(m + 1) * micro].to(device)
+            y = targets[m * micro:(m + 1) * micro].to(device)
+            with autocast():
+                loss = lm_loss(model(x), y)
+            (loss / accumulation).backward()
+            step_loss += loss.detach().double().cpu() / accumulation
+            routing.append(model.routing_stats())
+    for stats in routing:
+        interval.add_routing(stats)
+        for i, layer_stats in stats.items():
+            step_load[i] = step_load.get(i, 0) + layer_stats.tokens_per_expert
+    grad_norm = clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf, pp_group=pp_group)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     step_loss = float(all_reduce(step_loss, dp_group)) / dp_size
     grad_norm = float(grad_norm)
@@ -198,7 +227,7 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
 @dataclass
 class RunResult:
     summary: dict[str, float]
-    model: MoETransformer  # the trained model, parallelized as it was trained
+    model: MoETransformer | PipelineModel  # the trained model, parallelized as it was trained (this rank's stages)
 
 
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups) -> RunResult:
@@ -206,7 +235,8 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     device = runtime.device
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
     dp_group = groups.group("dp") if dp_size > 1 else None
-    micro, accumulation = micro_batching(config, dp_size)
+    pp_group = groups.group("pp") if groups.layout.pp > 1 else None
+    micro, accumulation = micro_batching(config, dp_size, groups.layout.pp)
     precision = choose_precision(config.train.precision, device)
     autocast = lambda: (torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
                         if precision.precision == "bf16" else contextlib.nullcontext())
@@ -216,8 +246,13 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
 
     torch.manual_seed(config.train.seed)  # every rank builds the same full model, then keeps its shards
-    model = parallelize(MoETransformer(config.model, config.moe).to(device), groups,
-                        activation_checkpointing=config.parallel.activation_checkpointing)
+    model = MoETransformer(config.model, config.moe).to(device)
+    if pp_group is not None:  # this rank's stages, each parallelized like the whole model
+        model = build_pipeline(model, config.moe, groups, config.parallel.pp_schedule,
+                               config.parallel.pp_virtual_stages, accumulation, micro, lm_loss, autocast,
+                               config.parallel.activation_checkpointing)
+    else:
+        model = parallelize(model, groups, activation_checkpointing=config.parallel.activation_checkpointing)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
     counts = parameter_counts(config.model, config.moe)
@@ -236,6 +271,8 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
         f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {dp_size} rank(s) x "
         f"{accumulation} micro-batch(es) of {micro}")
     say(f"precision: {precision.precision} on {device} ({precision.reason})")
+    if isinstance(model, PipelineModel):
+        say(model.describe())
 
     progress = Progress(config.train.steps, config.logging.progress,
                         stream=sys.stderr if runtime.is_main else open(os.devnull, "w"))  # noqa: SIM115
@@ -247,7 +284,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
             group["lr"] = lr
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
-                                          autocast, interval, dp_group)
+                                          autocast, interval, dp_group, pp_group)
         if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             logger.close()
             raise NonFiniteLossError(f"step {step}: loss {step_loss}, gradient norm {grad_norm}; stopping. "
@@ -259,7 +296,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
         total_tokens += tokens_per_step
         progress.tick(step)
         if step % config.logging.log_interval == 0 or step == config.train.steps:
-            record = interval.record(dp_group)
+            record = interval.record(dp_group, pp_group)
             record.update({"train/lr": lr, "train/grad_norm": grad_norm,
                            "perf/mfu": record["perf/tokens_per_s"] * flops_per_token / precision.peak_flops})
             logger.log(step, record)

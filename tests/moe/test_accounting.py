@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe.accounting import parameter_counts, training_flops_per_token
+from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts, training_flops_per_token
 from moe.config import ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
 from training.config import load_config
@@ -49,3 +49,14 @@ def test_a_dense_model_has_no_inactive_parameters():
     counts = parameter_counts(model_config, moe_config)
     assert counts.active == counts.total and counts.routed_experts == 0
     assert not MoETransformer(model_config, moe_config).moe_layers()
+
+
+@pytest.mark.parametrize("model_config, moe_config", SMALL)
+def test_block_and_head_flops_add_up_to_the_model(model_config, moe_config):
+    blocks = sum(block_flops_per_token(model_config, moe_config, model_config.is_moe_layer(i))
+                 for i in range(model_config.n_layers))
+    total = blocks + head_flops_per_token(model_config)
+    assert total == pytest.approx(training_flops_per_token(model_config, moe_config), rel=1e-12)
+    if model_config.n_moe_layers and model_config.n_moe_layers < model_config.n_layers:
+        assert block_flops_per_token(model_config, moe_config, True) != block_flops_per_token(
+            model_config, moe_config, False)

@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
@@ -28,8 +29,8 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_le
         "train.eval_batches=2", "logging.wandb=disabled", "logging.log_interval=1", "logging.progress=lines"]
 
 
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full tensor (gathering shards: a collective)."""
+def full_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` (this rank's pipeline stages) as full tensors (a collective)."""
     return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
             for name, value in model.state_dict().items()}
 
@@ -49,9 +50,11 @@ def _worker(rank: int, world_size: int, port: int, overrides: list[str], run_dir
     try:
         groups = ParallelGroups.build(Layout.resolve(world_size, **config.parallel.degrees()), "cpu")
         result = train(config, Path(run_dir), runtime, groups)
-        state = full_state(result.model)
+        # each pipeline stage holds part of the model: gather every rank's full tensors on rank 0
+        parts = [None] * world_size if rank == 0 else None
+        dist.gather_object(full_state(result.model), parts, dst=0)
         if rank == 0:
-            torch.save(state, out)
+            torch.save({name: value for part in parts for name, value in part.items()}, out)
     finally:
         shutdown_runtime()
 

@@ -2,16 +2,17 @@
 
 Each layout trains 5 optimizer steps; every step's loss, aux loss and gradient norm (the clipping
 input) must match the single-process reference to 1e-4 relative, and so must every final parameter.
-The reference runs the global batch of 8 as the same micro-batches that each data-parallel rank sees
-(8 / data-parallel ranks sequences), so capacity-limited routing groups tokens the same way in both.
+The reference runs the global batch of 8 as the same micro-batches that each data-parallel rank sees,
+so capacity-limited routing groups tokens the same way in both. A micro-batch is 8 / (data-parallel
+ranks × pipeline stages) sequences: each pipeline then runs pp micro-batches, as 1F1B needs. Layout
+settings outside ``parallel.*`` (a deeper model for interleaving) apply to the reference too.
 """
 
 import pytest
 import torch
 
-from parallel.groups import Layout
+from parallel.groups import DEGREES, Layout
 from tests.parallel.parity import run
-from training.config import load_config
 
 STEPS = 5
 LAYOUTS = [  # (overrides, world size, capacity factor)
@@ -43,12 +44,27 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),
     pytest.param(["parallel.tp=4", "parallel.ep=2", "parallel.etp=2"], 4, "1.25", id="tp=4xep=2xetp=2"),
+    # pipeline parallelism: one block per stage, the embedding on the first, head and loss on the last
+    pytest.param(["parallel.pp=2"], 2, "null", id="pp=2-1f1b-dropless"),
+    pytest.param(["parallel.pp=2"], 2, "1.25", id="pp=2-1f1b-capacity"),
+    # recomputing blocks must not count their routing statistics twice
+    pytest.param(["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.activation_checkpointing=full"], 2,
+                 "1.25", id="pp=2-gpipe-recompute"),
+    pytest.param(["model.n_layers=4", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                  "parallel.pp_virtual_stages=2"], 2, "null", id="pp=2-interleaved-v=2"),
+    pytest.param(["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"], 4, "1.25", id="pp=2xdp_shard=2xep=2"),
+    # all four at once on 8 ranks: 2 stages, each tp=2 × dp_shard=2 with ep=2 folded over dp_shard × tp
+    pytest.param(["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"], 8, "null",
+                 id="pp=2xtp=2xdp_shard=2xep=2"),
 ]
 
 
-def _dp_size(layout: list[str], world_size: int) -> int:
-    """Data-parallel ranks of a layout: each sees its own micro-batches (tensor-parallel ranks share theirs)."""
-    return Layout.resolve(world_size, **load_config("moe-8x", layout).parallel.degrees()).dp
+def micro_batch_size(layout: list[str], world_size: int) -> int:
+    """Sequences per micro-batch: the global 8 over the data-parallel ranks and the pipeline stages."""
+    degrees = {key: int(value) for key, value in (o.removeprefix("parallel.").split("=") for o in layout
+                                                  if o.startswith("parallel.")) if key in DEGREES}
+    resolved = Layout.resolve(world_size, **degrees)
+    return 8 // (resolved.dp * resolved.pp)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +83,11 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("layout, world_size, capacity", LAYOUTS)
 def test_layout_matches_single_process(layout, world_size, capacity, references, tmp_path):
-    micro_batch = 8 // _dp_size(layout, world_size)
-    settings = [f"train.steps={STEPS}", f"moe.capacity_factor={capacity}", f"train.micro_batch_size={micro_batch}"]
+    settings = [f"train.steps={STEPS}", f"moe.capacity_factor={capacity}",
+                f"train.micro_batch_size={micro_batch_size(layout, world_size)}",
+                *[o for o in layout if not o.startswith("parallel.")]]
     ref_records, ref_state = references(settings)
-    records, state = run([*settings, *layout], world_size, tmp_path)
+    records, state = run([*settings, *[o for o in layout if o.startswith("parallel.")]], world_size, tmp_path)
 
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for ref, got in zip(ref_records, records, strict=True):

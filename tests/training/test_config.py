@@ -90,6 +90,11 @@ def test_micro_batching_keeps_the_global_batch(overrides, dp, expected):
     assert (micro, count) == expected and micro * count * dp == 16
 
 
+def test_micro_batching_gives_each_pipeline_stage_a_micro_batch_by_default():
+    assert micro_batching(load_config("moe-8x"), 2, pp=2) == (4, 2)  # neither key set: pp pieces
+    assert micro_batching(load_config("moe-8x", ["train.micro_batch_size=8"]), 2, pp=2) == (8, 1)  # as given
+
+
 @pytest.mark.parametrize(
     "overrides, dp, message",
     [

@@ -1,0 +1,304 @@
+"""Pipeline parallelism: the blocks cut into stages balanced by cost, run by ``torch.distributed.pipelining``.
+
+The ``pp × v`` stages are contiguous runs of blocks; the first also holds the token embedding,
+the last the final norm, the LM head and the loss. Stage ``s`` lives on pipeline rank ``s mod pp``
+(torch's "loop" placement), so with ``v > 1`` each rank holds ``v`` stages that the interleaved
+schedule alternates between. With m micro-batches per step the idle "bubble" is (p−1)/m of the
+step for GPipe and 1F1B and (p−1)/(v·m) interleaved (Narayanan et al. 2021, arXiv:2104.04473,
+sec. 2.2.1–2.2.2): more micro-batches and more virtual stages shrink it. The split minimises the costliest
+stage, in training FLOPs per token from ``moe/accounting.py``: a MoE block with top-k experts costs
+more than a dense one, the head adds its vocabulary matmul to the last stage.
+
+Each stage is the full, seeded model with what it does not run removed: other blocks deleted from
+``layers`` (keyed by layer index, so names are unchanged), the embedding, or the norm and head,
+replaced by ``nn.Identity``. The model's own ``forward`` then maps tokens or hidden states to hidden
+states or logits, the state dicts of all stages together are the single-process model's, and every
+stage is parallelized (EP, activation checkpointing, FSDP) by ``parallel.parallelize`` as the
+whole model is without pipelining.
+
+Aux losses need nothing here: ``moe/losses.py`` ties them to the MoE layer's output, so a stage's
+backward, started from the gradient the next stage sent, runs them too. Routing statistics are
+taken by a forward hook per stage, one record per micro-batch (an activation-checkpoint recompute
+re-runs blocks, not the stage, so it is not counted twice).
+
+Gradient scaling follows the training loop: the loss of each micro-batch is divided by the number
+of micro-batches (``scale_grads=False``), and the injected aux losses carry the same factor
+(``MoETransformer.set_aux_loss_scale``).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from moe.accounting import block_flops_per_token, head_flops_per_token
+from moe.config import ConfigError, ModelConfig, MoEConfig
+from moe.layer import MoELayer, RoutingStats
+from moe.transformer import MoETransformer
+from parallel import parallelize
+from parallel.groups import ParallelGroups
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def balanced_split(layer_costs: Sequence[float], num_stages: int, first_extra: float = 0.0,
+                   last_extra: float = 0.0) -> list[range]:
+    """Cut layers into ``num_stages`` contiguous non-empty runs minimising the costliest stage.
+
+    A stage's cost is the sum of its layers' costs, plus ``first_extra`` for the first stage and
+    ``last_extra`` for the last. Dynamic programming over (stage, end layer), O(stages · layers²);
+    ties go to the earliest cut.
+    """
+    n = len(layer_costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {num_stages} non-empty stages")
+    prefix = [0.0, *itertools.accumulate(layer_costs)]
+
+    def cost(stage: int, start: int, end: int) -> float:
+        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == num_stages - 1 else 0.0)
+        return prefix[end] - prefix[start] + extra
+
+    # best[s][e]: the smallest bottleneck of stages 0..s covering layers [0, e); cut[s][e]: where stage s starts
+    best = [[float("inf")] * (n + 1) for _ in range(num_stages)]
+    cut = [[0] * (n + 1) for _ in range(num_stages)]
+    for end in range(1, n + 1):
+        best[0][end] = cost(0, 0, end)
+    for stage in range(1, num_stages):
+        for end in range(stage + 1, n + 1):
+            for start in range(stage, end):
+                candidate = max(best[stage - 1][start], cost(stage, start, end))
+                if candidate < best[stage][end]:
+                    best[stage][end], cut[stage][end] = candidate, start
+    bounds, end = [], n
+    for stage in range(num_stages - 1, 0, -1):
+        bounds.append(range(cut[stage][end], end))
+        end = cut[stage][end]
+    bounds.append(range(0, end))
+    return bounds[::-1]
+
+
+def stage_layers(model: ModelConfig, moe: MoEConfig, num_stages: int) -> list[range]:
+    """The layer indices of each of ``num_stages`` stages, balanced by training FLOPs per token."""
+    costs = [block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers)]
+    return balanced_split(costs, num_stages, last_extra=head_flops_per_token(model))
+
+
+def check_pipeline(pp: int, model: ModelConfig, schedule: str, virtual_stages: int, microbatches: int) -> None:
+    """Refuse, before any process group exists, a pipeline the schedules cannot run.
+
+    ``microbatches`` is the number of micro-batches per optimizer step on one pipeline
+    (``training.loop.micro_batching``). The micro-batch rules are torch's: 1F1B needs at least one
+    micro-batch per stage to fill the pipe; interleaved 1F1B runs rounds of ``pp`` micro-batches and
+    needs their count to split evenly into ``max(1, microbatches // pp)`` rounds.
+    """
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={schedule!r} is not a schedule; valid: {', '.join(SCHEDULES)}")
+    if pp == 1:
+        if virtual_stages > 1:
+            raise ConfigError(f"parallel.pp_virtual_stages={virtual_stages} needs pipeline parallelism "
+                              "(parallel.pp > 1); set it to 1")
+        return
+    stages = pp * virtual_stages
+    if stages > model.n_layers:
+        fits = [v for v in range(1, virtual_stages) if pp * v <= model.n_layers]
+        fix = (f"parallel.pp_virtual_stages={fits[-1]}" if fits
+               else f"parallel.pp={model.n_layers} or fewer")
+        raise ConfigError(f"parallel.pp={pp} × parallel.pp_virtual_stages={virtual_stages} = {stages} pipeline "
+                          f"stages, more than model.n_layers={model.n_layers}: every stage needs a block; "
+                          f"use {fix}")
+    if model.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true shares the embedding with the LM head, which pipeline "
+                          "parallelism puts on different stages; set model.tie_embeddings=false or parallel.pp=1")
+    if virtual_stages > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(f"parallel.pp_virtual_stages={virtual_stages} needs parallel.pp_schedule="
+                          f"interleaved_1f1b ({schedule} runs one stage per rank); or set it to 1")
+    if schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(f"parallel.pp_schedule=1f1b needs at least parallel.pp={pp} micro-batches per step, "
+                          f"got {microbatches}; set parallel.microbatches={pp} (or a smaller train.micro_batch_size)")
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b runs {microbatches} micro-batches in rounds "
+                              f"of parallel.pp={pp}, which needs a multiple of {pp} (or fewer than {pp}); "
+                              f"got {microbatches}: set parallel.microbatches to a multiple of {pp}")
+
+
+def cut_stage(model: MoETransformer, layers: range, first: bool, last: bool) -> MoETransformer:
+    """A copy of ``model`` that holds only blocks ``layers`` (and the embedding / norm and head if first / last).
+
+    Parameter names stay those of the full model. The copy is deep, so each stage owns its
+    tensors; this costs one model copy per local stage while the pipeline is built.
+    """
+    stage = copy.deepcopy(model)
+    for name in list(stage.layers):
+        if int(name) not in layers:
+            del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = nn.Identity()  # hidden states come in instead of tokens
+    if not last:
+        stage.norm, stage.output = nn.Identity(), nn.Identity()  # hidden states go out instead of logits
+    return stage
+
+
+def _with_autocast(forward: Callable, autocast: Callable[[], AbstractContextManager]) -> Callable:
+    def run(*args, **kwargs):
+        with autocast():
+            return forward(*args, **kwargs)
+    return run
+
+
+class PipelineModel:
+    """This rank's stages of the model and the schedule that runs them.
+
+    It answers what the training loop asks of a model (``parameters``, ``state_dict``,
+    ``moe_layers``, ``set_aux_loss_scale``, ``train``/``eval``), over all local stages and with
+    the full model's names, and runs a step with ``step`` instead of forward and backward.
+    """
+
+    def __init__(self, stages: list[MoETransformer], schedule, pp_group: dist.ProcessGroup,
+                 microbatches: int, is_first: bool, is_last: bool, stage_layers: list[range]):
+        self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
+        self.stage_layers = stage_layers  # every stage's blocks, on all ranks (stage s on pp rank s mod pp)
+        self.microbatches, self.is_first, self.is_last = microbatches, is_first, is_last
+        self._routing: list[list[dict[int, RoutingStats]]] = [[] for _ in stages]
+        for records, stage in zip(self._routing, stages, strict=True):
+            stage.register_forward_hook(self._routing_recorder(records))
+
+    @staticmethod
+    def _routing_recorder(records: list[dict[int, RoutingStats]]) -> Callable:
+        """A forward hook that keeps the stage's routing statistics of each training micro-batch."""
+        def record(module: MoETransformer, args, output) -> None:
+            if module.training:
+                records.append(module.routing_stats())
+        return record
+
+    def describe(self) -> str:
+        """One line for the start-up log: the schedule and which blocks each stage runs."""
+        pp = dist.get_world_size(self.pp_group)
+        stages = ", ".join(f"{s}: layers {r.start}-{r.stop - 1} (rank {s % pp})" if len(r) > 1
+                           else f"{s}: layer {r.start} (rank {s % pp})" for s, r in enumerate(self.stage_layers))
+        return (f"pipeline: {type(self.schedule).__name__}, {self.microbatches} micro-batches per step; "
+                f"stages {stages}")
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for stage in self.stages:
+            yield from stage.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for stage in self.stages:
+            yield from stage.named_parameters()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """This rank's part of the model's state dict (its stages'), under the full model's names."""
+        return {k: v for stage in self.stages for k, v in stage.state_dict().items()}
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        return {i: layer for stage in self.stages for i, layer in stage.moe_layers().items()}
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        for stage in self.stages:
+            stage.set_aux_loss_scale(scale)
+
+    def train(self, mode: bool = True) -> PipelineModel:
+        for stage in self.stages:
+            stage.train(mode)
+        return self
+
+    def eval(self) -> PipelineModel:
+        return self.train(False)
+
+    def _run(self, inputs: Tensor, targets: Tensor, backward: bool) -> Tensor:
+        """Run the schedule on this rank's batch; the per-micro-batch losses (each / micro-batches), on every rank.
+
+        Only the first stage reads the inputs and only the last the targets; the losses are
+        computed on the last stage and broadcast over the pipeline group.
+        """
+        args = (inputs,) if self.is_first else ()
+        target = targets if self.is_last else None
+        losses: list[Tensor] = []
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
+        device = inputs.device
+        out = (torch.stack([loss.detach() for loss in losses]).double() if self.is_last
+               else torch.zeros(self.microbatches, dtype=torch.float64, device=device))
+        dist.broadcast(out, group=self.pp_group, group_src=dist.get_world_size(self.pp_group) - 1)
+        return out.cpu()
+
+    def step(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, list[dict[int, RoutingStats]]]:
+        """Forward and backward over this rank's batch [B, S] in micro-batches.
+
+        Returns (mean LM loss of the batch, routing statistics of each micro-batch for this rank's
+        MoE layers). Gradients are left in the parameters for the optimizer.
+        """
+        for records in self._routing:
+            records.clear()
+        losses = self._run(inputs, targets, backward=True)
+        routing = [{i: s for records in self._routing for i, s in records[m].items()}
+                   for m in range(self.microbatches)]
+        return losses.sum(), routing
+
+    def eval_losses(self, batches: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        """Mean LM loss of each of ``batches`` (forward only), on every rank of the pipeline.
+
+        Each batch is one micro-batch; they run ``microbatches`` at a time, the last group
+        padded by repeating its last batch and the padding's losses left out.
+        """
+        per_batch = []
+        for start in range(0, len(batches), self.microbatches):
+            group = list(batches[start:start + self.microbatches])
+            real = len(group)
+            group += [group[-1]] * (self.microbatches - real)
+            inputs = torch.cat([x for x, _ in group])
+            targets = torch.cat([y for _, y in group])
+            per_batch.append(self._run(inputs, targets, backward=False)[:real] * self.microbatches)
+        return torch.cat(per_batch)
+
+
+def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups, schedule: str,
+                   virtual_stages: int, microbatches: int, micro_batch_size: int,
+                   loss_fn: Callable[[Tensor, Tensor], Tensor], autocast: Callable[[], AbstractContextManager],
+                   activation_checkpointing: str = "none") -> PipelineModel:
+    """Cut ``model`` (the full, seeded model of ``moe``'s experts, the same on every rank) into this rank's stages.
+
+    ``loss_fn(logits, targets)`` is the mean LM loss of one micro-batch of ``micro_batch_size``
+    sequences; ``autocast`` wraps each stage's forward (compute precision), as it wraps the
+    model's forward without pipelining.
+    """
+    config, layout = model.config, groups.layout
+    check_pipeline(layout.pp, config, schedule, virtual_stages, microbatches)
+    num_stages = layout.pp * virtual_stages
+    ranges = stage_layers(config, moe, num_stages)
+    pp_rank = groups.coords()["pp"]
+    device = next(model.parameters()).device
+    seq, width = config.seq_len, config.d_model
+
+    stages, pipeline_stages = [], []
+    for index in range(pp_rank, num_stages, layout.pp):
+        first, last = index == 0, index == num_stages - 1
+        stage = parallelize(cut_stage(model, ranges[index], first, last), groups, activation_checkpointing)
+        stage.forward = _with_autocast(stage.forward, autocast)
+        # shapes given up front (static metadata), so torch does not run a trial step to infer them
+        inputs = (torch.empty(micro_batch_size, seq, dtype=torch.long, device="meta") if first
+                  else torch.empty(micro_batch_size, seq, width, device="meta", requires_grad=True))
+        outputs = torch.empty(micro_batch_size, seq, config.vocab_size if last else width, device="meta",
+                              requires_grad=True)
+        stages.append(stage)
+        pipeline_stages.append(PipelineStage(stage, index, num_stages, device, input_args=inputs,
+                                             output_args=outputs, group=groups.group("pp")))
+
+    def micro_batch_loss(logits: Tensor, targets: Tensor) -> Tensor:
+        return loss_fn(logits, targets) / microbatches
+
+    schedule_class = SCHEDULES[schedule]
+    runner = (schedule_class(pipeline_stages, microbatches, loss_fn=micro_batch_loss, scale_grads=False)
+              if schedule == "interleaved_1f1b"
+              else schedule_class(pipeline_stages[0], microbatches, loss_fn=micro_batch_loss, scale_grads=False))
+    return PipelineModel(stages, runner, groups.group("pp"), microbatches, is_first=pp_rank == 0,
+                         is_last=pp_rank == layout.pp - 1, stage_layers=ranges)
