@@ -96,5 +96,9 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
         assert got["router/layer0/load"] == pytest.approx(ref["router/layer0/load"], rel=1e-6)
     assert ref_records[-1]["train/loss"] < ref_records[0]["train/loss"]  # it trained: the check has teeth
     assert state.keys() == ref_state.keys()
+    # 1e-4 absolute as well: Adam divides each update by its own gradient's magnitude, so where a gradient is
+    # near zero the reduction order's fp32 noise moves the weight by up to ~lr x noise (seen: 1.2e-5 on 1 of
+    # 4096 expert weights on 8 ranks), while a real error (a lost or doubled gradient) moves it by ~lr = 1e-2.
     for name in ref_state:
-        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
