@@ -64,6 +64,17 @@ def run_dir_from_env(runs_dir: Path | str = "runs") -> Path:
     return newest_run(runs_dir)
 
 
+def companion_run(run_dir: Path | str, runs_dir: Path | str = "runs") -> Path | None:
+    """A run to compare with: ``$MOE_COMPARE_RUN``, else the newest other run under ``runs_dir``, else None."""
+    chosen = os.environ.get("MOE_COMPARE_RUN")
+    if chosen:
+        return Path(chosen)
+    this = Path(run_dir).resolve()
+    others = [p.parent for p in Path(runs_dir).glob("*/metrics.jsonl")
+              if p.parent.resolve() != this and (p.parent / "routing" / "step.npy").is_file()]
+    return max(others, key=lambda p: (p / "metrics.jsonl").stat().st_mtime) if others else None
+
+
 def load_run_config(run_dir: Path | str) -> RunConfig:
     """The resolved configuration a run was trained with (its ``config.yaml``), validated."""
     path = Path(run_dir) / "config.yaml"
@@ -140,6 +151,14 @@ def coselection_lift(counts: np.ndarray) -> np.ndarray:
 def load_state_dict_file(path: Path | str) -> StateDictLoader:
     """A loader for a model state dict saved with ``torch.save`` (tensors only, loaded on the CPU)."""
     return lambda: torch.load(path, map_location="cpu", weights_only=True)
+
+
+def probe_weights_from_env() -> tuple[StateDictLoader | None, str]:
+    """(loader, description): ``$MOE_PROBE_WEIGHTS`` (a torch.save'd state dict), else the run's initial weights."""
+    path = os.environ.get("MOE_PROBE_WEIGHTS")
+    if path:
+        return _weights_arg(path), path
+    return None, "initial weights (set MOE_PROBE_WEIGHTS to a state dict file to probe trained weights)"
 
 
 def build_model(config: RunConfig, load_weights: StateDictLoader | None = None) -> MoETransformer:

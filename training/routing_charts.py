@@ -25,16 +25,14 @@ def load_heatmap_figure(load: np.ndarray, row_labels: list[str], title: str, row
     """A matplotlib figure of ``load`` [rows, E] as a heatmap, share of assignments per cell.
 
     The colour scale is centred on the balanced share 1/E (white), so hot experts show red and
-    starved ones blue whatever E is.
+    starved ones blue whatever E is. A plain ``Figure`` (not pyplot's): no backend, no global state.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib import pyplot as plt
     from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.figure import Figure
 
     rows, experts = load.shape
-    fig, ax = plt.subplots(figsize=(1.0 + 0.45 * experts, 0.9 + 0.4 * rows))
+    fig = Figure(figsize=(1.5 + 0.45 * experts, 1.2 + 0.3 * rows), layout="constrained")
+    ax = fig.subplots()
     balanced = 1.0 / experts
     norm = TwoSlopeNorm(vcenter=balanced, vmin=0.0, vmax=max(float(load.max()), 2 * balanced))
     image = ax.imshow(load, cmap="RdBu_r", norm=norm, aspect="auto", interpolation="nearest")
@@ -44,7 +42,6 @@ def load_heatmap_figure(load: np.ndarray, row_labels: list[str], title: str, row
     ax.set_ylabel(row_name)
     ax.set_title(title)
     fig.colorbar(image, ax=ax, label=f"share of assignments (balanced = {balanced:.3g})")
-    fig.tight_layout()
     return fig
 
 
@@ -65,9 +62,6 @@ def log_routing_charts(logger: MetricsLogger, step: int, routing: IntervalRoutin
     matrix = [[int(i), *map(float, row)] for i, row in zip(routing.layers, load, strict=True)]
     charts["router/load_matrix"] = wandb.Table(columns=["layer", *experts], data=matrix)
     if HAS_MATPLOTLIB:
-        from matplotlib import pyplot as plt
-
         fig = load_heatmap_figure(load, [str(i) for i in routing.layers], f"expert load, step {step}")
         charts["router/load_heatmap"] = wandb.Image(fig)
-        plt.close(fig)
     logger.log_wandb(step, charts)
