@@ -1,13 +1,16 @@
 """Router analysis of a run directory: routing over training, and probes of what the experts specialise in.
 
     python -m analysis.router probe --run runs/moe-8x --weights model.pt [--compare init]
+    python -m analysis.router summary runs/a runs/b ...
 
 ``probe`` builds the run's model from its ``config.yaml``, loads weights (``--weights``: a file holding
 a model state dict saved with ``torch.save``, or ``init``: the run's own initial weights, rebuilt from
 its seed), runs a fixed held-out text (the first tokens of the run's validation split, or ``--text``),
 prints what each expert specialises in and how consecutive layers agree, and saves every routing
 choice to ``probe.npz`` (``analysis.router_probe.ProbeResult.load`` reads it). ``--compare`` probes a
-second weight set on the same text and reports how the routing moved.
+second weight set on the same text and reports how the routing moved. ``summary`` prints one line per
+run: final losses, and imbalance, MaxVio, dropped fraction and entropy over the last logging intervals
+(``scripts/balancing_story.sh`` uses it to compare balancing methods).
 
 The functions here are what ``notebooks/router_analysis.ipynb`` calls; the figures are in
 ``analysis.router_plots``.
@@ -202,6 +205,42 @@ def specialisation_lines(result: ProbeResult, layer: int, byte_level: bool = Tru
     return lines
 
 
+@dataclass
+class RunSummary:
+    """A run's balancing in a few numbers, over its last logging intervals."""
+
+    name: str
+    steps: int
+    train_loss: float
+    val_loss: float
+    imbalance: float  # max/mean load, mean over layers and the last intervals
+    maxvio: float
+    dropped_frac: float
+    entropy: float
+
+
+def summarise(run: RunData, last_intervals: int = 5) -> RunSummary:
+    """Final losses and the routing figures averaged over the last ``last_intervals`` logging intervals."""
+    last_steps = np.unique(run.routing["step"])[-last_intervals:]
+    rows = np.isin(run.routing["step"], last_steps)
+    mean = lambda field: float(run.routing[field][rows].mean())  # noqa: E731
+    train_steps, train_loss = run.metric("train/loss")
+    _, val_loss = run.metric("val/loss")
+    return RunSummary(run.name, int(train_steps[-1]), float(train_loss[-1]),
+                      float(val_loss[-1]) if len(val_loss) else float("nan"),
+                      mean("imbalance"), mean("maxvio"), mean("dropped_frac"), mean("entropy"))
+
+
+def summary_command(args: argparse.Namespace) -> None:
+    print(f"{'run':<28} {'steps':>6} {'train':>7} {'val':>7} {'imbal':>6} {'maxvio':>7} {'dropped':>8} {'entropy':>8}")
+    for run_dir in args.runs:
+        s = summarise(load_run(run_dir), args.last)
+        print(f"{s.name:<28} {s.steps:>6} {s.train_loss:>7.4f} {s.val_loss:>7.4f} {s.imbalance:>6.3f} "
+              f"{s.maxvio:>7.3f} {100 * s.dropped_frac:>7.2f}% {s.entropy:>8.4f}")
+    print(f"(routing figures: mean over MoE layers and the last {args.last} logging intervals; "
+          "imbal = max/mean expert load, maxvio = imbal - 1)")
+
+
 def _weights_arg(value: str) -> StateDictLoader | None:
     if value == "init":
         return None
@@ -245,9 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     probe_parser.add_argument("--text", default=None, help="probe this file's bytes instead of the validation split")
     probe_parser.add_argument("--tokens", type=int, default=8192, help="held-out tokens to probe")
     probe_parser.add_argument("--out", default=None, help="where to save the routing (default RUN/probe.npz)")
+    summary_parser = commands.add_parser("summary", help="final loss and balancing of runs, one line each")
+    summary_parser.add_argument("runs", nargs="+", type=Path, help="run directories")
+    summary_parser.add_argument("--last", type=int, default=5, help="logging intervals to average routing over")
     args = parser.parse_args(argv)
     try:
-        probe_command(args)
+        {"probe": probe_command, "summary": summary_command}[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

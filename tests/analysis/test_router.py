@@ -77,3 +77,20 @@ def test_coselection_lift_against_independent_choice():
     assert lift[0, 1] == pytest.approx(2 / (load[0] * load[1] / 3))
     assert lift[0, 2] == 0 and lift[1, 2] == pytest.approx(1 / (load[1] * load[2] / 3))
     assert np.isnan(np.diag(lift)).all()
+
+
+def test_summary_averages_the_last_intervals_and_prints_one_line_per_run(tmp_path, capsys):
+    run_dir = _fake_run(tmp_path / "a", steps=(10, 20, 30))
+    for name in ("maxvio", "dropped_frac", "entropy"):
+        for _ in range(3):
+            append_rows(run_dir / "routing" / f"{name}.npy", np.array([0.1, 0.3]))
+    with open(run_dir / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 30, "val/loss": 2.5}\n')
+    run = router.load_run(run_dir)
+    summary = router.summarise(run, last_intervals=2)
+    assert summary.steps == 30 and summary.train_loss == pytest.approx(2.0) and summary.val_loss == 2.5
+    assert summary.imbalance == pytest.approx(run.routing["imbalance"][2:].mean())
+    assert summary.maxvio == pytest.approx(0.2)
+    assert router.main(["summary", str(run_dir), str(run_dir), "--last", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and lines[1].split()[:4] == ["a", "30", "2.0000", "2.5000"]
