@@ -9,6 +9,7 @@ them work offline: a bar chart is a ``wandb.Table`` plus wandb's bar preset, the
 from __future__ import annotations
 
 import importlib.util
+import io
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -62,6 +63,10 @@ def log_routing_charts(logger: MetricsLogger, step: int, routing: IntervalRoutin
     matrix = [[int(i), *map(float, row)] for i, row in zip(routing.layers, load, strict=True)]
     charts["router/load_matrix"] = wandb.Table(columns=["layer", *experts], data=matrix)
     if HAS_MATPLOTLIB:
+        from PIL import Image  # matplotlib's own dependency
+
         fig = load_heatmap_figure(load, [str(i) for i in routing.layers], f"expert load, step {step}")
-        charts["router/load_heatmap"] = wandb.Image(fig)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=100)  # rendered here: wandb.Image(fig) would need pyplot's global state
+        charts["router/load_heatmap"] = wandb.Image(Image.open(png))
     logger.log_wandb(step, charts)
