@@ -27,6 +27,9 @@ class RoutingStats:
     entropy: Tensor  # mean over tokens of the router distribution's entropy (nats)
     aux_loss: Tensor  # unscaled load-balancing loss (1.0 = perfectly balanced)
     z_loss: Tensor  # unscaled router z-loss
+    top1_prob: Tensor  # mean over tokens of the router's highest probability (confidence)
+    choice_share: Tensor  # [k] mean share of a token's combine weight that its j-th choice carries
+    coselection: Tensor | None  # [E, E] tokens that chose both experts i and j (diagonal: tokens per expert); k >= 2
 
     @property
     def dropped_fraction(self) -> Tensor:
@@ -97,12 +100,21 @@ class MoELayer(nn.Module):
         out = attach_loss(out, balance, cfg.aux_loss_coef * self.aux_loss_scale)
         out = attach_loss(out, router_z, cfg.z_loss_coef * self.aux_loss_scale)
 
-        self.last_stats = self._stats(routed.probs, plan.selected_per_expert, plan.num_dropped, balance, router_z)
+        self.last_stats = self._stats(routed, plan.selected_per_expert, plan.num_dropped, balance, router_z)
         return out.view(batch, seq, -1)
 
     @torch.no_grad()
-    def _stats(self, probs: Tensor, selected: Tensor, dropped: Tensor, balance: Tensor, router_z: Tensor):
+    def _stats(self, routed, selected: Tensor, dropped: Tensor, balance: Tensor, router_z: Tensor) -> RoutingStats:
+        """A handful of small tensor ops per pass, all on the device: nothing here waits for the host."""
+        probs, weights = routed.probs, routed.weights  # [T, E], [T, k]
         entropy = -(probs * torch.log(probs.clamp_min(1e-20))).sum(-1).mean()
+        share = (weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)).mean(0)
+        coselection = None
+        if self.config.top_k >= 2:  # count (i, j) pairs among each token's choices; integer, so autocast-proof
+            num_experts = probs.shape[1]
+            pairs = routed.expert_ids[:, :, None] * num_experts + routed.expert_ids[:, None, :]  # [T, k, k]
+            coselection = torch.bincount(pairs.reshape(-1), minlength=num_experts * num_experts)
+            coselection = coselection.view(num_experts, num_experts)
         return RoutingStats(
             tokens_per_expert=selected.detach(),
             num_dropped=dropped.detach(),
@@ -110,4 +122,7 @@ class MoELayer(nn.Module):
             entropy=entropy,
             aux_loss=balance.detach(),
             z_loss=router_z.detach(),
+            top1_prob=probs.max(-1).values.mean(),
+            choice_share=share,
+            coselection=coselection,
         )

@@ -119,9 +119,12 @@ class LoggingConfig:
     progress: Literal["auto", "bar", "lines"] = "auto"  # auto = a bar on a terminal, plain lines otherwise
     wandb: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "moe-toolkit"
+    router_charts_every: int = 5  # log intervals between wandb expert-load charts (and the last); 0 = never
 
     def validate(self) -> None:
         _require(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}")
+        _require(self.router_charts_every >= 0,
+                 f"logging.router_charts_every must be >= 0 (0 = no charts), got {self.router_charts_every}")
 
 
 @dataclass

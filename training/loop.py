@@ -35,6 +35,13 @@ from training.hardware import choose_precision
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
+from training.routing_stats import (
+    IntervalRouting,
+    RoutingAccumulator,
+    RoutingLog,
+    balancing_biases,
+    routing_metrics,
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -60,76 +67,30 @@ class IntervalStats:
     steps: int = 0
     tokens: int = 0
     lm_loss: float = 0.0
-    aux_loss: float = 0.0  # summed over micro-batches and MoE layers
-    z_loss: float = 0.0
     started: float = field(default_factory=time.perf_counter)
-    load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> assignments per expert
-    dropped: dict[int, float] = field(default_factory=dict)
-    assignments: dict[int, int] = field(default_factory=dict)
-    entropy: dict[int, float] = field(default_factory=dict)
-    micro_batches: int = 0
+    routing: RoutingAccumulator = field(default_factory=RoutingAccumulator)
+    routing_result: IntervalRouting | None = None  # set by record(): the interval's routing, for RoutingLog
 
     def add_routing(self, stats: dict[int, RoutingStats]) -> None:
-        """Accumulate the routing statistics of one micro-batch (``model.routing_stats()`` after it ran)."""
-        for i, s in stats.items():
-            self.load[i] = self.load.get(i, 0) + s.tokens_per_expert.cpu()
-            self.dropped[i] = self.dropped.get(i, 0.0) + float(s.num_dropped)
-            self.assignments[i] = self.assignments.get(i, 0) + s.num_assignments
-            self.entropy[i] = self.entropy.get(i, 0.0) + float(s.entropy)
-        self.aux_loss += sum(float(s.aux_loss) for s in stats.values())
-        self.z_loss += sum(float(s.z_loss) for s in stats.values())
-        self.micro_batches += 1
+        """Accumulate one micro-batch's routing statistics (``model.routing_stats()`` after it ran; no host sync)."""
+        self.routing.add(stats)
 
-    def _gather_stages(self, pp_group: dist.ProcessGroup) -> None:
-        """Merge in the other pipeline stages' MoE layers, so every rank holds every layer's figures."""
-        parts: list = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(parts, (self.load, self.dropped, self.assignments, self.entropy,
-                                       self.aux_loss, self.z_loss), group=pp_group)
-        for load, dropped, assignments, entropy, _, _ in parts:
-            self.load.update(load)
-            self.dropped.update(dropped)
-            self.assignments.update(assignments)
-            self.entropy.update(entropy)
-        self.aux_loss, self.z_loss = sum(p[4] for p in parts), sum(p[5] for p in parts)
-
-    def record(self, dp_group: dist.ProcessGroup | None = None,
-               pp_group: dist.ProcessGroup | None = None) -> dict[str, float | list[float]]:
-        """Interval means: losses per step, routing per micro-batch, router load as fractions.
+    def record(self, dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
+               biases: dict[int, torch.Tensor] | None = None) -> dict[str, float | list[float]]:
+        """Interval means: losses per step, routing over the interval's tokens, router load as fractions.
 
         Routing figures are gathered over the pipeline stages (each holds some layers) and summed
         over the data-parallel ranks, so they describe the whole model on the global batch (a
         collective: every rank must call this).
         """
         elapsed = time.perf_counter() - self.started
-        if pp_group is not None:
-            self._gather_stages(pp_group)
-        layers = sorted(self.load)
-        dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        per_layer = max(1, len(layers))  # aux and z losses are reported as means over the MoE layers
-        scalars = torch.tensor([self.aux_loss / per_layer, self.z_loss / per_layer] + [self.dropped[i] for i in layers]
-                               + [self.entropy[i] for i in layers], dtype=torch.float64)
-        scalars = all_reduce(scalars, dp_group)
-        loads = all_reduce(torch.stack([self.load[i] for i in layers]).double(), dp_group) if layers else None
-        micro_batches = max(1, self.micro_batches) * dp_size
-        out: dict[str, float | list[float]] = {
+        self.routing_result = self.routing.reduce(dp_group, pp_group, biases)
+        return {
             "train/loss": self.lm_loss / self.steps,
             "train/lm_loss": self.lm_loss / self.steps,
-            "train/aux_loss": float(scalars[0]) / micro_batches,
-            "train/z_loss": float(scalars[1]) / micro_batches,
             "perf/tokens_per_s": self.tokens / elapsed,
+            **routing_metrics(self.routing_result),
         }
-        if layers:
-            dropped = scalars[2:2 + len(layers)]
-            entropy = scalars[2 + len(layers):]
-            assignments = [self.assignments[i] * dp_size for i in layers]
-            out["train/dropped_frac"] = float(dropped.sum()) / sum(assignments)
-        for n, i in enumerate(layers):
-            fraction = loads[n] / loads[n].sum()
-            out[f"router/layer{i}/load"] = fraction.tolist()
-            out[f"router/layer{i}/imbalance"] = float(fraction.max() / fraction.mean())
-            out[f"router/layer{i}/dropped"] = float(dropped[n]) / assignments[n]
-            out[f"router/layer{i}/entropy"] = float(entropy[n]) / micro_batches
-        return out
 
 
 def micro_batching(config: RunConfig, dp_size: int, pp: int = 1) -> tuple[int, int]:
@@ -264,6 +225,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     logger = MetricsLogger(run_dir, resolved, config.name, config.logging.wandb, config.logging.wandb_project,
                            enabled=runtime.is_main)
+    routing_log = RoutingLog(run_dir, logger, config.logging.router_charts_every)
     say = (lambda text: print(text, file=sys.stderr)) if runtime.is_main else (lambda text: None)
     say(f"run '{config.name}' in {run_dir}: {counts.total / 1e6:.2f}M parameters, {counts.active / 1e6:.2f}M active; "
         f"{config.model.n_moe_layers} MoE layers of {config.moe.num_experts} experts, top-{config.moe.top_k}")
@@ -296,10 +258,11 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
         total_tokens += tokens_per_step
         progress.tick(step)
         if step % config.logging.log_interval == 0 or step == config.train.steps:
-            record = interval.record(dp_group, pp_group)
+            record = interval.record(dp_group, pp_group, balancing_biases(model))
             record.update({"train/lr": lr, "train/grad_norm": grad_norm,
                            "perf/mfu": record["perf/tokens_per_s"] * flops_per_token / precision.peak_flops})
             logger.log(step, record)
+            routing_log.append(step, interval.routing_result, last=step == config.train.steps)
             progress.update(step, record)
             summary["train/loss"] = record["train/loss"]
             interval = IntervalStats()

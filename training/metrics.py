@@ -140,6 +140,16 @@ class MetricsLogger:
         if self._run is not None:
             self._run.log(_wandb_scalars(plain), step=int(step))
 
+    @property
+    def uses_wandb(self) -> bool:
+        """Whether this logger sends to a wandb run (main rank, mode not "disabled")."""
+        return self._run is not None
+
+    def log_wandb(self, step: int, items: dict[str, Any]) -> None:
+        """wandb-only values at ``step``: tables, charts and images, which have no place in metrics.jsonl."""
+        if self._run is not None:
+            self._run.log(items, step=int(step))
+
     def summary(self, metrics: dict[str, Any]) -> None:
         """Final values: ``run_dir/summary.json`` (replaced atomically) and the wandb run summary."""
         if not self.enabled:

@@ -1,5 +1,7 @@
 """MoELayer against a naive per-token reference; grouped experts against a per-expert loop."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,3 +156,39 @@ def test_bf16_autocast_layer_close_to_fp32():
         out = layer(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("top_k, score_func", [(1, "softmax"), (2, "softmax"), (3, "sigmoid")])
+def test_routing_stats_match_a_per_token_loop(top_k, score_func):
+    """Entropy, top-1 probability, choice shares and co-selection counts against plain Python loops."""
+    torch.manual_seed(0)
+    config = MoEConfig(num_experts=5, top_k=top_k, expert_hidden=8, score_func=score_func, renormalize=False)
+    layer = MoELayer(D, config)
+    layer.init_weights(0.5, 0.3)
+    x = torch.randn(3, 6, D)
+    layer(x)
+    routed = layer.router(x.reshape(-1, D))
+    stats = layer.last_stats
+
+    tokens = routed.probs.shape[0]
+    entropy = top1 = 0.0
+    shares = [0.0] * top_k
+    pairs = torch.zeros(5, 5, dtype=torch.int64)
+    for t in range(tokens):
+        p = routed.probs[t].tolist()
+        entropy += -sum(q * math.log(q) for q in p if q > 0) / tokens
+        top1 += max(p) / tokens
+        w = routed.weights[t].tolist()
+        for j in range(top_k):
+            shares[j] += w[j] / sum(w) / tokens
+        for a in routed.expert_ids[t].tolist():
+            for b in routed.expert_ids[t].tolist():
+                pairs[a, b] += 1
+    assert float(stats.entropy) == pytest.approx(entropy, rel=1e-5)
+    assert float(stats.top1_prob) == pytest.approx(top1, rel=1e-5)
+    assert stats.choice_share.tolist() == pytest.approx(shares, rel=1e-5)
+    if top_k == 1:
+        assert stats.coselection is None
+    else:
+        assert torch.equal(stats.coselection, pairs)
+        assert torch.equal(stats.coselection.diagonal(), stats.tokens_per_expert)

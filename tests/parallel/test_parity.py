@@ -91,7 +91,8 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
 
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for ref, got in zip(ref_records, records, strict=True):
-        for key in ("train/loss", "train/aux_loss", "train/z_loss", "train/grad_norm", "train/dropped_frac"):
+        for key in ("train/loss", "train/aux_loss", "train/z_loss", "train/grad_norm", "train/dropped_frac",
+                    "router/layer0/entropy", "router/layer0/top1_prob", "router/layer0/maxvio"):
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (got["step"], key)
         assert got["router/layer0/load"] == pytest.approx(ref["router/layer0/load"], rel=1e-6)
     assert ref_records[-1]["train/loss"] < ref_records[0]["train/loss"]  # it trained: the check has teeth

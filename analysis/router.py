@@ -1,0 +1,300 @@
+"""Router analysis of a run directory: routing over training, and probes of what the experts specialise in.
+
+    python -m analysis.router probe --run runs/moe-8x --weights model.pt [--compare init]
+    python -m analysis.router summary runs/a runs/b ...
+
+``probe`` builds the run's model from its ``config.yaml``, loads weights (``--weights``: a file holding
+a model state dict saved with ``torch.save``, or ``init``: the run's own initial weights, rebuilt from
+its seed), runs a fixed held-out text (the first tokens of the run's validation split, or ``--text``),
+prints what each expert specialises in and how consecutive layers agree, and saves every routing
+choice to ``probe.npz`` (``analysis.router_probe.ProbeResult.load`` reads it). ``--compare`` probes a
+second weight set on the same text and reports how the routing moved. ``summary`` prints one line per
+run: final losses, and imbalance, MaxVio, dropped fraction and entropy over the last logging intervals
+(``scripts/balancing_story.sh`` uses it to compare balancing methods).
+
+The functions here are what ``notebooks/router_analysis.ipynb`` calls; the figures are in
+``analysis.router_plots``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from analysis.router_probe import (
+    CATEGORIES,
+    ProbeResult,
+    category_lift,
+    expert_categories,
+    layer_agreement,
+    probe,
+    routing_change,
+)
+from moe.config import ConfigError, from_dict
+from moe.transformer import MoETransformer
+from training.config import RunConfig
+from training.data import load_tokens, split_tokens
+from training.metrics import read_metrics
+from training.routing_stats import read_routing
+
+StateDictLoader = Callable[[], dict[str, torch.Tensor]]
+
+
+def newest_run(runs_dir: Path | str = "runs") -> Path:
+    """The run directory under ``runs_dir`` whose metrics.jsonl changed last."""
+    candidates = sorted(Path(runs_dir).glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise FileNotFoundError(f"no run under {Path(runs_dir).resolve()} (no */metrics.jsonl): train one with "
+                                "`make train` or set MOE_RUN_DIR to a run directory")
+    return candidates[-1].parent
+
+
+def run_dir_from_env(runs_dir: Path | str = "runs") -> Path:
+    """``$MOE_RUN_DIR`` if set, else the newest run under ``runs_dir``."""
+    chosen = os.environ.get("MOE_RUN_DIR")
+    if chosen:
+        if not (Path(chosen) / "config.yaml").is_file():
+            raise FileNotFoundError(f"MOE_RUN_DIR={chosen} is not a run directory (it has no config.yaml)")
+        return Path(chosen)
+    return newest_run(runs_dir)
+
+
+def companion_run(run_dir: Path | str, runs_dir: Path | str = "runs") -> Path | None:
+    """A run to compare with: ``$MOE_COMPARE_RUN``, else the newest other run under ``runs_dir``, else None."""
+    chosen = os.environ.get("MOE_COMPARE_RUN")
+    if chosen:
+        return Path(chosen)
+    this = Path(run_dir).resolve()
+    others = [p.parent for p in Path(runs_dir).glob("*/metrics.jsonl")
+              if p.parent.resolve() != this and (p.parent / "routing" / "step.npy").is_file()]
+    return max(others, key=lambda p: (p / "metrics.jsonl").stat().st_mtime) if others else None
+
+
+def load_run_config(run_dir: Path | str) -> RunConfig:
+    """The resolved configuration a run was trained with (its ``config.yaml``), validated."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+    config = from_dict(RunConfig, yaml.safe_load(path.read_text()))
+    config.validate()
+    return config
+
+
+@dataclass
+class RunData:
+    """What a run directory holds for router analysis."""
+
+    run_dir: Path
+    config: RunConfig
+    metrics: list[dict]  # metrics.jsonl records
+    routing: dict[str, np.ndarray]  # routing/*.npy columns, one row per MoE layer per logging interval
+
+    @property
+    def name(self) -> str:
+        return self.run_dir.name
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(set(self.routing["layer"].tolist()))
+
+    def per_layer(self, field: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(steps [I], values [I, ...]) of one routing field for one layer, in step order."""
+        if field not in self.routing:
+            raise KeyError(f"{self.run_dir} has no routing field {field!r}; it has {', '.join(sorted(self.routing))}")
+        rows = self.routing["layer"] == layer
+        return self.routing["step"][rows], self.routing[field][rows]
+
+    def metric(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) of a scalar metric over the records that have it."""
+        records = [r for r in self.metrics if key in r]
+        return np.array([r["step"] for r in records]), np.array([r[key] for r in records], dtype=np.float64)
+
+    def coselection(self, layer: int, last_intervals: int | None = None) -> np.ndarray:
+        """[E, E] co-selection counts of ``layer`` summed over the run (or its last intervals); top-k >= 2."""
+        _, counts = self.per_layer("coselection", layer)
+        return counts[-last_intervals:].sum(0) if last_intervals else counts.sum(0)
+
+
+def load_run(run_dir: Path | str) -> RunData:
+    run_dir = Path(run_dir)
+    return RunData(run_dir, load_run_config(run_dir), read_metrics(run_dir / "metrics.jsonl"), read_routing(run_dir))
+
+
+def coselection_lift(counts: np.ndarray) -> np.ndarray:
+    """[E, E] how often two experts are chosen together against independent choice at their loads.
+
+    counts[i, j] over what independent picks at those loads would give, ``N_i N_j / T`` (T tokens, N_i
+    the diagonal: tokens per expert). Each token adds k * k to the sum and k to the trace, so
+    k = sum / trace and T = trace / k. 1 = as often as chance; the diagonal is set to nan.
+    """
+    counts = counts.astype(np.float64)
+    load = np.diag(counts).copy()
+    experts = len(load)
+    top_k = counts.sum() / load.sum()
+    tokens = load.sum() / top_k
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lift = counts / (np.outer(load, load) / tokens)
+    lift[np.arange(experts), np.arange(experts)] = np.nan
+    return lift
+
+
+# --------------------------------------------------------------------------------------------------------------
+# probing
+# --------------------------------------------------------------------------------------------------------------
+
+
+def load_state_dict_file(path: Path | str) -> StateDictLoader:
+    """A loader for a model state dict saved with ``torch.save`` (tensors only, loaded on the CPU)."""
+    return lambda: torch.load(path, map_location="cpu", weights_only=True)
+
+
+def probe_weights_from_env() -> tuple[StateDictLoader | None, str]:
+    """(loader, description): ``$MOE_PROBE_WEIGHTS`` (a torch.save'd state dict), else the run's initial weights."""
+    path = os.environ.get("MOE_PROBE_WEIGHTS")
+    if path:
+        return _weights_arg(path), path
+    return None, "initial weights (set MOE_PROBE_WEIGHTS to a state dict file to probe trained weights)"
+
+
+def build_model(config: RunConfig, load_weights: StateDictLoader | None = None) -> MoETransformer:
+    """The run's model on the CPU: its initial weights (seeded as training seeds them), or loaded ones."""
+    torch.manual_seed(config.train.seed)  # train() seeds the same way before building the model
+    model = MoETransformer(config.model, config.moe)
+    if load_weights is not None:
+        model.load_state_dict(load_weights())
+    return model.eval()
+
+
+def heldout_tokens(config: RunConfig, count: int) -> np.ndarray:
+    """The first ``count`` tokens of the run's validation split: text the model never trained on."""
+    _, val = split_tokens(load_tokens(config.data.source, config.data.cache_dir), config.data.val_fraction)
+    if len(val) < config.model.seq_len:
+        raise ValueError(f"the validation split has {len(val)} tokens, fewer than model.seq_len")
+    return np.asarray(val[:count], dtype=np.int64)
+
+
+def probe_run(run_dir: Path | str, load_weights: StateDictLoader | None, tokens: np.ndarray | None = None,
+              count: int = 8192) -> ProbeResult:
+    """Probe a run's model (weights from ``load_weights``; None = its initial weights) on a held-out text."""
+    config = load_run_config(run_dir)
+    if config.model.n_moe_layers == 0:
+        raise ValueError(f"{run_dir} trained a dense model (model.moe_every=0): there is no routing to probe")
+    tokens = heldout_tokens(config, count) if tokens is None else np.asarray(tokens, dtype=np.int64)
+    return probe(build_model(config, load_weights), tokens, config.model.seq_len)
+
+
+def specialisation_lines(result: ProbeResult, layer: int, byte_level: bool = True) -> list[str]:
+    """One line per expert: its share of the text's assignments and the categories it favours most."""
+    counts = expert_categories(result, layer)
+    lift = category_lift(counts)
+    total = counts.sum()
+    lines = []
+    for expert in range(result.num_experts):
+        share = counts[expert].sum() / total
+        order = [c for c in np.argsort(-np.nan_to_num(lift[expert], nan=-1)) if counts[expert, c] > 0][:2]
+        favours = ", ".join(f"{CATEGORIES[c]} x{lift[expert, c]:.2f}" for c in order) if byte_level else ""
+        lines.append(f"  expert {expert:>3}: {100 * share:5.1f}% of assignments; favours {favours or '-'}")
+    return lines
+
+
+@dataclass
+class RunSummary:
+    """A run's balancing in a few numbers, over its last logging intervals."""
+
+    name: str
+    steps: int
+    train_loss: float
+    val_loss: float
+    imbalance: float  # max/mean load, mean over layers and the last intervals
+    maxvio: float
+    dropped_frac: float
+    entropy: float
+
+
+def summarise(run: RunData, last_intervals: int = 5) -> RunSummary:
+    """Final losses and the routing figures averaged over the last ``last_intervals`` logging intervals."""
+    last_steps = np.unique(run.routing["step"])[-last_intervals:]
+    rows = np.isin(run.routing["step"], last_steps)
+    mean = lambda field: float(run.routing[field][rows].mean())  # noqa: E731
+    train_steps, train_loss = run.metric("train/loss")
+    _, val_loss = run.metric("val/loss")
+    return RunSummary(run.name, int(train_steps[-1]), float(train_loss[-1]),
+                      float(val_loss[-1]) if len(val_loss) else float("nan"),
+                      mean("imbalance"), mean("maxvio"), mean("dropped_frac"), mean("entropy"))
+
+
+def summary_command(args: argparse.Namespace) -> None:
+    print(f"{'run':<28} {'steps':>6} {'train':>7} {'val':>7} {'imbal':>6} {'maxvio':>7} {'dropped':>8} {'entropy':>8}")
+    for run_dir in args.runs:
+        s = summarise(load_run(run_dir), args.last)
+        print(f"{s.name:<28} {s.steps:>6} {s.train_loss:>7.4f} {s.val_loss:>7.4f} {s.imbalance:>6.3f} "
+              f"{s.maxvio:>7.3f} {100 * s.dropped_frac:>7.2f}% {s.entropy:>8.4f}")
+    print(f"(routing figures: mean over MoE layers and the last {args.last} logging intervals; "
+          "imbal = max/mean expert load, maxvio = imbal - 1)")
+
+
+def _weights_arg(value: str) -> StateDictLoader | None:
+    if value == "init":
+        return None
+    if not Path(value).is_file():
+        raise FileNotFoundError(f"--weights/--compare {value}: no such file (a torch.save'd model state dict, "
+                                "or 'init' for the run's initial weights)")
+    return load_state_dict_file(value)
+
+
+def probe_command(args: argparse.Namespace) -> None:
+    config = load_run_config(args.run)
+    tokens = None
+    if args.text is not None:
+        tokens = np.frombuffer(Path(args.text).read_bytes(), dtype=np.uint8).astype(np.int64)
+    result = probe_run(args.run, _weights_arg(args.weights), tokens, args.tokens)
+    out = Path(args.out) if args.out else Path(args.run) / "probe.npz"
+    result.save(out)
+    byte_level = config.model.vocab_size == 256
+    print(f"probe of {args.run} ({args.weights}) on {len(result.tokens)} held-out tokens; saved to {out}")
+    for layer in result.layers:
+        print(f"layer {layer}:")
+        print("\n".join(specialisation_lines(result, layer, byte_level)))
+    for pair in layer_agreement(result):
+        print(f"layers {pair.layers[0]} -> {pair.layers[1]}: top-1 choices share NMI {pair.nmi:.3f} "
+              "(0 independent, 1 one determines the other)")
+    if args.compare:
+        other = probe_run(args.run, _weights_arg(args.compare), result.tokens)
+        for layer, change in routing_change(other, result).items():
+            print(f"layer {layer}: vs {args.compare}: {100 * change['top1_same']:.1f}% of tokens keep their top-1 "
+                  f"expert; top-{config.moe.top_k} sets overlap {100 * change['topk_overlap']:.1f}%")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.router", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    probe_parser = commands.add_parser("probe", help="what each expert specialises in, on a held-out text")
+    probe_parser.add_argument("--run", required=True, type=Path, help="run directory (holds config.yaml)")
+    probe_parser.add_argument("--weights", default="init",
+                              help="model state dict file (torch.save), or 'init' for the run's initial weights")
+    probe_parser.add_argument("--compare", default=None, help="a second weight set (file or 'init') to compare with")
+    probe_parser.add_argument("--text", default=None, help="probe this file's bytes instead of the validation split")
+    probe_parser.add_argument("--tokens", type=int, default=8192, help="held-out tokens to probe")
+    probe_parser.add_argument("--out", default=None, help="where to save the routing (default RUN/probe.npz)")
+    summary_parser = commands.add_parser("summary", help="final loss and balancing of runs, one line each")
+    summary_parser.add_argument("runs", nargs="+", type=Path, help="run directories")
+    summary_parser.add_argument("--last", type=int, default=5, help="logging intervals to average routing over")
+    args = parser.parse_args(argv)
+    try:
+        {"probe": probe_command, "summary": summary_command}[args.command](args)
+    except (ConfigError, ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
