@@ -19,6 +19,8 @@ sending those tokens once per tp rank would multiply the all-to-all by tp. ``sca
 ``gather_rows`` prevent it: each tp rank takes a distinct 1/tp share of the layer's grouped rows
 (contiguous, so still grouped by expert), exchanges and computes only that share, and the shares are
 all-gathered over tp afterwards. The expert all-to-all then moves exactly the kept assignments once.
+Under expert tensor parallelism the etp ranks (consecutive within the tp group) hold the same share, each
+computing a partial sum over its slice of the experts' hidden dim; the gather adds them.
 """
 
 from __future__ import annotations

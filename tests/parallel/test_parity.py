@@ -38,6 +38,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # ep=2 folded over the tp group: each tp rank sends its half of the rows to the experts
     pytest.param(["parallel.tp=2", "parallel.ep=2"], 2, "1.25", id="tp=2xep=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], 4, "null", id="dp_shard=2xtp=2xep=2"),
+    # HSDP of tensor-parallel shards: a 3-D (dp_replicate, dp_shard, tp) layout of the dense weights
+    pytest.param(["parallel.dp_replicate=2", "parallel.tp=2", "parallel.ep=2"], 4, "1.25",
+                 id="dp_replicate=2xtp=2xep=2"),
     # more expert replicas (edp=2) than data-parallel ranks (1): their gradients are summed, not averaged
     pytest.param(["parallel.tp=4", "parallel.ep=2"], 4, "null", id="tp=4xep=2"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
