@@ -2,6 +2,8 @@
 
 Each layout trains 5 optimizer steps; every step's loss, aux loss and gradient norm (the clipping
 input) must match the single-process reference to 1e-4 relative, and so must every final parameter.
+With one data-parallel rank the validation loss the run ends with must match too (evaluation reads
+micro-batch × data-parallel ranks sequences per batch, so with more ranks it reads other sequences).
 The reference runs the global batch of 8 as the same micro-batches that each data-parallel rank sees,
 so capacity-limited routing groups tokens the same way in both. A micro-batch is 8 / (data-parallel
 ranks × pipeline stages) sequences: each pipeline then runs pp micro-batches, as 1F1B needs. Layout
@@ -13,6 +15,7 @@ import torch
 
 from parallel.groups import DEGREES, Layout
 from tests.parallel.parity import run
+from training.metrics import read_metrics
 
 STEPS = 5
 LAYOUTS = [  # (overrides, world size, capacity factor)
@@ -44,12 +47,14 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
 ]
 
 
-def micro_batch_size(layout: list[str], world_size: int) -> int:
-    """Sequences per micro-batch: the global 8 over the data-parallel ranks and the pipeline stages."""
+def final_val_loss(run_dir) -> float:
+    return [r["val/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val/loss" in r][-1]
+
+
+def resolve(layout: list[str], world_size: int) -> Layout:
     degrees = {key: int(value) for key, value in (o.removeprefix("parallel.").split("=") for o in layout
                                                   if o.startswith("parallel.")) if key in DEGREES}
-    resolved = Layout.resolve(world_size, **degrees)
-    return 8 // (resolved.dp * resolved.pp)
+    return Layout.resolve(world_size, **degrees)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,8 @@ def references(tmp_path_factory):
     def get(settings: list[str]):
         key = tuple(settings)
         if key not in cache:
-            cache[key] = run(settings, 1, tmp_path_factory.mktemp("reference"))
+            run_dir = tmp_path_factory.mktemp("reference")
+            cache[key] = (*run(settings, 1, run_dir), final_val_loss(run_dir))
         return cache[key]
 
     return get
@@ -68,10 +74,12 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("layout, world_size, capacity", LAYOUTS)
 def test_layout_matches_single_process(layout, world_size, capacity, references, tmp_path):
+    degrees = resolve(layout, world_size)
+    # sequences per micro-batch: the global 8 over the data-parallel ranks and the pipeline stages
     settings = [f"train.steps={STEPS}", f"moe.capacity_factor={capacity}",
-                f"train.micro_batch_size={micro_batch_size(layout, world_size)}",
+                f"train.micro_batch_size={8 // (degrees.dp * degrees.pp)}",
                 *[o for o in layout if not o.startswith("parallel.")]]
-    ref_records, ref_state = references(settings)
+    ref_records, ref_state, ref_val = references(settings)
     records, state = run([*settings, *[o for o in layout if o.startswith("parallel.")]], world_size, tmp_path)
 
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -80,6 +88,8 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (got["step"], key)
         assert got["router/layer0/load"] == pytest.approx(ref["router/layer0/load"], rel=1e-6)
     assert ref_records[-1]["train/loss"] < ref_records[0]["train/loss"]  # it trained: the check has teeth
+    if degrees.dp == 1:  # the same validation sequences as the reference
+        assert final_val_loss(tmp_path) == pytest.approx(ref_val, rel=1e-4)
     assert state.keys() == ref_state.keys()
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
