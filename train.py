@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from moe.config import ConfigError
-from parallel import check_supported
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.pipeline import check_pipeline
 from parallel.runtime import init_runtime, shutdown_runtime
@@ -41,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         layout = Layout.resolve(int(os.environ.get("WORLD_SIZE", 1)), **config.parallel.degrees())
         validate_for_model(layout, config.model, config.moe)
-        check_supported(layout)
         _, microbatches = micro_batching(config, layout.dp, layout.pp)
         check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
                        microbatches)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moe.experts import GroupedExperts, expert_ffn
 from moe.transformer import MoETransformer
+from parallel.tensor import gather_rows, scatter_rows
 
 
 def expert_major_index(counts: Tensor, num_rows: int | None = None) -> Tensor:
@@ -107,51 +108,93 @@ class ExpertParallelExperts(nn.Module):
     composes with it over the expert-data-parallel mesh as it does with tensor parallelism, and a global
     gradient norm counts each expert once (``sharding.clip_grad_norm_``).
 
+    With expert tensor parallelism the mesh is 2-D (ep, etp) and each expert's hidden dim H is split too
+    (``Shard(2)`` of ``w_in``/``w_gate``, ``Shard(1)`` of ``w_out``: column- then row-parallel, as for a
+    dense FFN): the etp ranks of an ep rank compute partial outputs for the same rows, added when the
+    shares are gathered over tp (``parallel/tensor.py``).
+
     The local grouped GEMM is ``moe.experts.expert_ffn``, the function ``GroupedExperts`` itself runs,
     applied to this rank's local tensors (``DTensor.to_local``, differentiable).
     """
 
-    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh):
+    HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1}  # where H sits in each stacked weight
+
+    def __init__(self, experts: GroupedExperts, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None):
         super().__init__()
-        if ep_mesh.ndim != 1:
-            raise ValueError(f"expert parallelism needs a 1-D ep mesh, got {ep_mesh}")
-        ep = ep_mesh.size()
+        if expert_mesh.ndim == 2 and expert_mesh.mesh_dim_names == ("ep", "etp"):
+            ep_mesh, etp_mesh = expert_mesh["ep"], expert_mesh["etp"]
+            if tp_mesh is None or tp_mesh.size() % etp_mesh.size():
+                raise ValueError(f"expert tensor parallelism needs a tp mesh that etp={etp_mesh.size()} divides")
+        elif expert_mesh.ndim == 1:
+            ep_mesh, etp_mesh = expert_mesh, None
+        else:
+            raise ValueError(f"expert parallelism needs a 1-D ep mesh or a 2-D (ep, etp) mesh, got {expert_mesh}")
+        ep, self.etp = ep_mesh.size(), etp_mesh.size() if etp_mesh is not None else 1
         if experts.num_experts % ep:
             raise ValueError(f"parallel.ep={ep} does not divide the {experts.num_experts} experts")
         self.num_experts = experts.num_experts
         self.num_local_experts = experts.num_experts // ep
         self.ep_mesh = ep_mesh
         self.group = ep_mesh.get_group()
+        self.tp_mesh = tp_mesh  # tokens replicated over it: each tp rank sends only its share of the rows
         first = ep_mesh.get_local_rank() * self.num_local_experts
+        etp_rank = etp_mesh.get_local_rank() if etp_mesh is not None else 0
         for name, param in experts.named_parameters():  # [E, ...], identical on every rank (same seed)
             # keep this rank's slice, copied so the full stack can be freed; no communication
-            local = param.detach()[first:first + self.num_local_experts].clone()
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            local = param.detach()[first:first + self.num_local_experts]
+            placements = [Shard(0)]
+            if etp_mesh is not None:
+                hidden_dim = self.HIDDEN_DIM[name]
+                if param.shape[hidden_dim] % self.etp:
+                    raise ValueError(f"parallel.etp={self.etp} does not divide the expert hidden size "
+                                     f"{param.shape[hidden_dim]}")
+                width = param.shape[hidden_dim] // self.etp
+                local = local.narrow(hidden_dim, etp_rank * width, width)
+                placements.append(Shard(hidden_dim))
+            sharded = DTensor.from_local(local.clone(), expert_mesh, placements, run_check=False)
             self.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         self.has_gate = experts.w_gate is not None
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: [N, D] grouped by global expert id; tokens_per_expert: [E] -> [N, D] in the experts' compute dtype."""
+        if self.tp_mesh is not None:
+            share, share_tokens, bounds = scatter_rows(x, tokens_per_expert, self.tp_mesh, self.etp)
+            return gather_rows(self._exchange_and_compute(share, share_tokens), bounds, self.tp_mesh, self.etp)
+        return self._exchange_and_compute(x, tokens_per_expert)
+
+    def _local_ffn(self, x: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
+        w_gate = self.w_gate.to_local() if self.has_gate else None
+        return expert_ffn(x, tokens_per_local_expert, self.w_in.to_local(), w_gate, self.w_out.to_local())
+
+    def _exchange_and_compute(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        if self.ep_mesh.size() == 1:  # expert tensor parallelism alone: every expert is here, nothing to send
+            return self._local_ffn(x, tokens_per_expert)
         plan = plan_exchange(tokens_per_expert, self.group)
         received = all_to_all_rows(x, plan.send_splits, plan.recv_splits, self.group)  # [M, D] rank-major
         grouped = received.index_select(0, plan.expert_major)  # [M, D] local-expert-major
-        w_gate = self.w_gate.to_local() if self.has_gate else None
-        out = expert_ffn(grouped, plan.tokens_per_local_expert, self.w_in.to_local(), w_gate, self.w_out.to_local())
+        out = self._local_ffn(grouped, plan.tokens_per_local_expert)
         returned = out.new_empty(out.shape).index_copy(0, plan.expert_major, out)  # back to rank-major
         return all_to_all_rows(returned, plan.recv_splits, plan.send_splits, self.group)
 
     def extra_repr(self) -> str:
         ep, rank = self.ep_mesh.size(), self.ep_mesh.get_local_rank()
         first = rank * self.num_local_experts
-        return f"experts {first}..{first + self.num_local_experts - 1} of {self.num_experts} (ep rank {rank} of {ep})"
+        etp = f", hidden split over etp={self.etp}" if self.etp > 1 else ""
+        return (f"experts {first}..{first + self.num_local_experts - 1} of {self.num_experts} "
+                f"(ep rank {rank} of {ep}{etp})")
 
 
-def apply_expert_parallel(model: MoETransformer, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: MoETransformer, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
     """Replace every MoE layer's routed experts with their ep-sharded version (in place).
+
+    ``expert_mesh`` is the 1-D ep mesh, or the 2-D (ep, etp) mesh for expert tensor parallelism. With tensor
+    parallelism (``tp_mesh``) the layer's tokens are the same on every tp rank; each tp rank (each etp
+    group, under expert tensor parallelism) then exchanges and computes a distinct share of the grouped
+    rows (``parallel/tensor.py``).
 
     Call it on the full model every rank built from the same seed, before any FSDP: initialisation is
     then independent of the layout. The router and shared experts stay as they are (replicated, then
     sharded with their block by FSDP).
     """
     for layer in model.moe_layers().values():
-        layer.experts = ExpertParallelExperts(layer.experts, ep_mesh)
+        layer.experts = ExpertParallelExperts(layer.experts, expert_mesh, tp_mesh)

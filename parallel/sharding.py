@@ -32,18 +32,19 @@ def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_s
     """Make each layer's ep-sharded experts reduce their gradients to those of the global mean loss.
 
     After the all-to-all's backward, an expert's gradient on its ep rank is the SUM over the ranks
-    of its ep group of their local mean losses' gradients. The global loss is the mean over all
+    of its ep group of their local mean losses' gradients (under tensor parallelism, of their shares
+    of them: the tp ranks of one data-parallel rank send disjoint rows). The global loss is the mean over all
     ``dp_size`` data-parallel ranks, so the gradient is the sum over the expert's replicas (the
     expert-data-parallel ranks, dp_replicate × edp) divided by ``dp_size``: averaged over edp, never
     over ep, with the data-parallel size as the divisor.
 
     With several replicas FSDP2 shards each layer's experts over ``expert_dp_mesh`` (1-D edp, or 2-D
     (dp_replicate, edp) for HSDP). FSDP averages over that mesh, i.e. divides by dp_replicate × edp;
-    an all-reduce hook divides the rest, ep (= dp / mesh size). This, rather than
+    an all-reduce hook scales by mesh size / dp (without tp: divides by ep). This, rather than
     ``set_gradient_divide_factor(dp)``, keeps to the reductions every backend has: on gloo a custom
     factor needs ``set_force_sum_reduction_for_comms``, and torch 2.13 then divides twice when the
     shard group has one rank (HSDP with edp = 1). With a single replica (``expert_dp_mesh`` None: ep
-    spans all of dp_shard) there is nothing to shard or reduce: the experts stay out of FSDP and a
+    spans all of dp_shard × tp) there is nothing to shard or reduce: the experts stay out of FSDP and a
     gradient hook only divides. Returns the parameters FSDP must leave alone in the dense units
     (empty in the first case: FSDP already owns them).
     """
@@ -55,12 +56,23 @@ def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_s
                 param.register_hook(lambda grad: grad / dp_size)
                 unmanaged.add(param)
             continue
-        # Shard the experts dim when it splits evenly over the edp ranks, else the model dim (torchtitan).
-        dim = 0 if experts.num_local_experts % expert_dp_mesh.size(-1) == 0 else 1
-        fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=lambda param, dim=dim: Shard(dim))
-        rest = dp_size // expert_dp_mesh.size()
-        experts.set_all_reduce_hook(lambda reduced, rest=rest: reduced.div_(rest))
+        # Shard the experts dim when it splits evenly over the edp ranks, else the first dim that expert
+        # tensor parallelism leaves whole (torchtitan: dim 1).
+        by_experts = experts.num_local_experts % expert_dp_mesh.size(-1) == 0
+        placement = (lambda param: Shard(0)) if by_experts else (lambda param: Shard(_free_dim(param)))
+        fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=placement)
+        # FSDP divided by the replicas; the global mean needs dp_size. With tp folded in, the replicas can
+        # outnumber the data-parallel ranks (edp = dp_shard·tp/ep), so this factor may exceed one.
+        factor = expert_dp_mesh.size() / dp_size
+        if factor != 1:
+            experts.set_all_reduce_hook(lambda reduced, factor=factor: reduced.mul_(factor))
     return unmanaged
+
+
+def _free_dim(param: Tensor) -> int:
+    """The first dim after the experts dim that the parameter's own placements do not shard."""
+    taken = {p.dim for p in param.placements if isinstance(p, Shard)} if isinstance(param, DTensor) else set()
+    return next(dim for dim in range(1, param.dim()) if dim not in taken)
 
 
 def apply_fsdp(model: MoETransformer, mesh: DeviceMesh, reshard_after_forward: bool = True,

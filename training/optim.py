@@ -6,25 +6,28 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from training.config import TrainConfig
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over two groups: matrices (and expert stacks) decay, vectors (norm gains) do not.
+    """AdamW: matrices (and expert stacks) decay, vectors (norm gains) do not.
 
     Decaying norm gains pulls them toward zero, which only fights the normalisation
     (the convention of GPT-3 and nanoGPT). ``foreach`` keeps the step to a few fused
-    kernels per group instead of one per parameter.
+    kernels per group instead of one per parameter. It refuses to mix plain tensors and
+    DTensors in one kernel (tensor parallelism shards some weights of a block and leaves
+    the rest whole), so each of the two groups is split further by the weights' kind.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            groups.setdefault((param.dim() >= 2, isinstance(param, DTensor)), []).append(param)
+    return torch.optim.AdamW(
+        [{"params": params, "weight_decay": config.weight_decay if decay else 0.0}
+         for (decay, _), params in sorted(groups.items(), key=lambda item: item[0], reverse=True)],
+        lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:

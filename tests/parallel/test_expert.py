@@ -20,10 +20,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from moe.config import ConfigError, MoEConfig
+from moe.config import MoEConfig
 from moe.dispatch import expert_capacity, plan_dispatch
 from moe.layer import MoELayer
-from parallel import check_supported
 from parallel.expert import ExpertParallelExperts, expert_major_index
 from parallel.groups import Layout, ParallelGroups
 from parallel.sharding import clip_grad_norm_
@@ -46,16 +45,6 @@ def test_expert_major_index(counts, expected):
     received = torch.arange(len(expected) * 3, dtype=torch.float32).view(-1, 3)
     grouped = received.index_select(0, index)
     assert torch.equal(grouped.new_empty(grouped.shape).index_copy(0, index, grouped), received)  # inverse
-
-
-def test_check_supported_accepts_ep_and_refuses_the_rest():
-    check_supported(Layout(4, dp_shard=4, ep=2))
-    check_supported(Layout(4, dp_replicate=2, dp_shard=2, ep=2))
-    with pytest.raises(ConfigError, match=r"parallel.etp=2: expert tensor parallelism is not supported"):
-        check_supported(Layout(4, dp_shard=2, tp=2, ep=1, etp=2))
-    with pytest.raises(ConfigError, match=r"parallel.tp=2: .*set parallel.tp=1"):
-        check_supported(Layout(4, dp_shard=2, tp=2, ep=2))
-    check_supported(Layout(4, pp=2, dp_shard=2, ep=2))  # pipeline stages compose with ep (parallel/pipeline.py)
 
 
 # ---------------------------------------------------------------------------

@@ -35,6 +35,18 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                  id="dp_shard=2-recompute"),
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpointing=moe"], 2, "null",
                  id="ep=2-recompute-moe"),
+    # tensor parallelism: heads and FFN hidden split, router replicated; one data-parallel rank
+    pytest.param(["parallel.tp=2"], 2, "null", id="tp=2-dropless"),
+    pytest.param(["parallel.tp=2"], 2, "1.25", id="tp=2-capacity"),
+    # ep=2 folded over the tp group: each tp rank sends its half of the rows to the experts
+    pytest.param(["parallel.tp=2", "parallel.ep=2"], 2, "1.25", id="tp=2xep=2"),
+    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], 4, "null", id="dp_shard=2xtp=2xep=2"),
+    # more expert replicas (edp=2) than data-parallel ranks (1): their gradients are summed, not averaged
+    pytest.param(["parallel.tp=4", "parallel.ep=2"], 4, "null", id="tp=4xep=2"),
+    # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
+    pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
+    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),
+    pytest.param(["parallel.tp=4", "parallel.ep=2", "parallel.etp=2"], 4, "1.25", id="tp=4xep=2xetp=2"),
     # pipeline parallelism: one block per stage, the embedding on the first, head and loss on the last
     pytest.param(["parallel.pp=2"], 2, "null", id="pp=2-1f1b-dropless"),
     pytest.param(["parallel.pp=2"], 2, "1.25", id="pp=2-1f1b-capacity"),
@@ -44,6 +56,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["model.n_layers=4", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                   "parallel.pp_virtual_stages=2"], 2, "null", id="pp=2-interleaved-v=2"),
     pytest.param(["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"], 4, "1.25", id="pp=2xdp_shard=2xep=2"),
+    # all four at once on 8 ranks: 2 stages, each tp=2 × dp_shard=2 with ep=2 folded over dp_shard × tp
+    pytest.param(["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"], 8, "null",
+                 id="pp=2xtp=2xdp_shard=2xep=2"),
 ]
 
 
@@ -91,5 +106,9 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
     if degrees.dp == 1:  # the same validation sequences as the reference
         assert final_val_loss(tmp_path) == pytest.approx(ref_val, rel=1e-4)
     assert state.keys() == ref_state.keys()
+    # 1e-4 absolute as well: Adam divides each update by its own gradient's magnitude, so where a gradient is
+    # near zero the reduction order's fp32 noise moves the weight by up to ~lr x noise (seen: 1.2e-5 on 1 of
+    # 4096 expert weights on 8 ranks), while a real error (a lost or doubled gradient) moves it by ~lr = 1e-2.
     for name in ref_state:
-        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")

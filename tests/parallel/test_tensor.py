@@ -1,0 +1,166 @@
+"""Tensor parallelism: the row shares, the layout checks, and tp=2 models against one process on 2 gloo ranks.
+
+The spawned test runs every check in one pair of processes: a small model (a dense block with GQA
+attention, then an MoE block with a shared expert) parallelized with tp=2, with ep=2 folded over the
+tp group, and with etp=2 (each expert's hidden dim split), must give the single-process logits,
+gradients (gathered) and global gradient norm; with ep over tp, the expert all-to-all must carry each
+kept assignment once, not once per tp rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from moe.config import ConfigError, ModelConfig, MoEConfig
+from moe.transformer import MoETransformer
+from parallel import parallelize
+from parallel.groups import Layout, ParallelGroups, validate_for_model
+from parallel.sharding import clip_grad_norm_
+from parallel.tensor import row_bounds, share_counts
+from training.loop import lm_loss
+
+
+@pytest.mark.parametrize("num_rows, parts", [(0, 2), (1, 2), (7, 2), (8, 4), (10, 3)])
+def test_row_bounds_cover_the_rows_in_near_equal_shares(num_rows, parts):
+    bounds = row_bounds(num_rows, parts)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert bounds[0] == 0 and bounds[-1] == num_rows and len(sizes) == parts
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_share_counts_match_counting_the_rows():
+    tokens_per_expert = torch.tensor([3, 0, 5, 1, 2])
+    expert_of_row = torch.repeat_interleave(torch.arange(5), tokens_per_expert)  # rows grouped by expert
+    for parts in (1, 2, 3, 4):
+        bounds = row_bounds(int(tokens_per_expert.sum()), parts)
+        total = torch.zeros(5, dtype=torch.int64)
+        for start, stop in zip(bounds, bounds[1:], strict=False):
+            counts = share_counts(tokens_per_expert, start, stop)
+            assert counts.tolist() == torch.bincount(expert_of_row[start:stop], minlength=5).tolist()
+            total += counts
+        assert torch.equal(total, tokens_per_expert)  # the shares partition the rows
+
+
+@pytest.mark.parametrize("overrides, key, valid", [
+    (dict(n_heads=2), "tp", "model.n_heads=2"),
+    (dict(n_kv_heads=2), "tp", "model.n_kv_heads=2"),
+    (dict(ffn_hidden=30, first_moe_layer=1), "tp", "model.ffn_hidden=30"),
+])
+def test_tp_must_divide_the_model_shapes(overrides, key, valid):
+    model = ModelConfig(**{**dict(d_model=32, n_heads=4, ffn_hidden=64), **overrides})
+    with pytest.raises(ConfigError, match=rf"parallel.{key}=4 does not divide .*{valid}.*valid tp for .*: 1, 2"):
+        validate_for_model(Layout.resolve(4, tp=4), model, MoEConfig(num_experts=4, expert_hidden=32))
+
+
+def test_tp_must_divide_the_shared_expert_hidden_size():
+    moe = MoEConfig(num_experts=4, expert_hidden=32, num_shared_experts=1, shared_expert_hidden=6)
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 does not divide the shared-expert hidden size 6.*: 1, 2"):
+        validate_for_model(Layout.resolve(4, tp=4), ModelConfig(d_model=32, n_heads=4, ffn_hidden=64), moe)
+
+
+# ---------------------------------------------------------------------------
+# Two ranks: the tp=2 model (and ep=2 over it) against the single-process model
+# ---------------------------------------------------------------------------
+
+WORLD = 2
+MODEL = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=8, ffn_hidden=24,
+                    first_moe_layer=1)
+
+
+def _model(capacity_factor: float | None) -> MoETransformer:
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=12, capacity_factor=capacity_factor, num_shared_experts=1,
+                    aux_loss_coef=0.01, z_loss_coef=0.001)
+    torch.manual_seed(0)  # every rank builds the same weights
+    return MoETransformer(MODEL, moe)
+
+
+def _forward(model: MoETransformer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and loss of one fixed batch (the same on both ranks: tp ranks share their data)."""
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens[:, :-1])
+    return logits, lm_loss(logits, tokens[:, 1:])
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str = "none") -> None:
+    reference = _model(capacity_factor)
+    model = parallelize(copy.deepcopy(reference), groups, activation_checkpointing=recompute)
+    attn = model.layers["0"].attn
+    assert isinstance(attn.wq.weight, DTensor) and attn.wq.weight.to_local().shape == (8, 16)  # 2 of 4 heads
+    assert not isinstance(model.layers["1"].moe.router.gate, DTensor)  # the router stays whole
+    if groups.layout.etp > 1:  # each rank holds half of every expert's hidden dim
+        assert model.layers["1"].moe.experts.w_out.to_local().shape == (4, 6, 16)
+
+    ref_logits, ref_loss = _forward(reference)
+    ref_loss.backward()
+    sent = []  # rows of each token all-to-all this rank starts
+
+    def counting_all_to_all(x, output_split_sizes, input_split_sizes, group, tag=""):
+        sent.append(x.shape[0])
+        return original(x, output_split_sizes, input_split_sizes, group, tag)
+
+    original, funcol.all_to_all_single = funcol.all_to_all_single, counting_all_to_all
+    try:
+        logits, loss = _forward(model)
+    finally:
+        funcol.all_to_all_single = original
+    loss.backward()
+
+    torch.testing.assert_close(logits.detach(), ref_logits.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-6)
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    grads = {name: _full(p.grad) for name, p in model.named_parameters()}
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
+    torch.testing.assert_close(clip_grad_norm_(model.parameters(), float("inf")), expected, rtol=1e-5, atol=1e-6)
+
+    if groups.layout.ep > 1:
+        # Forward traffic of the one MoE layer: dispatch then combine, each moving this rank's share only;
+        # over the tp group the dispatched rows are the kept assignments once (tp ranks hold the same tokens).
+        stats = reference.routing_stats()[1]
+        kept = int(stats.tokens_per_expert.sum() - stats.num_dropped)
+        assert len(sent) == 2
+        rank = groups.coords()["tp"]
+        assert sent[0] == row_bounds(kept, WORLD)[rank + 1] - row_bounds(kept, WORLD)[rank]
+        total = torch.tensor(sent)  # [dispatched rows, rows returned by the combine]
+        dist.all_reduce(total)
+        assert total.tolist() == [kept, kept]
+        if capacity_factor is not None:
+            assert int(stats.num_dropped) > 0  # dropped before sending
+    else:
+        assert sent == []  # tp alone replicates the experts; etp alone splits them in place: no exchange
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for layout in (Layout(WORLD, tp=WORLD), Layout(WORLD, tp=WORLD, ep=WORLD), Layout(WORLD, tp=WORLD, etp=WORLD)):
+            groups = ParallelGroups.build(layout, "cpu")
+            for capacity_factor, recompute in ((None, "none"), (1.0, "none"), (None, "full")):
+                # "full": backward re-runs each block, its tp collectives and row shares included
+                _check(groups, capacity_factor, recompute)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_model_matches_single_process():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port,), nprocs=WORLD)
