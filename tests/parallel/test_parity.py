@@ -2,6 +2,9 @@
 
 Each layout trains 5 optimizer steps; every step's loss, aux loss and gradient norm (the clipping
 input) must match the single-process reference to 1e-4 relative, and so must every final parameter.
+Pipeline layouts also compare every layer's routing figures (layers on other stages than rank 0's) and,
+with one data-parallel rank, the final validation loss (evaluation reads micro-batch × data-parallel
+ranks sequences per batch, so with more ranks it reads other sequences than the reference).
 The reference runs the global batch of 8 as the same micro-batches that each data-parallel rank sees,
 so capacity-limited routing groups tokens the same way in both. A micro-batch is 8 / (data-parallel
 ranks × pipeline stages) sequences: each pipeline then runs pp micro-batches, as 1F1B needs. Layout
@@ -13,6 +16,7 @@ import torch
 
 from parallel.groups import DEGREES, Layout
 from tests.parallel.parity import run
+from training.metrics import read_metrics
 
 STEPS = 5
 LAYOUTS = [  # (overrides, world size, capacity factor)
@@ -62,12 +66,14 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
 ]
 
 
-def micro_batch_size(layout: list[str], world_size: int) -> int:
-    """Sequences per micro-batch: the global 8 over the data-parallel ranks and the pipeline stages."""
+def final_val_loss(run_dir) -> float:
+    return [r["val/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val/loss" in r][-1]
+
+
+def resolve(layout: list[str], world_size: int) -> Layout:
     degrees = {key: int(value) for key, value in (o.removeprefix("parallel.").split("=") for o in layout
                                                   if o.startswith("parallel.")) if key in DEGREES}
-    resolved = Layout.resolve(world_size, **degrees)
-    return 8 // (resolved.dp * resolved.pp)
+    return Layout.resolve(world_size, **degrees)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,8 @@ def references(tmp_path_factory):
     def get(settings: list[str]):
         key = tuple(settings)
         if key not in cache:
-            cache[key] = run(settings, 1, tmp_path_factory.mktemp("reference"))
+            run_dir = tmp_path_factory.mktemp("reference")
+            cache[key] = (*run(settings, 1, run_dir), final_val_loss(run_dir))
         return cache[key]
 
     return get
@@ -86,10 +93,12 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("layout, world_size, capacity", LAYOUTS)
 def test_layout_matches_single_process(layout, world_size, capacity, references, tmp_path):
+    degrees = resolve(layout, world_size)
+    # sequences per micro-batch: the global 8 over the data-parallel ranks and the pipeline stages
     settings = [f"train.steps={STEPS}", f"moe.capacity_factor={capacity}",
-                f"train.micro_batch_size={micro_batch_size(layout, world_size)}",
+                f"train.micro_batch_size={8 // (degrees.dp * degrees.pp)}",
                 *[o for o in layout if not o.startswith("parallel.")]]
-    ref_records, ref_state = references(settings)
+    ref_records, ref_state, ref_val = references(settings)
     records, state = run([*settings, *[o for o in layout if o.startswith("parallel.")]], world_size, tmp_path)
 
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -98,7 +107,15 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
                     "router/layer0/entropy", "router/layer0/top1_prob", "router/layer0/maxvio"):
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (got["step"], key)
         assert got["router/layer0/load"] == pytest.approx(ref["router/layer0/load"], rel=1e-6)
+        if degrees.pp > 1:  # every layer's routing figures reach rank 0's log, also from the other stages
+            router_keys = [key for key in ref if key.startswith("router/")]
+            assert "router/layer1/load" in router_keys
+            for key in router_keys:  # loads are ratios of token counts: equal routing gives equal values
+                rel = 1e-6 if key.endswith("/load") else 1e-4
+                assert got[key] == pytest.approx(ref[key], rel=rel, abs=1e-7), (got["step"], key)
     assert ref_records[-1]["train/loss"] < ref_records[0]["train/loss"]  # it trained: the check has teeth
+    if degrees.pp > 1 and degrees.dp == 1:  # evaluation through the pipeline schedule, on the reference's sequences
+        assert final_val_loss(tmp_path) == pytest.approx(ref_val, rel=1e-4)
     assert state.keys() == ref_state.keys()
     # 1e-4 absolute as well: Adam divides each update by its own gradient's magnitude, so where a gradient is
     # near zero the reduction order's fp32 noise moves the weight by up to ~lr x noise (seen: 1.2e-5 on 1 of
