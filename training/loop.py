@@ -126,22 +126,28 @@ def micro_batching(config: RunConfig, dp_size: int, pp: int = 1) -> tuple[int, i
 
 
 @torch.no_grad()
-def evaluate(model: MoETransformer, val_tokens, config: RunConfig, micro: int, autocast,
+def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfig, micro: int, autocast,
              dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None) -> float:
-    """Mean LM loss over the fixed validation batches, each split across the data-parallel ranks."""
+    """Mean LM loss over the fixed validation set: ``train.eval_batches`` global batches.
+
+    Each global batch (``train.global_batch_size`` sequences) is split over the data-parallel ranks
+    and run in micro-batches, as in training, so every layout evaluates the same sequences.
+    """
     model.eval()
     device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float64)
-    batches = eval_batches(val_tokens, config.model.seq_len, micro * dp_size, config.train.eval_batches,
-                           dp_rank, dp_size)
+    chunks = [(inputs[m:m + micro].to(device), targets[m:m + micro].to(device))
+              for inputs, targets in eval_batches(val_tokens, config.model.seq_len, config.train.global_batch_size,
+                                                  config.train.eval_batches, dp_rank, dp_size)
+              for m in range(0, inputs.shape[0], micro)]
     if isinstance(model, PipelineModel):  # forward only, through the pipeline schedule
-        total += model.eval_losses([(x.to(device), y.to(device)) for x, y in batches]).sum()
+        total = model.eval_losses(chunks).sum()
     else:
-        for inputs, targets in batches:
+        total = torch.zeros((), dtype=torch.float64)
+        for inputs, targets in chunks:
             with autocast():
-                total += lm_loss(model(inputs.to(device)), targets.to(device)).double().cpu()
+                total += lm_loss(model(inputs), targets).double().cpu()
     model.train()
-    return float(all_reduce(total, dp_group)) / (config.train.eval_batches * dp_size)
+    return float(all_reduce(total, dp_group)) / (len(chunks) * dp_size)
 
 
 def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
