@@ -200,6 +200,7 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
 class RunResult:
     summary: dict[str, float]
     model: MoETransformer  # the trained model, parallelized as it was trained
+    optimizer: torch.optim.Optimizer | None = None  # its optimizer, with the state a checkpoint would hold
 
 
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
@@ -286,4 +287,4 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     logger.summary(summary)
     logger.close()
     progress.close(summary)
-    return RunResult(summary, model)
+    return RunResult(summary, model, optimizer)
