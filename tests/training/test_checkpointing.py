@@ -21,6 +21,7 @@ from tests.parallel.parity import TINY, run
 from training.checkpointing import Checkpointer, published_checkpoints
 from training.config import load_config
 from training.data import TokenSampler
+from training.metrics import read_metrics
 from training.optim import build_optimizer
 
 STEPS = 6
@@ -199,3 +200,14 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_with_the_last_good_stat
     assert {float(s["step"]) for s in optimizer.state.values()} == {2.0}
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/loss"] for r in records if r["step"] == 3 and "train/loss" in r] == ["nan"]
+
+
+def test_auto_interval_saves_first_to_measure_then_logs_its_choice(tmp_path, capsys):
+    # M = 0.36 ms: every save takes longer than 2M, so Daly's interval is M itself and each step is saved
+    run(["train.steps=3", "checkpoint.interval=auto", "checkpoint.mtbf_hours=1e-7", "checkpoint.keep=2",
+         "train.eval_batches=1"], 1, tmp_path)
+    err = capsys.readouterr().err
+    assert "checkpoint step_0000001" in err and "expected work lost per failure" in err and "(Daly; Young" in err
+    assert [s for s, _ in published_checkpoints(tmp_path / "checkpoints")] == [3, 2]  # keep=2 pruned step 1
+    saves = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "checkpoint/save_s" in r]
+    assert [r["step"] for r in saves] == [1, 2, 3] and all(r["checkpoint/bytes"] > 0 for r in saves)
