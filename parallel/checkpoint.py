@@ -18,7 +18,6 @@ and only tensors are saved through DCP (non-tensor values would be unpickled fre
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -44,6 +43,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+# DCP warns on every call without a process group that it assumes a single process: here that is the intent.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
 MANIFEST = "manifest.json"
 _HASH_CHUNK = 1 << 22
 
@@ -54,15 +56,6 @@ class CheckpointCorruptError(RuntimeError):
 
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-@contextlib.contextmanager
-def _quiet_without_process_group():
-    """DCP warns that it assumes a single process when there is no process group; here that is the intent."""
-    with warnings.catch_warnings():
-        if not _dist():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
@@ -101,8 +94,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, dire
     if optimizer is not None:
         optim_state = get_optimizer_state_dict(model, optimizer, options=options)
         target["optim"] = {"state": optim_state["state"]}
-    with _quiet_without_process_group():
-        dcp.load(target, storage_reader=SafeFileSystemReader(directory), planner=TensorsOnlyLoadPlanner())
+    dcp.load(target, storage_reader=SafeFileSystemReader(directory), planner=TensorsOnlyLoadPlanner())
     set_model_state_dict(model, model_state, options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, optim_state, options=options)
@@ -125,8 +117,7 @@ def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> N
 
 def save_sharded(state: dict[str, Any], directory: Path) -> None:
     """Write this rank's shards of ``state`` into ``directory`` (a collective; rank 0 writes DCP's metadata)."""
-    with _quiet_without_process_group():
-        dcp.save(state, storage_writer=FileSystemWriter(directory, single_file_per_rank=True, sync_files=True))
+    dcp.save(state, storage_writer=FileSystemWriter(directory, single_file_per_rank=True, sync_files=True))
 
 
 def async_save_sharded(state: dict[str, Any], directory: Path, process_group: dist.ProcessGroup | None):

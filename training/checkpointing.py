@@ -97,7 +97,7 @@ class Checkpointer:
     """
 
     def __init__(self, config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
-                 resume: str = "auto", async_group: dist.ProcessGroup | None = None):
+                 resume: str = "auto"):
         self.config, self.runtime, self.groups, self.resume = config, runtime, groups, resume
         self.policy = config.checkpoint
         self.run_dir = Path(run_dir)
@@ -105,7 +105,8 @@ class Checkpointer:
         self.tokens_per_step = config.train.global_batch_size * config.model.seq_len
         self.step, self.tokens_seen, self.skipped_steps, self.bad_in_a_row = 0, 0, 0, 0
         self.auto = AutoInterval(self.policy.mtbf_hours * 3600.0) if self.policy.interval == "auto" else None
-        self.async_group = async_group
+        # async writes run collectives from a background thread: they get a group of their own
+        self.async_group = groups.background_group() if self.policy.async_save else None
         self.last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
         self._pending: tuple | None = None  # async: (future, step, tmp folder, started, blocked seconds)
@@ -299,7 +300,7 @@ class Checkpointer:
         barrier()
         torch.save(self._rng_state(), tmp / "rng" / f"rank_{self.runtime.rank:05d}.pt")
         state = sharded_state(model, optimizer)
-        if self.policy.async_save and self.async_group is not None:
+        if self.policy.async_save:
             future = async_save_sharded(state, tmp, self.async_group)
             self._pending = (future, step, tmp, started, time.perf_counter() - started)
         else:

@@ -211,3 +211,18 @@ def test_auto_interval_saves_first_to_measure_then_logs_its_choice(tmp_path, cap
     assert [s for s, _ in published_checkpoints(tmp_path / "checkpoints")] == [3, 2]  # keep=2 pruned step 1
     saves = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "checkpoint/save_s" in r]
     assert [r["step"] for r in saves] == [1, 2, 3] and all(r["checkpoint/bytes"] > 0 for r in saves)
+
+
+def test_async_save_writes_the_state_of_its_step_while_training_goes_on(uninterrupted, tmp_path, capsys):
+    ref_records, _, _, ref_dir = uninterrupted
+    records, _ = run([*SETTINGS, "checkpoint.async_save=true"], 1, tmp_path)
+    assert losses(records) == losses(ref_records)
+    assert "training blocked" in capsys.readouterr().err
+    for name in ("step_0000003", "step_0000006"):  # step 3 was written while steps 4 and 5 trained
+        want, want_optimizer = load_checkpoint(ref_dir / "checkpoints" / name)
+        got, got_optimizer = load_checkpoint(tmp_path / "checkpoints" / name)
+        for key, value in want.state_dict().items():
+            assert torch.equal(got.state_dict()[key], value), (name, key)
+        for want_state, got_state in zip(want_optimizer.state.values(), got_optimizer.state.values(), strict=True):
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(got_state[key], want_state[key]), (name, key)
