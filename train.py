@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", default="auto", metavar="auto|none|PATH",
                         help="auto: continue from the newest complete checkpoint in the run directory (default); "
                              "none: start fresh; PATH: a checkpoint folder, or a folder of them")
+    parser.add_argument("--init-from", default=None, metavar="FILE",
+                        help="start from the weights in a safetensors file (python -m training.export writes one)")
     return parser.parse_args(argv)
 
 
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             groups = ParallelGroups.build(layout, runtime.device.type)
             if runtime.is_main and layout.world_size > 1:
                 print(groups.describe(), file=sys.stderr)
-            train(config, run_dir, runtime, groups, resume=args.resume)
+            train(config, run_dir, runtime, groups, resume=args.resume, init_from=args.init_from)
         finally:
             shutdown_runtime()
     except (ConfigError, ValueError, FileNotFoundError, CheckpointCorruptError) as exc:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from moe.config import ConfigError
 from parallel.checkpoint import (
@@ -34,6 +36,7 @@ from parallel.checkpoint import (
     CheckpointCorruptError,
     async_save_sharded,
     barrier,
+    load_full_model_state,
     load_sharded,
     publish,
     save_sharded,
@@ -88,6 +91,14 @@ def config_changes(saved: dict, current: dict) -> dict[str, dict[str, Any]]:
             for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)}
 
 
+def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, on CPU (a plain tensor format: reading it runs no code)."""
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"--init-from {path}: not a readable safetensors file ({exc})") from exc
+
+
 class Checkpointer:
     """Saves, resumes and guards one run; every rank makes the same calls in the same order (they are collective).
 
@@ -97,8 +108,9 @@ class Checkpointer:
     """
 
     def __init__(self, config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
-                 resume: str = "auto"):
+                 resume: str = "auto", init_from: str | None = None):
         self.config, self.runtime, self.groups, self.resume = config, runtime, groups, resume
+        self.init_from = init_from
         self.policy = config.checkpoint
         self.run_dir = Path(run_dir)
         self.root = Path(self.policy.dir) if Path(self.policy.dir).is_absolute() else self.run_dir / self.policy.dir
@@ -172,9 +184,22 @@ class Checkpointer:
         if candidates:
             raise CheckpointCorruptError(f"no complete checkpoint in {self.root}: every one failed verification "
                                          "(see above); restore one, or move them away and start with --resume none")
+        if self.init_from is not None:
+            self._init_weights(model)
         return 0
 
+    def _init_weights(self, model: torch.nn.Module) -> None:
+        """Start from the weights of a consolidated safetensors file (``training/export.py``), fresh optimizer."""
+        weights = read_weights(self.init_from)
+        try:
+            load_full_model_state(model, weights)
+        except RuntimeError as exc:
+            raise ConfigError(f"--init-from {self.init_from}: does not fit this model ({exc})") from exc
+        self.say(f"initialised from {self.init_from} ({len(weights)} tensors); optimizer state starts fresh")
+
     def _load(self, path: Path, model, optimizer, sampler: TokenSampler) -> int:
+        if self.init_from is not None:
+            self.say(f"--init-from {self.init_from} ignored: the run resumes its own checkpoint")
         started = time.perf_counter()
         load_sharded(model, optimizer, path)
         state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))

@@ -215,6 +215,13 @@ def apply_override(tree: dict, assignment: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
+def config_from_dict(tree: dict) -> RunConfig:
+    """Build and validate a config from a resolved tree (e.g. the ``config.yaml`` a checkpoint carries)."""
+    config = from_dict(RunConfig, tree)
+    config.validate()
+    return config
+
+
 def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a named config or YAML path, apply overrides, build and validate the typed tree."""
     path = resolve_config_path(name_or_path)
@@ -228,6 +235,4 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     tree.setdefault("name", path.stem)
     for assignment in overrides:
         apply_override(tree, assignment)
-    config = from_dict(RunConfig, tree)
-    config.validate()
-    return config
+    return config_from_dict(tree)

@@ -204,8 +204,9 @@ class RunResult:
 
 
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
-          resume: str = "auto") -> RunResult:
-    """Train ``config`` in ``run_dir`` under ``groups``' layout, resuming as ``resume`` says (``Checkpointer``)."""
+          resume: str = "auto", init_from: str | None = None) -> RunResult:
+    """Train ``config`` in ``run_dir`` under ``groups``' layout, resuming as ``resume`` says (``Checkpointer``)
+    or starting from the weights of the safetensors file ``init_from``."""
     device = runtime.device
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
     dp_group = groups.group("dp") if dp_size > 1 else None
@@ -223,7 +224,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
                         activation_checkpointing=config.parallel.activation_checkpointing)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
-    checkpoints = Checkpointer(config, run_dir, runtime, groups, resume)
+    checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_from)
     first_step = checkpoints.restore(model, optimizer, sampler) + 1
     counts = parameter_counts(config.model, config.moe)
     flops_per_token = training_flops_per_token(config.model, config.moe)

@@ -9,7 +9,10 @@ import pickle
 import shutil
 
 import pytest
+import safetensors
+import safetensors.torch
 import torch
+import yaml
 
 import training.loop
 from moe.config import ConfigError
@@ -18,6 +21,7 @@ from parallel.checkpoint import CheckpointCorruptError, SafeFileSystemReader, lo
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime
 from tests.parallel.parity import TINY, run
+from training import export
 from training.checkpointing import Checkpointer, published_checkpoints
 from training.config import load_config
 from training.data import TokenSampler
@@ -226,3 +230,50 @@ def test_async_save_writes_the_state_of_its_step_while_training_goes_on(uninterr
         for want_state, got_state in zip(want_optimizer.state.values(), got_optimizer.state.values(), strict=True):
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(got_state[key], want_state[key]), (name, key)
+
+
+def test_hyperparameters_may_change_on_resume_and_the_change_is_recorded(uninterrupted, tmp_path, capsys):
+    _, _, _, ref_dir = uninterrupted
+    shutil.copytree(ref_dir / "checkpoints" / "step_0000003", tmp_path / "checkpoints" / "step_0000003")
+    changed = ["train.lr=5e-3", "moe.capacity_factor=2.0", "train.global_batch_size=16", "moe.aux_loss_coef=0.02"]
+    records, _ = run([*SETTINGS, *changed, "train.eval_batches=1"], 1, tmp_path)
+    assert [r["step"] for r in records] == [4, 5, 6]
+    entries = yaml.safe_load((tmp_path / "resume_changes.yaml").read_text())
+    assert len(entries) == 1 and entries[0]["step"] == 3
+    assert entries[0]["changes"]["train.lr"] == {"saved": 0.01, "now": 0.005}
+    assert entries[0]["changes"]["moe.capacity_factor"] == {"saved": 1.25, "now": 2.0}
+    assert entries[0]["changes"]["train.global_batch_size"] == {"saved": 8, "now": 16}
+    assert set(entries[0]["changes"]) == {"train.lr", "moe.capacity_factor", "train.global_batch_size",
+                                          "moe.aux_loss_coef", "train.eval_batches"}
+    assert "resume: train.lr changed from 0.01 to 0.005" in capsys.readouterr().err
+    state = json.loads((tmp_path / "checkpoints" / "step_0000006" / "trainer_state.json").read_text())
+    # 3 steps of 8 sequences, then 3 of 16: the sampler continued where it stopped
+    assert state["sampler"]["samples_seen"] == 3 * 8 + 3 * 16
+    assert state["tokens_seen"] == (3 * 8 + 3 * 16) * 32
+
+
+def test_export_to_safetensors_and_start_a_run_from_it(uninterrupted, tmp_path, capsys):
+    _, ref_state, _, ref_dir = uninterrupted
+    out = tmp_path / "model.safetensors"
+    assert export.main([str(ref_dir / "checkpoints"), str(out)]) == 0  # the folder: its newest checkpoint
+    weights = safetensors.torch.load_file(out)
+    assert weights.keys() == ref_state.keys()
+    for name, value in ref_state.items():
+        assert torch.equal(weights[name], value), name
+    with safetensors.safe_open(out, framework="pt") as handle:
+        assert yaml.safe_load(handle.metadata()["config.yaml"])["train"]["steps"] == STEPS
+
+    config, model, optimizer = single_process(SETTINGS)
+    sampler = TokenSampler(torch.zeros(10_000, dtype=torch.int64).numpy(), config.model.seq_len, 0)
+    groups = ParallelGroups.build(Layout.resolve(1), "cpu")
+    checkpointer = Checkpointer(config, tmp_path / "run", Runtime(0, 1, 0, torch.device("cpu")), groups,
+                                init_from=str(out))
+    assert checkpointer.restore(model, optimizer, sampler) == 0  # a new run, step 0, fresh optimizer
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, ref_state[name]), name
+    assert not optimizer.state and "initialised from" in capsys.readouterr().err
+    bad = Checkpointer(load_config("moe-8x", [*TINY, "model.d_model=64"]), tmp_path / "r2",
+                       Runtime(0, 1, 0, torch.device("cpu")), groups, init_from=str(out))
+    _, other, other_optimizer = single_process([*SETTINGS, "model.d_model=64"])
+    with pytest.raises(ConfigError, match="does not fit this model"):
+        bad.restore(other, other_optimizer, sampler)
