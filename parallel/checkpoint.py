@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 # DCP warns on every call without a process group that it assumes a single process: here that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -98,13 +97,6 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, dire
     set_model_state_dict(model, model_state, options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, optim_state, options=options)
-
-
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full CPU tensor on every rank (a gather: for export, not for checkpoints)."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
-    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().clone()
-            for name, value in state.items()}
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

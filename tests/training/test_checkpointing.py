@@ -277,3 +277,15 @@ def test_export_to_safetensors_and_start_a_run_from_it(uninterrupted, tmp_path, 
     _, other, other_optimizer = single_process([*SETTINGS, "model.d_model=64"])
     with pytest.raises(ConfigError, match="does not fit this model"):
         bad.restore(other, other_optimizer, sampler)
+
+
+def test_wall_clock_interval(tmp_path, monkeypatch):
+    config = load_config("moe-8x", [*TINY, "checkpoint.interval_minutes=2"])
+    groups = ParallelGroups.build(Layout.resolve(1), "cpu")
+    clock = {"now": 1000.0}
+    monkeypatch.setattr("training.checkpointing.time.monotonic", lambda: clock["now"])
+    checkpointer = Checkpointer(config, tmp_path, Runtime(0, 1, 0, torch.device("cpu")), groups)
+    clock["now"] += 119
+    assert not checkpointer._due(7)
+    clock["now"] += 1
+    assert checkpointer._due(8)
