@@ -161,7 +161,7 @@ class Checkpointer:
             error = str(exc)
             print(f"rank {self.runtime.rank}: checkpoint damaged: {error}", file=sys.stderr)
         if self.runtime.distributed:
-            flag = torch.tensor([0 if error is None else 1])
+            flag = torch.tensor([0 if error is None else 1], device=self.runtime.device)  # NCCL: device tensors
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() and error is None:
                 error = f"{path}: another rank found a damaged file (see its message)"
@@ -289,7 +289,7 @@ class Checkpointer:
         due = ((minutes is not None and elapsed >= 60.0 * minutes)
                or (self.auto is not None and elapsed >= self.auto.interval_s))
         if self.runtime.distributed:  # clocks differ between ranks: rank 0 decides
-            flag = torch.tensor([int(due)])
+            flag = torch.tensor([int(due)], device=self.runtime.device)
             dist.broadcast(flag, src=0)
             due = bool(flag.item())
         return due
