@@ -121,7 +121,8 @@ class Checkpointer:
         self.async_group = groups.background_group() if self.policy.async_save else None
         self.last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
-        self._pending: tuple | None = None  # async: (future, step, tmp folder, started, blocked seconds)
+        # the save being written: (future or None, step, tmp folder, started, blocked seconds, [written at])
+        self._pending: tuple | None = None
         self.log_metrics = None  # set to MetricsLogger.log to record save times in metrics.jsonl
         self.saves: list[dict[str, float]] = []  # per save: step, seconds, blocked seconds, bytes
 
@@ -274,6 +275,7 @@ class Checkpointer:
         if self.bad_in_a_row < limit:
             return None
         path = self.save(step, model, optimizer, sampler, reason="non-finite")
+        self._finalize_pending()  # published before the run stops, also when saving asynchronously
         return (f"step {step}: {limit} non-finite steps in a row (loss {loss}, gradient norm {grad_norm}); stopping. "
                 f"The weights are those of the last good step, saved in {path}. Try a lower train.lr "
                 f"(now {self.config.train.lr}) or train.grad_clip, and resume")
@@ -327,10 +329,12 @@ class Checkpointer:
         state = sharded_state(model, optimizer)
         if self.policy.async_save:
             future = async_save_sharded(state, tmp, self.async_group)
-            self._pending = (future, step, tmp, started, time.perf_counter() - started)
+            written: list[float] = []  # when the background write ended (publication waits for the next save)
+            future.add_done_callback(lambda _: written.append(time.perf_counter()))
+            self._pending = (future, step, tmp, started, time.perf_counter() - started, written)
         else:
             save_sharded(state, tmp)
-            self._pending = (None, step, tmp, started, None)
+            self._pending = (None, step, tmp, started, None, [])
             self._finalize_pending()
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
@@ -340,7 +344,7 @@ class Checkpointer:
         """Wait for the pending write on every rank, then publish it (manifest, rename, ``latest``, pruning)."""
         if self._pending is None:
             return
-        future, step, tmp, started, blocked = self._pending
+        future, step, tmp, started, blocked, written = self._pending
         self._pending = None
         if future is not None:
             future.result()
@@ -354,7 +358,8 @@ class Checkpointer:
             write_text_atomic(self.root / LATEST, final.name + "\n")
             self._prune()
         barrier()
-        seconds = time.perf_counter() - started
+        # an async save's time is its write's; publishing (manifest, rename) happens here and is small
+        seconds = (written[0] if written else time.perf_counter()) - started
         blocked = seconds if blocked is None else blocked
         if self.auto is not None:
             self.auto.observe(blocked)
