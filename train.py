@@ -3,6 +3,8 @@
     python train.py --config moe-8x
     torchrun --nproc-per-node 1 train.py --config moe-8x --set train.steps=100 moe.top_k=1
 
+Started again with the same run directory it continues from the newest complete checkpoint
+(``--resume none`` starts fresh, ``--resume PATH`` takes a given checkpoint).
 ``--config`` takes a name from ``configs/`` or a YAML path; ``--set section.key=value``
 overrides any key (repeatable, and several may follow one ``--set``); ``--run-dir``
 defaults to ``runs/<config name>``. Exit status 0 on success; on any error the
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 from moe.config import ConfigError
+from parallel.checkpoint import CheckpointCorruptError
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.pipeline import check_pipeline
 from parallel.runtime import init_runtime, shutdown_runtime
@@ -30,6 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="override config keys, e.g. --set train.steps=50 moe.capacity_factor=null")
     parser.add_argument("--run-dir", type=Path, default=None, help="output directory (default runs/<config name>)")
+    parser.add_argument("--resume", default="auto", metavar="auto|none|PATH",
+                        help="auto: continue from the newest complete checkpoint in the run directory (default); "
+                             "none: start fresh; PATH: a checkpoint folder, or a folder of them")
+    parser.add_argument("--init-from", default=None, metavar="FILE",
+                        help="start from the weights in a safetensors file (python -m training.export writes one)")
     return parser.parse_args(argv)
 
 
@@ -49,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             groups = ParallelGroups.build(layout, runtime.device.type)
             if runtime.is_main and layout.world_size > 1:
                 print(groups.describe(), file=sys.stderr)
-            train(config, run_dir, runtime, groups)
+            train(config, run_dir, runtime, groups, resume=args.resume, init_from=args.init_from)
         finally:
             shutdown_runtime()
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointCorruptError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except NonFiniteLossError as exc:

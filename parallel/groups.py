@@ -479,6 +479,14 @@ class ParallelGroups:
         self._require_distributed(f"group({axis!r})")
         return self._groups[axis]
 
+    def background_group(self) -> dist.ProcessGroup | None:
+        """A new gloo group over all ranks for collectives run off the training thread (asynchronous checkpoint
+        writes): sharing a group with training's collectives would interleave the two streams. Collective:
+        every rank calls it, in the same order. None in a single process without torch.distributed."""
+        if not self.distributed:
+            return None
+        return dist.new_group(backend="gloo", group_desc="background")
+
     def coords(self) -> dict[str, int]:
         """This rank's coordinate on every axis of both views (pp and dp_replicate coincide) and on "dp"."""
         return coordinates(self.layout, self.rank)

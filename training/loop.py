@@ -29,6 +29,7 @@ from parallel import clip_grad_norm_, parallelize
 from parallel.groups import ParallelGroups
 from parallel.pipeline import PipelineModel, build_pipeline
 from parallel.runtime import Runtime
+from training.checkpointing import Checkpointer
 from training.config import RunConfig
 from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
 from training.hardware import choose_precision
@@ -195,10 +196,13 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
 class RunResult:
     summary: dict[str, float]
     model: MoETransformer | PipelineModel  # the trained model, parallelized as it was trained (this rank's stages)
+    optimizer: torch.optim.Optimizer | None = None  # its optimizer, with the state a checkpoint would hold
 
 
-def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups) -> RunResult:
-    """Train ``config`` in ``run_dir`` under ``groups``' layout."""
+def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
+          resume: str = "auto", init_from: str | None = None) -> RunResult:
+    """Train ``config`` in ``run_dir`` under ``groups``' layout, resuming as ``resume`` says (``Checkpointer``)
+    or starting from the weights of the safetensors file ``init_from``."""
     device = runtime.device
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
     dp_group = groups.group("dp") if dp_size > 1 else None
@@ -222,6 +226,8 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
         model = parallelize(model, groups, activation_checkpointing=config.parallel.activation_checkpointing)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
+    checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_from)
+    first_step = checkpoints.restore(model, optimizer, sampler) + 1
     counts = parameter_counts(config.model, config.moe)
     flops_per_token = training_flops_per_token(config.model, config.moe)
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
@@ -232,6 +238,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     logger = MetricsLogger(run_dir, resolved, config.name, config.logging.wandb, config.logging.wandb_project,
                            enabled=runtime.is_main)
     routing_log = RoutingLog(run_dir, logger, config.logging.router_charts_every)
+    checkpoints.log_metrics = logger.log
     say = (lambda text: print(text, file=sys.stderr)) if runtime.is_main else (lambda text: None)
     say(f"run '{config.name}' in {run_dir}: {counts.total / 1e6:.2f}M parameters, {counts.active / 1e6:.2f}M active; "
         f"{config.model.n_moe_layers} MoE layers of {config.moe.num_experts} experts, top-{config.moe.top_k}")
@@ -246,17 +253,17 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
                         stream=sys.stderr if runtime.is_main else open(os.devnull, "w"))  # noqa: SIM115
     interval, start, total_tokens = IntervalStats(), time.perf_counter(), 0
     summary: dict[str, float] = {}
-    for step in range(1, config.train.steps + 1):
+    for step in range(first_step, config.train.steps + 1):
         lr = learning_rate(step, config.train)
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
                                           autocast, interval, dp_group, pp_group)
-        if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
+        stop = checkpoints.check_finite(step, step_loss, grad_norm, model, optimizer, sampler)
+        if stop:
             logger.close()
-            raise NonFiniteLossError(f"step {step}: loss {step_loss}, gradient norm {grad_norm}; stopping. "
-                                     f"Try a lower train.lr (now {config.train.lr}) or train.grad_clip")
+            raise NonFiniteLossError(stop)
 
         interval.steps += 1
         interval.tokens += tokens_per_step
@@ -276,6 +283,8 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
             val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
             logger.log(step, {"val/loss": val})
             progress.message(f"step {step}: val loss {val:.4f}")
+        checkpoints.after_step(step, model, optimizer, sampler)
+    checkpoints.finish(config.train.steps, model, optimizer, sampler)
 
     val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
     logger.log(config.train.steps, {"val/loss": val})
@@ -285,4 +294,4 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     logger.summary(summary)
     logger.close()
     progress.close(summary)
-    return RunResult(summary, model)
+    return RunResult(summary, model, optimizer)

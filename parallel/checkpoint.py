@@ -1,0 +1,276 @@
+"""Distributed checkpoints: sharded save and load of model and optimizer, atomic publication, verification.
+
+Each rank writes the shards it holds with ``torch.distributed.checkpoint`` (DCP); no rank gathers the
+model. State dicts come from ``torch.distributed.checkpoint.state_dict``, whose keys are the single-process
+model's parameter names whatever the layout (FSDP2 shards, the ep-sharded experts of ``parallel/expert.py``
+and any DTensor-sharded parameter keep their names), so a checkpoint saved under one layout loads under
+another: DCP reads from each saved chunk what overlaps the shard the loading rank holds.
+
+A checkpoint becomes visible only when complete (``publish``): it is written into a temporary folder,
+every rank finishes, rank 0 writes ``manifest.json`` (size and SHA-256 of every file, and a digest of the
+manifest itself) and renames the folder to its final name. A crash at any point before the rename leaves
+only a temporary folder, never a damaged checkpoint; ``verify`` re-hashes the files before a load.
+
+Loading executes no code from the files: DCP's ``.metadata`` pickle is read by an unpickler that accepts
+only DCP's own metadata classes, torch dtypes and sizes; tensors are read with ``weights_only`` loading;
+and only tensors are saved through DCP (non-tensor values would be unpickled freely by DCP's planner).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from moe.config import ConfigError
+
+# DCP warns on every call without a process group that it assumes a single process: here that is the intent.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+MANIFEST = "manifest.json"
+_HASH_CHUNK = 1 << 22
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint file is missing, truncated or altered; the message names the file."""
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if _dist():
+        dist.barrier(group=group)
+
+
+# --- state dicts -------------------------------------------------------------------------------------
+
+
+def stateful_module(model) -> nn.Module:
+    """The module whose state this rank checkpoints: the model, or under pipeline parallelism its stage.
+
+    A pipeline stage keeps the full model's parameter names (``parallel/pipeline.py``), so the stages'
+    shards land under the same keys as any other layout's and a checkpoint reshards across pp too.
+    Several stages per rank (interleaved schedules) would need one state dict over all of them, which
+    torch's state-dict helpers do not take; that case is refused rather than half-saved.
+    """
+    stages = getattr(model, "stages", None)
+    if stages is None:
+        return model
+    if len(stages) != 1:
+        raise ConfigError(f"checkpoints under parallel.pp_virtual_stages={len(stages)} (several pipeline stages "
+                          "per rank) are not supported yet; use parallel.pp_virtual_stages=1 or no checkpoints")
+    return stages[0]
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optim": {"state": ...}}``: every tensor as this rank holds it, keyed by parameter name.
+
+    Only the optimizer's per-parameter state (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``) is kept: its
+    hyperparameters (lr, betas, weight decay) come from the run's config on resume, so they may change.
+    The tensors alias the live ones; a synchronous save reads them before training goes on.
+    """
+    options = StateDictOptions(full_state_dict=False)
+    model = stateful_module(model)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)  # creates empty Adam state if needed
+    return {"model": model_state, "optim": {"state": optim_state["state"]}}
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
+    """Load ``directory`` into ``model`` (and ``optimizer``) as they are sharded now, whatever the saved layout.
+
+    The target state dicts are built from the live objects (so DCP knows each rank's shard), filled in
+    place by ``dcp.load``, then set back. Missing or extra keys are errors: a checkpoint from another
+    model must not half-load.
+    """
+    options = StateDictOptions(full_state_dict=False, strict=True)
+    model = stateful_module(model)
+    model_state = get_model_state_dict(model, options=options)
+    target: dict[str, Any] = {"model": model_state}
+    optim_state = None
+    if optimizer is not None:
+        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+        target["optim"] = {"state": optim_state["state"]}
+    dcp.load(target, storage_reader=SafeFileSystemReader(directory), planner=TensorsOnlyLoadPlanner())
+    set_model_state_dict(model, model_state, options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict into ``model`` as it is sharded now; every rank passes the same tensors."""
+    module = stateful_module(model)
+    if module is not model:  # a pipeline stage takes its own blocks' tensors; a missing one is still an error
+        own = module.state_dict().keys()
+        state = {name: value for name, value in state.items() if name in own}
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+# --- writing -----------------------------------------------------------------------------------------
+
+
+def save_sharded(state: dict[str, Any], directory: Path) -> None:
+    """Write this rank's shards of ``state`` into ``directory`` (a collective; rank 0 writes DCP's metadata)."""
+    dcp.save(state, storage_writer=FileSystemWriter(directory, single_file_per_rank=True, sync_files=True))
+
+
+def async_save_sharded(state: dict[str, Any], directory: Path, process_group: dist.ProcessGroup | None):
+    """Stage ``state`` to memory now and write it in a background thread; returns the future of the write.
+
+    ``process_group`` must be a group used by nothing else while the write runs: the background
+    thread's collectives would otherwise interleave with training's on the same group.
+    """
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
+    return dcp.async_save(state, storage_writer=writer, process_group=process_group)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _manifest_digest(files: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_manifest(directory: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Hash every file under ``directory`` into ``manifest.json`` (fsynced); called by rank 0 once all ranks wrote."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        with open(path, "rb") as handle:  # data must be on disk before the manifest vouches for it
+            os.fsync(handle.fileno())
+        files[path.relative_to(directory).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest = {"files": files, "digest": _manifest_digest(files), **(extra or {})}
+    with open(directory / MANIFEST, "w", encoding="utf-8") as handle:
+        json.dump(manifest, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return manifest
+
+
+def publish(tmp_dir: Path, final_dir: Path) -> None:
+    """Make a fully written checkpoint visible under its final name in one rename (rank 0 only)."""
+    if final_dir.exists():  # an older save of the same step (e.g. before a crash and replay): replaced whole
+        shutil.rmtree(final_dir)
+    os.replace(tmp_dir, final_dir)
+    _fsync_dir(final_dir.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so a reader sees the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# --- verifying and reading ---------------------------------------------------------------------------
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a published checkpoint, checked against its own digest."""
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(f"{path}: missing or unreadable manifest ({exc})") from exc
+    if manifest.get("digest") != _manifest_digest(files):
+        raise CheckpointCorruptError(f"{path}: manifest does not match its own digest (edited or damaged)")
+    return manifest
+
+
+def verify(directory: Path, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """Check this rank's share of the files against the manifest (sizes, then SHA-256); returns the manifest.
+
+    Rank r hashes files r, r + world_size, ...: the job reads every byte once between them. Raises
+    ``CheckpointCorruptError`` naming the first bad file.
+    """
+    manifest = read_manifest(directory)
+    for name, entry in sorted(manifest["files"].items())[rank::world_size]:
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointCorruptError(f"{path}: listed in the manifest but missing")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointCorruptError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated?)")
+        if sha256_file(path) != entry["sha256"]:
+            raise CheckpointCorruptError(f"{path}: SHA-256 differs from the manifest (corrupted)")
+    return manifest
+
+
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_GLOBALS = {
+    ("torch", "Size"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` but refuses any global that is not plain metadata (no code runs)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.memory_format)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with the metadata read by ``_MetadataUnpickler`` instead of ``pickle.load``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+    """Refuses non-tensor entries, which DCP's default planner would unpickle with ``weights_only=False``."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointCorruptError(f"checkpoint entry '{read_item.dest_index.fqn}' is pickled bytes, not a "
+                                     "tensor; refusing to unpickle it")

@@ -1,0 +1,378 @@
+"""Checkpoint policy for one run: what a checkpoint holds, when to save, which one to resume, what to keep.
+
+The mechanism (sharded DCP files, manifest, atomic rename, verification) is ``parallel/checkpoint.py``.
+A checkpoint ``<run_dir>/checkpoints/step_NNNNNNN/`` holds:
+
+- the model and the optimizer's per-parameter state, sharded as they live (DCP files, one per rank);
+- ``trainer_state.json``: step, tokens seen, skipped steps, the data sampler's state, the layout;
+- ``rng/rank_NNNNN.pt``: each rank's CPU (and CUDA) generator state, read back with ``weights_only``;
+- ``config.yaml``: the resolved config it was trained with, to record what changed on resume;
+- ``manifest.json``: size and SHA-256 of every file above, written last.
+
+The aux-loss-free balancing biases are buffers of the model and travel with it; the LR schedule is a
+pure function of the step. ``latest`` names the newest published checkpoint, for people and tools;
+resuming walks the published checkpoints newest first and takes the first that verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from moe.config import ConfigError
+from parallel.checkpoint import (
+    MANIFEST,
+    CheckpointCorruptError,
+    async_save_sharded,
+    barrier,
+    load_full_model_state,
+    load_sharded,
+    publish,
+    save_sharded,
+    sharded_state,
+    verify,
+    write_manifest,
+    write_text_atomic,
+)
+from parallel.groups import ParallelGroups
+from parallel.runtime import Runtime
+from training.checkpoint_interval import AutoInterval
+from training.config import RunConfig
+from training.data import TokenSampler
+
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp_"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+RESUME_CHANGES = "resume_changes.yaml"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:07d}"
+
+
+def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every published checkpoint under ``root``, newest first (temporary folders excluded)."""
+    found = []
+    if root.is_dir():
+        for path in root.iterdir():
+            digits = path.name[len(STEP_PREFIX):]
+            if path.is_dir() and path.name.startswith(STEP_PREFIX) and digits.isdigit():
+                found.append((int(digits), path))
+    return sorted(found, reverse=True)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(saved: dict, current: dict) -> dict[str, dict[str, Any]]:
+    """Keys whose value differs between the saved and the current resolved config: {key: {saved, now}}."""
+    before, after = _flatten(saved), _flatten(current)
+    return {key: {"saved": before.get(key), "now": after.get(key)}
+            for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)}
+
+
+def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, on CPU (a plain tensor format: reading it runs no code)."""
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"--init-from {path}: not a readable safetensors file ({exc})") from exc
+
+
+class Checkpointer:
+    """Saves, resumes and guards one run; every rank makes the same calls in the same order (they are collective).
+
+    ``resume``: "auto" continues from the newest complete checkpoint in the run's checkpoint folder (a
+    fresh start when there is none), "none" starts fresh (refused when checkpoints exist, so none is
+    overwritten), or a path: a checkpoint folder, or a folder of them (its newest complete one).
+    """
+
+    def __init__(self, config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
+                 resume: str = "auto", init_from: str | None = None):
+        self.config, self.runtime, self.groups, self.resume = config, runtime, groups, resume
+        self.init_from = init_from
+        self.policy = config.checkpoint
+        self.run_dir = Path(run_dir)
+        self.root = Path(self.policy.dir) if Path(self.policy.dir).is_absolute() else self.run_dir / self.policy.dir
+        self.tokens_per_step = config.train.global_batch_size * config.model.seq_len
+        self.step, self.tokens_seen, self.skipped_steps, self.bad_in_a_row = 0, 0, 0, 0
+        self.auto = AutoInterval(self.policy.mtbf_hours * 3600.0) if self.policy.interval == "auto" else None
+        # async writes run collectives from a background thread: they get a group of their own
+        self.async_group = groups.background_group() if self.policy.async_save else None
+        self.last_saved_step: int | None = None
+        self._last_save_time = time.monotonic()
+        # the save being written: (future or None, step, tmp folder, started, blocked seconds, [written at])
+        self._pending: tuple | None = None
+        self.log_metrics = None  # set to MetricsLogger.log to record save times in metrics.jsonl
+        self.saves: list[dict[str, float]] = []  # per save: step, seconds, blocked seconds, bytes
+
+    def say(self, text: str) -> None:
+        if self.runtime.is_main:
+            print(text, file=sys.stderr)
+
+    # --- resume ---------------------------------------------------------------------------------------
+
+    def _candidates(self) -> tuple[list[tuple[int, Path]], bool]:
+        """Checkpoints to try, newest first, and whether the user named exactly one (no fallback then)."""
+        if self.resume == "none":
+            existing = published_checkpoints(self.root)
+            if existing:
+                raise ConfigError(f"--resume none, but {self.root} already holds checkpoints (newest "
+                                  f"{existing[0][1].name}); resume them (--resume auto), move them away, "
+                                  "or use another --run-dir")
+            return [], False
+        if self.resume == "auto":
+            return published_checkpoints(self.root), False
+        path = Path(self.resume)
+        if (path / MANIFEST).is_file() or (path / TRAINER_STATE).is_file():
+            return [(-1, path)], True
+        for folder in (path, path / self.policy.dir):
+            found = published_checkpoints(folder)
+            if found:
+                return found, False
+        raise ConfigError(f"--resume {self.resume}: no checkpoint there (expected a step_NNNNNNN folder with "
+                          f"{MANIFEST}, or a folder holding such folders)")
+
+    def _verified(self, path: Path) -> str | None:
+        """None when every rank's share of ``path`` checks out, else the first error this rank or rank 0 saw."""
+        try:
+            verify(path, self.runtime.rank, self.runtime.world_size)
+            error = None
+        except CheckpointCorruptError as exc:
+            error = str(exc)
+            print(f"rank {self.runtime.rank}: checkpoint damaged: {error}", file=sys.stderr)
+        if self.runtime.distributed:
+            flag = torch.tensor([0 if error is None else 1], device=self.runtime.device)  # NCCL: device tensors
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and error is None:
+                error = f"{path}: another rank found a damaged file (see its message)"
+        return error
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: TokenSampler) -> int:
+        """Load the checkpoint ``resume`` selects into the live objects; returns the last completed step (0: fresh)."""
+        if self.runtime.is_main:
+            for stale in self.root.glob(f"{TMP_PREFIX}*") if self.root.is_dir() else []:
+                self.say(f"removing {stale}: an incomplete save (the job stopped while writing it)")
+                shutil.rmtree(stale, ignore_errors=True)
+        candidates, exact = self._candidates()
+        for _, path in candidates:
+            error = self._verified(path)
+            if error is None:
+                return self._load(path, model, optimizer, sampler)
+            if exact:
+                raise CheckpointCorruptError(f"--resume {self.resume}: {error}")
+            self.say(f"skipping damaged checkpoint {path.name}: {error}; trying the previous one")
+        if candidates:
+            raise CheckpointCorruptError(f"no complete checkpoint in {self.root}: every one failed verification "
+                                         "(see above); restore one, or move them away and start with --resume none")
+        if self.init_from is not None:
+            self._init_weights(model)
+        return 0
+
+    def _init_weights(self, model: torch.nn.Module) -> None:
+        """Start from the weights of a consolidated safetensors file (``training/export.py``), fresh optimizer."""
+        weights = read_weights(self.init_from)
+        try:
+            load_full_model_state(model, weights)
+        except RuntimeError as exc:
+            raise ConfigError(f"--init-from {self.init_from}: does not fit this model ({exc})") from exc
+        self.say(f"initialised from {self.init_from} ({len(weights)} tensors); optimizer state starts fresh")
+
+    def _load(self, path: Path, model, optimizer, sampler: TokenSampler) -> int:
+        if self.init_from is not None:
+            self.say(f"--init-from {self.init_from} ignored: the run resumes its own checkpoint")
+        started = time.perf_counter()
+        load_sharded(model, optimizer, path)
+        state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
+        sampler.load_state_dict(state["sampler"])
+        self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
+        self.last_saved_step = self.step
+        same_world = state["world_size"] == self.runtime.world_size
+        if same_world:
+            self._set_rng(torch.load(path / "rng" / f"rank_{self.runtime.rank:05d}.pt", weights_only=True))
+        self.say(f"resumed from {path} at step {self.step} ({self.tokens_seen:,} tokens seen) in "
+                 f"{time.perf_counter() - started:.2f} s"
+                 + ("" if same_world else f"; saved on {state['world_size']} ranks, now {self.runtime.world_size}: "
+                    "resharded, and random generators keep this run's seeding"))
+        saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        self._record_changes(path, saved_config)
+        if self.runtime.is_main:
+            self._truncate_metrics()
+        return self.step
+
+    def _record_changes(self, path: Path, saved_config: dict) -> None:
+        """Log and append to ``resume_changes.yaml`` every config key that differs from the checkpoint's."""
+        changes = config_changes(saved_config, self.config.to_dict())
+        if not changes or not self.runtime.is_main:
+            return
+        for key, change in changes.items():
+            self.say(f"resume: {key} changed from {change['saved']!r} to {change['now']!r}")
+        log = self.run_dir / RESUME_CHANGES
+        entries = (yaml.safe_load(log.read_text(encoding="utf-8")) or []) if log.is_file() else []
+        entries.append({"step": self.step, "checkpoint": str(path), "changes": changes})
+        write_text_atomic(log, yaml.safe_dump(entries, sort_keys=False))
+
+    def _truncate_metrics(self) -> None:
+        """Drop metric records past the resumed step, so metrics.jsonl reads as one run's curve."""
+        metrics = self.run_dir / "metrics.jsonl"
+        if not metrics.is_file():
+            return
+        kept = [line for line in metrics.read_text(encoding="utf-8").splitlines(keepends=True)
+                if line.endswith("\n") and json.loads(line).get("step", 0) <= self.step]
+        write_text_atomic(metrics, "".join(kept))
+
+    # --- rng -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _rng_state() -> dict[str, Any]:
+        state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    @staticmethod
+    def _set_rng(state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+    # --- per step ------------------------------------------------------------------------------------
+
+    def check_finite(self, step: int, loss: float, grad_norm: float, model, optimizer,
+                     sampler: TokenSampler) -> str | None:
+        """Count a non-finite step (``train_step`` skipped its update); after ``train.max_bad_steps`` in a row,
+        save the last good state and return the message to stop with. None: go on."""
+        self.step = step
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.bad_in_a_row = 0
+            self.tokens_seen += self.tokens_per_step
+            return None
+        self.bad_in_a_row += 1
+        self.skipped_steps += 1
+        limit = self.config.train.max_bad_steps
+        self.say(f"step {step}: loss {loss}, gradient norm {grad_norm}: update skipped "
+                 f"({self.bad_in_a_row} in a row, limit train.max_bad_steps={limit})")
+        if self.bad_in_a_row < limit:
+            return None
+        path = self.save(step, model, optimizer, sampler, reason="non-finite")
+        self._finalize_pending()  # published before the run stops, also when saving asynchronously
+        return (f"step {step}: {limit} non-finite steps in a row (loss {loss}, gradient norm {grad_norm}); stopping. "
+                f"The weights are those of the last good step, saved in {path}. Try a lower train.lr "
+                f"(now {self.config.train.lr}) or train.grad_clip, and resume")
+
+    def _due(self, step: int) -> bool:
+        """Whether the policy asks for a save after ``step``; the same answer on every rank."""
+        interval, minutes = self.policy.interval, self.policy.interval_minutes
+        if isinstance(interval, int) and step % interval == 0:
+            return True
+        if self.auto is None and minutes is None:
+            return False
+        elapsed = time.monotonic() - self._last_save_time
+        due = ((minutes is not None and elapsed >= 60.0 * minutes)
+               or (self.auto is not None and elapsed >= self.auto.interval_s))
+        if self.runtime.distributed:  # clocks differ between ranks: rank 0 decides
+            flag = torch.tensor([int(due)], device=self.runtime.device)
+            dist.broadcast(flag, src=0)
+            due = bool(flag.item())
+        return due
+
+    def after_step(self, step: int, model, optimizer, sampler: TokenSampler) -> None:
+        """Save if the policy says so."""
+        if self.policy.enabled and step != self.config.train.steps and self._due(step):
+            self.save(step, model, optimizer, sampler)
+
+    def finish(self, step: int, model, optimizer, sampler: TokenSampler) -> None:
+        """Save the final state (when checkpointing is on) and wait for any save still being written."""
+        if self.policy.enabled and self.last_saved_step != step:
+            self.save(step, model, optimizer, sampler, reason="final")
+        self._finalize_pending()
+
+    # --- saving --------------------------------------------------------------------------------------
+
+    def save(self, step: int, model, optimizer, sampler: TokenSampler, reason: str = "interval") -> Path:
+        """Write a checkpoint of the state after ``step``; returns its final folder (published when this returns,
+        or, with async saving, once the background write is done: at the next save or at the end)."""
+        self._finalize_pending()
+        started = time.perf_counter()
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f"{TMP_PREFIX}{final.name}"
+        if self.runtime.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+            trainer_state = {"step": step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
+                             "sampler": sampler.state_dict(), "world_size": self.runtime.world_size,
+                             "layout": self.config.parallel.degrees(), "reason": reason}
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
+            (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False), encoding="utf-8")
+        barrier()
+        torch.save(self._rng_state(), tmp / "rng" / f"rank_{self.runtime.rank:05d}.pt")
+        state = sharded_state(model, optimizer)
+        if self.policy.async_save:
+            future = async_save_sharded(state, tmp, self.async_group)
+            written: list[float] = []  # when the background write ended (publication waits for the next save)
+            future.add_done_callback(lambda _: written.append(time.perf_counter()))
+            self._pending = (future, step, tmp, started, time.perf_counter() - started, written)
+        else:
+            save_sharded(state, tmp)
+            self._pending = (None, step, tmp, started, None, [])
+            self._finalize_pending()
+        self.last_saved_step = step
+        self._last_save_time = time.monotonic()
+        return final
+
+    def _finalize_pending(self) -> None:
+        """Wait for the pending write on every rank, then publish it (manifest, rename, ``latest``, pruning)."""
+        if self._pending is None:
+            return
+        future, step, tmp, started, blocked, written = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()
+        barrier()
+        size = 0
+        if self.runtime.is_main:
+            manifest = write_manifest(tmp, {"step": step})
+            size = sum(entry["bytes"] for entry in manifest["files"].values())
+            final = self.root / step_dir_name(step)
+            publish(tmp, final)
+            write_text_atomic(self.root / LATEST, final.name + "\n")
+            self._prune()
+        barrier()
+        # an async save's time is its write's; publishing (manifest, rename) happens here and is small
+        seconds = (written[0] if written else time.perf_counter()) - started
+        blocked = seconds if blocked is None else blocked
+        if self.auto is not None:
+            self.auto.observe(blocked)
+        self.saves.append({"step": step, "seconds": seconds, "blocked_s": blocked, "bytes": size})
+        self.say(f"checkpoint {step_dir_name(step)}: {size / 1e6:.2f} MB in {seconds:.2f} s "
+                 f"(training blocked {blocked:.2f} s)" + (f"; {self.auto.describe()}" if self.auto else ""))
+        if self.log_metrics is not None:
+            self.log_metrics(step, {"checkpoint/save_s": seconds, "checkpoint/blocked_s": blocked,
+                                    "checkpoint/bytes": size})
+
+    def _prune(self) -> None:
+        """Keep the newest ``checkpoint.keep`` published checkpoints; delete older ones and stray temporary folders."""
+        for _, path in published_checkpoints(self.root)[self.policy.keep:]:
+            shutil.rmtree(path, ignore_errors=True)
+        for stale in self.root.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
