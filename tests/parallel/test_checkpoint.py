@@ -127,7 +127,7 @@ def test_checkpoint_reshards_into_another_layout(source, layout, world_size, res
     run_dir = resumable(source_dir, 3, tmp_path / "run")
     job = {"load": str(source_dir / "checkpoints" / "step_0000006"), "load_out": str(tmp_path / "loaded.pt")}
     if resume:
-        job.update(run_dir=str(run_dir))
+        job.update(run_dir=str(run_dir), final_out=str(tmp_path / "final.pt"))
     launch(layout, world_size, job)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert loaded.keys() == source_state.keys()
