@@ -37,6 +37,7 @@ from analysis.router_probe import (
     layer_agreement,
     probe,
     routing_change,
+    top_tokens,
 )
 from moe.config import ConfigError, from_dict
 from moe.transformer import MoETransformer
@@ -192,16 +193,22 @@ def probe_run(run_dir: Path | str, load_weights: StateDictLoader | None, tokens:
 
 
 def specialisation_lines(result: ProbeResult, layer: int, byte_level: bool = True) -> list[str]:
-    """One line per expert: its share of the text's assignments and the categories it favours most."""
-    counts = expert_categories(result, layer)
-    lift = category_lift(counts)
-    total = counts.sum()
+    """One line per expert: its share of the text's assignments and what it favours.
+
+    Byte-level vocabularies: the two token categories with the highest lift. Any other vocabulary:
+    the expert's most frequent token ids.
+    """
+    ids = result.expert_ids[layer]
+    shares = np.bincount(ids.reshape(-1), minlength=result.num_experts) / ids.size
+    lift = category_lift(expert_categories(result, layer)) if byte_level else None
     lines = []
     for expert in range(result.num_experts):
-        share = counts[expert].sum() / total
-        order = [c for c in np.argsort(-np.nan_to_num(lift[expert], nan=-1)) if counts[expert, c] > 0][:2]
-        favours = ", ".join(f"{CATEGORIES[c]} x{lift[expert, c]:.2f}" for c in order) if byte_level else ""
-        lines.append(f"  expert {expert:>3}: {100 * share:5.1f}% of assignments; favours {favours or '-'}")
+        if lift is not None:
+            order = [c for c in np.argsort(-np.nan_to_num(lift[expert], nan=-1)) if lift[expert, c] > 0][:2]
+            favours = ", ".join(f"{CATEGORIES[c]} x{lift[expert, c]:.2f}" for c in order) or "-"
+        else:
+            favours = "tokens " + (", ".join(f"{t} ({n})" for t, n in top_tokens(result, layer, expert, 5)) or "-")
+        lines.append(f"  expert {expert:>3}: {100 * shares[expert]:5.1f}% of assignments; favours {favours}")
     return lines
 
 

@@ -69,6 +69,8 @@ def coselection_figure(run: RunData, last_intervals: int | None = None) -> Figur
         lift = coselection_lift(run.coselection(layer, last_intervals))
         image = ax.imshow(_log2_lift(lift), cmap="PuOr_r", vmin=-2, vmax=2, interpolation="nearest")
         ax.set_title(f"layer {layer}")
+        ax.set_xticks(range(len(lift)))
+        ax.set_yticks(range(len(lift)))
         ax.set_xlabel("expert")
         ax.set_ylabel("expert")
     for ax in list(axes.flat)[len(layers):]:

@@ -13,6 +13,8 @@ What is measured, in one process on the config's model and batch (random bytes, 
   ``logging.router_charts_every`` intervals. Each part is the fastest of many calls, as the step is the
   fastest step, so that a busy machine inflates neither side of the ratio.
 - ``overhead``: their sum per step at the config's logging interval, over ``step``. The goal is <= 2%.
+- ``in-step``: the time the steps with statistics spent inside ``_stats`` and the accumulation,
+  clocked in place, over each such step's time: the per-step parts measured inside real steps.
 - ``a/b``: a cross-check by whole steps: ``train_step`` with statistics against the same step with
   the statistics switched off (``_stats`` reduced to the expert counts the bias update needs, no
   accumulation), interleaved; the median of per-pair ratios and fastest over fastest. On a busy
@@ -93,18 +95,35 @@ def main() -> None:
     step = lambda interval: train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,  # noqa: E731
                                        autocast, interval)
 
-    # the A/B by whole steps, interleaved (which side goes first alternates)
-    on, off = [], []
+    # the A/B by whole steps, interleaved (which side goes first alternates); in the steps with
+    # statistics, the time spent inside the per-pass statistics and the accumulation is clocked too
+    on, off, in_step = [], [], []
+    clock = [0.0]
+
+    def clocked(fn):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[0] += time.perf_counter() - start
+        return wrapper
+
     step(IntervalStats())
     for r in range(args.repeats):
         for side in ((True, False) if r % 2 == 0 else (False, True)):
+            clock[0] = 0.0
             start = time.perf_counter()
             if side:
-                step(IntervalStats())
+                with (mock.patch.object(MoELayer, "_stats", clocked(MoELayer._stats)),
+                      mock.patch.object(RoutingAccumulator, "add", clocked(RoutingAccumulator.add))):
+                    step(IntervalStats())
             else:
                 with mock.patch.object(MoELayer, "_stats", _bare_stats):
                     step(_NoInterval())
             (on if side else off).append(time.perf_counter() - start)
+            if side:
+                in_step.append(clock[0] / on[-1])
     step_s = min(on)
     ab = statistics.median(a / b for a, b in zip(on, off, strict=True))
     ab_best = min(on) / min(off)
@@ -150,6 +169,7 @@ def main() -> None:
         "step_s": step_s, "stats_per_layer_s": per_layer_stats, "accumulate_s": accumulate,
         "interval_s": interval, "charts_s": charts, "overhead_per_step_s": per_step,
         "overhead_fraction": per_step / step_s, "ab_ratio": ab, "ab_best_ratio": ab_best,
+        "in_step_fraction": statistics.median(in_step),
         "steps_on_s": on, "steps_off_s": off,
     }
     print(f"{args.config} ({args.precision}, {figures['threads']} threads): step {step_s * 1e3:.0f} ms; "
@@ -160,6 +180,8 @@ def main() -> None:
     print(f"  per interval          {interval * 1e3:8.2f} ms (reduce, metrics, routing/*.npy)")
     print(f"  charts                {charts * 1e3:8.1f} ms (wandb offline: bar charts, heatmap)")
     print(f"  overhead per step     {per_step * 1e3:8.2f} ms = {100 * per_step / step_s:.2f}% of a step (goal <= 2%)")
+    print(f"  in-step clock         {100 * statistics.median(in_step):8.3f}% of each step inside the statistics "
+          "and their accumulation (median over the steps with statistics)")
     print(f"  a/b whole steps       {ab:8.3f} (with / without statistics, median of {args.repeats} pairs; "
           f"fastest over fastest {ab_best:.3f})")
     if args.json:

@@ -182,3 +182,15 @@ def test_probe_cli_names_a_missing_weights_file(run_with_weights, capsys):
     run_dir, _ = run_with_weights
     assert router.main(["probe", "--run", str(run_dir), "--weights", "nope.pt"]) == 2
     assert "--weights/--compare nope.pt: no such file" in capsys.readouterr().err
+
+
+def test_specialisation_lines_use_categories_for_bytes_and_top_tokens_otherwise():
+    result = ProbeResult(tokens=np.array([97, 98, 49, 300]), expert_ids={0: np.array([[0], [0], [1], [1]])},
+                         weights={0: np.ones((4, 1))}, num_experts=2)
+    lines = router.specialisation_lines(result, 0, byte_level=False)
+    assert lines[0] == "  expert   0:  50.0% of assignments; favours tokens 97 (1), 98 (1)"
+    assert lines[1] == "  expert   1:  50.0% of assignments; favours tokens 49 (1), 300 (1)"
+    result.tokens = np.array([97, 98, 49, 32])  # a, b, 1, space
+    lines = router.specialisation_lines(result, 0, byte_level=True)
+    assert lines[0] == "  expert   0:  50.0% of assignments; favours letter x2.00"
+    assert lines[1] == "  expert   1:  50.0% of assignments; favours digit x2.00, whitespace x2.00"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +34,25 @@ def offline_run(tmp_path_factory):
     return root / "run"
 
 
+def _records(log: Path, timeout: float = 60.0) -> list:
+    """The .wandb file's records once wandb has written its final "exit" record.
+
+    ``run.finish()`` can return before wandb's writer has flushed the last records (seen on a loaded
+    machine), so wait for the record that closes the log rather than read a half-written one.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _read_transaction_log(log)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
 def _history(run_dir: Path) -> tuple[Path, dict[int, dict]]:
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     (log,) = offline.glob("*.wandb")
     rows = {}
-    for record in _read_transaction_log(log):
+    for record in _records(log):
         if record.WhichOneof("record_type") == "history":
             row = _items_by_key(record.history.item)
             rows.setdefault(row["_step"], {}).update(row)
