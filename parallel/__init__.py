@@ -23,11 +23,13 @@ __all__ = ["clip_grad_norm_", "parallelize"]
 
 
 def parallelize(model: MoETransformer, groups: ParallelGroups,
-                activation_checkpointing: str = "none") -> MoETransformer:
+                activation_checkpointing: str = "none", reshard_after_forward: bool = True) -> MoETransformer:
     """Apply the layout's parallelism and activation checkpointing to ``model`` in place and return it.
 
     Every rank passes the same fully initialised model (same seed): tensor and expert parallelism keep
     this rank's slices and FSDP this rank's shards of them, so the weights do not depend on the layout.
+    ``reshard_after_forward=False`` keeps each block's gathered weights from forward to backward: one
+    all-gather fewer per block and step, for the memory of the unsharded blocks.
     """
     layout = groups.layout
     unmanaged: set = set()
@@ -38,9 +40,9 @@ def parallelize(model: MoETransformer, groups: ParallelGroups,
         apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh)
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
         expert_dp_mesh = groups.mesh(*expert_axes) if layout.dp_replicate * layout.edp > 1 else None
-        unmanaged = shard_experts(model, expert_dp_mesh, layout.dp)
+        unmanaged = shard_experts(model, expert_dp_mesh, layout.dp, reshard_after_forward)
     apply_activation_checkpointing(model, activation_checkpointing)  # before FSDP (see its module)
     if layout.dp > 1:
         axes = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-        apply_fsdp(model, groups.mesh(*axes), ignored_params=unmanaged or None)
+        apply_fsdp(model, groups.mesh(*axes), reshard_after_forward, ignored_params=unmanaged or None)
     return model

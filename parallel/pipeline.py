@@ -264,7 +264,7 @@ class PipelineModel:
 def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups, schedule: str,
                    virtual_stages: int, microbatches: int, micro_batch_size: int,
                    loss_fn: Callable[[Tensor, Tensor], Tensor], autocast: Callable[[], AbstractContextManager],
-                   activation_checkpointing: str = "none") -> PipelineModel:
+                   activation_checkpointing: str = "none", reshard_after_forward: bool = True) -> PipelineModel:
     """Cut ``model`` (the full, seeded model of ``moe``'s experts, the same on every rank) into this rank's stages.
 
     ``loss_fn(logits, targets)`` is the mean LM loss of one micro-batch of ``micro_batch_size``
@@ -282,7 +282,8 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     stages, pipeline_stages = [], []
     for index in range(pp_rank, num_stages, layout.pp):
         first, last = index == 0, index == num_stages - 1
-        stage = parallelize(cut_stage(model, ranges[index], first, last), groups, activation_checkpointing)
+        stage = parallelize(cut_stage(model, ranges[index], first, last), groups, activation_checkpointing,
+                            reshard_after_forward)
         stage.forward = _with_autocast(stage.forward, autocast)
         # shapes given up front (static metadata), so torch does not run a trial step to infer them
         inputs = (torch.empty(micro_batch_size, seq, dtype=torch.long, device="meta") if first

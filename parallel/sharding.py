@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor, Shard
 from moe.transformer import MoETransformer
 
 
-def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_size: int) -> set[nn.Parameter]:
+def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_size: int,
+                  reshard_after_forward: bool = True) -> set[nn.Parameter]:
     """Make each layer's ep-sharded experts reduce their gradients to those of the global mean loss.
 
     After the all-to-all's backward, an expert's gradient on its ep rank is the SUM over the ranks
@@ -60,7 +61,8 @@ def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_s
         # tensor parallelism leaves whole (torchtitan: dim 1).
         by_experts = experts.num_local_experts % expert_dp_mesh.size(-1) == 0
         placement = (lambda param: Shard(0)) if by_experts else (lambda param: Shard(_free_dim(param)))
-        fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=placement)
+        fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=placement,
+                    reshard_after_forward=reshard_after_forward)
         # FSDP divided by the replicas; the global mean needs dp_size. With tp folded in, the replicas can
         # outnumber the data-parallel ranks (edp = dp_shard·tp/ep), so this factor may exceed one.
         factor = expert_dp_mesh.size() / dp_size

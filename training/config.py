@@ -44,6 +44,8 @@ class ParallelConfig:
     microbatches: int | None = None
     # recompute activations in backward: none, every block ("full"), or only the MoE blocks ("moe")
     activation_checkpointing: Literal["none", "full", "moe"] = "none"
+    # free each block's gathered FSDP weights after forward (gather again in backward): less memory, more traffic
+    reshard_after_forward: bool = True
 
     DEGREES: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp")
 

@@ -221,9 +221,10 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     if pp_group is not None:  # this rank's stages, each parallelized like the whole model
         model = build_pipeline(model, config.moe, groups, config.parallel.pp_schedule,
                                config.parallel.pp_virtual_stages, accumulation, micro, lm_loss, autocast,
-                               config.parallel.activation_checkpointing)
+                               config.parallel.activation_checkpointing, config.parallel.reshard_after_forward)
     else:
-        model = parallelize(model, groups, activation_checkpointing=config.parallel.activation_checkpointing)
+        model = parallelize(model, groups, config.parallel.activation_checkpointing,
+                            config.parallel.reshard_after_forward)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
     checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_from)
