@@ -3,9 +3,10 @@
     python -m analysis.router probe --run runs/moe-8x --weights model.pt [--compare init]
     python -m analysis.router summary runs/a runs/b ...
 
-``probe`` builds the run's model from its ``config.yaml``, loads weights (``--weights``: a file holding
-a model state dict saved with ``torch.save``, or ``init``: the run's own initial weights, rebuilt from
-its seed), runs a fixed held-out text (the first tokens of the run's validation split, or ``--text``),
+``probe`` builds the run's model from its ``config.yaml``, loads weights (``--weights``: a checkpoint
+folder, ``step_NNNNNNN`` or a run's ``checkpoints/`` for its newest; a ``.safetensors`` export; a state
+dict saved with ``torch.save``; or ``init``: the run's own initial weights, rebuilt from its seed), runs
+a fixed held-out text (the first tokens of the run's validation split, or ``--text``),
 prints what each expert specialises in and how consecutive layers agree, and saves every routing
 choice to ``probe.npz`` (``analysis.router_probe.ProbeResult.load`` reads it). ``--compare`` probes a
 second weight set on the same text and reports how the routing moved. ``summary`` prints one line per
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from analysis.router_probe import (
     CATEGORIES,
@@ -41,8 +43,10 @@ from analysis.router_probe import (
 )
 from moe.config import ConfigError, from_dict
 from moe.transformer import MoETransformer
+from training.checkpointing import published_checkpoints
 from training.config import RunConfig
 from training.data import load_tokens, split_tokens
+from training.export import consolidated_state
 from training.metrics import read_metrics
 from training.routing_stats import read_routing
 
@@ -157,12 +161,17 @@ def load_state_dict_file(path: Path | str) -> StateDictLoader:
     return lambda: torch.load(path, map_location="cpu", weights_only=True)
 
 
-def probe_weights_from_env() -> tuple[StateDictLoader | None, str]:
-    """(loader, description): ``$MOE_PROBE_WEIGHTS`` (a torch.save'd state dict), else the run's initial weights."""
+def probe_weights_from_env(run_dir: Path | str) -> tuple[StateDictLoader | None, str]:
+    """(loader, description): ``$MOE_PROBE_WEIGHTS`` (any ``--weights`` value), else the run's newest
+    checkpoint, else its initial weights."""
     path = os.environ.get("MOE_PROBE_WEIGHTS")
     if path:
         return _weights_arg(path), path
-    return None, "initial weights (set MOE_PROBE_WEIGHTS to a state dict file to probe trained weights)"
+    checkpoints = published_checkpoints(Path(run_dir) / "checkpoints")
+    if checkpoints:
+        return _weights_arg(str(checkpoints[0][1])), f"checkpoint {checkpoints[0][1]}"
+    return None, ("initial weights (the run has no checkpoint: train with checkpoint.interval set, or set "
+                  "MOE_PROBE_WEIGHTS to a checkpoint, .safetensors or state dict file)")
 
 
 def build_model(config: RunConfig, load_weights: StateDictLoader | None = None) -> MoETransformer:
@@ -249,11 +258,19 @@ def summary_command(args: argparse.Namespace) -> None:
 
 
 def _weights_arg(value: str) -> StateDictLoader | None:
+    """``init`` (None), a checkpoint folder (a ``step_NNNNNNN`` folder or a run's ``checkpoints/``: its newest),
+    a consolidated ``.safetensors`` export, or a ``torch.save``'d state dict."""
     if value == "init":
         return None
-    if not Path(value).is_file():
-        raise FileNotFoundError(f"--weights/--compare {value}: no such file (a torch.save'd model state dict, "
-                                "or 'init' for the run's initial weights)")
+    path = Path(value)
+    if path.is_dir():
+        return lambda: consolidated_state(path)[0]
+    if not path.is_file():
+        raise FileNotFoundError(f"--weights/--compare {value}: no such file or folder (a checkpoint folder, a "
+                                ".safetensors export, a torch.save'd model state dict, or 'init' for the run's "
+                                "initial weights)")
+    if path.suffix == ".safetensors":
+        return lambda: load_file(str(path))
     return load_state_dict_file(value)
 
 

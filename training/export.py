@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 from safetensors.torch import save_file
 
@@ -28,8 +29,11 @@ from training.config import config_from_dict
 CONFIG_METADATA_KEY = "config.yaml"
 
 
-def export_checkpoint(checkpoint: Path, out: Path) -> int:
-    """Write ``checkpoint``'s model to ``out`` (safetensors); returns the number of tensors written."""
+def consolidated_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], str, Path]:
+    """(full model state dict, resolved config YAML, checkpoint folder) of a verified checkpoint, in one process.
+
+    ``checkpoint`` is a ``step_NNNNNNN`` folder, or a folder of them (a run's ``checkpoints/``): its newest.
+    """
     found = published_checkpoints(checkpoint)
     if found:  # a folder of checkpoints: its newest
         checkpoint = found[0][1]
@@ -38,7 +42,12 @@ def export_checkpoint(checkpoint: Path, out: Path) -> int:
     config = config_from_dict(yaml.safe_load(config_text))
     model = MoETransformer(config.model, config.moe)
     load_sharded(model, None, checkpoint)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    return {name: tensor.contiguous() for name, tensor in model.state_dict().items()}, config_text, checkpoint
+
+
+def export_checkpoint(checkpoint: Path, out: Path) -> int:
+    """Write ``checkpoint``'s model to ``out`` (safetensors); returns the number of tensors written."""
+    state, config_text, checkpoint = consolidated_state(checkpoint)
     save_file(state, str(out), metadata={CONFIG_METADATA_KEY: config_text, "checkpoint": str(checkpoint)})
     return len(state)
 
