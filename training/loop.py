@@ -185,9 +185,13 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     grad_norm = float(grad_norm)
     if math.isfinite(step_loss) and math.isfinite(grad_norm):
         optimizer.step()
-        for i, layer in model.moe_layers().items():
-            # aux-loss-free balancing from the whole step's load over all data-parallel ranks
-            layer.router.update_bias(all_reduce(step_load[i], dp_group))
+        # aux-loss-free balancing from the whole step's load over all data-parallel ranks: one all-reduce,
+        # and none when no layer uses it
+        biased = {i: layer for i, layer in model.moe_layers().items() if layer.router.bias_update_rate > 0}
+        if biased:
+            loads = all_reduce(torch.stack([step_load[i] for i in biased]), dp_group)
+            for load, layer in zip(loads, biased.values(), strict=True):
+                layer.router.update_bias(load)
     optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
 

@@ -88,7 +88,6 @@ class RoutingAccumulator:
 
     def __init__(self) -> None:
         self._sums: dict[int, torch.Tensor] = {}  # layer -> [E + len(_SCALARS) + k (+ E*E)] float64
-        self._assignments: dict[int, int] = {}
         self._shape: tuple[int, int] | None = None  # (E, k)
 
     def add(self, stats: dict[int, RoutingStats]) -> None:
@@ -107,7 +106,6 @@ class RoutingAccumulator:
                 parts.append(s.coselection.double().reshape(-1))
             packed = torch.cat(parts)
             self._sums[i] = self._sums[i] + packed if i in self._sums else packed
-            self._assignments[i] = self._assignments.get(i, 0) + s.num_assignments
 
     def reduce(self, dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
                biases: dict[int, torch.Tensor] | None = None) -> IntervalRouting | None:
