@@ -23,6 +23,7 @@ from parallel.checkpoint import CheckpointCorruptError
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.pipeline import check_pipeline
 from parallel.runtime import init_runtime, shutdown_runtime
+from parallel.tensor import check_tensor_parallel
 from training.config import load_config
 from training.loop import NonFiniteLossError, micro_batching, train
 
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         _, microbatches = micro_batching(config, layout.dp, layout.pp)
         check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
                        microbatches)
+        check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel,
+                              config.parallel.vocab_parallel)
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
         try:

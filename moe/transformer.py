@@ -47,7 +47,9 @@ class Attention(nn.Module):
         nn.init.normal_(self.wo.weight, std=out_std)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x: [B, S, D]; cos, sin: the rotary tables of at least S positions, of which the first S are used."""
         batch, seq, _ = x.shape
+        cos, sin = cos[:seq], sin[:seq]
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, nh, S, hd]
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, nkv, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -127,10 +129,11 @@ class MoETransformer(nn.Module):
         seq = tokens.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        # attention takes the positions it needs from the full tables: under sequence parallelism the blocks
+        # pass sequence shards between them and attention alone sees the whole sequence
         x = self.tok_embeddings(tokens)
         for block in self.layers.values():
-            x = block(x, cos, sin)
+            x = block(x, self.rope_cos, self.rope_sin)
         return self.output(self.norm(x)).float()
 
     def moe_layers(self) -> dict[int, MoELayer]:

@@ -22,21 +22,24 @@ from parallel.tensor import apply_tensor_parallel
 __all__ = ["clip_grad_norm_", "parallelize"]
 
 
-def parallelize(model: MoETransformer, groups: ParallelGroups,
-                activation_checkpointing: str = "none", reshard_after_forward: bool = True) -> MoETransformer:
+def parallelize(model: MoETransformer, groups: ParallelGroups, activation_checkpointing: str = "none",
+                reshard_after_forward: bool = True, sequence_parallel: bool = False,
+                vocab_parallel: bool = False) -> MoETransformer:
     """Apply the layout's parallelism and activation checkpointing to ``model`` in place and return it.
 
     Every rank passes the same fully initialised model (same seed): tensor and expert parallelism keep
     this rank's slices and FSDP this rank's shards of them, so the weights do not depend on the layout.
     ``reshard_after_forward=False`` keeps each block's gathered weights from forward to backward: one
-    all-gather fewer per block and step, for the memory of the unsharded blocks.
+    all-gather fewer per block and step, for the memory of the unsharded blocks. ``sequence_parallel`` and
+    ``vocab_parallel`` are tensor parallelism's options (``parallel/tensor.py``).
     """
     layout = groups.layout
     unmanaged: set = set()
     tp_mesh = groups.mesh("tp") if layout.tp > 1 else None
     if tp_mesh is not None:
-        apply_tensor_parallel(model, tp_mesh)
-    if layout.ep > 1 or layout.etp > 1:
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel, vocab_parallel)
+    if layout.ep > 1 or layout.etp > 1 or (tp_mesh is not None and model.moe_layers()):
+        # with tp alone (ep = etp = 1) this still splits the routed rows over tp: each rank computes a share
         apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh)
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
         expert_dp_mesh = groups.mesh(*expert_axes) if layout.dp_replicate * layout.edp > 1 else None

@@ -44,6 +44,7 @@ from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.groups import ParallelGroups
+from parallel.tensor import loss_context
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -163,8 +164,10 @@ class PipelineModel:
     """
 
     def __init__(self, stages: list[MoETransformer], schedule, pp_group: dist.ProcessGroup,
-                 microbatches: int, is_first: bool, is_last: bool, stage_layers: list[range]):
+                 microbatches: int, is_first: bool, is_last: bool, stage_layers: list[range],
+                 vocab_parallel: bool = False):
         self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
+        self.vocab_parallel = vocab_parallel  # the last stage's loss and its backward run in loss_context
         self.stage_layers = stage_layers  # every stage's blocks, on all ranks (stage s on pp rank s mod pp)
         self.microbatches, self.is_first, self.is_last = microbatches, is_first, is_last
         self._routing: list[list[dict[int, RoutingStats]]] = [[] for _ in stages]
@@ -224,7 +227,8 @@ class PipelineModel:
         target = targets if self.is_last else None
         losses: list[Tensor] = []
         run = self.schedule.step if backward else self.schedule.eval
-        run(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
+        with loss_context(self.vocab_parallel):
+            run(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
         device = inputs.device
         out = (torch.stack([loss.detach() for loss in losses]).double() if self.is_last
                else torch.zeros(self.microbatches, dtype=torch.float64, device=device))
@@ -264,12 +268,14 @@ class PipelineModel:
 def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups, schedule: str,
                    virtual_stages: int, microbatches: int, micro_batch_size: int,
                    loss_fn: Callable[[Tensor, Tensor], Tensor], autocast: Callable[[], AbstractContextManager],
-                   activation_checkpointing: str = "none", reshard_after_forward: bool = True) -> PipelineModel:
+                   activation_checkpointing: str = "none", reshard_after_forward: bool = True,
+                   sequence_parallel: bool = False, vocab_parallel: bool = False) -> PipelineModel:
     """Cut ``model`` (the full, seeded model of ``moe``'s experts, the same on every rank) into this rank's stages.
 
     ``loss_fn(logits, targets)`` is the mean LM loss of one micro-batch of ``micro_batch_size``
     sequences; ``autocast`` wraps each stage's forward (compute precision), as it wraps the
-    model's forward without pipelining.
+    model's forward without pipelining. The last two are tensor parallelism's options: under
+    ``sequence_parallel`` the stages pass each other this tp rank's slice of the sequence.
     """
     config, layout = model.config, groups.layout
     check_pipeline(layout.pp, config, schedule, virtual_stages, microbatches)
@@ -278,18 +284,19 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     pp_rank = groups.coords()["pp"]
     device = next(model.parameters()).device
     seq, width = config.seq_len, config.d_model
+    stream_seq = seq // layout.tp if sequence_parallel else seq  # positions of the hidden states between stages
 
     stages, pipeline_stages = [], []
     for index in range(pp_rank, num_stages, layout.pp):
         first, last = index == 0, index == num_stages - 1
         stage = parallelize(cut_stage(model, ranges[index], first, last), groups, activation_checkpointing,
-                            reshard_after_forward)
+                            reshard_after_forward, sequence_parallel, vocab_parallel)
         stage.forward = _with_autocast(stage.forward, autocast)
         # shapes given up front (static metadata), so torch does not run a trial step to infer them
         inputs = (torch.empty(micro_batch_size, seq, dtype=torch.long, device="meta") if first
-                  else torch.empty(micro_batch_size, seq, width, device="meta", requires_grad=True))
-        outputs = torch.empty(micro_batch_size, seq, config.vocab_size if last else width, device="meta",
-                              requires_grad=True)
+                  else torch.empty(micro_batch_size, stream_seq, width, device="meta", requires_grad=True))
+        outputs = (torch.empty(micro_batch_size, seq, config.vocab_size, device="meta", requires_grad=True) if last
+                   else torch.empty(micro_batch_size, stream_seq, width, device="meta", requires_grad=True))
         stages.append(stage)
         pipeline_stages.append(PipelineStage(stage, index, num_stages, device, input_args=inputs,
                                              output_args=outputs, group=groups.group("pp")))
@@ -302,4 +309,4 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
               if schedule == "interleaved_1f1b"
               else schedule_class(pipeline_stages[0], microbatches, loss_fn=micro_batch_loss, scale_grads=False))
     return PipelineModel(stages, runner, groups.group("pp"), microbatches, is_first=pp_rank == 0,
-                         is_last=pp_rank == layout.pp - 1, stage_layers=ranges)
+                         is_last=pp_rank == layout.pp - 1, stage_layers=ranges, vocab_parallel=vocab_parallel)

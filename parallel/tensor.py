@@ -10,49 +10,152 @@ column-parallel input).
   ``wo`` row-parallel.
 - dense SwiGLU FFN and the MoE layer's shared experts: ``w_in`` and ``w_gate`` column-parallel (split on
   the hidden dim), ``w_out`` row-parallel.
-- the router, norms, embedding and head stay whole on every tp rank. The router in particular must see
-  the full hidden vector in fp32 so every tp rank routes identically (``moe/router.py``).
+- the router stays whole on every tp rank: it must see the full hidden vector in fp32 so every tp rank
+  routes identically (``moe/router.py``). So do the norms, the embedding and the head unless the options
+  below split them.
 
-Activations between the pairs are replicated over the tp group (no sequence parallelism here), so the
-tokens entering an MoE layer are the same on every tp rank. Expert parallelism folds over tp ranks;
-sending those tokens once per tp rank would multiply the all-to-all by tp. ``scatter_rows`` and
-``gather_rows`` prevent it: each tp rank takes a distinct 1/tp share of the layer's grouped rows
-(contiguous, so still grouped by expert), exchanges and computes only that share, and the shares are
-all-gathered over tp afterwards. The expert all-to-all then moves exactly the kept assignments once.
-Under expert tensor parallelism the etp ranks (consecutive within the tp group) hold the same share, each
-computing a partial sum over its slice of the experts' hidden dim; the gather adds them.
+Between the pairs the activations are replicated over the tp group by default. Two options shard more:
+
+- **sequence parallelism** (``sequence_parallel``; Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.2.2):
+  the residual stream and the norms work on a 1/tp slice of the sequence, so the activations outside the
+  pairs (the residual stream, the norms' inputs and outputs) take 1/tp of the memory. Each pair's
+  forward all-reduce becomes an all-gather of the sequence before it and a reduce-scatter after it: the
+  same bytes. The MoE layer gathers the whole sequence before routing and keeps its slice of the output:
+  routing a slice would route different token groups (capacity) and take the balancing loss over a part
+  of the batch, so the model would no longer be the single-process one.
+- **vocabulary parallelism** (``vocab_parallel``; Megatron's parallel embedding and cross-entropy,
+  Shoeybi et al. 2019 sec. 3): the embedding table and the LM head are split over the vocabulary, and the
+  loss is computed from the vocabulary-sharded logits (``loss_parallel``) without ever gathering the
+  [tokens, V] logits on one rank. ``loss_context`` gives the context that the loss and its backward must
+  run in.
+
+Without sequence parallelism the tokens entering an MoE layer are the same on every tp rank, and with it
+they are too once gathered. The routed experts would compute them once per tp rank; sending them over
+the expert all-to-all once per tp rank would multiply its traffic by tp. ``scatter_rows`` and
+``gather_rows`` prevent both: each tp rank takes a distinct 1/tp share of the layer's grouped rows
+(contiguous, so still grouped by expert), exchanges (under expert parallelism) and computes only that
+share, and the shares are all-gathered over tp afterwards. The expert all-to-all then moves exactly the
+kept assignments once. Under expert tensor parallelism the etp ranks (consecutive within the tp group)
+hold the same share, each computing a partial sum over its slice of the experts' hidden dim; the gather
+adds them.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
-from moe.transformer import MoETransformer
+from moe.config import ConfigError, ModelConfig
+from moe.transformer import Block, MoETransformer
 
 
-def _feed_forward_plan(prefix: str) -> dict:
+def check_tensor_parallel(tp: int, model: ModelConfig, sequence_parallel: bool, vocab_parallel: bool) -> None:
+    """Refuse, before anything is built, an option tensor parallelism cannot apply; ConfigError names the fix."""
+    for key, enabled, size, what in (("sequence_parallel", sequence_parallel, model.seq_len, "model.seq_len"),
+                                     ("vocab_parallel", vocab_parallel, model.vocab_size, "model.vocab_size")):
+        if not enabled:
+            continue
+        if tp == 1:
+            raise ConfigError(f"parallel.{key}=true shards over the tensor-parallel ranks, but parallel.tp=1; "
+                              f"set parallel.tp > 1 or parallel.{key}=false")
+        if size % tp:
+            raise ConfigError(f"parallel.{key}=true splits {what}={size} over parallel.tp={tp} ranks, which does "
+                              f"not divide it; use a tp that divides {size}, or parallel.{key}=false")
+
+
+def _feed_forward_plan(prefix: str, stream: Placement) -> dict:
     return {f"{prefix}.w_in": ColwiseParallel(), f"{prefix}.w_gate": ColwiseParallel(),
-            f"{prefix}.w_out": RowwiseParallel()}
+            f"{prefix}.w_out": RowwiseParallel(output_layouts=stream)}
 
 
-def apply_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh) -> None:
+def _gather_sequence(num_inputs: int) -> PrepareModuleInput:
+    """The module's first input, a sequence slice, gathered whole (plain tensor); other inputs untouched."""
+    rest = (None,) * (num_inputs - 1)
+    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest),
+                              use_local_output=True)
+
+
+def _block_plan(block: Block, sequence_parallel: bool) -> dict:
+    """How one block's modules are split; ``sequence_parallel``: the residual stream is a sequence slice."""
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout over tp
+    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=stream)}
+    if block.ffn is not None:
+        plan.update(_feed_forward_plan("ffn", stream))
+    elif block.moe.shared_experts is not None:  # inside the MoE layer, which sees the whole sequence
+        plan.update(_feed_forward_plan("moe.shared_experts", Replicate()))
+    if sequence_parallel:
+        plan.update({"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel(), "attn": _gather_sequence(3)})
+        if block.ffn is not None:
+            plan["ffn"] = _gather_sequence(1)
+        else:  # route the whole sequence, as one process does; keep this rank's slice of the output
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True)
+    return plan
+
+
+def _ends_plan(model: MoETransformer, sequence_parallel: bool, vocab_parallel: bool) -> dict:
+    """Embedding, final norm and head; a pipeline stage without them has ``nn.Identity`` in their place."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan = {}
+    if isinstance(model.tok_embeddings, nn.Embedding):
+        if vocab_parallel:  # each rank looks up the tokens of its vocabulary slice; the partial rows are summed
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        elif sequence_parallel:
+            plan["tok_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=stream)
+    if isinstance(model.output, nn.Linear):
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        if vocab_parallel and model.config.tie_embeddings:
+            # the head's weight is the embedding's, already split over the vocabulary: a replicated input
+            # times it gives vocabulary-sharded logits by itself
+            plan["output"] = PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate())
+        elif vocab_parallel:
+            plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+        elif sequence_parallel:
+            plan["output"] = _gather_sequence(1)
+    return plan
+
+
+def apply_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                          vocab_parallel: bool = False) -> None:
     """Shard every block's attention, dense FFN and shared experts over ``tp_mesh`` (in place).
 
     The sharded weights become DTensors on the tp mesh with the single-process names and global shapes, so
-    FSDP2 composes with them (2-D: dp shards of tp shards) and the state dict is the unsharded one.
+    FSDP2 composes with them (2-D: dp shards of tp shards) and the state dict is the unsharded one. With
+    ``vocab_parallel`` the model returns its logits as a DTensor sharded over the vocabulary (last dim); the
+    loss and its backward then run in ``loss_context(True)``.
     """
     for block in model.layers.values():
-        plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel()}
-        if block.ffn is not None:
-            plan.update(_feed_forward_plan("ffn"))
-        elif block.moe.shared_experts is not None:
-            plan.update(_feed_forward_plan("moe.shared_experts"))
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+    ends = _ends_plan(model, sequence_parallel, vocab_parallel)
+    if ends:
+        parallelize_module(model, tp_mesh, ends)
+
+
+def loss_context(vocab_parallel: bool) -> AbstractContextManager:
+    """Where the loss of vocabulary-sharded logits, and its backward, must run: torch's ``loss_parallel``.
+
+    Cross-entropy then works on each rank's vocabulary slice, with a max and a sum of the [tokens] values
+    all-reduced over tp instead of the [tokens, V] logits gathered.
+    """
+    return loss_parallel() if vocab_parallel else nullcontext()
 
 
 # ---------------------------------------------------------------------------

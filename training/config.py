@@ -46,6 +46,10 @@ class ParallelConfig:
     activation_checkpointing: Literal["none", "full", "moe"] = "none"
     # free each block's gathered FSDP weights after forward (gather again in backward): less memory, more traffic
     reshard_after_forward: bool = True
+    # tensor parallelism's options (tp > 1): norms and residual stream on a 1/tp slice of the sequence;
+    # embedding, LM head and loss split over the vocabulary
+    sequence_parallel: bool = False
+    vocab_parallel: bool = False
 
     DEGREES: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp")
 

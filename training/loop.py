@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 import yaml
 
 from moe.accounting import parameter_counts, training_flops_per_token
@@ -29,6 +30,7 @@ from parallel import clip_grad_norm_, parallelize
 from parallel.groups import ParallelGroups
 from parallel.pipeline import PipelineModel, build_pipeline
 from parallel.runtime import Runtime
+from parallel.tensor import loss_context
 from training.checkpointing import Checkpointer
 from training.config import RunConfig
 from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
@@ -50,8 +52,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: logits [B, S, V], targets [B, S]."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean next-token cross-entropy: logits [B, S, V], targets [B, S].
+
+    Vocabulary-parallel logits (a DTensor sharded over V) need ``parallel.tensor.loss_context`` around this
+    and the backward; the loss, replicated over tp, comes back as a plain tensor.
+    """
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -145,7 +152,7 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
     else:
         total = torch.zeros((), dtype=torch.float64)
         for inputs, targets in chunks:
-            with autocast():
+            with autocast(), loss_context(config.parallel.vocab_parallel):
                 total += lm_loss(model(inputs), targets).double().cpu()
     model.train()
     return float(all_reduce(total, dp_group)) / (len(chunks) * dp_size)
@@ -154,8 +161,10 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
 def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, micro: int, grad_clip: float, autocast, interval: IntervalStats,
                dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
-               ) -> tuple[float, float]:
+               vocab_parallel: bool = False) -> tuple[float, float]:
     """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
+
+    ``vocab_parallel``: the model's logits are sharded over the vocabulary (``parallel/tensor.py``).
 
     The step is skipped (no update) when the loss or gradient norm is not finite, so
     bad values never reach the weights; every rank sees the same reduced values and so
@@ -170,9 +179,10 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
         for m in range(accumulation):
             x = inputs[m * micro:(m + 1) * micro].to(device)
             y = targets[m * micro:(m + 1) * micro].to(device)
-            with autocast():
-                loss = lm_loss(model(x), y)
-            (loss / accumulation).backward()
+            with loss_context(vocab_parallel):
+                with autocast():
+                    loss = lm_loss(model(x), y)
+                (loss / accumulation).backward()
             step_loss += loss.detach().double().cpu() / accumulation
             routing.append(model.routing_stats())
     for stats in routing:
@@ -225,10 +235,12 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     if pp_group is not None:  # this rank's stages, each parallelized like the whole model
         model = build_pipeline(model, config.moe, groups, config.parallel.pp_schedule,
                                config.parallel.pp_virtual_stages, accumulation, micro, lm_loss, autocast,
-                               config.parallel.activation_checkpointing, config.parallel.reshard_after_forward)
+                               config.parallel.activation_checkpointing, config.parallel.reshard_after_forward,
+                               config.parallel.sequence_parallel, config.parallel.vocab_parallel)
     else:
         model = parallelize(model, groups, config.parallel.activation_checkpointing,
-                            config.parallel.reshard_after_forward)
+                            config.parallel.reshard_after_forward, config.parallel.sequence_parallel,
+                            config.parallel.vocab_parallel)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
     checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_from)
@@ -264,7 +276,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
             group["lr"] = lr
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
-                                          autocast, interval, dp_group, pp_group)
+                                          autocast, interval, dp_group, pp_group, config.parallel.vocab_parallel)
         stop = checkpoints.check_finite(step, step_loss, grad_norm, model, optimizer, sampler)
         if stop:
             logger.close()

@@ -47,6 +47,12 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                  id="dp_replicate=2xtp=2xep=2"),
     # more expert replicas (edp=2) than data-parallel ranks (1): their gradients are summed, not averaged
     pytest.param(["parallel.tp=4", "parallel.ep=2"], 4, "null", id="tp=4xep=2"),
+    # tensor parallelism's options: norms and residual stream on sequence slices (the MoE layer routes the
+    # whole sequence); embedding, head and loss split over the vocabulary
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true"], 2, "1.25", id="tp=2-sequence_parallel"),
+    pytest.param(["parallel.tp=2", "parallel.vocab_parallel=true"], 2, "null", id="tp=2-vocab_parallel"),
+    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+                  "parallel.vocab_parallel=true"], 4, "1.25", id="dp_shard=2xtp=2xep=2-sequence+vocab_parallel"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
     pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),
@@ -63,6 +69,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # all four at once on 8 ranks: 2 stages, each tp=2 × dp_shard=2 with ep=2 folded over dp_shard × tp
     pytest.param(["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"], 8, "null",
                  id="pp=2xtp=2xdp_shard=2xep=2"),
+    # stages passing sequence slices; the last stage's loss from vocabulary-sharded logits
+    pytest.param(["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                  "parallel.vocab_parallel=true"], 4, "1.25", id="pp=2xtp=2-sequence+vocab_parallel"),
 ]
 
 

@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor
 
 from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
-from parallel import parallelize
+from parallel import expert, parallelize
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.sharding import clip_grad_norm_
-from parallel.tensor import row_bounds, share_counts
+from parallel.tensor import loss_context, row_bounds, share_counts
 from training.loop import lm_loss
 
 
@@ -84,12 +84,14 @@ def _model(capacity_factor: float | None) -> MoETransformer:
     return MoETransformer(MODEL, moe)
 
 
-def _forward(model: MoETransformer, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(model: MoETransformer, dtype: torch.dtype | None,
+             vocab_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and loss of one fixed batch (the same on both ranks: tp ranks share their data)."""
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-        logits = model(tokens[:, :-1])
-    return logits, lm_loss(logits, tokens[:, 1:])
+    with loss_context(vocab_parallel):
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            logits = model(tokens[:, :-1])
+        return logits, lm_loss(logits, tokens[:, 1:])
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,29 +99,46 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str = "none",
-           dtype: torch.dtype | None = None) -> None:
+           dtype: torch.dtype | None = None, sequence_parallel: bool = False, vocab_parallel: bool = False) -> None:
     reference = _model(capacity_factor)
-    model = parallelize(copy.deepcopy(reference), groups, activation_checkpointing=recompute)
+    model = parallelize(copy.deepcopy(reference), groups, activation_checkpointing=recompute,
+                        sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     attn = model.layers["0"].attn
     assert isinstance(attn.wq.weight, DTensor) and attn.wq.weight.to_local().shape == (8, 16)  # 2 of 4 heads
     assert not isinstance(model.layers["1"].moe.router.gate, DTensor)  # the router stays whole
     if groups.layout.etp > 1:  # each rank holds half of every expert's hidden dim
         assert model.layers["1"].moe.experts.w_out.to_local().shape == (4, 6, 16)
+    assert isinstance(model.layers["0"].attn_norm.weight, DTensor) == sequence_parallel
+    embedding_rows = model.tok_embeddings.weight.to_local().shape[0] if vocab_parallel else 64
+    assert embedding_rows == 64 // WORLD ** vocab_parallel
+    streams = []  # what each block hands to the next: a sequence slice under sequence parallelism
+    hooks = [block.register_forward_hook(lambda module, args, out: streams.append(tuple(out.shape)))
+             for block in model.layers.values()]
 
     ref_logits, ref_loss = _forward(reference, dtype)
     ref_loss.backward()
-    sent = []  # rows of each token all-to-all this rank starts
+    sent, computed = [], []  # rows of each token all-to-all this rank starts; rows its local experts compute
 
     def counting_all_to_all(x, output_split_sizes, input_split_sizes, group, tag=""):
         sent.append(x.shape[0])
         return original(x, output_split_sizes, input_split_sizes, group, tag)
 
+    def counting_ffn(x, *args):
+        computed.append(x.shape[0])
+        return original_ffn(x, *args)
+
     original, funcol.all_to_all_single = funcol.all_to_all_single, counting_all_to_all
+    original_ffn, expert.expert_ffn = expert.expert_ffn, counting_ffn
     try:
-        logits, loss = _forward(model, dtype)
+        logits, loss = _forward(model, dtype, vocab_parallel)
     finally:
-        funcol.all_to_all_single = original
-    loss.backward()
+        funcol.all_to_all_single, expert.expert_ffn = original, original_ffn
+        for hook in hooks:
+            hook.remove()
+    assert streams == [(2, 8 // WORLD ** sequence_parallel, 16)] * 2
+    with loss_context(vocab_parallel):  # the backward of a vocabulary-parallel loss runs in it too
+        loss.backward()
+    logits = _full(logits)  # vocabulary-sharded under vocab_parallel
 
     tol = dict(rtol=1e-5, atol=1e-6) if dtype is None else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(logits.detach(), ref_logits.detach(), **tol)
@@ -132,21 +151,27 @@ def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str
     expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
     torch.testing.assert_close(clip_grad_norm_(model.parameters(), float("inf")), expected, **tol)
 
+    # The routed experts compute each kept assignment once over the tp group, not once per tp rank (under
+    # expert tensor parallelism once per etp rank, each over its slice of the hidden dim).
+    stats = reference.routing_stats()[1]
+    kept = int(stats.tokens_per_expert.sum() - stats.num_dropped)
+    assert len(computed) == 1
+    total_computed = torch.tensor(computed)
+    dist.all_reduce(total_computed)
+    assert int(total_computed) == kept * groups.layout.etp
     if groups.layout.ep > 1:
         # Forward traffic of the one MoE layer: dispatch then combine, each moving this rank's share only;
         # over the tp group the dispatched rows are the kept assignments once (tp ranks hold the same tokens).
-        stats = reference.routing_stats()[1]
-        kept = int(stats.tokens_per_expert.sum() - stats.num_dropped)
-        assert len(sent) == 2
+        assert len(sent) == 2, sent
         rank = groups.coords()["tp"]
-        assert sent[0] == row_bounds(kept, WORLD)[rank + 1] - row_bounds(kept, WORLD)[rank]
+        assert sent[0] == row_bounds(kept, WORLD)[rank + 1] - row_bounds(kept, WORLD)[rank], (sent, kept)
         total = torch.tensor(sent)  # [dispatched rows, rows returned by the combine]
         dist.all_reduce(total)
         assert total.tolist() == [kept, kept]
         if capacity_factor is not None:
             assert int(stats.num_dropped) > 0  # dropped before sending
     else:
-        assert sent == []  # tp alone replicates the experts; etp alone splits them in place: no exchange
+        assert sent == []  # tp alone shares the rows out in place; etp alone splits the experts in place: no exchange
 
 
 def _worker(rank: int, port: int) -> None:
@@ -160,6 +185,9 @@ def _worker(rank: int, port: int) -> None:
             for capacity_factor, recompute, dtype in ((None, "none", None), (1.0, "none", None),
                                                       (None, "full", None), (None, "none", torch.bfloat16)):
                 _check(groups, capacity_factor, recompute, dtype)
+            for sequence_parallel, vocab_parallel in ((True, False), (False, True), (True, True)):
+                _check(groups, 1.0, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+            _check(groups, None, "full", sequence_parallel=True, vocab_parallel=True)
     finally:
         dist.destroy_process_group()
 
