@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 import yaml
+from torch.distributed.tensor import DTensor
 
 from moe.accounting import parameter_counts, training_flops_per_token
 from moe.config import ConfigError
