@@ -147,6 +147,8 @@ def apply_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh, sequence_p
     ends = _ends_plan(model, sequence_parallel, vocab_parallel)
     if ends:
         parallelize_module(model, tp_mesh, ends)
+    if vocab_parallel and model.config.tie_embeddings:  # the embedding got a new (DTensor) parameter: re-tie
+        model.output.weight = model.tok_embeddings.weight
 
 
 def loss_context(vocab_parallel: bool) -> AbstractContextManager:

@@ -119,6 +119,9 @@ def test_resume_under_expert_parallelism_is_bit_identical(source, tmp_path):
     pytest.param(["parallel.dp_shard=2"], 2, True, id="dp_shard=2"),
     pytest.param(["parallel.dp_shard=4", "parallel.ep=4"], 4, True, id="ep=4"),
     pytest.param(["parallel.tp=2", "parallel.ep=2"], 2, True, id="tp=2xep=2"),
+    # the norms replicated DTensors, the embedding and head split over the vocabulary
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.vocab_parallel=true"], 2, True,
+                 id="tp=2-sequence+vocab_parallel"),
     # load only: four more processes training would add time, not coverage
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2"], 4, False, id="dp_replicate=2xdp_shard=2"),
 ])

@@ -11,6 +11,7 @@ kept assignment once, not once per tp rank.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import socket
 
@@ -26,7 +27,7 @@ from moe.transformer import MoETransformer
 from parallel import expert, parallelize
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.sharding import clip_grad_norm_
-from parallel.tensor import loss_context, row_bounds, share_counts
+from parallel.tensor import check_tensor_parallel, loss_context, row_bounds, share_counts
 from training.loop import lm_loss
 
 
@@ -68,6 +69,20 @@ def test_tp_must_divide_the_shared_expert_hidden_size():
         validate_for_model(Layout.resolve(4, tp=4), ModelConfig(d_model=32, n_heads=4, ffn_hidden=64), moe)
 
 
+@pytest.mark.parametrize("overrides, tp, message", [
+    (dict(sequence_parallel=True), 1, r"parallel.sequence_parallel=true .* but parallel.tp=1; set parallel.tp > 1"),
+    (dict(vocab_parallel=True), 1, r"parallel.vocab_parallel=true .* but parallel.tp=1"),
+    (dict(sequence_parallel=True), 3, r"model.seq_len=32 over parallel.tp=3 ranks, which does not divide it"),
+    (dict(vocab_parallel=True), 3, r"model.vocab_size=256 over parallel.tp=3 ranks, which does not divide it"),
+])
+def test_tensor_parallel_options_are_checked_before_anything_is_built(overrides, tp, message):
+    model = ModelConfig(vocab_size=256, d_model=48, n_heads=6, seq_len=32)
+    options = dict(sequence_parallel=False, vocab_parallel=False) | overrides
+    with pytest.raises(ConfigError, match=message):
+        check_tensor_parallel(tp, model, **options)
+    check_tensor_parallel(2, model, **options)  # tp=2 divides both
+
+
 # ---------------------------------------------------------------------------
 # Two ranks: the tp=2 model (and ep=2 over it) against the single-process model
 # ---------------------------------------------------------------------------
@@ -77,11 +92,11 @@ MODEL = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads
                     first_moe_layer=1)
 
 
-def _model(capacity_factor: float | None) -> MoETransformer:
+def _model(capacity_factor: float | None, tie_embeddings: bool = False) -> MoETransformer:
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=12, capacity_factor=capacity_factor, num_shared_experts=1,
                     aux_loss_coef=0.01, z_loss_coef=0.001)
     torch.manual_seed(0)  # every rank builds the same weights
-    return MoETransformer(MODEL, moe)
+    return MoETransformer(dataclasses.replace(MODEL, tie_embeddings=tie_embeddings), moe)
 
 
 def _forward(model: MoETransformer, dtype: torch.dtype | None,
@@ -99,8 +114,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str = "none",
-           dtype: torch.dtype | None = None, sequence_parallel: bool = False, vocab_parallel: bool = False) -> None:
-    reference = _model(capacity_factor)
+           dtype: torch.dtype | None = None, sequence_parallel: bool = False, vocab_parallel: bool = False,
+           tie_embeddings: bool = False) -> None:
+    reference = _model(capacity_factor, tie_embeddings)
     model = parallelize(copy.deepcopy(reference), groups, activation_checkpointing=recompute,
                         sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     attn = model.layers["0"].attn
@@ -188,6 +204,8 @@ def _worker(rank: int, port: int) -> None:
             for sequence_parallel, vocab_parallel in ((True, False), (False, True), (True, True)):
                 _check(groups, 1.0, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
             _check(groups, None, "full", sequence_parallel=True, vocab_parallel=True)
+            # one vocabulary-split table serves as embedding and head
+            _check(groups, None, sequence_parallel=True, vocab_parallel=True, tie_embeddings=True)
     finally:
         dist.destroy_process_group()
 

@@ -86,6 +86,8 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
         (["--set", "moe.top_k=9"], "moe.top_k=9 must be between 1 and moe.num_experts=8"),
         (["--config", "moe-9x"], "did you mean 'moe-8x'"),
         (["--set", "data.source=/nonexistent/corpus"], "data.source"),
+        (["--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true shards over the "
+                                                        "tensor-parallel ranks, but parallel.tp=1"),
     ],
 )
 def test_errors_exit_non_zero_with_the_message_on_stderr(args, message, tmp_path):
