@@ -2,9 +2,10 @@
 
 ``parallelize`` is the one entry point for a model or, under pipeline parallelism, for one stage
 of it (``parallel/pipeline.py`` cuts the stages first and calls ``parallelize`` on each). It
-applies, in a fixed order, the techniques the layout enables: tensor parallelism (tp;
-``parallel/tensor.py``), expert and expert-tensor parallelism (ep × etp, folded over
-dp_shard × tp; ``parallel/expert.py``), activation checkpointing
+applies, in a fixed order, the techniques the layout enables: tensor parallelism (tp, with its
+sequence- and vocabulary-parallel options; ``parallel/tensor.py``), expert and expert-tensor
+parallelism (ep × etp, folded over dp_shard × tp; ``parallel/expert.py``; with tp alone too, so
+that each tp rank computes a share of the routed rows), activation checkpointing
 (``parallel/activation_checkpoint.py``), then FSDP2 over the expert-data-parallel mesh for the
 routed experts and over the dense data-parallel mesh for everything else (HSDP with
 dp_replicate; ``parallel/sharding.py``), 2-D with the tp shards.
@@ -39,7 +40,7 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, activation_checkp
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, sequence_parallel, vocab_parallel)
     if layout.ep > 1 or layout.etp > 1 or (tp_mesh is not None and model.moe_layers()):
-        # with tp alone (ep = etp = 1) this still splits the routed rows over tp: each rank computes a share
+        # with tp alone (ep = etp = 1) the rows are still shared out over tp: each tp rank computes its share
         apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh)
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
         expert_dp_mesh = groups.mesh(*expert_axes) if layout.dp_replicate * layout.edp > 1 else None

@@ -113,6 +113,10 @@ class ExpertParallelExperts(nn.Module):
     dense FFN): the etp ranks of an ep rank compute partial outputs for the same rows, added when the
     shares are gathered over tp (``parallel/tensor.py``).
 
+    With ep = etp = 1 under tensor parallelism it holds every expert and does no exchange: it only computes
+    this tp rank's share of the rows (``parallel/__init__.py`` uses it so, rather than computing every
+    row on every tp rank).
+
     The local grouped GEMM is ``moe.experts.expert_ffn``, the function ``GroupedExperts`` itself runs,
     applied to this rank's local tensors (``DTensor.to_local``, differentiable).
     """
