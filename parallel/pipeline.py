@@ -134,18 +134,23 @@ def check_pipeline(pp: int, model: ModelConfig, schedule: str, virtual_stages: i
 def cut_stage(model: MoETransformer, layers: range, first: bool, last: bool) -> MoETransformer:
     """A copy of ``model`` that holds only blocks ``layers`` (and the embedding / norm and head if first / last).
 
-    Parameter names stay those of the full model. The copy is deep, so each stage owns its
-    tensors; this costs one model copy per local stage while the pipeline is built.
+    Parameter names stay those of the full model. Only what the stage keeps is copied: the other parts
+    are swapped out of ``model`` for the copy and put back after, so building a stage costs its own
+    size, not the whole model's.
     """
-    stage = copy.deepcopy(model)
-    for name in list(stage.layers):
-        if int(name) not in layers:
-            del stage.layers[name]
+    parts = {"layers": nn.ModuleDict({name: block for name, block in model.layers.items() if int(name) in layers})}
     if not first:
-        stage.tok_embeddings = nn.Identity()  # hidden states come in instead of tokens
+        parts["tok_embeddings"] = nn.Identity()  # hidden states come in instead of tokens
     if not last:
-        stage.norm, stage.output = nn.Identity(), nn.Identity()  # hidden states go out instead of logits
-    return stage
+        parts["norm"], parts["output"] = nn.Identity(), nn.Identity()  # hidden states go out instead of logits
+    whole = {name: getattr(model, name) for name in parts}
+    try:
+        for name, part in parts.items():
+            setattr(model, name, part)
+        return copy.deepcopy(model)
+    finally:
+        for name, part in whole.items():
+            setattr(model, name, part)
 
 
 def _with_autocast(forward: Callable, autocast: Callable[[], AbstractContextManager]) -> Callable:

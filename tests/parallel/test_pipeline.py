@@ -115,6 +115,10 @@ def test_stages_chained_match_the_whole_model_with_aux_losses():
         merged.update(stage.state_dict())
     assert merged.keys() == model.state_dict().keys()
     assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+    # the model is left whole, and the stages own copies of their tensors
+    assert list(model.layers) == ["0", "1", "2", "3"] and isinstance(model.output, torch.nn.Linear)
+    model_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not any(p.untyped_storage().data_ptr() in model_storages for stage in stages for p in stage.parameters())
 
     tokens = torch.randint(0, model_config.vocab_size, (2, 16))
     targets = torch.randint(0, model_config.vocab_size, (2, 16))
