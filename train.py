@@ -22,7 +22,7 @@ from moe.config import ConfigError
 from parallel.checkpoint import CheckpointCorruptError
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.pipeline import check_pipeline
-from parallel.runtime import init_runtime, shutdown_runtime
+from parallel.runtime import exit_process, init_runtime, shutdown_runtime
 from parallel.tensor import check_tensor_parallel
 from training.config import load_config
 from training.loop import NonFiniteLossError, micro_batching, train
@@ -76,4 +76,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: see parallel/runtime.py

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from parallel.groups import Layout, ParallelGroups
-from parallel.runtime import Runtime, init_runtime, shutdown_runtime
+from parallel.runtime import Runtime, exit_process, init_runtime, shutdown_runtime
 from training.config import load_config
 from training.loop import train
 from training.metrics import read_metrics
@@ -57,6 +57,7 @@ def _worker(rank: int, world_size: int, port: int, overrides: list[str], run_dir
             torch.save({name: value for part in parts for name, value in part.items()}, out)
     finally:
         shutdown_runtime()
+    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
 
 
 def run(overrides: list[str], world_size: int, run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:

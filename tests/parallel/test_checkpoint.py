@@ -24,7 +24,7 @@ from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.checkpoint import load_sharded
 from parallel.groups import Layout, ParallelGroups
-from parallel.runtime import Runtime, init_runtime, shutdown_runtime
+from parallel.runtime import Runtime, exit_process, init_runtime, shutdown_runtime
 from tests.parallel.parity import TINY, _free_port, full_state
 from training.config import load_config
 from training.loop import train
@@ -74,6 +74,7 @@ def _worker(rank: int, world_size: int, port: int, overrides: list[str], job: di
         _job(rank, world_size, overrides, job)
     finally:
         shutdown_runtime()
+    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
 
 
 def launch(overrides: list[str], world_size: int, job: dict) -> None:

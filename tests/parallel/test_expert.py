@@ -25,6 +25,7 @@ from moe.dispatch import expert_capacity, plan_dispatch
 from moe.layer import MoELayer
 from parallel.expert import ExpertParallelExperts, expert_major_index
 from parallel.groups import Layout, ParallelGroups
+from parallel.runtime import exit_process
 from parallel.sharding import clip_grad_norm_
 
 
@@ -164,6 +165,7 @@ def _worker(rank: int, port: int) -> None:
             _check_case(rank, groups, capacity_factor, dtype)
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
 
 
 def test_expert_parallel_layer_matches_single_process():

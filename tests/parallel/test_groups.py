@@ -27,6 +27,7 @@ from parallel.groups import (
     valid_layouts,
     validate_for_model,
 )
+from parallel.runtime import exit_process
 
 # ---------------------------------------------------------------------------
 # Resolution and validation
@@ -382,6 +383,7 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         assert groups.maybe_mesh("tp") is None and groups.maybe_mesh("dp_replicate", "dp_shard") is not None
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
 
 
 def test_real_groups_on_four_gloo_processes_match_the_arithmetic(tmp_path):

@@ -26,6 +26,7 @@ from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
 from parallel import expert, parallelize
 from parallel.groups import Layout, ParallelGroups, validate_for_model
+from parallel.runtime import exit_process
 from parallel.sharding import clip_grad_norm_
 from parallel.tensor import check_tensor_parallel, loss_context, row_bounds, share_counts
 from training.loop import lm_loss
@@ -208,6 +209,7 @@ def _worker(rank: int, port: int) -> None:
             _check(groups, None, sequence_parallel=True, vocab_parallel=True, tie_embeddings=True)
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
 
 
 def test_tensor_parallel_model_matches_single_process():
