@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 
 import train
 from analysis import memory
+from analysis.memory_activations import in_flight, micro_batch_activations
+from analysis.memory_states import gathered_bytes, model_states, parameter_tensors
 from moe.accounting import parameter_counts
 from moe.transformer import MoETransformer
 from parallel import parallelize
@@ -41,7 +43,7 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         measured = memory.saved_activation_bytes(model, tokens[:, :-1].clone(), tokens[:, 1:].clone(),
                                                  config.parallel.vocab_parallel)
-    predicted = sum(memory.micro_batch_activations(config, layout, micro, precision).values())
+    predicted = sum(micro_batch_activations(config, layout, micro, precision).values())
     return predicted, measured.saved_bytes
 
 
@@ -49,7 +51,7 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
 @pytest.mark.parametrize("tie", [False, True])
 def test_parameter_tensors_add_up_to_the_accounting(name, tie):
     config = load_config(name, [f"model.tie_embeddings={str(tie).lower()}"])
-    tensors = memory.parameter_tensors(config.model, config.moe)
+    tensors = parameter_tensors(config.model, config.moe)
     counts = parameter_counts(config.model, config.moe)
     assert sum(torch.Size(p.shape).numel() for p in tensors) == counts.total
     assert sum(torch.Size(p.shape).numel() for p in tensors if p.expert) == counts.routed_experts
@@ -61,14 +63,14 @@ def test_parameter_tensors_add_up_to_the_accounting(name, tie):
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
-    assert sorted(p.shape for p in memory.parameter_tensors(config.model, config.moe)) == real
+    assert sorted(p.shape for p in parameter_tensors(config.model, config.moe)) == real
 
 
 def test_mixtral_has_its_published_size_and_one_rank_holds_a_64th_of_it():
     config = load_config("mixtral-8x7b", ["parallel.ep=8"])
     counts = parameter_counts(config.model, config.moe)
     assert counts.total == pytest.approx(46.7e9, rel=2e-3) and counts.active == pytest.approx(12.9e9, rel=1e-2)
-    states = memory.model_states(config, Layout.resolve(64, ep=8))
+    states = model_states(config, Layout.resolve(64, ep=8))
     # ep=8 × edp=8 shards the experts 64 ways and FSDP the dense weights 64 ways: 16 bytes / 64 per parameter,
     # but for the [8, 4096] router gates: FSDP2 pads them to one row on every rank
     routers = 32 * 8 * 4096
@@ -120,24 +122,24 @@ def test_pipeline_stages_split_the_activations_and_the_schedules_stash_micro_bat
     config = _tiny("model.n_layers=4", "parallel.pp=2", "train.global_batch_size=8", "parallel.microbatches=4")
     layout, micro, microbatches = memory.check_layout(config, 2)
     whole = _tiny("model.n_layers=4", "train.global_batch_size=8", "parallel.microbatches=4")
-    one = sum(memory.micro_batch_activations(whole, memory.check_layout(whole, 1)[0], micro, "fp32").values())
-    stages = [sum(memory.micro_batch_activations(config, layout, micro, "fp32", r).values()) for r in range(2)]
+    one = sum(micro_batch_activations(whole, memory.check_layout(whole, 1)[0], micro, "fp32").values())
+    stages = [sum(micro_batch_activations(config, layout, micro, "fp32", r).values()) for r in range(2)]
     assert sum(stages) == one  # every block, the embedding and the head on exactly one stage
-    assert [memory.in_flight(config, layout, microbatches, r) for r in range(2)] == [2, 1]  # 1F1B: pp - r
+    assert [in_flight(config, layout, microbatches, r) for r in range(2)] == [2, 1]  # 1F1B: pp - r
     gpipe = _tiny("model.n_layers=4", "parallel.pp=2", "train.global_batch_size=8", "parallel.microbatches=4",
                   "parallel.pp_schedule=gpipe")
-    assert memory.in_flight(gpipe, layout, microbatches, 0) == 4
+    assert in_flight(gpipe, layout, microbatches, 0) == 4
     interleaved = _tiny("model.n_layers=4", "parallel.pp=2", "train.global_batch_size=8", "parallel.microbatches=4",
                         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2")
-    assert memory.in_flight(interleaved, layout, microbatches, 0) == 2 * (1 + 1 / 4)  # Korthikanti: 1 + (p-1)/(pv)
+    assert in_flight(interleaved, layout, microbatches, 0) == 2 * (1 + 1 / 4)  # Korthikanti: 1 + (p-1)/(pv)
 
 
 def test_gathered_weights_only_under_fsdp_and_more_without_resharding():
     config = _tiny()
-    assert memory.gathered_bytes(config, Layout.resolve(1)) == 0
-    assert memory.gathered_bytes(config, Layout.resolve(2, ep=2, dp_shard=1, tp=2)) == 0  # ep spans the fold
-    resharded = memory.gathered_bytes(config, Layout.resolve(4))
-    kept = memory.gathered_bytes(_tiny("model.n_layers=4", "parallel.reshard_after_forward=false"), Layout.resolve(4))
+    assert gathered_bytes(config, Layout.resolve(1)) == 0
+    assert gathered_bytes(config, Layout.resolve(2, ep=2, dp_shard=1, tp=2)) == 0  # ep spans the fold
+    resharded = gathered_bytes(config, Layout.resolve(4))
+    kept = gathered_bytes(_tiny("model.n_layers=4", "parallel.reshard_after_forward=false"), Layout.resolve(4))
     block = 4 * (2 * 32 + 4 * 8 * 32 * 2 + 2 * 8 * 32 * 2 + 4 * 32 + 3 * 4 * 32 * 24)  # tp-local fp32 of one block
     root = 4 * (2 * 256 * 32 + 32)
     assert resharded == root + 3 * block  # this block and the next one's weights, this block's gradients
@@ -212,7 +214,7 @@ def _worker(rank: int, port: int, results: dict) -> None:
                         for p in model.parameters()}
             seed = 1 + groups.coords()["dp_shard"]  # each data-parallel rank its own micro-batch
             predicted, measured = _measure(config, layout, micro, precision, model, seed)
-            results[(index, rank)] = (predicted, measured, memory.model_states(config, layout).weights,
+            results[(index, rank)] = (predicted, measured, model_states(config, layout).weights,
                                       sum(storages.values()))
     finally:
         dist.destroy_process_group()
