@@ -179,7 +179,7 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
     """A table, one column per pipeline rank: model states, gathered weights, activations by part, total, fit."""
     first = estimates[0]
     seq = config.model.seq_len
-    lines = [f"{config.name}: {layout.world_size} ranks, {layout.degrees()} (edp={layout.edp}); {precision} compute; "
+    lines = [f"{config.name}: {layout.world_size} rank(s), {layout.degrees()} (edp={layout.edp}); {precision} compute; "
              f"micro-batch {first.micro_batch_size} × {seq} tokens, {first.microbatches} per step",
              f"model: {_count(first.parameters)} parameters; per rank, fp32 master weights + fp32 gradients "
              f"+ AdamW moments (16 bytes/parameter)"]
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             counts = [int(e) for e in args.sweep_experts.split(",")]
             rows = sweep_experts(args.config, args.overrides, args.world_size, precision, counts)
             layout = Layout.resolve(args.world_size, **config.parallel.degrees())
-            print(f"{config.name}: {args.world_size} ranks, {layout.degrees()}; {precision}; the largest "
+            print(f"{config.name}: {args.world_size} rank(s), {layout.degrees()}; {precision}; the largest "
                   f"pipeline rank as moe.num_experts grows (layout, top_k and expert_hidden fixed)")
             print(format_sweep(rows, args.device_memory))
             return 0

@@ -128,6 +128,8 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     recompute = config.parallel.activation_checkpointing
 
     def kept(param: ParamTensor) -> bool:
+        if param.kind == "embedding" and config.model.tie_embeddings:
+            return last  # the tied head casts the table (pipelining refuses tied embeddings: last is first)
         if not param.autocast_copy or not on_rank(param, layers, first, last):
             return False
         if param.layer is None:

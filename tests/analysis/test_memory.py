@@ -92,6 +92,7 @@ SINGLE = {
     "recompute moe": ("fp32", ["parallel.activation_checkpointing=moe", "moe.num_shared_experts=1",
                                "model.first_moe_layer=1", "moe.force_balance=true"]),
     "bf16": ("bf16", ["moe.num_shared_experts=1", "model.first_moe_layer=1", "moe.force_balance=true"]),
+    "bf16, tied embeddings": ("bf16", ["model.tie_embeddings=true", "moe.force_balance=true"]),
     "bf16, recompute moe": ("bf16", ["parallel.activation_checkpointing=moe", "moe.num_shared_experts=1",
                                      "moe.force_balance=true"]),
 }
