@@ -136,17 +136,21 @@ def saved_activation_bytes(model: torch.nn.Module, inputs: Tensor, targets: Tens
                            vocab_parallel: bool = False) -> SavedActivations:
     """Run one forward and the LM loss; count the bytes autograd keeps for backward on this rank.
 
-    Every tensor a ``saved_tensors_hooks`` pack hook sees counts if it is still alive at the end of the forward
-    (held by weak reference: a dropped branch of the graph frees its tensors, whose addresses may be reused),
-    once per storage, at the storage's size then (FSDP frees resharded weights by shrinking their storage to
-    nothing). The model's parameters and buffers, taken after the forward (FSDP's gathered root stays
-    gathered), are model state and left out. Autocast, if wanted, is the caller's context.
+    Every tensor a ``saved_tensors_hooks`` pack hook sees counts if the graph still holds it at the end of the
+    forward (a dropped branch frees its tensors, whose addresses may be reused), once per storage, at the
+    storage's size then (FSDP frees resharded weights by shrinking their storage to nothing). The hook stores
+    a detached alias and watches it by weak reference: storing the tensor itself would tie a node's own saved
+    output (softmax's, logsumexp's) to the node in a cycle that outlives a dropped branch, which autograd
+    without hooks avoids. So the loss supports one backward, not double backward. The model's parameters and
+    buffers, taken after the forward (FSDP's gathered root stays gathered), are model state and left out.
+    Autocast, if wanted, is the caller's context.
     """
     packed = []
 
     def pack(tensor: Tensor) -> Tensor:
-        packed.append(weakref.ref(tensor))
-        return tensor
+        alias = tensor.detach()
+        packed.append(weakref.ref(alias))
+        return alias
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), loss_context(vocab_parallel):
         logits = model(inputs)

@@ -88,9 +88,8 @@ def _router(moe: MoEConfig, d: int, mb: MicroBatch) -> int:
         total += sequences * e * FP32 + FP32  # f_i per sequence, the loss kept by attach_loss
         if moe.score_func == "sigmoid":
             total += t * FP32  # probs = scores / their sum: the sum
-    # the z-loss's logits and logsumexp: measured to stay saved even when z_loss_coef = 0 (the loss then
-    # reaches no backward, yet its graph is not freed); the loss itself only when attached
-    total += t * e * FP32 + t * FP32 + (FP32 if moe.z_loss_coef > 0 else 0)
+    if moe.z_loss_coef > 0:
+        total += t * e * FP32 + t * FP32 + FP32  # logits and logsumexp for the z-loss; the loss
     return total
 
 

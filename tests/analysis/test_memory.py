@@ -43,6 +43,8 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         measured = memory.saved_activation_bytes(model, tokens[:, :-1].clone(), tokens[:, 1:].clone(),
                                                  config.parallel.vocab_parallel)
+    with memory.loss_context(config.parallel.vocab_parallel):
+        measured.loss.backward()  # the measurement leaves a loss to train on
     predicted = sum(micro_batch_activations(config, layout, micro, precision).values())
     return predicted, measured.saved_bytes
 
@@ -84,6 +86,7 @@ SINGLE = {
     "dropless, top-1, shared": ("fp32", ["moe.capacity_factor=null", "moe.top_k=1", "moe.num_shared_experts=1",
                                          "moe.force_balance=true"]),
     "dense then MoE, no z-loss": ("fp32", ["model.first_moe_layer=1", "moe.z_loss_coef=0", "moe.force_balance=true"]),
+    "no balancing losses": ("fp32", ["moe.z_loss_coef=0", "moe.aux_loss_coef=0", "moe.force_balance=true"]),
     "sigmoid, sequence aux": ("fp32", ["moe.score_func=sigmoid", "moe.aux_loss_scope=sequence",
                                        "moe.force_balance=true"]),
     "gelu, jitter, no aux": ("fp32", ["moe.activation=gelu", "moe.renormalize=false", "moe.jitter_eps=0.1",
