@@ -118,7 +118,7 @@ def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 
 # ---------------------------------------------------------------------------
 
 
-def _local(tensor: Tensor) -> Tensor:
+def local_tensor(tensor: Tensor) -> Tensor:
     """The plain tensor holding the data: a DTensor's local shard; an in-flight collective's result buffer."""
     if isinstance(tensor, DTensor):
         tensor = tensor._local_tensor
@@ -155,14 +155,14 @@ def saved_activation_bytes(model: torch.nn.Module, inputs: Tensor, targets: Tens
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), loss_context(vocab_parallel):
         logits = model(inputs)
         loss = lm_loss(logits, targets)
-    state = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    state = {local_tensor(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     storages = {}
     for ref in packed:
         if (tensor := ref()) is not None:
-            storage = _local(tensor).untyped_storage()
+            storage = local_tensor(tensor).untyped_storage()
             if storage.data_ptr() not in state:
                 storages[storage.data_ptr()] = storage.nbytes()
-    return SavedActivations(sum(storages.values()), _local(logits).nbytes, loss)
+    return SavedActivations(sum(storages.values()), local_tensor(logits).nbytes, loss)
 
 
 # ---------------------------------------------------------------------------

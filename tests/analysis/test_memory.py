@@ -213,8 +213,8 @@ def _worker(rank: int, port: int, results: dict) -> None:
             par = config.parallel
             model = parallelize(MoETransformer(config.model, config.moe), groups, par.activation_checkpointing,
                                 par.reshard_after_forward, par.sequence_parallel, par.vocab_parallel)
-            storages = {memory._local(p).untyped_storage().data_ptr(): memory._local(p).untyped_storage().nbytes()
-                        for p in model.parameters()}
+            storages = {s.data_ptr(): s.nbytes()
+                        for s in (memory.local_tensor(p).untyped_storage() for p in model.parameters())}
             seed = 1 + groups.coords()["dp_shard"]  # each data-parallel rank its own micro-batch
             predicted, measured = _measure(config, layout, micro, precision, model, seed)
             results[(index, rank)] = (predicted, measured, model_states(config, layout).weights,
