@@ -1,0 +1,278 @@
+"""Per-rank memory of a training layout, predicted from the config alone, and its measured counterpart.
+
+    python -m analysis.memory --config moe-8x [--set parallel.tp=2 ...] [--world-size N] [--precision bf16]
+    python -m analysis.memory --config mixtral-8x7b --world-size 64 --set parallel.ep=8 --sweep-experts 8,16,32,64
+
+What one rank holds during a step (``estimate``):
+
+- **model states** (``analysis/memory_states.py``): fp32 master weights, fp32 gradients and AdamW's two fp32
+  moments, 16 bytes per parameter (ZeRO; REFERENCES.md sec. 3.1), each tensor divided as tp, ep, etp, FSDP
+  (over dp_shard, or edp for the experts) and the pipeline stages divide it; dense and routed experts apart.
+- **gathered weights** (``gathered_bytes``): FSDP all-gathers a block's tp-local weights, fp32, before it runs.
+  Assumed peak: the root unit (embedding, final norm, head: never resharded) plus, in backward, the current
+  and the prefetched block's weights and the current block's unsharded gradients before their reduce-scatter;
+  with ``reshard_after_forward=false`` every local block stays gathered from forward to backward instead.
+- **activations** (``analysis/memory_activations.py``): what autograd saves for backward in one micro-batch's
+  forward, tensor by tensor as the modules of ``moe/`` save it (listed in each function), times the
+  micro-batches in flight (``in_flight``). Under bf16 autocast the cast copies of the weights that the
+  matmuls save count here too: they live as long as the micro-batch's graph. Plus, on the last stage, one
+  transient [tokens, V] fp32 buffer (the logits in forward, their gradient in backward).
+
+Routing is assumed balanced: an MoE layer keeps ``min(T·k, C·E)`` assignments (capacity ``C`` from
+``moe.dispatch.expert_capacity``), or ``T·k`` when dropless; imbalance moves rows between experts and
+ranks, so a skewed router can need more on the busiest rank. The grouped GEMM is torch's ``grouped_mm``
+(16-byte aligned dims; the padded-bmm fallback saves other tensors). Left out: the AdamW step counters
+(one scalar per tensor), communication buffers, allocator fragmentation, and the CUDA context.
+
+Against the published formula (Korthikanti et al. 2022, Eq. 1; REFERENCES.md sec. 2.1), ``sbh(34 + 5as/h)``
+bytes per layer in 16-bit: that counts LayerNorm, a 4h GeLU MLP, dropout masks and the s×s attention
+scores. Here the norms are RMSNorm (fp32: input, normalised and a [T] rstd), the MLP is SwiGLU (four
+[T, F] tensors), there is no dropout, and SDPA keeps q, k, v, its output and a [b, heads, s] logsumexp
+instead of the s×s matrix, so the ``5as/h`` term is absent; the formula is cited, not matched.
+
+``saved_activation_bytes`` measures what the model predicts: the bytes autograd keeps after one forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+
+from analysis.memory_activations import in_flight, micro_batch_activations
+from analysis.memory_states import FP32, ModelStates, gathered_bytes, largest_chunk, local_layers, model_states
+from moe.accounting import parameter_counts
+from moe.config import ConfigError
+from parallel.groups import Layout, validate_for_model
+from parallel.pipeline import check_pipeline
+from parallel.tensor import check_tensor_parallel, loss_context
+from training.config import RunConfig, load_config
+from training.loop import lm_loss, micro_batching
+
+GIB, MIB = 2**30, 2**20
+
+
+# ---------------------------------------------------------------------------
+# The estimate, and the layout check it starts with
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's memory in bytes: model states, FSDP's gathered buffers, activations (× in flight), logits."""
+
+    pp_rank: int
+    states: ModelStates
+    gathered: int
+    activations: dict[str, int]  # by part, already × in_flight
+    logits_buffer: int  # last stage: one [tokens, V] fp32 buffer (logits in forward, their gradient in backward)
+    micro_batch_size: int
+    microbatches: int
+    in_flight: float
+    parameters: int  # whole-model parameter count
+
+    @property
+    def activation_total(self) -> int:
+        return sum(self.activations.values())
+
+    @property
+    def total(self) -> int:
+        return self.states.total + self.gathered + self.activation_total + self.logits_buffer
+
+
+def check_layout(config: RunConfig, world_size: int) -> tuple[Layout, int, int]:
+    """The layout, micro-batch size and count, refused exactly as ``train.py`` refuses them (ConfigError)."""
+    layout = Layout.resolve(world_size, **config.parallel.degrees())
+    validate_for_model(layout, config.model, config.moe)
+    micro, microbatches = micro_batching(config, layout.dp, layout.pp)
+    check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
+                   microbatches)
+    check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel, config.parallel.vocab_parallel)
+    return layout, micro, microbatches
+
+
+def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 0) -> MemoryEstimate:
+    """The memory of one rank of pipeline rank ``pp_rank`` training ``config`` on ``world_size`` ranks."""
+    layout, micro, microbatches = check_layout(config, world_size)
+    held = in_flight(config, layout, microbatches, pp_rank)
+    activations = {name: round(nbytes * held)
+                   for name, nbytes in micro_batch_activations(config, layout, micro, precision, pp_rank).items()}
+    last = local_layers(config, layout, pp_rank)[2]
+    vocab = config.model.vocab_size
+    if config.parallel.vocab_parallel:
+        vocab = largest_chunk(vocab, layout.tp)
+    logits = micro * config.model.seq_len * vocab * FP32 if last else 0
+    return MemoryEstimate(pp_rank, model_states(config, layout, pp_rank), gathered_bytes(config, layout, pp_rank),
+                          activations, logits, micro, microbatches, held,
+                          parameter_counts(config.model, config.moe).total)
+
+
+# ---------------------------------------------------------------------------
+# The measured counterpart
+# ---------------------------------------------------------------------------
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The plain tensor holding the data: a DTensor's local shard; an in-flight collective's result buffer."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    return tensor.elem if isinstance(tensor, AsyncCollectiveTensor) else tensor
+
+
+@dataclass(frozen=True)
+class SavedActivations:
+    saved_bytes: int  # bytes autograd holds for backward after the forward (parameters and buffers excluded)
+    logits_bytes: int  # this rank's logits (its vocabulary slice under vocab_parallel)
+    loss: Tensor  # the forward's loss, to run backward on
+
+
+def saved_activation_bytes(model: torch.nn.Module, inputs: Tensor, targets: Tensor,
+                           vocab_parallel: bool = False) -> SavedActivations:
+    """Run one forward and the LM loss; count the bytes autograd keeps for backward on this rank.
+
+    Every tensor a ``saved_tensors_hooks`` pack hook sees counts if the graph still holds it at the end of the
+    forward (a dropped branch frees its tensors, whose addresses may be reused), once per storage, at the
+    storage's size then (FSDP frees resharded weights by shrinking their storage to nothing). The hook stores
+    a detached alias and watches it by weak reference: storing the tensor itself would tie a node's own saved
+    output (softmax's, logsumexp's) to the node in a cycle that outlives a dropped branch, which autograd
+    without hooks avoids. So the loss supports one backward, not double backward. The model's parameters and
+    buffers, taken after the forward (FSDP's gathered root stays gathered), are model state and left out.
+    Autocast, if wanted, is the caller's context.
+    """
+    packed = []
+
+    def pack(tensor: Tensor) -> Tensor:
+        alias = tensor.detach()
+        packed.append(weakref.ref(alias))
+        return alias
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), loss_context(vocab_parallel):
+        logits = model(inputs)
+        loss = lm_loss(logits, targets)
+    state = {local_tensor(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    storages = {}
+    for ref in packed:
+        if (tensor := ref()) is not None:
+            storage = local_tensor(tensor).untyped_storage()
+            if storage.data_ptr() not in state:
+                storages[storage.data_ptr()] = storage.nbytes()
+    return SavedActivations(sum(storages.values()), local_tensor(logits).nbytes, loss)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def format_estimates(config: RunConfig, layout: Layout, precision: str, estimates: list[MemoryEstimate],
+                     device_gib: float) -> str:
+    """A table, one column per pipeline rank: model states, gathered weights, activations by part, total, fit."""
+    first = estimates[0]
+    seq = config.model.seq_len
+    lines = [f"{config.name}: {layout.world_size} rank(s), {layout.degrees()} (edp={layout.edp}); {precision} compute; "
+             f"micro-batch {first.micro_batch_size} × {seq} tokens, {first.microbatches} per step",
+             f"model: {_count(first.parameters)} parameters; per rank, fp32 master weights + fp32 gradients "
+             f"+ AdamW moments (16 bytes/parameter)"]
+    header = [f"pp rank {e.pp_rank}" for e in estimates] if layout.pp > 1 else ["per rank"]
+    rows: list[tuple[str, list[int]]] = [
+        ("weights: dense", [e.states.weights_dense for e in estimates]),
+        ("weights: routed experts", [e.states.weights_experts for e in estimates]),
+        ("gradients", [e.states.grads for e in estimates]),
+        ("AdamW moments", [e.states.optimizer for e in estimates]),
+        ("FSDP gathered weights", [e.gathered for e in estimates]),
+    ]
+    parts = list(dict.fromkeys(name for e in estimates for name in e.activations))
+    rows += [(f"activations: {name}", [e.activations.get(name, 0) for e in estimates]) for name in parts]
+    rows += [("logits buffer", [e.logits_buffer for e in estimates])]
+    width = max(len(name) for name, _ in rows) + 2
+    lines.append(" " * width + "".join(f"{h:>14}" for h in header))
+    for name, values in rows:
+        lines.append(f"{name:<{width}}" + "".join(f"{_size(v):>14}" for v in values))
+    lines.append(f"{'  micro-batches held':<{width}}" + "".join(f"{e.in_flight:>14g}" for e in estimates))
+    lines.append(f"{'total':<{width}}" + "".join(f"{_size(e.total):>14}" for e in estimates))
+    worst = max(e.total for e in estimates)
+    verdict = "fits" if worst <= device_gib * GIB else "does NOT fit"
+    lines.append(f"largest rank {_size(worst)}: {verdict} in {device_gib:g} GiB "
+                 f"({100 * worst / (device_gib * GIB):.0f}% of it)")
+    return "\n".join(lines)
+
+
+def sweep_experts(config_name: str, overrides: list[str], world_size: int, precision: str,
+                  expert_counts: list[int]) -> list[tuple[int, MemoryEstimate]]:
+    """The largest pipeline rank's estimate as ``moe.num_experts`` grows, everything else (layout included) fixed.
+
+    With top_k and expert_hidden fixed, each token's compute and the activations stay put (only the
+    router's [T, E] scores grow) while the expert weights, gradients and moments grow with E / ep.
+    """
+    out = []
+    for experts in expert_counts:
+        config = load_config(config_name, [*overrides, f"moe.num_experts={experts}"])
+        pp = Layout.resolve(world_size, **config.parallel.degrees()).pp
+        worst = max((estimate(config, world_size, precision, r) for r in range(pp)), key=lambda e: e.total)
+        out.append((experts, worst))
+    return out
+
+
+def format_sweep(rows: list[tuple[int, MemoryEstimate]], device_gib: float) -> str:
+    """One line per expert count; bf16 weight copies are weights in size but held per micro-batch like activations."""
+    lines = ["experts  parameters  model states  FSDP gathered  bf16 weight  activations        total  activ.  fits",
+             "           (model)     (per rank)     (per rank)       copies  (+ logits)   (per rank)   share"]
+    for experts, e in rows:
+        copies = e.activations.get("bf16 weight copies", 0)
+        activations = e.activation_total - copies + e.logits_buffer
+        fits = "yes" if e.total <= device_gib * GIB else "no"
+        lines.append(f"{experts:>7}  {_count(e.parameters):>10}  {_size(e.states.total):>12}  {_size(e.gathered):>13}  "
+                     f"{_size(copies):>11}  {_size(activations):>11}  {_size(e.total):>11}  "
+                     f"{100 * activations / e.total:>5.0f}%  {fits:>4}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Per-rank training memory of a config and layout.")
+    parser.add_argument("--config", default="moe-8x", help="config name in configs/ or a YAML path")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override config keys, e.g. --set parallel.tp=2 parallel.ep=4")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks in the job (default 1)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                        help="compute precision (default: train.precision; auto means bf16, as on a GPU)")
+    parser.add_argument("--device-memory", type=float, default=80.0, metavar="GIB",
+                        help="memory of one device, GiB (default 80)")
+    parser.add_argument("--sweep-experts", default=None, metavar="E1,E2,...",
+                        help="print how the footprint shifts from activations to weights as moe.num_experts grows")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        precision = args.precision or ("fp32" if config.train.precision == "fp32" else "bf16")
+        if args.sweep_experts:
+            counts = [int(e) for e in args.sweep_experts.split(",")]
+            rows = sweep_experts(args.config, args.overrides, args.world_size, precision, counts)
+            layout = Layout.resolve(args.world_size, **config.parallel.degrees())
+            print(f"{config.name}: {args.world_size} rank(s), {layout.degrees()}; {precision}; the largest "
+                  f"pipeline rank as moe.num_experts grows (layout, top_k and expert_hidden fixed)")
+            print(format_sweep(rows, args.device_memory))
+            return 0
+        layout = check_layout(config, args.world_size)[0]
+        estimates = [estimate(config, args.world_size, precision, r) for r in range(layout.pp)]
+        print(format_estimates(config, layout, precision, estimates, args.device_memory))
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Activations of one rank: what autograd saves for backward in one micro-batch's forward, by part.
+
+Each function lists the tensors the modules of ``moe/`` save (found with ``saved_activation_bytes`` and
+checked byte for byte by ``tests/analysis/test_memory.py``), on this rank's share of the work: its heads
+and hidden slices under tp, its share of the routed rows under tp / ep / etp, the S/tp slice of the
+residual stream under sequence parallelism. Routing is assumed balanced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from analysis.memory_states import (
+    FP32,
+    ParamTensor,
+    largest_chunk,
+    local_layers,
+    on_rank,
+    parameter_tensors,
+    tp_local_shape,
+)
+from moe.config import ModelConfig, MoEConfig
+from moe.dispatch import expert_capacity
+from parallel.groups import Layout
+from training.config import RunConfig
+
+INDEX = 8  # int64 ids and indices
+OFFSET = 4  # the grouped GEMM's int32 group offsets
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch on one rank: T = b·s tokens, ``stream`` of them in the residual stream (T/tp under SP)."""
+
+    tokens: int
+    stream: int
+    sequences: int
+    compute: int  # bytes of the compute dtype
+    bf16: bool
+
+
+def _norm(stream: int, d: int) -> int:
+    """RMSNorm (fp32, the residual stream's dtype): its input, the normalised input and the [T] rsqrt."""
+    return stream * (2 * d + 1) * FP32
+
+
+def _linear_inputs(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool = True) -> int:
+    """The [T, d] input of ``consumers`` column-parallel projections: one fp32 tensor, or one bf16 cast each."""
+    if mb.bf16:
+        return consumers * mb.tokens * d * mb.compute
+    return mb.tokens * d * FP32 if saved_in_fp32 else 0
+
+
+def _attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
+    """wq/wk/wv input; SDPA's q, k (after RoPE), v, output and [b, heads, s] logsumexp; wo's input.
+
+    wo's input is the output made contiguous, a copy unless one head per rank makes it a view.
+    """
+    heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_dim
+    qkvo = mb.tokens * hd * (2 * heads + 2 * kv_heads) * mb.compute
+    wo_input = 0 if heads == 1 else mb.tokens * heads * hd * mb.compute
+    return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32
+
+
+def _feed_forward(mb: MicroBatch, d: int, hidden: int, input_saved: bool = True) -> int:
+    """SwiGLU: its input, then the gate pre-activation, silu(gate), the up projection and their product."""
+    return _linear_inputs(mb, d, 2, input_saved) + 4 * mb.tokens * hidden * mb.compute
+
+
+def kept_assignments(tokens: int, moe: MoEConfig) -> int:
+    """Assignments an MoE layer computes under balanced routing: T·k, at most C·E with a capacity."""
+    if moe.capacity_factor is None:
+        return tokens * moe.top_k
+    capacity = expert_capacity(tokens, moe.top_k, moe.num_experts, moe.capacity_factor)
+    return min(tokens * moe.top_k, capacity * moe.num_experts)
+
+
+def _router(moe: MoEConfig, d: int, mb: MicroBatch) -> int:
+    """fp32 always (``moe/router.py``): the input (and jitter noise), scores, ids, renormalisation, aux terms."""
+    t, e, k = mb.tokens, moe.num_experts, moe.top_k
+    total = t * d * FP32 * (2 if moe.jitter_eps > 0 else 1) + t * e * FP32 + t * k * INDEX  # softmax/sigmoid out
+    if moe.renormalize:
+        total += t * k * FP32 + t * FP32  # the selected weights and their sum
+    if moe.aux_loss_coef > 0:
+        sequences = mb.sequences if moe.aux_loss_scope == "sequence" else 1
+        total += sequences * e * FP32 + FP32  # f_i per sequence, the loss kept by attach_loss
+        if moe.score_func == "sigmoid":
+            total += t * FP32  # probs = scores / their sum: the sum
+    if moe.z_loss_coef > 0:
+        total += t * e * FP32 + t * FP32 + FP32  # logits and logsumexp for the z-loss; the loss
+    return total
+
+
+def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> dict[str, int]:
+    """One MoE layer: router, permuted tokens and experts (this rank's share of the rows), combine, shared experts.
+
+    Under tp each tp rank computes 1/(tp/etp) of the grouped rows; under ep those rows travel to the
+    experts' ranks and (balanced) as many arrive; etp splits the hidden dim. Without ep the experts read
+    a view of the whole grouped tensor, which so stays alive in full.
+    """
+    d, a = model.d_model, mb.compute
+    kept = kept_assignments(mb.tokens, moe)
+    rows = largest_chunk(kept, layout.tp // layout.etp)  # this rank's share (the largest)
+    hidden = moe.expert_hidden // layout.etp
+    swiglu = moe.activation == "swiglu"
+    experts = kept * INDEX  # permute's token index
+    if layout.ep > 1:  # received rows' reorder index, the local grouped rows, index_copy's saved source
+        experts += rows * INDEX + 2 * rows * d * a
+    else:
+        experts += kept * d * a
+    experts += (4 if swiglu else 2) * rows * hidden * a + (3 if swiglu else 2) * (moe.num_experts // layout.ep) * OFFSET
+    parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
+             "MoE combine": kept * d * a + kept * a + kept * INDEX}  # expert outputs, their weights, order
+    if moe.num_shared_experts:
+        parts["shared experts"] = _feed_forward(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
+    return parts
+
+
+def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: bool, last: bool) -> int:
+    """bf16 autocast copies of this rank's tp-local weights that the matmuls save (``ParamTensor.autocast_copy``).
+
+    Recomputed modules cast again in backward and keep none: every block under ``full`` checkpointing,
+    the MoE layers' experts and shared experts under ``moe``.
+    """
+    recompute = config.parallel.activation_checkpointing
+
+    def kept(param: ParamTensor) -> bool:
+        if param.kind == "embedding" and config.model.tie_embeddings:
+            return last  # the tied head casts the table (pipelining refuses tied embeddings: last is first)
+        if not param.autocast_copy or not on_rank(param, layers, first, last):
+            return False
+        if param.layer is None:
+            return True
+        moe_layer = config.model.is_moe_layer(param.layer)
+        return recompute == "none" or (recompute == "moe" and not (moe_layer and param.kind in ("experts", "ffn")))
+
+    return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
+                   for p in parameter_tensors(config.model, config.moe) if kept(p))
+
+
+def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size: int, precision: str,
+                            pp_rank: int = 0) -> dict[str, int]:
+    """Bytes autograd saves in one micro-batch's forward on one rank of pipeline rank ``pp_rank``, by part.
+
+    ``parallel.activation_checkpointing``: ``full`` keeps each block's input only, ``moe`` the MoE layers'
+    inputs only (``parallel/activation_checkpoint.py``). Sequence parallelism puts the norms and the
+    residual stream on S/tp; attention, the dense FFN and the MoE layer work on the gathered sequence.
+    """
+    model, moe, par = config.model, config.moe, config.parallel
+    layers, first, last = local_layers(config, layout, pp_rank)
+    tokens = micro_batch_size * model.seq_len
+    stream = tokens // layout.tp if par.sequence_parallel else tokens
+    mb = MicroBatch(tokens, stream, micro_batch_size, COMPUTE_BYTES[precision], precision == "bf16")
+    d, parts = model.d_model, {}
+
+    def add(name: str, nbytes: int) -> None:
+        parts[name] = parts.get(name, 0) + nbytes
+
+    for i in layers:
+        if par.activation_checkpointing == "full":
+            add("block inputs (recompute)", stream * d * FP32)
+            continue
+        add("norms", 2 * _norm(stream, d))
+        add("attention", _attention(model, layout.tp, mb))
+        if not model.is_moe_layer(i):
+            add("dense FFN", _feed_forward(mb, d, model.ffn_hidden // layout.tp))
+        elif par.activation_checkpointing == "moe":
+            add("MoE inputs (recompute)", tokens * d * FP32)
+        else:
+            for name, nbytes in _moe(model, moe, layout, mb).items():
+                add(name, nbytes)
+    if first:
+        add("embedding", tokens * INDEX)  # the token ids
+    if last:
+        vocab = largest_chunk(model.vocab_size, layout.tp) if par.vocab_parallel else model.vocab_size
+        # final norm, the head's input, log-softmax output (fp32), targets and nll's total weight
+        add("head + loss", _norm(stream, d) + _linear_inputs(mb, d, 1) + tokens * vocab * FP32
+            + tokens * INDEX + FP32)
+    if mb.bf16:
+        add("bf16 weight copies", _weight_copies(config, layout, layers, first, last))
+    return parts
+
+
+def in_flight(config: RunConfig, layout: Layout, microbatches: int, pp_rank: int = 0) -> float:
+    """Micro-batches whose activations one rank holds at its peak.
+
+    Without pipelining each micro-batch's backward runs before the next forward: one. GPipe runs every
+    forward first: all. 1F1B: pipeline rank r holds at most pp − r (Narayanan et al. 2021 sec. 2.2.1);
+    interleaved 1F1B times ``1 + (p−1)/(p·v)`` (Korthikanti et al. 2022 Eq. 5 and after; REFERENCES.md
+    sec. 2.2, stated there for the first stage and applied here to every rank).
+    """
+    pp, schedule = layout.pp, config.parallel.pp_schedule
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    held = min(pp - pp_rank, microbatches)
+    if schedule == "interleaved_1f1b":
+        v = config.parallel.pp_virtual_stages
+        return held * (1 + (pp - 1) / (pp * v))
+    return float(held)

@@ -1,0 +1,199 @@
+"""Model states of one rank: each parameter tensor of the model, divided as ``parallel/`` divides it.
+
+Parameters are fp32 master weights (bf16 comes from autocast only), gradients fp32, and AdamW keeps two
+fp32 moments: 16 bytes per parameter (ZeRO, Rajbhandari et al. 2020 sec. 3.1; REFERENCES.md sec. 3.1).
+tp splits attention by heads and the dense FFN and shared experts on their hidden dim; router, norms,
+embedding and head stay whole unless ``parallel.vocab_parallel`` (``parallel/tensor.py``). Routed experts
+are E/ep per rank with their hidden dim over etp, then FSDP-sharded over edp (HSDP keeps one copy per
+dp_replicate group); dense weights are FSDP-sharded over dp_shard (``parallel/sharding.py``). A shard is the
+first chunk of ``torch.chunk`` on the sharded dim, the largest: FSDP2 pads every rank's storage to it.
+Under pipeline parallelism a rank holds its stages' blocks (``parallel.pipeline.stage_layers``), the
+embedding on the first stage, the final norm and head on the last.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moe.config import ModelConfig, MoEConfig
+from parallel.groups import Layout
+from parallel.pipeline import stage_layers
+from training.config import RunConfig
+
+FP32 = 4
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 like the parameter
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor of the model and how tensor / expert parallelism cut it."""
+
+    kind: str  # norm, attention, ffn (dense or shared experts), router, experts, embedding, head
+    layer: int | None  # block index; None for the embedding, final norm and head
+    shape: tuple[int, ...]
+    tp_dim: int | None = None  # dim split over tp (column-parallel: 0 of [out, in]; row-parallel: 1)
+    expert_hidden_dim: int | None = None  # routed-expert stacks [E, ...]: dim 0 over ep, this dim over etp
+
+    @property
+    def expert(self) -> bool:
+        return self.kind == "experts"
+
+    @property
+    def autocast_copy(self) -> bool:
+        """Whether bf16 autocast casts it for a matmul that saves the copy (not the fp32 router, norms, lookup)."""
+        return self.kind in ("attention", "ffn", "experts", "head")
+
+
+def parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
+    """Every parameter of ``moe.transformer.MoETransformer`` with its global shape (a tied head shares the table)."""
+    d, hd, out = model.d_model, model.head_dim, []
+    for i in range(model.n_layers):
+        out += [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)),
+                ParamTensor("attention", i, (model.n_heads * hd, d), 0),
+                ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
+                ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
+                ParamTensor("attention", i, (d, model.n_heads * hd), 1)]
+        hidden = model.ffn_hidden
+        if model.is_moe_layer(i):
+            e, h = moe.num_experts, moe.expert_hidden
+            out += [ParamTensor("router", i, (e, d)),
+                    ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2),
+                    ParamTensor("experts", i, (e, h, d), expert_hidden_dim=1)]
+            if moe.activation == "swiglu":
+                out.append(ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2))
+            hidden = moe.shared_hidden if moe.num_shared_experts else 0
+        if hidden:
+            out += [ParamTensor("ffn", i, (hidden, d), 0), ParamTensor("ffn", i, (hidden, d), 0),
+                    ParamTensor("ffn", i, (d, hidden), 1)]
+    out += [ParamTensor("embedding", None, (model.vocab_size, d)), ParamTensor("norm", None, (d,))]
+    if not model.tie_embeddings:
+        out.append(ParamTensor("head", None, (model.vocab_size, d)))
+    return out
+
+
+def on_rank(param: ParamTensor, layers: list[int], first: bool, last: bool) -> bool:
+    """Whether a pipeline rank with these blocks (and embedding if ``first``, norm and head if ``last``) holds it."""
+    if param.layer is not None:
+        return param.layer in layers
+    return first if param.kind == "embedding" else last
+
+
+def largest_chunk(size: int, parts: int) -> int:
+    """The first (largest) chunk of ``torch.chunk(size, parts)``: what FSDP keeps on a rank, padded on the others."""
+    return math.ceil(size / parts)
+
+
+def tp_local_shape(param: ParamTensor, layout: Layout, vocab_parallel: bool) -> list[int]:
+    """The tensor on one rank after tensor and expert parallelism (before FSDP)."""
+    shape = list(param.shape)
+    if param.expert:
+        shape[0] //= layout.ep
+        shape[param.expert_hidden_dim] //= layout.etp
+    elif param.tp_dim is not None:
+        shape[param.tp_dim] //= layout.tp
+    elif param.kind in ("embedding", "head") and vocab_parallel:
+        shape[0] = largest_chunk(shape[0], layout.tp)
+    return shape
+
+
+def _experts_own_unit(layout: Layout, model: ModelConfig) -> bool:
+    """Whether the routed experts are their own FSDP unit over edp (``parallel/__init__.py``: ep, etp or tp > 1)."""
+    return model.n_moe_layers > 0 and (layout.ep > 1 or layout.etp > 1 or layout.tp > 1)
+
+
+def sharded_numel(param: ParamTensor, layout: Layout, model: ModelConfig, vocab_parallel: bool) -> int:
+    """Elements of ``param`` one rank stores: its tp/ep slice, then its FSDP shard (``parallel/sharding.py``)."""
+    shape = tp_local_shape(param, layout, vocab_parallel)
+    if param.expert and _experts_own_unit(layout, model):
+        if layout.dp_replicate * layout.edp > 1:  # else unmanaged: ep (× etp) spans all dp_shard × tp ranks
+            # the experts dim when it splits evenly, else the first dim etp leaves whole (``_free_dim``)
+            dim = 0 if shape[0] % layout.edp == 0 else 2 if layout.etp > 1 and param.expert_hidden_dim == 1 else 1
+            shape[dim] = largest_chunk(shape[dim], layout.edp)
+    elif layout.dp > 1:  # FSDP2 over dp_shard (HSDP replicates over dp_replicate), dim 0
+        shape[0] = largest_chunk(shape[0], layout.dp_shard)
+    return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes one rank keeps for the whole run: fp32 weights, fp32 gradients, AdamW moments; dense and experts."""
+
+    weights_dense: int
+    weights_experts: int
+
+    @property
+    def weights(self) -> int:
+        return self.weights_dense + self.weights_experts
+
+    @property
+    def grads(self) -> int:
+        return self.weights  # fp32 gradients, sharded as the weights
+
+    @property
+    def optimizer(self) -> int:
+        return ADAM_MOMENTS * self.weights
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def local_layers(config: RunConfig, layout: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
+    """The blocks on pipeline rank ``pp_rank`` (its stages s ≡ pp_rank mod pp) and whether it is first / last."""
+    stages = layout.pp * config.parallel.pp_virtual_stages
+    ranges = stage_layers(config.model, config.moe, stages)
+    layers = [i for s in range(pp_rank, stages, layout.pp) for i in ranges[s]]
+    return layers, pp_rank == 0, pp_rank == (stages - 1) % layout.pp
+
+
+def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelStates:
+    """Model-state bytes of one rank of pipeline rank ``pp_rank``: fp32 weights, gradients, two Adam moments."""
+    model, vp = config.model, config.parallel.vocab_parallel
+    layers, first, last = local_layers(config, layout, pp_rank)
+    dense = experts = 0
+    for param in parameter_tensors(model, config.moe):
+        if not on_rank(param, layers, first, last):
+            continue
+        numel = sharded_numel(param, layout, model, vp)
+        if param.expert:
+            experts += numel * FP32
+        else:
+            dense += numel * FP32
+    return ModelStates(dense, experts)
+
+
+def _block_gathered(config: RunConfig, layout: Layout, layer: int) -> int:
+    """fp32 bytes FSDP all-gathers to run block ``layer``: its tp-local weights in the units that are sharded."""
+    model, total = config.model, 0
+    for param in parameter_tensors(model, config.moe):
+        if param.layer != layer:
+            continue
+        if param.expert and _experts_own_unit(layout, model):
+            sharded = layout.edp > 1
+        else:
+            sharded = layout.dp > 1 and layout.dp_shard > 1
+        if sharded:
+            total += math.prod(tp_local_shape(param, layout, config.parallel.vocab_parallel)) * FP32
+    return total
+
+
+def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0) -> int:
+    """Peak bytes of FSDP's all-gathered (unsharded, tp-local, fp32) weights and unsharded gradients on one rank.
+
+    The root unit (embedding, final norm, head) is never resharded (``parallel/sharding.py``). Blocks: in
+    backward the current block's weights, the next block's (prefetched) and the current block's unsharded
+    gradients before their reduce-scatter; with ``reshard_after_forward=false`` all local blocks stay
+    gathered from forward to backward, plus one block's gradients.
+    """
+    layers, first, last = local_layers(config, layout, pp_rank)
+    blocks = [_block_gathered(config, layout, i) for i in layers]
+    root = 0
+    if layout.dp > 1 and layout.dp_shard > 1:
+        root = sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
+                   for p in parameter_tensors(config.model, config.moe)
+                   if p.layer is None and on_rank(p, layers, first, last)) * FP32
+    largest = max(blocks, default=0)
+    if config.parallel.reshard_after_forward:
+        return root + 3 * largest
+    return root + sum(blocks) + largest

@@ -1,0 +1,237 @@
+"""The memory model against the real model: parameter counts, and predicted against measured bytes.
+
+Single process (fp32, and bf16 autocast): the activation bytes ``micro_batch_activations`` predicts must
+equal what autograd keeps after one forward (``saved_activation_bytes``), to the byte, for dense, capacity,
+dropless, shared-expert, top-1, GELU, sigmoid and recomputed models. Routing is forced balanced
+(``moe.force_balance``) wherever the model's balanced-routing assumption must hold exactly. Spawned on 2
+gloo ranks: the same per rank under tp, tp with sequence and vocabulary parallelism, ep (with FSDP over
+dp_shard) and bf16 under FSDP, and the model-state bytes against the rank's parameter storages.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train
+from analysis import memory
+from analysis.memory_activations import in_flight, micro_batch_activations
+from analysis.memory_states import gathered_bytes, model_states, parameter_tensors
+from moe.accounting import parameter_counts
+from moe.transformer import MoETransformer
+from parallel import parallelize
+from parallel.activation_checkpoint import apply_activation_checkpointing
+from parallel.groups import Layout, ParallelGroups
+from training.config import load_config
+
+TINY = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.seq_len=16",
+        "model.ffn_hidden=48", "moe.num_experts=4", "moe.expert_hidden=24", "train.global_batch_size=2"]
+
+
+def _tiny(*overrides: str):
+    return load_config("moe-8x", [*TINY, *overrides])
+
+
+def _measure(config, layout: Layout, micro: int, precision: str, model, seed: int = 1):
+    tokens = torch.randint(0, config.model.vocab_size, (micro, config.model.seq_len + 1),
+                           generator=torch.Generator().manual_seed(seed))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        measured = memory.saved_activation_bytes(model, tokens[:, :-1].clone(), tokens[:, 1:].clone(),
+                                                 config.parallel.vocab_parallel)
+    with memory.loss_context(config.parallel.vocab_parallel):
+        measured.loss.backward()  # the measurement leaves a loss to train on
+    predicted = sum(micro_batch_activations(config, layout, micro, precision).values())
+    return predicted, measured.saved_bytes
+
+
+@pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_parameter_tensors_add_up_to_the_accounting(name, tie):
+    config = load_config(name, [f"model.tie_embeddings={str(tie).lower()}"])
+    tensors = parameter_tensors(config.model, config.moe)
+    counts = parameter_counts(config.model, config.moe)
+    assert sum(torch.Size(p.shape).numel() for p in tensors) == counts.total
+    assert sum(torch.Size(p.shape).numel() for p in tensors if p.expert) == counts.routed_experts
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["moe.activation=gelu", "moe.num_shared_experts=2", "model.first_moe_layer=1"],
+    ["model.tie_embeddings=true", "model.moe_every=0"]])
+def test_parameter_tensors_are_the_real_models(overrides):
+    config = _tiny(*overrides)
+    real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
+    assert sorted(p.shape for p in parameter_tensors(config.model, config.moe)) == real
+
+
+def test_mixtral_has_its_published_size_and_one_rank_holds_a_64th_of_it():
+    config = load_config("mixtral-8x7b", ["parallel.ep=8"])
+    counts = parameter_counts(config.model, config.moe)
+    assert counts.total == pytest.approx(46.7e9, rel=2e-3) and counts.active == pytest.approx(12.9e9, rel=1e-2)
+    states = model_states(config, Layout.resolve(64, ep=8))
+    # ep=8 × edp=8 shards the experts 64 ways and FSDP the dense weights 64 ways: 16 bytes / 64 per parameter,
+    # but for the [8, 4096] router gates: FSDP2 pads them to one row on every rank
+    routers = 32 * 8 * 4096
+    assert states.total == 16 * (counts.total - routers) // 64 + 16 * routers // 8
+    assert states.weights_experts == pytest.approx(4 * counts.routed_experts / 64, rel=1e-6)
+
+
+SINGLE = {
+    "dense": ("fp32", ["model.moe_every=0"]),
+    "capacity drops": ("fp32", ["moe.capacity_factor=0.5", "moe.force_balance=true"]),
+    "dropless, top-1, shared": ("fp32", ["moe.capacity_factor=null", "moe.top_k=1", "moe.num_shared_experts=1",
+                                         "moe.force_balance=true"]),
+    "dense then MoE, no z-loss": ("fp32", ["model.first_moe_layer=1", "moe.z_loss_coef=0", "moe.force_balance=true"]),
+    "no balancing losses": ("fp32", ["moe.z_loss_coef=0", "moe.aux_loss_coef=0", "moe.force_balance=true"]),
+    "sigmoid, sequence aux": ("fp32", ["moe.score_func=sigmoid", "moe.aux_loss_scope=sequence",
+                                       "moe.force_balance=true"]),
+    "gelu, jitter, no aux": ("fp32", ["moe.activation=gelu", "moe.renormalize=false", "moe.jitter_eps=0.1",
+                                      "moe.aux_loss_coef=0", "moe.force_balance=true"]),
+    "recompute full": ("fp32", ["parallel.activation_checkpointing=full", "moe.force_balance=true"]),
+    "recompute moe": ("fp32", ["parallel.activation_checkpointing=moe", "moe.num_shared_experts=1",
+                               "model.first_moe_layer=1", "moe.force_balance=true"]),
+    "bf16": ("bf16", ["moe.num_shared_experts=1", "model.first_moe_layer=1", "moe.force_balance=true"]),
+    "bf16, tied embeddings": ("bf16", ["model.tie_embeddings=true", "moe.force_balance=true"]),
+    "bf16, recompute moe": ("bf16", ["parallel.activation_checkpointing=moe", "moe.num_shared_experts=1",
+                                     "moe.force_balance=true"]),
+}
+
+
+@pytest.mark.parametrize("case", SINGLE)
+def test_predicted_activations_are_the_measured_ones(case):
+    precision, overrides = SINGLE[case]
+    config = _tiny(*overrides)
+    layout, micro, _ = memory.check_layout(config, 1)
+    torch.manual_seed(0)
+    model = MoETransformer(config.model, config.moe)
+    apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
+    predicted, measured = _measure(config, layout, micro, precision, model)
+    assert predicted == measured
+
+
+def test_skewed_routing_keeps_fewer_rows_than_the_balanced_bound():
+    """Unforced routing of an untrained router overflows some experts: what is kept is at most the estimate."""
+    config = _tiny("moe.capacity_factor=1.0")
+    layout, micro, _ = memory.check_layout(config, 1)
+    torch.manual_seed(0)
+    predicted, measured = _measure(config, layout, micro, "fp32", MoETransformer(config.model, config.moe))
+    assert measured < predicted
+
+
+def test_pipeline_stages_split_the_activations_and_the_schedules_stash_micro_batches():
+    config = _tiny("model.n_layers=4", "parallel.pp=2", "train.global_batch_size=8", "parallel.microbatches=4")
+    layout, micro, microbatches = memory.check_layout(config, 2)
+    whole = _tiny("model.n_layers=4", "train.global_batch_size=8", "parallel.microbatches=4")
+    one = sum(micro_batch_activations(whole, memory.check_layout(whole, 1)[0], micro, "fp32").values())
+    stages = [sum(micro_batch_activations(config, layout, micro, "fp32", r).values()) for r in range(2)]
+    assert sum(stages) == one  # every block, the embedding and the head on exactly one stage
+    assert [in_flight(config, layout, microbatches, r) for r in range(2)] == [2, 1]  # 1F1B: pp - r
+    gpipe = _tiny("model.n_layers=4", "parallel.pp=2", "train.global_batch_size=8", "parallel.microbatches=4",
+                  "parallel.pp_schedule=gpipe")
+    assert in_flight(gpipe, layout, microbatches, 0) == 4
+    interleaved = _tiny("model.n_layers=4", "parallel.pp=2", "train.global_batch_size=8", "parallel.microbatches=4",
+                        "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2")
+    assert in_flight(interleaved, layout, microbatches, 0) == 2 * (1 + 1 / 4)  # Korthikanti: 1 + (p-1)/(pv)
+
+
+def test_gathered_weights_only_under_fsdp_and_more_without_resharding():
+    config = _tiny()
+    assert gathered_bytes(config, Layout.resolve(1)) == 0
+    assert gathered_bytes(config, Layout.resolve(2, ep=2, dp_shard=1, tp=2)) == 0  # ep spans the fold
+    resharded = gathered_bytes(config, Layout.resolve(4))
+    kept = gathered_bytes(_tiny("model.n_layers=4", "parallel.reshard_after_forward=false"), Layout.resolve(4))
+    block = 4 * (2 * 32 + 4 * 8 * 32 * 2 + 2 * 8 * 32 * 2 + 4 * 32 + 3 * 4 * 32 * 24)  # tp-local fp32 of one block
+    root = 4 * (2 * 256 * 32 + 32)
+    assert resharded == root + 3 * block  # this block and the next one's weights, this block's gradients
+    assert kept == root + 5 * block  # all four blocks' weights, one block's gradients
+
+
+@pytest.mark.parametrize("overrides, world, reason", [
+    (["parallel.tp=4"], 4, "parallel.tp=4 does not divide model.n_heads=6"),  # validate_for_model
+    (["parallel.pp=2", "parallel.microbatches=1"], 2, "1f1b needs at least parallel.pp=2 micro-batches"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=15"], 2, "model.seq_len=15 over"),
+])
+def test_impossible_layouts_fail_as_train_py_fails_them(overrides, world, reason, capsys, monkeypatch):
+    assert memory.main(["--config", "moe-8x", "--world-size", str(world), "--set", *overrides]) == 2
+    ours = capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert train.main(["--config", "moe-8x", "--set", *overrides]) == 2  # refused before any process group
+    assert ours == capsys.readouterr().err and reason in ours
+
+
+@pytest.mark.parametrize("argv", [
+    ["--config", "moe-8x"],
+    ["--config", "mixtral-8x7b", "--world-size", "64", "--set", "parallel.ep=8", "train.micro_batch_size=1"],
+    ["--config", "deepseek-v3-shape", "--world-size", "256", "--set", "parallel.ep=32", "parallel.pp=8",
+     "parallel.tp=4", "parallel.sequence_parallel=true", "parallel.activation_checkpointing=full",
+     "train.micro_batch_size=1"],
+])
+def test_cli_prints_a_table_with_a_verdict(argv, capsys):
+    assert memory.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "weights: routed experts" in out and "\ntotal" in out and "in 80 GiB" in out
+
+
+def test_expert_sweep_shifts_the_footprint_from_activations_to_weights(capsys):
+    assert memory.main(["--config", "moe-8x", "--precision", "fp32", "--sweep-experts", "8,32,128"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[0].isdigit()]
+    assert [row[0] for row in rows] == ["8", "32", "128"]
+    shares = [float(row[-2].rstrip("%")) for row in rows]
+    assert shares[0] > shares[1] > shares[2]
+
+
+# ---------------------------------------------------------------------------
+# 2 gloo ranks: per-rank activations and model states against the real parallelized model
+# ---------------------------------------------------------------------------
+
+SPAWNED = [
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1"]),
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"]),
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.vocab_parallel=true",
+              "parallel.sequence_parallel=true", "parallel.activation_checkpointing=full"]),
+    ("fp32", ["parallel.ep=2"]),  # dp_shard=2: FSDP shards the dense weights, ep the experts
+    ("bf16", ["parallel.dp_shard=2"]),  # FSDP over everything: the bf16 copies are of the gathered weights
+]
+SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
+                 "moe.force_balance=true", "train.global_batch_size=4"]
+
+
+def _worker(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for index, (precision, overrides) in enumerate(SPAWNED):
+            config = _tiny(*SPAWNED_MODEL, *overrides)
+            layout, micro, _ = memory.check_layout(config, 2)
+            groups = ParallelGroups.build(layout, "cpu")
+            torch.manual_seed(0)
+            par = config.parallel
+            model = parallelize(MoETransformer(config.model, config.moe), groups, par.activation_checkpointing,
+                                par.reshard_after_forward, par.sequence_parallel, par.vocab_parallel)
+            storages = {s.data_ptr(): s.nbytes()
+                        for s in (memory.local_tensor(p).untyped_storage() for p in model.parameters())}
+            seed = 1 + groups.coords()["dp_shard"]  # each data-parallel rank its own micro-batch
+            predicted, measured = _measure(config, layout, micro, precision, model, seed)
+            results[(index, rank)] = (predicted, measured, model_states(config, layout).weights,
+                                      sum(storages.values()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_rank_bytes_match_the_parallelized_model():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(port, results), nprocs=2)
+        results = dict(results)
+    for index, (_, overrides) in enumerate(SPAWNED):
+        for rank in range(2):
+            predicted, measured, weights, stored = results[(index, rank)]
+            assert (predicted, weights) == (measured, stored), (overrides, rank)
