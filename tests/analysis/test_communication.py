@@ -1,0 +1,135 @@
+"""The communication model against counted bytes: tiny layouts trained on gloo ranks, one step counted.
+
+Each layout trains two steps with ``training.loop.train`` (the code train.py runs) under exactly balanced
+routing (``moe.force_balance``); ``CollectiveCounter`` records every collective of the second step on every
+rank, and its bus bytes per (collective, group) must equal ``predict``'s for that rank exactly. Collectives
+after the forward and backward (gradient norm, loss, optimizer) are counted apart: the model leaves them
+out, and they must stay under 2 % of the step's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import training.loop as loop
+from analysis.communication import CollectiveCounter, bus_bytes, check_layout, kept_per_expert, predict, totals
+from moe.config import ConfigError
+from parallel.groups import Layout, ParallelGroups
+from parallel.runtime import init_runtime, shutdown_runtime
+from tests.parallel.parity import TINY
+from training.config import load_config
+
+BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
+DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
+CASES_2 = {  # name -> overrides, on 2 ranks
+    "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
+    "ep=2 over dp_shard=2": ["parallel.dp_shard=2", "parallel.ep=2"],
+    "tp=2, vocab parallel, full recompute": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.vocab_parallel=true",
+                                             "parallel.activation_checkpointing=full", *DENSE_FIRST],
+    "tp=2, sequence + vocab parallel": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                        "parallel.vocab_parallel=true", *DENSE_FIRST],
+    "tp=2, sequence parallel, bf16, moe recompute, drops": [
+        "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+        "parallel.activation_checkpointing=moe", "moe.capacity_factor=0.5", "moe.num_shared_experts=1"],
+    "ep=2 over tp=2": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"],
+    "pp=2, 1f1b": ["parallel.dp_shard=1", "parallel.pp=2"],
+}
+
+
+def _key(key: tuple[str, tuple[int, ...]]) -> str:
+    return f"{key[0]} over {list(key[1])}"
+
+
+def _worker(rank: int, world_size: int, port: int, cases: dict[str, list[str]], out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    runtime = init_runtime()
+    counters: list[CollectiveCounter] = []
+    original_step, original_clip = loop.train_step, loop.clip_grad_norm_
+
+    def counted_step(*args, **kwargs):
+        counters.append(CollectiveCounter())
+        with counters[-1]:
+            return original_step(*args, **kwargs)
+
+    def counted_clip(*args, **kwargs):  # from here on: gradient norm, loss and optimizer ("small")
+        counters[-1].current = "small"
+        return original_clip(*args, **kwargs)
+
+    loop.train_step, loop.clip_grad_norm_ = counted_step, counted_clip
+    results = {}
+    try:
+        for index, (name, overrides) in enumerate(cases.items()):
+            config = load_config("moe-8x", [*BALANCED, *overrides])
+            layout = Layout.resolve(world_size, **config.parallel.degrees())
+            groups = ParallelGroups.build(layout, "cpu")
+            loop.train(config, Path(out) / f"run{index}", runtime, groups)
+            results[name] = {"predicted": {_key(k): v for k, v in totals(predict(config, layout, rank)).items()},
+                             "counted": {_key(k): v for k, v in counters[-1].totals("step").items()},
+                             "small": sum(counters[-1].totals("small").values())}
+    finally:
+        loop.train_step, loop.clip_grad_norm_ = original_step, original_clip
+        shutdown_runtime()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _spawn(world_size: int, cases: dict[str, list[str]], tmp_path: Path) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world_size, port, cases, str(tmp_path)), nprocs=world_size)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def test_predicted_bytes_equal_counted_bytes_on_two_ranks(tmp_path):
+    _check(_spawn(2, CASES_2, tmp_path))
+
+
+def _check(results: list[dict]) -> None:
+    """Every rank's prediction equals its count, per (collective, group); the left-out part is small."""
+    wrong = []
+    for rank, per_case in enumerate(results):
+        for name, result in per_case.items():
+            predicted, counted = result["predicted"], result["counted"]
+            assert counted, f"{name}: nothing counted on rank {rank}"
+            differ = {k: (predicted.get(k), counted.get(k)) for k in predicted.keys() | counted.keys()
+                      if predicted.get(k) != counted.get(k)}
+            if differ:
+                wrong.append(f"{name}, rank {rank}: (predicted, counted) {differ}")
+            assert result["small"] < 0.02 * sum(counted.values()), f"{name}, rank {rank}"
+    assert not wrong, "\n".join(wrong)
+
+
+def test_bus_bytes_follow_the_ring_convention():
+    assert bus_bytes("all_reduce", 800, 4) == 1200  # 2 (n-1)/n
+    assert bus_bytes("all_gather", 800, 4) == bus_bytes("reduce_scatter", 800, 4) == 600  # (n-1)/n
+    assert bus_bytes("send", 800, 4) == bus_bytes("broadcast", 800, 4) == 800
+    assert bus_bytes("all_reduce", 800, 1) == 0
+
+
+def test_balanced_routing_keeps_what_capacity_allows():
+    config = load_config("moe-8x", [*TINY, "moe.capacity_factor=0.5"])  # 4 experts, top-2
+    assert kept_per_expert(config, 10) == [3, 3, 3, 3]  # 5 each routed, capacity ceil(0.5 * 2 * 10 / 4) = 3
+    config = load_config("moe-8x", [*TINY, "moe.capacity_factor=null"])
+    assert kept_per_expert(config, 10) == [5, 5, 5, 5]
+    assert kept_per_expert(config, 11) == [6, 6, 5, 5]  # 22 assignments round robin
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=3"], r"parallel.tp=3 does not divide model.n_heads=4"),
+    (["parallel.ep=3"], r"parallel.ep=3 .* does not divide"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"], r"model.seq_len=33 over parallel.tp=2"),
+    (["parallel.pp=2", "parallel.pp_virtual_stages=2"], r"needs parallel.pp_schedule=interleaved_1f1b"),
+])
+def test_impossible_layouts_fail_as_train_py_fails(overrides, message):
+    config = load_config("moe-8x", [*TINY, "parallel.dp_shard=-1", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        check_layout(config, 6 if "parallel.tp=3" in overrides or "parallel.ep=3" in overrides else 4)
