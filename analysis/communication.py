@@ -117,13 +117,13 @@ def bus_bytes(collective: str, buffer_bytes: int, group_size: int) -> int:
     return buffer_bytes * factor[0] // factor[1]
 
 
-def totals(items: Iterable[Traffic]) -> dict[tuple[str, tuple[int, ...]], int]:
-    """Bus bytes summed by (collective, group): what a counted run can be compared on."""
-    out: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
+def totals(items: Iterable[Traffic]) -> dict[tuple[str, tuple[int, ...]], tuple[int, int]]:
+    """(calls, bus bytes) summed by (collective, group): what a counted run can be compared on."""
+    out: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
     for item in items:
-        if item.bus_bytes:
-            out[item.collective, item.group] += item.bus_bytes
-    return dict(out)
+        calls, sent = out.get((item.collective, item.group), (0, 0))
+        out[item.collective, item.group] = (calls + item.calls, sent + item.bus_bytes)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -225,6 +225,13 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
         _add(out, "tp", "all_gather", "routed rows' shares (forward)", moe_runs, padded * tp, group)
         _add(out, "tp", "all_gather", "routed rows' share gradients (backward)", len(moe_layers) * m, padded * tp,
              group)
+    if sp and layout.dp > 1:
+        # the norms' weights see a sequence slice: DTensor leaves their gradients partial, and FSDP's gradient
+        # reduction makes them whole over tp first (without FSDP the gradient norm and AdamW do: left out)
+        norms = 2 * len(step.layers) + step.last
+        syncs = 1 if layout.pp > 1 else m
+        _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
+             model.d_model * fp32, group)
     if step.first and (par.vocab_parallel or sp):
         if par.vocab_parallel:
             _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "embedding output (forward)", m,
@@ -272,6 +279,7 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     forwards = sum(1 + _recompute(step, True) for _ in moe_layers) * step.microbatches
     backwards = len(moe_layers) * step.microbatches
     _add(out, "ep", "all_to_all", "tokens per expert (forward)", forwards, config.moe.num_experts * 8, group)
+    # uneven: the rows that leave (none, when this tp rank's share belongs to its own experts)
     for what, rows in (("dispatch", rows_out), ("combine", rows_in)):
         out.append(Traffic("ep", "all_to_all", f"{what} (forward)", forwards, forwards * rows * row, group))
     for what, rows in (("combine's gradient", rows_out), ("dispatch's gradient", rows_in)):
@@ -300,45 +308,78 @@ def _shard_numel(shape: tuple[int, ...], dim: int, ranks: int) -> int:
     return math.prod(shape) // shape[dim] * math.ceil(shape[dim] / ranks)
 
 
-def sharding_traffic(step: _Step) -> list[Traffic]:
-    """FSDP2 parameter all-gathers, gradient reduce-scatters and HSDP all-reduces of every unit this rank holds."""
-    layout, config, par = step.layout, step.config, step.config.parallel
+def _fsdp_units(step: _Step) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """This rank's FSDP units ("root", "block N", "experts N") and their parameters' (name, local shape)."""
+    config, layout = step.config, step.layout
     with torch.device("meta"):
         model = MoETransformer(config.model, config.moe)
+    # the routed experts are their own unit whenever parallel/__init__.py wraps them (ep, etp, or tp alone)
     experts_apart = layout.ep > 1 or layout.etp > 1 or (layout.tp > 1 and config.model.n_moe_layers > 0)
-    units: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)  # unit -> (name, local shape)
-    for name, param in model.named_parameters():
+    units: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+    for name, param in model.named_parameters():  # a tied head is the embedding's parameter, listed once
         shape = _local_shape(name, tuple(param.shape), step)
         if name.startswith("layers."):
             layer = int(name.split(".")[1])
             if layer in step.layers:
-                units["experts" if experts_apart and ".experts." in name else "block"].append((name, shape))
+                units[f"{'experts' if experts_apart and '.experts.' in name else 'block'} {layer}"].append(
+                    (name, shape))
         elif (name.startswith("tok_embeddings.") and step.first) or (not name.startswith("tok_") and step.last):
             units["root"].append((name, shape))
+    return units
+
+
+def _gathers(step: _Step, kind: str) -> int:
+    """All-gathers of one FSDP unit per step.
+
+    Without pipelining a unit is gathered before each micro-batch's forward and, with
+    ``reshard_after_forward``, again before its backward; the root (``reshard_after_forward=False``) only
+    before the forward. Under pipelining the stage keeps its parameters gathered from one backward to the
+    next (torch's ``PipelineStage`` turns off resharding after backward until the last one), so in GPipe and
+    1F1B order a resharding unit is gathered for each forward not right after a backward, and for the first
+    backward after each forward: m + 1 times; any other unit once.
+    """
+    m, reshard = step.microbatches, step.config.parallel.reshard_after_forward and kind != "root"
+    if step.layout.pp > 1:
+        return m + 1 if reshard else 1
+    return m * (1 + reshard)
+
+
+def sharding_traffic(step: _Step) -> list[Traffic]:
+    """FSDP2 parameter all-gathers, gradient reduce-scatters and HSDP all-reduces of every unit this rank holds.
+
+    Parameters and gradients are fp32 (no mixed-precision policy: autocast computes in bf16). Each
+    parameter's shard is its sharded dim padded up to a multiple of the ranks (FSDP2 pads dim 0); units of
+    the same size are listed together.
+    """
+    layout, config = step.layout, step.config
+    m = step.microbatches
+    syncs = 1 if layout.pp > 1 else m  # under pipelining the stage reduces gradients after its last micro-batch
+    local_experts = config.moe.num_experts // layout.ep
+    same: dict[tuple[str, int], int] = defaultdict(int)  # (kind, shard bytes) -> units
+    for unit, params in _fsdp_units(step).items():
+        kind = unit.split()[0]
+        if kind == "experts":
+            if layout.dp_replicate * layout.edp == 1:
+                continue  # a single replica: the experts stay out of FSDP (sharding.shard_experts)
+            dims = [0 if local_experts % layout.edp == 0 else 2 if name.endswith("w_out") and layout.etp > 1 else 1
+                    for name, _ in params]  # Shard(0), else the first dim the experts' own placements leave
+            ranks = layout.edp
+        elif layout.dp == 1:
+            continue
+        else:
+            dims, ranks = [0] * len(params), layout.dp_shard
+        same[kind, sum(_shard_numel(shape, dim, ranks) * 4 for (_, shape), dim in zip(params, dims, strict=True))] += 1
     out: list[Traffic] = []
-    m, pp = step.microbatches, layout.pp > 1
-    syncs = 1 if pp else m  # under pipelining the stage reduces gradients after its last micro-batch only
-    regather = int(par.reshard_after_forward)
-    if layout.dp > 1:
-        shard, replicas = step.group("dp_shard"), step.group("dp_replicate")
-        for unit in ("block", "root"):
-            numel = sum(_shard_numel(shape, 0, layout.dp_shard) for _, shape in units[unit]) * 4
-            gathers = m * (1 + (regather if unit == "block" else 0))
-            what = "blocks" if unit == "block" else "root (embedding, norm, head)"
-            _add(out, "fsdp", "all_gather", f"{what}: parameters", gathers, numel * layout.dp_shard, shard)
-            _add(out, "fsdp", "reduce_scatter", f"{what}: gradients", syncs, numel * layout.dp_shard, shard)
-            _add(out, "fsdp", "all_reduce", f"{what}: gradients over replicas (HSDP)", syncs, numel, replicas)
-    if experts_apart and layout.dp_replicate * layout.edp > 1:
-        edp, replicas = step.group("edp"), step.group("dp_replicate")
-        local_experts = config.moe.num_experts // layout.ep
-        numel = 0
-        for name, shape in units["experts"]:
-            dim = 0 if local_experts % layout.edp == 0 else (2 if name.endswith("w_out") and layout.etp > 1 else 1)
-            numel += _shard_numel(shape, dim, layout.edp) * 4
-        gathers = m * (1 + regather)
-        _add(out, "fsdp", "all_gather", "routed experts: parameters", gathers, numel * layout.edp, edp)
-        _add(out, "fsdp", "reduce_scatter", "routed experts: gradients", syncs, numel * layout.edp, edp)
-        _add(out, "fsdp", "all_reduce", "routed experts: gradients over replicas (HSDP)", syncs, numel, replicas)
+    for (kind, shard), units in sorted(same.items()):
+        shard_group = step.group("edp" if kind == "experts" else "dp_shard")
+        n = len(shard_group)
+        what = {"root": "root (embedding, norm, head)", "block": f"{units} block(s)",
+                "experts": f"{units} routed-expert unit(s)"}[kind]
+        gathers = _gathers(step, kind)
+        _add(out, "fsdp", "all_gather", f"{what}: parameters", units * gathers, shard * n, shard_group)
+        _add(out, "fsdp", "reduce_scatter", f"{what}: gradients", units * syncs, shard * n, shard_group)
+        _add(out, "fsdp", "all_reduce", f"{what}: gradient shards over replicas (HSDP)", units * syncs, shard,
+             step.group("dp_replicate"))
     return out
 
 
@@ -498,10 +539,7 @@ class CollectiveCounter(TorchDispatchMode):
         if len(record[1]) > 1:
             self.records.append(CountedCollective(*record, self.current))
 
-    def totals(self, section: str = "step") -> dict[tuple[str, tuple[int, ...]], int]:
-        """Bus bytes summed by (collective, group) over one section, as ``totals`` sums a prediction."""
-        out: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
-        for record in self.records:
-            if record.section == section and record.bus_bytes:
-                out[record.collective, record.group] += record.bus_bytes
-        return dict(out)
+    def totals(self, section: str = "step") -> dict[tuple[str, tuple[int, ...]], tuple[int, int]]:
+        """(calls, bus bytes) by (collective, group) over one section, as ``totals`` sums a prediction."""
+        return totals(Traffic("", r.collective, r.section, 1, r.bus_bytes, r.group)
+                      for r in self.records if r.section == section)

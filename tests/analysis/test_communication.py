@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,8 @@ BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
 DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
 CASES_2 = {  # name -> overrides, on 2 ranks
     "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
+    "fsdp, kept gathered after forward": ["parallel.dp_shard=2", "train.micro_batch_size=2",
+                                          "parallel.reshard_after_forward=false"],
     "ep=2 over dp_shard=2": ["parallel.dp_shard=2", "parallel.ep=2"],
     "tp=2, vocab parallel, full recompute": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.vocab_parallel=true",
                                              "parallel.activation_checkpointing=full", *DENSE_FIRST],
@@ -37,9 +40,16 @@ CASES_2 = {  # name -> overrides, on 2 ranks
                                         "parallel.vocab_parallel=true", *DENSE_FIRST],
     "tp=2, sequence parallel, bf16, moe recompute, drops": [
         "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+        "train.global_batch_size=2",
         "parallel.activation_checkpointing=moe", "moe.capacity_factor=0.5", "moe.num_shared_experts=1"],
     "ep=2 over tp=2": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"],
     "pp=2, 1f1b": ["parallel.dp_shard=1", "parallel.pp=2"],
+}
+CASES_4 = {  # on 4 ranks: groups that differ from one another
+    "HSDP 2 x 2, ep=2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
+    "tp=2, ep=4 over dp_shard=2 x tp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4",
+                                        "parallel.sequence_parallel=true"],
+    "pp=2 x dp_shard=2": ["parallel.dp_shard=2", "parallel.pp=2"],
 }
 
 
@@ -71,10 +81,12 @@ def _worker(rank: int, world_size: int, port: int, cases: dict[str, list[str]], 
             config = load_config("moe-8x", [*BALANCED, *overrides])
             layout = Layout.resolve(world_size, **config.parallel.degrees())
             groups = ParallelGroups.build(layout, "cpu")
+            started = time.perf_counter()
             loop.train(config, Path(out) / f"run{index}", runtime, groups)
             results[name] = {"predicted": {_key(k): v for k, v in totals(predict(config, layout, rank)).items()},
                              "counted": {_key(k): v for k, v in counters[-1].totals("step").items()},
-                             "small": sum(counters[-1].totals("small").values())}
+                             "small": sum(sent for _, sent in counters[-1].totals("small").values()),
+                             "seconds": time.perf_counter() - started}
     finally:
         loop.train_step, loop.clip_grad_norm_ = original_step, original_clip
         shutdown_runtime()
@@ -104,8 +116,12 @@ def _check(results: list[dict]) -> None:
                       if predicted.get(k) != counted.get(k)}
             if differ:
                 wrong.append(f"{name}, rank {rank}: (predicted, counted) {differ}")
-            assert result["small"] < 0.02 * sum(counted.values()), f"{name}, rank {rank}"
+            assert result["small"] < 0.02 * sum(sent for _, sent in counted.values()), f"{name}, rank {rank}"
     assert not wrong, "\n".join(wrong)
+
+
+def test_predicted_bytes_equal_counted_bytes_on_four_ranks(tmp_path):
+    _check(_spawn(4, CASES_4, tmp_path))
 
 
 def test_bus_bytes_follow_the_ring_convention():
@@ -123,13 +139,15 @@ def test_balanced_routing_keeps_what_capacity_allows():
     assert kept_per_expert(config, 11) == [6, 6, 5, 5]  # 22 assignments round robin
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["parallel.tp=3"], r"parallel.tp=3 does not divide model.n_heads=4"),
-    (["parallel.ep=3"], r"parallel.ep=3 .* does not divide"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"], r"model.seq_len=33 over parallel.tp=2"),
-    (["parallel.pp=2", "parallel.pp_virtual_stages=2"], r"needs parallel.pp_schedule=interleaved_1f1b"),
+@pytest.mark.parametrize("world_size, overrides, message", [
+    (6, ["parallel.tp=3"], r"parallel.tp=3 does not divide model.n_heads=4"),
+    (6, ["parallel.ep=3"], r"parallel.ep=3 does not divide moe.num_experts=4"),
+    (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"],
+     r"model.seq_len=33 over parallel.tp=2 ranks, which does not divide it"),
+    (4, ["parallel.pp=2", "parallel.microbatches=1"], r"1f1b needs at least parallel.pp=2 micro-batches"),
+    (4, ["parallel.tp=2", "parallel.dp_shard=3"], r"do not match the world of 4 ranks"),
 ])
-def test_impossible_layouts_fail_as_train_py_fails(overrides, message):
+def test_impossible_layouts_fail_as_train_py_fails(world_size, overrides, message):
     config = load_config("moe-8x", [*TINY, "parallel.dp_shard=-1", *overrides])
     with pytest.raises(ConfigError, match=message):
-        check_layout(config, 6 if "parallel.tp=3" in overrides or "parallel.ep=3" in overrides else 4)
+        check_layout(config, world_size)
