@@ -52,7 +52,9 @@ reduce-scatter per step); its all-gathers are counted as without pipelining (not
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -63,12 +65,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moe.config import ConfigError
 from moe.dispatch import expert_capacity
 from moe.transformer import MoETransformer
 from parallel.groups import Layout, axis_view, coordinates, groups_for, validate_for_model
 from parallel.pipeline import check_pipeline, stage_layers
 from parallel.tensor import check_tensor_parallel, row_bounds, share_counts
-from training.config import RunConfig
+from training.config import RunConfig, load_config
 from training.loop import micro_batching
 
 
@@ -543,3 +546,71 @@ class CollectiveCounter(TorchDispatchMode):
         """(calls, bus bytes) by (collective, group) over one section, as ``totals`` sums a prediction."""
         return totals(Traffic("", r.collective, r.section, 1, r.bus_bytes, r.group)
                       for r in self.records if r.section == section)
+
+
+# ---------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------
+
+
+def seconds(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
+    """Time of ``item`` on its link at the table's one-way bandwidth (no overlap with compute, no latency)."""
+    bandwidth = hardware.intra_node if item.link(gpus_per_node) == "intra" else hardware.inter_node
+    return item.bus_bytes / bandwidth
+
+
+def format_table(items: list[Traffic], hardware: Hardware, gpus_per_node: int) -> str:
+    """One line per traffic item, then the totals per dimension and per link."""
+    rows = [f"{'dim':<5} {'collective':<14} {'ranks':>5} {'link':<5} {'calls':>6} {'MiB':>10} {'ms':>9}  what"]
+    for item in items:
+        rows.append(f"{item.dimension:<5} {item.collective:<14} {len(item.group):>5} {item.link(gpus_per_node):<5} "
+                    f"{item.calls:>6} {item.bus_bytes / 2**20:>10.2f} "
+                    f"{seconds(item, hardware, gpus_per_node) * 1e3:>9.3f}  {item.what}")
+    rows.append("")
+
+    def total(label: str, chosen: list[Traffic]) -> str:
+        time = sum(seconds(i, hardware, gpus_per_node) for i in chosen)
+        return f"{label:<26} {sum(i.bus_bytes for i in chosen) / 2**20:>10.2f} {time * 1e3:>9.3f}"
+
+    for label, key in (("dimension", lambda i: i.dimension), ("link", lambda i: i.link(gpus_per_node))):
+        for value in dict.fromkeys(map(key, items)):
+            rows.append(total(f"total {label} {value}", [i for i in items if key(i) == value]))
+    rows.append(total("total", items))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Collective traffic of one rank in one optimizer step.")
+    parser.add_argument("--config", default="moe-8x", help="config name in configs/ or a YAML path")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override config keys, e.g. --set parallel.tp=2 parallel.ep=4")
+    parser.add_argument("--world-size", type=int, default=8, help="number of ranks (GPUs)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per node: groups within one node use NVLink (default: the hardware's)")
+    parser.add_argument("--rank", type=int, default=0, help="which rank to describe (traffic can differ by rank)")
+    parser.add_argument("--hardware", default="h100-sxm", choices=sorted(HARDWARE))
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        layout = check_layout(config, args.world_size)
+        if not 0 <= args.rank < layout.world_size:
+            raise ConfigError(f"--rank {args.rank} is outside the world of {layout.world_size} ranks")
+        hardware = HARDWARE[args.hardware]
+        gpus_per_node = args.gpus_per_node or hardware.gpus_per_node
+        if gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node must be positive, got {gpus_per_node}")
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    precision = "fp32" if config.train.precision == "fp32" else "bf16"
+    micro, microbatches = micro_batching(config, layout.dp, layout.pp)
+    print(f"{config.name}: {layout.degrees()} on {layout.world_size} ranks, {gpus_per_node} per node; rank "
+          f"{args.rank}; {microbatches} micro-batch(es) of {micro} x {config.model.seq_len} tokens; {precision}")
+    print(f"bandwidth per GPU, one way: {hardware.intra_node / 1e9:.0f} GB/s in a node, "
+          f"{hardware.inter_node / 1e9:.0f} GB/s between nodes ({hardware.name}; {hardware.source})")
+    print(format_table(predict(config, layout, args.rank, precision), hardware, gpus_per_node))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,12 +20,21 @@ import torch
 import torch.multiprocessing as mp
 
 import training.loop as loop
-from analysis.communication import CollectiveCounter, bus_bytes, check_layout, kept_per_expert, predict, totals
+from analysis.communication import (
+    CollectiveCounter,
+    bus_bytes,
+    check_layout,
+    kept_per_expert,
+    main,
+    predict,
+    totals,
+)
 from moe.config import ConfigError
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import init_runtime, shutdown_runtime
 from tests.parallel.parity import TINY
 from training.config import load_config
+from training.hardware import PrecisionChoice
 
 BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
 DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
@@ -44,12 +53,15 @@ CASES_2 = {  # name -> overrides, on 2 ranks
         "parallel.activation_checkpointing=moe", "moe.capacity_factor=0.5", "moe.num_shared_experts=1"],
     "ep=2 over tp=2": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"],
     "pp=2, 1f1b": ["parallel.dp_shard=1", "parallel.pp=2"],
+    "tp=2, 3 experts over edp=2 (FSDP shards dim 1)": ["parallel.dp_shard=1", "parallel.tp=2", "moe.num_experts=3"],
 }
 CASES_4 = {  # on 4 ranks: groups that differ from one another
     "HSDP 2 x 2, ep=2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
     "tp=2, ep=4 over dp_shard=2 x tp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4",
                                         "parallel.sequence_parallel=true"],
     "pp=2 x dp_shard=2": ["parallel.dp_shard=2", "parallel.pp=2"],
+    "etp=2 in tp=2, dp_shard=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
+                                             "moe.num_experts=3"],
 }
 
 
@@ -74,7 +86,10 @@ def _worker(rank: int, world_size: int, port: int, cases: dict[str, list[str]], 
         counters[-1].current = "small"
         return original_clip(*args, **kwargs)
 
+    original_precision = loop.choose_precision
     loop.train_step, loop.clip_grad_norm_ = counted_step, counted_clip
+    # train.precision=bf16 on a CPU measures a bf16 matmul for the MFU peak (seconds where bf16 is emulated)
+    loop.choose_precision = lambda requested, device: PrecisionChoice(requested, "test", 1.0, "test")
     results = {}
     try:
         for index, (name, overrides) in enumerate(cases.items()):
@@ -88,7 +103,7 @@ def _worker(rank: int, world_size: int, port: int, cases: dict[str, list[str]], 
                              "small": sum(sent for _, sent in counters[-1].totals("small").values()),
                              "seconds": time.perf_counter() - started}
     finally:
-        loop.train_step, loop.clip_grad_norm_ = original_step, original_clip
+        loop.train_step, loop.clip_grad_norm_, loop.choose_precision = original_step, original_clip, original_precision
         shutdown_runtime()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
@@ -122,6 +137,17 @@ def _check(results: list[dict]) -> None:
 
 def test_predicted_bytes_equal_counted_bytes_on_four_ranks(tmp_path):
     _check(_spawn(4, CASES_4, tmp_path))
+
+
+def test_cli_prints_the_table_and_refuses_impossible_layouts(capsys):
+    assert main(["--world-size", "16", "--set", "parallel.tp=2", "parallel.ep=8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line.split() for line in lines if line.startswith(("tp ", "ep ", "fsdp "))]
+    assert {row[0] for row in table} == {"tp", "ep", "fsdp"}
+    # tp (2 ranks) and ep (8 consecutive ranks) stay in a node of 8; FSDP's groups stride over both nodes
+    assert all(row[3] == ("inter" if row[0] == "fsdp" else "intra") for row in table), table
+    assert main(["--world-size", "6", "--set", "parallel.ep=4"]) == 2
+    assert "parallel.ep=4 × parallel.etp=1 does not divide" in capsys.readouterr().err
 
 
 def test_bus_bytes_follow_the_ring_convention():
