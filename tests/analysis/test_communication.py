@@ -42,7 +42,7 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
     "fsdp, kept gathered after forward": ["parallel.dp_shard=2", "train.micro_batch_size=2",
                                           "parallel.reshard_after_forward=false"],
-    "ep=2 over dp_shard=2": ["parallel.dp_shard=2", "parallel.ep=2"],
+    "ep=2 over dp_shard=2, bf16": ["parallel.dp_shard=2", "parallel.ep=2", "train.precision=bf16"],
     "tp=2, vocab parallel, full recompute": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.vocab_parallel=true",
                                              "parallel.activation_checkpointing=full", *DENSE_FIRST],
     "tp=2, sequence + vocab parallel": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true",
@@ -60,6 +60,9 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
     "tp=2, ep=4 over dp_shard=2 x tp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4",
                                         "parallel.sequence_parallel=true"],
     "pp=2 x dp_shard=2": ["parallel.dp_shard=2", "parallel.pp=2"],
+    "pp=2 interleaved, 2 stages per rank, x dp_shard=2": [
+        "parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+        "model.n_layers=4", "train.global_batch_size=16", "parallel.microbatches=4"],
     "etp=2 in tp=2, dp_shard=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
                                              "moe.num_experts=3"],
 }
