@@ -50,10 +50,10 @@ bf16 autocast the projections' outputs, the routed rows and their gradients are 
 embedding, every input gradient of a column-parallel projection and the hidden states between pipeline
 stages stay fp32 (what autocast gives, confirmed by the bf16 test layouts).
 
-Validated exactly (calls and bytes, every rank) on gloo for: FSDP with 1 and 2 micro-batches and with
-``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, tp with sequence and vocabulary
-parallelism, full and MoE recompute, capacity drops, bf16, etp, pp with 1F1B, and interleaved 1F1B with
-FSDP. Not modelled: a custom ``parallel.microbatches`` schedule other than these three, latency, and the
+Validated exactly (calls and bytes, every rank) on gloo by the tests for: FSDP with 1 and 2 micro-batches
+and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep × etp, etp alone, tp with
+sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf16, pp with 1F1B and
+interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once). Not modelled: latency, and the
 overlap of communication with compute (the time column is bytes over bandwidth).
 """
 
@@ -185,9 +185,9 @@ def kept_per_expert(config: RunConfig, tokens: int) -> list[int]:
     return [min(c, capacity) for c in counts]
 
 
-def _recompute(step: _Step, moe_block: bool) -> int:
-    mode = step.config.parallel.activation_checkpointing
-    return int(mode == "full" or (mode == "moe" and moe_block))
+def _moe_recompute(step: _Step) -> int:
+    """1 when backward re-runs the MoE layers' forward (activation checkpointing ``full`` or ``moe``), else 0."""
+    return int(step.config.parallel.activation_checkpointing in ("full", "moe"))
 
 
 def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
@@ -220,7 +220,7 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
     pair("attention", len(step.layers), 3, full_recompute)
     pair("dense FFN", len(dense_layers), 2, 0)  # early-stopping recompute ends before the FFN's output
     if moe_layers:
-        moe_runs = sum(1 + _recompute(step, True) for _ in moe_layers) * m
+        moe_runs = len(moe_layers) * m * (1 + _moe_recompute(step))
         if sp:
             _add(out, "tp", "all_gather", "MoE input sequence (forward)", len(moe_layers) * m * (1 + full_recompute),
                  full * fp32, group)
@@ -286,7 +286,7 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     rows_out = sum(sent) - sent[me]
     rows_in = sum(_exchange_rows(step, q, kept)[me] for q in group if q != step.rank)
     row = config.model.d_model * step.act
-    forwards = sum(1 + _recompute(step, True) for _ in moe_layers) * step.microbatches
+    forwards = len(moe_layers) * step.microbatches * (1 + _moe_recompute(step))
     backwards = len(moe_layers) * step.microbatches
     _add(out, "ep", "all_to_all", "tokens per expert (forward)", forwards, config.moe.num_experts * 8, group)
     # uneven: the rows that leave (none, when this tp rank's share belongs to its own experts)

@@ -63,6 +63,9 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
     "pp=2 interleaved, 2 stages per rank, x dp_shard=2": [
         "parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
         "model.n_layers=4", "train.global_batch_size=16", "parallel.microbatches=4"],
+    "ep=2 x etp=2 over tp=2 x dp_shard=2, sequence parallel": [
+        "parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "moe.capacity_factor=null",
+        "parallel.sequence_parallel=true", "moe.num_shared_experts=1"],
     "etp=2 in tp=2, dp_shard=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
                                              "moe.num_experts=3"],
 }
