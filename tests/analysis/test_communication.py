@@ -29,6 +29,7 @@ from analysis.communication import (
     predict,
     totals,
 )
+from moe.accounting import parameter_counts
 from moe.config import ConfigError
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import init_runtime, shutdown_runtime
@@ -154,6 +155,20 @@ def test_cli_prints_the_table_and_refuses_impossible_layouts(capsys):
     assert all(row[3] == ("inter" if row[0] == "fsdp" else "intra") for row in table), table
     assert main(["--world-size", "6", "--set", "parallel.ep=4"]) == 2
     assert "parallel.ep=4 × parallel.etp=1 does not divide" in capsys.readouterr().err
+
+
+def test_fsdp_traffic_of_a_real_config_follows_the_parameter_count():
+    """moe-8x on 8 FSDP ranks: every shape divides by 8, so per step (one micro-batch) each rank gathers every
+    block twice and the root once, and reduce-scatters every gradient once: (n-1)/n of the fp32 parameters."""
+    config = load_config("moe-8x", ["parallel.dp_shard=8", "train.global_batch_size=8"])
+    counts = parameter_counts(config.model, config.moe)
+    root = 2 * config.model.vocab_size * config.model.d_model + config.model.d_model  # embedding, head, norm
+    items = [i for i in predict(config, Layout.resolve(8, dp_shard=8)) if i.dimension == "fsdp"]
+    gathered = sum(i.bus_bytes for i in items if i.collective == "all_gather")
+    reduced = sum(i.bus_bytes for i in items if i.collective == "reduce_scatter")
+    assert gathered == 4 * (2 * (counts.total - root) + root) * 7 // 8
+    assert reduced == 4 * counts.total * 7 // 8
+    assert {i.collective for i in predict(config, Layout.resolve(8, dp_shard=8))} == {"all_gather", "reduce_scatter"}
 
 
 def test_bus_bytes_follow_the_ring_convention():
