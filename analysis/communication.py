@@ -1,0 +1,623 @@
+"""Collective traffic of one rank in one optimizer step: predicted from a config and a layout, and counted in a run.
+
+``predict(config, layout, rank)`` lists what this toolkit's code sends, per parallel dimension, as
+``Traffic`` items; ``CollectiveCounter`` records the collectives a real run issues, so the tests can hold
+the two against each other. The planner divides each item's bytes by the bandwidth of the link it crosses.
+
+Byte convention (both sides): **bus bytes**, the data one rank puts on its link under the bandwidth-optimal
+(ring) algorithms, as nccl-tests defines bus bandwidth (NVIDIA nccl-tests, doc/PERFORMANCE.md): for a group
+of n ranks and a buffer of S bytes (the full, unsharded buffer) all-reduce moves 2(n−1)/n·S, all-gather and
+reduce-scatter (n−1)/n·S, broadcast S; an all-to-all moves exactly the rows that leave the rank for other
+ranks; a point-to-point send its tensor. Time on a link is then bus bytes / the link's one-way bandwidth.
+
+What the code does, read from it and confirmed by counting (tests/analysis/test_communication.py):
+
+- tp (``parallel/tensor.py``, DTensor): forward, one all-reduce of [micro, S, D] after each row-parallel
+  projection (attention ``wo``, dense FFN ``w_out``, shared experts' ``w_out`` on the [T, D] tokens);
+  backward, one all-reduce per column-parallel projection, since each ``ColwiseParallel`` input is its own
+  ``DTensor.from_local`` whose gradient is made whole separately: three for attention (wq, wk, wv), two
+  per SwiGLU FFN (w_in, w_gate). Sequence parallel turns each forward all-reduce into an all-gather before
+  the pair and a reduce-scatter after it; the reduce-scatter's backward is an all-gather, the all-gather's
+  backward only a local slice, and the column-parallel backward all-reduces stay. The MoE layer gathers the
+  sequence before routing (its output keeps a slice: backward all-gathers the gradient). The routed rows'
+  shares are all-gathered over tp (``gather_rows``: the padded share, forward and again in backward).
+  Vocabulary parallel: the embedding's all-reduce (reduce-scatter under sequence parallelism), the head's
+  input gradient all-reduce (reduce-scatter), and three all-reduces of [T] fp32 in the loss.
+- ep (``parallel/expert.py``): per MoE layer and forward, an all-to-all of E int64 counts, the dispatch and
+  the combine; backward repeats dispatch and combine. Rows per destination come from the balanced routing
+  (``moe.force_balance``'s round robin: every expert T·k/E assignments, capped at the capacity) and, under
+  tp, from this tp rank's contiguous share of the grouped rows.
+- FSDP2 (``parallel/sharding.py``): per block, per routed-experts unit and for the root (embedding, norm,
+  head), an all-gather of the fp32 parameter shards per micro-batch, again in backward with
+  ``reshard_after_forward`` (not for the root); a reduce-scatter of the gradients per micro-batch (the loop
+  does not defer gradient sync), and with dp_replicate > 1 the all-reduce of the shard over the replicas.
+- pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/tp under
+  sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
+  the micro-batch losses (float64) from the last stage.
+- recompute: ``full`` repeats each block's forward collectives in backward, except a dense block's FFN
+  output collective, which torch's early-stopping checkpoint never reaches (nothing after it is saved);
+  ``moe`` repeats the MoE layer's (not its sequence gather, a hook outside the recomputed forward).
+
+Left out, as latency-bound scalars or once-per-log-interval work (the tests measure them below 2 % of the
+step): the gradient-norm all-reduces (one vector of per-parameter norms per mesh, and over pp), the
+step-loss and aux-free-bias all-reduces over dp, routing statistics at log intervals, and, under sequence
+parallelism without FSDP, the norm weights' gradients, which DTensor leaves partial and which the gradient
+norm and then each AdamW op that reads them all-reduce ([D] each; with FSDP its gradient reduction makes
+them whole once per micro-batch, and that is counted).
+
+Element sizes: parameters and their gradients are fp32 (FSDP2 without a mixed-precision policy). Under
+bf16 autocast the projections' outputs, the routed rows and their gradients are bf16; norm outputs, the
+embedding, every input gradient of a column-parallel projection and the hidden states between pipeline
+stages stay fp32 (what autocast gives, confirmed by the bf16 test layouts).
+
+Validated exactly (calls and bytes, every rank) on gloo by the tests for: FSDP with 1 and 2 micro-batches
+and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep × etp, etp alone, tp with
+sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf16, pp with 1F1B and
+interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once). Not modelled: latency, and the
+overlap of communication with compute (the time column is bytes over bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe.config import ConfigError
+from moe.dispatch import expert_capacity
+from moe.transformer import MoETransformer
+from parallel.groups import Layout, axis_view, coordinates, groups_for, validate_for_model
+from parallel.pipeline import check_pipeline, stage_layers
+from parallel.tensor import check_tensor_parallel, row_bounds, share_counts
+from training.config import RunConfig, load_config
+from training.loop import micro_batching
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Link bandwidths (bytes/s, one direction, per GPU) and dense bf16 peak of one kind of node."""
+
+    name: str
+    gpus_per_node: int
+    intra_node: float
+    inter_node: float
+    bf16_flops: float
+    source: str
+
+
+# NVIDIA H100 Tensor Core GPU datasheet (SXM5): fourth-generation NVLink gives each GPU 900 GB/s in both
+# directions together (450 GB/s each way); an HGX H100 node holds 8 GPUs; one 400 Gb/s NDR InfiniBand
+# adapter per GPU is 50 GB/s each way; dense BF16 tensor-core peak 989 TFLOP/s (1979 is with sparsity).
+HARDWARE = {
+    "h100-sxm": Hardware("H100 SXM, NVLink 4, NDR InfiniBand", 8, 450e9, 50e9, 989e12,
+                         "NVIDIA H100 Tensor Core GPU datasheet"),
+}
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of collective traffic of one rank in one optimizer step."""
+
+    dimension: str  # tp, ep, fsdp, pp
+    collective: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send, broadcast
+    what: str  # where in the step, e.g. "attention wo output (forward)"
+    calls: int  # per optimizer step
+    bus_bytes: int  # per optimizer step, all calls (module docstring: the convention)
+    group: tuple[int, ...]  # ranks of the group; for a send (this rank, the receiver)
+
+    def link(self, gpus_per_node: int) -> str:
+        """``intra`` when every rank of the group sits in one node (NVLink), else ``inter`` (the network)."""
+        return "intra" if len({r // gpus_per_node for r in self.group}) == 1 else "inter"
+
+
+def bus_bytes(collective: str, buffer_bytes: int, group_size: int) -> int:
+    """Bus bytes of one collective on a ``buffer_bytes`` buffer (the full one) over ``group_size`` ranks."""
+    n = group_size
+    factor = {"all_reduce": (2 * (n - 1), n), "all_gather": (n - 1, n), "reduce_scatter": (n - 1, n),
+              "all_to_all": (n - 1, n), "broadcast": (1, 1), "send": (1, 1)}[collective]
+    return buffer_bytes * factor[0] // factor[1]
+
+
+def totals(items: Iterable[Traffic]) -> dict[tuple[str, tuple[int, ...]], tuple[int, int]]:
+    """(calls, bus bytes) summed by (collective, group): what a counted run can be compared on."""
+    out: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
+    for item in items:
+        calls, sent = out.get((item.collective, item.group), (0, 0))
+        out[item.collective, item.group] = (calls + item.calls, sent + item.bus_bytes)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The prediction
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What one rank runs in one step: its layout coordinates, micro-batches, stages and element sizes."""
+
+    config: RunConfig
+    layout: Layout
+    rank: int
+    micro: int  # sequences per micro-batch
+    microbatches: int
+    layers: tuple[int, ...]  # the blocks this rank holds (all of its pipeline stages)
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm, the head and the loss
+    act: int  # bytes of an activation in compute precision (bf16 projections' outputs, routed rows)
+
+    def group(self, *axes: str) -> tuple[int, ...]:
+        return tuple(next(g for g in groups_for(self.layout, *axis_view(*axes)) if self.rank in g))
+
+    @property
+    def tokens(self) -> int:
+        return self.micro * self.config.model.seq_len
+
+
+def _add(out: list[Traffic], dimension: str, collective: str, what: str, calls: int, buffer: int,
+         group: tuple[int, ...]) -> None:
+    if calls and len(group) > 1:
+        out.append(Traffic(dimension, collective, what, calls, calls * bus_bytes(collective, buffer, len(group)),
+                           group))
+
+
+def kept_per_expert(config: RunConfig, tokens: int) -> list[int]:
+    """Assignments each expert keeps from ``tokens`` tokens under balanced (round-robin) routing.
+
+    Assignment t·k + j goes to expert (t·k + j) mod E (``moe.router.TopKRouter._round_robin``), so every
+    expert gets T·k/E to within one; the capacity ``ceil(cf·k·T/E)`` then caps it (``moe/dispatch.py``).
+    """
+    moe = config.moe
+    slots = tokens * moe.top_k
+    counts = [slots // moe.num_experts + (e < slots % moe.num_experts) for e in range(moe.num_experts)]
+    if moe.capacity_factor is None:
+        return counts
+    capacity = expert_capacity(tokens, moe.top_k, moe.num_experts, moe.capacity_factor)
+    return [min(c, capacity) for c in counts]
+
+
+def _moe_recompute(step: _Step) -> int:
+    """1 when backward re-runs the MoE layers' forward (activation checkpointing ``full`` or ``moe``), else 0."""
+    return int(step.config.parallel.activation_checkpointing in ("full", "moe"))
+
+
+def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
+    """Activation collectives over the tp group (module docstring: which, and why that many)."""
+    layout, model, par = step.layout, step.config.model, step.config.parallel
+    out: list[Traffic] = []
+    if layout.tp == 1:
+        return out
+    tp, m, group = layout.tp, step.microbatches, step.group("tp")
+    full = step.tokens * model.d_model  # elements of one [micro, S, D] stream
+    sp, fp32, act = par.sequence_parallel, 4, step.act
+    moe_layers = [i for i in step.layers if model.is_moe_layer(i)]
+    dense_layers = [i for i in step.layers if not model.is_moe_layer(i)]
+    full_recompute = int(par.activation_checkpointing == "full")
+
+    def pair(what: str, n_layers: int, n_colwise: int, recompute_out: int) -> None:
+        """A column- then row-parallel pair on the stream: attention (3 column projections) or a SwiGLU FFN (2)."""
+        runs = n_layers * m * (1 + full_recompute)
+        if sp:
+            _add(out, "tp", "all_gather", f"{what} input sequence (forward)", runs, full * fp32, group)
+            _add(out, "tp", "reduce_scatter", f"{what} output (forward)",
+                 n_layers * m * (1 + recompute_out), full * act, group)
+            _add(out, "tp", "all_gather", f"{what} output gradient (backward)", n_layers * m, full * act, group)
+        else:
+            _add(out, "tp", "all_reduce", f"{what} output (forward)", n_layers * m * (1 + recompute_out),
+                 full * act, group)
+        _add(out, "tp", "all_reduce", f"{what} input gradients (backward)", n_layers * m * n_colwise,
+             full * fp32, group)
+
+    pair("attention", len(step.layers), 3, full_recompute)
+    pair("dense FFN", len(dense_layers), 2, 0)  # early-stopping recompute ends before the FFN's output
+    if moe_layers:
+        moe_runs = len(moe_layers) * m * (1 + _moe_recompute(step))
+        if sp:
+            _add(out, "tp", "all_gather", "MoE input sequence (forward)", len(moe_layers) * m * (1 + full_recompute),
+                 full * fp32, group)
+            _add(out, "tp", "all_gather", "MoE output gradient (backward)", len(moe_layers) * m, full * act, group)
+        if step.config.moe.num_shared_experts:
+            _add(out, "tp", "all_reduce", "shared experts output (forward)", moe_runs, full * act, group)
+            _add(out, "tp", "all_reduce", "shared experts input gradients (backward)", len(moe_layers) * m * 2,
+                 full * fp32, group)
+        shares = layout.tp // layout.etp
+        bounds = row_bounds(sum(kept_per_expert(step.config, step.tokens)), shares)
+        padded = max(b - a for a, b in zip(bounds, bounds[1:], strict=False)) * model.d_model * act
+        _add(out, "tp", "all_gather", "routed rows' shares (forward)", moe_runs, padded * tp, group)
+        _add(out, "tp", "all_gather", "routed rows' share gradients (backward)", len(moe_layers) * m, padded * tp,
+             group)
+    if sp and layout.dp > 1:
+        # the norms' weights see a sequence slice: DTensor leaves their gradients partial, and FSDP's gradient
+        # reduction makes them whole over tp first (without FSDP the gradient norm and AdamW do: left out)
+        norms = 2 * len(step.layers) + step.last
+        syncs = 1 if layout.pp > 1 else m
+        _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
+             model.d_model * fp32, group)
+    if step.first and (par.vocab_parallel or sp):
+        if par.vocab_parallel:
+            _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "embedding output (forward)", m,
+                 full * fp32, group)
+        if sp:
+            _add(out, "tp", "all_gather", "embedding output gradient (backward)", m, full * fp32, group)
+    if step.last:
+        if sp:
+            _add(out, "tp", "all_gather", "head input sequence (forward)", m, full * fp32, group)
+        if par.vocab_parallel:
+            _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "head input gradient (backward)", m,
+                 full * fp32, group)
+            _add(out, "tp", "all_reduce", "vocab-parallel loss: max, sum, target logit (forward)", 3 * m,
+                 step.tokens * fp32, group)
+    return out
+
+
+def _exchange_rows(step: _Step, source: int, kept: list[int]) -> list[int]:
+    """Rows ``source`` sends to each of its ep group's ranks (by ep coordinate) in one dispatch."""
+    layout = step.layout
+    where = coordinates(layout, source)
+    if layout.tp > 1:  # its contiguous share of the grouped rows (parallel.tensor.scatter_rows)
+        shares, share = layout.tp // layout.etp, where["tp"] // layout.etp
+        bounds = row_bounds(sum(kept), shares)
+        rows = share_counts(torch.tensor(kept), bounds[share], bounds[share + 1]).tolist()
+    else:
+        rows = kept
+    local = len(kept) // layout.ep
+    return [sum(rows[r * local:(r + 1) * local]) for r in range(layout.ep)]
+
+
+def expert_parallel_traffic(step: _Step) -> list[Traffic]:
+    """Counts, dispatch and combine all-to-alls of every MoE layer (forward, recompute, backward)."""
+    layout, config = step.layout, step.config
+    moe_layers = [i for i in step.layers if config.model.is_moe_layer(i)]
+    out: list[Traffic] = []
+    if layout.ep == 1 or not moe_layers:
+        return out
+    group, me = step.group("ep"), coordinates(layout, step.rank)["ep"]
+    kept = kept_per_expert(config, step.tokens)
+    sent = _exchange_rows(step, step.rank, kept)
+    rows_out = sum(sent) - sent[me]
+    rows_in = sum(_exchange_rows(step, q, kept)[me] for q in group if q != step.rank)
+    row = config.model.d_model * step.act
+    forwards = len(moe_layers) * step.microbatches * (1 + _moe_recompute(step))
+    backwards = len(moe_layers) * step.microbatches
+    _add(out, "ep", "all_to_all", "tokens per expert (forward)", forwards, config.moe.num_experts * 8, group)
+    # uneven: the rows that leave (none, when this tp rank's share belongs to its own experts)
+    for what, rows in (("dispatch", rows_out), ("combine", rows_in)):
+        out.append(Traffic("ep", "all_to_all", f"{what} (forward)", forwards, forwards * rows * row, group))
+    for what, rows in (("combine's gradient", rows_out), ("dispatch's gradient", rows_in)):
+        out.append(Traffic("ep", "all_to_all", f"{what} (backward)", backwards, backwards * rows * row, group))
+    return out
+
+
+def _local_shape(name: str, shape: tuple[int, ...], step: _Step) -> tuple[int, ...]:
+    """A parameter's shape on this rank after tensor, vocabulary, expert and expert-tensor parallelism."""
+    layout, par = step.layout, step.config.parallel
+    tp, shape = layout.tp, list(shape)
+    if ".experts." in name:
+        shape[0] //= layout.ep
+        shape[2 if name.endswith(("w_in", "w_gate")) else 1] //= layout.etp
+    elif name.endswith(("wq.weight", "wk.weight", "wv.weight", "w_in.weight", "w_gate.weight")):
+        shape[0] //= tp
+    elif name.endswith(("wo.weight", "w_out.weight")):
+        shape[1] //= tp
+    elif name.startswith(("tok_embeddings.", "output.")) and par.vocab_parallel:
+        shape[0] //= tp
+    return tuple(shape)
+
+
+def _shard_numel(shape: tuple[int, ...], dim: int, ranks: int) -> int:
+    """Elements of one rank's FSDP2 shard: the sharded dim padded up to a multiple of the ranks."""
+    return math.prod(shape) // shape[dim] * math.ceil(shape[dim] / ranks)
+
+
+def _fsdp_units(step: _Step) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """This rank's FSDP units ("root", "block N", "experts N") and their parameters' (name, local shape)."""
+    config, layout = step.config, step.layout
+    with torch.device("meta"):
+        model = MoETransformer(config.model, config.moe)
+    # the routed experts are their own unit whenever parallel/__init__.py wraps them (ep, etp, or tp alone)
+    experts_apart = layout.ep > 1 or layout.etp > 1 or (layout.tp > 1 and config.model.n_moe_layers > 0)
+    units: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+    for name, param in model.named_parameters():  # a tied head is the embedding's parameter, listed once
+        shape = _local_shape(name, tuple(param.shape), step)
+        if name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            if layer in step.layers:
+                units[f"{'experts' if experts_apart and '.experts.' in name else 'block'} {layer}"].append(
+                    (name, shape))
+        elif (name.startswith("tok_embeddings.") and step.first) or (not name.startswith("tok_") and step.last):
+            units["root"].append((name, shape))
+    return units
+
+
+def _gathers(step: _Step, kind: str) -> int:
+    """All-gathers of one FSDP unit per step.
+
+    Without pipelining a unit is gathered before each micro-batch's forward and, with
+    ``reshard_after_forward``, again before its backward; the root (``reshard_after_forward=False``) only
+    before the forward. Under pipelining the stage keeps its parameters gathered from one backward to the
+    next (torch's ``PipelineStage`` turns off resharding after backward until the last one), so in GPipe and
+    1F1B order a resharding unit is gathered for each forward not right after a backward, and for the first
+    backward after each forward: m + 1 times; any other unit once.
+    """
+    m, reshard = step.microbatches, step.config.parallel.reshard_after_forward and kind != "root"
+    if step.layout.pp > 1:
+        return m + 1 if reshard else 1
+    return m * (1 + reshard)
+
+
+def sharding_traffic(step: _Step) -> list[Traffic]:
+    """FSDP2 parameter all-gathers, gradient reduce-scatters and HSDP all-reduces of every unit this rank holds.
+
+    Parameters and gradients are fp32 (no mixed-precision policy: autocast computes in bf16). Each
+    parameter's shard is its sharded dim padded up to a multiple of the ranks (FSDP2 pads dim 0); units of
+    the same size are listed together.
+    """
+    layout, config = step.layout, step.config
+    m = step.microbatches
+    syncs = 1 if layout.pp > 1 else m  # under pipelining the stage reduces gradients after its last micro-batch
+    local_experts = config.moe.num_experts // layout.ep
+    same: dict[tuple[str, int], int] = defaultdict(int)  # (kind, shard bytes) -> units
+    for unit, params in _fsdp_units(step).items():
+        kind = unit.split()[0]
+        if kind == "experts":
+            if layout.dp_replicate * layout.edp == 1:
+                continue  # a single replica: the experts stay out of FSDP (sharding.shard_experts)
+            dims = [0 if local_experts % layout.edp == 0 else 2 if name.endswith("w_out") and layout.etp > 1 else 1
+                    for name, _ in params]  # Shard(0), else the first dim the experts' own placements leave
+            ranks = layout.edp
+        elif layout.dp == 1:
+            continue
+        else:
+            dims, ranks = [0] * len(params), layout.dp_shard
+        same[kind, sum(_shard_numel(shape, dim, ranks) * 4 for (_, shape), dim in zip(params, dims, strict=True))] += 1
+    out: list[Traffic] = []
+    for (kind, shard), units in sorted(same.items()):
+        shard_group = step.group("edp" if kind == "experts" else "dp_shard")
+        n = len(shard_group)
+        what = {"root": "root (embedding, norm, head)", "block": f"{units} block(s)",
+                "experts": f"{units} routed-expert unit(s)"}[kind]
+        gathers = _gathers(step, kind)
+        _add(out, "fsdp", "all_gather", f"{what}: parameters", units * gathers, shard * n, shard_group)
+        _add(out, "fsdp", "reduce_scatter", f"{what}: gradients", units * syncs, shard * n, shard_group)
+        _add(out, "fsdp", "all_reduce", f"{what}: gradient shards over replicas (HSDP)", units * syncs, shard,
+             step.group("dp_replicate"))
+    return out
+
+
+def pipeline_traffic(step: _Step) -> list[Traffic]:
+    """Hidden states forward, their gradients backward, per micro-batch and stage boundary; the loss broadcast."""
+    layout, config, par = step.layout, step.config, step.config.parallel
+    out: list[Traffic] = []
+    if layout.pp == 1:
+        return out
+    seq = config.model.seq_len // (layout.tp if par.sequence_parallel else 1)
+    hidden = step.micro * seq * config.model.d_model * 4  # fp32: the residual stream
+    stages, pp_rank = layout.pp * par.pp_virtual_stages, coordinates(layout, step.rank)["pp"]
+    group = step.group("pp")
+    sends: dict[tuple[str, int], int] = defaultdict(int)
+    for stage in range(pp_rank, stages, layout.pp):
+        if stage < stages - 1:
+            sends["activations (forward)", group[(stage + 1) % layout.pp]] += step.microbatches
+        if stage > 0:
+            sends["activation gradients (backward)", group[(stage - 1) % layout.pp]] += step.microbatches
+    for (what, peer), calls in sends.items():
+        _add(out, "pp", "send", what, calls, hidden, (step.rank, peer))
+    _add(out, "pp", "broadcast", "micro-batch losses from the last stage", 1, 8 * step.microbatches, group)
+    return out
+
+
+def check_layout(config: RunConfig, world_size: int) -> Layout:
+    """The layout of ``config`` on ``world_size`` ranks, refused with train.py's ConfigError messages."""
+    layout = Layout.resolve(world_size, **config.parallel.degrees())
+    validate_for_model(layout, config.model, config.moe)
+    _, microbatches = micro_batching(config, layout.dp, layout.pp)
+    check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
+                   microbatches)
+    check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel, config.parallel.vocab_parallel)
+    return layout
+
+
+def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | None = None) -> list[Traffic]:
+    """Every collective ``rank`` runs in one optimizer step of ``config`` under ``layout``, per dimension.
+
+    ``precision`` (bf16 or fp32) overrides ``train.precision``; ``auto`` counts as bf16, what it picks on GPUs.
+    """
+    micro, microbatches = micro_batching(config, layout.dp, layout.pp)
+    precision = precision or config.train.precision
+    if layout.pp > 1:
+        ranges = stage_layers(config.model, config.moe, layout.pp * config.parallel.pp_virtual_stages)
+        pp_rank = coordinates(layout, rank)["pp"]
+        mine = range(pp_rank, len(ranges), layout.pp)
+        layers = tuple(i for s in mine for i in ranges[s])
+        first, last = 0 in mine, len(ranges) - 1 in mine
+    else:
+        layers, first, last = tuple(range(config.model.n_layers)), True, True
+    step = _Step(config, layout, rank, micro, microbatches, layers, first, last, 4 if precision == "fp32" else 2)
+    return [*tensor_parallel_traffic(step), *expert_parallel_traffic(step), *sharding_traffic(step),
+            *pipeline_traffic(step)]
+
+
+# ---------------------------------------------------------------------------
+# The count: every collective a rank really runs
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CountedCollective:
+    """One collective this rank ran, in ``Traffic``'s terms."""
+
+    collective: str
+    group: tuple[int, ...]  # for a send: (this rank, the receiver)
+    bus_bytes: int
+    section: str  # which part of the step (``CollectiveCounter.section``)
+
+
+def _ranks(group) -> tuple[int, ...]:
+    """Ranks of a process group as an op receives it: a group name (functional ops) or a boxed ProcessGroup."""
+    if isinstance(group, str):
+        group = torch._C._distributed_c10d._resolve_process_group(group)
+    elif isinstance(group, torch.ScriptObject):
+        group = torch._C._distributed_c10d.ProcessGroup.unbox(group)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _nbytes(tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
+
+
+# op name -> (collective, index of the group argument, the full buffer's bytes from the arguments)
+_OPS = {
+    "_c10d_functional.all_reduce": ("all_reduce", 2, lambda a: _nbytes(a[0])),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", 2, lambda a: _nbytes(a[0]) * a[1]),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", 3, lambda a: _nbytes(a[0])),
+    "_c10d_functional.broadcast": ("broadcast", 2, lambda a: _nbytes(a[0])),
+    "c10d.allreduce_": ("all_reduce", 1, lambda a: _nbytes(a[0])),
+    "c10d._allgather_base_": ("all_gather", 2, lambda a: _nbytes(a[0])),
+    "c10d.allgather_": ("all_gather", 2, lambda a: _nbytes(a[0])),
+    "c10d._reduce_scatter_base_": ("reduce_scatter", 2, lambda a: _nbytes(a[1])),
+    "c10d.broadcast_": ("broadcast", 1, lambda a: _nbytes(a[0])),
+}
+_IGNORED = {"_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd", "c10d.recv_",
+            "c10d.barrier", "c10d.monitored_barrier_"}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records, on this rank, every collective and send that runs while it is active, as bus bytes.
+
+    All of the toolkit's traffic meets one door: ``torch.distributed``'s functions (FSDP2's
+    all-gather and reduce-scatter, ``gather_rows``, the expert counts, pipelining's sends) call the
+    ProcessGroup, which dispatches the ``c10d.*`` ops; DTensor and the expert all-to-all use the
+    functional ``_c10d_functional.*`` ops. A dispatch mode sees both (``CommDebugMode`` does the same);
+    it lets DTensor run first so that it sees the plain collectives DTensor turns into. An op it does not
+    know raises, so nothing is silently missed. A collective over a group of one moves nothing and is
+    not recorded.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[CountedCollective] = []
+        self.current = "step"
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Label what runs inside with ``name`` (e.g. the gradient norm, to tell it from forward and backward)."""
+        previous, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor first: it turns the op into plain ops and collectives
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
+            self._record(f"{func.namespace}.{func.__name__.split('.')[0]}", args)
+        return out
+
+    def _record(self, name: str, args) -> None:
+        if name in _IGNORED:
+            return
+        if name == "c10d.send":
+            ranks = _ranks(args[1])
+            record = ("send", (dist.get_rank(), ranks[args[2]]), _nbytes(args[0]))
+        elif name in ("_c10d_functional.all_to_all_single", "c10d.alltoall_base_"):
+            tensor, splits, ranks = (args[0], args[2], _ranks(args[3])) if name.startswith("_") else \
+                (args[1], args[4], _ranks(args[2]))
+            me = ranks.index(dist.get_rank())
+            if splits:  # uneven: the rows that leave for other ranks
+                record = ("all_to_all", ranks, (sum(splits) - splits[me]) * _nbytes(tensor) // max(sum(splits), 1))
+            else:
+                record = ("all_to_all", ranks, bus_bytes("all_to_all", _nbytes(tensor), len(ranks)))
+        elif name in _OPS:
+            collective, where, size = _OPS[name]
+            ranks = _ranks(args[where])
+            record = (collective, ranks, bus_bytes(collective, size(args), len(ranks)))
+        else:
+            raise NotImplementedError(f"CollectiveCounter does not know the collective {name}; add it to _OPS")
+        if len(record[1]) > 1:
+            self.records.append(CountedCollective(*record, self.current))
+
+    def totals(self, section: str = "step") -> dict[tuple[str, tuple[int, ...]], tuple[int, int]]:
+        """(calls, bus bytes) by (collective, group) over one section, as ``totals`` sums a prediction."""
+        return totals(Traffic("", r.collective, r.section, 1, r.bus_bytes, r.group)
+                      for r in self.records if r.section == section)
+
+
+# ---------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------
+
+
+def seconds(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
+    """Time of ``item`` on its link at the table's one-way bandwidth (no overlap with compute, no latency)."""
+    bandwidth = hardware.intra_node if item.link(gpus_per_node) == "intra" else hardware.inter_node
+    return item.bus_bytes / bandwidth
+
+
+def format_table(items: list[Traffic], hardware: Hardware, gpus_per_node: int) -> str:
+    """One line per traffic item, then the totals per dimension and per link."""
+    rows = [f"{'dim':<5} {'collective':<14} {'ranks':>5} {'link':<5} {'calls':>6} {'MiB':>10} {'ms':>9}  what"]
+    for item in items:
+        rows.append(f"{item.dimension:<5} {item.collective:<14} {len(item.group):>5} {item.link(gpus_per_node):<5} "
+                    f"{item.calls:>6} {item.bus_bytes / 2**20:>10.2f} "
+                    f"{seconds(item, hardware, gpus_per_node) * 1e3:>9.3f}  {item.what}")
+    rows.append("")
+
+    def total(label: str, chosen: list[Traffic]) -> str:
+        time = sum(seconds(i, hardware, gpus_per_node) for i in chosen)
+        return f"{label:<26} {sum(i.bus_bytes for i in chosen) / 2**20:>10.2f} {time * 1e3:>9.3f}"
+
+    for label, key in (("dimension", lambda i: i.dimension), ("link", lambda i: i.link(gpus_per_node))):
+        for value in dict.fromkeys(map(key, items)):
+            rows.append(total(f"total {label} {value}", [i for i in items if key(i) == value]))
+    rows.append(total("total", items))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Collective traffic of one rank in one optimizer step.")
+    parser.add_argument("--config", default="moe-8x", help="config name in configs/ or a YAML path")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override config keys, e.g. --set parallel.tp=2 parallel.ep=4")
+    parser.add_argument("--world-size", type=int, default=8, help="number of ranks (GPUs)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per node: groups within one node use NVLink (default: the hardware's)")
+    parser.add_argument("--rank", type=int, default=0, help="which rank to describe (traffic can differ by rank)")
+    parser.add_argument("--hardware", default="h100-sxm", choices=sorted(HARDWARE))
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        layout = check_layout(config, args.world_size)
+        if not 0 <= args.rank < layout.world_size:
+            raise ConfigError(f"--rank {args.rank} is outside the world of {layout.world_size} ranks")
+        hardware = HARDWARE[args.hardware]
+        gpus_per_node = args.gpus_per_node or hardware.gpus_per_node
+        if gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node must be positive, got {gpus_per_node}")
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    precision = "fp32" if config.train.precision == "fp32" else "bf16"
+    micro, microbatches = micro_batching(config, layout.dp, layout.pp)
+    print(f"{config.name}: {layout.degrees()} on {layout.world_size} ranks, {gpus_per_node} per node; rank "
+          f"{args.rank}; {microbatches} micro-batch(es) of {micro} x {config.model.seq_len} tokens; {precision}")
+    print(f"bandwidth per GPU, one way: {hardware.intra_node / 1e9:.0f} GB/s in a node, "
+          f"{hardware.inter_node / 1e9:.0f} GB/s between nodes ({hardware.name}; {hardware.source})")
+    print(format_table(predict(config, layout, args.rank, precision), hardware, gpus_per_node))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

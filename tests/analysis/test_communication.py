@@ -1,0 +1,200 @@
+"""The communication model against counted bytes: tiny layouts trained on gloo ranks, one step counted.
+
+Each layout trains two steps with ``training.loop.train`` (the code train.py runs) under exactly balanced
+routing (``moe.force_balance``); ``CollectiveCounter`` records every collective of the second step on every
+rank, and its bus bytes per (collective, group) must equal ``predict``'s for that rank exactly. Collectives
+after the forward and backward (gradient norm, loss, optimizer) are counted apart: the model leaves them
+out, and they must stay under 2 % of the step's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import training.loop as loop
+from analysis.communication import (
+    CollectiveCounter,
+    bus_bytes,
+    check_layout,
+    kept_per_expert,
+    main,
+    predict,
+    totals,
+)
+from moe.accounting import parameter_counts
+from moe.config import ConfigError
+from parallel.groups import Layout, ParallelGroups
+from parallel.runtime import init_runtime, shutdown_runtime
+from tests.parallel.parity import TINY
+from training.config import load_config
+from training.hardware import PrecisionChoice
+
+BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
+DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
+CASES_2 = {  # name -> overrides, on 2 ranks
+    "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
+    "fsdp, kept gathered after forward": ["parallel.dp_shard=2", "train.micro_batch_size=2",
+                                          "parallel.reshard_after_forward=false"],
+    "ep=2 over dp_shard=2, bf16": ["parallel.dp_shard=2", "parallel.ep=2", "train.precision=bf16"],
+    "tp=2, vocab parallel, full recompute": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.vocab_parallel=true",
+                                             "parallel.activation_checkpointing=full", *DENSE_FIRST],
+    "tp=2, sequence + vocab parallel": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                        "parallel.vocab_parallel=true", *DENSE_FIRST],
+    "tp=2, sequence parallel, bf16, moe recompute, drops": [
+        "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+        "train.global_batch_size=2",
+        "parallel.activation_checkpointing=moe", "moe.capacity_factor=0.5", "moe.num_shared_experts=1"],
+    "ep=2 over tp=2": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"],
+    "pp=2, 1f1b": ["parallel.dp_shard=1", "parallel.pp=2"],
+    "tp=2, 3 experts over edp=2 (FSDP shards dim 1)": ["parallel.dp_shard=1", "parallel.tp=2", "moe.num_experts=3"],
+}
+CASES_4 = {  # on 4 ranks: groups that differ from one another
+    "HSDP 2 x 2, ep=2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
+    "tp=2, ep=4 over dp_shard=2 x tp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4",
+                                        "parallel.sequence_parallel=true"],
+    "pp=2 x dp_shard=2": ["parallel.dp_shard=2", "parallel.pp=2"],
+    "pp=2 interleaved, 2 stages per rank, x dp_shard=2": [
+        "parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+        "model.n_layers=4", "train.global_batch_size=16", "parallel.microbatches=4"],
+    "ep=2 x etp=2 over tp=2 x dp_shard=2, sequence parallel": [
+        "parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "moe.capacity_factor=null",
+        "parallel.sequence_parallel=true", "moe.num_shared_experts=1"],
+    "etp=2 in tp=2, dp_shard=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
+                                             "moe.num_experts=3"],
+}
+
+
+def _key(key: tuple[str, tuple[int, ...]]) -> str:
+    return f"{key[0]} over {list(key[1])}"
+
+
+def _worker(rank: int, world_size: int, port: int, cases: dict[str, list[str]], out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    runtime = init_runtime()
+    counters: list[CollectiveCounter] = []
+    original_step, original_clip = loop.train_step, loop.clip_grad_norm_
+
+    def counted_step(*args, **kwargs):
+        counters.append(CollectiveCounter())
+        with counters[-1]:
+            return original_step(*args, **kwargs)
+
+    def counted_clip(*args, **kwargs):  # from here on: gradient norm, loss and optimizer ("small")
+        counters[-1].current = "small"
+        return original_clip(*args, **kwargs)
+
+    original_precision = loop.choose_precision
+    loop.train_step, loop.clip_grad_norm_ = counted_step, counted_clip
+    # train.precision=bf16 on a CPU measures a bf16 matmul for the MFU peak (seconds where bf16 is emulated)
+    loop.choose_precision = lambda requested, device: PrecisionChoice(requested, "test", 1.0, "test")
+    results = {}
+    try:
+        for index, (name, overrides) in enumerate(cases.items()):
+            config = load_config("moe-8x", [*BALANCED, *overrides])
+            layout = Layout.resolve(world_size, **config.parallel.degrees())
+            groups = ParallelGroups.build(layout, "cpu")
+            started = time.perf_counter()
+            loop.train(config, Path(out) / f"run{index}", runtime, groups)
+            results[name] = {"predicted": {_key(k): v for k, v in totals(predict(config, layout, rank)).items()},
+                             "counted": {_key(k): v for k, v in counters[-1].totals("step").items()},
+                             "small": sum(sent for _, sent in counters[-1].totals("small").values()),
+                             "seconds": time.perf_counter() - started}
+    finally:
+        loop.train_step, loop.clip_grad_norm_, loop.choose_precision = original_step, original_clip, original_precision
+        shutdown_runtime()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _spawn(world_size: int, cases: dict[str, list[str]], tmp_path: Path) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world_size, port, cases, str(tmp_path)), nprocs=world_size)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def test_predicted_bytes_equal_counted_bytes_on_two_ranks(tmp_path):
+    _check(_spawn(2, CASES_2, tmp_path))
+
+
+def _check(results: list[dict]) -> None:
+    """Every rank's prediction equals its count, per (collective, group); the left-out part is small."""
+    wrong = []
+    for rank, per_case in enumerate(results):
+        for name, result in per_case.items():
+            predicted, counted = result["predicted"], result["counted"]
+            assert counted, f"{name}: nothing counted on rank {rank}"
+            differ = {k: (predicted.get(k), counted.get(k)) for k in predicted.keys() | counted.keys()
+                      if predicted.get(k) != counted.get(k)}
+            if differ:
+                wrong.append(f"{name}, rank {rank}: (predicted, counted) {differ}")
+            assert result["small"] < 0.02 * sum(sent for _, sent in counted.values()), f"{name}, rank {rank}"
+    assert not wrong, "\n".join(wrong)
+
+
+def test_predicted_bytes_equal_counted_bytes_on_four_ranks(tmp_path):
+    _check(_spawn(4, CASES_4, tmp_path))
+
+
+def test_cli_prints_the_table_and_refuses_impossible_layouts(capsys):
+    assert main(["--world-size", "16", "--set", "parallel.tp=2", "parallel.ep=8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line.split() for line in lines if line.startswith(("tp ", "ep ", "fsdp "))]
+    assert {row[0] for row in table} == {"tp", "ep", "fsdp"}
+    # tp (2 ranks) and ep (8 consecutive ranks) stay in a node of 8; FSDP's groups stride over both nodes
+    assert all(row[3] == ("inter" if row[0] == "fsdp" else "intra") for row in table), table
+    assert main(["--world-size", "6", "--set", "parallel.ep=4"]) == 2
+    assert "parallel.ep=4 × parallel.etp=1 does not divide" in capsys.readouterr().err
+
+
+def test_fsdp_traffic_of_a_real_config_follows_the_parameter_count():
+    """moe-8x on 8 FSDP ranks: every shape divides by 8, so per step (one micro-batch) each rank gathers every
+    block twice and the root once, and reduce-scatters every gradient once: (n-1)/n of the fp32 parameters."""
+    config = load_config("moe-8x", ["parallel.dp_shard=8", "train.global_batch_size=8"])
+    counts = parameter_counts(config.model, config.moe)
+    root = 2 * config.model.vocab_size * config.model.d_model + config.model.d_model  # embedding, head, norm
+    items = [i for i in predict(config, Layout.resolve(8, dp_shard=8)) if i.dimension == "fsdp"]
+    gathered = sum(i.bus_bytes for i in items if i.collective == "all_gather")
+    reduced = sum(i.bus_bytes for i in items if i.collective == "reduce_scatter")
+    assert gathered == 4 * (2 * (counts.total - root) + root) * 7 // 8
+    assert reduced == 4 * counts.total * 7 // 8
+    assert {i.collective for i in predict(config, Layout.resolve(8, dp_shard=8))} == {"all_gather", "reduce_scatter"}
+
+
+def test_bus_bytes_follow_the_ring_convention():
+    assert bus_bytes("all_reduce", 800, 4) == 1200  # 2 (n-1)/n
+    assert bus_bytes("all_gather", 800, 4) == bus_bytes("reduce_scatter", 800, 4) == 600  # (n-1)/n
+    assert bus_bytes("send", 800, 4) == bus_bytes("broadcast", 800, 4) == 800
+    assert bus_bytes("all_reduce", 800, 1) == 0
+
+
+def test_balanced_routing_keeps_what_capacity_allows():
+    config = load_config("moe-8x", [*TINY, "moe.capacity_factor=0.5"])  # 4 experts, top-2
+    assert kept_per_expert(config, 10) == [3, 3, 3, 3]  # 5 each routed, capacity ceil(0.5 * 2 * 10 / 4) = 3
+    config = load_config("moe-8x", [*TINY, "moe.capacity_factor=null"])
+    assert kept_per_expert(config, 10) == [5, 5, 5, 5]
+    assert kept_per_expert(config, 11) == [6, 6, 5, 5]  # 22 assignments round robin
+
+
+@pytest.mark.parametrize("world_size, overrides, message", [
+    (6, ["parallel.tp=3"], r"parallel.tp=3 does not divide model.n_heads=4"),
+    (6, ["parallel.ep=3"], r"parallel.ep=3 does not divide moe.num_experts=4"),
+    (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"],
+     r"model.seq_len=33 over parallel.tp=2 ranks, which does not divide it"),
+    (4, ["parallel.pp=2", "parallel.microbatches=1"], r"1f1b needs at least parallel.pp=2 micro-batches"),
+    (4, ["parallel.tp=2", "parallel.dp_shard=3"], r"do not match the world of 4 ranks"),
+])
+def test_impossible_layouts_fail_as_train_py_fails(world_size, overrides, message):
+    config = load_config("moe-8x", [*TINY, "parallel.dp_shard=-1", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        check_layout(config, world_size)
