@@ -32,7 +32,7 @@ from analysis.communication import (
 from moe.accounting import parameter_counts
 from moe.config import ConfigError
 from parallel.groups import Layout, ParallelGroups
-from parallel.runtime import init_runtime, shutdown_runtime
+from parallel.runtime import exit_process, init_runtime, shutdown_runtime
 from tests.parallel.parity import TINY
 from training.config import load_config
 from training.hardware import PrecisionChoice
@@ -113,6 +113,7 @@ def _worker(rank: int, world_size: int, port: int, cases: dict[str, list[str]], 
         loop.train_step, loop.clip_grad_norm_, loop.choose_precision = original_step, original_clip, original_precision
         shutdown_runtime()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
 
 
 def _spawn(world_size: int, cases: dict[str, list[str]], tmp_path: Path) -> list[dict]:

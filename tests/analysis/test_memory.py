@@ -27,6 +27,7 @@ from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.groups import Layout, ParallelGroups
+from parallel.runtime import exit_process
 from training.config import load_config
 
 TINY = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.seq_len=16",
@@ -221,6 +222,7 @@ def _worker(rank: int, port: int, results: dict) -> None:
                                       sum(storages.values()))
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
 
 
 def test_per_rank_bytes_match_the_parallelized_model():
