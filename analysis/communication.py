@@ -14,11 +14,10 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
 
 - tp (``parallel/tensor.py``, DTensor): forward, one all-reduce of [micro, S, D] after each row-parallel
   projection (attention ``wo``, dense FFN ``w_out``, shared experts' ``w_out`` on the [T, D] tokens);
-  backward, one all-reduce per column-parallel projection, since each ``ColwiseParallel`` input is its own
-  ``DTensor.from_local`` whose gradient is made whole separately: three for attention (wq, wk, wv), two
-  per SwiGLU FFN (w_in, w_gate). Sequence parallel turns each forward all-reduce into an all-gather before
-  the pair and a reduce-scatter after it; the reduce-scatter's backward is an all-gather, the all-gather's
-  backward only a local slice, and the column-parallel backward all-reduces stay. The MoE layer gathers the
+  backward, one all-reduce per pair of the summed input gradients of its column-parallel projections
+  (they share one replicated DTensor input). Sequence parallel turns each forward all-reduce into an
+  all-gather before the pair and a reduce-scatter after it; in backward the reduce-scatter's gradient is
+  an all-gather and the input gradients are reduce-scattered back to the slice. The MoE layer gathers the
   sequence before routing (its output keeps a slice: backward all-gathers the gradient). The routed rows'
   shares are all-gathered over tp (``gather_rows``: the padded share, forward and again in backward).
   Vocabulary parallel: the embedding's all-reduce (reduce-scatter under sequence parallelism), the head's
@@ -203,8 +202,8 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
     dense_layers = [i for i in step.layers if not model.is_moe_layer(i)]
     full_recompute = int(par.activation_checkpointing == "full")
 
-    def pair(what: str, n_layers: int, n_colwise: int, recompute_out: int) -> None:
-        """A column- then row-parallel pair on the stream: attention (3 column projections) or a SwiGLU FFN (2)."""
+    def pair(what: str, n_layers: int, recompute_out: int) -> None:
+        """A column- then row-parallel pair on the stream: attention or a SwiGLU FFN."""
         runs = n_layers * m * (1 + full_recompute)
         if sp:
             _add(out, "tp", "all_gather", f"{what} input sequence (forward)", runs, full * fp32, group)
@@ -214,11 +213,11 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
         else:
             _add(out, "tp", "all_reduce", f"{what} output (forward)", n_layers * m * (1 + recompute_out),
                  full * act, group)
-        _add(out, "tp", "all_reduce", f"{what} input gradients (backward)", n_layers * m * n_colwise,
-             full * fp32, group)
+        _add(out, "tp", "reduce_scatter" if sp else "all_reduce", f"{what} input gradient (backward)",
+             n_layers * m, full * fp32, group)
 
-    pair("attention", len(step.layers), 3, full_recompute)
-    pair("dense FFN", len(dense_layers), 2, 0)  # early-stopping recompute ends before the FFN's output
+    pair("attention", len(step.layers), full_recompute)
+    pair("dense FFN", len(dense_layers), 0)  # early-stopping recompute ends before the FFN's output
     if moe_layers:
         moe_runs = len(moe_layers) * m * (1 + _moe_recompute(step))
         if sp:
@@ -227,7 +226,7 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
             _add(out, "tp", "all_gather", "MoE output gradient (backward)", len(moe_layers) * m, full * act, group)
         if step.config.moe.num_shared_experts:
             _add(out, "tp", "all_reduce", "shared experts output (forward)", moe_runs, full * act, group)
-            _add(out, "tp", "all_reduce", "shared experts input gradients (backward)", len(moe_layers) * m * 2,
+            _add(out, "tp", "all_reduce", "shared experts input gradient (backward)", len(moe_layers) * m,
                  full * fp32, group)
         shares = layout.tp // layout.etp
         bounds = row_bounds(sum(kept_per_expert(step.config, step.tokens)), shares)

@@ -83,11 +83,17 @@ def _feed_forward_plan(prefix: str, stream: Placement) -> dict:
             f"{prefix}.w_out": RowwiseParallel(output_layouts=stream)}
 
 
-def _gather_sequence(num_inputs: int) -> PrepareModuleInput:
-    """The module's first input, a sequence slice, gathered whole (plain tensor); other inputs untouched."""
+def _shared_input(stream: Placement, num_inputs: int = 1) -> PrepareModuleInput:
+    """The module's first input as one replicated DTensor, gathered whole if it comes as a sequence slice.
+
+    Its column-parallel projections (q, k, v; gate and in) all read this one DTensor, so in backward their
+    partial input gradients are added first and reduced once: one all-reduce per pair, or one
+    reduce-scatter back to the sequence slice, as Megatron-LM does. Given a plain tensor each projection
+    would wrap it on its own and reduce its gradient separately: three all-reduces for attention. The
+    other inputs (RoPE tables) pass untouched.
+    """
     rest = (None,) * (num_inputs - 1)
-    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest),
-                              use_local_output=True)
+    return PrepareModuleInput(input_layouts=(stream, *rest), desired_input_layouts=(Replicate(), *rest))
 
 
 def _block_plan(block: Block, sequence_parallel: bool) -> dict:
@@ -95,15 +101,16 @@ def _block_plan(block: Block, sequence_parallel: bool) -> dict:
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout over tp
     plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=stream)}
+    plan["attn"] = _shared_input(stream, num_inputs=3)
     if block.ffn is not None:
         plan.update(_feed_forward_plan("ffn", stream))
+        plan["ffn"] = _shared_input(stream)
     elif block.moe.shared_experts is not None:  # inside the MoE layer, which sees the whole sequence
         plan.update(_feed_forward_plan("moe.shared_experts", Replicate()))
+        plan["moe.shared_experts"] = _shared_input(Replicate())
     if sequence_parallel:
-        plan.update({"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel(), "attn": _gather_sequence(3)})
-        if block.ffn is not None:
-            plan["ffn"] = _gather_sequence(1)
-        else:  # route the whole sequence, as one process does; keep this rank's slice of the output
+        plan.update({"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        if block.moe is not None:  # route the whole sequence, as one process does; keep this rank's slice of the output
             plan["moe"] = PrepareModuleInputOutput(
                 input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True)
@@ -128,8 +135,9 @@ def _ends_plan(model: MoETransformer, sequence_parallel: bool, vocab_parallel: b
             plan["output"] = PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate())
         elif vocab_parallel:
             plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
-        elif sequence_parallel:
-            plan["output"] = _gather_sequence(1)
+        elif sequence_parallel:  # the whole head, on the whole sequence
+            plan["output"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                use_local_output=True)
     return plan
 
 
