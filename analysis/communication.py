@@ -40,9 +40,9 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
 Left out, as latency-bound scalars or once-per-log-interval work (the tests measure them below 2 % of the
 step): the gradient-norm all-reduces (one vector of per-parameter norms per mesh, and over pp), the
 step-loss and aux-free-bias all-reduces over dp, routing statistics at log intervals, and, under sequence
-parallelism without FSDP, the norm weights' gradients, which DTensor leaves partial and which the gradient
-norm and then each AdamW op that reads them all-reduce ([D] each; with FSDP its gradient reduction makes
-them whole once per micro-batch, and that is counted).
+parallelism without FSDP, the norm weights' gradients, which DTensor leaves partial and the gradient-norm
+step makes whole (one all-reduce of [D] each; with FSDP its gradient reduction makes them whole once per
+micro-batch, and that is counted).
 
 Element sizes: parameters and their gradients are fp32 (FSDP2 without a mixed-precision policy). Under
 bf16 autocast the projections' outputs, the routed rows and their gradients are bf16; norm outputs, the
@@ -236,7 +236,7 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
              group)
     if sp and layout.dp > 1:
         # the norms' weights see a sequence slice: DTensor leaves their gradients partial, and FSDP's gradient
-        # reduction makes them whole over tp first (without FSDP the gradient norm and AdamW do: left out)
+        # reduction makes them whole over tp first (without FSDP the gradient-norm step does, once: left out)
         norms = 2 * len(step.layers) + step.last
         syncs = 1 if layout.pp > 1 else m
         _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
