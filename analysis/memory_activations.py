@@ -96,9 +96,8 @@ def _router(moe: MoEConfig, d: int, mb: MicroBatch) -> int:
 def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> dict[str, int]:
     """One MoE layer: router, permuted tokens and experts (this rank's share of the rows), combine, shared experts.
 
-    Under tp each tp rank computes 1/(tp/etp) of the grouped rows; under ep those rows travel to the
-    experts' ranks and (balanced) as many arrive; etp splits the hidden dim. Without ep the experts read
-    a view of the whole grouped tensor, which so stays alive in full.
+    Under tp each tp rank computes 1/(tp/etp) of the grouped rows (a copy of its share); under ep those
+    rows travel to the experts' ranks and (balanced) as many arrive; etp splits the hidden dim.
     """
     d, a = model.d_model, mb.compute
     kept = kept_assignments(mb.tokens, moe)
@@ -106,10 +105,10 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     hidden = moe.expert_hidden // layout.etp
     swiglu = moe.activation == "swiglu"
     experts = kept * INDEX  # permute's token index
-    if layout.ep > 1:  # received rows' reorder index, the local grouped rows, index_copy's saved source
-        experts += rows * INDEX + 2 * rows * d * a
-    else:
-        experts += kept * d * a
+    if layout.ep > 1:  # received rows' reorder index and its inverse, the local grouped rows
+        experts += 2 * rows * INDEX + rows * d * a
+    else:  # the grouped rows (this tp rank's share)
+        experts += rows * d * a
     experts += (4 if swiglu else 2) * rows * hidden * a + (3 if swiglu else 2) * (moe.num_experts // layout.ep) * OFFSET
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
              "MoE combine": kept * d * a + kept * a + kept * INDEX}  # expert outputs, their weights, order

@@ -64,6 +64,7 @@ class ExchangePlan:
     send_splits: list[int]  # [ep] rows this rank sends to each ep rank (its experts' share of our kept rows)
     recv_splits: list[int]  # [ep] rows this rank receives from each ep rank
     expert_major: Tensor  # [M] received rows in local-expert-major order (``expert_major_index``)
+    rank_major: Tensor  # [M] its inverse: expert-major rows back in the received (rank-major) order
     tokens_per_local_expert: Tensor  # [L] group sizes for the local grouped GEMM
 
 
@@ -80,10 +81,14 @@ def plan_exchange(tokens_per_expert: Tensor, group: dist.ProcessGroup) -> Exchan
     # host integers. On GPU it stalls the host until the counts have arrived (FSDP prefetching across it
     # must be set explicitly); the rest of the exchange is launched without waiting.
     send_splits, recv_splits = splits.tolist()
+    expert_major = expert_major_index(recv_counts, sum(recv_splits))
+    rank_major = torch.empty_like(expert_major)
+    rank_major[expert_major] = torch.arange(expert_major.numel(), device=expert_major.device)
     return ExchangePlan(
         send_splits=send_splits,
         recv_splits=recv_splits,
-        expert_major=expert_major_index(recv_counts, sum(recv_splits)),
+        expert_major=expert_major,
+        rank_major=rank_major,
         tokens_per_local_expert=recv_counts.sum(0),
     )
 
@@ -177,7 +182,9 @@ class ExpertParallelExperts(nn.Module):
         received = all_to_all_rows(x, plan.send_splits, plan.recv_splits, self.group)  # [M, D] rank-major
         grouped = received.index_select(0, plan.expert_major)  # [M, D] local-expert-major
         out = self._local_ffn(grouped, plan.tokens_per_local_expert)
-        returned = out.new_empty(out.shape).index_copy(0, plan.expert_major, out)  # back to rank-major
+        # back to rank-major by the inverse order: index_select keeps only the index for backward, where
+        # index_copy would keep its whole [M, D] source
+        returned = out.index_select(0, plan.rank_major)
         return all_to_all_rows(returned, plan.recv_splits, plan.send_splits, self.group)
 
     def extra_repr(self) -> str:

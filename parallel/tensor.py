@@ -217,7 +217,8 @@ class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bounds, share, ranks_per_share, group):
         ctx.bounds, ctx.ranks_per_share, ctx.group = bounds, ranks_per_share, group
-        return x[bounds[share]:bounds[share + 1]]
+        # a copy, not a view: the experts save their input for backward, and a view would keep all N rows
+        return x[bounds[share]:bounds[share + 1]].clone()
 
     @staticmethod
     def backward(ctx, grad):
