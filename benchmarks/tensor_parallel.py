@@ -3,9 +3,8 @@
 For a config's model (default moe-8x) and one micro-batch of ``--batch`` sequences, each variant runs on
 ``--tp`` gloo processes of this machine, tp=``--tp`` with everything else 1, fp32:
 
-- ``saved MB``: the bytes autograd keeps for backward after one forward, on one rank: every tensor a
-  ``saved_tensors_hooks`` pack hook sees and the graph still holds, counted once per storage, parameters
-  left out. This is the
+- ``saved MB``: the bytes autograd keeps for backward after one forward, on one rank, as
+  ``analysis.memory.saved_activation_bytes`` counts them (the memory model's measured counterpart). This is the
   activation memory of the step, exact and independent of the machine's load.
 - ``vs tp``: that over plain tensor parallelism's; ``vs 1 process``: over the single-process model's.
 - ``logits MB``: the LM head's output on one rank (the [B, S, V] logits in fp32, or its vocabulary slice).
@@ -27,14 +26,12 @@ import json
 import os
 import socket
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor
 
+from analysis.memory import saved_activation_bytes
 from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.groups import Layout, ParallelGroups
@@ -44,38 +41,6 @@ from training.loop import lm_loss
 
 VARIANTS = {"tp": (False, False), "tp + sequence_parallel": (True, False), "tp + vocab_parallel": (False, True),
             "tp + both": (True, True)}
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The plain tensor holding the data: a DTensor's local shard; an in-flight collective's result buffer."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor._local_tensor
-    return tensor.elem if isinstance(tensor, AsyncCollectiveTensor) else tensor
-
-
-def saved_bytes_and_logits(model, tokens: torch.Tensor, vocab_parallel: bool) -> tuple[int, int, torch.Tensor]:
-    """Bytes autograd saves for backward in one forward (parameters excluded), this rank's logits bytes, loss.
-
-    A tensor counts if it is still held at the end of the forward: parts of the graph that nothing keeps
-    (a branch whose output was dropped) free theirs, and their addresses may be reused.
-    """
-    params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    packed = []
-
-    def pack(tensor):
-        packed.append(weakref.ref(tensor))
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), loss_context(vocab_parallel):
-        logits = model(tokens[:, :-1])
-        loss = lm_loss(logits, tokens[:, 1:])
-    storages = {}
-    for ref in packed:
-        if (tensor := ref()) is not None:
-            storage = _local(tensor).untyped_storage()
-            if storage.data_ptr() not in params:
-                storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values()), _local(logits).nbytes, loss
 
 
 def measure(config_name: str, overrides: list[str], sequence_parallel: bool, vocab_parallel: bool, batch: int,
@@ -89,9 +54,9 @@ def measure(config_name: str, overrides: list[str], sequence_parallel: bool, voc
         model = parallelize(model, groups, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     tokens = torch.randint(0, config.model.vocab_size, (batch, config.model.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
-    saved, logits_bytes, loss = saved_bytes_and_logits(model, tokens, vocab_parallel)
+    saved = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:], vocab_parallel)
     with loss_context(vocab_parallel):
-        loss.backward()
+        saved.loss.backward()
     times = []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
@@ -101,7 +66,7 @@ def measure(config_name: str, overrides: list[str], sequence_parallel: bool, voc
         with loss_context(vocab_parallel):
             lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         times.append(time.perf_counter() - start)
-    return {"saved_mb": saved / 1e6, "logits_mb": logits_bytes / 1e6, "step_ms": min(times) * 1e3}
+    return {"saved_mb": saved.saved_bytes / 1e6, "logits_mb": saved.logits_bytes / 1e6, "step_ms": min(times) * 1e3}
 
 
 def _worker(rank: int, world: int, port: int, args, out: dict) -> None:
