@@ -317,16 +317,30 @@ def _shard_numel(shape: tuple[int, ...], dim: int, ranks: int) -> int:
     return math.prod(shape) // shape[dim] * math.ceil(shape[dim] / ranks)
 
 
+_PARAMETER_SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+
+
+def _parameter_shapes(config: RunConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, global shape) of every model parameter, from the model built once per shape on the meta device.
+
+    A tied head is the embedding's parameter, listed once. Cached: the planner asks for every layout.
+    """
+    key = repr((config.model, config.moe))
+    if key not in _PARAMETER_SHAPES:
+        with torch.device("meta"):
+            model = MoETransformer(config.model, config.moe)
+        _PARAMETER_SHAPES[key] = [(name, tuple(param.shape)) for name, param in model.named_parameters()]
+    return _PARAMETER_SHAPES[key]
+
+
 def _fsdp_units(step: _Step) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """This rank's FSDP units ("root", "block N", "experts N") and their parameters' (name, local shape)."""
     config, layout = step.config, step.layout
-    with torch.device("meta"):
-        model = MoETransformer(config.model, config.moe)
     # the routed experts are their own unit whenever parallel/__init__.py wraps them (ep, etp, or tp alone)
     experts_apart = layout.ep > 1 or layout.etp > 1 or (layout.tp > 1 and config.model.n_moe_layers > 0)
     units: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
-    for name, param in model.named_parameters():  # a tied head is the embedding's parameter, listed once
-        shape = _local_shape(name, tuple(param.shape), step)
+    for name, global_shape in _parameter_shapes(config):
+        shape = _local_shape(name, global_shape, step)
         if name.startswith("layers."):
             layer = int(name.split(".")[1])
             if layer in step.layers:

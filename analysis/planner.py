@@ -1,0 +1,207 @@
+"""Which layout to train a config on: every valid layout of N GPUs, the ones that fit, fastest first.
+
+    python -m analysis.planner --config mixtral-8x7b --world-size 64 [--gpus-per-node 8] [--device-memory 80]
+                               [--set train.micro_batch_size=1 ...] [--top 10] [--efficiency 0.5]
+
+Candidates: every layout of the world size that the model allows (``parallel.groups.valid_layouts``: pp,
+dp_replicate, dp_shard, tp, ep, etp), each with activation checkpointing none, ``moe`` and ``full``, and
+sequence parallelism whenever tp > 1 (it costs no traffic here and saves activations). Pipelines run 1F1B
+with the config's micro-batching; a layout whose batch split or pipeline the training would refuse is
+skipped, for the same reasons ``train.py`` gives.
+
+For each, ``analysis.memory`` gives the memory of the busiest rank (a plan must fit ``--device-memory``)
+and a step-time model, on the H100 table of ``analysis.communication``, gives its speed:
+
+- **compute**: the training FLOPs of the busiest pipeline rank in one step (``moe.accounting``: 6 × active
+  matmul parameters + attention, per token) over the global batch's tokens / dp, divided over tp (every
+  matmul, the routed experts' rows included, is split over tp; expert parallelism moves rows without
+  changing a rank's share under balanced routing), plus the recomputed forward (a third of a block's
+  FLOPs) under activation checkpointing, at ``efficiency`` × the bf16 peak.
+- **bubble**: 1F1B idles (p − 1)/m of the compute for p stages and m micro-batches (Narayanan et al. 2021,
+  sec. 2.2; REFERENCES.md).
+- **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at its link's bandwidth,
+  on the critical path (each waits for the layer before it); FSDP's gathers and reduce-scatters are
+  prefetched and overlap compute, so only what exceeds the compute shows.
+
+step = compute + bubble + exposed communication. The efficiency (default 0.5: large dense and MoE runs
+report 40–57% of peak, REFERENCES.md sec. 1–2) is one number for every layout, so the ranking does not
+depend on it; the times are estimates for comparing layouts, not promises. Not modelled: latency, kernel
+efficiency that varies with the matmul shapes (small tp shards run slower), and routing imbalance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+from analysis import communication, memory
+from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts
+from moe.config import ConfigError
+from parallel.groups import Layout, valid_layouts
+from parallel.pipeline import stage_layers
+from training.config import RunConfig, load_config
+
+RECOMPUTE = ("none", "moe", "full")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate: its settings, the busiest rank's memory, and the step-time estimate (seconds)."""
+
+    config: RunConfig  # the config with this plan's parallel settings
+    layout: Layout
+    memory: int  # bytes on the busiest rank
+    compute: float
+    bubble: float
+    exposed: dict[str, float]  # communication on the critical path, by dimension (tp, ep, pp, fsdp)
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.bubble + sum(self.exposed.values())
+
+    def describe(self) -> str:
+        par = self.config.parallel
+        degrees = " ".join(f"{k}={getattr(self.layout, k)}" for k in ("pp", "dp_replicate", "dp_shard", "tp", "ep",
+                                                                         "etp") if getattr(self.layout, k) > 1)
+        extra = [f"recompute={par.activation_checkpointing}"] if par.activation_checkpointing != "none" else []
+        if par.sequence_parallel:
+            extra.append("sp")
+        return " ".join([degrees or "one rank", *extra])
+
+
+def with_layout(config: RunConfig, layout: Layout, recompute: str) -> RunConfig:
+    """``config`` set to train under ``layout`` (sequence parallel with tp) and ``recompute``."""
+    parallel = dataclasses.replace(
+        config.parallel, pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,
+        ep=layout.ep, etp=layout.etp, activation_checkpointing=recompute, sequence_parallel=layout.tp > 1,
+        pp_schedule="1f1b", pp_virtual_stages=1)
+    return dataclasses.replace(config, parallel=parallel)
+
+
+def stage_flops_per_token(config: RunConfig, layout: Layout) -> list[float]:
+    """Training FLOPs per token of each pipeline rank's blocks (and the head on the last), recompute included."""
+    model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
+    ranges = stage_layers(model, moe, layout.pp) if layout.pp > 1 else [range(model.n_layers)]
+    flops = []
+    for index, layers in enumerate(ranges):
+        total = 0.0
+        for i in layers:
+            block = block_flops_per_token(model, moe, model.is_moe_layer(i))
+            recomputed = recompute == "full" or (recompute == "moe" and model.is_moe_layer(i))
+            total += block * (4 / 3 if recomputed else 1)  # the forward is 2 of the 6 FLOPs per parameter
+        if index == len(ranges) - 1:
+            total += head_flops_per_token(model)
+        flops.append(total)
+    return flops
+
+
+def compute_seconds(config: RunConfig, layout: Layout, peak: float) -> float:
+    """The busiest pipeline rank's compute time for one optimizer step at ``peak`` FLOP/s."""
+    tokens_per_rank = config.train.global_batch_size * config.model.seq_len / layout.dp
+    return max(stage_flops_per_token(config, layout)) * tokens_per_rank / layout.tp / peak
+
+
+def bubble_seconds(compute: float, layout: Layout, microbatches: int) -> float:
+    """1F1B's idle time: (p − 1) / m of the compute (Narayanan et al. 2021, sec. 2.2.1)."""
+    return compute * (layout.pp - 1) / microbatches
+
+
+def exposed_communication(config: RunConfig, layout: Layout, compute: float, hardware: communication.Hardware,
+                          gpus_per_node: int) -> dict[str, float]:
+    """Seconds of communication the step waits for, by dimension, on the slowest of the stages' first ranks."""
+    stages = []
+    stride = layout.world_size // layout.pp  # pp is the outermost axis: stage s starts at rank s·stride
+    for stage in range(layout.pp):
+        by_dim = dict.fromkeys(("tp", "ep", "pp", "fsdp"), 0.0)
+        for item in communication.predict(config, layout, stage * stride, precision="bf16"):
+            by_dim[item.dimension] += communication.seconds(item, hardware, gpus_per_node)
+        by_dim["fsdp"] = max(0.0, by_dim["fsdp"] - compute)  # prefetched: hidden behind compute
+        stages.append(by_dim)
+    return max(stages, key=lambda by_dim: sum(by_dim.values()))
+
+
+def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware, gpus_per_node: int,
+             efficiency: float) -> Plan:
+    """The plan of ``config`` (already set to ``layout``): memory of the busiest rank and the step estimate."""
+    estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank) for pp_rank in range(layout.pp)]
+    compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency)
+    bubble = bubble_seconds(compute, layout, estimates[0].microbatches)
+    exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node)
+    return Plan(config, layout, max(e.total for e in estimates), compute, bubble, exposed)
+
+
+def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node: int = 8,
+         hardware: communication.Hardware = communication.HARDWARE["h100-sxm"],
+         efficiency: float = 0.5) -> tuple[list[Plan], int]:
+    """The plans that fit ``device_memory`` bytes, fastest first, and how many candidates were considered."""
+    plans, considered = [], 0
+    for layout in valid_layouts(world_size, config.model, config.moe):
+        for recompute in RECOMPUTE:
+            candidate = with_layout(config, layout, recompute)
+            try:
+                memory.check_layout(candidate, world_size)  # train.py's own checks (batch split, pipeline, tp)
+            except ConfigError:
+                continue
+            considered += 1
+            result = evaluate(candidate, layout, hardware, gpus_per_node, efficiency)
+            if result.memory <= device_memory:
+                plans.append(result)
+    plans.sort(key=lambda p: (p.step, p.memory))
+    return plans, considered
+
+
+def format_plans(config: RunConfig, plans: list[Plan], considered: int, world_size: int, device_memory: float,
+                 hardware: communication.Hardware, efficiency: float, top: int) -> str:
+    tokens = config.train.global_batch_size * config.model.seq_len
+    params = parameter_counts(config.model, config.moe)
+    lines = [f"{config.name}: {params.total / 1e9:.2f}B parameters ({params.active / 1e9:.2f}B active), "
+             f"{tokens:,} tokens per step, on {world_size} × {hardware.name}, {device_memory / GIB:.0f} GiB each, "
+             f"at {efficiency:.0%} of the bf16 peak",
+             f"{considered} candidate settings, {len(plans)} fit"]
+    if not plans:
+        lines.append("none fits: add GPUs, or lower train.micro_batch_size (--set), or use larger devices")
+        return "\n".join(lines)
+    lines.append("milliseconds per optimizer step: the total, then compute, pipeline bubble and the exposed "
+                 "communication of each dimension")
+    lines.append(f"{'#':>3} {'layout':<46} {'GiB':>6} {'step':>9} {'compute':>9} {'bubble':>8} {'tp':>8} "
+                 f"{'ep':>8} {'pp':>7} {'fsdp':>8} {'tok/s/GPU':>10}")
+    for rank, p in enumerate(plans[:top], 1):
+        ms = {k: v * 1e3 for k, v in p.exposed.items()}
+        lines.append(f"{rank:>3} {p.describe():<46} {p.memory / GIB:>6.1f} {p.step * 1e3:>9.2f} "
+                     f"{p.compute * 1e3:>9.2f} {p.bubble * 1e3:>8.2f} {ms['tp']:>8.2f} {ms['ep']:>8.2f} "
+                     f"{ms['pp']:>7.2f} {ms['fsdp']:>8.2f} {tokens / p.step / world_size:>10,.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.planner", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="moe-8x")
+    parser.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE")
+    parser.add_argument("--world-size", type=int, required=True, help="GPUs to plan for")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--device-memory", type=float, default=80.0, help="GiB per GPU")
+    parser.add_argument("--efficiency", type=float, default=0.5, help="achieved fraction of the bf16 peak")
+    parser.add_argument("--top", type=int, default=10)
+    args = parser.parse_args(argv)
+    try:
+        if args.world_size < 1 or args.gpus_per_node < 1:
+            raise ConfigError("--world-size and --gpus-per-node must be at least 1")
+        if not 0 < args.efficiency <= 1:
+            raise ConfigError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+        config = load_config(args.config, args.overrides)
+        hardware = communication.HARDWARE["h100-sxm"]
+        plans, considered = plan(config, args.world_size, args.device_memory * GIB, args.gpus_per_node, hardware,
+                                 args.efficiency)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_plans(config, plans, considered, args.world_size, args.device_memory * GIB, hardware,
+                       args.efficiency, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The layout planner: its step-time terms against hand arithmetic, and its plans against the memory model."""
+
+from __future__ import annotations
+
+import pytest
+
+from analysis import communication, memory, planner
+from moe.accounting import block_flops_per_token, head_flops_per_token, training_flops_per_token
+from parallel.groups import Layout
+from training.config import load_config
+
+H100 = communication.HARDWARE["h100-sxm"]
+SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
+         "moe.num_experts=4", "moe.expert_hidden=64", "train.global_batch_size=16", "train.precision=bf16"]
+
+
+def _config(layout: Layout, recompute: str = "none", overrides: list[str] = SMALL):
+    return planner.with_layout(load_config("moe-8x", overrides), layout, recompute)
+
+
+@pytest.mark.parametrize("degrees", [dict(dp_shard=8), dict(dp_shard=4, tp=2), dict(dp_shard=2, tp=4, ep=4),
+                                     dict(dp_replicate=2, dp_shard=2, tp=2, ep=2)])
+def test_compute_without_pipeline_is_the_models_flops_spread_over_every_rank(degrees):
+    layout = Layout.resolve(8, **degrees)
+    config = _config(layout)
+    tokens = config.train.global_batch_size * config.model.seq_len
+    total = training_flops_per_token(config.model, config.moe) * tokens
+    assert planner.compute_seconds(config, layout, peak=1.0) * layout.world_size == pytest.approx(total, rel=1e-12)
+
+
+def test_recompute_adds_the_forward_of_the_recomputed_blocks():
+    layout = Layout.resolve(1)
+    model, moe = _config(layout).model, _config(layout).moe
+    blocks = [block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers)]
+    head = head_flops_per_token(model)
+    assert planner.stage_flops_per_token(_config(layout), layout) == [pytest.approx(sum(blocks) + head)]
+    full = planner.stage_flops_per_token(_config(layout, "full"), layout)
+    assert full == [pytest.approx(sum(blocks) * 4 / 3 + head)]
+    moe_only = planner.stage_flops_per_token(_config(layout, "moe"), layout)
+    moe_blocks = sum(b for i, b in enumerate(blocks) if model.is_moe_layer(i))
+    assert moe_only == [pytest.approx(sum(blocks) + moe_blocks / 3 + head)]
+
+
+def test_pipeline_compute_is_the_busiest_stage_and_the_bubble_is_p_minus_1_over_m():
+    layout = Layout.resolve(8, pp=2, dp_shard=4)
+    config = _config(layout)
+    stages = planner.stage_flops_per_token(config, layout)
+    assert len(stages) == 2 and sum(stages) == pytest.approx(training_flops_per_token(config.model, config.moe))
+    tokens = config.train.global_batch_size * config.model.seq_len / layout.dp
+    compute = planner.compute_seconds(config, layout, peak=1.0)
+    assert compute == pytest.approx(max(stages) * tokens)
+    assert planner.bubble_seconds(compute, layout, microbatches=4) == pytest.approx(compute * 1 / 4)
+
+
+def test_tensor_parallel_across_nodes_waits_for_the_network():
+    """The same tp=4 layout, its tp group inside one node of 8 or spread over nodes of 2: 450 / 50 GB/s."""
+    layout = Layout.resolve(8, dp_shard=2, tp=4)
+    config = _config(layout)
+    inside = planner.exposed_communication(config, layout, 0.0, H100, gpus_per_node=8)
+    across = planner.exposed_communication(config, layout, 0.0, H100, gpus_per_node=2)
+    assert inside["tp"] > 0
+    assert across["tp"] == pytest.approx(inside["tp"] * H100.intra_node / H100.inter_node)
+
+
+def test_fsdp_traffic_shows_only_beyond_the_compute_it_overlaps():
+    layout = Layout.resolve(8, dp_shard=8)
+    config = _config(layout)
+    fsdp = sum(communication.seconds(item, H100, 8) for item in communication.predict(config, layout, 0, "bf16")
+               if item.dimension == "fsdp")
+    assert fsdp > 0
+    assert planner.exposed_communication(config, layout, 0.0, H100, 8)["fsdp"] == pytest.approx(fsdp)
+    assert planner.exposed_communication(config, layout, fsdp / 2, H100, 8)["fsdp"] == pytest.approx(fsdp / 2)
+    assert planner.exposed_communication(config, layout, 2 * fsdp, H100, 8)["fsdp"] == 0.0
+
+
+def test_plans_fit_are_sorted_and_carry_the_memory_models_figure():
+    config = load_config("moe-8x", SMALL)
+    plans, considered = planner.plan(config, 8, device_memory=80 * planner.GIB)
+    assert considered >= len(plans) > 10
+    assert [p.step for p in plans] == sorted(p.step for p in plans)
+    for p in plans[:5]:
+        want = max(memory.estimate(p.config, 8, "bf16", r).total for r in range(p.layout.pp))
+        assert p.memory == want <= 80 * planner.GIB
+    # a device just under the best plan's need leaves that plan out
+    tight, _ = planner.plan(config, 8, device_memory=plans[0].memory - 1)
+    assert all(p.memory < plans[0].memory for p in tight)
+
+
+def test_mixtral_does_not_fit_on_eight_80_gib_gpus():
+    """46.7B parameters × 16 bytes of model state / 8 GPUs = 93 GB > 80 GiB (86 GB), whatever the layout."""
+    config = load_config("mixtral-8x7b", ["train.micro_batch_size=1"])
+    plans, considered = planner.plan(config, 8, device_memory=80 * planner.GIB)
+    assert considered > 0 and plans == []
+    text = planner.format_plans(config, plans, considered, 8, 80 * planner.GIB, H100, 0.5, 10)
+    assert "none fits" in text
+
+
+def test_cli_prints_the_ranking_and_refuses_bad_arguments(capsys):
+    assert planner.main(["--config", "moe-8x", "--world-size", "4", "--top", "3", "--set", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "fit" in out and out.count("\n") >= 6
+    assert planner.main(["--world-size", "4", "--efficiency", "0"]) == 2
+    assert "--efficiency must be in (0, 1]" in capsys.readouterr().err
