@@ -20,8 +20,8 @@ import torch
 import torch.multiprocessing as mp
 
 import training.loop as loop
+from analysis.collective_count import CollectiveCounter
 from analysis.communication import (
-    CollectiveCounter,
     bus_bytes,
     check_layout,
     kept_per_expert,
