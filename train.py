@@ -20,12 +20,10 @@ from pathlib import Path
 
 from moe.config import ConfigError
 from parallel.checkpoint import CheckpointCorruptError
-from parallel.groups import Layout, ParallelGroups, validate_for_model
-from parallel.pipeline import check_pipeline
+from parallel.groups import ParallelGroups
 from parallel.runtime import exit_process, init_runtime, shutdown_runtime
-from parallel.tensor import check_tensor_parallel
 from training.config import load_config
-from training.loop import NonFiniteLossError, micro_batching, train
+from training.loop import NonFiniteLossError, resolve_layout, train
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,13 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # everything is validated before any process group or tensor exists
         config = load_config(args.config, args.overrides)
-        layout = Layout.resolve(int(os.environ.get("WORLD_SIZE", 1)), **config.parallel.degrees())
-        validate_for_model(layout, config.model, config.moe)
-        _, microbatches = micro_batching(config, layout.dp, layout.pp)
-        check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
-                       microbatches)
-        check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel,
-                              config.parallel.vocab_parallel)
+        layout, _, _ = resolve_layout(config, int(os.environ.get("WORLD_SIZE", 1)))
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
         try:

@@ -71,11 +71,11 @@ import torch
 from moe.config import ConfigError
 from moe.dispatch import expert_capacity
 from moe.transformer import MoETransformer
-from parallel.groups import Layout, axis_view, coordinates, groups_for, validate_for_model
-from parallel.pipeline import check_pipeline, stage_layers
-from parallel.tensor import check_tensor_parallel, row_bounds, share_counts
+from parallel.groups import Layout, axis_view, coordinates, groups_for
+from parallel.pipeline import stage_layers
+from parallel.tensor import row_bounds, share_counts
 from training.config import RunConfig, load_config
-from training.loop import micro_batching
+from training.loop import micro_batching, resolve_layout
 
 
 @dataclass(frozen=True)
@@ -425,17 +425,6 @@ def pipeline_traffic(step: _Step) -> list[Traffic]:
     return out
 
 
-def check_layout(config: RunConfig, world_size: int) -> Layout:
-    """The layout of ``config`` on ``world_size`` ranks, refused with train.py's ConfigError messages."""
-    layout = Layout.resolve(world_size, **config.parallel.degrees())
-    validate_for_model(layout, config.model, config.moe)
-    _, microbatches = micro_batching(config, layout.dp, layout.pp)
-    check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
-                   microbatches)
-    check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel, config.parallel.vocab_parallel)
-    return layout
-
-
 def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | None = None) -> list[Traffic]:
     """Every collective ``rank`` runs in one optimizer step of ``config`` under ``layout``, per dimension.
 
@@ -500,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
-        layout = check_layout(config, args.world_size)
+        layout, micro, microbatches = resolve_layout(config, args.world_size)
         if not 0 <= args.rank < layout.world_size:
             raise ConfigError(f"--rank {args.rank} is outside the world of {layout.world_size} ranks")
         hardware = HARDWARE[args.hardware]
@@ -511,7 +500,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     precision = "fp32" if config.train.precision == "fp32" else "bf16"
-    micro, microbatches = micro_batching(config, layout.dp, layout.pp)
     print(f"{config.name}: {layout.degrees()} on {layout.world_size} ranks, {gpus_per_node} per node; rank "
           f"{args.rank}; {microbatches} micro-batch(es) of {micro} x {config.model.seq_len} tokens; {precision}")
     print(f"bandwidth per GPU, one way: {hardware.intra_node / 1e9:.0f} GB/s in a node, "

@@ -49,11 +49,10 @@ from analysis.memory_activations import in_flight, micro_batch_activations
 from analysis.memory_states import FP32, ModelStates, gathered_bytes, largest_chunk, local_layers, model_states
 from moe.accounting import parameter_counts
 from moe.config import ConfigError
-from parallel.groups import Layout, validate_for_model
-from parallel.pipeline import check_pipeline
-from parallel.tensor import check_tensor_parallel, loss_context
+from parallel.groups import Layout
+from parallel.tensor import loss_context
 from training.config import RunConfig, load_config
-from training.loop import lm_loss, micro_batching
+from training.loop import lm_loss, resolve_layout
 
 GIB, MIB = 2**30, 2**20
 
@@ -86,20 +85,9 @@ class MemoryEstimate:
         return self.states.total + self.gathered + self.activation_total + self.logits_buffer
 
 
-def check_layout(config: RunConfig, world_size: int) -> tuple[Layout, int, int]:
-    """The layout, micro-batch size and count, refused exactly as ``train.py`` refuses them (ConfigError)."""
-    layout = Layout.resolve(world_size, **config.parallel.degrees())
-    validate_for_model(layout, config.model, config.moe)
-    micro, microbatches = micro_batching(config, layout.dp, layout.pp)
-    check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
-                   microbatches)
-    check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel, config.parallel.vocab_parallel)
-    return layout, micro, microbatches
-
-
 def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 0) -> MemoryEstimate:
     """The memory of one rank of pipeline rank ``pp_rank`` training ``config`` on ``world_size`` ranks."""
-    layout, micro, microbatches = check_layout(config, world_size)
+    layout, micro, microbatches = resolve_layout(config, world_size)
     held = in_flight(config, layout, microbatches, pp_rank)
     activations = {name: round(nbytes * held)
                    for name, nbytes in micro_batch_activations(config, layout, micro, precision, pp_rank).items()}
@@ -265,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"pipeline rank as moe.num_experts grows (layout, top_k and expert_hidden fixed)")
             print(format_sweep(rows, args.device_memory))
             return 0
-        layout = check_layout(config, args.world_size)[0]
+        layout = resolve_layout(config, args.world_size)[0]
         estimates = [estimate(config, args.world_size, precision, r) for r in range(layout.pp)]
         print(format_estimates(config, layout, precision, estimates, args.device_memory))
     except (ConfigError, ValueError) as exc:

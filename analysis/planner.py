@@ -42,6 +42,7 @@ from moe.config import ConfigError
 from parallel.groups import Layout, valid_layouts
 from parallel.pipeline import stage_layers
 from training.config import RunConfig, load_config
+from training.loop import resolve_layout
 
 RECOMPUTE = ("none", "moe", "full")
 GIB = 2**30
@@ -142,7 +143,7 @@ def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node
         for recompute in RECOMPUTE:
             candidate = with_layout(config, layout, recompute)
             try:
-                memory.check_layout(candidate, world_size)  # train.py's own checks (batch split, pipeline, tp)
+                resolve_layout(candidate, world_size)  # train.py's own checks (batch split, pipeline, tp)
             except ConfigError:
                 continue
             considered += 1

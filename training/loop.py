@@ -27,10 +27,10 @@ from moe.config import ConfigError
 from moe.layer import RoutingStats
 from moe.transformer import MoETransformer
 from parallel import clip_grad_norm_, parallelize
-from parallel.groups import ParallelGroups
-from parallel.pipeline import PipelineModel, build_pipeline
+from parallel.groups import Layout, ParallelGroups, validate_for_model
+from parallel.pipeline import PipelineModel, build_pipeline, check_pipeline
 from parallel.runtime import Runtime
-from parallel.tensor import loss_context
+from parallel.tensor import check_tensor_parallel, loss_context
 from training.checkpointing import Checkpointer
 from training.config import RunConfig
 from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
@@ -131,6 +131,22 @@ def micro_batching(config: RunConfig, dp_size: int, pp: int = 1) -> tuple[int, i
         raise ConfigError(f"train.micro_batch_size={micro} must divide the per-rank batch {per_rank} "
                           f"(train.global_batch_size={global_batch} / {dp_size} data-parallel ranks)")
     return micro, per_rank // micro
+
+
+def resolve_layout(config: RunConfig, world_size: int) -> tuple[Layout, int, int]:
+    """The layout of ``config`` on ``world_size`` ranks and its (micro-batch size, micro-batches per step).
+
+    Every check ``train.py`` makes before any process group exists, in one place (the analysis CLIs and the
+    planner refuse a layout with the same ConfigError): the degrees against the world size and the model's
+    shapes, the batch split, the pipeline schedule's rules, and tensor parallelism's options.
+    """
+    layout = Layout.resolve(world_size, **config.parallel.degrees())
+    validate_for_model(layout, config.model, config.moe)
+    micro, microbatches = micro_batching(config, layout.dp, layout.pp)
+    check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
+                   microbatches)
+    check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel, config.parallel.vocab_parallel)
+    return layout, micro, microbatches
 
 
 @torch.no_grad()

@@ -23,7 +23,6 @@ import training.loop as loop
 from analysis.collective_count import CollectiveCounter
 from analysis.communication import (
     bus_bytes,
-    check_layout,
     kept_per_expert,
     main,
     predict,
@@ -198,4 +197,4 @@ def test_balanced_routing_keeps_what_capacity_allows():
 def test_impossible_layouts_fail_as_train_py_fails(world_size, overrides, message):
     config = load_config("moe-8x", [*TINY, "parallel.dp_shard=-1", *overrides])
     with pytest.raises(ConfigError, match=message):
-        check_layout(config, world_size)
+        loop.resolve_layout(config, world_size)

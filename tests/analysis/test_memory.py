@@ -29,6 +29,7 @@ from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import exit_process
 from training.config import load_config
+from training.loop import resolve_layout
 
 TINY = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.seq_len=16",
         "model.ffn_hidden=48", "moe.num_experts=4", "moe.expert_hidden=24", "train.global_batch_size=2"]
@@ -106,7 +107,7 @@ SINGLE = {
 def test_predicted_activations_are_the_measured_ones(case):
     precision, overrides = SINGLE[case]
     config = _tiny(*overrides)
-    layout, micro, _ = memory.check_layout(config, 1)
+    layout, micro, _ = resolve_layout(config, 1)
     torch.manual_seed(0)
     model = MoETransformer(config.model, config.moe)
     apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
@@ -117,7 +118,7 @@ def test_predicted_activations_are_the_measured_ones(case):
 def test_skewed_routing_keeps_fewer_rows_than_the_balanced_bound():
     """Unforced routing of an untrained router overflows some experts: what is kept is at most the estimate."""
     config = _tiny("moe.capacity_factor=1.0")
-    layout, micro, _ = memory.check_layout(config, 1)
+    layout, micro, _ = resolve_layout(config, 1)
     torch.manual_seed(0)
     predicted, measured = _measure(config, layout, micro, "fp32", MoETransformer(config.model, config.moe))
     assert measured < predicted
@@ -125,9 +126,9 @@ def test_skewed_routing_keeps_fewer_rows_than_the_balanced_bound():
 
 def test_pipeline_stages_split_the_activations_and_the_schedules_stash_micro_batches():
     config = _tiny("model.n_layers=4", "parallel.pp=2", "train.global_batch_size=8", "parallel.microbatches=4")
-    layout, micro, microbatches = memory.check_layout(config, 2)
+    layout, micro, microbatches = resolve_layout(config, 2)
     whole = _tiny("model.n_layers=4", "train.global_batch_size=8", "parallel.microbatches=4")
-    one = sum(micro_batch_activations(whole, memory.check_layout(whole, 1)[0], micro, "fp32").values())
+    one = sum(micro_batch_activations(whole, resolve_layout(whole, 1)[0], micro, "fp32").values())
     stages = [sum(micro_batch_activations(config, layout, micro, "fp32", r).values()) for r in range(2)]
     assert sum(stages) == one  # every block, the embedding and the head on exactly one stage
     assert [in_flight(config, layout, microbatches, r) for r in range(2)] == [2, 1]  # 1F1B: pp - r
@@ -208,7 +209,7 @@ def _worker(rank: int, port: int, results: dict) -> None:
     try:
         for index, (precision, overrides) in enumerate(SPAWNED):
             config = _tiny(*SPAWNED_MODEL, *overrides)
-            layout, micro, _ = memory.check_layout(config, 2)
+            layout, micro, _ = resolve_layout(config, 2)
             groups = ParallelGroups.build(layout, "cpu")
             torch.manual_seed(0)
             par = config.parallel
