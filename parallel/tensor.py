@@ -79,7 +79,8 @@ def check_tensor_parallel(tp: int, model: ModelConfig, sequence_parallel: bool, 
 
 
 def _feed_forward_plan(prefix: str, stream: Placement) -> dict:
-    return {f"{prefix}.w_in": ColwiseParallel(), f"{prefix}.w_gate": ColwiseParallel(),
+    """A SwiGLU FFN at ``prefix`` reading and writing ``stream``: w_in, w_gate column- then w_out row-parallel."""
+    return {prefix: _shared_input(stream), f"{prefix}.w_in": ColwiseParallel(), f"{prefix}.w_gate": ColwiseParallel(),
             f"{prefix}.w_out": RowwiseParallel(output_layouts=stream)}
 
 
@@ -99,15 +100,12 @@ def _shared_input(stream: Placement, num_inputs: int = 1) -> PrepareModuleInput:
 def _block_plan(block: Block, sequence_parallel: bool) -> dict:
     """How one block's modules are split; ``sequence_parallel``: the residual stream is a sequence slice."""
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout over tp
-    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=stream)}
-    plan["attn"] = _shared_input(stream, num_inputs=3)
+    plan = {"attn": _shared_input(stream, num_inputs=3), "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(output_layouts=stream)}
     if block.ffn is not None:
         plan.update(_feed_forward_plan("ffn", stream))
-        plan["ffn"] = _shared_input(stream)
     elif block.moe.shared_experts is not None:  # inside the MoE layer, which sees the whole sequence
         plan.update(_feed_forward_plan("moe.shared_experts", Replicate()))
-        plan["moe.shared_experts"] = _shared_input(Replicate())
     if sequence_parallel:
         plan.update({"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         if block.moe is not None:  # route the whole sequence, as one process does; keep this rank's slice of the output
