@@ -10,14 +10,10 @@ out, and they must stay under 2 % of the step's bytes.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 import training.loop as loop
 from analysis.collective_count import CollectiveCounter
@@ -31,8 +27,9 @@ from analysis.communication import (
 from moe.accounting import parameter_counts
 from moe.config import ConfigError
 from parallel.groups import Layout, ParallelGroups
-from parallel.runtime import exit_process, init_runtime, shutdown_runtime
+from parallel.runtime import init_runtime
 from tests.parallel.parity import TINY
+from tests.spawn import spawn
 from training.config import load_config
 from training.hardware import PrecisionChoice
 
@@ -75,10 +72,7 @@ def _key(key: tuple[str, tuple[int, ...]]) -> str:
     return f"{key[0]} over {list(key[1])}"
 
 
-def _worker(rank: int, world_size: int, port: int, cases: dict[str, list[str]], out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _worker(rank: int, world_size: int, cases: dict[str, list[str]], out: str) -> None:
     runtime = init_runtime()
     counters: list[CollectiveCounter] = []
     original_step, original_clip = loop.train_step, loop.clip_grad_norm_
@@ -110,16 +104,11 @@ def _worker(rank: int, world_size: int, port: int, cases: dict[str, list[str]], 
                              "seconds": time.perf_counter() - started}
     finally:
         loop.train_step, loop.clip_grad_norm_, loop.choose_precision = original_step, original_clip, original_precision
-        shutdown_runtime()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
 
 
 def _spawn(world_size: int, cases: dict[str, list[str]], tmp_path: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world_size, port, cases, str(tmp_path)), nprocs=world_size)
+    spawn(_worker, world_size, world_size, cases, str(tmp_path))
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 

@@ -10,12 +10,8 @@ dp_shard) and bf16 under FSDP, and the model-state bytes against the rank's para
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train
@@ -27,7 +23,7 @@ from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.groups import Layout, ParallelGroups
-from parallel.runtime import exit_process
+from tests.spawn import spawn
 from training.config import load_config
 from training.loop import resolve_layout
 
@@ -202,37 +198,27 @@ SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.sha
                  "moe.force_balance=true", "train.global_batch_size=4"]
 
 
-def _worker(rank: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        for index, (precision, overrides) in enumerate(SPAWNED):
-            config = _tiny(*SPAWNED_MODEL, *overrides)
-            layout, micro, _ = resolve_layout(config, 2)
-            groups = ParallelGroups.build(layout, "cpu")
-            torch.manual_seed(0)
-            par = config.parallel
-            model = parallelize(MoETransformer(config.model, config.moe), groups, par.activation_checkpointing,
-                                par.reshard_after_forward, par.sequence_parallel, par.vocab_parallel)
-            storages = {s.data_ptr(): s.nbytes()
-                        for s in (memory.local_tensor(p).untyped_storage() for p in model.parameters())}
-            seed = 1 + groups.coords()["dp_shard"]  # each data-parallel rank its own micro-batch
-            predicted, measured = _measure(config, layout, micro, precision, model, seed)
-            results[(index, rank)] = (predicted, measured, model_states(config, layout).weights,
-                                      sum(storages.values()))
-    finally:
-        dist.destroy_process_group()
-    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
+def _worker(rank: int, results: dict) -> None:
+    for index, (precision, overrides) in enumerate(SPAWNED):
+        config = _tiny(*SPAWNED_MODEL, *overrides)
+        layout, micro, _ = resolve_layout(config, 2)
+        groups = ParallelGroups.build(layout, "cpu")
+        torch.manual_seed(0)
+        par = config.parallel
+        model = parallelize(MoETransformer(config.model, config.moe), groups, par.activation_checkpointing,
+                            par.reshard_after_forward, par.sequence_parallel, par.vocab_parallel)
+        storages = {s.data_ptr(): s.nbytes()
+                    for s in (memory.local_tensor(p).untyped_storage() for p in model.parameters())}
+        seed = 1 + groups.coords()["dp_shard"]  # each data-parallel rank its own micro-batch
+        predicted, measured = _measure(config, layout, micro, precision, model, seed)
+        results[(index, rank)] = (predicted, measured, model_states(config, layout).weights,
+                                  sum(storages.values()))
 
 
 def test_per_rank_bytes_match_the_parallelized_model():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(port, results), nprocs=2)
+        spawn(_worker, 2, results)
         results = dict(results)
     for index, (_, overrides) in enumerate(SPAWNED):
         for rank in range(2):

@@ -7,17 +7,15 @@ the code ``train.py`` runs.
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from parallel.groups import Layout, ParallelGroups
-from parallel.runtime import Runtime, exit_process, init_runtime, shutdown_runtime
+from parallel.runtime import Runtime, init_runtime
+from tests.spawn import spawn
 from training.config import load_config
 from training.loop import train
 from training.metrics import read_metrics
@@ -35,29 +33,15 @@ def full_state(model) -> dict[str, torch.Tensor]:
             for name, value in model.state_dict().items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, overrides: list[str], run_dir: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _worker(rank: int, world_size: int, overrides: list[str], run_dir: str, out: str) -> None:
     config = load_config("moe-8x", overrides)
-    runtime = init_runtime()
-    try:
-        groups = ParallelGroups.build(Layout.resolve(world_size, **config.parallel.degrees()), "cpu")
-        result = train(config, Path(run_dir), runtime, groups)
-        # each pipeline stage holds part of the model: gather every rank's full tensors on rank 0
-        parts = [None] * world_size if rank == 0 else None
-        dist.gather_object(full_state(result.model), parts, dst=0)
-        if rank == 0:
-            torch.save({name: value for part in parts for name, value in part.items()}, out)
-    finally:
-        shutdown_runtime()
-    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
+    groups = ParallelGroups.build(Layout.resolve(world_size, **config.parallel.degrees()), "cpu")
+    result = train(config, Path(run_dir), init_runtime(), groups)
+    # each pipeline stage holds part of the model: gather every rank's full tensors on rank 0
+    parts = [None] * world_size if rank == 0 else None
+    dist.gather_object(full_state(result.model), parts, dst=0)
+    if rank == 0:
+        torch.save({name: value for part in parts for name, value in part.items()}, out)
 
 
 def run(overrides: list[str], world_size: int, run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -70,7 +54,7 @@ def run(overrides: list[str], world_size: int, run_dir: Path) -> tuple[list[dict
         state = full_state(result.model)
     else:
         out = run_dir / "final_state.pt"
-        mp.spawn(_worker, args=(world_size, _free_port(), overrides, str(run_dir), str(out)), nprocs=world_size)
+        spawn(_worker, world_size, world_size, overrides, str(run_dir), str(out))
         state = torch.load(out, weights_only=True)
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r]
     return records, state

@@ -10,13 +10,11 @@ final weights and Adam state (``full_tensor`` of each shard, no checkpoint code)
   batch split across ranks does not change which tokens an expert keeps).
 """
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -24,8 +22,9 @@ from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.checkpoint import load_sharded
 from parallel.groups import Layout, ParallelGroups
-from parallel.runtime import Runtime, exit_process, init_runtime, shutdown_runtime
-from tests.parallel.parity import TINY, _free_port, full_state
+from parallel.runtime import Runtime, init_runtime
+from tests.parallel.parity import TINY, full_state
+from tests.spawn import spawn
 from training.config import load_config
 from training.loop import train
 from training.metrics import read_metrics
@@ -66,22 +65,11 @@ def _job(rank: int, world_size: int, overrides: list[str], job: dict) -> None:
                 torch.save(state, job["final_out"])
 
 
-def _worker(rank: int, world_size: int, port: int, overrides: list[str], job: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        _job(rank, world_size, overrides, job)
-    finally:
-        shutdown_runtime()
-    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
-
-
 def launch(overrides: list[str], world_size: int, job: dict) -> None:
     if world_size == 1:
         _job(0, 1, overrides, job)
     else:
-        mp.spawn(_worker, args=(world_size, _free_port(), overrides, job), nprocs=world_size)
+        spawn(_job, world_size, world_size, overrides, job)
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:

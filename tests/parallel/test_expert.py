@@ -10,14 +10,11 @@ other rank.
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from moe.config import MoEConfig
@@ -25,8 +22,8 @@ from moe.dispatch import expert_capacity, plan_dispatch
 from moe.layer import MoELayer
 from parallel.expert import ExpertParallelExperts, expert_major_index
 from parallel.groups import Layout, ParallelGroups
-from parallel.runtime import exit_process
 from parallel.sharding import clip_grad_norm_
+from tests.spawn import spawn
 
 
 @pytest.mark.parametrize("counts, expected", [
@@ -155,21 +152,11 @@ def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None
         torch.testing.assert_close(grad, ref_grads[name] * 0.5, **tol, msg=name)
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        groups = ParallelGroups.build(Layout(WORLD, dp_shard=WORLD, ep=WORLD), "cpu")
-        for capacity_factor, dtype in CASES:
-            _check_case(rank, groups, capacity_factor, dtype)
-    finally:
-        dist.destroy_process_group()
-    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
+def _worker(rank: int) -> None:
+    groups = ParallelGroups.build(Layout(WORLD, dp_shard=WORLD, ep=WORLD), "cpu")
+    for capacity_factor, dtype in CASES:
+        _check_case(rank, groups, capacity_factor, dtype)
 
 
 def test_expert_parallel_layer_matches_single_process():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port,), nprocs=WORLD)
+    spawn(_worker, WORLD)

@@ -5,7 +5,6 @@ README gives for two machines, with 127.0.0.1 as the rendezvous host. The job tr
 parallelism across the two nodes and must match the single-process run's numbers.
 """
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import train
+from tests.spawn import free_port
 from training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,14 +22,8 @@ SETTINGS = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.se
             "train.eval_interval=0", "train.eval_batches=2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_on_loopback_match_one_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",

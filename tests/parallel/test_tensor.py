@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
 from parallel import expert, parallelize
 from parallel.groups import Layout, ParallelGroups, validate_for_model
-from parallel.runtime import exit_process
 from parallel.sharding import clip_grad_norm_
 from parallel.tensor import check_tensor_parallel, loss_context, row_bounds, share_counts
+from tests.spawn import spawn
 from training.loop import lm_loss
 
 
@@ -191,29 +188,19 @@ def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str
         assert sent == []  # tp alone shares the rows out in place; etp alone splits the experts in place: no exchange
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for layout in (Layout(WORLD, tp=WORLD), Layout(WORLD, tp=WORLD, ep=WORLD), Layout(WORLD, tp=WORLD, etp=WORLD)):
-            groups = ParallelGroups.build(layout, "cpu")
-            # "full": backward re-runs each block, its tp collectives and row shares included
-            for capacity_factor, recompute, dtype in ((None, "none", None), (1.0, "none", None),
-                                                      (None, "full", None), (None, "none", torch.bfloat16)):
-                _check(groups, capacity_factor, recompute, dtype)
-            for sequence_parallel, vocab_parallel in ((True, False), (False, True), (True, True)):
-                _check(groups, 1.0, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
-            _check(groups, None, "full", sequence_parallel=True, vocab_parallel=True)
-            # one vocabulary-split table serves as embedding and head
-            _check(groups, None, sequence_parallel=True, vocab_parallel=True, tie_embeddings=True)
-    finally:
-        dist.destroy_process_group()
-    exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why
+def _worker(rank: int) -> None:
+    for layout in (Layout(WORLD, tp=WORLD), Layout(WORLD, tp=WORLD, ep=WORLD), Layout(WORLD, tp=WORLD, etp=WORLD)):
+        groups = ParallelGroups.build(layout, "cpu")
+        # "full": backward re-runs each block, its tp collectives and row shares included
+        for capacity_factor, recompute, dtype in ((None, "none", None), (1.0, "none", None),
+                                                  (None, "full", None), (None, "none", torch.bfloat16)):
+            _check(groups, capacity_factor, recompute, dtype)
+        for sequence_parallel, vocab_parallel in ((True, False), (False, True), (True, True)):
+            _check(groups, 1.0, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+        _check(groups, None, "full", sequence_parallel=True, vocab_parallel=True)
+        # one vocabulary-split table serves as embedding and head
+        _check(groups, None, sequence_parallel=True, vocab_parallel=True, tie_embeddings=True)
 
 
 def test_tensor_parallel_model_matches_single_process():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port,), nprocs=WORLD)
+    spawn(_worker, WORLD)
