@@ -60,7 +60,6 @@ overlap of communication with compute (the time column is bytes over bandwidth).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
@@ -68,9 +67,9 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.memory_states import ParamTensor, experts_own_unit, on_rank, parameter_tensors, sharded_numel
 from moe.config import ConfigError
 from moe.dispatch import expert_capacity
-from moe.transformer import MoETransformer
 from parallel.groups import Layout, axis_view, coordinates, groups_for
 from parallel.pipeline import stage_layers
 from parallel.tensor import row_bounds, share_counts
@@ -293,58 +292,21 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     return out
 
 
-def _local_shape(name: str, shape: tuple[int, ...], step: _Step) -> tuple[int, ...]:
-    """A parameter's shape on this rank after tensor, vocabulary, expert and expert-tensor parallelism."""
-    layout, par = step.layout, step.config.parallel
-    tp, shape = layout.tp, list(shape)
-    if ".experts." in name:
-        shape[0] //= layout.ep
-        shape[2 if name.endswith(("w_in", "w_gate")) else 1] //= layout.etp
-    elif name.endswith(("wq.weight", "wk.weight", "wv.weight", "w_in.weight", "w_gate.weight")):
-        shape[0] //= tp
-    elif name.endswith(("wo.weight", "w_out.weight")):
-        shape[1] //= tp
-    elif name.startswith(("tok_embeddings.", "output.")) and par.vocab_parallel:
-        shape[0] //= tp
-    return tuple(shape)
+def _fsdp_units(step: _Step) -> dict[str, list[ParamTensor]]:
+    """This rank's FSDP units ("root", "block N", "experts N") and their parameters (``parallel/sharding.py``).
 
-
-def _shard_numel(shape: tuple[int, ...], dim: int, ranks: int) -> int:
-    """Elements of one rank's FSDP2 shard: the sharded dim padded up to a multiple of the ranks."""
-    return math.prod(shape) // shape[dim] * math.ceil(shape[dim] / ranks)
-
-
-_PARAMETER_SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-
-
-def _parameter_shapes(config: RunConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, global shape) of every model parameter, from the model built once per shape on the meta device.
-
-    A tied head is the embedding's parameter, listed once. Cached: the planner asks for every layout.
+    The routed experts are a unit of their own whenever ``parallel/__init__.py`` wraps them (ep, etp or tp).
     """
-    key = repr((config.model, config.moe))
-    if key not in _PARAMETER_SHAPES:
-        with torch.device("meta"):
-            model = MoETransformer(config.model, config.moe)
-        _PARAMETER_SHAPES[key] = [(name, tuple(param.shape)) for name, param in model.named_parameters()]
-    return _PARAMETER_SHAPES[key]
-
-
-def _fsdp_units(step: _Step) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """This rank's FSDP units ("root", "block N", "experts N") and their parameters' (name, local shape)."""
     config, layout = step.config, step.layout
-    # the routed experts are their own unit whenever parallel/__init__.py wraps them (ep, etp, or tp alone)
-    experts_apart = layout.ep > 1 or layout.etp > 1 or (layout.tp > 1 and config.model.n_moe_layers > 0)
-    units: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
-    for name, global_shape in _parameter_shapes(config):
-        shape = _local_shape(name, global_shape, step)
-        if name.startswith("layers."):
-            layer = int(name.split(".")[1])
-            if layer in step.layers:
-                units[f"{'experts' if experts_apart and '.experts.' in name else 'block'} {layer}"].append(
-                    (name, shape))
-        elif (name.startswith("tok_embeddings.") and step.first) or (not name.startswith("tok_") and step.last):
-            units["root"].append((name, shape))
+    experts_apart = experts_own_unit(layout, config.model)
+    units: dict[str, list[ParamTensor]] = defaultdict(list)
+    for param in parameter_tensors(config.model, config.moe):
+        if not on_rank(param, step.layers, step.first, step.last):
+            continue
+        if param.layer is None:
+            units["root"].append(param)
+        else:
+            units[f"{'experts' if experts_apart and param.expert else 'block'} {param.layer}"].append(param)
     return units
 
 
@@ -374,21 +336,12 @@ def sharding_traffic(step: _Step) -> list[Traffic]:
     layout, config = step.layout, step.config
     m = step.microbatches
     syncs = 1 if layout.pp > 1 else m  # under pipelining the stage reduces gradients after its last micro-batch
-    local_experts = config.moe.num_experts // layout.ep
     same: dict[tuple[str, int], int] = defaultdict(int)  # (kind, shard bytes) -> units
     for unit, params in _fsdp_units(step).items():
         kind = unit.split()[0]
-        if kind == "experts":
-            if layout.dp_replicate * layout.edp == 1:
-                continue  # a single replica: the experts stay out of FSDP (sharding.shard_experts)
-            dims = [0 if local_experts % layout.edp == 0 else 2 if name.endswith("w_out") and layout.etp > 1 else 1
-                    for name, _ in params]  # Shard(0), else the first dim the experts' own placements leave
-            ranks = layout.edp
-        elif layout.dp == 1:
-            continue
-        else:
-            dims, ranks = [0] * len(params), layout.dp_shard
-        same[kind, sum(_shard_numel(shape, dim, ranks) * 4 for (_, shape), dim in zip(params, dims, strict=True))] += 1
+        if (kind == "experts" and layout.dp_replicate * layout.edp == 1) or (kind != "experts" and layout.dp == 1):
+            continue  # nothing to shard: a single expert replica (sharding.shard_experts), or no data parallelism
+        same[kind, 4 * sum(sharded_numel(p, layout, config.model, config.parallel.vocab_parallel) for p in params)] += 1
     out: list[Traffic] = []
     for (kind, shard), units in sorted(same.items()):
         shard_group = step.group("edp" if kind == "experts" else "dp_shard")

@@ -97,7 +97,7 @@ def tp_local_shape(param: ParamTensor, layout: Layout, vocab_parallel: bool) -> 
     return shape
 
 
-def _experts_own_unit(layout: Layout, model: ModelConfig) -> bool:
+def experts_own_unit(layout: Layout, model: ModelConfig) -> bool:
     """Whether the routed experts are their own FSDP unit over edp (``parallel/__init__.py``: ep, etp or tp > 1)."""
     return model.n_moe_layers > 0 and (layout.ep > 1 or layout.etp > 1 or layout.tp > 1)
 
@@ -105,7 +105,7 @@ def _experts_own_unit(layout: Layout, model: ModelConfig) -> bool:
 def sharded_numel(param: ParamTensor, layout: Layout, model: ModelConfig, vocab_parallel: bool) -> int:
     """Elements of ``param`` one rank stores: its tp/ep slice, then its FSDP shard (``parallel/sharding.py``)."""
     shape = tp_local_shape(param, layout, vocab_parallel)
-    if param.expert and _experts_own_unit(layout, model):
+    if param.expert and experts_own_unit(layout, model):
         if layout.dp_replicate * layout.edp > 1:  # else unmanaged: ep (× etp) spans all dp_shard × tp ranks
             # the experts dim when it splits evenly, else the first dim etp leaves whole (``_free_dim``)
             dim = 0 if shape[0] % layout.edp == 0 else 2 if layout.etp > 1 and param.expert_hidden_dim == 1 else 1
@@ -163,13 +163,11 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
     return ModelStates(dense, experts)
 
 
-def _block_gathered(config: RunConfig, layout: Layout, layer: int) -> int:
-    """fp32 bytes FSDP all-gathers to run block ``layer``: its tp-local weights in the units that are sharded."""
-    model, total = config.model, 0
-    for param in parameter_tensors(model, config.moe):
-        if param.layer != layer:
-            continue
-        if param.expert and _experts_own_unit(layout, model):
+def _block_gathered(params: list[ParamTensor], config: RunConfig, layout: Layout) -> int:
+    """fp32 bytes FSDP all-gathers to run one block (``params``): its tp-local weights in the units that are sharded."""
+    total = 0
+    for param in params:
+        if param.expert and experts_own_unit(layout, config.model):
             sharded = layout.edp > 1
         else:
             sharded = layout.dp > 1 and layout.dp_shard > 1
@@ -187,12 +185,12 @@ def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0) -> int:
     gathered from forward to backward, plus one block's gradients.
     """
     layers, first, last = local_layers(config, layout, pp_rank)
-    blocks = [_block_gathered(config, layout, i) for i in layers]
+    params = parameter_tensors(config.model, config.moe)
+    blocks = [_block_gathered([p for p in params if p.layer == i], config, layout) for i in layers]
     root = 0
     if layout.dp > 1 and layout.dp_shard > 1:
         root = sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in parameter_tensors(config.model, config.moe)
-                   if p.layer is None and on_rank(p, layers, first, last)) * FP32
+                   for p in params if p.layer is None and on_rank(p, layers, first, last)) * FP32
     largest = max(blocks, default=0)
     if config.parallel.reshard_after_forward:
         return root + 3 * largest
