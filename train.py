@@ -37,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "none: start fresh; PATH: a checkpoint folder, or a folder of them")
     parser.add_argument("--init-from", default=None, metavar="FILE",
                         help="start from the weights in a safetensors file (python -m training.export writes one)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build every rank's model on the meta device under a fake process group, print each "
+                             "rank's model-state bytes beside the memory model's prediction, and exit: no training, "
+                             "nothing allocated, any world size on one machine")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="with --dry-run: the number of ranks to plan for (default: WORLD_SIZE, or 1)")
     return parser.parse_args(argv)
 
 
@@ -45,7 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # everything is validated before any process group or tensor exists
         config = load_config(args.config, args.overrides)
-        layout, _, _ = resolve_layout(config, int(os.environ.get("WORLD_SIZE", 1)))
+        if args.world_size is not None and not args.dry_run:
+            raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
+        world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+        if world_size < 1:
+            raise ConfigError(f"--world-size must be at least 1, got {world_size}")
+        if args.dry_run:
+            from analysis.dry_run import dry_run, format_dry_run  # the CLI's one use of analysis/
+
+            built, estimates = dry_run(config, world_size, "fp32" if config.train.precision == "fp32" else "bf16")
+            print(format_dry_run(config, built, estimates, None))
+            return 0
+        layout, _, _ = resolve_layout(config, world_size)
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
         try:

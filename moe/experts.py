@@ -75,12 +75,6 @@ class GroupedExperts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if activation == "swiglu" else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        for weight in (self.w_in, self.w_gate):
-            if weight is not None:
-                nn.init.normal_(weight, std=std)
-        nn.init.normal_(self.w_out, std=out_std)
-
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: [N, D] grouped by expert; tokens_per_expert: [E] -> [N, D] in the compute dtype."""
         return expert_ffn(x, tokens_per_expert, self.w_in, self.w_gate, self.w_out)
@@ -110,11 +104,6 @@ class FeedForward(nn.Module):
         self.w_in = nn.Linear(d_model, hidden, bias=False)
         self.w_gate = nn.Linear(d_model, hidden, bias=False)
         self.w_out = nn.Linear(hidden, d_model, bias=False)
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.w_in.weight, std=std)
-        nn.init.normal_(self.w_gate.weight, std=std)
-        nn.init.normal_(self.w_out.weight, std=out_std)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w_out(F.silu(self.w_gate(x)) * self.w_in(x))

@@ -66,13 +66,6 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0
         self.last_stats: RoutingStats | None = None
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.router.gate, std=std)
-        self.router.expert_bias.zero_()
-        self.experts.init_weights(std, out_std)
-        if self.shared_experts is not None:
-            self.shared_experts.init_weights(std, out_std)
-
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, S, D] -> [B, S, D]."""
         batch, seq, dim = x.shape

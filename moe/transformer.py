@@ -6,6 +6,7 @@ Shapes: B sequences, S positions, D = d_model, nh / nkv query / key-value heads,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 
 from moe.config import ModelConfig, MoEConfig
 from moe.experts import FeedForward
+from moe.init import Slice, initialize, whole
 from moe.layer import MoELayer, RoutingStats
 
 
@@ -41,11 +43,6 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.normal_(linear.weight, std=std)
-        nn.init.normal_(self.wo.weight, std=out_std)
-
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x: [B, S, D]; cos, sin: the rotary tables of at least S positions, of which the first S are used."""
         batch, seq, _ = x.shape
@@ -73,12 +70,6 @@ class Block(nn.Module):
     def feed_forward(self) -> nn.Module:
         return self.moe if self.moe is not None else self.ffn
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        self.attn_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attn.init_weights(std, out_std)
-        self.feed_forward.init_weights(std, out_std)
-
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
@@ -90,14 +81,14 @@ class MoETransformer(nn.Module):
     ``layers`` is a ModuleDict keyed by the layer index as a string, so parameter
     names stay the same when pipeline parallelism keeps only some of the layers.
 
-    Initialisation (``init_weights``): every weight matrix and the embedding are
-    N(0, init_std) and norms are ones, except the projections that write into the
-    residual stream (attention ``wo``, FFN and expert ``w_out``), which are
-    N(0, init_std / sqrt(2 * n_layers)) so the residual's variance does not grow with
-    depth (GPT-2, Radford et al. 2019 sec. 2.3; Megatron-LM's scaled init).
+    Initialisation (``init_weights``) follows ``moe/init.py``: each element is drawn from a generator
+    seeded by (seed, parameter name, chunk), so a rank that holds a slice of a parameter can draw just
+    that slice and get the single-process numbers. Built on the meta device (``with torch.device("meta")``)
+    the model holds no memory and nothing is initialised: ``parallel.materialize`` allocates this rank's
+    shards after the layout is applied and initialises them with the same rules.
     """
 
-    def __init__(self, config: ModelConfig, moe_config: MoEConfig):
+    def __init__(self, config: ModelConfig, moe_config: MoEConfig, seed: int = 0):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
@@ -111,18 +102,27 @@ class MoETransformer(nn.Module):
         cos, sin = rope_tables(config.head_dim, config.seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if self.tok_embeddings.weight.device.type != "meta":
+            self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int, locate: Callable[[Tensor], Slice] = whole) -> None:
+        """Initialise every parameter (``moe/init.py``'s rules) and buffer; ``locate`` finds a shard's place."""
         std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for block in self.layers.values():
-            block.init_weights(std, out_std)
-        self.norm.reset_parameters()
-        if not self.config.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
+        initialize(self, seed, std, std / math.sqrt(2 * self.config.n_layers), locate)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The rotary tables and the routers' balancing biases (zero), on the buffers' own device.
+
+        Needed after ``to_empty`` (materialising a meta model), which leaves buffers uninitialised.
+        """
+        cos, sin = rope_tables(self.config.head_dim, self.config.seq_len, self.config.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for layer in self.moe_layers().values():
+            layer.router.expert_bias.zero_()
 
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens: [B, S] int64 -> logits [B, S, V] (fp32 under autocast too)."""

@@ -120,15 +120,6 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, dire
         set_optimizer_state_dict(model, optimizer, optim_state, options=options)
 
 
-def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full (unsharded) state dict into ``model`` as it is sharded now; every rank passes the same tensors."""
-    module = stateful_module(model)
-    if module is not model:  # a pipeline stage takes its own blocks' tensors; a missing one is still an error
-        own = module.state_dict().keys()
-        state = {name: value for name, value in state.items() if name in own}
-    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=True))
-
-
 # --- writing -----------------------------------------------------------------------------------------
 
 

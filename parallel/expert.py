@@ -52,6 +52,19 @@ def expert_major_index(counts: Tensor, num_rows: int | None = None) -> Tensor:
     return torch.repeat_interleave(starts_em - out_start, sizes_em, output_size=rows.numel()) + rows
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.scale, None
+
+
 @dataclass
 class ExchangePlan:
     """One forward's exchange, built by ``plan_exchange`` and used by dispatch and combine of that call only.
@@ -163,6 +176,10 @@ class ExpertParallelExperts(nn.Module):
             sharded = DTensor.from_local(local.clone(), expert_mesh, placements, run_check=False)
             self.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         self.has_gate = experts.w_gate is not None
+        # multiplies the weights' gradients: ``parallel.sharding.shard_experts`` sets it where no FSDP unit
+        # reduces (and so averages) them. A property of the module, not a hook on the parameters, so it
+        # holds when materialising a meta-built model swaps the parameters' data.
+        self.grad_scale = 1.0
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: [N, D] grouped by global expert id; tokens_per_expert: [E] -> [N, D] in the experts' compute dtype."""
@@ -172,8 +189,12 @@ class ExpertParallelExperts(nn.Module):
         return self._exchange_and_compute(x, tokens_per_expert)
 
     def _local_ffn(self, x: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
-        w_gate = self.w_gate.to_local() if self.has_gate else None
-        return expert_ffn(x, tokens_per_local_expert, self.w_in.to_local(), w_gate, self.w_out.to_local())
+        def local(weight: DTensor) -> Tensor:
+            tensor = weight.to_local()
+            return _ScaleGradient.apply(tensor, self.grad_scale) if self.grad_scale != 1.0 else tensor
+
+        w_gate = local(self.w_gate) if self.has_gate else None
+        return expert_ffn(x, tokens_per_local_expert, local(self.w_in), w_gate, local(self.w_out))
 
     def _exchange_and_compute(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         if self.ep_mesh.size() == 1:  # expert tensor parallelism alone: every expert is here, nothing to send

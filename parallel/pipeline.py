@@ -270,12 +270,15 @@ class PipelineModel:
         return torch.cat(per_batch)
 
 
-def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups, schedule: str,
+def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups, device: torch.device, schedule: str,
                    virtual_stages: int, microbatches: int, micro_batch_size: int,
                    loss_fn: Callable[[Tensor, Tensor], Tensor], autocast: Callable[[], AbstractContextManager],
                    activation_checkpointing: str = "none", reshard_after_forward: bool = True,
                    sequence_parallel: bool = False, vocab_parallel: bool = False) -> PipelineModel:
-    """Cut ``model`` (the full, seeded model of ``moe``'s experts, the same on every rank) into this rank's stages.
+    """Cut ``model`` (the whole model of ``moe``'s experts, on meta or the same on every rank) into this rank's stages.
+
+    The stages run on ``device``; a meta-built model's stages stay on meta until ``parallel.materialize``
+    gives each of them its shards.
 
     ``loss_fn(logits, targets)`` is the mean LM loss of one micro-batch of ``micro_batch_size``
     sequences; ``autocast`` wraps each stage's forward (compute precision), as it wraps the
@@ -287,7 +290,6 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     num_stages = layout.pp * virtual_stages
     ranges = stage_layers(config, moe, num_stages)
     pp_rank = groups.coords()["pp"]
-    device = next(model.parameters()).device
     seq, width = config.seq_len, config.d_model
     stream_seq = seq // layout.tp if sequence_parallel else seq  # positions of the hidden states between stages
 

@@ -45,17 +45,17 @@ def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_s
     ``set_gradient_divide_factor(dp)``, keeps to the reductions every backend has: on gloo a custom
     factor needs ``set_force_sum_reduction_for_comms``, and torch 2.13 then divides twice when the
     shard group has one rank (HSDP with edp = 1). With a single replica (``expert_dp_mesh`` None: ep
-    spans all of dp_shard × tp) there is nothing to shard or reduce: the experts stay out of FSDP and a
-    gradient hook only divides. Returns the parameters FSDP must leave alone in the dense units
+    spans all of dp_shard × tp) there is nothing to shard or reduce: the experts stay out of FSDP and their
+    module divides their gradients (``ExpertParallelExperts.grad_scale``). Returns the parameters FSDP must
+    leave alone in the dense units
     (empty in the first case: FSDP already owns them).
     """
     unmanaged: set[nn.Parameter] = set()
     for layer in model.moe_layers().values():
         experts = layer.experts
         if expert_dp_mesh is None:
-            for param in experts.parameters():
-                param.register_hook(lambda grad: grad / dp_size)
-                unmanaged.add(param)
+            experts.grad_scale = 1.0 / dp_size
+            unmanaged.update(experts.parameters())
             continue
         # Shard the experts dim when it splits evenly over the edp ranks, else the first dim that expert
         # tensor parallelism leaves whole (torchtitan: dim 1).

@@ -27,8 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from moe.config import ConfigError
 from parallel.checkpoint import (
@@ -36,7 +34,6 @@ from parallel.checkpoint import (
     CheckpointCorruptError,
     async_save_sharded,
     barrier,
-    load_full_model_state,
     load_sharded,
     publish,
     save_sharded,
@@ -46,6 +43,7 @@ from parallel.checkpoint import (
     write_text_atomic,
 )
 from parallel.groups import ParallelGroups
+from parallel.materialize import load_weights_file
 from parallel.runtime import Runtime
 from training.checkpoint_interval import AutoInterval
 from training.config import RunConfig
@@ -89,14 +87,6 @@ def config_changes(saved: dict, current: dict) -> dict[str, dict[str, Any]]:
     before, after = _flatten(saved), _flatten(current)
     return {key: {"saved": before.get(key), "now": after.get(key)}
             for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)}
-
-
-def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, on CPU (a plain tensor format: reading it runs no code)."""
-    try:
-        return load_file(str(path))
-    except (OSError, SafetensorError) as exc:
-        raise ConfigError(f"--init-from {path}: not a readable safetensors file ({exc})") from exc
 
 
 class Checkpointer:
@@ -190,13 +180,12 @@ class Checkpointer:
         return 0
 
     def _init_weights(self, model: torch.nn.Module) -> None:
-        """Start from the weights of a consolidated safetensors file (``training/export.py``), fresh optimizer."""
-        weights = read_weights(self.init_from)
-        try:
-            load_full_model_state(model, weights)
-        except RuntimeError as exc:
-            raise ConfigError(f"--init-from {self.init_from}: does not fit this model ({exc})") from exc
-        self.say(f"initialised from {self.init_from} ({len(weights)} tensors); optimizer state starts fresh")
+        """Start from the weights of a consolidated safetensors file (``training/export.py``), fresh optimizer.
+
+        Each rank reads only its own shards of each tensor (``parallel.materialize.load_weights_file``).
+        """
+        count = sum(load_weights_file(part, self.init_from) for part in getattr(model, "stages", [model]))
+        self.say(f"initialised from {self.init_from} ({count} tensors on this rank); optimizer state starts fresh")
 
     def _load(self, path: Path, model, optimizer, sampler: TokenSampler) -> int:
         if self.init_from is not None:

@@ -1,28 +1,42 @@
-"""Export a sharded checkpoint to one consolidated safetensors file, and read such a file back.
+"""Export a sharded checkpoint to one consolidated safetensors file.
 
     python -m training.export runs/moe-8x/checkpoints/step_0000300 model.safetensors
     python train.py --init-from model.safetensors ...
 
-The export runs in one process whatever layout saved the checkpoint: DCP reassembles every tensor (each
-expert of the ep-sharded stacks in order) into the single-process model. The file holds the model's
-parameters and buffers (the balancing biases included) under the single-process names, and the resolved
-config as metadata, so it is usable for inference and analysis without this toolkit. safetensors is a
-plain tensor format: reading it executes nothing.
+The export runs in one process whatever layout saved the checkpoint, and streams: the file's header is
+written from the checkpoint's metadata (every tensor's name, shape and dtype), then DCP reassembles one
+tensor at a time (each expert of an ep-sharded stack in order) and its bytes are appended. Peak memory is
+one tensor, not the model. The file holds the model's parameters and buffers (the balancing biases
+included) under the single-process names, and the resolved config as metadata, so it is usable for
+inference and analysis without this toolkit. safetensors is a plain tensor format: reading it executes
+nothing; ``train.py --init-from`` reads each rank's shards of it (``parallel.materialize``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
-from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe.config import ConfigError
 from moe.transformer import MoETransformer
-from parallel.checkpoint import CheckpointCorruptError, load_sharded, verify
+from parallel.checkpoint import (
+    CheckpointCorruptError,
+    SafeFileSystemReader,
+    TensorsOnlyLoadPlanner,
+    load_sharded,
+    verify,
+)
 from training.checkpointing import CONFIG_FILE, published_checkpoints
 from training.config import config_from_dict
 
@@ -32,7 +46,8 @@ CONFIG_METADATA_KEY = "config.yaml"
 def consolidated_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], str, Path]:
     """(full model state dict, resolved config YAML, checkpoint folder) of a verified checkpoint, in one process.
 
-    ``checkpoint`` is a ``step_NNNNNNN`` folder, or a folder of them (a run's ``checkpoints/``): its newest.
+    The whole model in memory, for analysis of models that fit one process (``analysis/router.py``);
+    ``export_checkpoint`` streams instead.
     """
     found = published_checkpoints(checkpoint)
     if found:  # a folder of checkpoints: its newest
@@ -45,11 +60,71 @@ def consolidated_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], str, 
     return {name: tensor.contiguous() for name, tensor in model.state_dict().items()}, config_text, checkpoint
 
 
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32"}
+
+
+def write_safetensors_streaming(out: Path, entries: dict[str, tuple[torch.Size, torch.dtype]],
+                                tensor: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file tensor by tensor: ``entries`` (name: shape, dtype) first, each ``tensor(name)`` after.
+
+    The format (huggingface/safetensors' README) is an 8-byte little-endian header length, a JSON header
+    of every tensor's dtype, shape and byte range, then the raw bytes: the header needs only shapes, so
+    it is written first and each tensor is asked for, written and dropped in turn. The safetensors
+    package's own writer takes every tensor at once, which for a model is the whole model in memory.
+    """
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, (shape, dtype) in entries.items():
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ConfigError(f"tensor '{name}' has dtype {dtype}, which the export does not write")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    partial = out.with_name(f".{out.name}.partial")
+    with open(partial, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for name, (shape, dtype) in entries.items():
+            value = tensor(name)
+            if value.shape != shape or value.dtype != dtype:
+                raise ConfigError(f"tensor '{name}' read as {tuple(value.shape)} {value.dtype}, the checkpoint's "
+                                  f"metadata says {tuple(shape)} {dtype}")
+            handle.write(value.contiguous().view(torch.uint8).numpy().tobytes())
+        handle.flush()
+        os.fsync(handle.fileno())
+    partial.replace(out)  # a reader never sees a half-written file under the final name
+
+
 def export_checkpoint(checkpoint: Path, out: Path) -> int:
-    """Write ``checkpoint``'s model to ``out`` (safetensors); returns the number of tensors written."""
-    state, config_text, checkpoint = consolidated_state(checkpoint)
-    save_file(state, str(out), metadata={CONFIG_METADATA_KEY: config_text, "checkpoint": str(checkpoint)})
-    return len(state)
+    """Write ``checkpoint``'s model to ``out`` (safetensors), one tensor in memory at a time; returns the count.
+
+    ``checkpoint`` is a ``step_NNNNNNN`` folder, or a folder of them (a run's ``checkpoints/``): its newest.
+    """
+    found = published_checkpoints(checkpoint)
+    if found:
+        checkpoint = found[0][1]
+    verify(checkpoint)
+    config_text = (checkpoint / CONFIG_FILE).read_text(encoding="utf-8")
+    config_from_dict(yaml.safe_load(config_text))  # a checkpoint of this toolkit's model, or an error
+    reader = SafeFileSystemReader(checkpoint)
+    prefix = "model."
+    entries = {key[len(prefix):]: (meta.size, meta.properties.dtype)
+               for key, meta in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+
+    def read(name: str) -> torch.Tensor:
+        shape, dtype = entries[name]
+        value = torch.empty(shape, dtype=dtype)
+        dcp.load({"model": {name: value}}, storage_reader=SafeFileSystemReader(checkpoint),
+                 planner=TensorsOnlyLoadPlanner(allow_partial_load=True))
+        return value
+
+    write_safetensors_streaming(out, entries, read, {CONFIG_METADATA_KEY: config_text, "checkpoint": str(checkpoint)})
+    return len(entries)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import resource
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), FLOP/s.
 GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
@@ -70,3 +73,37 @@ def choose_precision(requested: str, device: torch.device) -> PrecisionChoice:
     precision = "bf16" if speedup >= BF16_SPEEDUP_THRESHOLD else "fp32"
     reason = f"auto: bf16 matmuls run {speedup:.1f}x fp32 here (threshold {BF16_SPEEDUP_THRESHOLD}x)"
     return PrecisionChoice(precision, reason, bf16 if precision == "bf16" else fp32, "measured")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far: CUDA's peak allocated bytes on a GPU, peak resident memory on a CPU.
+
+    The CPU figure (``getrusage``'s maximum resident set) counts everything the process touched, the
+    interpreter and torch's libraries too (a few hundred MiB), so it bounds the training state from above.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    """Memory in use now: CUDA's allocated bytes on a GPU, resident memory on a CPU (Linux; 0 where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
+def memory_per_rank(device: torch.device, peak: bool = True) -> list[int]:
+    """Every rank's ``peak_memory_bytes`` (or ``current_memory_bytes``): a collective over the default group."""
+    mine = peak_memory_bytes(device) if peak else current_memory_bytes(device)
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    local = torch.tensor([mine], dtype=torch.int64, device=device)  # NCCL takes device tensors
+    every = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, local)
+    return every.tolist()

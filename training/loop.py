@@ -28,13 +28,14 @@ from moe.layer import RoutingStats
 from moe.transformer import MoETransformer
 from parallel import clip_grad_norm_, parallelize
 from parallel.groups import Layout, ParallelGroups, validate_for_model
+from parallel.materialize import materialize
 from parallel.pipeline import PipelineModel, build_pipeline, check_pipeline
 from parallel.runtime import Runtime
 from parallel.tensor import check_tensor_parallel, loss_context
 from training.checkpointing import Checkpointer
 from training.config import RunConfig
 from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
-from training.hardware import choose_precision
+from training.hardware import choose_precision, memory_per_rank
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
@@ -149,6 +150,31 @@ def resolve_layout(config: RunConfig, world_size: int) -> tuple[Layout, int, int
     return layout, micro, microbatches
 
 
+def build_model(config: RunConfig, groups: ParallelGroups, device: torch.device, micro: int, microbatches: int,
+                autocast, allocate: bool = True) -> MoETransformer | PipelineModel:
+    """This rank's part of the model, parallelized by ``groups``' layout, on ``device``, initialised.
+
+    The whole model is only ever a description on the meta device: it is cut into this rank's pipeline
+    stages (if any) and parallelized there, and only then are this rank's shards allocated and
+    initialised (``parallel.materialize``), with the single-process weights for ``train.seed``.
+    ``allocate=False`` leaves it on meta (``train.py --dry-run`` measures the shards' shapes).
+    """
+    with torch.device("meta"):
+        model = MoETransformer(config.model, config.moe)
+    par = config.parallel
+    if groups.layout.pp > 1:  # this rank's stages, each parallelized like the whole model
+        model = build_pipeline(model, config.moe, groups, device, par.pp_schedule, par.pp_virtual_stages,
+                               microbatches, micro, lm_loss, autocast, par.activation_checkpointing,
+                               par.reshard_after_forward, par.sequence_parallel, par.vocab_parallel)
+    else:
+        model = parallelize(model, groups, par.activation_checkpointing, par.reshard_after_forward,
+                            par.sequence_parallel, par.vocab_parallel)
+    if allocate:
+        for part in model.stages if isinstance(model, PipelineModel) else [model]:
+            materialize(part, device, config.train.seed)
+    return model
+
+
 @torch.no_grad()
 def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfig, micro: int, autocast,
              dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None) -> float:
@@ -246,17 +272,9 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction)
     sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
 
-    torch.manual_seed(config.train.seed)  # every rank builds the same full model, then keeps its shards
-    model = MoETransformer(config.model, config.moe).to(device)
-    if pp_group is not None:  # this rank's stages, each parallelized like the whole model
-        model = build_pipeline(model, config.moe, groups, config.parallel.pp_schedule,
-                               config.parallel.pp_virtual_stages, accumulation, micro, lm_loss, autocast,
-                               config.parallel.activation_checkpointing, config.parallel.reshard_after_forward,
-                               config.parallel.sequence_parallel, config.parallel.vocab_parallel)
-    else:
-        model = parallelize(model, groups, config.parallel.activation_checkpointing,
-                            config.parallel.reshard_after_forward, config.parallel.sequence_parallel,
-                            config.parallel.vocab_parallel)
+    torch.manual_seed(config.train.seed)  # the generator that router jitter draws from
+    before_model = memory_per_rank(device, peak=False)  # the process without the model: interpreter, data
+    model = build_model(config, groups, device, micro, accumulation, autocast)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
     checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_from)
@@ -306,7 +324,8 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
         if step % config.logging.log_interval == 0 or step == config.train.steps:
             record = interval.record(dp_group, pp_group, balancing_biases(model))
             record.update({"train/lr": lr, "train/grad_norm": grad_norm,
-                           "perf/mfu": record["perf/tokens_per_s"] * flops_per_token / precision.peak_flops})
+                           "perf/mfu": record["perf/tokens_per_s"] * flops_per_token / precision.peak_flops,
+                           "perf/memory_peak_gib": max(memory_per_rank(device)) / 2**30})
             logger.log(step, record)
             routing_log.append(step, interval.routing_result, last=step == config.train.steps)
             progress.update(step, record)
@@ -322,8 +341,11 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
     logger.log(config.train.steps, {"val/loss": val})
     elapsed = time.perf_counter() - start
+    peaks = [peak / 2**30 for peak in memory_per_rank(device)]
     summary.update({"val/loss": val, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,
-                    "steps": config.train.steps, "precision": precision.precision})
+                    "steps": config.train.steps, "precision": precision.precision,
+                    "perf/memory_peak_gib": max(peaks), "perf/memory_peak_gib_per_rank": peaks,
+                    "perf/memory_before_model_gib_per_rank": [held / 2**30 for held in before_model]})
     logger.summary(summary)
     logger.close()
     progress.close(summary)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from moe import experts as experts_module
 from moe.config import MoEConfig
 from moe.experts import GroupedExperts
+from moe.init import initialize
 from moe.layer import MoELayer
 
 D = 16
@@ -77,7 +78,7 @@ def test_dropless_layer_matches_naive_reference(case):
     config = MoEConfig(num_experts=6, expert_hidden=12, capacity_factor=None, aux_loss_coef=0.1,
                        z_loss_coef=0.01, **case)
     layer = MoELayer(D, config)
-    layer.init_weights(0.3, 0.3)
+    initialize(layer, 0, 0.3, 0.3)
     x = torch.randn(2, 7, D, requires_grad=True)
     grad_out = torch.randn(2, 7, D)
 
@@ -105,7 +106,7 @@ def test_fully_dropped_tokens_get_a_zero_routed_output():
     torch.manual_seed(0)
     config = MoEConfig(num_experts=4, top_k=1, expert_hidden=8, capacity_factor=0.25, force_balance=False)
     layer = MoELayer(D, config)
-    layer.init_weights(0.3, 0.3)
+    initialize(layer, 0, 0.3, 0.3)
     x = torch.randn(1, 16, D)
     out = layer(x).view(16, D)
     capacity = 1  # ceil(0.25 * 1 * 16 / 4)
@@ -121,7 +122,7 @@ def test_grouped_experts_equal_a_per_expert_loop(activation, use_grouped_mm, mon
         monkeypatch.setattr(experts_module, "HAS_GROUPED_MM", False)  # the padded-bmm fallback
     torch.manual_seed(0)
     experts = GroupedExperts(5, D, 12, activation)
-    experts.init_weights(0.3, 0.3)
+    initialize(experts, 0, 0.3, 0.3)
     counts = torch.tensor([3, 0, 7, 1, 5])  # an empty group included
     x = torch.randn(int(counts.sum()), D, requires_grad=True)
     grad = torch.randn(int(counts.sum()), D)
@@ -149,7 +150,7 @@ def test_bf16_autocast_layer_close_to_fp32():
     torch.manual_seed(0)
     config = MoEConfig(num_experts=8, top_k=2, expert_hidden=32, capacity_factor=None)
     layer = MoELayer(D, config)
-    layer.init_weights(0.2, 0.2)
+    initialize(layer, 0, 0.2, 0.2)
     x = torch.randn(2, 32, D)
     ref = layer(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -164,7 +165,7 @@ def test_routing_stats_match_a_per_token_loop(top_k, score_func):
     torch.manual_seed(0)
     config = MoEConfig(num_experts=5, top_k=top_k, expert_hidden=8, score_func=score_func, renormalize=False)
     layer = MoELayer(D, config)
-    layer.init_weights(0.5, 0.3)
+    initialize(layer, 0, 0.5, 0.3)
     x = torch.randn(3, 6, D)
     layer(x)
     routed = layer.router(x.reshape(-1, D))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe.config import MoEConfig
+from moe.init import initialize
 from moe.losses import attach_loss, load_balancing_loss, z_loss
 from moe.router import TopKRouter
 
@@ -125,7 +126,7 @@ def test_balancing_gradients_reach_the_gate_without_the_caller():
     config = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, capacity_factor=None,
                        aux_loss_coef=0.5, z_loss_coef=0.1)
     layer = MoELayer(6, config)
-    layer.init_weights(0.5, 0.5)
+    initialize(layer, 0, 0.5, 0.5)
     x = torch.randn(2, 5, 6)
     out = layer(x)
     (out * 0).sum().backward()  # the LM objective contributes nothing; only the injected losses remain

@@ -50,8 +50,8 @@ def _job(rank: int, world_size: int, overrides: list[str], job: dict) -> None:
     runtime = init_runtime() if world_size > 1 else Runtime(0, 1, 0, torch.device("cpu"))
     groups = ParallelGroups.build(Layout.resolve(world_size, **config.parallel.degrees()), "cpu")
     if "load" in job:
-        torch.manual_seed(123)  # weights unlike the checkpoint's, so a tensor not loaded would show
-        model = parallelize(MoETransformer(config.model, config.moe), groups)
+        # weights unlike the checkpoint's, so a tensor not loaded would show
+        model = parallelize(MoETransformer(config.model, config.moe, seed=123), groups)
         optimizer = build_optimizer(model, config.train)
         load_sharded(model, optimizer, Path(job["load"]))
         state = gathered(model, optimizer)
@@ -130,8 +130,8 @@ def test_checkpoint_reshards_into_another_layout(source, layout, world_size, res
         return
     want, got = train_losses(source_dir), train_losses(run_dir)
     assert sorted(got) == [4, 5, 6]
-    for step in got:
-        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    for step in got:  # another layout sums in another order: the parity matrix's tolerance
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     for name, value in source_state.items():
         torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
@@ -145,8 +145,8 @@ def test_pipeline_resumes_an_ep_checkpoint_and_saves_one_that_loads_anywhere(sou
     launch(["parallel.pp=2"], 2, {"run_dir": str(run_dir)})
     want, got = train_losses(source_dir), train_losses(run_dir)
     assert sorted(got) == [4, 5, 6]
-    for step in got:
-        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    for step in got:  # another layout sums in another order: the parity matrix's tolerance
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
     launch([], 1, {"load": str(run_dir / "checkpoints" / "step_0000006"), "load_out": str(tmp_path / "loaded.pt")})
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert loaded.keys() == source_state.keys()

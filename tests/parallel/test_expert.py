@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from moe.config import MoEConfig
 from moe.dispatch import expert_capacity, plan_dispatch
+from moe.init import initialize
 from moe.layer import MoELayer
 from parallel.expert import ExpertParallelExperts, expert_major_index
 from parallel.groups import Layout, ParallelGroups
@@ -62,7 +63,7 @@ def _layer(capacity_factor: float | None) -> MoELayer:
                        num_shared_experts=1, aux_loss_coef=0.01, z_loss_coef=0.001)
     torch.manual_seed(0)  # every rank builds the same weights
     layer = MoELayer(D, config)
-    layer.init_weights(0.1, 0.05)
+    initialize(layer, 0, 0.1, 0.05)
     return layer
 
 

@@ -1,0 +1,87 @@
+"""Give a meta-built, parallelized model memory: this rank's shards only, initialised as one process would.
+
+The model is constructed on the meta device (no storage), cut into pipeline stages and parallelized
+there (tensor, expert and sharded data parallelism turn its parameters into DTensors whose local tensors
+are this rank's slices, still on meta). ``materialize`` then allocates the local tensors on the device
+(``nn.Module.to_empty``; FSDP2 re-pads its shards there) and fills each with its slice of the
+single-process weights (``moe/init.py``): no rank ever allocates a whole parameter it does not hold, and
+the weights do not depend on the layout. Peak memory is the rank's shards plus one init chunk (and, for a
+FSDP-sharded parameter whose dim 0 does not split evenly, FSDP's padded copy of that one shard).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from moe.config import ConfigError
+from moe.init import Slice, whole
+from moe.transformer import MoETransformer
+
+
+def locate(param: Tensor) -> Slice:
+    """Where this rank's local tensor of ``param`` sits in the global parameter.
+
+    DTensor placements (tp's Shard, FSDP2's Shard and _StridedShard over a tp-sharded dim, ep's Shard(0))
+    all keep a contiguous box of the global tensor on each rank; torch computes its offset the way
+    distributed checkpointing does.
+    """
+    if not isinstance(param, DTensor):
+        return whole(param)
+    local = param.to_local()
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise AssertionError(f"local tensor {tuple(local.shape)} is not the computed shard {tuple(shape)}")
+    return Slice(local, tuple(param.shape), tuple(offset))
+
+
+@torch.no_grad()
+def materialize(model: MoETransformer, device: torch.device, seed: int) -> None:
+    """Allocate ``model``'s meta tensors on ``device`` (this rank's shards) and initialise them, in place.
+
+    The parameters stay the same objects (their data is swapped in, ``torch.utils.swap_tensors``), so
+    what was attached to them while parallelizing holds: gradient hooks (``parallel/sharding.py``'s
+    division for experts outside FSDP), FSDP's ignored-parameter sets, the tie of the embedding and the
+    LM head. ``to_empty`` alone would make new parameters and drop all three.
+    """
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    model.init_weights(seed, locate)
+
+
+@torch.no_grad()
+def load_weights_file(module: nn.Module, path: Path | str) -> int:
+    """Fill ``module``'s tensors (this rank's shards) from a safetensors file of the single-process model.
+
+    Streams tensor by tensor and reads from each only this rank's slice (safetensors maps the file and
+    slices it in place), so peak memory is one shard, never a whole tensor or the model. Every parameter
+    and persistent buffer of ``module`` must be in the file with the single-process shape: the first that
+    is missing or differs is named (a pipeline stage reads only its own blocks' tensors). Returns the
+    number of tensors read.
+    """
+    targets = {name: value for name, value in module.state_dict().items()}
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            present = set(weights.keys())
+            for name, value in targets.items():
+                if name not in present:
+                    raise ConfigError(f"{path}: has no tensor '{name}' that this model needs")
+                source = weights.get_slice(name)
+                target = locate(value)
+                if tuple(source.get_shape()) != target.global_shape:
+                    raise ConfigError(f"{path}: tensor '{name}' has shape {tuple(source.get_shape())}, this model "
+                                      f"needs {target.global_shape}; the file is of another model shape")
+                box = tuple(slice(lo, lo + n) for lo, n in zip(target.offset, target.local.shape, strict=True))
+                target.local.copy_(source[box] if box else source[:])
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"{path}: not a readable safetensors file ({exc})") from exc
+    return len(targets)
