@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from moe.config import ConfigError
 from parallel.checkpoint import CheckpointCorruptError
 from parallel.groups import ParallelGroups
@@ -63,12 +65,22 @@ def main(argv: list[str] | None = None) -> int:
             print(format_dry_run(config, built, estimates, None))
             return 0
         layout, _, _ = resolve_layout(config, world_size)
+        from analysis.fit_check import available_bytes_per_rank, check_fits  # the memory model, before any work
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        compute = "bf16" if config.train.precision == "bf16" or (config.train.precision == "auto"
+                                                                 and device_type == "cuda") else "fp32"
+        needs = check_fits(config, world_size, available_bytes_per_rank(device_type), compute)
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
         try:
             groups = ParallelGroups.build(layout, runtime.device.type)
             if runtime.is_main and layout.world_size > 1:
                 print(groups.describe(), file=sys.stderr)
+            if runtime.is_main:
+                print("memory model: " + ", ".join(f"{need / 2**30:.2f} GiB" for need in needs)
+                      + (" per rank of each pipeline stage" if len(needs) > 1 else " per rank")
+                      + f" ({compute}; the run logs perf/memory_peak_gib to compare)", file=sys.stderr)
             train(config, run_dir, runtime, groups, resume=args.resume, init_from=args.init_from)
         finally:
             shutdown_runtime()

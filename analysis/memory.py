@@ -12,6 +12,9 @@ What one rank holds during a step (``estimate``):
   Assumed peak: the root unit (embedding, final norm, head: never resharded) plus, in backward, the current
   and the prefetched block's weights and the current block's unsharded gradients before their reduce-scatter;
   with ``reshard_after_forward=false`` every local block stays gathered from forward to backward instead.
+- **the optimizer step**: every state, the gradients not yet freed, and the one fp32 buffer torch's foreach
+  AdamW allocates (the square root of the matrices' second moments). It is the step's peak when the
+  activations are small (few tokens per micro-batch, a large model): ``total`` takes the larger of the two.
 - **activations** (``analysis/memory_activations.py``): what autograd saves for backward in one micro-batch's
   forward, tensor by tensor as the modules of ``moe/`` save it (listed in each function), times the
   micro-batches in flight (``in_flight``). Under bf16 autocast the cast copies of the weights that the
@@ -81,8 +84,14 @@ class MemoryEstimate:
         return sum(self.activations.values())
 
     @property
-    def total(self) -> int:
+    def forward_backward(self) -> int:
+        """The peak of forward and backward: states, gathered weights, activations held, the logits buffer."""
         return self.states.total + self.gathered + self.activation_total + self.logits_buffer
+
+    @property
+    def total(self) -> int:
+        """The step's peak: forward and backward's, or the optimizer step's when that is larger (small batches)."""
+        return max(self.forward_backward, self.states.optimizer_step_peak)
 
 
 def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 0) -> MemoryEstimate:
@@ -191,7 +200,10 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
     for name, values in rows:
         lines.append(f"{name:<{width}}" + "".join(f"{_size(v):>14}" for v in values))
     lines.append(f"{'  micro-batches held':<{width}}" + "".join(f"{e.in_flight:>14g}" for e in estimates))
-    lines.append(f"{'total':<{width}}" + "".join(f"{_size(e.total):>14}" for e in estimates))
+    lines.append(f"{'forward and backward':<{width}}" + "".join(f"{_size(e.forward_backward):>14}" for e in estimates))
+    lines.append(f"{'optimizer step':<{width}}"
+                 + "".join(f"{_size(e.states.optimizer_step_peak):>14}" for e in estimates))
+    lines.append(f"{'total (the larger)':<{width}}" + "".join(f"{_size(e.total):>14}" for e in estimates))
     worst = max(e.total for e in estimates)
     verdict = "fits" if worst <= device_gib * GIB else "does NOT fit"
     lines.append(f"largest rank {_size(worst)}: {verdict} in {device_gib:g} GiB "

@@ -121,6 +121,11 @@ class ModelStates:
 
     weights_dense: int
     weights_experts: int
+    # bytes of the matrices (everything but the norms' gains): torch's foreach AdamW takes the square root of
+    # a whole parameter group's second moments into one new fp32 buffer per step (``_multi_tensor_adam``),
+    # and the matrices are the largest group (``training.optim``); an upper bound where tensor parallelism
+    # splits that group into sharded and whole tensors
+    weights_matrices: int = 0
 
     @property
     def weights(self) -> int:
@@ -138,6 +143,11 @@ class ModelStates:
     def total(self) -> int:
         return self.weights + self.grads + self.optimizer
 
+    @property
+    def optimizer_step_peak(self) -> int:
+        """During ``optimizer.step``: every state, gradients still held, and AdamW's one transient buffer."""
+        return self.total + self.weights_matrices
+
 
 def local_layers(config: RunConfig, layout: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
     """The blocks on pipeline rank ``pp_rank`` (its stages s ≡ pp_rank mod pp) and whether it is first / last."""
@@ -151,7 +161,7 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
     """Model-state bytes of one rank of pipeline rank ``pp_rank``: fp32 weights, gradients, two Adam moments."""
     model, vp = config.model, config.parallel.vocab_parallel
     layers, first, last = local_layers(config, layout, pp_rank)
-    dense = experts = 0
+    dense = experts = matrices = 0
     for param in parameter_tensors(model, config.moe):
         if not on_rank(param, layers, first, last):
             continue
@@ -160,7 +170,9 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
             experts += numel * FP32
         else:
             dense += numel * FP32
-    return ModelStates(dense, experts)
+        if len(param.shape) >= 2:
+            matrices += numel * FP32
+    return ModelStates(dense, experts, matrices)
 
 
 def _block_gathered(params: list[ParamTensor], config: RunConfig, layout: Layout) -> int:

@@ -9,9 +9,10 @@ moments) for its few steps twice, with ``train.py`` as a user would:
 - ``python train.py --config moe-large``: one process, the whole model.
 
 and prints, per rank, the peak memory the run logged (``perf/memory_peak_gib_per_rank`` in summary.json:
-peak resident memory on a CPU) less what the process held just before building the model (interpreter,
-torch, data: ``perf/memory_before_model_gib_per_rank``), beside the memory model's prediction for that
-rank (``analysis.memory``: model states + FSDP's gathered weights + activations + logits). A measurement,
+peak resident memory on a CPU, with glibc told to return freed tensors: see ``train``) less what the process
+held just before building the model (interpreter, torch, data: ``perf/memory_before_model_gib_per_rank``),
+beside the memory model's prediction for that rank (``analysis.memory``: the larger of forward/backward's
+peak and the optimizer step's). A measurement,
 never a pass/fail test: the checks ``make test`` runs are in tests/parallel/test_materialize.py.
 
     python benchmarks/large_model.py [--config moe-large] [--nproc 4] [--set key=value ...] [--json PATH]
@@ -36,10 +37,15 @@ from training.config import load_config  # noqa: E402
 
 def train(config: str, overrides: list[str], nproc: int, run_dir: Path) -> dict:
     """Run ``train.py`` (under torchrun when ``nproc > 1``) and return its summary.json."""
-    args = ["train.py", "--config", config, "--run-dir", str(run_dir), "--resume", "none", "--set", *overrides]
+    args = ["train.py", "--config", config, "--run-dir", str(run_dir), "--resume", "none",
+            *(["--set", *overrides] if overrides else [])]
     command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
                if nproc > 1 else [sys.executable, *args])
-    env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}
+    # glibc keeps freed heap memory (and raises its mmap threshold as large blocks come and go), so without this
+    # the resident peak counts long-freed tensors; 128 KiB makes every larger tensor its own mapping, returned
+    # to the system when freed, and the peak resident memory tracks the live tensors
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+           "MALLOC_MMAP_THRESHOLD_": "131072"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -63,7 +69,8 @@ def main() -> None:
     parallel = [*args.overrides, f"parallel.ep={args.nproc}"]
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, nproc, overrides in (("one process", 1, args.overrides), (f"{args.nproc} ranks", args.nproc, parallel)):
+        runs = (("one process", 1, args.overrides), (f"{args.nproc} ranks", args.nproc, parallel))
+        for name, nproc, overrides in runs:
             config = load_config(args.config, overrides)
             summary = train(args.config, overrides, nproc, Path(tmp) / name.replace(" ", "_"))
             predicted = estimate(config, nproc, "fp32" if config.train.precision == "fp32" else "bf16").total / GIB

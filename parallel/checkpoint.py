@@ -42,8 +42,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from moe.config import ConfigError
-
 # DCP warns on every call without a process group that it assumes a single process: here that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
@@ -69,20 +67,35 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 
 def stateful_module(model) -> nn.Module:
-    """The module whose state this rank checkpoints: the model, or under pipeline parallelism its stage.
+    """The module whose state this rank checkpoints: the model, or under pipeline parallelism its stage(s).
 
     A pipeline stage keeps the full model's parameter names (``parallel/pipeline.py``), so the stages'
     shards land under the same keys as any other layout's and a checkpoint reshards across pp too.
-    Several stages per rank (interleaved schedules) would need one state dict over all of them, which
-    torch's state-dict helpers do not take; that case is refused rather than half-saved.
+    Several stages per rank (the interleaved schedule) are seen through one ``StagesView``.
     """
     stages = getattr(model, "stages", None)
     if stages is None:
         return model
-    if len(stages) != 1:
-        raise ConfigError(f"checkpoints under parallel.pp_virtual_stages={len(stages)} (several pipeline stages "
-                          "per rank) are not supported yet; use parallel.pp_virtual_stages=1 or no checkpoints")
-    return stages[0]
+    return stages[0] if len(stages) == 1 else StagesView(stages)
+
+
+class StagesView(nn.Module):
+    """A rank's pipeline stages as one module under the full model's names, for state dicts.
+
+    torch's state-dict helpers take one module, and one optimizer over all of its parameters; the
+    interleaved schedule gives a rank several stage modules and one optimizer. This view registers the
+    stages' own blocks (``layers``, keyed by layer index, disjoint across stages) and whichever stage holds
+    the embedding, the final norm and the head, so ``named_parameters`` yields exactly the names the
+    single-process model has for them. It owns nothing and runs nothing: the stages stay as they are.
+    """
+
+    def __init__(self, stages: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict({name: block for stage in stages for name, block in stage.layers.items()})
+        for part in ("tok_embeddings", "norm", "output"):
+            held = [getattr(stage, part) for stage in stages if not isinstance(getattr(stage, part), nn.Identity)]
+            if held:
+                setattr(self, part, held[0])
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from moe.transformer import MoETransformer
 from parallel import parallelize
-from parallel.checkpoint import load_sharded
+from parallel.checkpoint import load_sharded, stateful_module
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime, init_runtime
 from tests.parallel.parity import TINY, full_state
@@ -38,7 +39,7 @@ EP2 = ["parallel.dp_shard=2", "parallel.ep=2"]
 def gathered(model, optimizer) -> dict[str, torch.Tensor]:
     """Every model tensor and every Adam state tensor, full, keyed ``model/<name>`` and ``optim/<name>/<key>``."""
     out = {f"model/{name}": value for name, value in full_state(model).items()}
-    for name, state in get_optimizer_state_dict(model, optimizer)["state"].items():
+    for name, state in get_optimizer_state_dict(stateful_module(model), optimizer)["state"].items():
         for key, value in state.items():
             out[f"optim/{name}/{key}"] = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
     return out
@@ -59,8 +60,12 @@ def _job(rank: int, world_size: int, overrides: list[str], job: dict) -> None:
             torch.save(state, job["load_out"])
     if "run_dir" in job:
         result = train(config, Path(job["run_dir"]), runtime, groups)
-        if "final_out" in job:
+        if "final_out" in job:  # under pp each rank holds its stages' part: merged on rank 0
             state = gathered(result.model, result.optimizer)
+            parts = [None] * world_size if rank == 0 and world_size > 1 else None
+            if world_size > 1:
+                dist.gather_object(state, parts, dst=0)
+                state = {name: value for part in parts or [] for name, value in part.items()}
             if rank == 0:
                 torch.save(state, job["final_out"])
 
@@ -152,3 +157,31 @@ def test_pipeline_resumes_an_ep_checkpoint_and_saves_one_that_loads_anywhere(sou
     assert loaded.keys() == source_state.keys()
     for name, value in source_state.items():  # the same training, in another layout: fp32 tolerance
         torch.testing.assert_close(loaded[name], value, rtol=1e-4, atol=1e-4, msg=name)
+
+
+INTERLEAVED = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+               "model.n_layers=4", "model.tie_embeddings=false"]
+
+
+def test_interleaved_pipeline_resumes_bit_identical_and_its_checkpoint_loads_in_one_process(tmp_path):
+    """Two stages per rank (blocks 0 and 2 on rank 0, 1 and 3 on rank 1): resumed from step 3 the run
+    repeats the uninterrupted steps 4-6 exactly, and its step-6 checkpoint, loaded into one process, is
+    every tensor of the uninterrupted run's final state."""
+    source_dir, resumed_dir = tmp_path / "source", tmp_path / "resumed"
+    launch(INTERLEAVED, 2, {"run_dir": str(source_dir), "final_out": str(tmp_path / "source.pt")})
+    launch(INTERLEAVED, 2, {"run_dir": str(resumable(source_dir, 3, resumed_dir)),
+                            "final_out": str(tmp_path / "resumed.pt")})
+    want = train_losses(source_dir)
+    assert train_losses(resumed_dir) == {step: want[step] for step in (4, 5, 6)}
+    source_state = torch.load(tmp_path / "source.pt", weights_only=True)
+    resumed_state = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    assert resumed_state.keys() == source_state.keys()
+    assert any(name.startswith("optim/layers.3.") for name in source_state)
+    for name, value in source_state.items():
+        assert torch.equal(resumed_state[name], value), name
+    launch(INTERLEAVED[3:], 1, {"load": str(resumed_dir / "checkpoints" / "step_0000006"),
+                                "load_out": str(tmp_path / "loaded.pt")})
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    assert loaded.keys() == source_state.keys()
+    for name, value in source_state.items():
+        assert torch.equal(loaded[name], value), name

@@ -1,0 +1,42 @@
+"""Too little memory for a layout is refused before any work, naming the stage, the bytes and layouts that fit."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import train
+from analysis import fit_check
+from analysis.fit_check import check_fits, predicted_bytes
+from analysis.memory import GIB
+from moe.config import ConfigError
+from training.config import load_config
+
+MODEL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
+         "moe.num_experts=4", "moe.expert_hidden=64", "train.global_batch_size=16", "train.precision=fp32"]
+
+
+def test_a_layout_that_does_not_fit_names_the_stage_the_bytes_and_layouts_that_fit():
+    config = load_config("moe-8x", [*MODEL, "parallel.pp=2", "parallel.dp_shard=4"])
+    needs = predicted_bytes(config, 8, "fp32")
+    assert check_fits(config, 8, max(needs), "fp32") == needs  # exactly enough: accepted
+    assert check_fits(config, 8, None, "fp32") == needs  # unknown memory: no check
+    available = max(needs) - 1
+    with pytest.raises(ConfigError) as refused:
+        check_fits(config, 8, available, "fp32")
+    message = str(refused.value)
+    worst = needs.index(max(needs))
+    assert f"the ranks of pipeline stage {worst}" in message
+    assert f"need(s) {max(needs) / GIB:.2f} GiB" in message and f"has {available / GIB:.2f} GiB" in message
+    suggested = re.findall(r"\(([\d.]+) GiB\)", message.split("fastest first:")[1])
+    assert suggested and all(float(gib) <= available / GIB + 0.005 for gib in suggested)
+
+
+def test_train_refuses_before_any_work_and_says_when_no_layout_fits(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(fit_check, "available_bytes_per_rank", lambda device_type: 1 << 20)  # 1 MiB
+    run_dir = tmp_path / "run"
+    assert train.main(["--set", *MODEL, "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: not enough memory: every rank") and "no layout of 1 rank(s) fits" in err
+    assert not run_dir.exists()  # nothing was started or written
