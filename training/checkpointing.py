@@ -12,6 +12,11 @@ A checkpoint ``<run_dir>/checkpoints/step_NNNNNNN/`` holds:
 The aux-loss-free balancing biases are buffers of the model and travel with it; the LR schedule is a
 pure function of the step. ``latest`` names the newest published checkpoint, for people and tools;
 resuming walks the published checkpoints newest first and takes the first that verifies.
+
+Only a state known good is published: its weights are finite on every rank, and its own loss (the next
+step's forward, or the final validation for the last state) is finite. A save is written when it is taken
+and published once that loss is seen; a state that turns out bad is discarded before anything published is
+pruned, so a divergence never evicts the checkpoints from before it, and ``--resume auto`` takes the last good one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,7 @@ import torch.distributed as dist
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from moe.config import ConfigError
 from parallel.checkpoint import (
@@ -99,6 +106,35 @@ def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
         raise ConfigError(f"--init-from {path}: not a readable safetensors file ({exc})") from exc
 
 
+def weights_finite(model: torch.nn.Module, runtime: Runtime) -> bool:
+    """Whether every parameter of the whole model is finite, the same answer on every rank.
+
+    Each rank checks only what it holds (a DTensor's local shard, its own pipeline stages): one isfinite-all per
+    local tensor, then one all-reduce of a one-element flag over all ranks; no weights are gathered.
+    """
+    with torch.no_grad():
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        flag = (torch.stack([torch.isfinite(t).all() for t in local]).all() if local
+                else torch.ones((), dtype=torch.bool))
+        flag = flag.to(device=runtime.device, dtype=torch.int32).reshape(1)  # NCCL: device tensors
+        if runtime.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+
+@dataclass
+class _Save:
+    """A save written (or being written, ``future``) to ``tmp`` and not yet published."""
+
+    future: Any  # the async write's future; None when written synchronously
+    step: int
+    tmp: Path
+    started: float
+    blocked: float | None  # seconds training was blocked (async); None: the whole save
+    written: list[float] = field(default_factory=list)  # when the background write ended
+    good: bool = False  # the state's own loss was seen finite: it may be published
+
+
 class Checkpointer:
     """Saves, resumes and guards one run; every rank makes the same calls in the same order (they are collective).
 
@@ -120,9 +156,10 @@ class Checkpointer:
         # async writes run collectives from a background thread: they get a group of their own
         self.async_group = groups.background_group() if self.policy.async_save else None
         self.last_saved_step: int | None = None
+        self.resumed_step: int | None = None  # the checkpoint this run started from
+        self.confirmed_step: int | None = None  # the newest state whose own loss this process saw finite
         self._last_save_time = time.monotonic()
-        # the save being written: (future or None, step, tmp folder, started, blocked seconds, [written at])
-        self._pending: tuple | None = None
+        self._pending: _Save | None = None  # the save waiting for its state to be known good, or for its write
         self.log_metrics = None  # set to MetricsLogger.log to record save times in metrics.jsonl
         self.saves: list[dict[str, float]] = []  # per save: step, seconds, blocked seconds, bytes
 
@@ -206,7 +243,7 @@ class Checkpointer:
         state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
         sampler.load_state_dict(state["sampler"])
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
-        self.last_saved_step = self.step
+        self.last_saved_step = self.resumed_step = self.step
         same_world = state["world_size"] == self.runtime.world_size
         if same_world:
             self._set_rng(torch.load(path / "rng" / f"rank_{self.runtime.rank:05d}.pt", weights_only=True))
@@ -260,13 +297,24 @@ class Checkpointer:
 
     def check_finite(self, step: int, loss: float, grad_norm: float, model, optimizer,
                      sampler: TokenSampler) -> str | None:
-        """Count a non-finite step (``train_step`` skipped its update); after ``train.max_bad_steps`` in a row,
-        save the last good state and return the message to stop with. None: go on."""
+        """Judge ``step``; returns the message to stop with, or None to go on (collective: every rank calls it).
+
+        ``loss`` was computed on the weights the step started from, so it is that state's own loss: a finite one
+        lets the save of that state be published, a non-finite one discards it. A non-finite loss or gradient norm
+        skipped the update (``train_step``); after ``train.max_bad_steps`` such steps in a row the run stops, and
+        at once when an update with finite loss and gradient wrote non-finite weights (nothing can undo it).
+        """
         self.step = step
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self._judge_pending(step - 1, finite)
+        if finite:
+            self.confirmed_step = step - 1
             self.bad_in_a_row = 0
             self.tokens_seen += self.tokens_per_step
-            return None
+            if weights_finite(model, self.runtime):
+                return None
+            return (f"step {step}: the update gave non-finite weights (loss {loss} and gradient norm {grad_norm} "
+                    f"were finite); stopping. {self._advice()}")
         self.bad_in_a_row += 1
         self.skipped_steps += 1
         limit = self.config.train.max_bad_steps
@@ -274,11 +322,42 @@ class Checkpointer:
                  f"({self.bad_in_a_row} in a row, limit train.max_bad_steps={limit})")
         if self.bad_in_a_row < limit:
             return None
-        path = self.save(step, model, optimizer, sampler, reason="non-finite")
-        self._finalize_pending()  # published before the run stops, also when saving asynchronously
-        return (f"step {step}: {limit} non-finite steps in a row (loss {loss}, gradient norm {grad_norm}); stopping. "
-                f"The weights are those of the last good step, saved in {path}. Try a lower train.lr "
-                f"(now {self.config.train.lr}) or train.grad_clip, and resume")
+        return (f"step {step}: {limit} non-finite steps in a row (loss {loss}, gradient norm {grad_norm}); "
+                f"stopping. {self._advice()}")
+
+    def _judge_pending(self, step: int, good: bool) -> None:
+        """The save of the state after ``step`` (if one waits) is good: publish it (a synchronous one now, an
+        asynchronous one once written); or bad: discard it."""
+        pending = self._pending
+        if pending is None or pending.step != step or pending.good:
+            return
+        if not good:
+            self._discard_pending()
+            return
+        pending.good = True
+        if pending.future is None:
+            self._finalize_pending()
+
+    def _advice(self) -> str:
+        """What to do after a divergence: the last good checkpoint and how to resume it with other settings.
+        Publishes a save still pending if its state was confirmed good (discards it otherwise) first."""
+        self._finalize_pending()
+        published = published_checkpoints(self.root)
+        lr = f"a lower train.lr (now {self.config.train.lr}) or train.grad_clip (now {self.config.train.grad_clip})"
+        if published and published[0][0] == self.resumed_step and self.confirmed_step is None:
+            # not one good step since resuming: the checkpoint itself gives non-finite losses (the lr cannot:
+            # the first step's loss and gradient come before any update)
+            older = [path for step, path in published if step < self.resumed_step]
+            where = (f"resume from the one before it with --resume {older[0]}" if older else
+                     "no earlier checkpoint is kept: start again with --resume none (this run's files are moved "
+                     "aside)")
+            return (f"The checkpoint this run resumed from, {published[0][1]}, gives non-finite steps itself; "
+                    f"{where}, with {lr}")
+        if published:
+            return (f"The last good state is {published[0][1]} (nothing after it was published); run again in "
+                    f"this run directory to resume it, with {lr}")
+        return (f"No checkpoint of a good state was saved; start again with {lr}, with --resume none (this run's "
+                "files are moved aside) or another --run-dir")
 
     def _due(self, step: int) -> bool:
         """Whether the policy asks for a save after ``step``; the same answer on every rank."""
@@ -297,21 +376,31 @@ class Checkpointer:
         return due
 
     def after_step(self, step: int, model, optimizer, sampler: TokenSampler) -> None:
-        """Save if the policy says so."""
-        if self.policy.enabled and step != self.config.train.steps and self._due(step):
+        """Save if the policy says so, and the step was good (a skipped step leaves weights that gave non-finite
+        values: not a state to save). The save is published once the next step's loss is finite."""
+        if (self.policy.enabled and step != self.config.train.steps and self.bad_in_a_row == 0
+                and self._due(step)):
             self.save(step, model, optimizer, sampler)
 
-    def finish(self, step: int, model, optimizer, sampler: TokenSampler) -> None:
-        """Save the final state (when checkpointing is on) and wait for any save still being written."""
+    def finish(self, step: int, model, optimizer, sampler: TokenSampler, val_loss: float) -> str | None:
+        """Save the final state, whose own loss is the final validation ``val_loss``, and publish every save still
+        pending. Returns the message to stop with when the final state is not good (nothing of it is saved)."""
+        if self.bad_in_a_row or not math.isfinite(val_loss):
+            why = (f"the last {self.bad_in_a_row} step(s) were non-finite and skipped" if self.bad_in_a_row else
+                   f"the final weights give a non-finite validation loss ({val_loss})")
+            return f"step {step}: {why}; the final state is not saved. {self._advice()}"
         if self.policy.enabled and self.last_saved_step != step:
             self.save(step, model, optimizer, sampler, reason="final")
+        self._judge_pending(step, good=True)
         self._finalize_pending()
+        return None
 
     # --- saving --------------------------------------------------------------------------------------
 
     def save(self, step: int, model, optimizer, sampler: TokenSampler, reason: str = "interval") -> Path:
-        """Write a checkpoint of the state after ``step``; returns its final folder (published when this returns,
-        or, with async saving, once the background write is done: at the next save or at the end)."""
+        """Write a checkpoint of the state after ``step`` to a temporary folder; returns its final folder. It is
+        published once the state is known good (``check_finite`` of the next step, or ``finish``) and, with async
+        saving, its background write is done (at the next save or at the end)."""
         self._finalize_pending()
         started = time.perf_counter()
         final = self.root / step_dir_name(step)
@@ -331,23 +420,41 @@ class Checkpointer:
             future = async_save_sharded(state, tmp, self.async_group)
             written: list[float] = []  # when the background write ended (publication waits for the next save)
             future.add_done_callback(lambda _: written.append(time.perf_counter()))
-            self._pending = (future, step, tmp, started, time.perf_counter() - started, written)
+            self._pending = _Save(future, step, tmp, started, time.perf_counter() - started, written)
         else:
             save_sharded(state, tmp)
-            self._pending = (None, step, tmp, started, None, [])
-            self._finalize_pending()
+            self._pending = _Save(None, step, tmp, started, None)
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         return final
 
+    def _discard_pending(self) -> None:
+        """Drop the pending save: its state is not known good (waits for its write first)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.future is not None:
+            pending.future.result()
+        barrier()
+        if self.runtime.is_main:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+        barrier()
+        self.last_saved_step = None
+        self.say(f"checkpoint {step_dir_name(pending.step)} discarded: the state it holds gives non-finite values")
+
     def _finalize_pending(self) -> None:
-        """Wait for the pending write on every rank, then publish it (manifest, rename, ``latest``, pruning)."""
+        """Wait for the pending write on every rank, then publish it (manifest, rename, ``latest``, pruning);
+        a save whose state was not confirmed good is discarded instead."""
         if self._pending is None:
             return
-        future, step, tmp, started, blocked, written = self._pending
-        self._pending = None
-        if future is not None:
-            future.result()
+        if not self._pending.good:
+            self._discard_pending()
+            return
+        pending, self._pending = self._pending, None
+        step, tmp, started, blocked, written = (pending.step, pending.tmp, pending.started, pending.blocked,
+                                                pending.written)
+        if pending.future is not None:
+            pending.future.result()
         barrier()
         size = 0
         if self.runtime.is_main:

@@ -317,10 +317,12 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
             logger.log(step, {"val/loss": val})
             progress.message(f"step {step}: val loss {val:.4f}")
         checkpoints.after_step(step, model, optimizer, sampler)
-    checkpoints.finish(config.train.steps, model, optimizer, sampler)
-
     val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
     logger.log(config.train.steps, {"val/loss": val})
+    stop = checkpoints.finish(config.train.steps, model, optimizer, sampler, val)  # saved only if val is finite
+    if stop:
+        logger.close()
+        raise NonFiniteLossError(stop)
     elapsed = time.perf_counter() - start
     summary.update({"val/loss": val, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,
                     "steps": config.train.steps, "precision": precision.precision})
