@@ -57,6 +57,7 @@ from parallel.runtime import Runtime
 from training.checkpoint_interval import AutoInterval
 from training.config import RunConfig
 from training.data import TokenSampler
+from training.routing_stats import truncate_routing
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
@@ -68,6 +69,12 @@ RESUME_CHANGES = "resume_changes.yaml"
 
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:07d}"
+
+
+def checkpoint_root(config: RunConfig, run_dir: Path) -> Path:
+    """The folder a run's checkpoints go to: ``checkpoint.dir``, under the run directory unless absolute."""
+    folder = Path(config.checkpoint.dir)
+    return folder if folder.is_absolute() else Path(run_dir) / folder
 
 
 def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -149,7 +156,7 @@ class Checkpointer:
         self.init_from = init_from
         self.policy = config.checkpoint
         self.run_dir = Path(run_dir)
-        self.root = Path(self.policy.dir) if Path(self.policy.dir).is_absolute() else self.run_dir / self.policy.dir
+        self.root = checkpoint_root(config, self.run_dir)
         self.tokens_per_step = config.train.global_batch_size * config.model.seq_len
         self.step, self.tokens_seen, self.skipped_steps, self.bad_in_a_row = 0, 0, 0, 0
         self.auto = AutoInterval(self.policy.mtbf_hours * 3600.0) if self.policy.interval == "auto" else None
@@ -270,7 +277,9 @@ class Checkpointer:
         write_text_atomic(log, yaml.safe_dump(entries, sort_keys=False))
 
     def _truncate_metrics(self) -> None:
-        """Drop metric records past the resumed step, so metrics.jsonl reads as one run's curve."""
+        """Drop metric records and routing rows past the resumed step, so metrics.jsonl and routing/*.npy read as
+        one run's."""
+        truncate_routing(self.run_dir, self.step)
         metrics = self.run_dir / "metrics.jsonl"
         if not metrics.is_file():
             return

@@ -31,7 +31,7 @@ from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.pipeline import PipelineModel, build_pipeline, check_pipeline
 from parallel.runtime import Runtime
 from parallel.tensor import check_tensor_parallel, loss_context
-from training.checkpointing import Checkpointer
+from training.checkpointing import Checkpointer, checkpoint_root
 from training.config import RunConfig
 from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
 from training.hardware import choose_precision
@@ -45,6 +45,7 @@ from training.routing_stats import (
     balancing_biases,
     routing_metrics,
 )
+from training.run_dir import hold_run_dir
 
 
 class NonFiniteLossError(RuntimeError):
@@ -232,7 +233,14 @@ class RunResult:
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
           resume: str = "auto", init_from: str | None = None) -> RunResult:
     """Train ``config`` in ``run_dir`` under ``groups``' layout, resuming as ``resume`` says (``Checkpointer``)
-    or starting from the weights of the safetensors file ``init_from``."""
+    or starting from the weights of the safetensors file ``init_from``. The run holds ``run_dir`` while it lives
+    (``training/run_dir.py``: a second run there is refused, and a new run never mixes with an old one)."""
+    with hold_run_dir(run_dir, runtime, checkpoint_root(config, run_dir), resume):
+        return _train(config, run_dir, runtime, groups, resume, init_from)
+
+
+def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
+           resume: str, init_from: str | None) -> RunResult:
     device = runtime.device
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
     dp_group = groups.group("dp") if dp_size > 1 else None

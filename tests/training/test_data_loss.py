@@ -5,14 +5,30 @@ point) with a tiny model for a few steps, and checks the exit status, that no tr
 nothing published was lost or mixed.
 """
 
+import contextlib
+import io
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
+import yaml
 
 import train
 import training.loop
+from parallel.runtime import Runtime
+from tests.spawn import spawn
 from tests.training.test_checkpointing import load_checkpoint
-from training.checkpointing import published_checkpoints
+from training.checkpointing import Checkpointer, published_checkpoints
+from training.metrics import read_metrics
+from training.routing_stats import read_routing
+from training.run_dir import hold_run_dir
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_len=32", "model.ffn_hidden=64",
         "moe.num_experts=4", "moe.expert_hidden=32", "train.global_batch_size=4", "train.warmup_steps=0",
@@ -96,3 +112,97 @@ def test_a_final_state_with_non_finite_validation_loss_is_not_saved(tmp_path, mo
     err = capsys.readouterr().err
     assert "the final weights give a non-finite validation loss" in err and "Traceback" not in err
     assert steps(tmp_path) == [3, 2, 1]  # step 3 was confirmed by step 4's finite loss; step 4 not saved
+
+
+# --- one run per run directory ---------------------------------------------------------------------------------
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+import torch
+from parallel.runtime import Runtime
+from training.run_dir import hold_run_dir
+run_dir = Path(sys.argv[1])
+with hold_run_dir(run_dir, Runtime(0, 1, 0, torch.device("cpu")), run_dir / "checkpoints", "auto"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_held_directory_is_refused_naming_the_holder_and_a_killed_holder_blocks_nothing(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(tmp_path, "train.steps=2") == 2
+        err = capsys.readouterr().err
+        assert f"is in use by another run (pid {holder.pid} on host {socket.gethostname()}" in err
+        assert "Traceback" not in err and not (tmp_path / "config.yaml").exists()
+    finally:
+        holder.kill()  # SIGKILL: the holder cannot clean up, the OS drops its lock
+        holder.wait()
+    assert main(tmp_path, "train.steps=2") == 0
+
+
+def _refused_rank(rank, run_dir, out):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        status = train.main(["--run-dir", run_dir, "--set", *TINY, "train.steps=2"])
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"status": status, "stderr": stderr.getvalue()}))
+
+
+def test_every_rank_of_a_job_learns_the_refusal_and_one_says_it(tmp_path):
+    run_dir = tmp_path / "run"
+    with hold_run_dir(run_dir, Runtime(0, 1, 0, torch.device("cpu")), run_dir / "checkpoints", "auto"):
+        spawn(_refused_rank, 2, str(run_dir), str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["status"] for r in ranks] == [2, 2]
+    errors = [line for r in ranks for line in r["stderr"].splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"pid {os.getpid()}" in errors[0]
+    assert not any("Traceback" in r["stderr"] for r in ranks)
+
+
+def snapshot(run_dir):
+    return {path.relative_to(run_dir).as_posix(): path.read_bytes() for path in sorted(run_dir.rglob("*"))
+            if path.is_file() and path.name != "run.lock"}
+
+
+def test_a_used_run_directory_without_checkpoints_is_refused_or_moved_aside_never_mixed(tmp_path, capsys):
+    assert main(tmp_path, "train.steps=3") == 0
+    first = snapshot(tmp_path)
+    capsys.readouterr()
+
+    assert main(tmp_path, "train.steps=2") == 2  # the same command again: nothing to continue from
+    err = capsys.readouterr().err
+    assert "holds a run (config.yaml, metrics.jsonl, summary.json, routing) without a checkpoint" in err
+    assert "--resume none" in err and "Traceback" not in err
+    assert snapshot(tmp_path) == first
+    other = tmp_path.parent / f"{tmp_path.name}-other"
+    assert main(other, "train.steps=1", "checkpoint.interval=1") == 0
+    assert main(tmp_path, "train.steps=2", resume=str(other / "checkpoints")) == 2  # another run's checkpoint
+    assert "in a new --run-dir" in capsys.readouterr().err and snapshot(tmp_path) == first
+
+    assert main(tmp_path, "train.steps=2", resume="none") == 0  # start over: the old run moves aside, whole
+    [aside] = (tmp_path / "replaced").iterdir()
+    assert snapshot(aside) == first
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2]
+    assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2]
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 2
+
+
+def test_a_resumed_run_rewinds_its_routing_rows_with_its_metrics(tmp_path, monkeypatch):
+    original = Checkpointer.after_step
+
+    def crash_after_step_3(self, step, *args):
+        original(self, step, *args)
+        if step == 3:
+            raise RuntimeError("crash")
+
+    monkeypatch.setattr(Checkpointer, "after_step", crash_after_step_3)
+    with pytest.raises(RuntimeError, match="crash"):
+        main(tmp_path, "train.steps=4", "checkpoint.interval=2")
+    assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2, 3, 3]
+    monkeypatch.setattr(Checkpointer, "after_step", original)
+    assert main(tmp_path, "train.steps=4", "checkpoint.interval=2") == 0  # resumes step 2
+    assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
