@@ -12,18 +12,23 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from numpy.testing import assert_array_equal
 
 import train
 import training.loop
 from parallel.runtime import Runtime
 from tests.spawn import spawn
 from tests.training.test_checkpointing import load_checkpoint
+from training import data
 from training.checkpointing import Checkpointer, published_checkpoints
+from training.data import load_tokens
 from training.metrics import read_metrics
 from training.routing_stats import read_routing
 from training.run_dir import hold_run_dir
@@ -206,3 +211,61 @@ def test_a_resumed_run_rewinds_its_routing_rows_with_its_metrics(tmp_path, monke
     assert main(tmp_path, "train.steps=4", "checkpoint.interval=2") == 0  # resumes step 2
     assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
+
+
+# --- the corpus cache ------------------------------------------------------------------------------------------
+
+
+def fresh(folder, tmp_path):
+    """What a tokenisation with no cache at all gives."""
+    cache = tmp_path / f"fresh-{len(list(tmp_path.glob('fresh-*')))}"
+    return np.asarray(load_tokens(str(folder), cache))
+
+
+def rewrite_keeping_size_and_mtime(path, content):
+    before = path.stat()
+    path.write_bytes(content)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+
+
+@pytest.mark.parametrize("racy_seconds", [2.0, 0.0], ids=["just-written", "older"])
+def test_the_corpus_cache_serves_only_what_a_fresh_tokenisation_would(tmp_path, monkeypatch, racy_seconds):
+    # just-written: files changed within RACY_SECONDS of the build are re-hashed on each start;
+    # older: their status-change time (which writing always moves) is part of the cache's key
+    monkeypatch.setattr(data, "RACY_SECONDS", racy_seconds)
+    folder, cache = tmp_path / "corpus", tmp_path / "cache"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"alpha")
+    (folder / "b.txt").write_bytes(b"bravo")
+    assert bytes(load_tokens(str(folder), cache).astype(np.uint8)) == b"alpha\n\nbravo\n\n"
+    time.sleep(0.05)  # past the file times' grain (a clock tick)
+    cases = [lambda: rewrite_keeping_size_and_mtime(folder / "a.txt", b"ALPHA"),  # same size, same mtime
+             lambda: (folder / "c.txt").write_bytes(b"charlie"),  # a file added
+             lambda: (folder / "b.txt").unlink()]  # a file removed
+    for change in cases:
+        change()
+        assert_array_equal(load_tokens(str(folder), cache), fresh(folder, tmp_path))
+    assert bytes(load_tokens(str(folder), cache).astype(np.uint8)) == b"ALPHA\n\ncharlie\n\n"
+
+
+def test_an_unreadable_corpus_file_is_an_error_naming_it_even_with_a_cache(tmp_path, monkeypatch, capsys):
+    folder, cache = tmp_path / "corpus", tmp_path / "cache"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (folder / name).write_bytes(bytes(range(32, 127)) * 100)
+    settings = [f"data.source={folder}", f"data.cache_dir={cache}", "train.steps=1"]
+    assert main(tmp_path / "r1", *settings) == 0
+    real_open = open
+
+    def open_as_a_user(file, *args, **kwargs):  # the tests may run as root, who reads anything
+        if not os.stat(file).st_mode & 0o444:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(data, "open", open_as_a_user, raising=False)
+    (folder / "b.txt").chmod(0)
+    capsys.readouterr()
+    assert main(tmp_path / "r2", *settings) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {folder / 'b.txt'} (Permission denied)" in err and "Traceback" not in err
