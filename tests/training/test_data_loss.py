@@ -186,6 +186,9 @@ def test_a_used_run_directory_without_checkpoints_is_refused_or_moved_aside_neve
     assert main(other, "train.steps=1", "checkpoint.interval=1") == 0
     assert main(tmp_path, "train.steps=2", resume=str(other / "checkpoints")) == 2  # another run's checkpoint
     assert "in a new --run-dir" in capsys.readouterr().err and snapshot(tmp_path) == first
+    new = tmp_path.parent / f"{tmp_path.name}-new"  # where it belongs, with a changed key recorded
+    assert main(new, "train.steps=2", "train.lr=5e-3", resume=str(other / "checkpoints")) == 0
+    assert yaml.safe_load((new / "resume_changes.yaml").read_text())[0]["changes"]["train.lr"]["now"] == 5e-3
 
     assert main(tmp_path, "train.steps=2", resume="none") == 0  # start over: the old run moves aside, whole
     [aside] = (tmp_path / "replaced").iterdir()
