@@ -190,6 +190,13 @@ class RunConfig:
             self.model.vocab_size >= 256 or self.data.source.endswith(".bin"),
             f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
         )
+        # parallel/checkpoint.py refuses a save with several stages per rank: say so before any work, not at step 1
+        _require(
+            self.parallel.pp_virtual_stages == 1 or not self.checkpoint.enabled,
+            f"checkpoints under parallel.pp_virtual_stages={self.parallel.pp_virtual_stages} (several pipeline "
+            "stages per rank) are not supported yet; use parallel.pp_virtual_stages=1, or no checkpoints "
+            "(checkpoint.interval=null and checkpoint.interval_minutes=null)",
+        )
 
     def to_dict(self) -> dict:
         return to_dict(self)

@@ -307,7 +307,11 @@ def _write_tokens(dest: Path, files: list[tuple[Path, os.stat_result]], skip_bin
     """
     racy_after = time.time_ns() - int(RACY_SECONDS * 1e9)
     digests: dict[str, str] = {}
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    except OSError as error:
+        raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write there ({error.strerror}); use a "
+                         "writable folder") from error
     os.fchmod(fd, 0o644)  # mkstemp makes it private; a shared cache must be readable by every user's ranks
     tokens = 0
     try:
@@ -343,6 +347,9 @@ def _write_tokens(dest: Path, files: list[tuple[Path, os.stat_result]], skip_bin
             else:
                 racy.unlink(missing_ok=True)
             os.replace(tmp_name, dest)
+    except OSError as error:  # writing (reading errors are ValueErrors by now): a full disk, say
+        raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write the token cache there "
+                         f"({error.strerror}); free space or use another folder") from error
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)

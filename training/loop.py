@@ -235,7 +235,7 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     """Train ``config`` in ``run_dir`` under ``groups``' layout, resuming as ``resume`` says (``Checkpointer``)
     or starting from the weights of the safetensors file ``init_from``. The run holds ``run_dir`` while it lives
     (``training/run_dir.py``: a second run there is refused, and a new run never mixes with an old one)."""
-    with hold_run_dir(run_dir, runtime, checkpoint_root(config, run_dir), resume):
+    with hold_run_dir(run_dir, runtime, checkpoint_root(config, run_dir), resume, config.checkpoint.enabled):
         return _train(config, run_dir, runtime, groups, resume, init_from)
 
 

@@ -20,6 +20,7 @@ import fcntl
 import os
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,10 +51,12 @@ class RunDirError(ConfigError):
 
 
 @contextlib.contextmanager
-def hold_run_dir(run_dir: Path, runtime: Runtime, checkpoint_root: Path, resume: str) -> Iterator[None]:
+def hold_run_dir(run_dir: Path, runtime: Runtime, checkpoint_root: Path, resume: str,
+                 saves: bool = False) -> Iterator[None]:
     """Hold ``run_dir`` for the run inside the ``with`` (a collective: every rank enters it).
 
-    Rank 0 creates the directory, takes its lock and readies it for this run (``claim_run_dir``); a refusal
+    Rank 0 creates the directory, takes its lock and readies it for this run (``claim_run_dir``), and checks
+    that ``checkpoint_root`` takes files when the run ``saves`` checkpoints (not at the first save); a refusal
     raises ``RunDirError`` on every rank. The lock is released when the block ends, or by the OS if the process dies.
     """
     run_dir = Path(run_dir)
@@ -62,6 +65,8 @@ def hold_run_dir(run_dir: Path, runtime: Runtime, checkpoint_root: Path, resume:
         try:
             lock = _lock(run_dir)
             claim_run_dir(run_dir, checkpoint_root, resume)
+            if saves:
+                _check_writable(checkpoint_root)
         except (RunDirError, OSError) as exc:  # every rank waits for the verdict: never leave without one
             error = str(exc) if isinstance(exc, RunDirError) else f"--run-dir {run_dir}: {exc}"
             _release(lock)
@@ -108,6 +113,15 @@ def _lock(run_dir: Path) -> IO[str] | None:
                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
     handle.flush()
     return handle
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise RunDirError(f"checkpoint.dir: cannot write checkpoints to {folder} ({exc.strerror}); make it "
+                          "writable, or set checkpoint.dir to a writable folder") from exc
 
 
 def _release(handle: IO[str] | None) -> None:

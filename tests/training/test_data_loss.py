@@ -272,3 +272,29 @@ def test_an_unreadable_corpus_file_is_an_error_naming_it_even_with_a_cache(tmp_p
     assert main(tmp_path / "r2", *settings) == 2
     err = capsys.readouterr().err
     assert f"cannot read {folder / 'b.txt'} (Permission denied)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("checkpoint.dir=/proc", "checkpoint.dir: cannot write checkpoints to /proc"),  # /proc takes no files, even root's
+    ("data.cache_dir=/proc", "data.cache_dir='/proc': cannot write there"),
+])
+def test_an_unwritable_output_folder_is_refused_before_the_first_step(tmp_path, capsys, setting, message):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(bytes(range(32, 127)) * 100)
+    assert main(tmp_path / "r", setting, f"data.source={folder}", "checkpoint.interval=1", "train.steps=2") == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (["train.lr=.inf"], "train.lr: inf is not a finite number"),
+    (["model.init_std=.nan"], "model.init_std: nan is not a finite number"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+      "checkpoint.interval=1"], "checkpoints under parallel.pp_virtual_stages=2"),
+])
+def test_inputs_that_would_fail_mid_run_are_refused_before_any_work(tmp_path, capsys, settings, message):
+    assert main(tmp_path / "r", *settings) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not (tmp_path / "r").exists()
