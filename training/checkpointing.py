@@ -35,12 +35,14 @@ import torch.distributed as dist
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from moe.config import ConfigError
 from parallel.checkpoint import (
     MANIFEST,
     CheckpointCorruptError,
+    SafeFileSystemReader,
     async_save_sharded,
     barrier,
     load_full_model_state,
@@ -48,6 +50,7 @@ from parallel.checkpoint import (
     publish,
     save_sharded,
     sharded_state,
+    stateful_module,
     verify,
     write_manifest,
     write_text_atomic,
@@ -246,6 +249,8 @@ class Checkpointer:
         if self.init_from is not None:
             self.say(f"--init-from {self.init_from} ignored: the run resumes its own checkpoint")
         started = time.perf_counter()
+        saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        self._check_fits(path, model, saved_config)
         load_sharded(model, optimizer, path)
         state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
         sampler.load_state_dict(state["sampler"])
@@ -258,11 +263,32 @@ class Checkpointer:
                  f"{time.perf_counter() - started:.2f} s"
                  + ("" if same_world else f"; saved on {state['world_size']} ranks, now {self.runtime.world_size}: "
                     "resharded, and random generators keep this run's seeding"))
-        saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
         self._record_changes(path, saved_config)
         if self.runtime.is_main:
             self._truncate_metrics()
         return self.step
+
+    def _check_fits(self, path: Path, model, saved_config: dict) -> None:
+        """Refuse, naming the first tensor that differs and the changed model keys, a checkpoint of another model
+        shape (the checkpoint library's own error is a long traceback). Names and global shapes only: the
+        checkpoint's metadata against this rank's state dict, read, not loaded."""
+        saved = {name.removeprefix("model."): meta.size
+                 for name, meta in SafeFileSystemReader(path).read_metadata().state_dict_metadata.items()
+                 if name.startswith("model.")}
+        module = stateful_module(model)
+        live = {name: value.shape for name, value in
+                get_model_state_dict(module, options=StateDictOptions(full_state_dict=False)).items()}
+        problem = next((f"{name} is {list(saved[name]) if name in saved else 'missing'} there, {list(shape)} here"
+                        for name, shape in live.items() if saved.get(name) != shape), None)
+        if problem is None and module is model:  # the whole model here: the checkpoint holds nothing more
+            problem = next((f"{name} is there, not in this model" for name in saved if name not in live), None)
+        if problem is None:
+            return
+        changed = {key: change for key, change in config_changes(saved_config, self.config.to_dict()).items()
+                   if key.startswith(("model.", "moe."))}
+        keys = ", ".join(f"{key} {change['saved']!r} -> {change['now']!r}" for key, change in changed.items())
+        raise ConfigError(f"{path} holds another model shape: {problem}" + (f" (changed: {keys})" if keys else "")
+                          + "; resume it with its own model settings, or start a new run in another --run-dir")
 
     def _record_changes(self, path: Path, saved_config: dict) -> None:
         """Log and append to ``resume_changes.yaml`` every config key that differs from the checkpoint's."""

@@ -298,3 +298,12 @@ def test_inputs_that_would_fail_mid_run_are_refused_before_any_work(tmp_path, ca
     assert main(tmp_path / "r", *settings) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not (tmp_path / "r").exists()
+
+
+def test_resuming_a_checkpoint_of_another_model_shape_names_the_tensor(tmp_path, capsys):
+    assert main(tmp_path, "train.steps=1", "checkpoint.interval=1") == 0
+    assert main(tmp_path, "train.steps=2", "checkpoint.interval=1", "moe.expert_hidden=48") == 2
+    err = capsys.readouterr().err
+    assert "holds another model shape: layers.0.moe.experts.w_in is [4, 32, 32] there, [4, 32, 48] here" in err
+    assert "moe.expert_hidden 32 -> 48" in err and "Traceback" not in err
+    assert steps(tmp_path) == [1]
