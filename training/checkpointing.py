@@ -26,6 +26,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -44,7 +46,6 @@ from parallel.checkpoint import (
     CheckpointCorruptError,
     SafeFileSystemReader,
     async_save_sharded,
-    barrier,
     load_full_model_state,
     load_sharded,
     publish,
@@ -114,6 +115,23 @@ def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise ConfigError(f"--init-from {path}: not a readable safetensors file ({exc})") from exc
+
+
+class CheckpointWriteError(ConfigError):
+    """A save could not be written (a full disk, say); ``quiet`` on ranks other than 0, which says it."""
+
+    def __init__(self, message: str, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
+
+
+def _cause(error: BaseException) -> str:
+    """The first underlying error of ``error`` (DCP wraps each rank's failure), in one line."""
+    failures = getattr(error, "failures", None)
+    if failures:  # {rank: (exception, traceback summary)}
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    return error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
 
 
 def weights_finite(model: torch.nn.Module, runtime: Runtime) -> bool:
@@ -440,7 +458,8 @@ class Checkpointer:
         started = time.perf_counter()
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
-        if self.runtime.is_main:
+
+        def start() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
             trainer_state = {"step": step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
@@ -448,16 +467,18 @@ class Checkpointer:
                              "layout": self.config.parallel.degrees(), "reason": reason}
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
             (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False), encoding="utf-8")
-        barrier()
-        torch.save(self._rng_state(), tmp / "rng" / f"rank_{self.runtime.rank:05d}.pt")
+
+        self._on_every_rank(start, step, tmp, main_only=True)
+        self._on_every_rank(lambda: torch.save(self._rng_state(), tmp / "rng" / f"rank_{self.runtime.rank:05d}.pt"),
+                            step, tmp)
         state = sharded_state(model, optimizer)
         if self.policy.async_save:
-            future = async_save_sharded(state, tmp, self.async_group)
+            future = self._on_every_rank(lambda: async_save_sharded(state, tmp, self.async_group), step, tmp)
             written: list[float] = []  # when the background write ended (publication waits for the next save)
             future.add_done_callback(lambda _: written.append(time.perf_counter()))
             self._pending = _Save(future, step, tmp, started, time.perf_counter() - started, written)
         else:
-            save_sharded(state, tmp)
+            self._on_every_rank(lambda: save_sharded(state, tmp), step, tmp)
             self._pending = _Save(None, step, tmp, started, None)
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
@@ -469,11 +490,9 @@ class Checkpointer:
         if pending is None:
             return
         if pending.future is not None:
-            pending.future.result()
-        barrier()
-        if self.runtime.is_main:
-            shutil.rmtree(pending.tmp, ignore_errors=True)
-        barrier()
+            self._on_every_rank(pending.future.result, pending.step, pending.tmp)
+        self._on_every_rank(lambda: shutil.rmtree(pending.tmp, ignore_errors=True), pending.step, pending.tmp,
+                            main_only=True)
         self.last_saved_step = None
         self.say(f"checkpoint {step_dir_name(pending.step)} discarded: the state it holds gives non-finite values")
 
@@ -488,18 +507,17 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         step, tmp, started, blocked, written = (pending.step, pending.tmp, pending.started, pending.blocked,
                                                 pending.written)
-        if pending.future is not None:
-            pending.future.result()
-        barrier()
-        size = 0
-        if self.runtime.is_main:
+        def publish_it() -> int:
             manifest = write_manifest(tmp, {"step": step})
-            size = sum(entry["bytes"] for entry in manifest["files"].values())
             final = self.root / step_dir_name(step)
             publish(tmp, final)
             write_text_atomic(self.root / LATEST, final.name + "\n")
             self._prune()
-        barrier()
+            return sum(entry["bytes"] for entry in manifest["files"].values())
+
+        # every rank's write is done (an async one waited for) before rank 0 publishes
+        self._on_every_rank(pending.future.result if pending.future is not None else lambda: None, step, tmp)
+        size = self._on_every_rank(publish_it, step, tmp, main_only=True) or 0
         # an async save's time is its write's; publishing (manifest, rename) happens here and is small
         seconds = (written[0] if written else time.perf_counter()) - started
         blocked = seconds if blocked is None else blocked
@@ -511,6 +529,36 @@ class Checkpointer:
         if self.log_metrics is not None:
             self.log_metrics(step, {"checkpoint/save_s": seconds, "checkpoint/blocked_s": blocked,
                                     "checkpoint/bytes": size})
+
+    def _on_every_rank(self, action: Callable[[], Any], step: int, tmp: Path, main_only: bool = False) -> Any:
+        """``action()`` on every rank (or rank 0), then one all-reduce so that all agree whether it worked (the
+        barrier between a save's phases). A failed write (a full disk, say) removes the unpublished ``tmp`` and
+        raises ``CheckpointWriteError`` on every rank; nothing published is touched."""
+        result, error = None, None
+        if not main_only or self.runtime.is_main:
+            try:
+                result = action()
+            except (OSError, CheckpointException) as exc:
+                error = exc
+        failed = error is not None
+        if self.runtime.distributed:
+            flag = torch.tensor([int(failed)], device=self.runtime.device)  # NCCL: device tensors
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            failed = bool(flag.item())
+        if not failed:
+            return result
+        self._pending = None
+        if self.runtime.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif error is not None:
+            print(f"rank {self.runtime.rank}: checkpoint {step_dir_name(step)}: {_cause(error)}", file=sys.stderr)
+        newest = published_checkpoints(self.root)
+        raise CheckpointWriteError(
+            f"checkpoint {step_dir_name(step)} could not be written to {self.root} ("
+            + (_cause(error) if error is not None else "on another rank: see its message")
+            + f"); the run stops. Nothing published was lost (newest: "
+            f"{newest[0][1].name if newest else 'none'}). Free space there, or lower checkpoint.keep (now "
+            f"{self.policy.keep}), then run again to resume", quiet=not self.runtime.is_main)
 
     def _prune(self) -> None:
         """Keep the newest ``checkpoint.keep`` published checkpoints; delete older ones and stray temporary folders."""

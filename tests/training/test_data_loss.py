@@ -6,6 +6,7 @@ nothing published was lost or mixed.
 """
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint.filesystem
 import yaml
 from numpy.testing import assert_array_equal
 
@@ -125,6 +127,7 @@ HOLDER = """
 import sys, time
 from pathlib import Path
 import torch
+import torch.distributed.checkpoint.filesystem
 from parallel.runtime import Runtime
 from training.run_dir import hold_run_dir
 run_dir = Path(sys.argv[1])
@@ -307,3 +310,24 @@ def test_resuming_a_checkpoint_of_another_model_shape_names_the_tensor(tmp_path,
     assert "holds another model shape: layers.0.moe.experts.w_in is [4, 32, 32] there, [4, 32, 48] here" in err
     assert "moe.expert_hidden 32 -> 48" in err and "Traceback" not in err
     assert steps(tmp_path) == [1]
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_full_disk_during_a_save_loses_nothing_and_says_what_to_do(tmp_path, monkeypatch, capsys, async_save):
+    real_write = torch.distributed.checkpoint.filesystem.FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):  # the third save finds the disk full
+        if "step_0000003" in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, plan, planner)
+
+    monkeypatch.setattr(torch.distributed.checkpoint.filesystem.FileSystemWriter, "write_data", write_data)
+    assert main(tmp_path, "train.steps=6", "checkpoint.interval=1", f"checkpoint.async_save={async_save}") == 2
+    err = capsys.readouterr().err
+    assert "checkpoint step_0000003 could not be written" in err and "No space left on device" in err
+    assert "Nothing published was lost (newest: step_0000002)" in err and "lower checkpoint.keep" in err
+    assert "Traceback" not in err
+    assert steps(tmp_path) == [2, 1] and not list((tmp_path / "checkpoints").glob(".tmp_*"))
+    monkeypatch.undo()
+    assert main(tmp_path, "train.steps=4", "checkpoint.interval=1") == 0  # space freed: it resumes step 2
+    assert steps(tmp_path) == [4, 3, 2]
