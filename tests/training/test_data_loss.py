@@ -331,3 +331,10 @@ def test_a_full_disk_during_a_save_loses_nothing_and_says_what_to_do(tmp_path, m
     monkeypatch.undo()
     assert main(tmp_path, "train.steps=4", "checkpoint.interval=1") == 0  # space freed: it resumes step 2
     assert steps(tmp_path) == [4, 3, 2]
+
+
+def test_a_run_directory_that_cannot_be_created_is_refused(capsys):
+    assert main(Path("/proc/moe-toolkit-run"), "train.steps=1") == 2  # /proc takes no folders, even root's
+    err = capsys.readouterr().err
+    assert "--run-dir /proc/moe-toolkit-run: cannot create /proc/moe-toolkit-run/run.lock" in err
+    assert "Traceback" not in err
