@@ -1,6 +1,7 @@
 """Checkpoint policy for one run: what a checkpoint holds, when to save, which one to resume, what to keep.
 
-The mechanism (sharded DCP files, manifest, atomic rename, verification) is ``parallel/checkpoint.py``.
+The mechanism (sharded DCP files, manifest, atomic rename, verification) is ``parallel/checkpoint.py``;
+finding, checking and reading back checkpoints is ``training/resume.py``.
 A checkpoint ``<run_dir>/checkpoints/step_NNNNNNN/`` holds:
 
 - the model and the optimizer's per-parameter state, sharded as they live (DCP files, one per rank);
@@ -34,25 +35,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from moe.config import ConfigError
 from parallel.checkpoint import (
-    MANIFEST,
     CheckpointCorruptError,
-    SafeFileSystemReader,
     async_save_sharded,
     load_full_model_state,
     load_sharded,
     publish,
     save_sharded,
     sharded_state,
-    stateful_module,
-    verify,
     write_manifest,
     write_text_atomic,
 )
@@ -61,60 +55,23 @@ from parallel.runtime import Runtime
 from training.checkpoint_interval import AutoInterval
 from training.config import RunConfig
 from training.data import TokenSampler
-from training.routing_stats import truncate_routing
-
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp_"
-LATEST = "latest"
-TRAINER_STATE = "trainer_state.json"
-CONFIG_FILE = "config.yaml"
-RESUME_CHANGES = "resume_changes.yaml"
-
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:07d}"
-
-
-def checkpoint_root(config: RunConfig, run_dir: Path) -> Path:
-    """The folder a run's checkpoints go to: ``checkpoint.dir``, under the run directory unless absolute."""
-    folder = Path(config.checkpoint.dir)
-    return folder if folder.is_absolute() else Path(run_dir) / folder
-
-
-def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every published checkpoint under ``root``, newest first (temporary folders excluded)."""
-    found = []
-    if root.is_dir():
-        for path in root.iterdir():
-            digits = path.name[len(STEP_PREFIX):]
-            if path.is_dir() and path.name.startswith(STEP_PREFIX) and digits.isdigit():
-                found.append((int(digits), path))
-    return sorted(found, reverse=True)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def config_changes(saved: dict, current: dict) -> dict[str, dict[str, Any]]:
-    """Keys whose value differs between the saved and the current resolved config: {key: {saved, now}}."""
-    before, after = _flatten(saved), _flatten(current)
-    return {key: {"saved": before.get(key), "now": after.get(key)}
-            for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)}
-
-
-def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, on CPU (a plain tensor format: reading it runs no code)."""
-    try:
-        return load_file(str(path))
-    except (OSError, SafetensorError) as exc:
-        raise ConfigError(f"--init-from {path}: not a readable safetensors file ({exc})") from exc
+from training.resume import (
+    CONFIG_FILE,
+    LATEST,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    candidates,
+    check_fits,
+    checkpoint_root,
+    published_checkpoints,
+    read_weights,
+    record_changes,
+    rewind_logs,
+    rng_state,
+    set_rng,
+    step_dir_name,
+    verified,
+)
 
 
 class CheckpointWriteError(ConfigError):
@@ -197,57 +154,21 @@ class Checkpointer:
 
     # --- resume ---------------------------------------------------------------------------------------
 
-    def _candidates(self) -> tuple[list[tuple[int, Path]], bool]:
-        """Checkpoints to try, newest first, and whether the user named exactly one (no fallback then)."""
-        if self.resume == "none":
-            existing = published_checkpoints(self.root)
-            if existing:
-                raise ConfigError(f"--resume none, but {self.root} already holds checkpoints (newest "
-                                  f"{existing[0][1].name}); resume them (--resume auto), move them away, "
-                                  "or use another --run-dir")
-            return [], False
-        if self.resume == "auto":
-            return published_checkpoints(self.root), False
-        path = Path(self.resume)
-        if (path / MANIFEST).is_file() or (path / TRAINER_STATE).is_file():
-            return [(-1, path)], True
-        for folder in (path, path / self.policy.dir):
-            found = published_checkpoints(folder)
-            if found:
-                return found, False
-        raise ConfigError(f"--resume {self.resume}: no checkpoint there (expected a step_NNNNNNN folder with "
-                          f"{MANIFEST}, or a folder holding such folders)")
-
-    def _verified(self, path: Path) -> str | None:
-        """None when every rank's share of ``path`` checks out, else the first error this rank or rank 0 saw."""
-        try:
-            verify(path, self.runtime.rank, self.runtime.world_size)
-            error = None
-        except CheckpointCorruptError as exc:
-            error = str(exc)
-            print(f"rank {self.runtime.rank}: checkpoint damaged: {error}", file=sys.stderr)
-        if self.runtime.distributed:
-            flag = torch.tensor([0 if error is None else 1], device=self.runtime.device)  # NCCL: device tensors
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and error is None:
-                error = f"{path}: another rank found a damaged file (see its message)"
-        return error
-
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: TokenSampler) -> int:
         """Load the checkpoint ``resume`` selects into the live objects; returns the last completed step (0: fresh)."""
         if self.runtime.is_main:
             for stale in self.root.glob(f"{TMP_PREFIX}*") if self.root.is_dir() else []:
                 self.say(f"removing {stale}: an incomplete save (the job stopped while writing it)")
                 shutil.rmtree(stale, ignore_errors=True)
-        candidates, exact = self._candidates()
-        for _, path in candidates:
-            error = self._verified(path)
+        found, exact = candidates(self.resume, self.root, self.policy.dir)
+        for _, path in found:
+            error = verified(path, self.runtime)
             if error is None:
                 return self._load(path, model, optimizer, sampler)
             if exact:
                 raise CheckpointCorruptError(f"--resume {self.resume}: {error}")
             self.say(f"skipping damaged checkpoint {path.name}: {error}; trying the previous one")
-        if candidates:
+        if found:
             raise CheckpointCorruptError(f"no complete checkpoint in {self.root}: every one failed verification "
                                          "(see above); restore one, or move them away and start with --resume none")
         if self.init_from is not None:
@@ -268,7 +189,7 @@ class Checkpointer:
             self.say(f"--init-from {self.init_from} ignored: the run resumes its own checkpoint")
         started = time.perf_counter()
         saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
-        self._check_fits(path, model, saved_config)
+        check_fits(path, model, saved_config, self.config)
         load_sharded(model, optimizer, path)
         state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
         sampler.load_state_dict(state["sampler"])
@@ -276,75 +197,15 @@ class Checkpointer:
         self.last_saved_step = self.resumed_step = self.step
         same_world = state["world_size"] == self.runtime.world_size
         if same_world:
-            self._set_rng(torch.load(path / "rng" / f"rank_{self.runtime.rank:05d}.pt", weights_only=True))
+            set_rng(torch.load(path / "rng" / f"rank_{self.runtime.rank:05d}.pt", weights_only=True))
         self.say(f"resumed from {path} at step {self.step} ({self.tokens_seen:,} tokens seen) in "
                  f"{time.perf_counter() - started:.2f} s"
                  + ("" if same_world else f"; saved on {state['world_size']} ranks, now {self.runtime.world_size}: "
                     "resharded, and random generators keep this run's seeding"))
-        self._record_changes(path, saved_config)
         if self.runtime.is_main:
-            self._truncate_metrics()
+            record_changes(self.run_dir, path, self.step, saved_config, self.config)
+            rewind_logs(self.run_dir, self.step)
         return self.step
-
-    def _check_fits(self, path: Path, model, saved_config: dict) -> None:
-        """Refuse, naming the first tensor that differs and the changed model keys, a checkpoint of another model
-        shape (the checkpoint library's own error is a long traceback). Names and global shapes only: the
-        checkpoint's metadata against this rank's state dict, read, not loaded."""
-        saved = {name.removeprefix("model."): meta.size
-                 for name, meta in SafeFileSystemReader(path).read_metadata().state_dict_metadata.items()
-                 if name.startswith("model.")}
-        module = stateful_module(model)
-        live = {name: value.shape for name, value in
-                get_model_state_dict(module, options=StateDictOptions(full_state_dict=False)).items()}
-        problem = next((f"{name} is {list(saved[name]) if name in saved else 'missing'} there, {list(shape)} here"
-                        for name, shape in live.items() if saved.get(name) != shape), None)
-        if problem is None and module is model:  # the whole model here: the checkpoint holds nothing more
-            problem = next((f"{name} is there, not in this model" for name in saved if name not in live), None)
-        if problem is None:
-            return
-        changed = {key: change for key, change in config_changes(saved_config, self.config.to_dict()).items()
-                   if key.startswith(("model.", "moe."))}
-        keys = ", ".join(f"{key} {change['saved']!r} -> {change['now']!r}" for key, change in changed.items())
-        raise ConfigError(f"{path} holds another model shape: {problem}" + (f" (changed: {keys})" if keys else "")
-                          + "; resume it with its own model settings, or start a new run in another --run-dir")
-
-    def _record_changes(self, path: Path, saved_config: dict) -> None:
-        """Log and append to ``resume_changes.yaml`` every config key that differs from the checkpoint's."""
-        changes = config_changes(saved_config, self.config.to_dict())
-        if not changes or not self.runtime.is_main:
-            return
-        for key, change in changes.items():
-            self.say(f"resume: {key} changed from {change['saved']!r} to {change['now']!r}")
-        log = self.run_dir / RESUME_CHANGES
-        entries = (yaml.safe_load(log.read_text(encoding="utf-8")) or []) if log.is_file() else []
-        entries.append({"step": self.step, "checkpoint": str(path), "changes": changes})
-        write_text_atomic(log, yaml.safe_dump(entries, sort_keys=False))
-
-    def _truncate_metrics(self) -> None:
-        """Drop metric records and routing rows past the resumed step, so metrics.jsonl and routing/*.npy read as
-        one run's."""
-        truncate_routing(self.run_dir, self.step)
-        metrics = self.run_dir / "metrics.jsonl"
-        if not metrics.is_file():
-            return
-        kept = [line for line in metrics.read_text(encoding="utf-8").splitlines(keepends=True)
-                if line.endswith("\n") and json.loads(line).get("step", 0) <= self.step]
-        write_text_atomic(metrics, "".join(kept))
-
-    # --- rng -----------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _rng_state() -> dict[str, Any]:
-        state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    @staticmethod
-    def _set_rng(state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
 
     # --- per step ------------------------------------------------------------------------------------
 
@@ -469,7 +330,7 @@ class Checkpointer:
             (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False), encoding="utf-8")
 
         self._on_every_rank(start, step, tmp, main_only=True)
-        self._on_every_rank(lambda: torch.save(self._rng_state(), tmp / "rng" / f"rank_{self.runtime.rank:05d}.pt"),
+        self._on_every_rank(lambda: torch.save(rng_state(), tmp / "rng" / f"rank_{self.runtime.rank:05d}.pt"),
                             step, tmp)
         state = sharded_state(model, optimizer)
         if self.policy.async_save:

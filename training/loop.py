@@ -31,13 +31,14 @@ from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.pipeline import PipelineModel, build_pipeline, check_pipeline
 from parallel.runtime import Runtime
 from parallel.tensor import check_tensor_parallel, loss_context
-from training.checkpointing import Checkpointer, checkpoint_root
+from training.checkpointing import Checkpointer
 from training.config import RunConfig
 from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
 from training.hardware import choose_precision
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
+from training.resume import checkpoint_root
 from training.routing_stats import (
     IntervalRouting,
     RoutingAccumulator,

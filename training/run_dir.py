@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from moe.config import ConfigError
 from parallel.runtime import Runtime
-from training.checkpointing import published_checkpoints
+from training.resume import published_checkpoints
 
 LOCK = "run.lock"
 # What a run writes into its directory besides its checkpoints (training/loop.py, metrics.py, routing_stats.py).
