@@ -27,6 +27,7 @@ from moe.config import ConfigError
 from moe.layer import RoutingStats
 from moe.transformer import MoETransformer
 from parallel import clip_grad_norm_, parallelize
+from parallel.checkpoint import write_text_atomic
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.pipeline import PipelineModel, build_pipeline, check_pipeline
 from parallel.runtime import Runtime
@@ -46,7 +47,7 @@ from training.routing_stats import (
     balancing_biases,
     routing_metrics,
 )
-from training.run_dir import hold_run_dir
+from training.run_dir import hold_run_dir, rank0_verdict
 
 
 class NonFiniteLossError(RuntimeError):
@@ -274,11 +275,18 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     flops_per_token = training_flops_per_token(config.model, config.moe)
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     resolved = config.to_dict()
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    logger = MetricsLogger(run_dir, resolved, config.name, config.logging.wandb, config.logging.wandb_project,
-                           enabled=runtime.is_main)
+    logger, error = None, None
+    if runtime.is_main:  # rank 0 writes the run's files (hold_run_dir made run_dir); the others learn if it failed
+        try:
+            write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+            logger = MetricsLogger(run_dir, resolved, config.name, config.logging.wandb,
+                                   config.logging.wandb_project)
+        except ConfigError as exc:  # wandb could not start
+            error = exc
+    rank0_verdict(runtime, error)
+    logger = logger or MetricsLogger(run_dir, resolved, config.name, config.logging.wandb,
+                                     config.logging.wandb_project, enabled=False)
     routing_log = RoutingLog(run_dir, logger, config.logging.router_charts_every)
     checkpoints.log_metrics = logger.log
     say = (lambda text: print(text, file=sys.stderr)) if runtime.is_main else (lambda text: None)

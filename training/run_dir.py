@@ -71,19 +71,26 @@ def hold_run_dir(run_dir: Path, runtime: Runtime, checkpoint_root: Path, resume:
             error = str(exc) if isinstance(exc, RunDirError) else f"--run-dir {run_dir}: {exc}"
             _release(lock)
             lock = None
-    refused = error is not None
-    if runtime.distributed:  # rank 0's verdict for every rank: one small broadcast
-        flag = torch.tensor([int(refused)], device=runtime.device)  # NCCL: device tensors
-        dist.broadcast(flag, src=0)
-        refused = bool(flag.item())
-    if refused:
-        if error is None:
-            raise RunDirError(f"rank 0 refused --run-dir {run_dir}", quiet=True)
-        raise RunDirError(error)
+    rank0_verdict(runtime, None if error is None else RunDirError(error))
     try:
         yield
     finally:
         _release(lock)
+
+
+def rank0_verdict(runtime: Runtime, error: ConfigError | None) -> None:
+    """Every rank learns whether rank 0 failed at something only it does (one small broadcast; a collective):
+    rank 0 raises its ``error``, the others a quiet ``RunDirError`` (rank 0's message is the one printed)."""
+    failed = error is not None
+    if runtime.distributed:
+        flag = torch.tensor([int(failed)], device=runtime.device)  # NCCL: device tensors
+        dist.broadcast(flag, src=0)
+        failed = bool(flag.item())
+    if not failed:
+        return
+    if error is None:
+        raise RunDirError("rank 0 stopped the run (see its message)", quiet=True)
+    raise error
 
 
 def _lock(run_dir: Path) -> IO[str] | None:

@@ -338,3 +338,16 @@ def test_a_run_directory_that_cannot_be_created_is_refused(capsys):
     err = capsys.readouterr().err
     assert "--run-dir /proc/moe-toolkit-run: cannot create /proc/moe-toolkit-run/run.lock" in err
     assert "Traceback" not in err
+
+
+def test_wandb_failing_to_start_is_one_message_not_a_traceback(tmp_path, monkeypatch, capsys):
+    import wandb
+
+    def broken_init(**kwargs):
+        raise OSError("no API key configured")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    assert main(tmp_path, "train.steps=1", "logging.wandb=online") == 2
+    err = capsys.readouterr().err
+    assert "wandb failed to start in logging.wandb=online mode" in err and "logging.wandb=disabled" in err
+    assert "Traceback" not in err
