@@ -158,7 +158,7 @@ class Checkpointer:
         """Load the checkpoint ``resume`` selects into the live objects; returns the last completed step (0: fresh)."""
         if self.runtime.is_main:
             for stale in self.root.glob(f"{TMP_PREFIX}*") if self.root.is_dir() else []:
-                self.say(f"removing {stale}: an incomplete save (the job stopped while writing it)")
+                self.say(f"removing {stale}: an incomplete save (the job stopped before it was written and known good)")
                 shutil.rmtree(stale, ignore_errors=True)
         found, exact = candidates(self.resume, self.root, self.policy.dir)
         for _, path in found:
