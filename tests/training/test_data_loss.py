@@ -351,3 +351,16 @@ def test_wandb_failing_to_start_is_one_message_not_a_traceback(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "wandb failed to start in logging.wandb=online mode" in err and "logging.wandb=disabled" in err
     assert "Traceback" not in err
+
+
+def test_config_text_that_used_to_give_tracebacks_gives_one_message(tmp_path, capsys):
+    bomb = tmp_path / "bomb.yaml"  # "billion laughs": 9^7 strings from a few hundred bytes
+    lines = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"{new}: &{new} [{', '.join([f'*{old}'] * 9)}]" for old, new in zip("abcdef", "bcdefg", strict=True)]
+    bomb.write_text("\n".join([*lines, "model: *g"]) + "\n")
+    for args, message in [(["--config", str(bomb)], "configs may not use YAML aliases"),
+                          (["--set", "train.steps=[1"], "override 'train.steps=[1': the value is not valid YAML"),
+                          (["--set", "data.source="], "data.source is empty")]:
+        assert train.main(["--run-dir", str(tmp_path / "r"), *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err) < 2000
