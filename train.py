@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 1 train.py --config moe-8x --set train.steps=100 moe.top_k=1
 
 Started again with the same run directory it continues from the newest complete checkpoint
-(``--resume none`` starts fresh, ``--resume PATH`` takes a given checkpoint).
+(``--resume none`` starts fresh, ``--resume PATH`` takes a given checkpoint); a run directory holds one
+run at a time, and never mixes two (``training/run_dir.py``).
 ``--config`` takes a name from ``configs/`` or a YAML path; ``--set section.key=value``
 overrides any key (repeatable, and several may follow one ``--set``); ``--run-dir``
 defaults to ``runs/<config name>``. Exit status 0 on success; on any error the
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutdown_runtime()
     except (ConfigError, ValueError, FileNotFoundError, CheckpointCorruptError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # quiet: another rank already said it (RunDirError)
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     except NonFiniteLossError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -88,7 +88,8 @@ def measure(config_name: str, overrides: list[str], folder: Path, repeats: int) 
                                                       f"checkpoint.dir={folder}", "checkpoint.keep=1"])
             checkpointer = Checkpointer(config, folder, runtime, groups, resume="auto")
             checkpointer.save(repeat * 2 + (mode == "true") + 1, model, optimizer, sampler)
-            checkpointer.finish(checkpointer.last_saved_step, model, optimizer, sampler)  # waits for async
+            # publishes it (a finite loss stands for the state's own: this state is not trained) after the write
+            checkpointer.finish(checkpointer.last_saved_step, model, optimizer, sampler, val_loss=0.0)
             save = checkpointer.saves[-1]
             size = save["bytes"]
             if mode == "true":

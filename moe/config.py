@@ -77,11 +77,13 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is float:
         if isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-3 and 1.0e6 as strings
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # no key means anything by inf or NaN; a diverging run would be the result
+            raise ConfigError(f"{where}: {value!r} is not a finite number")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):

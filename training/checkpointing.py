@@ -1,6 +1,7 @@
 """Checkpoint policy for one run: what a checkpoint holds, when to save, which one to resume, what to keep.
 
-The mechanism (sharded DCP files, manifest, atomic rename, verification) is ``parallel/checkpoint.py``.
+The mechanism (sharded DCP files, manifest, atomic rename, verification) is ``parallel/checkpoint.py``;
+finding, checking and reading back checkpoints is ``training/resume.py``.
 A checkpoint ``<run_dir>/checkpoints/step_NNNNNNN/`` holds:
 
 - the model and the optimizer's per-parameter state, sharded as they live (DCP files, one per rank);
@@ -12,6 +13,11 @@ A checkpoint ``<run_dir>/checkpoints/step_NNNNNNN/`` holds:
 The aux-loss-free balancing biases are buffers of the model and travel with it; the LR schedule is a
 pure function of the step. ``latest`` names the newest published checkpoint, for people and tools;
 resuming walks the published checkpoints newest first and takes the first that verifies.
+
+Only a state known good is published: its weights are finite on every rank, and its own loss (the next
+step's forward, or the final validation for the last state) is finite. A save is written when it is taken
+and published once that loss is seen; a state that turns out bad is discarded before anything published is
+pruned, so a divergence never evicts the checkpoints from before it, and ``--resume auto`` takes the last good one.
 """
 
 from __future__ import annotations
@@ -21,24 +27,25 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from moe.config import ConfigError
 from parallel.checkpoint import (
-    MANIFEST,
     CheckpointCorruptError,
     async_save_sharded,
-    barrier,
     load_sharded,
     publish,
     save_sharded,
     sharded_state,
-    verify,
     write_manifest,
     write_text_atomic,
 )
@@ -48,45 +55,68 @@ from parallel.runtime import Runtime
 from training.checkpoint_interval import AutoInterval
 from training.config import RunConfig
 from training.data import TokenSampler
-
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp_"
-LATEST = "latest"
-TRAINER_STATE = "trainer_state.json"
-CONFIG_FILE = "config.yaml"
-RESUME_CHANGES = "resume_changes.yaml"
-
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:07d}"
-
-
-def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every published checkpoint under ``root``, newest first (temporary folders excluded)."""
-    found = []
-    if root.is_dir():
-        for path in root.iterdir():
-            digits = path.name[len(STEP_PREFIX):]
-            if path.is_dir() and path.name.startswith(STEP_PREFIX) and digits.isdigit():
-                found.append((int(digits), path))
-    return sorted(found, reverse=True)
+from training.resume import (
+    CONFIG_FILE,
+    LATEST,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    candidates,
+    check_fits,
+    checkpoint_root,
+    published_checkpoints,
+    record_changes,
+    rewind_logs,
+    rng_state,
+    set_rng,
+    step_dir_name,
+    verified,
+)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+class CheckpointWriteError(ConfigError):
+    """A save could not be written (a full disk, say); ``quiet`` on ranks other than 0, which says it."""
+
+    def __init__(self, message: str, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
 
 
-def config_changes(saved: dict, current: dict) -> dict[str, dict[str, Any]]:
-    """Keys whose value differs between the saved and the current resolved config: {key: {saved, now}}."""
-    before, after = _flatten(saved), _flatten(current)
-    return {key: {"saved": before.get(key), "now": after.get(key)}
-            for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)}
+def _cause(error: BaseException) -> str:
+    """The first underlying error of ``error`` (DCP wraps each rank's failure), in one line."""
+    failures = getattr(error, "failures", None)
+    if failures:  # {rank: (exception, traceback summary)}
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    return error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
+
+
+def weights_finite(model: torch.nn.Module, runtime: Runtime) -> bool:
+    """Whether every parameter of the whole model is finite, the same answer on every rank.
+
+    Each rank checks only what it holds (a DTensor's local shard, its own pipeline stages): one isfinite-all per
+    local tensor, then one all-reduce of a one-element flag over all ranks; no weights are gathered.
+    """
+    with torch.no_grad():
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        flag = (torch.stack([torch.isfinite(t).all() for t in local]).all() if local
+                else torch.ones((), dtype=torch.bool))
+        flag = flag.to(device=runtime.device, dtype=torch.int32).reshape(1)  # NCCL: device tensors
+        if runtime.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+
+@dataclass
+class _Save:
+    """A save written (or being written, ``future``) to ``tmp`` and not yet published."""
+
+    future: Any  # the async write's future; None when written synchronously
+    step: int
+    tmp: Path
+    started: float
+    blocked: float | None  # seconds training was blocked (async); None: the whole save
+    written: list[float] = field(default_factory=list)  # when the background write ended
+    good: bool = False  # the state's own loss was seen finite: it may be published
 
 
 class Checkpointer:
@@ -103,16 +133,17 @@ class Checkpointer:
         self.init_from = init_from
         self.policy = config.checkpoint
         self.run_dir = Path(run_dir)
-        self.root = Path(self.policy.dir) if Path(self.policy.dir).is_absolute() else self.run_dir / self.policy.dir
+        self.root = checkpoint_root(config, self.run_dir)
         self.tokens_per_step = config.train.global_batch_size * config.model.seq_len
         self.step, self.tokens_seen, self.skipped_steps, self.bad_in_a_row = 0, 0, 0, 0
         self.auto = AutoInterval(self.policy.mtbf_hours * 3600.0) if self.policy.interval == "auto" else None
         # async writes run collectives from a background thread: they get a group of their own
         self.async_group = groups.background_group() if self.policy.async_save else None
         self.last_saved_step: int | None = None
+        self.resumed_step: int | None = None  # the checkpoint this run started from
+        self.confirmed_step: int | None = None  # the newest state whose own loss this process saw finite
         self._last_save_time = time.monotonic()
-        # the save being written: (future or None, step, tmp folder, started, blocked seconds, [written at])
-        self._pending: tuple | None = None
+        self._pending: _Save | None = None  # the save waiting for its state to be known good, or for its write
         self.log_metrics = None  # set to MetricsLogger.log to record save times in metrics.jsonl
         self.saves: list[dict[str, float]] = []  # per save: step, seconds, blocked seconds, bytes
 
@@ -122,57 +153,21 @@ class Checkpointer:
 
     # --- resume ---------------------------------------------------------------------------------------
 
-    def _candidates(self) -> tuple[list[tuple[int, Path]], bool]:
-        """Checkpoints to try, newest first, and whether the user named exactly one (no fallback then)."""
-        if self.resume == "none":
-            existing = published_checkpoints(self.root)
-            if existing:
-                raise ConfigError(f"--resume none, but {self.root} already holds checkpoints (newest "
-                                  f"{existing[0][1].name}); resume them (--resume auto), move them away, "
-                                  "or use another --run-dir")
-            return [], False
-        if self.resume == "auto":
-            return published_checkpoints(self.root), False
-        path = Path(self.resume)
-        if (path / MANIFEST).is_file() or (path / TRAINER_STATE).is_file():
-            return [(-1, path)], True
-        for folder in (path, path / self.policy.dir):
-            found = published_checkpoints(folder)
-            if found:
-                return found, False
-        raise ConfigError(f"--resume {self.resume}: no checkpoint there (expected a step_NNNNNNN folder with "
-                          f"{MANIFEST}, or a folder holding such folders)")
-
-    def _verified(self, path: Path) -> str | None:
-        """None when every rank's share of ``path`` checks out, else the first error this rank or rank 0 saw."""
-        try:
-            verify(path, self.runtime.rank, self.runtime.world_size)
-            error = None
-        except CheckpointCorruptError as exc:
-            error = str(exc)
-            print(f"rank {self.runtime.rank}: checkpoint damaged: {error}", file=sys.stderr)
-        if self.runtime.distributed:
-            flag = torch.tensor([0 if error is None else 1], device=self.runtime.device)  # NCCL: device tensors
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and error is None:
-                error = f"{path}: another rank found a damaged file (see its message)"
-        return error
-
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: TokenSampler) -> int:
         """Load the checkpoint ``resume`` selects into the live objects; returns the last completed step (0: fresh)."""
         if self.runtime.is_main:
             for stale in self.root.glob(f"{TMP_PREFIX}*") if self.root.is_dir() else []:
-                self.say(f"removing {stale}: an incomplete save (the job stopped while writing it)")
+                self.say(f"removing {stale}: an incomplete save (the job stopped before it was written and known good)")
                 shutil.rmtree(stale, ignore_errors=True)
-        candidates, exact = self._candidates()
-        for _, path in candidates:
-            error = self._verified(path)
+        found, exact = candidates(self.resume, self.root, self.policy.dir)
+        for _, path in found:
+            error = verified(path, self.runtime)
             if error is None:
                 return self._load(path, model, optimizer, sampler)
             if exact:
                 raise CheckpointCorruptError(f"--resume {self.resume}: {error}")
             self.say(f"skipping damaged checkpoint {path.name}: {error}; trying the previous one")
-        if candidates:
+        if found:
             raise CheckpointCorruptError(f"no complete checkpoint in {self.root}: every one failed verification "
                                          "(see above); restore one, or move them away and start with --resume none")
         if self.init_from is not None:
@@ -191,71 +186,47 @@ class Checkpointer:
         if self.init_from is not None:
             self.say(f"--init-from {self.init_from} ignored: the run resumes its own checkpoint")
         started = time.perf_counter()
+        saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        check_fits(path, model, saved_config, self.config)
         load_sharded(model, optimizer, path)
         state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
         sampler.load_state_dict(state["sampler"])
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
-        self.last_saved_step = self.step
+        self.last_saved_step = self.resumed_step = self.step
         same_world = state["world_size"] == self.runtime.world_size
         if same_world:
-            self._set_rng(torch.load(path / "rng" / f"rank_{self.runtime.rank:05d}.pt", weights_only=True))
+            set_rng(torch.load(path / "rng" / f"rank_{self.runtime.rank:05d}.pt", weights_only=True))
         self.say(f"resumed from {path} at step {self.step} ({self.tokens_seen:,} tokens seen) in "
                  f"{time.perf_counter() - started:.2f} s"
                  + ("" if same_world else f"; saved on {state['world_size']} ranks, now {self.runtime.world_size}: "
                     "resharded, and random generators keep this run's seeding"))
-        saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
-        self._record_changes(path, saved_config)
         if self.runtime.is_main:
-            self._truncate_metrics()
+            record_changes(self.run_dir, path, self.step, saved_config, self.config)
+            rewind_logs(self.run_dir, self.step)
         return self.step
-
-    def _record_changes(self, path: Path, saved_config: dict) -> None:
-        """Log and append to ``resume_changes.yaml`` every config key that differs from the checkpoint's."""
-        changes = config_changes(saved_config, self.config.to_dict())
-        if not changes or not self.runtime.is_main:
-            return
-        for key, change in changes.items():
-            self.say(f"resume: {key} changed from {change['saved']!r} to {change['now']!r}")
-        log = self.run_dir / RESUME_CHANGES
-        entries = (yaml.safe_load(log.read_text(encoding="utf-8")) or []) if log.is_file() else []
-        entries.append({"step": self.step, "checkpoint": str(path), "changes": changes})
-        write_text_atomic(log, yaml.safe_dump(entries, sort_keys=False))
-
-    def _truncate_metrics(self) -> None:
-        """Drop metric records past the resumed step, so metrics.jsonl reads as one run's curve."""
-        metrics = self.run_dir / "metrics.jsonl"
-        if not metrics.is_file():
-            return
-        kept = [line for line in metrics.read_text(encoding="utf-8").splitlines(keepends=True)
-                if line.endswith("\n") and json.loads(line).get("step", 0) <= self.step]
-        write_text_atomic(metrics, "".join(kept))
-
-    # --- rng -----------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _rng_state() -> dict[str, Any]:
-        state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    @staticmethod
-    def _set_rng(state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
 
     # --- per step ------------------------------------------------------------------------------------
 
     def check_finite(self, step: int, loss: float, grad_norm: float, model, optimizer,
                      sampler: TokenSampler) -> str | None:
-        """Count a non-finite step (``train_step`` skipped its update); after ``train.max_bad_steps`` in a row,
-        save the last good state and return the message to stop with. None: go on."""
+        """Judge ``step``; returns the message to stop with, or None to go on (collective: every rank calls it).
+
+        ``loss`` was computed on the weights the step started from, so it is that state's own loss: a finite one
+        lets the save of that state be published, a non-finite one discards it. A non-finite loss or gradient norm
+        skipped the update (``train_step``); after ``train.max_bad_steps`` such steps in a row the run stops, and
+        at once when an update with finite loss and gradient wrote non-finite weights (nothing can undo it).
+        """
         self.step = step
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self._judge_pending(step - 1, finite)
+        if finite:
+            self.confirmed_step = step - 1
             self.bad_in_a_row = 0
             self.tokens_seen += self.tokens_per_step
-            return None
+            if weights_finite(model, self.runtime):
+                return None
+            return (f"step {step}: the update gave non-finite weights (loss {loss} and gradient norm {grad_norm} "
+                    f"were finite); stopping. {self._advice()}")
         self.bad_in_a_row += 1
         self.skipped_steps += 1
         limit = self.config.train.max_bad_steps
@@ -263,11 +234,42 @@ class Checkpointer:
                  f"({self.bad_in_a_row} in a row, limit train.max_bad_steps={limit})")
         if self.bad_in_a_row < limit:
             return None
-        path = self.save(step, model, optimizer, sampler, reason="non-finite")
-        self._finalize_pending()  # published before the run stops, also when saving asynchronously
-        return (f"step {step}: {limit} non-finite steps in a row (loss {loss}, gradient norm {grad_norm}); stopping. "
-                f"The weights are those of the last good step, saved in {path}. Try a lower train.lr "
-                f"(now {self.config.train.lr}) or train.grad_clip, and resume")
+        return (f"step {step}: {limit} non-finite steps in a row (loss {loss}, gradient norm {grad_norm}); "
+                f"stopping. {self._advice()}")
+
+    def _judge_pending(self, step: int, good: bool) -> None:
+        """The save of the state after ``step`` (if one waits) is good: publish it (a synchronous one now, an
+        asynchronous one once written); or bad: discard it."""
+        pending = self._pending
+        if pending is None or pending.step != step or pending.good:
+            return
+        if not good:
+            self._discard_pending()
+            return
+        pending.good = True
+        if pending.future is None:
+            self._finalize_pending()
+
+    def _advice(self) -> str:
+        """What to do after a divergence: the last good checkpoint and how to resume it with other settings.
+        Publishes a save still pending if its state was confirmed good (discards it otherwise) first."""
+        self._finalize_pending()
+        published = published_checkpoints(self.root)
+        lr = f"a lower train.lr (now {self.config.train.lr}) or train.grad_clip (now {self.config.train.grad_clip})"
+        if published and published[0][0] == self.resumed_step and self.confirmed_step is None:
+            # not one good step since resuming: the checkpoint itself gives non-finite losses (the lr cannot:
+            # the first step's loss and gradient come before any update)
+            older = [path for step, path in published if step < self.resumed_step]
+            where = (f"resume from the one before it with --resume {older[0]}" if older else
+                     "no earlier checkpoint is kept: start again with --resume none (this run's files are moved "
+                     "aside)")
+            return (f"The checkpoint this run resumed from, {published[0][1]}, gives non-finite steps itself; "
+                    f"{where}, with {lr}")
+        if published:
+            return (f"The last good state is {published[0][1]} (nothing after it was published); run again in "
+                    f"this run directory to resume it, with {lr}")
+        return (f"No checkpoint of a good state was saved; start again with {lr}, with --resume none (this run's "
+                "files are moved aside) or another --run-dir")
 
     def _due(self, step: int) -> bool:
         """Whether the policy asks for a save after ``step``; the same answer on every rank."""
@@ -286,26 +288,37 @@ class Checkpointer:
         return due
 
     def after_step(self, step: int, model, optimizer, sampler: TokenSampler) -> None:
-        """Save if the policy says so."""
-        if self.policy.enabled and step != self.config.train.steps and self._due(step):
+        """Save if the policy says so, and the step was good (a skipped step leaves weights that gave non-finite
+        values: not a state to save). The save is published once the next step's loss is finite."""
+        if (self.policy.enabled and step != self.config.train.steps and self.bad_in_a_row == 0
+                and self._due(step)):
             self.save(step, model, optimizer, sampler)
 
-    def finish(self, step: int, model, optimizer, sampler: TokenSampler) -> None:
-        """Save the final state (when checkpointing is on) and wait for any save still being written."""
+    def finish(self, step: int, model, optimizer, sampler: TokenSampler, val_loss: float) -> str | None:
+        """Save the final state, whose own loss is the final validation ``val_loss``, and publish every save still
+        pending. Returns the message to stop with when the final state is not good (nothing of it is saved)."""
+        if self.bad_in_a_row or not math.isfinite(val_loss):
+            why = (f"the last {self.bad_in_a_row} step(s) were non-finite and skipped" if self.bad_in_a_row else
+                   f"the final weights give a non-finite validation loss ({val_loss})")
+            return f"step {step}: {why}; the final state is not saved. {self._advice()}"
         if self.policy.enabled and self.last_saved_step != step:
             self.save(step, model, optimizer, sampler, reason="final")
+        self._judge_pending(step, good=True)
         self._finalize_pending()
+        return None
 
     # --- saving --------------------------------------------------------------------------------------
 
     def save(self, step: int, model, optimizer, sampler: TokenSampler, reason: str = "interval") -> Path:
-        """Write a checkpoint of the state after ``step``; returns its final folder (published when this returns,
-        or, with async saving, once the background write is done: at the next save or at the end)."""
+        """Write a checkpoint of the state after ``step`` to a temporary folder; returns its final folder. It is
+        published once the state is known good (``check_finite`` of the next step, or ``finish``) and, with async
+        saving, its background write is done (at the next save or at the end)."""
         self._finalize_pending()
         started = time.perf_counter()
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
-        if self.runtime.is_main:
+
+        def start() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
             trainer_state = {"step": step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
@@ -313,40 +326,57 @@ class Checkpointer:
                              "layout": self.config.parallel.degrees(), "reason": reason}
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
             (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False), encoding="utf-8")
-        barrier()
-        torch.save(self._rng_state(), tmp / "rng" / f"rank_{self.runtime.rank:05d}.pt")
+
+        self._on_every_rank(start, step, tmp, main_only=True)
+        self._on_every_rank(lambda: torch.save(rng_state(), tmp / "rng" / f"rank_{self.runtime.rank:05d}.pt"),
+                            step, tmp)
         state = sharded_state(model, optimizer)
         if self.policy.async_save:
-            future = async_save_sharded(state, tmp, self.async_group)
+            future = self._on_every_rank(lambda: async_save_sharded(state, tmp, self.async_group), step, tmp)
             written: list[float] = []  # when the background write ended (publication waits for the next save)
             future.add_done_callback(lambda _: written.append(time.perf_counter()))
-            self._pending = (future, step, tmp, started, time.perf_counter() - started, written)
+            self._pending = _Save(future, step, tmp, started, time.perf_counter() - started, written)
         else:
-            save_sharded(state, tmp)
-            self._pending = (None, step, tmp, started, None, [])
-            self._finalize_pending()
+            self._on_every_rank(lambda: save_sharded(state, tmp), step, tmp)
+            self._pending = _Save(None, step, tmp, started, None)
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         return final
 
+    def _discard_pending(self) -> None:
+        """Drop the pending save: its state is not known good (waits for its write first)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.future is not None:
+            self._on_every_rank(pending.future.result, pending.step, pending.tmp)
+        self._on_every_rank(lambda: shutil.rmtree(pending.tmp, ignore_errors=True), pending.step, pending.tmp,
+                            main_only=True)
+        self.last_saved_step = None
+        self.say(f"checkpoint {step_dir_name(pending.step)} discarded: the state it holds gives non-finite values")
+
     def _finalize_pending(self) -> None:
-        """Wait for the pending write on every rank, then publish it (manifest, rename, ``latest``, pruning)."""
+        """Wait for the pending write on every rank, then publish it (manifest, rename, ``latest``, pruning);
+        a save whose state was not confirmed good is discarded instead."""
         if self._pending is None:
             return
-        future, step, tmp, started, blocked, written = self._pending
-        self._pending = None
-        if future is not None:
-            future.result()
-        barrier()
-        size = 0
-        if self.runtime.is_main:
+        if not self._pending.good:
+            self._discard_pending()
+            return
+        pending, self._pending = self._pending, None
+        step, tmp, started, blocked, written = (pending.step, pending.tmp, pending.started, pending.blocked,
+                                                pending.written)
+        def publish_it() -> int:
             manifest = write_manifest(tmp, {"step": step})
-            size = sum(entry["bytes"] for entry in manifest["files"].values())
             final = self.root / step_dir_name(step)
             publish(tmp, final)
             write_text_atomic(self.root / LATEST, final.name + "\n")
             self._prune()
-        barrier()
+            return sum(entry["bytes"] for entry in manifest["files"].values())
+
+        # every rank's write is done (an async one waited for) before rank 0 publishes
+        self._on_every_rank(pending.future.result if pending.future is not None else lambda: None, step, tmp)
+        size = self._on_every_rank(publish_it, step, tmp, main_only=True) or 0
         # an async save's time is its write's; publishing (manifest, rename) happens here and is small
         seconds = (written[0] if written else time.perf_counter()) - started
         blocked = seconds if blocked is None else blocked
@@ -358,6 +388,36 @@ class Checkpointer:
         if self.log_metrics is not None:
             self.log_metrics(step, {"checkpoint/save_s": seconds, "checkpoint/blocked_s": blocked,
                                     "checkpoint/bytes": size})
+
+    def _on_every_rank(self, action: Callable[[], Any], step: int, tmp: Path, main_only: bool = False) -> Any:
+        """``action()`` on every rank (or rank 0), then one all-reduce so that all agree whether it worked (the
+        barrier between a save's phases). A failed write (a full disk, say) removes the unpublished ``tmp`` and
+        raises ``CheckpointWriteError`` on every rank; nothing published is touched."""
+        result, error = None, None
+        if not main_only or self.runtime.is_main:
+            try:
+                result = action()
+            except (OSError, CheckpointException) as exc:
+                error = exc
+        failed = error is not None
+        if self.runtime.distributed:
+            flag = torch.tensor([int(failed)], device=self.runtime.device)  # NCCL: device tensors
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            failed = bool(flag.item())
+        if not failed:
+            return result
+        self._pending = None
+        if self.runtime.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif error is not None:
+            print(f"rank {self.runtime.rank}: checkpoint {step_dir_name(step)}: {_cause(error)}", file=sys.stderr)
+        newest = published_checkpoints(self.root)
+        raise CheckpointWriteError(
+            f"checkpoint {step_dir_name(step)} could not be written to {self.root} ("
+            + (_cause(error) if error is not None else "on another rank: see its message")
+            + f"); the run stops. Nothing published was lost (newest: "
+            f"{newest[0][1].name if newest else 'none'}). Free space there, or lower checkpoint.keep (now "
+            f"{self.policy.keep}), then run again to resume", quiet=not self.runtime.is_main)
 
     def _prune(self) -> None:
         """Keep the newest ``checkpoint.keep`` published checkpoints; delete older ones and stray temporary folders."""

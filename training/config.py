@@ -25,6 +25,26 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """Safe YAML without aliases: a config has no use for them, and nested aliases expand exponentially (a
+    few hundred bytes of "billion laughs" fill the memory of whatever prints or validates the value)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"alias *{event.anchor}: configs may not use YAML aliases",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def parse_yaml(text: str, where: str):
+    """``text`` as YAML (safe, no aliases); a ConfigError naming ``where`` if it is not."""
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where} is not valid YAML: {exc}") from exc
+
+
 @dataclass
 class ParallelConfig:
     """Degrees of the parallel dimensions; the dense ones multiply to the world size.
@@ -78,6 +98,8 @@ class DataConfig:
 
     def validate(self) -> None:
         _require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        _require(bool(self.source.strip()), "data.source is empty; use 'stdlib', a text file or folder, or a "
+                                            "uint16 .bin file")
 
 
 @dataclass
@@ -221,7 +243,8 @@ def apply_override(tree: dict, assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override '{assignment}': '{part}' is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    shown = assignment if len(assignment) <= 80 else assignment[:77] + "..."
+    node[parts[-1]] = parse_yaml(raw, f"override '{shown}': the value") if raw.strip() else ""
 
 
 def config_from_dict(tree: dict) -> RunConfig:
@@ -234,10 +257,7 @@ def config_from_dict(tree: dict) -> RunConfig:
 def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a named config or YAML path, apply overrides, build and validate the typed tree."""
     path = resolve_config_path(name_or_path)
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from exc
+    tree = parse_yaml(path.read_text(), f"config file '{path}'") or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of sections")
     tree = copy.deepcopy(tree)

@@ -20,6 +20,7 @@ import stat
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +34,8 @@ DOCUMENT_SEPARATOR = b"\n\n"
 # A file with a NUL byte this early is almost surely not text (the heuristic git and grep use).
 BINARY_SNIFF_BYTES = 8192
 CHUNK_BYTES = 1 << 24
+# Files changed this recently before a cache build are re-hashed on later starts (see _write_tokens).
+RACY_SECONDS = 2.0
 
 _VALID_SOURCES = "use 'stdlib', a text file or folder, or a uint16 .bin file"
 
@@ -44,8 +47,12 @@ def load_tokens(source: str, cache_dir: str | Path) -> np.memmap:
     """The whole token stream of ``data.source`` as a read-only uint16 memmap, shape ``[tokens]``.
 
     ``"stdlib"`` and text files/folders are tokenised once (bytes -> tokens 0..255) into
-    ``cache_dir``; the cache file is named by a hash of what went into it, so an edited corpus is
-    re-tokenised rather than served stale. A ``.bin`` is taken as already tokenised and mapped as is.
+    ``cache_dir``; the cache file is named by a hash of what went into it: the tokeniser version, the
+    root, and every file's relative path, size, modification and status-change times. Writing a file
+    always moves its status-change time (``st_ctime``, which no tool can set back, unlike the
+    modification time), so an edited, replaced, added or removed file gives a new key and the corpus is
+    re-tokenised rather than served stale. A file that cannot be read is an error naming it, never a
+    silent gap. A ``.bin`` is taken as already tokenised and mapped as is.
     """
     if source.endswith(".bin"):
         return _map_uint16(Path(source), source)
@@ -58,7 +65,7 @@ def load_tokens(source: str, cache_dir: str | Path) -> np.memmap:
             keep=lambda name: name.endswith(".py"),
             prune=lambda name: name in ("site-packages", "dist-packages"),
         )
-        key = [TOKENISER_VERSION, sys.version, str(root), [(rel, st.st_size) for rel, _, st in docs]]
+        key = [TOKENISER_VERSION, sys.version, str(root), [(rel, *_signature(st)) for rel, _, st in docs]]
         return _cached_tokens(docs, "stdlib", key, cache_dir, source, skip_binary=False)
 
     path = Path(source).resolve()
@@ -70,7 +77,7 @@ def load_tokens(source: str, cache_dir: str | Path) -> np.memmap:
         docs = [(path.name, path, path.stat())]
     else:
         raise ValueError(f"data.source={source!r}: no such file or folder; {_VALID_SOURCES}")
-    key = [TOKENISER_VERSION, str(path), [(rel, st.st_size, st.st_mtime_ns) for rel, _, st in docs]]
+    key = [TOKENISER_VERSION, str(path), [(rel, *_signature(st)) for rel, _, st in docs]]
     label = "text-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name)[:40]
     return _cached_tokens(docs, label, key, cache_dir, source, skip_binary=True)
 
@@ -225,22 +232,39 @@ def _is_hidden(name: str) -> bool:
     return name.startswith(".")
 
 
+def _signature(st: os.stat_result) -> tuple[int, int, int]:
+    """What changes whenever a file's content does: size, modification and status-change time (ns)."""
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _unreadable(path: Path | str, error: OSError) -> ValueError:
+    return ValueError(f"data.source: cannot read {path} ({error.strerror or error}); make it readable, or move it "
+                      "out of the corpus")
+
+
 def _walk(root: Path, keep: Callable[[str], bool], prune: Callable[[str], bool]) -> list[_Document]:
     """Regular files under ``root`` whose name passes ``keep``, sorted by relative posix path.
 
     Sorting by the relative path string (not walk order, which depends on the file system) makes
-    the corpus, and so the token stream, identical on every machine with the same files.
+    the corpus, and so the token stream, identical on every machine with the same files. A folder
+    or file that cannot be listed or looked at is an error: the corpus would silently lack it.
     """
+
+    def refuse(error: OSError) -> None:
+        raise _unreadable(error.filename, error)
+
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=refuse):
         dirnames[:] = [name for name in dirnames if not prune(name)]
         for name in filenames:
+            if not keep(name):
+                continue
             path = Path(dirpath, name)
             try:
                 st = path.stat()
-            except OSError:
-                continue
-            if keep(name) and stat.S_ISREG(st.st_mode):
+            except OSError as error:
+                raise _unreadable(path, error) from error
+            if stat.S_ISREG(st.st_mode):
                 found.append((path.relative_to(root).as_posix(), path, st))
     return sorted(found, key=lambda doc: doc[0])
 
@@ -248,61 +272,122 @@ def _walk(root: Path, keep: Callable[[str], bool], prune: Callable[[str], bool])
 def _cached_tokens(
     docs: list[_Document], label: str, key: list, cache_dir: str | Path, source: str, skip_binary: bool
 ) -> np.memmap:
-    """Map the cached tokens for ``key``, tokenising ``docs`` first if no cache exists yet."""
+    """Map the cached tokens for ``key``, tokenising ``docs`` first if no cache exists yet (or if a file that was
+    racy when it was built has changed since: see ``_write_tokens``)."""
     cache_dir = Path(cache_dir)
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     cache_file = cache_dir / f"{label}-{digest}.bin"
-    if not cache_file.exists():
+    if not cache_file.exists() or not _racy_files_unchanged(cache_file):
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise ValueError(
                 f"data.cache_dir={str(cache_dir)!r}: cannot create it ({error}); use a writable folder"
             ) from error
-        if _write_tokens(cache_file, [path for _, path, _ in docs], skip_binary) == 0:
+        if _write_tokens(cache_file, [(path, st) for _, path, st in docs], skip_binary) == 0:
             raise ValueError(
                 f"data.source={source!r}: no readable text in {len(docs)} candidate files; {_VALID_SOURCES}"
             )
     return _map_uint16(cache_file, source)
 
 
-def _write_tokens(dest: Path, paths: list[Path], skip_binary: bool) -> int:
-    """Tokenise ``paths`` into ``dest`` atomically; return the token count (0: nothing written).
+def _write_tokens(dest: Path, files: list[tuple[Path, os.stat_result]], skip_binary: bool) -> int:
+    """Tokenise ``files`` (each with its stat when listed) into ``dest`` atomically; return the token count (0:
+    nothing written).
 
     Writing a temp file in the same folder, fsyncing it and renaming it over ``dest`` means a crash
     never leaves a half-written cache, and ranks building the same cache at once cannot corrupt it.
-    Files are streamed in chunks so a corpus larger than memory still tokenises.
+    Files are streamed in chunks so a corpus larger than memory still tokenises. A file that cannot be
+    read, or changed since it was listed (the cache's name describes the listed state), is an error.
+
+    File times have a coarse grain (a clock tick, up to a second on some network filesystems), so a file
+    changed within ``RACY_SECONDS`` before the build could change again without its times moving (git's
+    "racy clean" case). The SHA-256 of what was read from each such file goes to ``<cache>.racy.json``,
+    written before the cache; a later start re-hashes just those files and rebuilds if one differs.
     """
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    racy_after = time.time_ns() - int(RACY_SECONDS * 1e9)
+    digests: dict[str, str] = {}
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    except OSError as error:
+        raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write there ({error.strerror}); use a "
+                         "writable folder") from error
     os.fchmod(fd, 0o644)  # mkstemp makes it private; a shared cache must be readable by every user's ranks
     tokens = 0
     try:
         with os.fdopen(fd, "wb") as out:
-            for path in paths:
-                doc_start = out.tell()
+            for path, listed in files:
+                hasher = hashlib.sha256() if max(listed.st_mtime_ns, listed.st_ctime_ns) >= racy_after else None
                 try:
                     with open(path, "rb") as doc:
+                        if _signature(os.fstat(doc.fileno())) != _signature(listed):
+                            raise ValueError(f"data.source: {path} changed while the corpus was being read; "
+                                             "run again once it is written")
                         chunk = doc.read(CHUNK_BYTES)
-                        if skip_binary and b"\0" in chunk[:BINARY_SNIFF_BYTES]:
-                            continue
-                        while chunk:
-                            out.write(_bytes_to_tokens(chunk))
+                        binary = skip_binary and b"\0" in chunk[:BINARY_SNIFF_BYTES]
+                        while chunk and not (binary and hasher is None):
+                            if hasher is not None:
+                                hasher.update(chunk)
+                            if not binary:
+                                out.write(_bytes_to_tokens(chunk))
                             chunk = doc.read(CHUNK_BYTES)
-                except OSError:
-                    # Unreadable (permissions, vanished mid-walk): drop the whole document, not half.
-                    out.seek(doc_start)
-                    out.truncate()
-                    continue
-                out.write(_bytes_to_tokens(DOCUMENT_SEPARATOR))
+                except OSError as error:
+                    raise _unreadable(path, error) from error
+                if hasher is not None:
+                    digests[str(path)] = hasher.hexdigest()
+                if not binary:
+                    out.write(_bytes_to_tokens(DOCUMENT_SEPARATOR))
             tokens = out.tell() // 2
             out.flush()
             os.fsync(out.fileno())
         if tokens:
+            racy = _racy_record(dest)
+            if digests:
+                _write_json_atomic(racy, digests)
+            else:
+                racy.unlink(missing_ok=True)
             os.replace(tmp_name, dest)
+    except OSError as error:  # writing (reading errors are ValueErrors by now): a full disk, say
+        raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write the token cache there "
+                         f"({error.strerror}); free space or use another folder") from error
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
     return tokens
+
+
+def _racy_record(cache_file: Path) -> Path:
+    return cache_file.with_suffix(".racy.json")
+
+
+def _write_json_atomic(path: Path, value: dict) -> None:
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o644)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(value, out)
+        os.replace(tmp_name, path)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
+def _racy_files_unchanged(cache_file: Path) -> bool:
+    """Whether every file that was racy when ``cache_file`` was built still holds what was read from it."""
+    record = _racy_record(cache_file)
+    if not record.is_file():
+        return True
+    for name, digest in json.loads(record.read_text(encoding="utf-8")).items():
+        hasher = hashlib.sha256()
+        try:
+            with open(name, "rb") as doc:
+                while chunk := doc.read(CHUNK_BYTES):
+                    hasher.update(chunk)
+        except OSError:
+            return False  # rebuilding names the error
+        if hasher.hexdigest() != digest:
+            return False
+    return True
 
 
 def _bytes_to_tokens(data: bytes) -> np.ndarray:

@@ -27,6 +27,7 @@ from moe.config import ConfigError
 from moe.layer import RoutingStats
 from moe.transformer import MoETransformer
 from parallel import clip_grad_norm_, parallelize
+from parallel.checkpoint import write_text_atomic
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.materialize import materialize
 from parallel.pipeline import PipelineModel, build_pipeline, check_pipeline
@@ -39,6 +40,7 @@ from training.hardware import choose_precision, memory_per_rank
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
+from training.resume import checkpoint_root
 from training.routing_stats import (
     IntervalRouting,
     RoutingAccumulator,
@@ -46,6 +48,7 @@ from training.routing_stats import (
     balancing_biases,
     routing_metrics,
 )
+from training.run_dir import hold_run_dir, rank0_verdict
 
 
 class NonFiniteLossError(RuntimeError):
@@ -258,7 +261,14 @@ class RunResult:
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
           resume: str = "auto", init_from: str | None = None) -> RunResult:
     """Train ``config`` in ``run_dir`` under ``groups``' layout, resuming as ``resume`` says (``Checkpointer``)
-    or starting from the weights of the safetensors file ``init_from``."""
+    or starting from the weights of the safetensors file ``init_from``. The run holds ``run_dir`` while it lives
+    (``training/run_dir.py``: a second run there is refused, and a new run never mixes with an old one)."""
+    with hold_run_dir(run_dir, runtime, checkpoint_root(config, run_dir), resume, config.checkpoint.enabled):
+        return _train(config, run_dir, runtime, groups, resume, init_from)
+
+
+def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
+           resume: str, init_from: str | None) -> RunResult:
     device = runtime.device
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
     dp_group = groups.group("dp") if dp_size > 1 else None
@@ -283,11 +293,18 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     flops_per_token = training_flops_per_token(config.model, config.moe)
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     resolved = config.to_dict()
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    logger = MetricsLogger(run_dir, resolved, config.name, config.logging.wandb, config.logging.wandb_project,
-                           enabled=runtime.is_main)
+    logger, error = None, None
+    if runtime.is_main:  # rank 0 writes the run's files (hold_run_dir made run_dir); the others learn if it failed
+        try:
+            write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+            logger = MetricsLogger(run_dir, resolved, config.name, config.logging.wandb,
+                                   config.logging.wandb_project)
+        except ConfigError as exc:  # wandb could not start
+            error = exc
+    rank0_verdict(runtime, error)
+    logger = logger or MetricsLogger(run_dir, resolved, config.name, config.logging.wandb,
+                                     config.logging.wandb_project, enabled=False)
     routing_log = RoutingLog(run_dir, logger, config.logging.router_charts_every)
     checkpoints.log_metrics = logger.log
     say = (lambda text: print(text, file=sys.stderr)) if runtime.is_main else (lambda text: None)
@@ -336,10 +353,12 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
             logger.log(step, {"val/loss": val})
             progress.message(f"step {step}: val loss {val:.4f}")
         checkpoints.after_step(step, model, optimizer, sampler)
-    checkpoints.finish(config.train.steps, model, optimizer, sampler)
-
     val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
     logger.log(config.train.steps, {"val/loss": val})
+    stop = checkpoints.finish(config.train.steps, model, optimizer, sampler, val)  # saved only if val is finite
+    if stop:
+        logger.close()
+        raise NonFiniteLossError(stop)
     elapsed = time.perf_counter() - start
     peaks = [peak / 2**30 for peak in memory_per_rank(device)]
     summary.update({"val/loss": val, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,

@@ -30,6 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from moe.config import ConfigError
+
 WANDB_MODES = ("offline", "online", "disabled")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -122,7 +124,7 @@ class MetricsLogger:
                 reinit="create_new",
             )
         except Exception as exc:
-            raise RuntimeError(
+            raise ConfigError(
                 f"wandb failed to start in logging.wandb={mode} mode ({type(exc).__name__}: {exc}); "
                 "set logging.wandb=disabled (e.g. --set logging.wandb=disabled) to train without wandb"
             ) from exc

@@ -29,6 +29,7 @@ and the header's shape rewritten; numpy pads the header so that the shape can gr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,6 +241,23 @@ def read_routing(run_dir: Path | str) -> dict[str, np.ndarray]:
     fields = {f.stem: np.load(f) for f in files}
     rows = min(len(v) for v in fields.values())
     return {name: values[:rows] for name, values in fields.items()}
+
+
+def truncate_routing(run_dir: Path | str, step: int) -> None:
+    """Drop the rows of intervals after ``step`` (a run resumed from the checkpoint of ``step``), so the files read
+    as one run's; each file is replaced atomically. Rows past the ones every field has (a killed append) go too."""
+    folder = Path(run_dir) / ROUTING_DIR
+    if not (folder / "step.npy").is_file():
+        return
+    fields = read_routing(run_dir)
+    keep = fields["step"] <= step
+    if keep.all() and all(len(np.load(folder / f"{name}.npy", mmap_mode="r")) == len(keep) for name in fields):
+        return
+    for name, values in fields.items():
+        tmp = folder / f".{name}.npy.tmp"
+        with open(tmp, "wb") as handle:
+            np.save(handle, values[keep])
+        os.replace(tmp, folder / f"{name}.npy")
 
 
 def balancing_biases(model: torch.nn.Module) -> dict[int, torch.Tensor]:

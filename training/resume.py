@@ -1,0 +1,180 @@
+"""Finding, checking and reading back a run's checkpoints: the folder layout, which checkpoint a run resumes,
+whether it fits the model, and what changed since it was saved.
+
+``training/checkpointing.py`` (the ``Checkpointer``) decides when to save and resume; the files themselves
+are written and verified by ``parallel/checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from moe.config import ConfigError
+from parallel.checkpoint import (
+    MANIFEST,
+    CheckpointCorruptError,
+    SafeFileSystemReader,
+    stateful_module,
+    verify,
+    write_text_atomic,
+)
+from parallel.runtime import Runtime
+from training.config import RunConfig
+from training.routing_stats import truncate_routing
+
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp_"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+RESUME_CHANGES = "resume_changes.yaml"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:07d}"
+
+
+def checkpoint_root(config: RunConfig, run_dir: Path) -> Path:
+    """The folder a run's checkpoints go to: ``checkpoint.dir``, under the run directory unless absolute."""
+    folder = Path(config.checkpoint.dir)
+    return folder if folder.is_absolute() else Path(run_dir) / folder
+
+
+def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every published checkpoint under ``root``, newest first (temporary folders excluded)."""
+    found = []
+    if root.is_dir():
+        for path in root.iterdir():
+            digits = path.name[len(STEP_PREFIX):]
+            if path.is_dir() and path.name.startswith(STEP_PREFIX) and digits.isdigit():
+                found.append((int(digits), path))
+    return sorted(found, reverse=True)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(saved: dict, current: dict) -> dict[str, dict[str, Any]]:
+    """Keys whose value differs between the saved and the current resolved config: {key: {saved, now}}."""
+    before, after = _flatten(saved), _flatten(current)
+    return {key: {"saved": before.get(key), "now": after.get(key)}
+            for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)}
+
+
+def candidates(resume: str, root: Path, checkpoint_dir: str) -> tuple[list[tuple[int, Path]], bool]:
+    """Checkpoints ``--resume`` asks to try, newest first, and whether it named exactly one (no fallback then).
+
+    ``root`` is the run's own checkpoint folder; ``checkpoint_dir`` is ``checkpoint.dir``, looked for under a
+    run directory given as ``--resume PATH``.
+    """
+    if resume == "none":
+        existing = published_checkpoints(root)
+        if existing:
+            raise ConfigError(f"--resume none, but {root} already holds checkpoints (newest "
+                              f"{existing[0][1].name}); resume them (--resume auto), move them away, "
+                              "or use another --run-dir")
+        return [], False
+    if resume == "auto":
+        return published_checkpoints(root), False
+    path = Path(resume)
+    if (path / MANIFEST).is_file() or (path / TRAINER_STATE).is_file():
+        return [(-1, path)], True
+    for folder in (path, path / checkpoint_dir):
+        found = published_checkpoints(folder)
+        if found:
+            return found, False
+    raise ConfigError(f"--resume {resume}: no checkpoint there (expected a step_NNNNNNN folder with "
+                      f"{MANIFEST}, or a folder holding such folders)")
+
+
+def verified(path: Path, runtime: Runtime) -> str | None:
+    """None when every rank's share of ``path`` checks out, else the first error this rank or rank 0 saw."""
+    try:
+        verify(path, runtime.rank, runtime.world_size)
+        error = None
+    except CheckpointCorruptError as exc:
+        error = str(exc)
+        print(f"rank {runtime.rank}: checkpoint damaged: {error}", file=sys.stderr)
+    if runtime.distributed:
+        flag = torch.tensor([0 if error is None else 1], device=runtime.device)  # NCCL: device tensors
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and error is None:
+            error = f"{path}: another rank found a damaged file (see its message)"
+    return error
+
+
+def check_fits(path: Path, model, saved_config: dict, config: RunConfig) -> None:
+    """Refuse, naming the first tensor that differs and the changed model keys, a checkpoint of another model
+    shape (the checkpoint library's own error is a long traceback). Names and global shapes only: the
+    checkpoint's metadata against this rank's state dict, read, not loaded."""
+    saved = {name.removeprefix("model."): meta.size
+             for name, meta in SafeFileSystemReader(path).read_metadata().state_dict_metadata.items()
+             if name.startswith("model.")}
+    module = stateful_module(model)
+    live = {name: value.shape for name, value in
+            get_model_state_dict(module, options=StateDictOptions(full_state_dict=False)).items()}
+    problem = next((f"{name} is {list(saved[name]) if name in saved else 'missing'} there, {list(shape)} here"
+                    for name, shape in live.items() if saved.get(name) != shape), None)
+    if problem is None and module is model:  # the whole model here: the checkpoint holds nothing more
+        problem = next((f"{name} is there, not in this model" for name in saved if name not in live), None)
+    if problem is None:
+        return
+    changed = {key: change for key, change in config_changes(saved_config, config.to_dict()).items()
+               if key.startswith(("model.", "moe."))}
+    keys = ", ".join(f"{key} {change['saved']!r} -> {change['now']!r}" for key, change in changed.items())
+    raise ConfigError(f"{path} holds another model shape: {problem}" + (f" (changed: {keys})" if keys else "")
+                      + "; resume it with its own model settings, or start a new run in another --run-dir")
+
+
+def record_changes(run_dir: Path, path: Path, step: int, saved_config: dict, config: RunConfig) -> None:
+    """Print and append to ``resume_changes.yaml`` every config key that differs from the checkpoint's (rank 0)."""
+    changes = config_changes(saved_config, config.to_dict())
+    if not changes:
+        return
+    for key, change in changes.items():
+        print(f"resume: {key} changed from {change['saved']!r} to {change['now']!r}", file=sys.stderr)
+    log = run_dir / RESUME_CHANGES
+    entries = (yaml.safe_load(log.read_text(encoding="utf-8")) or []) if log.is_file() else []
+    entries.append({"step": step, "checkpoint": str(path), "changes": changes})
+    write_text_atomic(log, yaml.safe_dump(entries, sort_keys=False))
+
+
+def rewind_logs(run_dir: Path, step: int) -> None:
+    """Drop metric records and routing rows past ``step``, so metrics.jsonl and routing/*.npy read as one run's
+    (rank 0)."""
+    truncate_routing(run_dir, step)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return
+    kept = [line for line in metrics.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
+    write_text_atomic(metrics, "".join(kept))
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's CPU (and CUDA) generator states."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
