@@ -55,7 +55,8 @@ stages stay fp32 (what autocast gives, confirmed by the bf16 test layouts).
 Validated exactly (calls and bytes, every rank) on gloo by the tests for: FSDP with 1 and 2 micro-batches
 and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep × etp, etp alone, tp with
 sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf16, pp with 1F1B and
-interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once). Not modelled: latency, and the
+interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once); and with 2 micro-batches under
+both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP. Not modelled: latency, and the
 overlap of communication with compute (the time column is bytes over bandwidth).
 """
 

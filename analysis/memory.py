@@ -266,15 +266,17 @@ def sweep_experts(config_name: str, overrides: list[str], world_size: int, preci
 
 def format_sweep(rows: list[tuple[int, MemoryEstimate]], device_gib: float) -> str:
     """One line per expert count; bf16 weight copies are weights in size but held per micro-batch like activations."""
-    lines = ["experts  parameters  model states  FSDP gathered  bf16 weight  activations        total  activ.  fits",
-             "           (model)     (per rank)     (per rank)       copies  (+ logits)   (per rank)   share"]
+    lines = ["experts  parameters  model states  FSDP gathered    unsharded  bf16 weight  activations        total  "
+             "activ.  fits",
+             "           (model)     (per rank)     (per rank)  grads held       copies  (+ logits)   (per rank)   "
+             "share"]
     for experts, e in rows:
         copies = e.activations.get("bf16 weight copies", 0)
         activations = e.activation_total - copies + e.logits_buffer
         fits = "yes" if e.total <= device_gib * GIB else "no"
         lines.append(f"{experts:>7}  {_count(e.parameters):>10}  {_size(e.states.total):>12}  {_size(e.gathered):>13}  "
-                     f"{_size(copies):>11}  {_size(activations):>11}  {_size(e.total):>11}  "
-                     f"{100 * activations / e.total:>5.0f}%  {fits:>4}")
+                     f"{_size(e.accumulated_grads):>11}  {_size(copies):>11}  {_size(activations):>11}  "
+                     f"{_size(e.total):>11}  {100 * activations / e.total:>5.0f}%  {fits:>4}")
     return "\n".join(lines)
 
 
