@@ -337,7 +337,7 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
                    else torch.empty(micro_batch_size, stream_seq, width, device="meta", requires_grad=True))
         stages.append(stage)
         pipeline_stages.append(_Stage(stage, index, num_stages, device, input_args=inputs,
-                                             output_args=outputs, group=groups.group("pp")))
+                                      output_args=outputs, group=groups.group("pp")))
 
     def micro_batch_loss(logits: Tensor, targets: Tensor) -> Tensor:
         return loss_fn(logits, targets) / microbatches
