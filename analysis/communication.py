@@ -56,7 +56,8 @@ Validated exactly (calls and bytes, every rank) on gloo by the tests for: FSDP w
 and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep × etp, etp alone, tp with
 sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf16, pp with 1F1B and
 interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once); and with 2 micro-batches under
-both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP. Not modelled: latency, and the
+both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP (and under ``step`` for
+tp with sequence parallelism over FSDP). Not modelled: latency, and the
 overlap of communication with compute (the time column is bytes over bandwidth).
 """
 

@@ -66,8 +66,8 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
     "ep=2 x edp=2, 2 micro-batches, reduce-scattered per micro-batch": [*EDP_2MB, "parallel.grad_reduce=microbatch"],
     "pp=2 x dp_shard=2, reduce-scattered per micro-batch": ["parallel.dp_shard=2", "parallel.pp=2",
                                                             "parallel.grad_reduce=microbatch"],
-    "tp=2, ep=4 over dp_shard=2 x tp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4",
-                                        "parallel.sequence_parallel=true"],
+    "tp=2, ep=4 over dp_shard=2 x tp, 2 micro-batches": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4",
+                                                         "parallel.sequence_parallel=true", "train.micro_batch_size=2"],
     "pp=2 x dp_shard=2": ["parallel.dp_shard=2", "parallel.pp=2"],
     "pp=2 interleaved, 2 stages per rank, x dp_shard=2": [
         "parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
