@@ -29,8 +29,10 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
   tp, from this tp rank's contiguous share of the grouped rows.
 - FSDP2 (``parallel/sharding.py``): per block, per routed-experts unit and for the root (embedding, norm,
   head), an all-gather of the fp32 parameter shards per micro-batch, again in backward with
-  ``reshard_after_forward`` (not for the root); a reduce-scatter of the gradients per micro-batch (the loop
-  does not defer gradient sync), and with dp_replicate > 1 the all-reduce of the shard over the replicas.
+  ``reshard_after_forward`` (not for the root); a reduce-scatter of the gradients once per step under
+  ``parallel.grad_reduce=step`` (on the last micro-batch) or per micro-batch under ``microbatch``, and with
+  dp_replicate > 1 the all-reduce of the shard over the replicas once per step under both
+  (``parallel.set_gradient_sync``).
 - pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/tp under
   sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
   the micro-batch losses (float64) from the last stage.
@@ -53,7 +55,9 @@ stages stay fp32 (what autocast gives, confirmed by the bf16 test layouts).
 Validated exactly (calls and bytes, every rank) on gloo by the tests for: FSDP with 1 and 2 micro-batches
 and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep × etp, etp alone, tp with
 sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf16, pp with 1F1B and
-interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once). Not modelled: latency, and the
+interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once); and with 2 micro-batches under
+both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP (and under ``step`` for
+tp with sequence parallelism over FSDP). Not modelled: latency, and the
 overlap of communication with compute (the time column is bytes over bandwidth).
 """
 
@@ -234,7 +238,7 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
         # the norms' weights see a sequence slice: DTensor leaves their gradients partial, and FSDP's gradient
         # reduction makes them whole over tp first (without FSDP the gradient-norm step does, once: left out)
         norms = 2 * len(step.layers) + step.last
-        syncs = 1 if layout.pp > 1 else m
+        syncs = _gradient_syncs(step)
         _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
              model.d_model * fp32, group)
     if step.first and (par.vocab_parallel or sp):
@@ -310,18 +314,25 @@ def _fsdp_units(step: _Step) -> dict[str, list[ParamTensor]]:
     return units
 
 
+def _gradient_syncs(step: _Step) -> int:
+    """Gradient reductions (reduce-scatters) of one FSDP unit per step: one under ``parallel.grad_reduce=step``
+    (on the last micro-batch), one per micro-batch under ``microbatch``; with or without pipelining."""
+    return 1 if step.config.parallel.grad_reduce == "step" else step.microbatches
+
+
 def _gathers(step: _Step, kind: str) -> int:
     """All-gathers of one FSDP unit per step.
 
     Without pipelining a unit is gathered before each micro-batch's forward and, with
     ``reshard_after_forward``, again before its backward; the root (``reshard_after_forward=False``) only
-    before the forward. Under pipelining the stage keeps its parameters gathered from one backward to the
-    next (torch's ``PipelineStage`` turns off resharding after backward until the last one), so in GPipe and
+    before the forward. Under pipelining with ``grad_reduce=step`` the stage keeps its parameters gathered from
+    one backward to the next, as torch's ``PipelineStage`` does (``parallel/pipeline.py``), so in GPipe and
     1F1B order a resharding unit is gathered for each forward not right after a backward, and for the first
-    backward after each forward: m + 1 times; any other unit once.
+    backward after each forward: m + 1 times; any other unit once. Under ``microbatch`` every unit reshards
+    after each backward, as without pipelining.
     """
     m, reshard = step.microbatches, step.config.parallel.reshard_after_forward and kind != "root"
-    if step.layout.pp > 1:
+    if step.layout.pp > 1 and step.config.parallel.grad_reduce == "step":
         return m + 1 if reshard else 1
     return m * (1 + reshard)
 
@@ -334,8 +345,7 @@ def sharding_traffic(step: _Step) -> list[Traffic]:
     the same size are listed together.
     """
     layout, config = step.layout, step.config
-    m = step.microbatches
-    syncs = 1 if layout.pp > 1 else m  # under pipelining the stage reduces gradients after its last micro-batch
+    syncs = _gradient_syncs(step)
     same: dict[tuple[str, int], int] = defaultdict(int)  # (kind, shard bytes) -> units
     for unit, params in _fsdp_units(step).items():
         kind = unit.split()[0]
@@ -351,7 +361,8 @@ def sharding_traffic(step: _Step) -> list[Traffic]:
         gathers = _gathers(step, kind)
         _add(out, "fsdp", "all_gather", f"{what}: parameters", units * gathers, shard * n, shard_group)
         _add(out, "fsdp", "reduce_scatter", f"{what}: gradients", units * syncs, shard * n, shard_group)
-        _add(out, "fsdp", "all_reduce", f"{what}: gradient shards over replicas (HSDP)", units * syncs, shard,
+        # HSDP: FSDP sums the reduce-scattered shards of the micro-batches and all-reduces them once per step
+        _add(out, "fsdp", "all_reduce", f"{what}: gradient shards over replicas (HSDP)", units, shard,
              step.group("dp_replicate"))
     return out
 

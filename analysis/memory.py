@@ -11,9 +11,15 @@ What one rank holds during a step (``estimate``):
 - **gathered weights** (``gathered_bytes``): FSDP all-gathers a block's tp-local weights, fp32, before it runs.
   Assumed peak: the root unit (embedding, final norm, head: never resharded) plus, in backward, the current
   and the prefetched block's weights and the current block's unsharded gradients before their reduce-scatter;
-  with ``reshard_after_forward=false`` every local block stays gathered from forward to backward instead.
-- **the optimizer step**: every state, the gradients not yet freed, and the one fp32 buffer torch's foreach
-  AdamW allocates (the square root of the matrices' second moments). It is the step's peak when the
+  with ``reshard_after_forward=false`` every local block stays gathered from forward to backward instead
+  (and so it does under pipelining with ``parallel.grad_reduce=step``: the stage stays gathered between
+  micro-batches).
+- **accumulated gradients** (``accumulated_grad_bytes``): under ``parallel.grad_reduce=step`` with several
+  micro-batches, each FSDP unit holds its unsharded (tp-local, fp32) gradients from the first micro-batch to
+  the last one's reduce-scatter, in place of their shards; the extra over the sharded gradients. Zero under
+  ``microbatch`` (ZeRO-3: reduce-scattered every micro-batch). ``held_gradient_bytes`` measures it.
+- **the optimizer step**: every state (the gradients sharded again by then) and the one fp32 buffer torch's
+  foreach AdamW allocates (the square root of the matrices' second moments). It is the step's peak when the
   activations are small (few tokens per micro-batch, a large model): ``total`` takes the larger of the two.
 - **activations** (``analysis/memory_activations.py``): what autograd saves for backward in one micro-batch's
   forward, tensor by tensor as the modules of ``moe/`` save it (listed in each function), times the
@@ -46,10 +52,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from analysis.memory_activations import in_flight, micro_batch_activations
-from analysis.memory_states import FP32, ModelStates, gathered_bytes, largest_chunk, local_layers, model_states
+from analysis.memory_states import (
+    FP32,
+    ModelStates,
+    accumulated_grad_bytes,
+    gathered_bytes,
+    largest_chunk,
+    local_layers,
+    model_states,
+)
 from moe.accounting import parameter_counts
 from moe.config import ConfigError
 from parallel.groups import Layout
@@ -72,6 +87,7 @@ class MemoryEstimate:
     pp_rank: int
     states: ModelStates
     gathered: int
+    accumulated_grads: int  # unsharded gradients held between micro-batches beyond the shards (grad_reduce=step)
     activations: dict[str, int]  # by part, already × in_flight
     logits_buffer: int  # last stage: one [tokens, V] fp32 buffer (logits in forward, their gradient in backward)
     micro_batch_size: int
@@ -85,8 +101,10 @@ class MemoryEstimate:
 
     @property
     def forward_backward(self) -> int:
-        """The peak of forward and backward: states, gathered weights, activations held, the logits buffer."""
-        return self.states.total + self.gathered + self.activation_total + self.logits_buffer
+        """The peak of forward and backward: states, gathered weights, gradients accumulated unsharded,
+        activations held, the logits buffer."""
+        return (self.states.total + self.gathered + self.accumulated_grads + self.activation_total
+                + self.logits_buffer)
 
     @property
     def total(self) -> int:
@@ -105,7 +123,9 @@ def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 
     if config.parallel.vocab_parallel:
         vocab = largest_chunk(vocab, layout.tp)
     logits = micro * config.model.seq_len * vocab * FP32 if last else 0
-    return MemoryEstimate(pp_rank, model_states(config, layout, pp_rank), gathered_bytes(config, layout, pp_rank),
+    return MemoryEstimate(pp_rank, model_states(config, layout, pp_rank),
+                          gathered_bytes(config, layout, pp_rank, microbatches),
+                          accumulated_grad_bytes(config, layout, microbatches, pp_rank),
                           activations, logits, micro, microbatches, held,
                           parameter_counts(config.model, config.moe).total)
 
@@ -120,6 +140,34 @@ def local_tensor(tensor: Tensor) -> Tensor:
     if isinstance(tensor, DTensor):
         tensor = tensor._local_tensor
     return tensor.elem if isinstance(tensor, AsyncCollectiveTensor) else tensor
+
+
+def held_gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of gradients this rank holds now, once per storage: what ``ModelStates.grads`` plus
+    ``accumulated_grad_bytes`` predict between micro-batches.
+
+    The parameters' own (sharded) ``.grad``s, and what FSDP2 keeps inside its units: the ``.grad`` of each
+    unsharded parameter (accumulating while gradient sync is off), its reduce-dtype accumulator, and HSDP's
+    sum of reduce-scattered shards awaiting the all-reduce over the replicas.
+    """
+    storages: dict[int, int] = {}
+
+    def add(tensor: Tensor | None) -> None:
+        if tensor is not None:
+            storage = local_tensor(tensor).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    for param in model.parameters():
+        add(param.grad)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                add(group._partial_reduce_output)
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)  # absent before the first gather
+                    add(unsharded.grad if unsharded is not None else None)
+                    add(fsdp_param.unsharded_accumulated_grad)
+    return sum(nbytes for ptr, nbytes in storages.items() if ptr)
 
 
 @dataclass(frozen=True)
@@ -181,7 +229,8 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
     first = estimates[0]
     seq = config.model.seq_len
     lines = [f"{config.name}: {layout.world_size} rank(s), {layout.degrees()} (edp={layout.edp}); {precision} compute; "
-             f"micro-batch {first.micro_batch_size} × {seq} tokens, {first.microbatches} per step",
+             f"micro-batch {first.micro_batch_size} × {seq} tokens, {first.microbatches} per step, gradients "
+             f"reduced per {'optimizer step' if config.parallel.grad_reduce == 'step' else 'micro-batch'}",
              f"model: {_count(first.parameters)} parameters; per rank, fp32 master weights + fp32 gradients "
              f"+ AdamW moments (16 bytes/parameter)"]
     header = [f"pp rank {e.pp_rank}" for e in estimates] if layout.pp > 1 else ["per rank"]
@@ -191,6 +240,7 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
         ("gradients", [e.states.grads for e in estimates]),
         ("AdamW moments", [e.states.optimizer for e in estimates]),
         ("FSDP gathered weights", [e.gathered for e in estimates]),
+        ("unsharded gradients held", [e.accumulated_grads for e in estimates]),
     ]
     parts = list(dict.fromkeys(name for e in estimates for name in e.activations))
     rows += [(f"activations: {name}", [e.activations.get(name, 0) for e in estimates]) for name in parts]
@@ -229,15 +279,17 @@ def sweep_experts(config_name: str, overrides: list[str], world_size: int, preci
 
 def format_sweep(rows: list[tuple[int, MemoryEstimate]], device_gib: float) -> str:
     """One line per expert count; bf16 weight copies are weights in size but held per micro-batch like activations."""
-    lines = ["experts  parameters  model states  FSDP gathered  bf16 weight  activations        total  activ.  fits",
-             "           (model)     (per rank)     (per rank)       copies  (+ logits)   (per rank)   share"]
+    lines = ["experts  parameters  model states  FSDP gathered    unsharded  bf16 weight  activations        total  "
+             "activ.  fits",
+             "           (model)     (per rank)     (per rank)  grads held       copies  (+ logits)   (per rank)   "
+             "share"]
     for experts, e in rows:
         copies = e.activations.get("bf16 weight copies", 0)
         activations = e.activation_total - copies + e.logits_buffer
         fits = "yes" if e.total <= device_gib * GIB else "no"
         lines.append(f"{experts:>7}  {_count(e.parameters):>10}  {_size(e.states.total):>12}  {_size(e.gathered):>13}  "
-                     f"{_size(copies):>11}  {_size(activations):>11}  {_size(e.total):>11}  "
-                     f"{100 * activations / e.total:>5.0f}%  {fits:>4}")
+                     f"{_size(e.accumulated_grads):>11}  {_size(copies):>11}  {_size(activations):>11}  "
+                     f"{_size(e.total):>11}  {100 * activations / e.total:>5.0f}%  {fits:>4}")
     return "\n".join(lines)
 
 

@@ -9,6 +9,13 @@ dp_replicate group); dense weights are FSDP-sharded over dp_shard (``parallel/sh
 first chunk of ``torch.chunk`` on the sharded dim, the largest: FSDP2 pads every rank's storage to it.
 Under pipeline parallelism a rank holds its stages' blocks (``parallel.pipeline.stage_layers``), the
 embedding on the first stage, the final norm and head on the last.
+
+Gradient accumulation under ``parallel.grad_reduce=step`` (``parallel.set_gradient_sync``): FSDP2 does not
+reduce before the last micro-batch, so each unit keeps the fp32 ``.grad`` of its unsharded (tp-local)
+parameters from the first micro-batch's backward to its reduce-scatter in the last one, and has no sharded
+gradient meanwhile (``accumulated_grad_bytes``). Under ``microbatch`` the reduce-scatter runs every
+micro-batch and only the sharded gradient is held (HSDP sums the shards in a buffer of the same size until
+the step's all-reduce).
 """
 
 from __future__ import annotations
@@ -175,6 +182,22 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
     return ModelStates(dense, experts, matrices)
 
 
+def accumulated_grad_bytes(config: RunConfig, layout: Layout, microbatches: int, pp_rank: int = 0) -> int:
+    """Bytes of gradients one rank holds between micro-batches beyond its sharded gradients (``ModelStates.grads``).
+
+    Under ``parallel.grad_reduce=step`` with several micro-batches every FSDP unit holds its tp-local
+    unsharded fp32 gradients instead of their shards until the last micro-batch's reduce-scatter: the
+    difference, summed over this rank's parameters (none for a parameter FSDP does not shard). Zero under
+    ``microbatch`` or with one micro-batch, where gradients are reduce-scattered as they are produced.
+    """
+    if config.parallel.grad_reduce != "step" or microbatches == 1:
+        return 0
+    model, vp = config.model, config.parallel.vocab_parallel
+    layers, first, last = local_layers(config, layout, pp_rank)
+    return FP32 * sum(math.prod(tp_local_shape(p, layout, vp)) - sharded_numel(p, layout, model, vp)
+                      for p in parameter_tensors(model, config.moe) if on_rank(p, layers, first, last))
+
+
 def _block_gathered(params: list[ParamTensor], config: RunConfig, layout: Layout) -> int:
     """fp32 bytes FSDP all-gathers to run one block (``params``): its tp-local weights in the units that are sharded."""
     total = 0
@@ -188,13 +211,16 @@ def _block_gathered(params: list[ParamTensor], config: RunConfig, layout: Layout
     return total
 
 
-def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0) -> int:
+def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0, microbatches: int = 1) -> int:
     """Peak bytes of FSDP's all-gathered (unsharded, tp-local, fp32) weights and unsharded gradients on one rank.
 
-    The root unit (embedding, final norm, head) is never resharded (``parallel/sharding.py``). Blocks: in
-    backward the current block's weights, the next block's (prefetched) and the current block's unsharded
-    gradients before their reduce-scatter; with ``reshard_after_forward=false`` all local blocks stay
-    gathered from forward to backward, plus one block's gradients.
+    The root unit (embedding, final norm, head) is never resharded after forward (``parallel/sharding.py``).
+    Blocks: in backward the current block's weights, the next block's (prefetched) and the current block's
+    fresh unsharded gradients (before their reduce-scatter, or before they are added to the held ones under
+    ``grad_reduce=step``: ``accumulated_grad_bytes`` counts those); with ``reshard_after_forward=false`` all
+    local blocks stay gathered from forward to backward, plus one block's gradients. So they do under
+    pipelining with ``grad_reduce=step`` and several micro-batches: the stage keeps its blocks gathered from
+    one backward to the next (``parallel/pipeline.py``, as torch's ``PipelineStage``).
     """
     layers, first, last = local_layers(config, layout, pp_rank)
     params = parameter_tensors(config.model, config.moe)
@@ -204,6 +230,7 @@ def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0) -> int:
         root = sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
                    for p in params if p.layer is None and on_rank(p, layers, first, last)) * FP32
     largest = max(blocks, default=0)
-    if config.parallel.reshard_after_forward:
+    kept_by_pipeline = layout.pp > 1 and config.parallel.grad_reduce == "step" and microbatches > 1
+    if config.parallel.reshard_after_forward and not kept_by_pipeline:
         return root + 3 * largest
     return root + sum(blocks) + largest

@@ -4,7 +4,10 @@
                                [--set train.micro_batch_size=1 ...] [--top 10] [--efficiency 0.5]
 
 Candidates: every layout of the world size that the model allows (``parallel.groups.valid_layouts``: pp,
-dp_replicate, dp_shard, tp, ep, etp), each with activation checkpointing none, ``moe`` and ``full``, and
+dp_replicate, dp_shard, tp, ep, etp), each with activation checkpointing none, ``moe`` and ``full``, each
+with both gradient-reduction settings (``parallel.grad_reduce``: ``step`` holds unsharded gradients between
+micro-batches and reduces once; ``microbatch`` reduce-scatters every micro-batch and holds only shards; one
+candidate where they are the same: a single micro-batch, or no FSDP shard group of several ranks), and
 sequence parallelism whenever tp > 1 (it costs no traffic here and saves activations). Pipelines run 1F1B
 with the config's micro-batching; a layout whose batch split or pipeline the training would refuse is
 skipped, for the same reasons ``train.py`` gives.
@@ -21,7 +24,11 @@ and a step-time model, on the H100 table of ``analysis.communication``, gives it
   sec. 2.2; REFERENCES.md).
 - **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at its link's bandwidth,
   on the critical path (each waits for the layer before it); FSDP's gathers and reduce-scatters are
-  prefetched and overlap compute, so only what exceeds the compute shows.
+  prefetched and overlap compute, so only what exceeds the compute shows. The gradient reductions of the
+  last micro-batch (the only reduce-scatter under ``grad_reduce=step``, the last of m under ``microbatch``,
+  and HSDP's all-reduce under both) can only hide behind that micro-batch's backward (two thirds of its
+  compute: 4 of the 6 FLOPs per parameter); what they do not hide adds to the step. So ``microbatch`` is
+  never faster: it sends m − 1 more reduce-scatters, and wins only where ``step``'s memory does not fit.
 
 step = compute + bubble + exposed communication. The efficiency (default 0.5: large dense and MoE runs
 report 40–57% of peak, REFERENCES.md sec. 1–2) is one number for every layout, so the ranking does not
@@ -37,10 +44,12 @@ import sys
 from dataclasses import dataclass
 
 from analysis import communication, memory
+from analysis.memory_states import experts_own_unit
 from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts
 from moe.config import ConfigError
 from parallel.groups import Layout, valid_layouts
 from parallel.pipeline import stage_layers
+from parallel.sharding import GRAD_REDUCE
 from training.config import RunConfig, load_config
 from training.loop import resolve_layout
 
@@ -70,15 +79,17 @@ class Plan:
         extra = [f"recompute={par.activation_checkpointing}"] if par.activation_checkpointing != "none" else []
         if par.sequence_parallel:
             extra.append("sp")
+        if par.grad_reduce == "microbatch":
+            extra.append("rs/mb")  # gradients reduce-scattered per micro-batch
         return " ".join([degrees or "one rank", *extra])
 
 
-def with_layout(config: RunConfig, layout: Layout, recompute: str) -> RunConfig:
-    """``config`` set to train under ``layout`` (sequence parallel with tp) and ``recompute``."""
+def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: str = "step") -> RunConfig:
+    """``config`` set to train under ``layout`` (sequence parallel with tp), ``recompute`` and ``grad_reduce``."""
     parallel = dataclasses.replace(
         config.parallel, pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,
         ep=layout.ep, etp=layout.etp, activation_checkpointing=recompute, sequence_parallel=layout.tp > 1,
-        pp_schedule="1f1b", pp_virtual_stages=1)
+        pp_schedule="1f1b", pp_virtual_stages=1, grad_reduce=grad_reduce)
     return dataclasses.replace(config, parallel=parallel)
 
 
@@ -110,16 +121,37 @@ def bubble_seconds(compute: float, layout: Layout, microbatches: int) -> float:
     return compute * (layout.pp - 1) / microbatches
 
 
+def in_last_backward(item: communication.Traffic, grad_reduce: str, microbatches: int) -> float:
+    """The share of an FSDP collective's traffic that runs in the last micro-batch's backward, after which
+    the optimizer waits for it: HSDP's all-reduce and the gradient reduce-scatter under ``grad_reduce=step``
+    all of it, the reduce-scatter under ``microbatch`` its last of m rounds, the all-gathers none."""
+    if item.collective == "all_reduce" or (item.collective == "reduce_scatter" and grad_reduce == "step"):
+        return 1.0
+    return 1 / microbatches if item.collective == "reduce_scatter" else 0.0
+
+
 def exposed_communication(config: RunConfig, layout: Layout, compute: float, hardware: communication.Hardware,
-                          gpus_per_node: int) -> dict[str, float]:
-    """Seconds of communication the step waits for, by dimension, on the slowest of the stages' first ranks."""
+                          gpus_per_node: int, microbatches: int = 1) -> dict[str, float]:
+    """Seconds of communication the step waits for, by dimension, on the slowest of the stages' first ranks.
+
+    FSDP's traffic is prefetched and hides behind ``compute`` (the stage's compute for the step), but the
+    last micro-batch's gradient reductions only behind its backward, 2/3 of its compute (``in_last_backward``).
+    """
     stages = []
     stride = layout.world_size // layout.pp  # pp is the outermost axis: stage s starts at rank s·stride
+    last_backward = compute / microbatches * 2 / 3
     for stage in range(layout.pp):
         by_dim = dict.fromkeys(("tp", "ep", "pp", "fsdp"), 0.0)
+        last = 0.0  # the FSDP traffic of the last micro-batch's backward
         for item in communication.predict(config, layout, stage * stride, precision="bf16"):
-            by_dim[item.dimension] += communication.seconds(item, hardware, gpus_per_node)
-        by_dim["fsdp"] = max(0.0, by_dim["fsdp"] - compute)  # prefetched: hidden behind compute
+            seconds = communication.seconds(item, hardware, gpus_per_node)
+            if item.dimension == "fsdp":
+                share = in_last_backward(item, config.parallel.grad_reduce, microbatches)
+                last += seconds * share
+                seconds *= 1 - share
+            by_dim[item.dimension] += seconds
+        hidden_last = min(last, last_backward)
+        by_dim["fsdp"] = (last - hidden_last) + max(0.0, by_dim["fsdp"] - (compute - hidden_last))
         stages.append(by_dim)
     return max(stages, key=lambda by_dim: sum(by_dim.values()))
 
@@ -130,7 +162,7 @@ def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware
     estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank) for pp_rank in range(layout.pp)]
     compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency)
     bubble = bubble_seconds(compute, layout, estimates[0].microbatches)
-    exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node)
+    exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node, estimates[0].microbatches)
     return Plan(config, layout, max(e.total for e in estimates), compute, bubble, exposed)
 
 
@@ -141,15 +173,19 @@ def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node
     plans, considered = [], 0
     for layout in valid_layouts(world_size, config.model, config.moe):
         for recompute in RECOMPUTE:
-            candidate = with_layout(config, layout, recompute)
-            try:
-                resolve_layout(candidate, world_size)  # train.py's own checks (batch split, pipeline, tp)
-            except ConfigError:
-                continue
-            considered += 1
-            result = evaluate(candidate, layout, hardware, gpus_per_node, efficiency)
-            if result.memory <= device_memory:
-                plans.append(result)
+            for grad_reduce in GRAD_REDUCE:
+                candidate = with_layout(config, layout, recompute, grad_reduce)
+                try:
+                    microbatches = resolve_layout(candidate, world_size)[2]  # train.py's own checks
+                except ConfigError:
+                    continue
+                sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
+                if grad_reduce != "step" and (microbatches == 1 or not sharded):
+                    continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
+                considered += 1
+                result = evaluate(candidate, layout, hardware, gpus_per_node, efficiency)
+                if result.memory <= device_memory:
+                    plans.append(result)
     plans.sort(key=lambda p: (p.step, p.memory))
     return plans, considered
 

@@ -17,10 +17,10 @@ from moe.transformer import MoETransformer
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.expert import apply_expert_parallel
 from parallel.groups import ParallelGroups
-from parallel.sharding import apply_fsdp, clip_grad_norm_, shard_experts
+from parallel.sharding import apply_fsdp, clip_grad_norm_, set_gradient_sync, shard_experts
 from parallel.tensor import apply_tensor_parallel
 
-__all__ = ["clip_grad_norm_", "parallelize"]
+__all__ = ["clip_grad_norm_", "parallelize", "set_gradient_sync"]
 
 
 def parallelize(model: MoETransformer, groups: ParallelGroups, activation_checkpointing: str = "none",

@@ -21,6 +21,17 @@ backward, started from the gradient the next stage sent, runs them too. Routing 
 taken by a forward hook per stage, one record per micro-batch (an activation-checkpoint recompute
 re-runs blocks, not the stage, so it is not counted twice).
 
+Gradient reduction follows the training loop too (``parallel.grad_reduce``, ``parallel.set_gradient_sync``).
+torch's ``PipelineStage`` on its own turns FSDP's gradient sync and resharding after backward off for every
+micro-batch's backward of an FSDP-wrapped stage and reduces once, in ``perform_reduce_grad`` after the last
+(``backward_maybe_with_nosync``): always once per step, with the whole stage kept gathered from one backward
+to the next, and nothing at all for FSDP units inside a stage whose root is not wrapped (the experts over
+edp when tp folds into ep without data parallelism). ``_Stage`` sets the sync per micro-batch as the loop
+does instead: under ``step`` on the last backward only, keeping the stage gathered until then as torch
+does (the unsharded gradients are held anyway); under ``microbatch`` a reduce-scatter and a reshard after
+every backward (ZeRO-3's memory); the HSDP all-reduce on the last either way. torch's
+``perform_reduce_grad`` then finds nothing left to reduce.
+
 Gradient scaling follows the training loop: the loss of each micro-batch is divided by the number
 of micro-batches (``scale_grads=False``), and the injected aux losses carry the same factor
 (``MoETransformer.set_aux_loss_scale``).
@@ -36,13 +47,15 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining._backward import stage_backward
 
 from moe.accounting import block_flops_per_token, head_flops_per_token
 from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
-from parallel import parallelize
+from parallel import parallelize, set_gradient_sync
 from parallel.groups import ParallelGroups
 from parallel.tensor import loss_context
 
@@ -153,6 +166,22 @@ def cut_stage(model: MoETransformer, layers: range, first: bool, last: bool) -> 
             setattr(model, name, part)
 
 
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage`` with FSDP's gradient sync per micro-batch set by ``grad_reduce`` (module docstring)."""
+
+    grad_reduce = "step"  # set by ``PipelineModel.step`` for the step it runs
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full":  # split backward (zero-bubble schedules, none of ours): torch's own
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        set_gradient_sync(self.submod, self.grad_reduce, last_backward)
+        for module in self.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.set_reshard_after_backward(last_backward or self.grad_reduce == "microbatch", recurse=False)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
+
+
 def _with_autocast(forward: Callable, autocast: Callable[[], AbstractContextManager]) -> Callable:
     def run(*args, **kwargs):
         with autocast():
@@ -168,10 +197,10 @@ class PipelineModel:
     the full model's names, and runs a step with ``step`` instead of forward and backward.
     """
 
-    def __init__(self, stages: list[MoETransformer], schedule, pp_group: dist.ProcessGroup,
-                 microbatches: int, is_first: bool, is_last: bool, stage_layers: list[range],
-                 vocab_parallel: bool = False):
-        self.stages, self.schedule, self.pp_group = stages, schedule, pp_group
+    def __init__(self, stages: list[MoETransformer], pipeline_stages: list[_Stage], schedule,
+                 pp_group: dist.ProcessGroup, microbatches: int, is_first: bool, is_last: bool,
+                 stage_layers: list[range], vocab_parallel: bool = False):
+        self.stages, self.pipeline_stages, self.schedule, self.pp_group = stages, pipeline_stages, schedule, pp_group
         self.vocab_parallel = vocab_parallel  # the last stage's loss and its backward run in loss_context
         self.stage_layers = stage_layers  # every stage's blocks, on all ranks (stage s on pp rank s mod pp)
         self.microbatches, self.is_first, self.is_last = microbatches, is_first, is_last
@@ -240,12 +269,16 @@ class PipelineModel:
         dist.broadcast(out, group=self.pp_group, group_src=dist.get_world_size(self.pp_group) - 1)
         return out.cpu()
 
-    def step(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, list[dict[int, RoutingStats]]]:
+    def step(self, inputs: Tensor, targets: Tensor,
+             grad_reduce: str = "step") -> tuple[Tensor, list[dict[int, RoutingStats]]]:
         """Forward and backward over this rank's batch [B, S] in micro-batches.
 
         Returns (mean LM loss of the batch, routing statistics of each micro-batch for this rank's
-        MoE layers). Gradients are left in the parameters for the optimizer.
+        MoE layers). Gradients are left in the parameters for the optimizer, reduced over the
+        data-parallel ranks once in the step or per micro-batch as ``grad_reduce`` says.
         """
+        for stage in self.pipeline_stages:
+            stage.grad_reduce = grad_reduce
         for records in self._routing:
             records.clear()
         losses = self._run(inputs, targets, backward=True)
@@ -305,8 +338,8 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
         outputs = (torch.empty(micro_batch_size, seq, config.vocab_size, device="meta", requires_grad=True) if last
                    else torch.empty(micro_batch_size, stream_seq, width, device="meta", requires_grad=True))
         stages.append(stage)
-        pipeline_stages.append(PipelineStage(stage, index, num_stages, device, input_args=inputs,
-                                             output_args=outputs, group=groups.group("pp")))
+        pipeline_stages.append(_Stage(stage, index, num_stages, device, input_args=inputs,
+                                      output_args=outputs, group=groups.group("pp")))
 
     def micro_batch_loss(logits: Tensor, targets: Tensor) -> Tensor:
         return loss_fn(logits, targets) / microbatches
@@ -315,5 +348,5 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     runner = (schedule_class(pipeline_stages, microbatches, loss_fn=micro_batch_loss, scale_grads=False)
               if schedule == "interleaved_1f1b"
               else schedule_class(pipeline_stages[0], microbatches, loss_fn=micro_batch_loss, scale_grads=False))
-    return PipelineModel(stages, runner, groups.group("pp"), microbatches, is_first=pp_rank == 0,
+    return PipelineModel(stages, pipeline_stages, runner, groups.group("pp"), microbatches, is_first=pp_rank == 0,
                          is_last=pp_rank == layout.pp - 1, stage_layers=ranges, vocab_parallel=vocab_parallel)

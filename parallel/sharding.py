@@ -11,6 +11,15 @@ first, over the expert-data-parallel mesh (dp_replicate, edp) instead of the den
 
 Parameters stay fp32 (the master weights); bf16 compute comes from autocast in the
 training loop, which keeps the router in fp32 as ``moe/router.py`` requires.
+
+Under gradient accumulation ``set_gradient_sync`` decides, before each micro-batch's backward, whether
+FSDP reduces the gradients it produces (``parallel.grad_reduce``): ``step`` reduces once per optimizer
+step, on the last micro-batch; before it each unit keeps its unsharded gradients (the tp-local, fp32
+``.grad`` of its unsharded parameters, which FSDP2 accumulates into and reduce-scatters on the last
+backward). ``microbatch`` reduce-scatters every micro-batch (ZeRO-3: only sharded gradients are held) and,
+under HSDP, sums the shards locally until the last micro-batch's all-reduce over the replicas. The sum is
+linear, so both give the same gradients; the experts outside FSDP (one expert replica) communicate nothing
+either way.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.transformer import MoETransformer
@@ -90,6 +99,25 @@ def apply_fsdp(model: MoETransformer, mesh: DeviceMesh, reshard_after_forward: b
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
     # the root's parameters (embedding, norm, head) are needed again right after forward: keep them
     fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored_params)
+
+
+GRAD_REDUCE = ("step", "microbatch")
+
+
+def set_gradient_sync(model: nn.Module, grad_reduce: str, last: bool) -> None:
+    """Set, before a micro-batch's backward, which gradient collectives FSDP runs in it.
+
+    ``last``: the step's last micro-batch (or its only one). Every FSDP unit inside ``model`` is set, the
+    root or not (the experts' units over edp have their own mesh): the reduce-scatter runs on the last
+    micro-batch under ``step`` and on every one under ``microbatch``; HSDP's all-reduce over the replicas
+    only on the last (FSDP2 sums the reduce-scattered shards until then). Without FSDP nothing changes.
+    """
+    if grad_reduce not in GRAD_REDUCE:
+        raise ValueError(f"parallel.grad_reduce={grad_reduce!r} is not one of {', '.join(GRAD_REDUCE)}")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(last or grad_reduce == "microbatch", recurse=False)
+            module.set_requires_all_reduce(last, recurse=False)
 
 
 def _mesh_key(tensor: Tensor) -> object:

@@ -70,6 +70,11 @@ class ParallelConfig:
     # embedding, LM head and loss split over the vocabulary
     sequence_parallel: bool = False
     vocab_parallel: bool = False
+    # when gradient accumulation reduces gradients over the data-parallel ranks: once per optimizer step, on
+    # the last micro-batch (each FSDP unit holds its unsharded gradients in between), or a reduce-scatter per
+    # micro-batch (ZeRO-3: sharded gradients only, m times the traffic); HSDP's all-reduce over the replicas
+    # runs once per step either way (``parallel.sharding.set_gradient_sync``)
+    grad_reduce: Literal["step", "microbatch"] = "step"
 
     DEGREES: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp")
 

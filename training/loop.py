@@ -26,7 +26,7 @@ from moe.accounting import parameter_counts, training_flops_per_token
 from moe.config import ConfigError
 from moe.layer import RoutingStats
 from moe.transformer import MoETransformer
-from parallel import clip_grad_norm_, parallelize
+from parallel import clip_grad_norm_, parallelize, set_gradient_sync
 from parallel.checkpoint import write_text_atomic
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.materialize import materialize
@@ -206,10 +206,12 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
 def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, micro: int, grad_clip: float, autocast, interval: IntervalStats,
                dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
-               vocab_parallel: bool = False) -> tuple[float, float]:
+               vocab_parallel: bool = False, grad_reduce: str = "step") -> tuple[float, float]:
     """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
 
     ``vocab_parallel``: the model's logits are sharded over the vocabulary (``parallel/tensor.py``).
+    ``grad_reduce``: gradients reduced over the data-parallel ranks once per step (``step``: on the last
+    micro-batch) or per micro-batch (``microbatch``); ``parallel.set_gradient_sync`` sets FSDP for each.
 
     The step is skipped (no update) when the loss or gradient norm is not finite, so
     bad values never reach the weights; every rank sees the same reduced values and so
@@ -219,11 +221,12 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     accumulation = inputs.shape[0] // micro
     step_loss, step_load, routing = torch.zeros((), dtype=torch.float64), {}, []
     if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
-        step_loss, routing = model.step(inputs.to(device), targets.to(device))
+        step_loss, routing = model.step(inputs.to(device), targets.to(device), grad_reduce)
     else:
         for m in range(accumulation):
             x = inputs[m * micro:(m + 1) * micro].to(device)
             y = targets[m * micro:(m + 1) * micro].to(device)
+            set_gradient_sync(model, grad_reduce, last=m == accumulation - 1)
             with loss_context(vocab_parallel):
                 with autocast():
                     loss = lm_loss(model(x), y)
@@ -327,7 +330,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
             group["lr"] = lr
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
-                                          autocast, interval, dp_group, pp_group, config.parallel.vocab_parallel)
+                                          autocast, interval, dp_group, pp_group, config.parallel.vocab_parallel,
+                                          config.parallel.grad_reduce)
         stop = checkpoints.check_finite(step, step_loss, grad_norm, model, optimizer, sampler)
         if stop:
             logger.close()

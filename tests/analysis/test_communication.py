@@ -26,7 +26,7 @@ from analysis.communication import (
 )
 from moe.accounting import parameter_counts
 from moe.config import ConfigError
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import Layout, ParallelGroups, axis_view, groups_for
 from parallel.runtime import init_runtime
 from tests.parallel.parity import TINY
 from tests.spawn import spawn
@@ -37,6 +37,8 @@ BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
 DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
 CASES_2 = {  # name -> overrides, on 2 ranks
     "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
+    "fsdp, 2 micro-batches, reduce-scatter per micro-batch": ["parallel.dp_shard=2", "train.micro_batch_size=2",
+                                                              "parallel.grad_reduce=microbatch"],
     "fsdp, kept gathered after forward": ["parallel.dp_shard=2", "train.micro_batch_size=2",
                                           "parallel.reshard_after_forward=false"],
     "ep=2 over dp_shard=2, bf16": ["parallel.dp_shard=2", "parallel.ep=2", "train.precision=bf16"],
@@ -52,10 +54,20 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     "pp=2, 1f1b": ["parallel.dp_shard=1", "parallel.pp=2"],
     "tp=2, 3 experts over edp=2 (FSDP shards dim 1)": ["parallel.dp_shard=1", "parallel.tp=2", "moe.num_experts=3"],
 }
+HSDP_2MB = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]
+EDP_2MB = ["parallel.dp_shard=4", "parallel.ep=2", "train.micro_batch_size=1"]
 CASES_4 = {  # on 4 ranks: groups that differ from one another
     "HSDP 2 x 2, ep=2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
-    "tp=2, ep=4 over dp_shard=2 x tp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4",
-                                        "parallel.sequence_parallel=true"],
+    # gradient accumulation: 2 micro-batches per rank under both parallel.grad_reduce settings
+    "HSDP 2 x 2, ep=2, 2 micro-batches, reduced per step": [*HSDP_2MB, "parallel.grad_reduce=step"],
+    "HSDP 2 x 2, ep=2, 2 micro-batches, reduce-scattered per micro-batch": [*HSDP_2MB,
+                                                                           "parallel.grad_reduce=microbatch"],
+    "ep=2 x edp=2, 2 micro-batches, reduced per step": [*EDP_2MB, "parallel.grad_reduce=step"],
+    "ep=2 x edp=2, 2 micro-batches, reduce-scattered per micro-batch": [*EDP_2MB, "parallel.grad_reduce=microbatch"],
+    "pp=2 x dp_shard=2, reduce-scattered per micro-batch": ["parallel.dp_shard=2", "parallel.pp=2",
+                                                            "parallel.grad_reduce=microbatch"],
+    "tp=2, ep=4 over dp_shard=2 x tp, 2 micro-batches": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=4",
+                                                         "parallel.sequence_parallel=true", "train.micro_batch_size=2"],
     "pp=2 x dp_shard=2": ["parallel.dp_shard=2", "parallel.pp=2"],
     "pp=2 interleaved, 2 stages per rank, x dp_shard=2": [
         "parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
@@ -131,8 +143,40 @@ def _check(results: list[dict]) -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_predicted_bytes_equal_counted_bytes_on_four_ranks(tmp_path):
-    _check(_spawn(4, CASES_4, tmp_path))
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    """CASES_4 counted on 4 gloo ranks, once for the tests that read them."""
+    return _spawn(4, CASES_4, tmp_path_factory.mktemp("four_ranks"))
+
+
+def test_predicted_bytes_equal_counted_bytes_on_four_ranks(four_ranks):
+    _check(four_ranks)
+
+
+@pytest.mark.parametrize("case, layout, micro_batch_reduces", [
+    ("HSDP 2 x 2, ep=2, 2 micro-batches, reduced per step", Layout.resolve(4, dp_replicate=2, dp_shard=2, ep=2), 1),
+    ("HSDP 2 x 2, ep=2, 2 micro-batches, reduce-scattered per micro-batch",
+     Layout.resolve(4, dp_replicate=2, dp_shard=2, ep=2), 2),
+    ("ep=2 x edp=2, 2 micro-batches, reduced per step", Layout.resolve(4, dp_shard=4, ep=2), 1),
+    ("ep=2 x edp=2, 2 micro-batches, reduce-scattered per micro-batch", Layout.resolve(4, dp_shard=4, ep=2), 2),
+])
+def test_gradients_are_reduced_once_per_optimizer_step(four_ranks, case, layout, micro_batch_reduces):
+    """Counted, not predicted: with 2 micro-batches per rank, each FSDP unit reduce-scatters its gradients once
+    per step under grad_reduce=step (twice under microbatch), and under HSDP all-reduces them over the replicas
+    once under both. The tiny model's units: root and 2 blocks over dp_shard, and the routed experts of its 2
+    MoE layers over edp (edp=1 under HSDP here: their reduce-scatter moves nothing and is not counted)."""
+    dense_units, expert_units = 3, 2
+
+    def calls(rank: int, collective: str, axis: str) -> int:
+        group = next(g for g in groups_for(layout, *axis_view(axis)) if rank in g)
+        return four_ranks[rank][case]["counted"].get(_key((collective, tuple(group))), (0, 0))[0]
+
+    for rank in range(4):
+        assert calls(rank, "reduce_scatter", "dp_shard") == dense_units * micro_batch_reduces, (case, rank)
+        if layout.dp_replicate > 1:
+            assert calls(rank, "all_reduce", "dp_replicate") == dense_units + expert_units, (case, rank)
+        else:
+            assert calls(rank, "reduce_scatter", "edp") == expert_units * micro_batch_reduces, (case, rank)
 
 
 def test_cli_prints_the_table_and_refuses_impossible_layouts(capsys):

@@ -5,7 +5,8 @@ equal what autograd keeps after one forward (``saved_activation_bytes``), to the
 dropless, shared-expert, top-1, GELU, sigmoid and recomputed models. Routing is forced balanced
 (``moe.force_balance``) wherever the model's balanced-routing assumption must hold exactly. Spawned on 2
 gloo ranks: the same per rank under tp, tp with sequence and vocabulary parallelism, ep (with FSDP over
-dp_shard) and bf16 under FSDP, and the model-state bytes against the rank's parameter storages.
+dp_shard) and bf16 under FSDP, the model-state bytes against the rank's parameter storages, and the gradient
+bytes held between and after 2 micro-batches under both ``parallel.grad_reduce`` settings.
 """
 
 from __future__ import annotations
@@ -17,15 +18,21 @@ import torch.multiprocessing as mp
 import train
 from analysis import memory
 from analysis.memory_activations import in_flight, micro_batch_activations
-from analysis.memory_states import gathered_bytes, model_states, parameter_tensors
+from analysis.memory_states import (
+    accumulated_grad_bytes,
+    gathered_bytes,
+    local_layers,
+    model_states,
+    parameter_tensors,
+)
 from moe.accounting import parameter_counts
 from moe.transformer import MoETransformer
-from parallel import parallelize
+from parallel import parallelize, set_gradient_sync
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.groups import Layout, ParallelGroups
 from tests.spawn import spawn
 from training.config import load_config
-from training.loop import resolve_layout
+from training.loop import lm_loss, resolve_layout
 
 TINY = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.seq_len=16",
         "model.ffn_hidden=48", "moe.num_experts=4", "moe.expert_hidden=24", "train.global_batch_size=2"]
@@ -146,6 +153,23 @@ def test_gathered_weights_only_under_fsdp_and_more_without_resharding():
     root = 4 * (2 * 256 * 32 + 32)
     assert resharded == root + 3 * block  # this block and the next one's weights, this block's gradients
     assert kept == root + 5 * block  # all four blocks' weights, one block's gradients
+    # pipelining with grad_reduce=step keeps the stage gathered between micro-batches (as torch's PipelineStage)
+    staged = ["model.n_layers=8", "parallel.pp=2", "train.global_batch_size=4", "parallel.microbatches=2"]
+    layout = Layout.resolve(4, pp=2)  # dp_shard=2
+    blocks = len(local_layers(_tiny(*staged), layout, 0)[0])
+    assert blocks >= 3
+    assert gathered_bytes(_tiny(*staged), layout, 0, 2) == 4 * 256 * 32 + (blocks + 1) * block
+    assert gathered_bytes(_tiny(*staged), layout, 0, 1) == 4 * 256 * 32 + 3 * block  # one micro-batch: resharded
+    assert gathered_bytes(_tiny(*staged, "parallel.grad_reduce=microbatch"), layout, 0, 2) == 4 * 256 * 32 + 3 * block
+
+
+def test_unsharded_gradients_are_held_only_when_reduced_once_per_step():
+    layout = Layout.resolve(4)  # dp_shard=4: every tensor's gradient is held whole instead of a quarter
+    step, microbatch = _tiny(), _tiny("parallel.grad_reduce=microbatch")
+    grads = model_states(step, layout).grads
+    assert accumulated_grad_bytes(step, layout, 1) == accumulated_grad_bytes(microbatch, layout, 4) == 0
+    whole = 4 * sum(torch.Size(p.shape).numel() for p in parameter_tensors(step.model, step.moe))
+    assert grads + accumulated_grad_bytes(step, layout, 4) == whole
 
 
 @pytest.mark.parametrize("overrides, world, reason", [
@@ -198,7 +222,38 @@ SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.sha
                  "moe.force_balance=true", "train.global_batch_size=4"]
 
 
+# gradient accumulation, 2 micro-batches per rank: the gradient bytes held after the first (under step: every
+# unit's unsharded gradients; under microbatch: the shards) and after the last (the shards), both settings
+ACCUMULATING = [
+    ["parallel.dp_shard=2", "parallel.grad_reduce=step"],
+    ["parallel.dp_shard=2", "parallel.grad_reduce=microbatch"],
+    ["parallel.ep=2", "parallel.grad_reduce=step"],  # ep spans dp_shard: the experts stay out of FSDP
+    ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.grad_reduce=microbatch"],  # HSDP's summed shards
+    ["parallel.dp_shard=1", "parallel.tp=2", "moe.num_experts=3", "parallel.grad_reduce=step"],  # experts over edp
+]
+
+
+def _held_gradients(rank: int, results: dict) -> None:
+    for index, overrides in enumerate(ACCUMULATING):
+        config = _tiny(*SPAWNED_MODEL, "train.micro_batch_size=1", *overrides)
+        layout, micro, microbatches = resolve_layout(config, 2)
+        groups = ParallelGroups.build(layout, "cpu")
+        torch.manual_seed(0)
+        model = parallelize(MoETransformer(config.model, config.moe), groups)
+        tokens = torch.randint(0, config.model.vocab_size, (microbatches, micro, config.model.seq_len + 1),
+                               generator=torch.Generator().manual_seed(1 + groups.coords()["dp"]))
+        held = []
+        for m in range(microbatches):
+            set_gradient_sync(model, config.parallel.grad_reduce, last=m == microbatches - 1)
+            lm_loss(model(tokens[m, :, :-1]), tokens[m, :, 1:]).backward()
+            held.append(memory.held_gradient_bytes(model))
+        states = model_states(config, layout)
+        between = states.grads + accumulated_grad_bytes(config, layout, microbatches)
+        results[("held", index, rank)] = (held, [between] * (microbatches - 1) + [states.grads])
+
+
 def _worker(rank: int, results: dict) -> None:
+    _held_gradients(rank, results)
     for index, (precision, overrides) in enumerate(SPAWNED):
         config = _tiny(*SPAWNED_MODEL, *overrides)
         layout, micro, _ = resolve_layout(config, 2)
@@ -224,3 +279,9 @@ def test_per_rank_bytes_match_the_parallelized_model():
         for rank in range(2):
             predicted, measured, weights, stored = results[(index, rank)]
             assert (predicted, weights) == (measured, stored), (overrides, rank)
+    for index, overrides in enumerate(ACCUMULATING):
+        for rank in range(2):
+            measured, predicted = results[("held", index, rank)]
+            assert measured == predicted, (overrides, rank)
+        if "parallel.grad_reduce=step" in overrides and "parallel.ep=2" not in overrides:
+            assert measured[0] > measured[-1], overrides  # the unsharded gradients are larger than their shards

@@ -73,6 +73,39 @@ def test_fsdp_traffic_shows_only_beyond_the_compute_it_overlaps():
     assert planner.exposed_communication(config, layout, 2 * fsdp, H100, 8)["fsdp"] == 0.0
 
 
+def test_the_last_micro_batchs_gradient_reductions_hide_only_behind_its_backward():
+    """dp_shard=8 with 2 micro-batches: under grad_reduce=step the one reduce-scatter per unit runs in the last
+    micro-batch's backward (2/3 of half the compute); under microbatch only the last of its two rounds does."""
+    layout = Layout.resolve(8, dp_shard=8)
+    for grad_reduce in ("step", "microbatch"):
+        config = _config(layout, overrides=[*SMALL, "train.micro_batch_size=1"])
+        config = planner.with_layout(config, layout, "none", grad_reduce)
+        items = [i for i in communication.predict(config, layout, 0, "bf16") if i.dimension == "fsdp"]
+        gathers = sum(communication.seconds(i, H100, 8) for i in items if i.collective == "all_gather")
+        reduces = sum(communication.seconds(i, H100, 8) for i in items if i.collective == "reduce_scatter")
+        last = reduces if grad_reduce == "step" else reduces / 2
+        compute = 3 * last  # the last backward, compute / 2 * 2 / 3, hides exactly its reductions
+        exposed = planner.exposed_communication(config, layout, compute, H100, 8, microbatches=2)["fsdp"]
+        assert exposed == pytest.approx(max(0.0, gathers + reduces - last - (compute - last)))
+        exposed = planner.exposed_communication(config, layout, 1.5 * last, H100, 8, microbatches=2)["fsdp"]
+        assert exposed == pytest.approx(last / 2 + max(0.0, gathers + reduces - last - last), rel=1e-9, abs=1e-12)
+
+
+def test_both_gradient_reduction_settings_are_planned_and_step_trades_memory_for_traffic():
+    config = load_config("moe-8x", [*SMALL, "train.micro_batch_size=1"])
+    plans, _ = planner.plan(config, 8, device_memory=80 * planner.GIB)
+    by_setting = {}
+    for p in plans:
+        by_setting.setdefault((p.describe().replace(" rs/mb", ""), p.config.parallel.grad_reduce), p)
+    pairs = [(step, by_setting[name, "microbatch"]) for (name, reduce), step in by_setting.items()
+             if reduce == "step" and (name, "microbatch") in by_setting]
+    assert any(step.layout.dp_shard > 1 and step.layout.pp == 1 for step, _ in pairs)
+    for step, microbatch in pairs:
+        assert step.step <= microbatch.step + 1e-12  # never more traffic in the last backward, m - 1 fewer rounds
+        if step.layout.dp_shard > 1 and step.layout.pp == 1:  # (a stage's gathered blocks differ too)
+            assert step.memory > microbatch.memory  # unsharded gradients held between micro-batches
+
+
 def test_plans_fit_are_sorted_and_carry_the_memory_models_figure():
     config = load_config("moe-8x", SMALL)
     plans, considered = planner.plan(config, 8, device_memory=80 * planner.GIB)

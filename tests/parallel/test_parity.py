@@ -7,7 +7,8 @@ than rank 0's), and the final validation loss (the same fixed sequences under ev
 The reference runs the global batch of 8 as the same micro-batches that each data-parallel rank sees,
 so capacity-limited routing groups tokens the same way in both. A micro-batch is 8 / (data-parallel
 ranks × pipeline stages) sequences: each pipeline then runs pp micro-batches, as 1F1B needs. Layout
-settings outside ``parallel.*`` (a deeper model for interleaving) apply to the reference too.
+settings outside ``parallel.*`` (a deeper model for interleaving, a smaller micro-batch for gradient
+accumulation under both ``parallel.grad_reduce`` settings) apply to the reference too.
 """
 
 import pytest
@@ -72,6 +73,21 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # stages passing sequence slices; the last stage's loss from vocabulary-sharded logits
     pytest.param(["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                   "parallel.vocab_parallel=true"], 4, "1.25", id="pp=2xtp=2-sequence+vocab_parallel"),
+    # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
+    # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
+    pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.grad_reduce=step",
+                  "train.micro_batch_size=1"], 4, "1.25", id="dp_replicate=2xdp_shard=2-2mb-step"),
+    pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.grad_reduce=microbatch",
+                  "train.micro_batch_size=1"], 4, "1.25", id="dp_replicate=2xep=2-2mb-microbatch"),
+    # experts FSDP-sharded over edp=2 (their own units), and outside FSDP (ep=2 spans dp_shard: only divided)
+    pytest.param(["parallel.dp_shard=4", "parallel.ep=2", "parallel.grad_reduce=step", "train.micro_batch_size=1"],
+                 4, "null", id="ep=2xedp=2-2mb-step"),
+    pytest.param(["parallel.dp_shard=4", "parallel.ep=2", "parallel.grad_reduce=microbatch",
+                  "train.micro_batch_size=1"], 4, "null", id="ep=2xedp=2-2mb-microbatch"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", "parallel.grad_reduce=step", "train.micro_batch_size=2"],
+                 2, "1.25", id="ep=2-2mb-step"),
+    pytest.param(["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.grad_reduce=microbatch"],
+                 4, "1.25", id="pp=2xdp_shard=2xep=2-microbatch"),
 ]
 
 

@@ -47,6 +47,7 @@ def test_a_yaml_path_works(tmp_path):
         (["moe.jitter_eps=1.5"], r"moe.jitter_eps must be in \[0, 1\)"),
         (["parallel.tp=0"], r"parallel.tp must be >= 1"),
         (["parallel.microbatches=0"], r"parallel.microbatches must be >= 1 or null"),
+        (["parallel.grad_reduce=sometimes"], r"parallel.grad_reduce: 'sometimes' is not one of 'step', 'microbatch'"),
         (["parallel.activation_checkpointing=some"], r"parallel.activation_checkpointing: 'some' is not one of"),
         (["checkpoint.interval=0"], r"checkpoint.interval=0 must be a number of steps >= 1, 'auto' or null"),
         (["checkpoint.interval=often"], r"checkpoint.interval: 'often' matches none of"),
