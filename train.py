@@ -26,7 +26,8 @@ from parallel.checkpoint import CheckpointCorruptError
 from parallel.groups import ParallelGroups
 from parallel.runtime import exit_process, init_runtime, shutdown_runtime
 from training.config import load_config
-from training.loop import NonFiniteLossError, resolve_layout, train
+from training.layout import resolve_layout
+from training.loop import NonFiniteLossError, train
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -78,7 +78,7 @@ from parallel.groups import Layout, axis_view, coordinates, groups_for
 from parallel.pipeline import stage_layers
 from parallel.tensor import row_bounds, share_counts
 from training.config import RunConfig, load_config
-from training.loop import micro_batching, resolve_layout
+from training.layout import micro_batching, resolve_layout
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from analysis.memory import GIB, MemoryEstimate, estimate
 from analysis.memory_states import ADAM_MOMENTS
 from parallel.groups import Layout, ParallelGroups, coordinates
 from training.config import RunConfig
-from training.loop import build_model, resolve_layout
+from training.layout import resolve_layout
+from training.loop import build_model
 
 
 @dataclass(frozen=True)

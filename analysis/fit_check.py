@@ -20,7 +20,7 @@ from analysis.memory import GIB, estimate
 from analysis.planner import plan
 from moe.config import ConfigError
 from training.config import RunConfig
-from training.loop import resolve_layout
+from training.layout import resolve_layout
 
 
 def available_bytes_per_rank(device_type: str) -> int | None:

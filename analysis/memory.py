@@ -68,9 +68,9 @@ from analysis.memory_states import (
 from moe.accounting import parameter_counts
 from moe.config import ConfigError
 from parallel.groups import Layout
-from parallel.tensor import loss_context
+from parallel.tensor import lm_loss, loss_context
 from training.config import RunConfig, load_config
-from training.loop import lm_loss, resolve_layout
+from training.layout import resolve_layout
 
 GIB, MIB = 2**30, 2**20
 

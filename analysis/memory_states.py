@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from moe.config import ModelConfig, MoEConfig
 from parallel.groups import Layout
 from parallel.pipeline import stage_layers
+from parallel.sharding import expert_fsdp_dim, experts_spread
 from training.config import RunConfig
 
 FP32 = 4
@@ -105,8 +106,8 @@ def tp_local_shape(param: ParamTensor, layout: Layout, vocab_parallel: bool) -> 
 
 
 def experts_own_unit(layout: Layout, model: ModelConfig) -> bool:
-    """Whether the routed experts are their own FSDP unit over edp (``parallel/__init__.py``: ep, etp or tp > 1)."""
-    return model.n_moe_layers > 0 and (layout.ep > 1 or layout.etp > 1 or layout.tp > 1)
+    """Whether the routed experts are their own FSDP unit over edp (``parallel.sharding.experts_spread``)."""
+    return experts_spread(layout, model.n_moe_layers > 0)
 
 
 def sharded_numel(param: ParamTensor, layout: Layout, model: ModelConfig, vocab_parallel: bool) -> int:
@@ -114,8 +115,7 @@ def sharded_numel(param: ParamTensor, layout: Layout, model: ModelConfig, vocab_
     shape = tp_local_shape(param, layout, vocab_parallel)
     if param.expert and experts_own_unit(layout, model):
         if layout.dp_replicate * layout.edp > 1:  # else unmanaged: ep (× etp) spans all dp_shard × tp ranks
-            # the experts dim when it splits evenly, else the first dim etp leaves whole (``_free_dim``)
-            dim = 0 if shape[0] % layout.edp == 0 else 2 if layout.etp > 1 and param.expert_hidden_dim == 1 else 1
+            dim = expert_fsdp_dim(shape[0], layout.edp, param.expert_hidden_dim if layout.etp > 1 else None)
             shape[dim] = largest_chunk(shape[dim], layout.edp)
     elif layout.dp > 1:  # FSDP2 over dp_shard (HSDP replicates over dp_replicate), dim 0
         shape[0] = largest_chunk(shape[0], layout.dp_shard)

@@ -51,7 +51,7 @@ from parallel.groups import Layout, valid_layouts
 from parallel.pipeline import stage_layers
 from parallel.sharding import GRAD_REDUCE
 from training.config import RunConfig, load_config
-from training.loop import resolve_layout
+from training.layout import resolve_layout
 
 RECOMPUTE = ("none", "moe", "full")
 GIB = 2**30

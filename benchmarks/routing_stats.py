@@ -46,7 +46,8 @@ import torch
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from training.config import load_config
-from training.loop import IntervalStats, micro_batching, train_step
+from training.layout import micro_batching
+from training.loop import IntervalStats, train_step
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer
 from training.routing_charts import log_routing_charts

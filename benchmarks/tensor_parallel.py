@@ -34,10 +34,10 @@ import torch.multiprocessing as mp
 from analysis.memory import saved_activation_bytes
 from moe.transformer import MoETransformer
 from parallel import parallelize
+from parallel.config import ParallelConfig
 from parallel.groups import Layout, ParallelGroups
-from parallel.tensor import loss_context
+from parallel.tensor import lm_loss, loss_context
 from training.config import load_config
-from training.loop import lm_loss
 
 VARIANTS = {"tp": (False, False), "tp + sequence_parallel": (True, False), "tp + vocab_parallel": (False, True),
             "tp + both": (True, True)}
@@ -51,7 +51,8 @@ def measure(config_name: str, overrides: list[str], sequence_parallel: bool, voc
     model = MoETransformer(config.model, config.moe)
     if world > 1:
         groups = ParallelGroups.build(Layout.resolve(world, tp=world, dp_shard=1), "cpu")
-        model = parallelize(model, groups, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+        model = parallelize(model, groups, ParallelConfig(sequence_parallel=sequence_parallel,
+                                                          vocab_parallel=vocab_parallel))
     tokens = torch.randint(0, config.model.vocab_size, (batch, config.model.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     saved = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:], vocab_parallel)

@@ -15,38 +15,40 @@ from __future__ import annotations
 
 from moe.transformer import MoETransformer
 from parallel.activation_checkpoint import apply_activation_checkpointing
+from parallel.config import ParallelConfig
 from parallel.expert import apply_expert_parallel
 from parallel.groups import ParallelGroups
-from parallel.sharding import apply_fsdp, clip_grad_norm_, set_gradient_sync, shard_experts
+from parallel.sharding import apply_fsdp, clip_grad_norm_, experts_spread, set_gradient_sync, shard_experts
 from parallel.tensor import apply_tensor_parallel
 
 __all__ = ["clip_grad_norm_", "parallelize", "set_gradient_sync"]
 
 
-def parallelize(model: MoETransformer, groups: ParallelGroups, activation_checkpointing: str = "none",
-                reshard_after_forward: bool = True, sequence_parallel: bool = False,
-                vocab_parallel: bool = False) -> MoETransformer:
-    """Apply the layout's parallelism and activation checkpointing to ``model`` in place and return it.
+def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: ParallelConfig | None = None
+                ) -> MoETransformer:
+    """Apply the layout's parallelism and ``parallel``'s options (default: none) to ``model`` in place; return it.
 
-    Every rank passes the same fully initialised model (same seed): tensor and expert parallelism keep
-    this rank's slices and FSDP this rank's shards of them, so the weights do not depend on the layout.
-    ``reshard_after_forward=False`` keeps each block's gathered weights from forward to backward: one
-    all-gather fewer per block and step, for the memory of the unsharded blocks. ``sequence_parallel`` and
-    ``vocab_parallel`` are tensor parallelism's options (``parallel/tensor.py``).
+    ``model`` is built on the meta device (``training.loop.build_model``; ``parallel.materialize`` then
+    allocates this rank's shards) or, the same on every rank, already initialised: tensor and expert
+    parallelism keep this rank's slices and FSDP this rank's shards of them, so the weights do not depend
+    on the layout. The options used here: ``activation_checkpointing``; ``reshard_after_forward=False``
+    keeps each block's gathered weights from forward to backward (one all-gather fewer per block and step,
+    for the memory of the unsharded blocks); ``sequence_parallel`` and ``vocab_parallel``, tensor
+    parallelism's options (``parallel/tensor.py``).
     """
+    parallel = parallel or ParallelConfig()
     layout = groups.layout
     unmanaged: set = set()
     tp_mesh = groups.mesh("tp") if layout.tp > 1 else None
     if tp_mesh is not None:
-        apply_tensor_parallel(model, tp_mesh, sequence_parallel, vocab_parallel)
-    if layout.ep > 1 or layout.etp > 1 or (tp_mesh is not None and model.moe_layers()):
-        # with tp alone (ep = etp = 1) the rows are still shared out over tp: each tp rank computes its share
+        apply_tensor_parallel(model, tp_mesh, parallel.sequence_parallel, parallel.vocab_parallel)
+    if experts_spread(layout, bool(model.moe_layers())):
         apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh)
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
         expert_dp_mesh = groups.mesh(*expert_axes) if layout.dp_replicate * layout.edp > 1 else None
-        unmanaged = shard_experts(model, expert_dp_mesh, layout.dp, reshard_after_forward)
-    apply_activation_checkpointing(model, activation_checkpointing)  # before FSDP (see its module)
+        unmanaged = shard_experts(model, expert_dp_mesh, layout.dp, parallel.reshard_after_forward)
+    apply_activation_checkpointing(model, parallel.activation_checkpointing)  # before FSDP (see its module)
     if layout.dp > 1:
         axes = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-        apply_fsdp(model, groups.mesh(*axes), reshard_after_forward, ignored_params=unmanaged or None)
+        apply_fsdp(model, groups.mesh(*axes), parallel.reshard_after_forward, ignored_params=unmanaged or None)
     return model

@@ -56,6 +56,7 @@ from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
+from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups
 from parallel.tensor import loss_context
 
@@ -108,7 +109,7 @@ def check_pipeline(pp: int, model: ModelConfig, schedule: str, virtual_stages: i
     """Refuse, before any process group exists, a pipeline the schedules cannot run.
 
     ``microbatches`` is the number of micro-batches per optimizer step on one pipeline
-    (``training.loop.micro_batching``). The micro-batch rules are torch's: 1F1B needs at least one
+    (``training.layout.micro_batching``). The micro-batch rules are torch's: 1F1B needs at least one
     micro-batch per stage to fill the pipe; interleaved 1F1B runs rounds of ``pp`` micro-batches and
     needs their count to split evenly into ``max(1, microbatches // pp)`` rounds.
     """
@@ -303,21 +304,23 @@ class PipelineModel:
         return torch.cat(per_batch)
 
 
-def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups, device: torch.device, schedule: str,
-                   virtual_stages: int, microbatches: int, micro_batch_size: int,
-                   loss_fn: Callable[[Tensor, Tensor], Tensor], autocast: Callable[[], AbstractContextManager],
-                   activation_checkpointing: str = "none", reshard_after_forward: bool = True,
-                   sequence_parallel: bool = False, vocab_parallel: bool = False) -> PipelineModel:
+def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups, device: torch.device,
+                   parallel: ParallelConfig, microbatches: int, micro_batch_size: int,
+                   loss_fn: Callable[[Tensor, Tensor], Tensor],
+                   autocast: Callable[[], AbstractContextManager]) -> PipelineModel:
     """Cut ``model`` (the whole model of ``moe``'s experts, on meta or the same on every rank) into this rank's stages.
 
     The stages run on ``device``; a meta-built model's stages stay on meta until ``parallel.materialize``
-    gives each of them its shards.
+    gives each of them its shards. ``parallel`` gives the schedule and virtual stages, and each stage is
+    parallelized with it as the whole model would be (``parallelize``).
 
     ``loss_fn(logits, targets)`` is the mean LM loss of one micro-batch of ``micro_batch_size``
     sequences; ``autocast`` wraps each stage's forward (compute precision), as it wraps the
-    model's forward without pipelining. The last two are tensor parallelism's options: under
-    ``sequence_parallel`` the stages pass each other this tp rank's slice of the sequence.
+    model's forward without pipelining. Under ``parallel.sequence_parallel`` the stages pass each other this
+    tp rank's slice of the sequence.
     """
+    schedule, virtual_stages = parallel.pp_schedule, parallel.pp_virtual_stages
+    sequence_parallel, vocab_parallel = parallel.sequence_parallel, parallel.vocab_parallel
     config, layout = model.config, groups.layout
     check_pipeline(layout.pp, config, schedule, virtual_stages, microbatches)
     num_stages = layout.pp * virtual_stages
@@ -329,8 +332,7 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     stages, pipeline_stages = [], []
     for index in range(pp_rank, num_stages, layout.pp):
         first, last = index == 0, index == num_stages - 1
-        stage = parallelize(cut_stage(model, ranges[index], first, last), groups, activation_checkpointing,
-                            reshard_after_forward, sequence_parallel, vocab_parallel)
+        stage = parallelize(cut_stage(model, ranges[index], first, last), groups, parallel)
         stage.forward = _with_autocast(stage.forward, autocast)
         # shapes given up front (static metadata), so torch does not run a trial step to infer them
         inputs = (torch.empty(micro_batch_size, seq, dtype=torch.long, device="meta") if first

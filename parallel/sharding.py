@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.transformer import MoETransformer
+from parallel.groups import Layout
 
 
 def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_size: int,
@@ -66,10 +67,9 @@ def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_s
             experts.grad_scale = 1.0 / dp_size
             unmanaged.update(experts.parameters())
             continue
-        # Shard the experts dim when it splits evenly over the edp ranks, else the first dim that expert
-        # tensor parallelism leaves whole (torchtitan: dim 1).
-        by_experts = experts.num_local_experts % expert_dp_mesh.size(-1) == 0
-        placement = (lambda param: Shard(0)) if by_experts else (lambda param: Shard(_free_dim(param)))
+        def placement(param: Tensor, local: int = experts.num_local_experts, edp: int = expert_dp_mesh.size(-1)):
+            return Shard(expert_fsdp_dim(local, edp, _etp_dim(param)))
+
         fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=placement,
                     reshard_after_forward=reshard_after_forward)
         # FSDP divided by the replicas; the global mean needs dp_size. With tp folded in, the replicas can
@@ -80,10 +80,33 @@ def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_s
     return unmanaged
 
 
-def _free_dim(param: Tensor) -> int:
-    """The first dim after the experts dim that the parameter's own placements do not shard."""
-    taken = {p.dim for p in param.placements if isinstance(p, Shard)} if isinstance(param, DTensor) else set()
-    return next(dim for dim in range(1, param.dim()) if dim not in taken)
+def experts_spread(layout: Layout, has_moe_layers: bool) -> bool:
+    """Whether the routed experts become ``parallel.expert.ExpertParallelExperts`` (ep, etp or tp > 1).
+
+    With tp alone the rows are still shared out over tp, each tp rank computing its share. Such experts
+    are then their own FSDP unit over edp (``shard_experts``), apart from their block. The one rule that
+    ``parallelize`` applies and the memory and communication models count.
+    """
+    return has_moe_layers and (layout.ep > 1 or layout.etp > 1 or layout.tp > 1)
+
+
+def expert_fsdp_dim(num_local_experts: int, edp: int, etp_dim: int | None) -> int:
+    """The dim of an expert stack [E/ep, ...] that FSDP shards over the edp ranks.
+
+    The experts dim when it splits evenly over edp, else the first dim that expert tensor parallelism
+    (``etp_dim``, None without it) leaves whole (torchtitan: dim 1). Used by ``shard_experts`` and the
+    memory model alike.
+    """
+    if num_local_experts % edp == 0:
+        return 0
+    return next(dim for dim in (1, 2) if dim != etp_dim)
+
+
+def _etp_dim(param: Tensor) -> int | None:
+    """The dim expert tensor parallelism shards in a stack's placements (after the experts dim), if any."""
+    if not isinstance(param, DTensor):
+        return None
+    return next((p.dim for p in param.placements if isinstance(p, Shard) and p.dim > 0), None)
 
 
 def apply_fsdp(model: MoETransformer, mesh: DeviceMesh, reshard_after_forward: bool = True,

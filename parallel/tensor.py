@@ -46,9 +46,10 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -259,3 +260,13 @@ def gather_rows(part: Tensor, bounds: list[int], tp_mesh: DeviceMesh, ranks_per_
     """Every tp rank's share, in order (parts of one share added): [n, D] -> [N, D], identical on every tp rank."""
     share = tp_mesh.get_local_rank() // ranks_per_share
     return _GatherRows.apply(part, bounds, share, ranks_per_share, tp_mesh.get_group())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits [B, S, V], targets [B, S].
+
+    Vocabulary-parallel logits (a DTensor sharded over V) need ``parallel.tensor.loss_context`` around this
+    and the backward; the loss, replicated over tp, comes back as a plain tensor.
+    """
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

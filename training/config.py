@@ -11,11 +11,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import yaml
 
 from moe.config import ConfigError, ModelConfig, MoEConfig, from_dict, nearest, to_dict
+from parallel.config import ParallelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -43,53 +44,6 @@ def parse_yaml(text: str, where: str):
         return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where} is not valid YAML: {exc}") from exc
-
-
-@dataclass
-class ParallelConfig:
-    """Degrees of the parallel dimensions; the dense ones multiply to the world size.
-
-    One degree may be -1: whatever is left. Expert parallelism folds over dp_shard * tp.
-    """
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1 = whatever is left of the world size
-    tp: int = 1
-    ep: int = 1
-    etp: int = 1
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    pp_virtual_stages: int = 1  # pipeline stages per pp rank (v); > 1 with the interleaved schedule
-    # micro-batches per optimizer step on one pipeline; None = derived from train.micro_batch_size
-    microbatches: int | None = None
-    # recompute activations in backward: none, every block ("full"), or only the MoE blocks ("moe")
-    activation_checkpointing: Literal["none", "full", "moe"] = "none"
-    # free each block's gathered FSDP weights after forward (gather again in backward): less memory, more traffic
-    reshard_after_forward: bool = True
-    # tensor parallelism's options (tp > 1): norms and residual stream on a 1/tp slice of the sequence;
-    # embedding, LM head and loss split over the vocabulary
-    sequence_parallel: bool = False
-    vocab_parallel: bool = False
-    # when gradient accumulation reduces gradients over the data-parallel ranks: once per optimizer step, on
-    # the last micro-batch (each FSDP unit holds its unsharded gradients in between), or a reduce-scatter per
-    # micro-batch (ZeRO-3: sharded gradients only, m times the traffic); HSDP's all-reduce over the replicas
-    # runs once per step either way (``parallel.sharding.set_gradient_sync``)
-    grad_reduce: Literal["step", "microbatch"] = "step"
-
-    DEGREES: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp")
-
-    def degrees(self) -> dict[str, int]:
-        """The six degrees, as ``parallel.groups.Layout.resolve`` takes them."""
-        return {name: getattr(self, name) for name in self.DEGREES}
-
-    def validate(self) -> None:
-        """Per-key checks; the layout as a whole is checked against the world size by ``parallel.groups``."""
-        for name in self.DEGREES:
-            value = getattr(self, name)
-            _require(value >= 1 or value == -1, f"parallel.{name} must be >= 1, or -1 for the rest; got {value}")
-        _require(self.pp_virtual_stages >= 1, f"parallel.pp_virtual_stages must be >= 1, got {self.pp_virtual_stages}")
-        _require(self.microbatches is None or self.microbatches >= 1,
-                 f"parallel.microbatches must be >= 1 or null, got {self.microbatches}")
 
 
 @dataclass

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import yaml
-from torch.distributed.tensor import DTensor
 
 from moe.accounting import parameter_counts, training_flops_per_token
 from moe.config import ConfigError
@@ -28,15 +26,16 @@ from moe.layer import RoutingStats
 from moe.transformer import MoETransformer
 from parallel import clip_grad_norm_, parallelize, set_gradient_sync
 from parallel.checkpoint import write_text_atomic
-from parallel.groups import Layout, ParallelGroups, validate_for_model
+from parallel.groups import ParallelGroups
 from parallel.materialize import materialize
-from parallel.pipeline import PipelineModel, build_pipeline, check_pipeline
+from parallel.pipeline import PipelineModel, build_pipeline
 from parallel.runtime import Runtime
-from parallel.tensor import check_tensor_parallel, loss_context
+from parallel.tensor import lm_loss, loss_context
 from training.checkpointing import Checkpointer
 from training.config import RunConfig
 from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
 from training.hardware import choose_precision, memory_per_rank
+from training.layout import micro_batching
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
@@ -53,16 +52,6 @@ from training.run_dir import hold_run_dir, rank0_verdict
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN/inf; training stops rather than corrupt the weights."""
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: logits [B, S, V], targets [B, S].
-
-    Vocabulary-parallel logits (a DTensor sharded over V) need ``parallel.tensor.loss_context`` around this
-    and the backward; the loss, replicated over tp, comes back as a plain tensor.
-    """
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -105,54 +94,6 @@ class IntervalStats:
         }
 
 
-def micro_batching(config: RunConfig, dp_size: int, pp: int = 1) -> tuple[int, int]:
-    """(micro-batch size, micro-batches per step) on one rank for the global batch.
-
-    The global batch is fixed by config; the layout only changes how it is cut: per-rank batch =
-    global / data-parallel ranks, then ``parallel.microbatches`` pieces or pieces of
-    ``train.micro_batch_size`` sequences (either, or both if they agree; neither = one piece, or
-    ``pp`` pieces under pipeline parallelism so that every stage has a micro-batch to work on).
-    ``train.py`` calls this before any process group exists, so a bad split fails early.
-    """
-    global_batch = config.train.global_batch_size
-    if global_batch % dp_size:
-        raise ConfigError(f"train.global_batch_size={global_batch} must be divisible by the {dp_size} "
-                          "data-parallel ranks")
-    per_rank = global_batch // dp_size
-    count, micro = config.parallel.microbatches, config.train.micro_batch_size
-    if count is not None:
-        if per_rank % count:
-            raise ConfigError(f"parallel.microbatches={count} must divide the per-rank batch {per_rank} "
-                              f"(train.global_batch_size={global_batch} / {dp_size} data-parallel ranks)")
-        if micro is not None and micro * count != per_rank:
-            raise ConfigError(f"train.micro_batch_size={micro} and parallel.microbatches={count} disagree: "
-                              f"the per-rank batch is {per_rank}; set only one of them")
-        return per_rank // count, count
-    if micro is None and pp > 1 and per_rank % pp == 0:
-        micro = per_rank // pp
-    micro = micro or per_rank
-    if per_rank % micro:
-        raise ConfigError(f"train.micro_batch_size={micro} must divide the per-rank batch {per_rank} "
-                          f"(train.global_batch_size={global_batch} / {dp_size} data-parallel ranks)")
-    return micro, per_rank // micro
-
-
-def resolve_layout(config: RunConfig, world_size: int) -> tuple[Layout, int, int]:
-    """The layout of ``config`` on ``world_size`` ranks and its (micro-batch size, micro-batches per step).
-
-    Every check ``train.py`` makes before any process group exists, in one place (the analysis CLIs and the
-    planner refuse a layout with the same ConfigError): the degrees against the world size and the model's
-    shapes, the batch split, the pipeline schedule's rules, and tensor parallelism's options.
-    """
-    layout = Layout.resolve(world_size, **config.parallel.degrees())
-    validate_for_model(layout, config.model, config.moe)
-    micro, microbatches = micro_batching(config, layout.dp, layout.pp)
-    check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
-                   microbatches)
-    check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel, config.parallel.vocab_parallel)
-    return layout, micro, microbatches
-
-
 def build_model(config: RunConfig, groups: ParallelGroups, device: torch.device, micro: int, microbatches: int,
                 autocast, allocate: bool = True) -> MoETransformer | PipelineModel:
     """This rank's part of the model, parallelized by ``groups``' layout, on ``device``, initialised.
@@ -166,12 +107,9 @@ def build_model(config: RunConfig, groups: ParallelGroups, device: torch.device,
         model = MoETransformer(config.model, config.moe)
     par = config.parallel
     if groups.layout.pp > 1:  # this rank's stages, each parallelized like the whole model
-        model = build_pipeline(model, config.moe, groups, device, par.pp_schedule, par.pp_virtual_stages,
-                               microbatches, micro, lm_loss, autocast, par.activation_checkpointing,
-                               par.reshard_after_forward, par.sequence_parallel, par.vocab_parallel)
+        model = build_pipeline(model, config.moe, groups, device, par, microbatches, micro, lm_loss, autocast)
     else:
-        model = parallelize(model, groups, par.activation_checkpointing, par.reshard_after_forward,
-                            par.sequence_parallel, par.vocab_parallel)
+        model = parallelize(model, groups, par)
     if allocate:
         for part in model.stages if isinstance(model, PipelineModel) else [model]:
             materialize(part, device, config.train.seed)

@@ -32,6 +32,7 @@ from tests.parallel.parity import TINY
 from tests.spawn import spawn
 from training.config import load_config
 from training.hardware import PrecisionChoice
+from training.layout import resolve_layout
 
 BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
 DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
@@ -230,4 +231,4 @@ def test_balanced_routing_keeps_what_capacity_allows():
 def test_impossible_layouts_fail_as_train_py_fails(world_size, overrides, message):
     config = load_config("moe-8x", [*TINY, "parallel.dp_shard=-1", *overrides])
     with pytest.raises(ConfigError, match=message):
-        loop.resolve_layout(config, world_size)
+        resolve_layout(config, world_size)

@@ -18,7 +18,7 @@ from analysis.dry_run import RankStates, built_states, dry_run, extreme_ranks
 from analysis.memory_states import parameter_tensors, tp_local_shape
 from moe.config import ConfigError
 from training.config import load_config
-from training.loop import resolve_layout
+from training.layout import resolve_layout
 
 MODEL = ["model.d_model=96", "model.n_layers=4", "model.n_heads=6", "model.n_kv_heads=2", "model.seq_len=64",
          "model.ffn_hidden=160", "model.vocab_size=1000", "moe.num_experts=6", "moe.expert_hidden=80",

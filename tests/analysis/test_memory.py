@@ -30,9 +30,10 @@ from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.groups import Layout, ParallelGroups
+from parallel.tensor import lm_loss
 from tests.spawn import spawn
 from training.config import load_config
-from training.loop import lm_loss, resolve_layout
+from training.layout import resolve_layout
 
 TINY = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.seq_len=16",
         "model.ffn_hidden=48", "moe.num_experts=4", "moe.expert_hidden=24", "train.global_batch_size=2"]
@@ -259,9 +260,7 @@ def _worker(rank: int, results: dict) -> None:
         layout, micro, _ = resolve_layout(config, 2)
         groups = ParallelGroups.build(layout, "cpu")
         torch.manual_seed(0)
-        par = config.parallel
-        model = parallelize(MoETransformer(config.model, config.moe), groups, par.activation_checkpointing,
-                            par.reshard_after_forward, par.sequence_parallel, par.vocab_parallel)
+        model = parallelize(MoETransformer(config.model, config.moe), groups, config.parallel)
         storages = {s.data_ptr(): s.nbytes()
                     for s in (memory.local_tensor(p).untyped_storage() for p in model.parameters())}
         seed = 1 + groups.coords()["dp_shard"]  # each data-parallel rank its own micro-batch

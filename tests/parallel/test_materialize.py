@@ -29,7 +29,8 @@ from parallel.groups import ParallelGroups
 from tests.parallel.parity import TINY, full_state
 from tests.spawn import spawn
 from training.config import load_config
-from training.loop import build_model, resolve_layout
+from training.layout import resolve_layout
+from training.loop import build_model
 
 SMALL_CHUNK = 40  # elements: every weight of the tiny model spans many chunks, cut along every dim
 

@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor
 from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
 from parallel import expert, parallelize
+from parallel.config import ParallelConfig
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.sharding import clip_grad_norm_
-from parallel.tensor import check_tensor_parallel, loss_context, row_bounds, share_counts
+from parallel.tensor import check_tensor_parallel, lm_loss, loss_context, row_bounds, share_counts
 from tests.spawn import spawn
-from training.loop import lm_loss
 
 
 @pytest.mark.parametrize("num_rows, parts", [(0, 2), (1, 2), (7, 2), (8, 4), (10, 3)])
@@ -115,8 +115,9 @@ def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str
            dtype: torch.dtype | None = None, sequence_parallel: bool = False, vocab_parallel: bool = False,
            tie_embeddings: bool = False) -> None:
     reference = _model(capacity_factor, tie_embeddings)
-    model = parallelize(copy.deepcopy(reference), groups, activation_checkpointing=recompute,
-                        sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+    options = ParallelConfig(activation_checkpointing=recompute, sequence_parallel=sequence_parallel,
+                             vocab_parallel=vocab_parallel)
+    model = parallelize(copy.deepcopy(reference), groups, options)
     attn = model.layers["0"].attn
     assert isinstance(attn.wq.weight, DTensor) and attn.wq.weight.to_local().shape == (8, 16)  # 2 of 4 heads
     assert not isinstance(model.layers["1"].moe.router.gate, DTensor)  # the router stays whole

@@ -4,7 +4,7 @@ import pytest
 
 from moe.config import ConfigError
 from training.config import CONFIG_DIR, load_config
-from training.loop import micro_batching
+from training.layout import micro_batching
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
