@@ -15,7 +15,9 @@ import torch
 
 import train
 from analysis.dry_run import RankStates, built_states, dry_run, extreme_ranks
+from analysis.memory import GIB
 from analysis.memory_states import parameter_tensors, tp_local_shape
+from analysis.planner import plan
 from moe.config import ConfigError
 from training.config import load_config
 from training.layout import resolve_layout
@@ -77,3 +79,14 @@ def test_the_cli_prints_built_beside_predicted(capsys):
     out = capsys.readouterr().out
     assert "ranks 0,3,4,7 built on the meta device" in out
     assert "each stage's largest rank equals the memory model's prediction" in out
+
+
+def test_the_planners_top_layouts_build_and_match_the_memory_model():
+    """Every layout the planner ranks is one train.py accepts; its first ones build, shard for shard as predicted."""
+    config = load_config("moe-8x", [*MODEL, "train.precision=bf16", "train.global_batch_size=16"])
+    plans, _ = plan(config, 8, 80 * GIB)
+    assert len(plans) >= 5
+    for candidate in plans[:5]:
+        built, estimates = dry_run(candidate.config, 8, "bf16")
+        for predicted in estimates:
+            assert max(s.total for s in built if s.pp_rank == predicted.pp_rank) == predicted.states.total
