@@ -281,8 +281,10 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     autocast = lambda: (torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
                         if precision.precision == "bf16" else contextlib.nullcontext())
 
-    tokens = load_tokens(config.data.source, config.data.cache_dir)
-    train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction)
+    # the data is checked here, before the model exists: token ids against the vocabulary, both splits against
+    # seq_len (the validation split would otherwise fail only at the first evaluation)
+    tokens = load_tokens(config.data.source, config.data.cache_dir, config.model.vocab_size)
+    train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction, config.model.seq_len)
     sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
 
     torch.manual_seed(config.train.seed)  # the generator that router jitter draws from
