@@ -78,3 +78,74 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_file_id_and_vocab_an
     monkeypatch.setattr(np.memmap, "max", lambda *a, **k: pytest.fail("scanned the file again"))
     refused(capsys, argv, message)  # the cached largest id
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+# --- the analysis CLIs: every numeric flag checked, suggestions that pass train.py's own checks ------------------
+
+
+def cli_refused(capsys, main, argv, message):
+    """``main(argv)`` of a CLI exits 2 with one message holding ``message``, no traceback, nothing on stdout."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert message in err, err
+    assert "Traceback" not in err and err.count("error:") == 1 and not out, (out, err)
+    return err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--device-memory", "-1"], "--device-memory must be a positive number of GiB, got -1.0"),
+    (["--device-memory", "nan"], "--device-memory must be a positive number of GiB, got nan"),
+    (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+    (["--sweep-experts", "8,x"], "--sweep-experts '8,x': give positive expert counts"),
+    (["--sweep-experts", "8,3", "--world-size", "2", "--set", "parallel.ep=2"],
+     "parallel.ep=2 does not divide moe.num_experts=3"),
+])
+def test_the_memory_tool_refuses_bad_flags_naming_them(capsys, argv, message):
+    from analysis import memory
+    cli_refused(capsys, memory.main, argv, message)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--world-size", "8", "--top", "-1"], "--top must be at least 1, got -1"),
+    (["--world-size", "8", "--device-memory", "nan"], "--device-memory must be a positive number of GiB, got nan"),
+    (["--world-size", "8", "--device-memory", "-80"], "--device-memory must be a positive number of GiB, got -80.0"),
+    (["--world-size", "8", "--efficiency", "nan"], "--efficiency must be in (0, 1], got nan"),
+    (["--world-size", "8", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1, got 0"),
+    (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+    # not "add GPUs": the batch of 16 splits over no layout of 9 GPUs that fits the model
+    (["--world-size", "9"], "no layout of 9 GPUs passes train.py's checks for this config, e.g. "
+                            "train.global_batch_size=16 must be divisible by the 9 data-parallel ranks"),
+])
+def test_the_planner_refuses_bad_flags_and_says_why_no_layout_is_possible(capsys, argv, message):
+    from analysis import planner
+    cli_refused(capsys, planner.main, argv, message)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be positive, got 0"),
+    (["--rank", "-1"], "--rank -1 is outside the world of 8 ranks"),
+])
+def test_the_communication_tool_refuses_bad_flags_naming_them(capsys, argv, message):
+    from analysis import communication
+    cli_refused(capsys, communication.main, argv, message)
+
+
+def test_a_refused_layout_suggests_only_layouts_that_train_py_accepts(capsys):
+    from analysis import memory
+    from training.config import load_config
+    from training.loop import resolve_layout
+    # 9 ranks, tp=2: the layouts of 9 ranks that ignore the model include tp=3 ep=3 (8 experts) and pp=9 (4 layers)
+    for settings in (["parallel.ep=2", "parallel.tp=2", "train.global_batch_size=9"],
+                     ["parallel.pp=2", "train.global_batch_size=9"], ["parallel.ep=4", "train.global_batch_size=9"]):
+        err = cli_refused(capsys, memory.main, ["--world-size", "9", "--set", *settings], "valid")
+        suggested = [part for part in err.split(": ")[-1].strip().split("; ")]
+        assert suggested and "ep=3" not in err and "pp=9" not in err, err
+        for degrees in suggested:
+            if "=" not in degrees:  # "valid ep ...: 1" lists values of one key
+                continue
+            overrides = [f"parallel.{pair}" for pair in degrees.split()]
+            resolve_layout(load_config("moe-8x", [*settings, *overrides]), 9)  # accepted
+    # no layout of 9 ranks splits the default batch of 16: the message says so instead of suggesting one
+    cli_refused(capsys, memory.main, ["--world-size", "9", "--set", "parallel.tp=2"],
+                "no layout of 9 ranks fits this model and run (e.g. train.global_batch_size=16 must be divisible")
