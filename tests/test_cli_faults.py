@@ -149,3 +149,63 @@ def test_a_refused_layout_suggests_only_layouts_that_train_py_accepts(capsys):
     # no layout of 9 ranks splits the default batch of 16: the message says so instead of suggesting one
     cli_refused(capsys, memory.main, ["--world-size", "9", "--set", "parallel.tp=2"],
                 "no layout of 9 ranks fits this model and run (e.g. train.global_batch_size=16 must be divisible")
+
+
+# --- files the analysis CLIs and the export read or write ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A tiny run with one checkpoint (two steps)."""
+    run_dir = tmp_path_factory.mktemp("run") / "run"
+    assert train.main(["--run-dir", str(run_dir), "--set", *TINY, "train.steps=2", "checkpoint.interval=2"]) == 0
+    return run_dir
+
+
+def test_the_router_probe_refuses_weights_that_are_not_this_runs_model(trained_run, tmp_path, capsys):
+    import torch
+
+    from analysis import router
+    junk = tmp_path / "junk.pt"
+    junk.write_text("hello\n")
+    wrong = tmp_path / "wrong.pt"
+    torch.save({"x": torch.zeros(3)}, wrong)
+    state = router.build_model(router.load_run_config(trained_run)).state_dict()
+    state["norm.weight"] = torch.zeros(7)
+    shape = tmp_path / "shape.pt"
+    torch.save(state, shape)
+    bad_safetensors = tmp_path / "junk.safetensors"
+    bad_safetensors.write_text("junk")
+    probe = ["probe", "--run", str(trained_run), "--out", str(tmp_path / "p.npz"), "--weights"]
+    for weights, message in [(junk, f"--weights {junk}: {junk} is not a torch.save'd state dict"),
+                             (wrong, "the weights do not fit the run's model: 25 of the model's tensors missing"),
+                             (shape, "1 of another shape (first: norm.weight (7,) (the run's model: (32,)))"),
+                             (bad_safetensors, f"{bad_safetensors} is not a readable .safetensors file")]:
+        cli_refused(capsys, router.main, [*probe, str(weights)], message)
+    for argv, message in [(["probe", "--run", str(trained_run), "--tokens", "0"], "--tokens 0: must be a positive"),
+                          (["probe", "--run", str(trained_run), "--out", "/proc/p.npz"], "--out /proc/p.npz: cannot"),
+                          (["probe", "--run", str(trained_run), "--text", str(tmp_path / "none")], "--text"),
+                          (["summary", str(trained_run), "--last", "-1"], "--last -1: must be at least 1")]:
+        cli_refused(capsys, router.main, argv, message)
+
+
+@pytest.mark.parametrize("text", ["model: [unclosed\n", "- 1\n", "model: {d_model: many}\n", "\xff\xfe"])
+def test_a_garbled_config_yaml_in_a_run_directory_is_one_message(trained_run, tmp_path, capsys, text):
+    import shutil
+
+    from analysis import router
+    garbled = tmp_path / "garbled"
+    shutil.copytree(trained_run, garbled)
+    (garbled / "config.yaml").write_bytes(text.encode("latin-1"))
+    for argv in (["probe", "--run", str(garbled)], ["summary", str(garbled)]):
+        err = cli_refused(capsys, router.main, argv, f"{garbled / 'config.yaml'} is not a run's resolved config")
+        assert err.count("\n") == 1
+
+
+def test_an_export_to_a_path_that_cannot_be_written_is_one_message_and_leaves_nothing(trained_run, tmp_path):
+    checkpoints = str(trained_run / "checkpoints")
+    for out, message in [("/proc/x.safetensors", "cannot write /proc/x.safetensors"),
+                         (str(tmp_path / "none" / "x.safetensors"), "its folder"),
+                         (str(tmp_path), "is a folder")]:
+        run_cli("-m", "training.export", checkpoints, out, message=message)
+    assert not list(tmp_path.glob(".*partial"))
