@@ -209,3 +209,39 @@ def test_an_export_to_a_path_that_cannot_be_written_is_one_message_and_leaves_no
                          (str(tmp_path), "is a folder")]:
         run_cli("-m", "training.export", checkpoints, out, message=message)
     assert not list(tmp_path.glob(".*partial"))
+
+
+# --- under torchrun ----------------------------------------------------------------------------------------------
+
+
+def torchrun(launcher, *args, env_extra=None):
+    import os
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, *launcher, "--standalone", "--nproc-per-node", "2", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_launch_py_keeps_a_user_errors_one_message_and_exit_2_where_torchrun_gives_a_traceback(tmp_path):
+    # a bad value: refused before any worker starts
+    done = torchrun(["launch.py"], "train.py", "--run-dir", str(tmp_path / "r"), "--set", "train.steps=-3")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "error: train.steps must be >= 1, got -3", done.stderr
+    assert not (tmp_path / "r").exists()
+    # bad data, found by every worker after joining the job: the first rank's message, once, and exit 2
+    source = corpus(tmp_path, 5000)
+    done = torchrun(["launch.py"], "train.py", "--run-dir", str(tmp_path / "r"), "--set", *TINY,
+                    "model.seq_len=100000", f"data.source={source}", f"data.cache_dir={tmp_path / 'cache'}")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
+    assert done.stderr.count("error:") == 1 and "the training split has 4,977 tokens" in done.stderr, done.stderr
+    # plain torchrun: the worker's message once, then torchrun's own report and exit 1 (README says so)
+    done = torchrun(["-m", "torch.distributed.run"], "train.py", "--set", "train.steps=-3")
+    assert done.returncode == 1 and done.stderr.count("error: train.steps must be >= 1, got -3") == 1, done.stderr
+
+
+def test_launch_py_reports_a_crashed_worker_without_a_traceback_and_exit_1(tmp_path):
+    crash = tmp_path / "crash.py"
+    crash.write_text("import sys\nsys.exit(13)\n")
+    done = torchrun(["launch.py"], str(crash))
+    assert done.returncode == 1, done.stderr
+    assert "error: a worker failed (exit status 13)" in done.stderr and "Traceback" not in done.stderr, done.stderr

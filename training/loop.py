@@ -48,7 +48,7 @@ from training.routing_stats import (
     balancing_biases,
     routing_metrics,
 )
-from training.run_dir import hold_run_dir, rank0_verdict
+from training.run_dir import first_failure_verdict, hold_run_dir, rank0_verdict
 
 
 class NonFiniteLossError(RuntimeError):
@@ -295,9 +295,14 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
 
     # the data is checked here, before the model exists: token ids against the vocabulary, both splits against
     # seq_len (the validation split would otherwise fail only at the first evaluation)
-    tokens = load_tokens(config.data.source, config.data.cache_dir, config.model.vocab_size)
-    train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction, config.model.seq_len)
-    sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
+    failure = None  # every rank meets the same data: one says what is wrong with it
+    try:
+        tokens = load_tokens(config.data.source, config.data.cache_dir, config.model.vocab_size)
+        train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction, config.model.seq_len)
+        sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
+    except ValueError as exc:
+        failure = exc
+    first_failure_verdict(runtime, failure)
 
     torch.manual_seed(config.train.seed)  # the generator that router jitter draws from
     before_model = memory_per_rank(device, peak=False)  # the process without the model: interpreter, data
