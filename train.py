@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,10 @@ from parallel.groups import ParallelGroups
 from parallel.runtime import exit_process, init_runtime, shutdown_runtime
 from training.config import RunConfig, load_config
 from training.loop import NonFiniteLossError, resolve_layout, train
+
+# How long a worker other than its node's first waits before exiting with an error that every rank found before the
+# job was joined (see main); torchrun ends it sooner, when the first rank has exited.
+QUIET_RANK_GRACE_S = 10.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +67,12 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
     if not args.dry_run:
         resolve_layout(config, world_size)
+    if args.init_from is not None and not Path(args.init_from).is_file():
+        raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
+                          "training.export writes)")
+    if args.resume not in ("auto", "none") and not Path(args.resume).exists():
+        raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
+                          "them; or auto, none)")
     return config
 
 
@@ -100,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutdown_runtime()
     except (ConfigError, ValueError, FileNotFoundError, CheckpointCorruptError) as exc:
-        # quiet: another rank already said it (RunDirError); before the job is joined every rank of a node finds the
-        # same error in the same inputs, and its first rank alone says it
-        if not getattr(exc, "quiet", False) and (started or int(os.environ.get("LOCAL_RANK", 0)) == 0):
-            print(f"error: {exc}", file=sys.stderr)
+        # quiet: another rank already said it (RunDirError). Before the job is joined every rank of a node finds the
+        # same error in the same inputs, and its first rank alone says it; the others wait a moment before exiting,
+        # because torchrun stops every worker as soon as one exits, and the first rank could be stopped unheard.
+        if started or int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            if not getattr(exc, "quiet", False):
+                print(f"error: {exc}", file=sys.stderr)
+        else:
+            time.sleep(QUIET_RANK_GRACE_S)
         return 2
     except NonFiniteLossError as exc:
         print(f"error: {exc}", file=sys.stderr)

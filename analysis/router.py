@@ -275,6 +275,9 @@ def summarise(run: RunData, last_intervals: int = 5) -> RunSummary:
     rows = np.isin(run.routing["step"], last_steps)
     mean = lambda field: float(run.routing[field][rows].mean())  # noqa: E731
     train_steps, train_loss = run.metric("train/loss")
+    if not len(train_steps) or not len(run.routing["step"]):
+        raise ValueError(f"{run.run_dir} logged no training interval yet (metrics.jsonl has no train/loss, or "
+                         "routing/ no rows): nothing to summarise")
     _, val_loss = run.metric("val/loss")
     return RunSummary(run.name, int(train_steps[-1]), float(train_loss[-1]),
                       float(val_loss[-1]) if len(val_loss) else float("nan"),

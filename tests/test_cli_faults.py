@@ -245,3 +245,30 @@ def test_launch_py_reports_a_crashed_worker_without_a_traceback_and_exit_1(tmp_p
     done = torchrun(["launch.py"], str(crash))
     assert done.returncode == 1, done.stderr
     assert "error: a worker failed (exit status 13)" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+# --- beyond the list: other files the CLIs read --------------------------------------------------------
+
+
+def test_missing_init_from_resume_and_config_paths_are_refused_before_the_run_directory_is_made(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    for argv, message in [(["--init-from", str(tmp_path / "none.safetensors")], "--init-from"),
+                          (["--resume", str(tmp_path / "none")], f"--resume {tmp_path / 'none'}: no such folder"),
+                          (["--config", str(tmp_path)], "is a folder; give a YAML file or a config name")]:
+        refused(capsys, ["--run-dir", str(run_dir), *argv], message)
+        assert not run_dir.exists()
+
+
+def test_damaged_metrics_or_routing_files_of_a_run_are_one_message_naming_them(trained_run, tmp_path, capsys):
+    import shutil
+
+    from analysis import router
+    for damage, message in [(lambda run: (run / "metrics.jsonl").write_text(""), "logged no training interval"),
+                            (lambda run: (run / "metrics.jsonl").open("a").write("{garbage\n"), "metrics.jsonl:"),
+                            (lambda run: (run / "routing" / "step.npy").write_text("junk"),
+                             "step.npy is not a routing statistics column")]:
+        run = tmp_path / "damaged"
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.copytree(trained_run, run)
+        damage(run)
+        cli_refused(capsys, router.main, ["summary", str(run)], message)
