@@ -272,3 +272,17 @@ def test_damaged_metrics_or_routing_files_of_a_run_are_one_message_naming_them(t
         shutil.copytree(trained_run, run)
         damage(run)
         cli_refused(capsys, router.main, ["summary", str(run)], message)
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda run: (run / "resume_changes.yaml").write_text("[unclosed\n"), "resume_changes.yaml is damaged"),
+    (lambda run: (run / "metrics.jsonl").open("a").write("{garbage\n"), "metrics.jsonl:5 is not a metrics record"),
+])
+def test_resuming_in_a_run_directory_with_damaged_logs_is_one_message_naming_the_file(trained_run, tmp_path, capsys,
+                                                                                     damage, message):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    (run / "run.lock").unlink()
+    damage(run)
+    refused(capsys, ["--run-dir", str(run), "--set", *TINY, "train.steps=3", "checkpoint.interval=2"], message)

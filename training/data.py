@@ -398,7 +398,11 @@ def _racy_files_unchanged(cache_file: Path) -> bool:
     record = _racy_record(cache_file)
     if not record.is_file():
         return True
-    for name, digest in json.loads(record.read_text(encoding="utf-8")).items():
+    try:
+        digests = dict(json.loads(record.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return False  # a damaged record: rebuild, which rewrites it
+    for name, digest in digests.items():
         hasher = hashlib.sha256()
         try:
             with open(name, "rb") as doc:

@@ -113,7 +113,7 @@ def _lock(run_dir: Path) -> IO[str] | None:
     """Create ``run_dir`` and take its lock; the open lock file (None where the filesystem has no locks)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(run_dir / LOCK, "a+", encoding="utf-8")  # noqa: SIM115 - held until _release
+        handle = open(run_dir / LOCK, "a+", encoding="utf-8", errors="replace")  # noqa: SIM115 - held until _release
     except OSError as exc:
         raise RunDirError(f"--run-dir {run_dir}: cannot create {run_dir / LOCK} ({exc.strerror}); "
                           "use a writable --run-dir") from exc
