@@ -55,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def planned_world_size(args: argparse.Namespace) -> int:
+    """``--world-size`` (a --dry-run's), else torchrun's WORLD_SIZE, else 1."""
+    return args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+
+
 def check(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
     """The config, after every check that needs no process: the config itself and, for a run, its layout on
     ``world_size`` ranks (default: WORLD_SIZE, or 1); a ConfigError (or ValueError) otherwise. ``launch.py``
@@ -62,7 +67,7 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
     config = load_config(args.config, args.overrides)
     if args.world_size is not None and not args.dry_run:
         raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
-    world_size = world_size or args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    world_size = world_size or planned_world_size(args)
     if world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
     if not args.dry_run:
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # everything is validated before any process group or tensor exists
         config = check(args)
-        world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+        world_size = planned_world_size(args)
         if args.dry_run:
             from analysis.dry_run import dry_run, format_dry_run  # the CLI's one use of analysis/
 

@@ -254,7 +254,8 @@ def test_missing_init_from_resume_and_config_paths_are_refused_before_the_run_di
     run_dir = tmp_path / "r"
     for argv, message in [(["--init-from", str(tmp_path / "none.safetensors")], "--init-from"),
                           (["--resume", str(tmp_path / "none")], f"--resume {tmp_path / 'none'}: no such folder"),
-                          (["--config", str(tmp_path)], "is a folder; give a YAML file or a config name")]:
+                          (["--config", str(tmp_path)], "is a folder; give a YAML file or a config name"),
+                          (["--dry-run", "--world-size", "0"], "--world-size must be at least 1, got 0")]:
         refused(capsys, ["--run-dir", str(run_dir), *argv], message)
         assert not run_dir.exists()
 
