@@ -163,6 +163,10 @@ def coselection_lift(counts: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------------------
 
 
+class WeightsError(ValueError):
+    """A weights file that cannot be read, or that is not a state dict of the run's model."""
+
+
 def load_state_dict_file(path: Path | str) -> StateDictLoader:
     """A loader for a model state dict saved with ``torch.save`` (tensors only, loaded on the CPU); a file that is
     not one is a ValueError naming it."""
@@ -170,10 +174,10 @@ def load_state_dict_file(path: Path | str) -> StateDictLoader:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - unpickling raises anything from EOFError to KeyError
-            raise ValueError(f"{path} is not a torch.save'd state dict ({type(exc).__name__}: "
+            raise WeightsError(f"{path} is not a torch.save'd state dict ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0][:200] if str(exc) else 'unreadable'})") from exc
         if not isinstance(state, dict):
-            raise ValueError(f"{path} holds a {type(state).__name__}, not a model state dict")
+            raise WeightsError(f"{path} holds a {type(state).__name__}, not a model state dict")
         return state
     return load
 
@@ -213,7 +217,7 @@ def check_state_dict(state: dict, expected: dict[str, torch.Tensor]) -> None:
                ([f"{len(unexpected)} tensors the model lacks (first: {unexpected[0]})"] if unexpected else []) + \
                ([f"{len(shapes)} of another shape (first: {shapes[0]})"] if shapes else [])
     if problems:
-        raise ValueError(f"the weights do not fit the run's model: {'; '.join(problems)}; give this run's "
+        raise WeightsError(f"the weights do not fit the run's model: {'; '.join(problems)}; give this run's "
                          "checkpoint, export or state dict")
 
 
@@ -313,7 +317,7 @@ def _weights_arg(value: str) -> StateDictLoader | None:
             try:
                 return load_file(str(path))
             except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError and OSError
-                raise ValueError(f"{path} is not a readable .safetensors file ({exc})") from exc
+                raise WeightsError(f"{path} is not a readable .safetensors file ({exc})") from exc
         return load
     return load_state_dict_file(value)
 
@@ -332,8 +336,8 @@ def probe_command(args: argparse.Namespace) -> None:
         raise ConfigError(f"--text {args.text}: the file is empty")
     try:
         result = probe_run(args.run, _weights_arg(args.weights), tokens, args.tokens)
-    except ValueError as exc:
-        raise ValueError(f"--weights {args.weights}: {exc}") from exc
+    except WeightsError as exc:
+        raise WeightsError(f"--weights {args.weights}: {exc}") from exc
     out = Path(args.out) if args.out else Path(args.run) / "probe.npz"
     try:
         result.save(out)
@@ -350,8 +354,8 @@ def probe_command(args: argparse.Namespace) -> None:
     if args.compare:
         try:
             other = probe_run(args.run, _weights_arg(args.compare), result.tokens)
-        except ValueError as exc:
-            raise ValueError(f"--compare {args.compare}: {exc}") from exc
+        except WeightsError as exc:
+            raise WeightsError(f"--compare {args.compare}: {exc}") from exc
         for layer, change in routing_change(other, result).items():
             print(f"layer {layer}: vs {args.compare}: {100 * change['top1_same']:.1f}% of tokens keep their top-1 "
                   f"expert; top-{config.moe.top_k} sets overlap {100 * change['topk_overlap']:.1f}%")
