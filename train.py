@@ -9,7 +9,8 @@ run at a time, and never mixes two (``training/run_dir.py``).
 ``--config`` takes a name from ``configs/`` or a YAML path; ``--set section.key=value``
 overrides any key (repeatable, and several may follow one ``--set``); ``--run-dir``
 defaults to ``runs/<config name>``. Exit status 0 on success; on any error the
-message goes to stderr and the status is non-zero.
+message goes to stderr and the status is non-zero (2 for a user error, 3 for a diverged run: README).
+``python launch.py [torchrun options] train.py ...`` is torchrun that keeps those statuses and messages.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,9 +27,13 @@ from moe.config import ConfigError
 from parallel.checkpoint import CheckpointCorruptError
 from parallel.groups import ParallelGroups
 from parallel.runtime import exit_process, init_runtime, shutdown_runtime
-from training.config import load_config
+from training.config import RunConfig, load_config
 from training.layout import resolve_layout
 from training.loop import NonFiniteLossError, train
+
+# How long a worker other than its node's first waits before exiting with an error that every rank found before the
+# job was joined (see main); torchrun ends it sooner, when the first rank has exited.
+QUIET_RANK_GRACE_S = 10.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,16 +56,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def planned_world_size(args: argparse.Namespace) -> int:
+    """``--world-size`` (a --dry-run's), else torchrun's WORLD_SIZE, else 1."""
+    return args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def check(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
+    """The config, after every check that needs no process: the config itself and, for a run, its layout on
+    ``world_size`` ranks (default: WORLD_SIZE, or 1); a ConfigError (or ValueError) otherwise. ``launch.py``
+    calls it before starting any worker."""
+    config = load_config(args.config, args.overrides)
+    if args.world_size is not None and not args.dry_run:
+        raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
+    world_size = world_size or planned_world_size(args)
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be at least 1, got {world_size}")
+    if not args.dry_run:
+        resolve_layout(config, world_size)
+    if args.init_from is not None and not Path(args.init_from).is_file():
+        raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
+                          "training.export writes)")
+    if args.resume not in ("auto", "none") and not Path(args.resume).exists():
+        raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
+                          "them; or auto, none)")
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = False  # whether this process joined the job: before that every rank finds the same errors
     try:
         # everything is validated before any process group or tensor exists
-        config = load_config(args.config, args.overrides)
-        if args.world_size is not None and not args.dry_run:
-            raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
-        world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
-        if world_size < 1:
-            raise ConfigError(f"--world-size must be at least 1, got {world_size}")
+        config = check(args)
+        world_size = planned_world_size(args)
         if args.dry_run:
             from analysis.dry_run import dry_run, format_dry_run  # the CLI's one use of analysis/
 
@@ -75,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         needs = check_fits(config, world_size, available_bytes_per_rank(device_type), compute)
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
+        started = True
         try:
             groups = ParallelGroups.build(layout, runtime.device.type)
             if runtime.is_main and layout.world_size > 1:
@@ -87,8 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutdown_runtime()
     except (ConfigError, ValueError, FileNotFoundError, CheckpointCorruptError) as exc:
-        if not getattr(exc, "quiet", False):  # quiet: another rank already said it (RunDirError)
-            print(f"error: {exc}", file=sys.stderr)
+        # quiet: another rank already said it (RunDirError). Before the job is joined every rank of a node finds the
+        # same error in the same inputs, and its first rank alone says it; the others wait a moment before exiting,
+        # because torchrun stops every worker as soon as one exits, and the first rank could be stopped unheard.
+        if started or int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            if not getattr(exc, "quiet", False):
+                print(f"error: {exc}", file=sys.stderr)
+        else:
+            time.sleep(QUIET_RANK_GRACE_S)
         return 2
     except NonFiniteLossError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -452,12 +452,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hardware", default="h100-sxm", choices=sorted(HARDWARE))
     args = parser.parse_args(argv)
     try:
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
         config = load_config(args.config, args.overrides)
         layout, micro, microbatches = resolve_layout(config, args.world_size)
         if not 0 <= args.rank < layout.world_size:
             raise ConfigError(f"--rank {args.rank} is outside the world of {layout.world_size} ranks")
         hardware = HARDWARE[args.hardware]
-        gpus_per_node = args.gpus_per_node or hardware.gpus_per_node
+        gpus_per_node = hardware.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
         if gpus_per_node < 1:
             raise ConfigError(f"--gpus-per-node must be positive, got {gpus_per_node}")
     except (ConfigError, ValueError, FileNotFoundError) as exc:

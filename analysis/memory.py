@@ -45,6 +45,7 @@ instead of the s×s matrix, so the ``5as/h`` term is absent; the formula is cite
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import weakref
 from dataclasses import dataclass
@@ -307,10 +308,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="print how the footprint shifts from activations to weights as moe.num_experts grows")
     args = parser.parse_args(argv)
     try:
+        if not 0 < args.device_memory < math.inf:  # NaN fails this too
+            raise ConfigError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
         config = load_config(args.config, args.overrides)
         precision = args.precision or ("fp32" if config.train.precision == "fp32" else "bf16")
         if args.sweep_experts:
-            counts = [int(e) for e in args.sweep_experts.split(",")]
+            try:
+                counts = [int(e) for e in args.sweep_experts.split(",")]
+            except ValueError:
+                counts = []
+            if not counts or min(counts) < 1:
+                raise ConfigError(f"--sweep-experts {args.sweep_experts!r}: give positive expert counts separated "
+                                  "by commas, e.g. 8,16,64")
+            for experts in counts:  # each count's layout passes train.py's checks, as the single estimate does
+                resolve_layout(load_config(args.config, [*args.overrides, f"moe.num_experts={experts}"]),
+                               args.world_size)
             rows = sweep_experts(args.config, args.overrides, args.world_size, precision, counts)
             layout = Layout.resolve(args.world_size, **config.parallel.degrees())
             print(f"{config.name}: {args.world_size} rank(s), {layout.degrees()}; {precision}; the largest "

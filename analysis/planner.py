@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 
@@ -169,15 +170,20 @@ def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware
 def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node: int = 8,
          hardware: communication.Hardware = communication.HARDWARE["h100-sxm"],
          efficiency: float = 0.5) -> tuple[list[Plan], int]:
-    """The plans that fit ``device_memory`` bytes, fastest first, and how many candidates were considered."""
-    plans, considered = [], 0
+    """The plans that fit ``device_memory`` bytes, fastest first, and how many candidates were considered.
+
+    When no layout of ``world_size`` passes train.py's checks (a global batch that does not split over the
+    data-parallel ranks of any layout, say), that is a ConfigError saying why: more GPUs would not help.
+    """
+    plans, considered, refusal = [], 0, None
     for layout in valid_layouts(world_size, config.model, config.moe):
         for recompute in RECOMPUTE:
             for grad_reduce in GRAD_REDUCE:
                 candidate = with_layout(config, layout, recompute, grad_reduce)
                 try:
                     microbatches = resolve_layout(candidate, world_size)[2]  # train.py's own checks
-                except ConfigError:
+                except ConfigError as exc:
+                    refusal = refusal or str(exc)
                     continue
                 sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
                 if grad_reduce != "step" and (microbatches == 1 or not sharded):
@@ -186,6 +192,9 @@ def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node
                 result = evaluate(candidate, layout, hardware, gpus_per_node, efficiency)
                 if result.memory <= device_memory:
                     plans.append(result)
+    if considered == 0:
+        raise ConfigError(f"no layout of {world_size} GPUs passes train.py's checks for this config"
+                          + (f", e.g. {refusal}" if refusal else " (none is valid for the model's shapes)"))
     plans.sort(key=lambda p: (p.step, p.memory))
     return plans, considered
 
@@ -224,10 +233,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args(argv)
     try:
-        if args.world_size < 1 or args.gpus_per_node < 1:
-            raise ConfigError("--world-size and --gpus-per-node must be at least 1")
-        if not 0 < args.efficiency <= 1:
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
+        if args.gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+        if not 0 < args.efficiency <= 1:  # NaN fails this too
             raise ConfigError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+        if not 0 < args.device_memory < math.inf:
+            raise ConfigError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
+        if args.top < 1:
+            raise ConfigError(f"--top must be at least 1, got {args.top}")
         config = load_config(args.config, args.overrides)
         hardware = communication.HARDWARE["h100-sxm"]
         plans, considered = plan(config, args.world_size, args.device_memory * GIB, args.gpus_per_node, hardware,

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from analysis.router_probe import (
@@ -44,7 +43,7 @@ from analysis.router_probe import (
 from moe.config import ConfigError, from_dict
 from moe.transformer import MoETransformer
 from training.checkpointing import published_checkpoints
-from training.config import RunConfig
+from training.config import RunConfig, parse_yaml
 from training.data import load_tokens, split_tokens
 from training.export import consolidated_state
 from training.metrics import read_metrics
@@ -88,8 +87,16 @@ def load_run_config(run_dir: Path | str) -> RunConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
-    config = from_dict(RunConfig, yaml.safe_load(path.read_text()))
-    config.validate()
+    try:
+        tree = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(tree).__name__}")
+        config = from_dict(RunConfig, tree)
+        config.validate()
+    except (ConfigError, OSError, UnicodeDecodeError) as exc:
+        reason = " ".join(str(exc).split())  # YAML's own message spans lines
+        raise ConfigError(f"{path} is not a run's resolved config ({reason}); train.py writes it at the start of a "
+                          "run") from exc
     return config
 
 
@@ -156,9 +163,23 @@ def coselection_lift(counts: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------------------
 
 
+class WeightsError(ValueError):
+    """A weights file that cannot be read, or that is not a state dict of the run's model."""
+
+
 def load_state_dict_file(path: Path | str) -> StateDictLoader:
-    """A loader for a model state dict saved with ``torch.save`` (tensors only, loaded on the CPU)."""
-    return lambda: torch.load(path, map_location="cpu", weights_only=True)
+    """A loader for a model state dict saved with ``torch.save`` (tensors only, loaded on the CPU); a file that is
+    not one is a ValueError naming it."""
+    def load() -> dict[str, torch.Tensor]:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - unpickling raises anything from EOFError to KeyError
+            raise WeightsError(f"{path} is not a torch.save'd state dict ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:200] if str(exc) else 'unreadable'})") from exc
+        if not isinstance(state, dict):
+            raise WeightsError(f"{path} holds a {type(state).__name__}, not a model state dict")
+        return state
+    return load
 
 
 def probe_weights_from_env(run_dir: Path | str) -> tuple[StateDictLoader | None, str]:
@@ -179,8 +200,25 @@ def build_model(config: RunConfig, load_weights: StateDictLoader | None = None) 
     torch.manual_seed(config.train.seed)  # train() seeds the same way before building the model
     model = MoETransformer(config.model, config.moe)
     if load_weights is not None:
-        model.load_state_dict(load_weights())
+        state = load_weights()
+        check_state_dict(state, model.state_dict())
+        model.load_state_dict(state)
     return model.eval()
+
+
+def check_state_dict(state: dict, expected: dict[str, torch.Tensor]) -> None:
+    """A ValueError naming what differs when ``state`` is not a state dict of the model ``expected`` describes."""
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in expected]
+    shapes = [f"{name} {tuple(state[name].shape)} (the run's model: {tuple(value.shape)})"
+              for name, value in expected.items()
+              if name in state and getattr(state[name], "shape", None) != value.shape]
+    problems = ([f"{len(missing)} of the model's tensors missing (first: {missing[0]})"] if missing else []) + \
+               ([f"{len(unexpected)} tensors the model lacks (first: {unexpected[0]})"] if unexpected else []) + \
+               ([f"{len(shapes)} of another shape (first: {shapes[0]})"] if shapes else [])
+    if problems:
+        raise WeightsError(f"the weights do not fit the run's model: {'; '.join(problems)}; give this run's "
+                         "checkpoint, export or state dict")
 
 
 def heldout_tokens(config: RunConfig, count: int) -> np.ndarray:
@@ -241,6 +279,9 @@ def summarise(run: RunData, last_intervals: int = 5) -> RunSummary:
     rows = np.isin(run.routing["step"], last_steps)
     mean = lambda field: float(run.routing[field][rows].mean())  # noqa: E731
     train_steps, train_loss = run.metric("train/loss")
+    if not len(train_steps) or not len(run.routing["step"]):
+        raise ValueError(f"{run.run_dir} logged no training interval yet (metrics.jsonl has no train/loss, or "
+                         "routing/ no rows): nothing to summarise")
     _, val_loss = run.metric("val/loss")
     return RunSummary(run.name, int(train_steps[-1]), float(train_loss[-1]),
                       float(val_loss[-1]) if len(val_loss) else float("nan"),
@@ -248,9 +289,11 @@ def summarise(run: RunData, last_intervals: int = 5) -> RunSummary:
 
 
 def summary_command(args: argparse.Namespace) -> None:
+    if args.last < 1:
+        raise ConfigError(f"--last {args.last}: must be at least 1 logging interval")
+    summaries = [summarise(load_run(run_dir), args.last) for run_dir in args.runs]  # every run read before output
     print(f"{'run':<28} {'steps':>6} {'train':>7} {'val':>7} {'imbal':>6} {'maxvio':>7} {'dropped':>8} {'entropy':>8}")
-    for run_dir in args.runs:
-        s = summarise(load_run(run_dir), args.last)
+    for s in summaries:
         print(f"{s.name:<28} {s.steps:>6} {s.train_loss:>7.4f} {s.val_loss:>7.4f} {s.imbalance:>6.3f} "
               f"{s.maxvio:>7.3f} {100 * s.dropped_frac:>7.2f}% {s.entropy:>8.4f}")
     print(f"(routing figures: mean over MoE layers and the last {args.last} logging intervals; "
@@ -270,7 +313,12 @@ def _weights_arg(value: str) -> StateDictLoader | None:
                                 ".safetensors export, a torch.save'd model state dict, or 'init' for the run's "
                                 "initial weights)")
     if path.suffix == ".safetensors":
-        return lambda: load_file(str(path))
+        def load() -> dict[str, torch.Tensor]:
+            try:
+                return load_file(str(path))
+            except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError and OSError
+                raise WeightsError(f"{path} is not a readable .safetensors file ({exc})") from exc
+        return load
     return load_state_dict_file(value)
 
 
@@ -278,10 +326,23 @@ def probe_command(args: argparse.Namespace) -> None:
     config = load_run_config(args.run)
     tokens = None
     if args.text is not None:
-        tokens = np.frombuffer(Path(args.text).read_bytes(), dtype=np.uint8).astype(np.int64)
-    result = probe_run(args.run, _weights_arg(args.weights), tokens, args.tokens)
+        try:
+            tokens = np.frombuffer(Path(args.text).read_bytes(), dtype=np.uint8).astype(np.int64)
+        except OSError as exc:
+            raise ConfigError(f"--text {args.text}: cannot read it ({exc.strerror or exc})") from exc
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens {args.tokens}: must be a positive number of tokens")
+    if tokens is not None and len(tokens) == 0:
+        raise ConfigError(f"--text {args.text}: the file is empty")
+    try:
+        result = probe_run(args.run, _weights_arg(args.weights), tokens, args.tokens)
+    except WeightsError as exc:
+        raise WeightsError(f"--weights {args.weights}: {exc}") from exc
     out = Path(args.out) if args.out else Path(args.run) / "probe.npz"
-    result.save(out)
+    try:
+        result.save(out)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write it ({exc.strerror or exc}); give a writable path") from exc
     byte_level = config.model.vocab_size == 256
     print(f"probe of {args.run} ({args.weights}) on {len(result.tokens)} held-out tokens; saved to {out}")
     for layer in result.layers:
@@ -291,7 +352,10 @@ def probe_command(args: argparse.Namespace) -> None:
         print(f"layers {pair.layers[0]} -> {pair.layers[1]}: top-1 choices share NMI {pair.nmi:.3f} "
               "(0 independent, 1 one determines the other)")
     if args.compare:
-        other = probe_run(args.run, _weights_arg(args.compare), result.tokens)
+        try:
+            other = probe_run(args.run, _weights_arg(args.compare), result.tokens)
+        except WeightsError as exc:
+            raise WeightsError(f"--compare {args.compare}: {exc}") from exc
         for layer, change in routing_change(other, result).items():
             print(f"layer {layer}: vs {args.compare}: {100 * change['top1_same']:.1f}% of tokens keep their top-1 "
                   f"expert; top-{config.moe.top_k} sets overlap {100 * change['topk_overlap']:.1f}%")
@@ -314,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         {"probe": probe_command, "summary": summary_command}[args.command](args)
-    except (ConfigError, ValueError, FileNotFoundError, KeyError) as exc:
+    except (ConfigError, ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

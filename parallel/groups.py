@@ -24,6 +24,7 @@ Pure part (no processes): ``Layout`` (degrees, validated at construction), ``val
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -123,22 +124,30 @@ def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
             raise _Invalid(key, reason)
 
 
-def _is_valid(world: int, req: dict[str, int], model: ModelConfig | None, moe: MoEConfig | None) -> bool:
+# A caller's further checks of a layout (train.py's: the batch split, the pipeline schedule, tensor parallelism's
+# options), returning why a layout is refused or None: suggestions pass them too, so that no message suggests a
+# layout that would itself be refused.
+Accept = Callable[["Layout"], "str | None"]
+
+
+def _is_valid(world: int, req: dict[str, int], model: ModelConfig | None, moe: MoEConfig | None,
+              accept: Accept | None = None) -> bool:
     try:
         d = _fill(world, req)
         if model is not None and moe is not None:
             _check_model(d, model, moe)
     except _Invalid:
         return False
-    return True
+    return accept is None or accept(Layout(world, **d)) is None
 
 
 def _suggest(world: int, req: dict[str, int], key: str | None, model: ModelConfig | None,
-             moe: MoEConfig | None) -> str:
-    """The valid values of the faulty key with everything else kept, else the nearest valid layouts."""
+             moe: MoEConfig | None, accept: Accept | None = None) -> str:
+    """The valid values of the faulty key with everything else kept, else the nearest valid layouts (valid for the
+    model too when it is given, and passing ``accept``)."""
     rest = next((k for k in DEGREES if req[k] == -1), None)
     if key is not None:
-        values = [v for v in _divisors(world) if _is_valid(world, {**req, key: v}, model, moe)]
+        values = [v for v in _divisors(world) if _is_valid(world, {**req, key: v}, model, moe, accept)]
         if values:
             kept = ", ".join(f"{k}={req[k]}" for k in DEGREES if k not in (key, rest) and req[k] != 1)
             return (f"valid {key} for this world of {world} ranks{' with ' + kept if kept else ''}: "
@@ -150,9 +159,11 @@ def _suggest(world: int, req: dict[str, int], key: str | None, model: ModelConfi
         changed = [k for k in DEGREES if k != rest and getattr(layout, k) != req[k]]
         return len(changed), sum(abs(math.log2(getattr(layout, k) / asked[k])) for k in changed)
 
-    nearest = sorted(valid_layouts(world, model, moe), key=distance)[:3]
+    layouts = valid_layouts(world, model, moe)
+    refusals = [accept(layout) for layout in layouts] if accept is not None else [None] * len(layouts)
+    nearest = sorted((layout for layout, why in zip(layouts, refusals, strict=True) if why is None), key=distance)[:3]
     if not nearest:
-        return f"no layout of {world} ranks fits this model"
+        return f"no layout of {world} ranks fits this model" + (f" and run (e.g. {refusals[0]})" if layouts else "")
     return f"nearest valid layouts for {world} ranks: {'; '.join(layout.degrees() for layout in nearest)}"
 
 
@@ -190,15 +201,19 @@ class Layout:
 
     @classmethod
     def resolve(cls, world_size: int, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-                ep: int = 1, etp: int = 1) -> Layout:
-        """Fill the one degree given as -1 ("whatever is left") and validate; ConfigError names the fix."""
+                ep: int = 1, etp: int = 1, *, model: ModelConfig | None = None, moe: MoEConfig | None = None,
+                accept: Accept | None = None) -> Layout:
+        """Fill the one degree given as -1 ("whatever is left") and validate; ConfigError names the fix.
+
+        ``model``/``moe``/``accept`` only narrow the suggestions of a refusal to layouts that would pass
+        ``validate_for_model`` and ``accept`` (the model itself is checked by ``validate_for_model``)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
         req = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, etp=etp)
         try:
             d = _fill(world_size, req)
         except _Invalid as exc:
-            raise ConfigError(f"{exc.reason}; {_suggest(world_size, req, exc.key, None, None)}") from None
+            raise ConfigError(f"{exc.reason}; {_suggest(world_size, req, exc.key, model, moe, accept)}") from None
         return cls(world_size, **d, rest=next((k for k in DEGREES if req[k] == -1), None))
 
     @property
@@ -239,17 +254,18 @@ class Layout:
         return {k: -1 if k == self.rest else getattr(self, k) for k in DEGREES}
 
 
-def validate_for_model(layout: Layout, model: ModelConfig, moe: MoEConfig) -> None:
+def validate_for_model(layout: Layout, model: ModelConfig, moe: MoEConfig, accept: Accept | None = None) -> None:
     """Check the layout against the model's shapes before anything is built; ConfigError names the fix.
 
     ep divides the experts, tp the attention and key/value heads and the dense and shared-expert hidden
     sizes, etp the expert hidden size; pp is at most the number of layers; ep/etp > 1 need MoE layers.
+    Suggestions also pass ``accept``, the caller's further checks.
     """
     req = layout.requested()
     try:
         _check_model(_fill(layout.world_size, req), model, moe)
     except _Invalid as exc:
-        raise ConfigError(f"{exc.reason}; {_suggest(layout.world_size, req, exc.key, model, moe)}") from None
+        raise ConfigError(f"{exc.reason}; {_suggest(layout.world_size, req, exc.key, model, moe, accept)}") from None
 
 
 def valid_layouts(world_size: int, model: ModelConfig | None = None, moe: MoEConfig | None = None) -> list[Layout]:

@@ -71,6 +71,7 @@ from training.resume import (
     step_dir_name,
     verified,
 )
+from training.run_dir import rank0_verdict
 
 
 class CheckpointWriteError(ConfigError):
@@ -200,9 +201,14 @@ class Checkpointer:
                  f"{time.perf_counter() - started:.2f} s"
                  + ("" if same_world else f"; saved on {state['world_size']} ranks, now {self.runtime.world_size}: "
                     "resharded, and random generators keep this run's seeding"))
-        if self.runtime.is_main:
-            record_changes(self.run_dir, path, self.step, saved_config, self.config)
-            rewind_logs(self.run_dir, self.step)
+        error = None
+        if self.runtime.is_main:  # rank 0 alone touches the run's logs; every rank learns if that failed
+            try:
+                record_changes(self.run_dir, path, self.step, saved_config, self.config)
+                rewind_logs(self.run_dir, self.step)
+            except ConfigError as exc:
+                error = exc
+        rank0_verdict(self.runtime, error)
         return self.step
 
     # --- per step ------------------------------------------------------------------------------------

@@ -181,7 +181,8 @@ def resolve_config_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist")
+            raise ConfigError(f"config file '{path}' " + ("is a folder; give a YAML file or a config name"
+                                                          if path.is_dir() else "does not exist"))
         return path
     candidate = CONFIG_DIR / f"{name_or_path}.yaml"
     if candidate.is_file():

@@ -12,6 +12,7 @@ even one resumed on a different number of ranks, see exactly the samples an unin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -43,7 +44,7 @@ _VALID_SOURCES = "use 'stdlib', a text file or folder, or a uint16 .bin file"
 _Document = tuple[str, Path, os.stat_result]
 
 
-def load_tokens(source: str, cache_dir: str | Path) -> np.memmap:
+def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = None) -> np.memmap:
     """The whole token stream of ``data.source`` as a read-only uint16 memmap, shape ``[tokens]``.
 
     ``"stdlib"`` and text files/folders are tokenised once (bytes -> tokens 0..255) into
@@ -52,10 +53,22 @@ def load_tokens(source: str, cache_dir: str | Path) -> np.memmap:
     always moves its status-change time (``st_ctime``, which no tool can set back, unlike the
     modification time), so an edited, replaced, added or removed file gives a new key and the corpus is
     re-tokenised rather than served stale. A file that cannot be read is an error naming it, never a
-    silent gap. A ``.bin`` is taken as already tokenised and mapped as is.
+    silent gap. A ``.bin`` is taken as already tokenised and mapped as is; given ``vocab_size``, its largest
+    token id is checked against it when it is opened (an id ``>= vocab_size`` would otherwise be an
+    ``IndexError`` at whichever step first samples it), scanning the file once: the largest id is cached in
+    ``cache_dir`` under the file's identity (path, size, modification and status-change times).
     """
     if source.endswith(".bin"):
-        return _map_uint16(Path(source), source)
+        tokens = _map_uint16(Path(source), source)
+        if vocab_size is not None:
+            largest = _largest_token_id(Path(source), tokens, Path(cache_dir))
+            if largest >= vocab_size:
+                raise ValueError(
+                    f"data.source={source!r}: {source} holds token id {largest}, outside model.vocab_size="
+                    f"{vocab_size} (ids must be below it); set model.vocab_size to at least {largest + 1}, or "
+                    "re-tokenise the file"
+                )
+        return tokens
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         # Third-party packages installed into the interpreter are not the standard library, and
@@ -82,11 +95,13 @@ def load_tokens(source: str, cache_dir: str | Path) -> np.memmap:
     return _cached_tokens(docs, label, key, cache_dir, source, skip_binary=True)
 
 
-def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def split_tokens(tokens: np.ndarray, val_fraction: float,
+                 seq_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Split the stream into (train head, validation tail); both are views of ``tokens``, not copies.
 
     A contiguous tail (rather than random windows) keeps validation text unseen by training even
-    across window boundaries. Whether each part fits one sequence is checked by the samplers.
+    across window boundaries. Given ``seq_len``, each part must hold one window of ``seq_len + 1`` tokens:
+    checked here, before any work, not at the first evaluation (the samplers check again).
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
@@ -96,7 +111,12 @@ def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
             f"data.val_fraction={val_fraction} of {len(tokens)} tokens leaves no validation tokens; "
             "use a larger corpus or a larger val_fraction"
         )
-    return tokens[:-num_val], tokens[-num_val:]
+    train, val = tokens[:-num_val], tokens[-num_val:]
+    if seq_len is not None:
+        _check_layout(seq_len, 0, 1)
+        _num_windows(train, seq_len, "training")
+        _num_windows(val, seq_len, "validation")
+    return train, val
 
 
 class TokenSampler:
@@ -206,8 +226,9 @@ def _num_windows(tokens: np.ndarray, seq_len: int, split: str) -> int:
     # Window i spans tokens [i*seq_len, i*seq_len + seq_len], so it needs i*seq_len + seq_len < len.
     if len(tokens) < seq_len + 1:
         raise ValueError(
-            f"the {split} split has {len(tokens)} tokens, fewer than model.seq_len + 1 = {seq_len + 1}; "
-            "use a larger data.source, a smaller model.seq_len, or adjust data.val_fraction"
+            f"the {split} split has {len(tokens):,} tokens, fewer than model.seq_len + 1 = {seq_len + 1:,}; "
+            f"use a larger data.source, model.seq_len of at most {max(len(tokens) - 1, 0):,}, or "
+            + ("a larger data.val_fraction" if split == "validation" else "a smaller data.val_fraction")
         )
     return (len(tokens) - 1) // seq_len
 
@@ -377,7 +398,11 @@ def _racy_files_unchanged(cache_file: Path) -> bool:
     record = _racy_record(cache_file)
     if not record.is_file():
         return True
-    for name, digest in json.loads(record.read_text(encoding="utf-8")).items():
+    try:
+        digests = dict(json.loads(record.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return False  # a damaged record: rebuild, which rewrites it
+    for name, digest in digests.items():
         hasher = hashlib.sha256()
         try:
             with open(name, "rb") as doc:
@@ -406,3 +431,22 @@ def _map_uint16(path: Path, source: str) -> np.memmap:
             f"(an even number of bytes); {_VALID_SOURCES}"
         )
     return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _largest_token_id(path: Path, tokens: np.memmap, cache_dir: Path) -> int:
+    """The largest id in the token file ``path`` (mapped as ``tokens``), scanned once per version of the file.
+
+    The result is kept in ``cache_dir`` under a hash of the file's path and signature, so a large file is read
+    whole only the first time it is used (and again whenever it changes). A cache that cannot be written costs
+    only the next start's scan.
+    """
+    key = json.dumps(["max-id-v1", str(path.resolve()), *_signature(path.stat())])
+    record = cache_dir / f"maxid-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return int(json.loads(record.read_text(encoding="utf-8"))["max_id"])
+    step = CHUNK_BYTES // 2
+    largest = max(int(tokens[start:start + step].max()) for start in range(0, len(tokens), step))
+    with contextlib.suppress(OSError):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(record, {"max_id": largest})
+    return largest

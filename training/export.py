@@ -64,6 +64,10 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
                       torch.int64: "I64", torch.int32: "I32"}
 
 
+class ExportWriteError(ValueError):
+    """The export file could not be written."""
+
+
 def write_safetensors_streaming(out: Path, entries: dict[str, tuple[torch.Size, torch.dtype]],
                                 tensor: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> None:
     """Write a safetensors file tensor by tensor: ``entries`` (name: shape, dtype) first, each ``tensor(name)`` after.
@@ -85,18 +89,24 @@ def write_safetensors_streaming(out: Path, entries: dict[str, tuple[torch.Size, 
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     partial = out.with_name(f".{out.name}.partial")
-    with open(partial, "wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
-        for name, (shape, dtype) in entries.items():
-            value = tensor(name)
-            if value.shape != shape or value.dtype != dtype:
-                raise ConfigError(f"tensor '{name}' read as {tuple(value.shape)} {value.dtype}, the checkpoint's "
-                                  f"metadata says {tuple(shape)} {dtype}")
-            handle.write(value.contiguous().view(torch.uint8).numpy().tobytes())
-        handle.flush()
-        os.fsync(handle.fileno())
-    partial.replace(out)  # a reader never sees a half-written file under the final name
+    try:
+        with open(partial, "wb") as handle:
+            handle.write(struct.pack("<Q", len(encoded)))
+            handle.write(encoded)
+            for name, (shape, dtype) in entries.items():
+                value = tensor(name)
+                if value.shape != shape or value.dtype != dtype:
+                    raise ConfigError(f"tensor '{name}' read as {tuple(value.shape)} {value.dtype}, the checkpoint's "
+                                      f"metadata says {tuple(shape)} {dtype}")
+                handle.write(value.contiguous().view(torch.uint8).numpy().tobytes())
+            handle.flush()
+            os.fsync(handle.fileno())
+        partial.replace(out)  # a reader never sees a half-written file under the final name
+    except OSError as exc:  # a folder that takes no files, a full disk: nothing half-written is left behind
+        raise ExportWriteError(f"cannot write {out} ({exc.strerror or exc}); give a writable path with room for "
+                               f"{(8 + len(encoded) + offset) / 1e6:.2f} MB") from exc
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> int:
@@ -133,8 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the .safetensors file to write")
     args = parser.parse_args(argv)
     try:
+        if args.out.is_dir():
+            raise ConfigError(f"{args.out} is a folder; give the path of the .safetensors file to write")
+        if not args.out.parent.is_dir():
+            raise ConfigError(f"cannot write {args.out}: its folder {args.out.parent} does not exist")
+        if not os.access(args.out.parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"cannot write {args.out}: its folder {args.out.parent} is not writable")
         count = export_checkpoint(args.checkpoint, args.out)
-    except (ConfigError, OSError, RuntimeError, CheckpointCorruptError) as exc:
+    except OSError as exc:  # reading the checkpoint
+        print(f"error: {exc.filename or args.checkpoint}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except (ConfigError, ExportWriteError, RuntimeError, CheckpointCorruptError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {count} tensors to {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)

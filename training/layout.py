@@ -52,10 +52,22 @@ def resolve_layout(config: RunConfig, world_size: int) -> tuple[Layout, int, int
     planner refuse a layout with the same ConfigError): the degrees against the world size and the model's
     shapes, the batch split, the pipeline schedule's rules, and tensor parallelism's options.
     """
-    layout = Layout.resolve(world_size, **config.parallel.degrees())
-    validate_for_model(layout, config.model, config.moe)
-    micro, microbatches = micro_batching(config, layout.dp, layout.pp)
-    check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
-                   microbatches)
-    check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel, config.parallel.vocab_parallel)
-    return layout, micro, microbatches
+    def rest(layout: Layout) -> tuple[int, int]:
+        micro, microbatches = micro_batching(config, layout.dp, layout.pp)
+        check_pipeline(layout.pp, config.model, config.parallel.pp_schedule, config.parallel.pp_virtual_stages,
+                       microbatches)
+        check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel,
+                              config.parallel.vocab_parallel)
+        return micro, microbatches
+
+    def refusal(layout: Layout) -> str | None:  # a layout a refusal suggests must pass every check here
+        try:
+            rest(layout)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    layout = Layout.resolve(world_size, **config.parallel.degrees(), model=config.model, moe=config.moe,
+                            accept=refusal)
+    validate_for_model(layout, config.model, config.moe, accept=refusal)
+    return layout, *rest(layout)

@@ -47,7 +47,7 @@ from training.routing_stats import (
     balancing_biases,
     routing_metrics,
 )
-from training.run_dir import hold_run_dir, rank0_verdict
+from training.run_dir import first_failure_verdict, hold_run_dir, rank0_verdict
 
 
 class NonFiniteLossError(RuntimeError):
@@ -219,9 +219,16 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     autocast = lambda: (torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
                         if precision.precision == "bf16" else contextlib.nullcontext())
 
-    tokens = load_tokens(config.data.source, config.data.cache_dir)
-    train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction)
-    sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
+    # the data is checked here, before the model exists: token ids against the vocabulary, both splits against
+    # seq_len (the validation split would otherwise fail only at the first evaluation)
+    failure = None  # every rank meets the same data: one says what is wrong with it
+    try:
+        tokens = load_tokens(config.data.source, config.data.cache_dir, config.model.vocab_size)
+        train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction, config.model.seq_len)
+        sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
+    except ValueError as exc:
+        failure = exc
+    first_failure_verdict(runtime, failure)
 
     torch.manual_seed(config.train.seed)  # the generator that router jitter draws from
     before_model = memory_per_rank(device, peak=False)  # the process without the model: interpreter, data

@@ -149,7 +149,13 @@ def record_changes(run_dir: Path, path: Path, step: int, saved_config: dict, con
     for key, change in changes.items():
         print(f"resume: {key} changed from {change['saved']!r} to {change['now']!r}", file=sys.stderr)
     log = run_dir / RESUME_CHANGES
-    entries = (yaml.safe_load(log.read_text(encoding="utf-8")) or []) if log.is_file() else []
+    try:
+        entries = (yaml.safe_load(log.read_text(encoding="utf-8")) or []) if log.is_file() else []
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{log} is damaged ({' '.join(str(exc).split())[:160]}); move it aside to resume (it only "
+                          "records config changes made at resumes)") from exc
+    if not isinstance(entries, list):
+        raise ConfigError(f"{log} holds a {type(entries).__name__}, not a list of resumes; move it aside to resume")
     entries.append({"step": step, "checkpoint": str(path), "changes": changes})
     write_text_atomic(log, yaml.safe_dump(entries, sort_keys=False))
 
@@ -161,8 +167,17 @@ def rewind_logs(run_dir: Path, step: int) -> None:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         return
-    kept = [line for line in metrics.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
+    kept = []
+    for number, line in enumerate(metrics.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True), 1):
+        if not line.endswith("\n"):
+            continue  # a record cut off by a crash
+        try:
+            record = json.loads(line)
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        except (ValueError, AttributeError) as exc:
+            raise ConfigError(f"{metrics}:{number} is not a metrics record ({exc}); the file was damaged after the "
+                              "run wrote it: repair or remove that line to resume") from exc
     write_text_atomic(metrics, "".join(kept))
 
 

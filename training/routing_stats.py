@@ -238,7 +238,13 @@ def read_routing(run_dir: Path | str) -> dict[str, np.ndarray]:
     files = sorted(folder.glob("*.npy"))
     if not files:
         raise FileNotFoundError(f"no routing statistics in {folder}: is {run_dir} a run directory of an MoE model?")
-    fields = {f.stem: np.load(f) for f in files}
+    fields = {}
+    for f in files:
+        try:
+            fields[f.stem] = np.load(f)
+        except (ValueError, OSError, EOFError) as exc:  # not an .npy array (numpy refuses pickled objects too)
+            raise ValueError(f"{f} is not a routing statistics column ({' '.join(str(exc).split())[:160]}); "
+                             "it was damaged after the run wrote it") from exc
     rows = min(len(v) for v in fields.values())
     return {name: values[:rows] for name, values in fields.items()}
 

@@ -93,11 +93,27 @@ def rank0_verdict(runtime: Runtime, error: ConfigError | None) -> None:
     raise error
 
 
+def first_failure_verdict(runtime: Runtime, error: Exception | None) -> None:
+    """Every rank learns whether any rank failed at something every rank does (one small all-reduce; a collective):
+    the lowest failed rank raises its ``error``, the others a quiet ``RunDirError``, so one message is printed for
+    a failure every rank meets (bad data, say) and none waits for peers that stopped."""
+    first = runtime.rank if error is not None else runtime.world_size
+    if runtime.distributed:
+        flag = torch.tensor([first], device=runtime.device)  # NCCL: device tensors
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        first = int(flag.item())
+    if first == runtime.world_size:
+        return
+    if first != runtime.rank:
+        raise RunDirError(f"rank {first} stopped the run (see its message)", quiet=True)
+    raise error
+
+
 def _lock(run_dir: Path) -> IO[str] | None:
     """Create ``run_dir`` and take its lock; the open lock file (None where the filesystem has no locks)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(run_dir / LOCK, "a+", encoding="utf-8")  # noqa: SIM115 - held until _release
+        handle = open(run_dir / LOCK, "a+", encoding="utf-8", errors="replace")  # noqa: SIM115 - held until _release
     except OSError as exc:
         raise RunDirError(f"--run-dir {run_dir}: cannot create {run_dir / LOCK} ({exc.strerror}); "
                           "use a writable --run-dir") from exc
