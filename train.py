@@ -26,6 +26,7 @@ from parallel.checkpoint import CheckpointCorruptError
 from parallel.groups import ParallelGroups
 from parallel.runtime import exit_process, init_runtime, shutdown_runtime
 from training.config import load_config
+from training.hf import hf_run_config, split_init_from
 from training.layout import resolve_layout
 from training.loop import NonFiniteLossError, train
 
@@ -39,8 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", default="auto", metavar="auto|none|PATH",
                         help="auto: continue from the newest complete checkpoint in the run directory (default); "
                              "none: start fresh; PATH: a checkpoint folder, or a folder of them")
-    parser.add_argument("--init-from", default=None, metavar="FILE",
-                        help="start from the weights in a safetensors file (python -m training.export writes one)")
+    parser.add_argument("--init-from", default=None, metavar="FILE|hf:DIR",
+                        help="start from the weights in a safetensors file (python -m training.export writes one), "
+                             "or hf:DIR, a Hugging Face Mixtral folder whose config.json also sets the model shape")
     parser.add_argument("--dry-run", action="store_true",
                         help="build every rank's model on the meta device under a fake process group, print each "
                              "rank's model-state bytes beside the memory model's prediction, and exit: no training, "
@@ -55,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # everything is validated before any process group or tensor exists
         config = load_config(args.config, args.overrides)
+        hf_folder = split_init_from(args.init_from)
+        if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
+            config = hf_run_config(config, hf_folder)
         if args.world_size is not None and not args.dry_run:
             raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
