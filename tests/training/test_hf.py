@@ -10,15 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
 from safetensors import safe_open
 
 from moe.config import ConfigError
 from moe.transformer import MoETransformer
+from parallel.groups import Layout, ParallelGroups
 from parallel.materialize import load_weights_file
+from parallel.runtime import Runtime, init_runtime
+from tests.parallel.parity import full_state
+from tests.spawn import spawn
 from training.config import config_from_dict, load_config
 from training.export import CONFIG_METADATA_KEY
-from training.hf import export_folder, import_folder, main
+from training.hf import export_folder, hf_run_config, import_folder, main
+from training.loop import train
+from training.metrics import read_metrics
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,10 +103,6 @@ def test_import_export_match_transformers(tmp_path, shape):
 def test_export_of_a_checkpoint(tmp_path):
     """A training checkpoint (a step folder) exports too: train 1 step from an HF folder, export, compare."""
     make_hf(tmp_path / "hf")
-    from parallel.groups import Layout, ParallelGroups
-    from parallel.runtime import Runtime
-    from training.hf import hf_run_config
-    from training.loop import train
 
     config = hf_run_config(load_config("moe-8x", TINY_RUN), tmp_path / "hf")
     groups = ParallelGroups.build(Layout.resolve(1, **config.parallel.degrees()), "cpu")
@@ -164,3 +167,49 @@ def test_cli_round_trip_and_no_transformers_import(tmp_path):
 TINY_RUN = ["model.seq_len=16", "train.global_batch_size=4", "train.steps=1", "train.warmup_steps=1",
             "train.precision=fp32", "train.eval_interval=0", "train.eval_batches=1", "logging.wandb=disabled",
             "logging.log_interval=1", "logging.progress=lines", "checkpoint.interval=1"]
+
+
+def _hf_run(rank: int, world_size: int, overrides: list[str], folder: str, run_dir: str, out: str) -> None:
+    """One rank of ``--init-from hf:DIR`` as train.py runs it; rank 0 saves the gathered final weights."""
+
+    config = hf_run_config(load_config("moe-8x", overrides), folder)
+    groups = ParallelGroups.build(Layout.resolve(world_size, **config.parallel.degrees()), "cpu")
+    result = train(config, Path(run_dir), init_runtime(), groups, init_from=f"hf:{folder}")
+    state = full_state(result.model)
+    if rank == 0:
+        torch.save(state, out)
+    dist.barrier()
+
+
+def test_init_from_hf_under_a_parallel_layout(tmp_path):
+    """2 gloo ranks (dp_shard=2, ep=2 over it) start from an HF folder, each reading its own slices: the first
+    step's loss is one process's, and with a tiny learning rate the weights are still the folder's."""
+
+    hf = make_hf(tmp_path / "hf")
+    run = [*TINY_RUN, "train.steps=2", "train.lr=1e-9", "checkpoint.interval=null"]
+    runs = {1: [], 2: ["parallel.dp_shard=2", "parallel.ep=2"]}
+    results = {}
+    for world, layout in runs.items():
+        run_dir, out = tmp_path / f"run{world}", tmp_path / f"state{world}.pt"
+        if world == 1:  # the reference, in this process
+            config = hf_run_config(load_config("moe-8x", run), tmp_path / "hf")
+            groups = ParallelGroups.build(Layout.resolve(1, **config.parallel.degrees()), "cpu")
+            result = train(config, run_dir, Runtime(0, 1, 0, torch.device("cpu")), groups,
+                           init_from=f"hf:{tmp_path / 'hf'}")
+            torch.save(full_state(result.model), out)
+        else:
+            spawn(_hf_run, world, world, [*run, *layout], str(tmp_path / "hf"), str(run_dir), str(out))
+        losses = [r["train/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r]
+        results[world] = losses, torch.load(out, weights_only=True)
+        recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert recorded["moe"]["num_experts"] == 4 and recorded["model"]["d_model"] == 32
+        assert recorded["moe"]["capacity_factor"] is None and recorded["model"]["n_kv_heads"] == 2
+    assert results[2][0][0] == pytest.approx(results[1][0][0], abs=1e-5)
+    hf_state = hf.state_dict()
+    for world in runs:
+        state = results[world][1]
+        torch.testing.assert_close(state["layers.1.moe.experts.w_gate"][2],
+                                   hf_state["model.layers.1.mlp.experts.gate_up_proj"][2, :24].t(),
+                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(state["layers.0.attn.wk.weight"], hf_state["model.layers.0.self_attn.k_proj.weight"],
+                                   rtol=0, atol=1e-6)
