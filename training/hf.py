@@ -220,11 +220,11 @@ def _our_tensors(source: Path):
     return entries, handle.get_tensor, config_from_dict(yaml.safe_load(metadata[CONFIG_METADATA_KEY]))
 
 
-def export_folder(source: Path, out: Path) -> int:
+def export_folder(source: Path, out: Path) -> tuple[int, RunConfig]:
     """Write our checkpoint (a step folder, a folder of them, or our safetensors file) as an HF Mixtral folder.
 
     One of our tensors in memory at a time (an expert stack is split into its E transposed matrices).
-    The weights keep their dtype. Returns the number of HF tensors written.
+    The weights keep their dtype. Returns the number of HF tensors written, and our config.
     """
     entries, read, config = _our_tensors(source)
     hf_config = hf_from_config(config.model, config.moe, "float32")
@@ -252,7 +252,7 @@ def export_folder(source: Path, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors_streaming(out / SINGLE_FILE, hf_entries, hf_tensor, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
-    return len(hf_entries)
+    return len(hf_entries), config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,8 +277,11 @@ def main(argv: list[str] | None = None) -> int:
             import_folder(args.folder, args.out, load_config(args.config), seq_len)
             print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)
         else:
-            count = export_folder(args.checkpoint, args.out)
+            count, config = export_folder(args.checkpoint, args.out)
             print(f"wrote {count} tensors and config.json to {args.out}", file=sys.stderr)
+            if config.moe.capacity_factor is not None:
+                print(f"note: trained with moe.capacity_factor={config.moe.capacity_factor}; Mixtral routes "
+                      "dropless, so its outputs equal ours with moe.capacity_factor=null", file=sys.stderr)
     except (ConfigError, OSError, CheckpointCorruptError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
