@@ -193,8 +193,7 @@ def hf_targets(model: ModelConfig, moe: MoEConfig) -> dict[str, tuple[str, int |
     """Each HF tensor of an exported folder: (our name, expert index for a stacked weight, else None)."""
     out: dict[str, tuple[str, int | None]] = {}
     for ours, source in hf_sources(model, moe).items():
-        if source.kind == "copy" and source.names[0] not in out and not (
-                ours == "output.weight" and model.tie_embeddings):
+        if source.kind == "copy" and source.names[0] not in out:  # tied: the head is the embedding, once
             out[source.names[0]] = (ours, None)
         elif source.kind == "stack_t":
             out.update({name: (ours, e) for e, name in enumerate(source.names)})
