@@ -28,6 +28,7 @@ from parallel.checkpoint import CheckpointCorruptError
 from parallel.groups import ParallelGroups
 from parallel.runtime import exit_process, init_runtime, shutdown_runtime
 from training.config import RunConfig, load_config
+from training.hf import hf_run_config, split_init_from
 from training.layout import resolve_layout
 from training.loop import NonFiniteLossError, train
 
@@ -45,8 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", default="auto", metavar="auto|none|PATH",
                         help="auto: continue from the newest complete checkpoint in the run directory (default); "
                              "none: start fresh; PATH: a checkpoint folder, or a folder of them")
-    parser.add_argument("--init-from", default=None, metavar="FILE",
-                        help="start from the weights in a safetensors file (python -m training.export writes one)")
+    parser.add_argument("--init-from", default=None, metavar="FILE|hf:DIR",
+                        help="start from the weights in a safetensors file (python -m training.export writes one), "
+                             "or hf:DIR, a Hugging Face Mixtral folder whose config.json also sets the model shape")
     parser.add_argument("--dry-run", action="store_true",
                         help="build every rank's model on the meta device under a fake process group, print each "
                              "rank's model-state bytes beside the memory model's prediction, and exit: no training, "
@@ -66,6 +68,12 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
     ``world_size`` ranks (default: WORLD_SIZE, or 1); a ConfigError (or ValueError) otherwise. ``launch.py``
     calls it before starting any worker."""
     config = load_config(args.config, args.overrides)
+    hf_folder = split_init_from(args.init_from)
+    if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
+        config = hf_run_config(config, hf_folder)
+    elif args.init_from is not None and not Path(args.init_from).is_file():
+        raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
+                          "training.export writes, or hf:DIR for a Hugging Face folder)")
     if args.world_size is not None and not args.dry_run:
         raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
     world_size = world_size or planned_world_size(args)
@@ -73,9 +81,6 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
     if not args.dry_run:
         resolve_layout(config, world_size)
-    if args.init_from is not None and not Path(args.init_from).is_file():
-        raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
-                          "training.export writes)")
     if args.resume not in ("auto", "none") and not Path(args.resume).exists():
         raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
                           "them; or auto, none)")

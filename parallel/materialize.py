@@ -12,6 +12,7 @@ FSDP-sharded parameter whose dim 0 does not split evenly, FSDP's padded copy of 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -58,30 +59,61 @@ def materialize(model: MoETransformer, device: torch.device, seed: int) -> None:
     model.init_weights(seed, locate)
 
 
+class WeightSource(Protocol):
+    """Tensors under the single-process model's names, read a box at a time (a file, or a converting reader)."""
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The global shape of ``name``, or None when the source has no such tensor."""
+
+    def read(self, name: str, box: tuple[slice, ...]) -> Tensor:
+        """The ``box`` (one slice per dim) of tensor ``name``."""
+
+
+class SafetensorsWeights:
+    """A safetensors file of our names (``training/export.py`` writes one); slices are read in place (mmap)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.names = set(handle.keys())
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return tuple(self.handle.get_slice(name).get_shape()) if name in self.names else None
+
+    def read(self, name: str, box: tuple[slice, ...]) -> Tensor:
+        source = self.handle.get_slice(name)
+        return source[box] if box else source[:]
+
+
 @torch.no_grad()
+def load_weights(module: nn.Module, source: WeightSource, where: str) -> int:
+    """Fill ``module``'s tensors (this rank's shards) from ``source``, reading only this rank's box of each.
+
+    Every parameter and persistent buffer of ``module`` must be in the source with the single-process
+    shape: the first that is missing or differs is named, with ``where`` (the file or folder). A pipeline
+    stage reads only its own blocks' tensors. Returns the number of tensors read.
+    """
+    targets = dict(module.state_dict())
+    for name, value in targets.items():
+        shape = source.shape(name)
+        if shape is None:
+            raise ConfigError(f"{where}: has no tensor '{name}' that this model needs")
+        target = locate(value)
+        if shape != target.global_shape:
+            raise ConfigError(f"{where}: tensor '{name}' has shape {shape}, this model needs "
+                              f"{target.global_shape}; the file is of another model shape")
+        box = tuple(slice(lo, lo + n) for lo, n in zip(target.offset, target.local.shape, strict=True))
+        target.local.copy_(source.read(name, box))
+    return len(targets)
+
+
 def load_weights_file(module: nn.Module, path: Path | str) -> int:
     """Fill ``module``'s tensors (this rank's shards) from a safetensors file of the single-process model.
 
     Streams tensor by tensor and reads from each only this rank's slice (safetensors maps the file and
-    slices it in place), so peak memory is one shard, never a whole tensor or the model. Every parameter
-    and persistent buffer of ``module`` must be in the file with the single-process shape: the first that
-    is missing or differs is named (a pipeline stage reads only its own blocks' tensors). Returns the
-    number of tensors read.
+    slices it in place), so peak memory is one shard, never a whole tensor or the model.
     """
-    targets = {name: value for name, value in module.state_dict().items()}
     try:
-        with safe_open(str(path), framework="pt") as weights:
-            present = set(weights.keys())
-            for name, value in targets.items():
-                if name not in present:
-                    raise ConfigError(f"{path}: has no tensor '{name}' that this model needs")
-                source = weights.get_slice(name)
-                target = locate(value)
-                if tuple(source.get_shape()) != target.global_shape:
-                    raise ConfigError(f"{path}: tensor '{name}' has shape {tuple(source.get_shape())}, this model "
-                                      f"needs {target.global_shape}; the file is of another model shape")
-                box = tuple(slice(lo, lo + n) for lo, n in zip(target.offset, target.local.shape, strict=True))
-                target.local.copy_(source[box] if box else source[:])
+        with safe_open(str(path), framework="pt") as handle:
+            return load_weights(module, SafetensorsWeights(handle), str(path))
     except (OSError, SafetensorError) as exc:
         raise ConfigError(f"{path}: not a readable safetensors file ({exc})") from exc
-    return len(targets)

@@ -176,11 +176,19 @@ class Checkpointer:
         return 0
 
     def _init_weights(self, model: torch.nn.Module) -> None:
-        """Start from the weights of a consolidated safetensors file (``training/export.py``), fresh optimizer.
+        """Start from the weights of a consolidated safetensors file (``training/export.py``) or of a Hugging
+        Face folder (``hf:DIR``, converted on the fly: ``training/hf.py``), with a fresh optimizer.
 
-        Each rank reads only its own shards of each tensor (``parallel.materialize.load_weights_file``).
+        Each rank reads only its own shards of each tensor (``parallel.materialize.load_weights``).
         """
-        count = sum(load_weights_file(part, self.init_from) for part in getattr(model, "stages", [model]))
+        from training.hf import load_hf_weights, split_init_from  # training.hf imports this module (via export)
+
+        folder = split_init_from(self.init_from)
+        parts = getattr(model, "stages", [model])
+        if folder is not None:
+            count = sum(load_hf_weights(part, folder, self.config) for part in parts)
+        else:
+            count = sum(load_weights_file(part, self.init_from) for part in parts)
         self.say(f"initialised from {self.init_from} ({count} tensors on this rank); optimizer state starts fresh")
 
     def _load(self, path: Path, model, optimizer, sampler: TokenSampler) -> int:

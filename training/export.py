@@ -109,10 +109,12 @@ def write_safetensors_streaming(out: Path, entries: dict[str, tuple[torch.Size, 
         partial.unlink(missing_ok=True)
 
 
-def export_checkpoint(checkpoint: Path, out: Path) -> int:
-    """Write ``checkpoint``'s model to ``out`` (safetensors), one tensor in memory at a time; returns the count.
+def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple[torch.Size, torch.dtype]],
+                                                 Callable[[str], torch.Tensor], str]:
+    """(each model tensor's shape and dtype, a reader of one whole tensor, the resolved config YAML) of a
+    verified checkpoint: a ``step_NNNNNNN`` folder, or a folder of them (a run's ``checkpoints/``: its newest).
 
-    ``checkpoint`` is a ``step_NNNNNNN`` folder, or a folder of them (a run's ``checkpoints/``): its newest.
+    Reading assembles one tensor from the checkpoint's shards (DCP), whatever layout saved it.
     """
     found = published_checkpoints(checkpoint)
     if found:
@@ -133,6 +135,18 @@ def export_checkpoint(checkpoint: Path, out: Path) -> int:
                  planner=TensorsOnlyLoadPlanner(allow_partial_load=True))
         return value
 
+    return entries, read, config_text
+
+
+def export_checkpoint(checkpoint: Path, out: Path) -> int:
+    """Write ``checkpoint``'s model to ``out`` (safetensors), one tensor in memory at a time; returns the count.
+
+    ``checkpoint`` is a ``step_NNNNNNN`` folder, or a folder of them (a run's ``checkpoints/``): its newest.
+    """
+    found = published_checkpoints(checkpoint)
+    if found:
+        checkpoint = found[0][1]
+    entries, read, config_text = checkpoint_tensors(checkpoint)
     write_safetensors_streaming(out, entries, read, {CONFIG_METADATA_KEY: config_text, "checkpoint": str(checkpoint)})
     return len(entries)
 
