@@ -64,6 +64,8 @@ overlap of communication with compute (the time column is bytes over bandwidth).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
@@ -83,23 +85,80 @@ from training.layout import micro_batching, resolve_layout
 
 @dataclass(frozen=True)
 class Hardware:
-    """Link bandwidths (bytes/s, one direction, per GPU) and dense bf16 peak of one kind of node."""
+    """One kind of GPU node: link bandwidths (bytes/s, one direction, per GPU), dense bf16 peak, memory per GPU."""
 
     name: str
     gpus_per_node: int
     intra_node: float
     inter_node: float
     bf16_flops: float
+    memory_gib: float  # nominal (the datasheet's GB)
     source: str
 
 
-# NVIDIA H100 Tensor Core GPU datasheet (SXM5): fourth-generation NVLink gives each GPU 900 GB/s in both
-# directions together (450 GB/s each way); an HGX H100 node holds 8 GPUs; one 400 Gb/s NDR InfiniBand
-# adapter per GPU is 50 GB/s each way; dense BF16 tensor-core peak 989 TFLOP/s (1979 is with sparsity).
+# Datasheet figures. NVLink totals are quoted for both directions together: one direction is half. The network
+# is one adapter per GPU as the vendors' 8-GPU reference systems have it (DGX A100: 200 Gb/s HDR, 25 GB/s each
+# way; DGX H100/H200/B200: 400 Gb/s, 50 GB/s). Peaks are dense bf16 tensor-core FLOP/s, without sparsity.
 HARDWARE = {
-    "h100-sxm": Hardware("H100 SXM, NVLink 4, NDR InfiniBand", 8, 450e9, 50e9, 989e12,
-                         "NVIDIA H100 Tensor Core GPU datasheet"),
+    # NVIDIA A100 Tensor Core GPU datasheet: NVLink 3 600 GB/s, bf16 312 TFLOP/s, 40 or 80 GB; DGX A100 user
+    # guide: 8 single-port 200 Gb/s HDR InfiniBand adapters for the compute fabric
+    "a100-40gb": Hardware("A100 SXM4 40GB, NVLink 3, HDR InfiniBand", 8, 300e9, 25e9, 312e12, 40,
+                          "NVIDIA A100 datasheet; DGX A100 user guide"),
+    "a100-80gb": Hardware("A100 SXM4 80GB, NVLink 3, HDR InfiniBand", 8, 300e9, 25e9, 312e12, 80,
+                          "NVIDIA A100 datasheet; DGX A100 user guide"),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): NVLink 4 900 GB/s, bf16 989 TFLOP/s (1979 with sparsity),
+    # 80 GB; one 400 Gb/s NDR InfiniBand adapter per GPU
+    "h100": Hardware("H100 SXM5, NVLink 4, NDR InfiniBand", 8, 450e9, 50e9, 989e12, 80,
+                     "NVIDIA H100 Tensor Core GPU datasheet"),
+    # H800 SXM5: the H100's compute with NVLink cut to 400 GB/s (NVIDIA's H800 specifications); DeepSeek-V3's
+    # report (arXiv:2412.19437 sec. 3.2.2) measures about 160 GB/s of NVLink and 50 GB/s of InfiniBand per GPU
+    "h800": Hardware("H800 SXM5, NVLink 400 GB/s, NDR InfiniBand", 8, 200e9, 50e9, 989e12, 80,
+                     "NVIDIA H800 specifications; DeepSeek-V3 technical report sec. 3.2.2"),
+    # NVIDIA H200 Tensor Core GPU datasheet: the H100's compute and NVLink 4, 141 GB of HBM3e
+    "h200": Hardware("H200 SXM, NVLink 4, NDR InfiniBand", 8, 450e9, 50e9, 989e12, 141,
+                     "NVIDIA H200 Tensor Core GPU datasheet"),
+    # NVIDIA HGX B200 / DGX B200 specifications: NVLink 5 1.8 TB/s per GPU, bf16 2.25 PFLOP/s dense (4.5 with
+    # sparsity), 1,440 GB for 8 GPUs, 400 Gb/s ConnectX-7 per GPU
+    "b200": Hardware("B200, NVLink 5, 400 Gb/s InfiniBand", 8, 900e9, 50e9, 2250e12, 180,
+                     "NVIDIA HGX B200 and DGX B200 specifications"),
 }
+
+
+def add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gpu`` (a preset of ``HARDWARE``) and overrides of its figures, for the analysis CLIs."""
+    parser.add_argument("--gpu", default="h100", choices=list(HARDWARE), help="the GPU node's preset (default h100)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's, 8)")
+    parser.add_argument("--nvlink-gbps", type=float, default=None, metavar="GB/S",
+                        help="override: NVLink bandwidth per GPU, one direction")
+    parser.add_argument("--network-gbps", type=float, default=None, metavar="GB/S",
+                        help="override: network bandwidth per GPU, one direction")
+    parser.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOP/S",
+                        help="override: dense bf16 peak per GPU")
+
+
+def hardware_from_args(args: argparse.Namespace, memory_gib: float | None = None) -> Hardware:
+    """The ``--gpu`` preset with the CLI's overrides (``memory_gib``: a ``--device-memory`` given)."""
+    return hardware_with(args.gpu, args.gpus_per_node, args.nvlink_gbps, args.network_gbps, args.peak_tflops,
+                         memory_gib)
+
+
+def hardware_with(name: str, gpus_per_node: int | None = None, nvlink_gbps: float | None = None,
+                  network_gbps: float | None = None, peak_tflops: float | None = None,
+                  memory_gib: float | None = None) -> Hardware:
+    """The preset ``name`` with any figure overridden (GB/s one direction per GPU, TFLOP/s, GiB)."""
+    if name not in HARDWARE:
+        raise ConfigError(f"--gpu {name!r} is not a preset; valid: {', '.join(HARDWARE)}")
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
+    figures = {"--nvlink-gbps": nvlink_gbps, "--network-gbps": network_gbps, "--peak-tflops": peak_tflops,
+               "--device-memory": memory_gib}
+    for flag, value in figures.items():
+        if value is not None and not 0 < value < math.inf:  # NaN fails this too
+            raise ConfigError(f"{flag} must be a positive number, got {value}")
+    overrides = {"gpus_per_node": gpus_per_node, "intra_node": nvlink_gbps and nvlink_gbps * 1e9,
+                 "inter_node": network_gbps and network_gbps * 1e9, "bf16_flops": peak_tflops and peak_tflops * 1e12,
+                 "memory_gib": memory_gib}
+    return dataclasses.replace(HARDWARE[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -446,10 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="override config keys, e.g. --set parallel.tp=2 parallel.ep=4")
     parser.add_argument("--world-size", type=int, default=8, help="number of ranks (GPUs)")
-    parser.add_argument("--gpus-per-node", type=int, default=None,
-                        help="GPUs per node: groups within one node use NVLink (default: the hardware's)")
     parser.add_argument("--rank", type=int, default=0, help="which rank to describe (traffic can differ by rank)")
-    parser.add_argument("--hardware", default="h100-sxm", choices=sorted(HARDWARE))
+    add_hardware_arguments(parser)
     args = parser.parse_args(argv)
     try:
         if args.world_size < 1:
@@ -458,10 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         layout, micro, microbatches = resolve_layout(config, args.world_size)
         if not 0 <= args.rank < layout.world_size:
             raise ConfigError(f"--rank {args.rank} is outside the world of {layout.world_size} ranks")
-        hardware = HARDWARE[args.hardware]
-        gpus_per_node = hardware.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
-        if gpus_per_node < 1:
-            raise ConfigError(f"--gpus-per-node must be positive, got {gpus_per_node}")
+        hardware = hardware_from_args(args)
+        gpus_per_node = hardware.gpus_per_node
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """Which layout to train a config on: every valid layout of N GPUs, the ones that fit, fastest first.
 
-    python -m analysis.planner --config mixtral-8x7b --world-size 64 [--gpus-per-node 8] [--device-memory 80]
+    python -m analysis.planner --config mixtral-8x7b --world-size 64 [--gpu h100] [--gpus-per-node 8]
+                               [--device-memory GiB] [--nvlink-gbps N] [--network-gbps N] [--peak-tflops N]
                                [--set train.micro_batch_size=1 ...] [--top 10] [--efficiency 0.5]
 
 Candidates: every layout of the world size that the model allows (``parallel.groups.valid_layouts``: pp,
@@ -13,7 +14,9 @@ with the config's micro-batching; a layout whose batch split or pipeline the tra
 skipped, for the same reasons ``train.py`` gives.
 
 For each, ``analysis.memory`` gives the memory of the busiest rank (a plan must fit ``--device-memory``)
-and a step-time model, on the H100 table of ``analysis.communication``, gives its speed:
+and a step-time model, on the ``--gpu`` preset of ``analysis.communication.HARDWARE`` (A100 40/80 GB, H100, H800,
+H200, B200: datasheet bandwidths, peak and memory, each figure's source named there; any figure can be
+overridden), gives its speed:
 
 - **compute**: the training FLOPs of the busiest pipeline rank in one step (``moe.accounting``: 6 × active
   matmul parameters + attention, per token) over the global batch's tokens / dp, divided over tp (every
@@ -40,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass
 
@@ -168,7 +170,7 @@ def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware
 
 
 def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node: int = 8,
-         hardware: communication.Hardware = communication.HARDWARE["h100-sxm"],
+         hardware: communication.Hardware = communication.HARDWARE["h100"],
          efficiency: float = 0.5) -> tuple[list[Plan], int]:
     """The plans that fit ``device_memory`` bytes, fastest first, and how many candidates were considered.
 
@@ -227,30 +229,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="moe-8x")
     parser.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE")
     parser.add_argument("--world-size", type=int, required=True, help="GPUs to plan for")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--device-memory", type=float, default=80.0, help="GiB per GPU")
+    parser.add_argument("--device-memory", type=float, default=None,
+                        help="GiB per GPU (default: the --gpu preset's)")
+    communication.add_hardware_arguments(parser)
     parser.add_argument("--efficiency", type=float, default=0.5, help="achieved fraction of the bf16 peak")
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args(argv)
     try:
         if args.world_size < 1:
             raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
-        if args.gpus_per_node < 1:
-            raise ConfigError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
         if not 0 < args.efficiency <= 1:  # NaN fails this too
             raise ConfigError(f"--efficiency must be in (0, 1], got {args.efficiency}")
-        if not 0 < args.device_memory < math.inf:
-            raise ConfigError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
         if args.top < 1:
             raise ConfigError(f"--top must be at least 1, got {args.top}")
         config = load_config(args.config, args.overrides)
-        hardware = communication.HARDWARE["h100-sxm"]
-        plans, considered = plan(config, args.world_size, args.device_memory * GIB, args.gpus_per_node, hardware,
+        hardware = communication.hardware_from_args(args, args.device_memory)
+        plans, considered = plan(config, args.world_size, hardware.memory_gib * GIB, hardware.gpus_per_node, hardware,
                                  args.efficiency)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_plans(config, plans, considered, args.world_size, args.device_memory * GIB, hardware,
+    print(format_plans(config, plans, considered, args.world_size, hardware.memory_gib * GIB, hardware,
                        args.efficiency, args.top))
     return 0
 

@@ -123,7 +123,7 @@ def test_the_planner_refuses_bad_flags_and_says_why_no_layout_is_possible(capsys
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--world-size", "0"], "--world-size must be at least 1, got 0"),
-    (["--gpus-per-node", "0"], "--gpus-per-node must be positive, got 0"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be at least 1, got 0"),
     (["--rank", "-1"], "--rank -1 is outside the world of 8 ranks"),
 ])
 def test_the_communication_tool_refuses_bad_flags_naming_them(capsys, argv, message):

@@ -6,10 +6,11 @@ import pytest
 
 from analysis import communication, memory, planner
 from moe.accounting import block_flops_per_token, head_flops_per_token, training_flops_per_token
+from moe.config import ConfigError
 from parallel.groups import Layout
 from training.config import load_config
 
-H100 = communication.HARDWARE["h100-sxm"]
+H100 = communication.HARDWARE["h100"]
 SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
          "moe.num_experts=4", "moe.expert_hidden=64", "train.global_batch_size=16", "train.precision=bf16"]
 
@@ -134,3 +135,35 @@ def test_cli_prints_the_ranking_and_refuses_bad_arguments(capsys):
     assert "fit" in out and out.count("\n") >= 6
     assert planner.main(["--world-size", "4", "--efficiency", "0"]) == 2
     assert "--efficiency must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_hardware_presets_and_overrides_reach_the_estimate():
+    """Each preset names its source; H800's NVLink (200 GB/s a direction against H100's 450) stretches the same
+    tp traffic by 450/200; B200's peak shortens compute by 2250/989; overrides replace one figure, bad ones refused."""
+    assert set(communication.HARDWARE) == {"a100-40gb", "a100-80gb", "h100", "h800", "h200", "b200"}
+    assert all(h.source and h.memory_gib > 0 and h.gpus_per_node == 8 for h in communication.HARDWARE.values())
+    layout = Layout.resolve(8, dp_shard=2, tp=4)
+    config = _config(layout)
+    h800 = communication.HARDWARE["h800"]
+    on_h100 = planner.exposed_communication(config, layout, 0.0, H100, gpus_per_node=8)["tp"]
+    on_h800 = planner.exposed_communication(config, layout, 0.0, h800, gpus_per_node=8)["tp"]
+    assert on_h800 == pytest.approx(on_h100 * 450 / 200)
+    b200 = communication.HARDWARE["b200"]
+    assert (planner.compute_seconds(config, layout, H100.bf16_flops)
+            == pytest.approx(planner.compute_seconds(config, layout, b200.bf16_flops) * 2250 / 989))
+    custom = communication.hardware_with("h100", nvlink_gbps=100, memory_gib=40)
+    assert (custom.intra_node, custom.memory_gib, custom.inter_node) == (100e9, 40, H100.inter_node)
+    with pytest.raises(ConfigError, match="--gpu 'v100' is not a preset"):
+        communication.hardware_with("v100")
+    with pytest.raises(ConfigError, match="--peak-tflops must be a positive number, got -1"):
+        communication.hardware_with("h100", peak_tflops=-1)
+
+
+def test_the_cli_plans_for_a_preset_and_its_memory(capsys):
+    args = ["--config", "moe-8x", "--world-size", "8", "--set", *SMALL, "--top", "1"]
+    assert planner.main([*args, "--gpu", "a100-40gb"]) == 0
+    assert "8 × A100 SXM4 40GB, NVLink 3, HDR InfiniBand, 40 GiB each" in capsys.readouterr().out
+    assert planner.main([*args, "--gpu", "h200", "--device-memory", "100"]) == 0
+    assert "H200 SXM, NVLink 4, NDR InfiniBand, 100 GiB each" in capsys.readouterr().out
+    assert planner.main([*args, "--network-gbps", "nan"]) == 2
+    assert "--network-gbps must be a positive number, got nan" in capsys.readouterr().err
