@@ -150,11 +150,11 @@ def hardware_with(name: str, gpus_per_node: int | None = None, nvlink_gbps: floa
         raise ConfigError(f"--gpu {name!r} is not a preset; valid: {', '.join(HARDWARE)}")
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
-    figures = {"--nvlink-gbps": nvlink_gbps, "--network-gbps": network_gbps, "--peak-tflops": peak_tflops,
-               "--device-memory": memory_gib}
-    for flag, value in figures.items():
+    figures = {("--nvlink-gbps", "GB/s"): nvlink_gbps, ("--network-gbps", "GB/s"): network_gbps,
+               ("--peak-tflops", "TFLOP/s"): peak_tflops, ("--device-memory", "GiB"): memory_gib}
+    for (flag, unit), value in figures.items():
         if value is not None and not 0 < value < math.inf:  # NaN fails this too
-            raise ConfigError(f"{flag} must be a positive number, got {value}")
+            raise ConfigError(f"{flag} must be a positive number of {unit}, got {value}")
     overrides = {"gpus_per_node": gpus_per_node, "intra_node": nvlink_gbps and nvlink_gbps * 1e9,
                  "inter_node": network_gbps and network_gbps * 1e9, "bf16_flops": peak_tflops and peak_tflops * 1e12,
                  "memory_gib": memory_gib}

@@ -155,7 +155,7 @@ def test_hardware_presets_and_overrides_reach_the_estimate():
     assert (custom.intra_node, custom.memory_gib, custom.inter_node) == (100e9, 40, H100.inter_node)
     with pytest.raises(ConfigError, match="--gpu 'v100' is not a preset"):
         communication.hardware_with("v100")
-    with pytest.raises(ConfigError, match="--peak-tflops must be a positive number, got -1"):
+    with pytest.raises(ConfigError, match="--peak-tflops must be a positive number of TFLOP/s, got -1"):
         communication.hardware_with("h100", peak_tflops=-1)
 
 
@@ -166,4 +166,4 @@ def test_the_cli_plans_for_a_preset_and_its_memory(capsys):
     assert planner.main([*args, "--gpu", "h200", "--device-memory", "100"]) == 0
     assert "H200 SXM, NVLink 4, NDR InfiniBand, 100 GiB each" in capsys.readouterr().out
     assert planner.main([*args, "--network-gbps", "nan"]) == 2
-    assert "--network-gbps must be a positive number, got nan" in capsys.readouterr().err
+    assert "--network-gbps must be a positive number of GB/s, got nan" in capsys.readouterr().err
