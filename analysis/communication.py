@@ -47,10 +47,11 @@ parallelism without FSDP, the norm weights' gradients, which DTensor leaves part
 step makes whole (one all-reduce of [D] each; with FSDP its gradient reduction makes them whole once per
 micro-batch, and that is counted).
 
-Element sizes: parameters and their gradients are fp32 (FSDP2 without a mixed-precision policy). Under
-bf16 autocast the projections' outputs, the routed rows and their gradients are bf16; norm outputs, the
-embedding, every input gradient of a column-parallel projection and the hidden states between pipeline
-stages stay fp32 (what autocast gives, confirmed by the bf16 test layouts).
+Element sizes: gradients are reduced in fp32; parameters are gathered in fp32, or under bf16 in bf16 (FSDP2's
+mixed precision), but for the routers, fp32 units of their own. Under bf16 autocast the projections'
+outputs, the routed rows and their gradients are bf16; norm outputs, the embedding, every input gradient of
+a column-parallel projection and the hidden states between pipeline stages stay fp32 (what autocast gives,
+confirmed by the bf16 test layouts).
 
 Validated exactly (calls and bytes, every rank) on gloo by the tests for: FSDP with 1 and 2 micro-batches
 and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep × etp, etp alone, tp with
@@ -356,18 +357,23 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
 
 
 def _fsdp_units(step: _Step) -> dict[str, list[ParamTensor]]:
-    """This rank's FSDP units ("root", "block N", "experts N") and their parameters (``parallel/sharding.py``).
+    """This rank's FSDP units ("root", "block N", "experts N", "router N") and their parameters
+    (``parallel/sharding.py``).
 
-    The routed experts are a unit of their own whenever ``parallel/__init__.py`` wraps them (ep, etp or tp).
+    The routed experts are a unit of their own whenever ``parallel/__init__.py`` wraps them (ep, etp or tp), and
+    under bf16 each router is one too, gathered in fp32 while the rest is gathered in bf16.
     """
     config, layout = step.config, step.layout
     experts_apart = experts_own_unit(layout, config.model)
+    routers_apart = step.act == 2  # bf16 mixed precision: each router an fp32 unit of its own
     units: dict[str, list[ParamTensor]] = defaultdict(list)
     for param in parameter_tensors(config.model, config.moe):
         if not on_rank(param, step.layers, step.first, step.last):
             continue
         if param.layer is None:
             units["root"].append(param)
+        elif param.kind == "router" and routers_apart:
+            units[f"router {param.layer}"].append(param)
         else:
             units[f"{'experts' if experts_apart and param.expert else 'block'} {param.layer}"].append(param)
     return units
@@ -399,13 +405,13 @@ def _gathers(step: _Step, kind: str) -> int:
 def sharding_traffic(step: _Step) -> list[Traffic]:
     """FSDP2 parameter all-gathers, gradient reduce-scatters and HSDP all-reduces of every unit this rank holds.
 
-    Parameters and gradients are fp32 (no mixed-precision policy: autocast computes in bf16). Each
-    parameter's shard is its sharded dim padded up to a multiple of the ranks (FSDP2 pads dim 0); units of
-    the same size are listed together.
+    Parameters are all-gathered in fp32, or in bf16 under bf16 training (FSDP's mixed precision: every unit
+    but the routers'); gradients are reduced in fp32. Each parameter's shard is its sharded dim padded up to a
+    multiple of the ranks (FSDP2 pads dim 0); units of the same size are listed together.
     """
     layout, config = step.layout, step.config
     syncs = _gradient_syncs(step)
-    same: dict[tuple[str, int], int] = defaultdict(int)  # (kind, shard bytes) -> units
+    same: dict[tuple[str, int], int] = defaultdict(int)  # (kind, fp32 shard bytes) -> units
     for unit, params in _fsdp_units(step).items():
         kind = unit.split()[0]
         if (kind == "experts" and layout.dp_replicate * layout.edp == 1) or (kind != "experts" and layout.dp == 1):
@@ -415,10 +421,11 @@ def sharding_traffic(step: _Step) -> list[Traffic]:
     for (kind, shard), units in sorted(same.items()):
         shard_group = step.group("edp" if kind == "experts" else "dp_shard")
         n = len(shard_group)
-        what = {"root": "root (embedding, norm, head)", "block": f"{units} block(s)",
+        what = {"root": "root (embedding, norm, head)", "block": f"{units} block(s)", "router": f"{units} router(s)",
                 "experts": f"{units} routed-expert unit(s)"}[kind]
-        gathers = _gathers(step, kind)
-        _add(out, "fsdp", "all_gather", f"{what}: parameters", units * gathers, shard * n, shard_group)
+        gathered = shard if kind == "router" else shard * step.act // 4  # in the unit's compute dtype
+        _add(out, "fsdp", "all_gather", f"{what}: parameters", units * _gathers(step, kind), gathered * n,
+             shard_group)
         _add(out, "fsdp", "reduce_scatter", f"{what}: gradients", units * syncs, shard * n, shard_group)
         # HSDP: FSDP sums the reduce-scattered shards of the micro-batches and all-reduces them once per step
         _add(out, "fsdp", "all_reduce", f"{what}: gradient shards over replicas (HSDP)", units, shard,

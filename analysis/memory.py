@@ -8,7 +8,8 @@ What one rank holds during a step (``estimate``):
 - **model states** (``analysis/memory_states.py``): fp32 master weights, fp32 gradients and AdamW's two fp32
   moments, 16 bytes per parameter (ZeRO; REFERENCES.md sec. 3.1), each tensor divided as tp, ep, etp, FSDP
   (over dp_shard, or edp for the experts) and the pipeline stages divide it; dense and routed experts apart.
-- **gathered weights** (``gathered_bytes``): FSDP all-gathers a block's tp-local weights, fp32, before it runs.
+- **gathered weights** (``gathered_bytes``): FSDP all-gathers a block's tp-local weights before it runs, in fp32
+  or, under bf16, in bf16 (FSDP2's mixed precision; the routers' own units in fp32).
   Assumed peak: the root unit (embedding, final norm, head: never resharded) plus, in backward, the current
   and the prefetched block's weights and the current block's unsharded gradients before their reduce-scatter;
   with ``reshard_after_forward=false`` every local block stays gathered from forward to backward instead
@@ -125,7 +126,7 @@ def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 
         vocab = largest_chunk(vocab, layout.tp)
     logits = micro * config.model.seq_len * vocab * FP32 if last else 0
     return MemoryEstimate(pp_rank, model_states(config, layout, pp_rank),
-                          gathered_bytes(config, layout, pp_rank, microbatches),
+                          gathered_bytes(config, layout, pp_rank, microbatches, precision),
                           accumulated_grad_bytes(config, layout, microbatches, pp_rank),
                           activations, logits, micro, microbatches, held,
                           parameter_counts(config.model, config.moe).total)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from analysis.memory_states import (
     FP32,
     ParamTensor,
+    in_fsdp_unit,
     largest_chunk,
     local_layers,
     on_rank,
@@ -39,6 +40,7 @@ class MicroBatch:
     sequences: int
     compute: int  # bytes of the compute dtype
     bf16: bool
+    bf16_weights: bool = False  # dense weights in FSDP units gathering bf16 (``parallel.sharding.mixed_precision``)
 
 
 def _norm(stream: int, d: int) -> int:
@@ -47,7 +49,11 @@ def _norm(stream: int, d: int) -> int:
 
 
 def _linear_inputs(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool = True) -> int:
-    """The [T, d] input of ``consumers`` column-parallel projections: one fp32 tensor, or one bf16 cast each."""
+    """The [T, d] input of ``consumers`` column-parallel projections: one fp32 tensor, or one bf16 cast each
+    (autocast casting it per matmul), or one bf16 cast they share when their weights are gathered in bf16
+    (measured: ``tests/analysis/test_memory.py``'s bf16 FSDP layouts)."""
+    if mb.bf16 and mb.bf16_weights:
+        return mb.tokens * d * mb.compute
     if mb.bf16:
         return consumers * mb.tokens * d * mb.compute
     return mb.tokens * d * FP32 if saved_in_fp32 else 0
@@ -120,12 +126,17 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
 def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: bool, last: bool) -> int:
     """bf16 autocast copies of this rank's tp-local weights that the matmuls save (``ParamTensor.autocast_copy``).
 
+    Only of weights outside FSDP: FSDP's mixed precision gathers its units' weights in bf16, so autocast has
+    nothing to cast (``parallel.sharding.mixed_precision``; bf16 training passes it whenever FSDP runs).
+
     Recomputed modules cast again in backward and keep none: every block under ``full`` checkpointing,
     the MoE layers' experts and shared experts under ``moe``.
     """
     recompute = config.parallel.activation_checkpointing
 
     def kept(param: ParamTensor) -> bool:
+        if in_fsdp_unit(param, layout, config.model):
+            return False  # gathered in bf16 already (``parallel.sharding.mixed_precision``): nothing to cast
         if param.kind == "embedding" and config.model.tie_embeddings:
             return last  # the tied head casts the table (pipelining refuses tied embeddings: last is first)
         if not param.autocast_copy or not on_rank(param, layers, first, last):
@@ -151,7 +162,8 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     layers, first, last = local_layers(config, layout, pp_rank)
     tokens = micro_batch_size * model.seq_len
     stream = tokens // layout.tp if par.sequence_parallel else tokens
-    mb = MicroBatch(tokens, stream, micro_batch_size, COMPUTE_BYTES[precision], precision == "bf16")
+    mb = MicroBatch(tokens, stream, micro_batch_size, COMPUTE_BYTES[precision], precision == "bf16",
+                    precision == "bf16" and layout.dp > 1)
     d, parts = model.d_model, {}
 
     def add(name: str, nbytes: int) -> None:

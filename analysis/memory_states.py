@@ -1,7 +1,8 @@
 """Model states of one rank: each parameter tensor of the model, divided as ``parallel/`` divides it.
 
-Parameters are fp32 master weights (bf16 comes from autocast only), gradients fp32, and AdamW keeps two
-fp32 moments: 16 bytes per parameter (ZeRO, Rajbhandari et al. 2020 sec. 3.1; REFERENCES.md sec. 3.1).
+Parameters are fp32 master weights (under bf16 FSDP gathers bf16 copies to compute with), gradients fp32,
+and AdamW keeps two fp32 moments: 16 bytes per parameter (ZeRO, Rajbhandari et al. 2020 sec. 3.1;
+REFERENCES.md sec. 3.1).
 tp splits attention by heads and the dense FFN and shared experts on their hidden dim; router, norms,
 embedding and head stay whole unless ``parallel.vocab_parallel`` (``parallel/tensor.py``). Routed experts
 are E/ep per rank with their hidden dim over etp, then FSDP-sharded over edp (HSDP keeps one copy per
@@ -110,11 +111,19 @@ def experts_own_unit(layout: Layout, model: ModelConfig) -> bool:
     return experts_spread(layout, model.n_moe_layers > 0)
 
 
+def in_fsdp_unit(param: ParamTensor, layout: Layout, model: ModelConfig) -> bool:
+    """Whether an FSDP unit holds ``param`` (``parallel/__init__.py``): the routed experts in their own unit when
+    they have several replicas (dp_replicate × edp > 1; else they stay out of FSDP), the rest with dp > 1."""
+    if param.expert and experts_own_unit(layout, model):
+        return layout.dp_replicate * layout.edp > 1
+    return layout.dp > 1
+
+
 def sharded_numel(param: ParamTensor, layout: Layout, model: ModelConfig, vocab_parallel: bool) -> int:
     """Elements of ``param`` one rank stores: its tp/ep slice, then its FSDP shard (``parallel/sharding.py``)."""
     shape = tp_local_shape(param, layout, vocab_parallel)
     if param.expert and experts_own_unit(layout, model):
-        if layout.dp_replicate * layout.edp > 1:  # else unmanaged: ep (× etp) spans all dp_shard × tp ranks
+        if in_fsdp_unit(param, layout, model):  # else unmanaged: ep (× etp) spans all dp_shard × tp ranks
             dim = expert_fsdp_dim(shape[0], layout.edp, param.expert_hidden_dim if layout.etp > 1 else None)
             shape[dim] = largest_chunk(shape[dim], layout.edp)
     elif layout.dp > 1:  # FSDP2 over dp_shard (HSDP replicates over dp_replicate), dim 0
@@ -198,8 +207,9 @@ def accumulated_grad_bytes(config: RunConfig, layout: Layout, microbatches: int,
                       for p in parameter_tensors(model, config.moe) if on_rank(p, layers, first, last))
 
 
-def _block_gathered(params: list[ParamTensor], config: RunConfig, layout: Layout) -> int:
-    """fp32 bytes FSDP all-gathers to run one block (``params``): its tp-local weights in the units that are sharded."""
+def _block_gathered(params: list[ParamTensor], config: RunConfig, layout: Layout, weight_bytes: int = FP32) -> int:
+    """Bytes FSDP all-gathers to run one block (``params``): its tp-local weights in the units that are sharded,
+    ``weight_bytes`` an element (2 under bf16 mixed precision, but the routers' own units stay fp32)."""
     total = 0
     for param in params:
         if param.expert and experts_own_unit(layout, config.model):
@@ -207,14 +217,18 @@ def _block_gathered(params: list[ParamTensor], config: RunConfig, layout: Layout
         else:
             sharded = layout.dp > 1 and layout.dp_shard > 1
         if sharded:
-            total += math.prod(tp_local_shape(param, layout, config.parallel.vocab_parallel)) * FP32
+            size = FP32 if param.kind == "router" else weight_bytes
+            total += math.prod(tp_local_shape(param, layout, config.parallel.vocab_parallel)) * size
     return total
 
 
-def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0, microbatches: int = 1) -> int:
-    """Peak bytes of FSDP's all-gathered (unsharded, tp-local, fp32) weights and unsharded gradients on one rank.
+def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0, microbatches: int = 1,
+                   precision: str = "fp32") -> int:
+    """Peak bytes of FSDP's all-gathered (unsharded, tp-local) weights and unsharded gradients on one rank.
 
-    The root unit (embedding, final norm, head) is never resharded after forward (``parallel/sharding.py``).
+    Weights are gathered in fp32, or in bf16 under bf16 training (FSDP's mixed precision; the routers' units in
+    fp32); the unsharded gradients FSDP reduces are fp32 (its reduce dtype). The root unit (embedding, final
+    norm, head) is never resharded after forward (``parallel/sharding.py``).
     Blocks: in backward the current block's weights, the next block's (prefetched) and the current block's
     fresh unsharded gradients (before their reduce-scatter, or before they are added to the held ones under
     ``grad_reduce=step``: ``accumulated_grad_bytes`` counts those); with ``reshard_after_forward=false`` all
@@ -224,13 +238,15 @@ def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0, microbat
     """
     layers, first, last = local_layers(config, layout, pp_rank)
     params = parameter_tensors(config.model, config.moe)
-    blocks = [_block_gathered([p for p in params if p.layer == i], config, layout) for i in layers]
+    weight_bytes = 2 if precision == "bf16" else FP32
+    by_layer = [[p for p in params if p.layer == i] for i in layers]
+    weights = [_block_gathered(block, config, layout, weight_bytes) for block in by_layer]
+    grads = [_block_gathered(block, config, layout) for block in by_layer]
     root = 0
     if layout.dp > 1 and layout.dp_shard > 1:
         root = sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in params if p.layer is None and on_rank(p, layers, first, last)) * FP32
-    largest = max(blocks, default=0)
+                   for p in params if p.layer is None and on_rank(p, layers, first, last)) * weight_bytes
     kept_by_pipeline = layout.pp > 1 and config.parallel.grad_reduce == "step" and microbatches > 1
     if config.parallel.reshard_after_forward and not kept_by_pipeline:
-        return root + 3 * largest
-    return root + sum(blocks) + largest
+        return root + 2 * max(weights, default=0) + max(grads, default=0)
+    return root + sum(weights) + max(grads, default=0)

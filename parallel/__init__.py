@@ -13,6 +13,8 @@ dp_replicate; ``parallel/sharding.py``), 2-D with the tp shards.
 
 from __future__ import annotations
 
+import torch
+
 from moe.transformer import MoETransformer
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.config import ParallelConfig
@@ -24,8 +26,8 @@ from parallel.tensor import apply_tensor_parallel
 __all__ = ["clip_grad_norm_", "parallelize", "set_gradient_sync"]
 
 
-def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: ParallelConfig | None = None
-                ) -> MoETransformer:
+def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: ParallelConfig | None = None,
+                param_dtype: torch.dtype | None = None) -> MoETransformer:
     """Apply the layout's parallelism and ``parallel``'s options (default: none) to ``model`` in place; return it.
 
     ``model`` is built on the meta device (``training.loop.build_model``; ``parallel.materialize`` then
@@ -34,7 +36,9 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: Paralle
     on the layout. The options used here: ``activation_checkpointing``; ``reshard_after_forward=False``
     keeps each block's gathered weights from forward to backward (one all-gather fewer per block and step,
     for the memory of the unsharded blocks); ``sequence_parallel`` and ``vocab_parallel``, tensor
-    parallelism's options (``parallel/tensor.py``).
+    parallelism's options (``parallel/tensor.py``). ``param_dtype`` (bf16) makes every FSDP unit gather and
+    compute its weights in it, over fp32 master weights and with fp32 gradient reduction
+    (``parallel.sharding.mixed_precision``); parameters outside FSDP stay fp32 for autocast to cast.
     """
     parallel = parallel or ParallelConfig()
     layout = groups.layout
@@ -46,9 +50,10 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: Paralle
         apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh)
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
         expert_dp_mesh = groups.mesh(*expert_axes) if layout.dp_replicate * layout.edp > 1 else None
-        unmanaged = shard_experts(model, expert_dp_mesh, layout.dp, parallel.reshard_after_forward)
+        unmanaged = shard_experts(model, expert_dp_mesh, layout.dp, parallel.reshard_after_forward, param_dtype)
     apply_activation_checkpointing(model, parallel.activation_checkpointing)  # before FSDP (see its module)
     if layout.dp > 1:
         axes = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-        apply_fsdp(model, groups.mesh(*axes), parallel.reshard_after_forward, ignored_params=unmanaged or None)
+        apply_fsdp(model, groups.mesh(*axes), parallel.reshard_after_forward, ignored_params=unmanaged or None,
+                   param_dtype=param_dtype)
     return model

@@ -307,7 +307,8 @@ class PipelineModel:
 def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups, device: torch.device,
                    parallel: ParallelConfig, microbatches: int, micro_batch_size: int,
                    loss_fn: Callable[[Tensor, Tensor], Tensor],
-                   autocast: Callable[[], AbstractContextManager]) -> PipelineModel:
+                   autocast: Callable[[], AbstractContextManager],
+                   param_dtype: torch.dtype | None = None) -> PipelineModel:
     """Cut ``model`` (the whole model of ``moe``'s experts, on meta or the same on every rank) into this rank's stages.
 
     The stages run on ``device``; a meta-built model's stages stay on meta until ``parallel.materialize``
@@ -332,7 +333,7 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     stages, pipeline_stages = [], []
     for index in range(pp_rank, num_stages, layout.pp):
         first, last = index == 0, index == num_stages - 1
-        stage = parallelize(cut_stage(model, ranges[index], first, last), groups, parallel)
+        stage = parallelize(cut_stage(model, ranges[index], first, last), groups, parallel, param_dtype)
         stage.forward = _with_autocast(stage.forward, autocast)
         # shapes given up front (static metadata), so torch does not run a trial step to infer them
         inputs = (torch.empty(micro_batch_size, seq, dtype=torch.long, device="meta") if first

@@ -9,8 +9,12 @@ Under expert parallelism the routed experts of each MoE layer are their own FSDP
 first, over the expert-data-parallel mesh (dp_replicate, edp) instead of the dense one
 (torchtitan's order: experts, then the block that holds router and shared experts).
 
-Parameters stay fp32 (the master weights); bf16 compute comes from autocast in the
-training loop, which keeps the router in fp32 as ``moe/router.py`` requires.
+Parameters stay fp32 (the master weights, what AdamW steps and keeps state for). Under bf16 training FSDP2's
+mixed precision (``mixed_precision``) all-gathers every unit's weights in bf16 and computes with them, and
+reduce-scatters the gradients in fp32: no unit's weights are cast again per matmul, nor kept as cast copies
+until backward (what autocast does with fp32 weights). Each router is then an fp32 unit of its own, since
+routing must see fp32 weights (``moe/router.py``). Autocast stays on around the model for the ops it runs in
+fp32 (norms, softmax) and for the weights outside FSDP (experts spread over every rank, and tp without dp).
 
 Under gradient accumulation ``set_gradient_sync`` decides, before each micro-batch's backward, whether
 FSDP reduces the gradients it produces (``parallel.grad_reduce``): ``step`` reduces once per optimizer
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.transformer import MoETransformer
@@ -39,7 +43,7 @@ from parallel.groups import Layout
 
 
 def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_size: int,
-                  reshard_after_forward: bool = True) -> set[nn.Parameter]:
+                  reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None) -> set[nn.Parameter]:
     """Make each layer's ep-sharded experts reduce their gradients to those of the global mean loss.
 
     After the all-to-all's backward, an expert's gradient on its ep rank is the SUM over the ranks
@@ -71,7 +75,7 @@ def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_s
             return Shard(expert_fsdp_dim(local, edp, _etp_dim(param)))
 
         fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=placement,
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(param_dtype))
         # FSDP divided by the replicas; the global mean needs dp_size. With tp folded in, the replicas can
         # outnumber the data-parallel ranks (edp = dp_shard·tp/ep), so this factor may exceed one.
         factor = expert_dp_mesh.size() / dp_size
@@ -109,19 +113,39 @@ def _etp_dim(param: Tensor) -> int | None:
     return next((p.dim for p in param.placements if isinstance(p, Shard) and p.dim > 0), None)
 
 
+def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``param_dtype`` compute: weights all-gathered and computed in it, gradients reduced in fp32.
+
+    The sharded parameters stay fp32 (the optimizer's master weights), so AdamW steps and keeps fp32 state;
+    None (or fp32) keeps everything fp32.
+    """
+    if param_dtype in (None, torch.float32):
+        return MixedPrecisionPolicy()
+    # inputs are not cast: a block's hidden states arrive in bf16 anyway (the embedding computes in it), and the
+    # rotary tables passed beside them must stay fp32
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
 def apply_fsdp(model: MoETransformer, mesh: DeviceMesh, reshard_after_forward: bool = True,
-               ignored_params: set[nn.Parameter] | None = None) -> None:
-    """Shard ``model`` in place over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
+               ignored_params: set[nn.Parameter] | None = None, param_dtype: torch.dtype | None = None) -> None:
+    """Shard ``model`` in place over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP), computing in ``param_dtype``.
 
     Gradients are averaged over the mesh, which with every rank's loss a mean over its
     own equal share of the global batch gives the gradient of the global mean loss.
     Parameters already in an FSDP unit (the routed experts under expert parallelism)
-    are skipped by FSDP itself; ``ignored_params`` are left alone entirely.
+    are skipped by FSDP itself; ``ignored_params`` are left alone entirely. Under a bf16 ``param_dtype`` each
+    router is an fp32 unit of its own first: routing must see fp32 weights (``moe/router.py``).
     """
+    policy = mixed_precision(param_dtype)
+    if policy.param_dtype is not None:
+        for layer in model.moe_layers().values():
+            fully_shard(layer.router, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        ignored_params=ignored_params, mp_policy=mixed_precision(None))
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params,
+                    mp_policy=policy)
     # the root's parameters (embedding, norm, head) are needed again right after forward: keep them
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored_params)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored_params, mp_policy=policy)
 
 
 GRAD_REDUCE = ("step", "microbatch")

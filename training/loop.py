@@ -95,21 +95,24 @@ class IntervalStats:
 
 
 def build_model(config: RunConfig, groups: ParallelGroups, device: torch.device, micro: int, microbatches: int,
-                autocast, allocate: bool = True) -> MoETransformer | PipelineModel:
+                autocast, allocate: bool = True, param_dtype: torch.dtype | None = None
+                ) -> MoETransformer | PipelineModel:
     """This rank's part of the model, parallelized by ``groups``' layout, on ``device``, initialised.
 
     The whole model is only ever a description on the meta device: it is cut into this rank's pipeline
     stages (if any) and parallelized there, and only then are this rank's shards allocated and
     initialised (``parallel.materialize``), with the single-process weights for ``train.seed``.
     ``allocate=False`` leaves it on meta (``train.py --dry-run`` measures the shards' shapes).
+    ``param_dtype`` is FSDP's compute dtype (bf16: ``parallel.sharding.mixed_precision``).
     """
     with torch.device("meta"):
         model = MoETransformer(config.model, config.moe)
     par = config.parallel
     if groups.layout.pp > 1:  # this rank's stages, each parallelized like the whole model
-        model = build_pipeline(model, config.moe, groups, device, par, microbatches, micro, lm_loss, autocast)
+        model = build_pipeline(model, config.moe, groups, device, par, microbatches, micro, lm_loss, autocast,
+                               param_dtype)
     else:
-        model = parallelize(model, groups, par)
+        model = parallelize(model, groups, par, param_dtype)
     if allocate:
         for part in model.stages if isinstance(model, PipelineModel) else [model]:
             materialize(part, device, config.train.seed)
@@ -232,7 +235,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
 
     torch.manual_seed(config.train.seed)  # the generator that router jitter draws from
     before_model = memory_per_rank(device, peak=False)  # the process without the model: interpreter, data
-    model = build_model(config, groups, device, micro, accumulation, autocast)
+    model = build_model(config, groups, device, micro, accumulation, autocast,
+                        param_dtype=torch.bfloat16 if precision.precision == "bf16" else None)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
     checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_from)

@@ -193,15 +193,19 @@ def test_cli_prints_the_table_and_refuses_impossible_layouts(capsys):
 
 def test_fsdp_traffic_of_a_real_config_follows_the_parameter_count():
     """moe-8x on 8 FSDP ranks: every shape divides by 8, so per step (one micro-batch) each rank gathers every
-    block twice and the root once, and reduce-scatters every gradient once: (n-1)/n of the fp32 parameters."""
+    block twice and the root once, and reduce-scatters every gradient once: (n-1)/n of the parameters, in fp32;
+    under bf16 the gathers move 2 bytes a parameter but the routers' (fp32 units of their own), the
+    reduce-scatters still 4."""
     config = load_config("moe-8x", ["parallel.dp_shard=8", "train.global_batch_size=8"])
     counts = parameter_counts(config.model, config.moe)
     root = 2 * config.model.vocab_size * config.model.d_model + config.model.d_model  # embedding, head, norm
-    items = [i for i in predict(config, Layout.resolve(8, dp_shard=8)) if i.dimension == "fsdp"]
-    gathered = sum(i.bus_bytes for i in items if i.collective == "all_gather")
-    reduced = sum(i.bus_bytes for i in items if i.collective == "reduce_scatter")
-    assert gathered == 4 * (2 * (counts.total - root) + root) * 7 // 8
-    assert reduced == 4 * counts.total * 7 // 8
+    routers = config.model.n_moe_layers * config.moe.num_experts * config.model.d_model
+    for precision, gathered_bytes in (("fp32", 4 * (2 * (counts.total - root) + root)),
+                                      ("bf16", 2 * (2 * (counts.total - root - routers) + root) + 4 * 2 * routers)):
+        items = [i for i in predict(config, Layout.resolve(8, dp_shard=8), precision=precision)
+                 if i.dimension == "fsdp"]
+        assert sum(i.bus_bytes for i in items if i.collective == "all_gather") == gathered_bytes * 7 // 8
+        assert sum(i.bus_bytes for i in items if i.collective == "reduce_scatter") == 4 * counts.total * 7 // 8
     assert {i.collective for i in predict(config, Layout.resolve(8, dp_shard=8))} == {"all_gather", "reduce_scatter"}
 
 

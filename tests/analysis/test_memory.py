@@ -217,7 +217,8 @@ SPAWNED = [
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.vocab_parallel=true",
               "parallel.sequence_parallel=true", "parallel.activation_checkpointing=full"]),
     ("fp32", ["parallel.ep=2"]),  # dp_shard=2: FSDP shards the dense weights, ep the experts
-    ("bf16", ["parallel.dp_shard=2"]),  # FSDP over everything: the bf16 copies are of the gathered weights
+    ("bf16", ["parallel.dp_shard=2"]),  # FSDP's mixed precision: weights gathered in bf16, no autocast copies
+    ("bf16", ["parallel.ep=2"]),  # the experts outside FSDP: autocast casts (and keeps copies of) theirs alone
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]
@@ -260,7 +261,8 @@ def _worker(rank: int, results: dict) -> None:
         layout, micro, _ = resolve_layout(config, 2)
         groups = ParallelGroups.build(layout, "cpu")
         torch.manual_seed(0)
-        model = parallelize(MoETransformer(config.model, config.moe), groups, config.parallel)
+        param_dtype = torch.bfloat16 if precision == "bf16" else None  # as training.loop.build_model gives it
+        model = parallelize(MoETransformer(config.model, config.moe), groups, config.parallel, param_dtype)
         storages = {s.data_ptr(): s.nbytes()
                     for s in (memory.local_tensor(p).untyped_storage() for p in model.parameters())}
         seed = 1 + groups.coords()["dp_shard"]  # each data-parallel rank its own micro-batch
@@ -277,7 +279,7 @@ def test_per_rank_bytes_match_the_parallelized_model():
     for index, (_, overrides) in enumerate(SPAWNED):
         for rank in range(2):
             predicted, measured, weights, stored = results[(index, rank)]
-            assert (predicted, weights) == (measured, stored), (overrides, rank)
+            assert (predicted, weights) == (measured, stored), (overrides, rank, predicted - measured)
     for index, overrides in enumerate(ACCUMULATING):
         for rank in range(2):
             measured, predicted = results[("held", index, rank)]
