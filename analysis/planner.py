@@ -5,13 +5,15 @@
                                [--set train.micro_batch_size=1 ...] [--top 10] [--efficiency 0.5]
 
 Candidates: every layout of the world size that the model allows (``parallel.groups.valid_layouts``: pp,
-dp_replicate, dp_shard, tp, ep, etp), each with activation checkpointing none, ``moe`` and ``full``, each
+dp_replicate, dp_shard, tp, ep, etp), each with activation checkpointing none, ``moe`` (where there are MoE
+layers) and ``full``, each
 with both gradient-reduction settings (``parallel.grad_reduce``: ``step`` holds unsharded gradients between
 micro-batches and reduces once; ``microbatch`` reduce-scatters every micro-batch and holds only shards; one
 candidate where they are the same: a single micro-batch, or no FSDP shard group of several ranks), and
-sequence parallelism whenever tp > 1 (it costs no traffic here and saves activations). Pipelines run 1F1B
-with the config's micro-batching; a layout whose batch split or pipeline the training would refuse is
-skipped, for the same reasons ``train.py`` gives.
+sequence parallelism whenever tp > 1 (it costs no traffic here and saves activations). Pipelines run 1F1B,
+GPipe, or interleaved 1F1B with v = 2, 4, 8, ... virtual stages per rank (``schedules``), with the config's
+micro-batching; a layout whose batch split or pipeline the training would refuse is skipped, for the same
+reasons ``train.py`` gives.
 
 For each, ``analysis.memory`` gives the memory of the busiest rank (a plan must fit ``--device-memory``)
 and a step-time model, on the ``--gpu`` preset of ``analysis.communication.HARDWARE`` (A100 40/80 GB, H100, H800,
@@ -23,8 +25,9 @@ overridden), gives its speed:
   matmul, the routed experts' rows included, is split over tp; expert parallelism moves rows without
   changing a rank's share under balanced routing), plus the recomputed forward (a third of a block's
   FLOPs) under activation checkpointing, at ``efficiency`` × the bf16 peak.
-- **bubble**: 1F1B idles (p − 1)/m of the compute for p stages and m micro-batches (Narayanan et al. 2021,
-  sec. 2.2; REFERENCES.md).
+- **bubble**: GPipe and 1F1B idle (p − 1)/m of the compute for p stages and m micro-batches, interleaved 1F1B
+  (p − 1)/(v·m) (Narayanan et al. 2021, sec. 2.2; REFERENCES.md); the extra pipeline traffic of interleaving
+  (v times the stage boundaries) is in the communication model's pp term.
 - **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at its link's bandwidth,
   on the critical path (each waits for the layer before it); FSDP's gathers and reduce-scatters are
   prefetched and overlap compute, so only what exceeds the compute shows. The gradient reductions of the
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from dataclasses import dataclass
 
@@ -80,6 +84,8 @@ class Plan:
         degrees = " ".join(f"{k}={getattr(self.layout, k)}" for k in ("pp", "dp_replicate", "dp_shard", "tp", "ep",
                                                                          "etp") if getattr(self.layout, k) > 1)
         extra = [f"recompute={par.activation_checkpointing}"] if par.activation_checkpointing != "none" else []
+        if self.layout.pp > 1 and par.pp_schedule != "1f1b":
+            extra.append(f"interleaved v={par.pp_virtual_stages}" if par.pp_virtual_stages > 1 else par.pp_schedule)
         if par.sequence_parallel:
             extra.append("sp")
         if par.grad_reduce == "microbatch":
@@ -87,29 +93,46 @@ class Plan:
         return " ".join([degrees or "one rank", *extra])
 
 
-def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: str = "step") -> RunConfig:
-    """``config`` set to train under ``layout`` (sequence parallel with tp), ``recompute`` and ``grad_reduce``."""
+def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: str = "step",
+                schedule: tuple[str, int] = ("1f1b", 1)) -> RunConfig:
+    """``config`` set to train under ``layout`` (sequence parallel with tp), ``recompute``, ``grad_reduce`` and the
+    pipeline ``schedule`` (name, virtual stages per rank)."""
     parallel = dataclasses.replace(
         config.parallel, pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,
         ep=layout.ep, etp=layout.etp, activation_checkpointing=recompute, sequence_parallel=layout.tp > 1,
-        pp_schedule="1f1b", pp_virtual_stages=1, grad_reduce=grad_reduce)
+        pp_schedule=schedule[0], pp_virtual_stages=schedule[1], grad_reduce=grad_reduce)
     return dataclasses.replace(config, parallel=parallel)
 
 
+def schedules(config: RunConfig, layout: Layout) -> list[tuple[str, int]]:
+    """The pipeline schedules to try: 1F1B, GPipe, and interleaved 1F1B with v = 2, 4, 8, ... virtual stages per
+    rank while every stage keeps a block (Narayanan et al. 2021 sec. 2.2.2); none but 1F1B without pipelining."""
+    if layout.pp == 1:
+        return [("1f1b", 1)]
+    interleaved = [("interleaved_1f1b", 2**k) for k in range(1, 8) if layout.pp * 2**k <= config.model.n_layers]
+    return [("1f1b", 1), ("gpipe", 1), *interleaved]
+
+
+def recompute_settings(config: RunConfig) -> tuple[str, ...]:
+    """Activation checkpointing to try: none, MoE layers only (where there are MoE layers), every block."""
+    return RECOMPUTE if config.model.n_moe_layers else tuple(r for r in RECOMPUTE if r != "moe")
+
+
 def stage_flops_per_token(config: RunConfig, layout: Layout) -> list[float]:
-    """Training FLOPs per token of each pipeline rank's blocks (and the head on the last), recompute included."""
+    """Training FLOPs per token of each pipeline rank's blocks (and the head on the last), recompute included.
+
+    Under interleaving a rank holds v stages, s ≡ rank (mod pp) (``parallel/pipeline.py``): their sum.
+    """
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
-    ranges = stage_layers(model, moe, layout.pp) if layout.pp > 1 else [range(model.n_layers)]
-    flops = []
+    stages = layout.pp * config.parallel.pp_virtual_stages
+    ranges = stage_layers(model, moe, stages) if layout.pp > 1 else [range(model.n_layers)]
+    flops = [0.0] * len(ranges[:layout.pp])
     for index, layers in enumerate(ranges):
-        total = 0.0
         for i in layers:
             block = block_flops_per_token(model, moe, model.is_moe_layer(i))
             recomputed = recompute == "full" or (recompute == "moe" and model.is_moe_layer(i))
-            total += block * (4 / 3 if recomputed else 1)  # the forward is 2 of the 6 FLOPs per parameter
-        if index == len(ranges) - 1:
-            total += head_flops_per_token(model)
-        flops.append(total)
+            flops[index % layout.pp] += block * (4 / 3 if recomputed else 1)  # forward: 2 of 6 FLOPs per parameter
+    flops[(len(ranges) - 1) % layout.pp] += head_flops_per_token(model)
     return flops
 
 
@@ -119,9 +142,10 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float) -> float:
     return max(stage_flops_per_token(config, layout)) * tokens_per_rank / layout.tp / peak
 
 
-def bubble_seconds(compute: float, layout: Layout, microbatches: int) -> float:
-    """1F1B's idle time: (p − 1) / m of the compute (Narayanan et al. 2021, sec. 2.2.1)."""
-    return compute * (layout.pp - 1) / microbatches
+def bubble_seconds(compute: float, layout: Layout, microbatches: int, virtual_stages: int = 1) -> float:
+    """The pipeline's idle time: (p − 1) / m of the compute for GPipe and 1F1B, (p − 1) / (v · m) interleaved
+    with v stages per rank (Narayanan et al. 2021, sec. 2.2.1 and 2.2.2)."""
+    return compute * (layout.pp - 1) / (virtual_stages * microbatches)
 
 
 def in_last_backward(item: communication.Traffic, grad_reduce: str, microbatches: int) -> float:
@@ -164,7 +188,7 @@ def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware
     """The plan of ``config`` (already set to ``layout``): memory of the busiest rank and the step estimate."""
     estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank) for pp_rank in range(layout.pp)]
     compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency)
-    bubble = bubble_seconds(compute, layout, estimates[0].microbatches)
+    bubble = bubble_seconds(compute, layout, estimates[0].microbatches, config.parallel.pp_virtual_stages)
     exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node, estimates[0].microbatches)
     return Plan(config, layout, max(e.total for e in estimates), compute, bubble, exposed)
 
@@ -179,21 +203,21 @@ def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node
     """
     plans, considered, refusal = [], 0, None
     for layout in valid_layouts(world_size, config.model, config.moe):
-        for recompute in RECOMPUTE:
-            for grad_reduce in GRAD_REDUCE:
-                candidate = with_layout(config, layout, recompute, grad_reduce)
-                try:
-                    microbatches = resolve_layout(candidate, world_size)[2]  # train.py's own checks
-                except ConfigError as exc:
-                    refusal = refusal or str(exc)
-                    continue
-                sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
-                if grad_reduce != "step" and (microbatches == 1 or not sharded):
-                    continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
-                considered += 1
-                result = evaluate(candidate, layout, hardware, gpus_per_node, efficiency)
-                if result.memory <= device_memory:
-                    plans.append(result)
+        for recompute, grad_reduce, schedule in itertools.product(recompute_settings(config), GRAD_REDUCE,
+                                                                  schedules(config, layout)):
+            candidate = with_layout(config, layout, recompute, grad_reduce, schedule)
+            try:
+                microbatches = resolve_layout(candidate, world_size)[2]  # train.py's own checks
+            except ConfigError as exc:
+                refusal = refusal or str(exc)
+                continue
+            sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
+            if grad_reduce != "step" and (microbatches == 1 or not sharded):
+                continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
+            considered += 1
+            result = evaluate(candidate, layout, hardware, gpus_per_node, efficiency)
+            if result.memory <= device_memory:
+                plans.append(result)
     if considered == 0:
         raise ConfigError(f"no layout of {world_size} GPUs passes train.py's checks for this config"
                           + (f", e.g. {refusal}" if refusal else " (none is valid for the model's shapes)"))

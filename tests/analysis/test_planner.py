@@ -8,6 +8,7 @@ from analysis import communication, memory, planner
 from moe.accounting import block_flops_per_token, head_flops_per_token, training_flops_per_token
 from moe.config import ConfigError
 from parallel.groups import Layout
+from parallel.pipeline import stage_layers
 from training.config import load_config
 
 H100 = communication.HARDWARE["h100"]
@@ -167,3 +168,27 @@ def test_the_cli_plans_for_a_preset_and_its_memory(capsys):
     assert "H200 SXM, NVLink 4, NDR InfiniBand, 100 GiB each" in capsys.readouterr().out
     assert planner.main([*args, "--network-gbps", "nan"]) == 2
     assert "--network-gbps must be a positive number of GB/s, got nan" in capsys.readouterr().err
+
+
+def test_interleaving_divides_the_bubble_by_v_and_each_rank_sums_its_stages():
+    """Narayanan et al. 2021 sec. 2.2.2: (p − 1)/(v·m). With pp=2 and v=2 over 4 blocks, rank 0 runs stages 0 and
+    2, rank 1 stages 1 and 3 and the head; together every block once."""
+    layout = Layout.resolve(8, pp=2, dp_shard=4)
+    assert planner.bubble_seconds(8.0, layout, microbatches=4, virtual_stages=2) == pytest.approx(8.0 / 8)
+    config = planner.with_layout(load_config("moe-8x", SMALL), layout, "none", schedule=("interleaved_1f1b", 2))
+    model, moe = config.model, config.moe
+    blocks = [block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers)]
+    ranges = stage_layers(model, moe, 4)
+    per_rank = planner.stage_flops_per_token(config, layout)
+    assert per_rank[0] == pytest.approx(sum(blocks[i] for s in (0, 2) for i in ranges[s]))
+    assert sum(per_rank) == pytest.approx(sum(blocks) + head_flops_per_token(model))
+
+
+def test_pipelines_are_planned_with_every_schedule_and_dense_models_without_moe_recompute():
+    config = load_config("moe-8x", [*SMALL, "train.global_batch_size=32"])
+    plans, _ = planner.plan(config, 8, 80 * 2**30)
+    tried = {(p.config.parallel.pp_schedule, p.config.parallel.pp_virtual_stages) for p in plans if p.layout.pp > 1}
+    assert {("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)} <= tried
+    assert any("interleaved v=2" in p.describe() for p in plans)
+    dense, _ = planner.plan(load_config("dense", [*SMALL[:5], "train.global_batch_size=16"]), 4, 80 * 2**30)
+    assert dense and all(p.config.parallel.activation_checkpointing != "moe" for p in dense)
