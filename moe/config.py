@@ -157,7 +157,11 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        """The layers ``is_moe_layer`` picks: every ``moe_every``-th from ``first_moe_layer`` (counted, not looped:
+        the planner asks millions of times)."""
+        if self.moe_every == 0:
+            return 0
+        return len(range(self.first_moe_layer, self.n_layers, self.moe_every))
 
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "ffn_hidden"):

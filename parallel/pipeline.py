@@ -40,6 +40,7 @@ of micro-batches (``scale_grads=False``), and the injected aux losses carry the 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -101,8 +102,14 @@ def balanced_split(layer_costs: Sequence[float], num_stages: int, first_extra: f
 
 def stage_layers(model: ModelConfig, moe: MoEConfig, num_stages: int) -> list[range]:
     """The layer indices of each of ``num_stages`` stages, balanced by training FLOPs per token."""
-    costs = [block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers)]
-    return balanced_split(costs, num_stages, last_extra=head_flops_per_token(model))
+    costs = tuple(block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers))
+    return list(_balanced_split_cached(costs, num_stages, head_flops_per_token(model)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced_split_cached(costs: tuple[float, ...], num_stages: int, last_extra: float) -> tuple[range, ...]:
+    """``balanced_split`` remembered by its inputs: the planner asks for the same cut of one model many times."""
+    return tuple(balanced_split(costs, num_stages, last_extra=last_extra))
 
 
 def check_pipeline(pp: int, model: ModelConfig, schedule: str, virtual_stages: int, microbatches: int) -> None:
