@@ -23,9 +23,12 @@ from pathlib import Path
 
 import torch
 
+from analysis import fit_check
+from analysis.dry_run import dry_run, format_dry_run
+from analysis.memory import planned_precision
 from moe.config import ConfigError
 from parallel.checkpoint import CheckpointCorruptError
-from parallel.groups import ParallelGroups
+from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import exit_process, init_runtime, shutdown_runtime
 from training.config import RunConfig, load_config
 from training.hf import hf_run_config, split_init_from
@@ -63,10 +66,10 @@ def planned_world_size(args: argparse.Namespace) -> int:
     return args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def check(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
+def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunConfig, Layout | None]:
     """The config, after every check that needs no process: the config itself and, for a run, its layout on
-    ``world_size`` ranks (default: WORLD_SIZE, or 1); a ConfigError (or ValueError) otherwise. ``launch.py``
-    calls it before starting any worker."""
+    ``world_size`` ranks (default: WORLD_SIZE, or 1), returned beside it (None for a dry run); a ConfigError
+    (or ValueError) otherwise. ``launch.py`` calls it before starting any worker."""
     config = load_config(args.config, args.overrides)
     hf_folder = split_init_from(args.init_from)
     if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
@@ -79,12 +82,11 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
     world_size = world_size or planned_world_size(args)
     if world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
-    if not args.dry_run:
-        resolve_layout(config, world_size)
+    layout = None if args.dry_run else resolve_layout(config, world_size)[0]
     if args.resume not in ("auto", "none") and not Path(args.resume).exists():
         raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
                           "them; or auto, none)")
-    return config
+    return config, layout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,21 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     started = False  # whether this process joined the job: before that every rank finds the same errors
     try:
         # everything is validated before any process group or tensor exists
-        config = check(args)
+        config, layout = check(args)
         world_size = planned_world_size(args)
         if args.dry_run:
-            from analysis.dry_run import dry_run, format_dry_run  # the CLI's one use of analysis/
-
-            built, estimates = dry_run(config, world_size, "fp32" if config.train.precision == "fp32" else "bf16")
+            built, estimates = dry_run(config, world_size, planned_precision(config.train.precision))
             print(format_dry_run(config, built, estimates, None))
             return 0
-        layout, _, _ = resolve_layout(config, world_size)
-        from analysis.fit_check import available_bytes_per_rank, check_fits  # the memory model, before any work
-
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        compute = "bf16" if config.train.precision == "bf16" or (config.train.precision == "auto"
-                                                                 and device_type == "cuda") else "fp32"
-        needs = check_fits(config, world_size, available_bytes_per_rank(device_type), compute)
+        compute = planned_precision(config.train.precision, device_type)
+        needs = fit_check.check_fits(config, world_size, fit_check.available_bytes_per_rank(device_type), compute)
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
         started = True

@@ -74,6 +74,7 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.memory import planned_precision
 from analysis.memory_states import ParamTensor, experts_own_unit, on_rank, parameter_tensors, sharded_numel
 from moe.config import ConfigError
 from moe.dispatch import expert_capacity
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    precision = "fp32" if config.train.precision == "fp32" else "bf16"
+    precision = planned_precision(config.train.precision)
     print(f"{config.name}: {layout.degrees()} on {layout.world_size} ranks, {gpus_per_node} per node; rank "
           f"{args.rank}; {microbatches} micro-batch(es) of {micro} x {config.model.seq_len} tokens; {precision}")
     print(f"bandwidth per GPU, one way: {hardware.intra_node / 1e9:.0f} GB/s in a node, "

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from analysis.memory import GIB, MemoryEstimate, estimate
-from analysis.memory_states import ADAM_MOMENTS
+from analysis.memory_states import ModelStates
 from parallel.groups import Layout, ParallelGroups, coordinates
 from training.config import RunConfig
 from training.layout import resolve_layout
@@ -46,7 +46,8 @@ class RankStates:
 
     @property
     def total(self) -> int:
-        return (2 + ADAM_MOMENTS) * self.weights  # weights, gradients (sharded as the weights), moments
+        """Weights, gradients and AdamW moments, counted as the memory model counts them."""
+        return ModelStates(self.weights_dense, self.weights_experts).total
 
 
 def built_states(config: RunConfig, layout: Layout, rank: int, micro: int, microbatches: int) -> RankStates:

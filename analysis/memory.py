@@ -114,6 +114,14 @@ class MemoryEstimate:
         return max(self.forward_backward, self.states.optimizer_step_peak)
 
 
+def planned_precision(requested: str, device_type: str = "cuda") -> str:
+    """The compute precision the models count for ``train.precision``: ``auto`` is bf16 on a GPU (every
+    bf16-capable one qualifies, ``training.hardware``) and, conservatively, fp32 on a CPU (measured there)."""
+    if requested == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return requested
+
+
 def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 0) -> MemoryEstimate:
     """The memory of one rank of pipeline rank ``pp_rank`` training ``config`` on ``world_size`` ranks."""
     layout, micro, microbatches = resolve_layout(config, world_size)
@@ -314,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.world_size < 1:
             raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
         config = load_config(args.config, args.overrides)
-        precision = args.precision or ("fp32" if config.train.precision == "fp32" else "bf16")
+        precision = args.precision or planned_precision(config.train.precision)
         if args.sweep_experts:
             try:
                 counts = [int(e) for e in args.sweep_experts.split(",")]

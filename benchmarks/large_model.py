@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.memory import GIB, estimate  # noqa: E402
+from analysis.memory import GIB, estimate, planned_precision  # noqa: E402
 from training.config import load_config  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def main() -> None:
         for name, nproc, overrides in runs:
             config = load_config(args.config, overrides)
             summary = train(args.config, overrides, nproc, Path(tmp) / name.replace(" ", "_"))
-            predicted = estimate(config, nproc, "fp32" if config.train.precision == "fp32" else "bf16").total / GIB
+            predicted = estimate(config, nproc, planned_precision(config.train.precision)).total / GIB
             rows[name] = {"measured_gib": measured(summary), "predicted_gib": predicted,
                           "peak_gib": summary["perf/memory_peak_gib_per_rank"], "loss": summary["train/loss"]}
     one = rows["one process"]["measured_gib"][0]

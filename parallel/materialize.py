@@ -46,9 +46,10 @@ def materialize(model: MoETransformer, device: torch.device, seed: int) -> None:
     """Allocate ``model``'s meta tensors on ``device`` (this rank's shards) and initialise them, in place.
 
     The parameters stay the same objects (their data is swapped in, ``torch.utils.swap_tensors``), so
-    what was attached to them while parallelizing holds: gradient hooks (``parallel/sharding.py``'s
-    division for experts outside FSDP), FSDP's ignored-parameter sets, the tie of the embedding and the
-    LM head. ``to_empty`` alone would make new parameters and drop all three.
+    what refers to them holds: FSDP's ignored-parameter sets and the tie of the embedding and the LM head;
+    ``to_empty`` alone would make new parameters. Hooks registered on a parameter do not survive the swap
+    (they move with its data), which is why the experts' gradient division lives in their module
+    (``ExpertParallelExperts.grad_scale``).
     """
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)

@@ -38,9 +38,20 @@ from parallel.checkpoint import (
     verify,
 )
 from training.checkpointing import CONFIG_FILE, published_checkpoints
-from training.config import config_from_dict
+from training.config import RunConfig, config_from_dict
 
 CONFIG_METADATA_KEY = "config.yaml"
+
+
+def verified_checkpoint(checkpoint: Path) -> tuple[Path, str, RunConfig]:
+    """(folder, resolved config YAML, its config) of a verified checkpoint: ``checkpoint`` is a ``step_NNNNNNN``
+    folder, or a folder of them (a run's ``checkpoints/``: its newest)."""
+    found = published_checkpoints(checkpoint)
+    if found:
+        checkpoint = found[0][1]
+    verify(checkpoint)
+    config_text = (checkpoint / CONFIG_FILE).read_text(encoding="utf-8")
+    return checkpoint, config_text, config_from_dict(yaml.safe_load(config_text))
 
 
 def consolidated_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], str, Path]:
@@ -49,12 +60,7 @@ def consolidated_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], str, 
     The whole model in memory, for analysis of models that fit one process (``analysis/router.py``);
     ``export_checkpoint`` streams instead.
     """
-    found = published_checkpoints(checkpoint)
-    if found:  # a folder of checkpoints: its newest
-        checkpoint = found[0][1]
-    verify(checkpoint)
-    config_text = (checkpoint / CONFIG_FILE).read_text(encoding="utf-8")
-    config = config_from_dict(yaml.safe_load(config_text))
+    checkpoint, config_text, config = verified_checkpoint(checkpoint)
     model = MoETransformer(config.model, config.moe)
     load_sharded(model, None, checkpoint)
     return {name: tensor.contiguous() for name, tensor in model.state_dict().items()}, config_text, checkpoint
@@ -98,7 +104,7 @@ def write_safetensors_streaming(out: Path, entries: dict[str, tuple[torch.Size, 
                 if value.shape != shape or value.dtype != dtype:
                     raise ConfigError(f"tensor '{name}' read as {tuple(value.shape)} {value.dtype}, the checkpoint's "
                                       f"metadata says {tuple(shape)} {dtype}")
-                handle.write(value.contiguous().view(torch.uint8).numpy().tobytes())
+                handle.write(value.contiguous().view(torch.uint8).numpy())  # its buffer, not a second copy
             handle.flush()
             os.fsync(handle.fileno())
         partial.replace(out)  # a reader never sees a half-written file under the final name
@@ -116,12 +122,7 @@ def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple[torch.Size, to
 
     Reading assembles one tensor from the checkpoint's shards (DCP), whatever layout saved it.
     """
-    found = published_checkpoints(checkpoint)
-    if found:
-        checkpoint = found[0][1]
-    verify(checkpoint)
-    config_text = (checkpoint / CONFIG_FILE).read_text(encoding="utf-8")
-    config_from_dict(yaml.safe_load(config_text))  # a checkpoint of this toolkit's model, or an error
+    checkpoint, config_text, _ = verified_checkpoint(checkpoint)  # a checkpoint of this toolkit's model
     reader = SafeFileSystemReader(checkpoint)
     prefix = "model."
     entries = {key[len(prefix):]: (meta.size, meta.properties.dtype)
