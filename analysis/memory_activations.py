@@ -17,8 +17,7 @@ from analysis.memory_states import (
     in_fsdp_unit,
     largest_chunk,
     local_layers,
-    on_rank,
-    parameter_tensors,
+    rank_tensors,
     tp_local_shape,
 )
 from moe.config import ModelConfig, MoEConfig
@@ -139,7 +138,7 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
             return False  # gathered in bf16 already (``parallel.sharding.mixed_precision``): nothing to cast
         if param.kind == "embedding" and config.model.tie_embeddings:
             return last  # the tied head casts the table (pipelining refuses tied embeddings: last is first)
-        if not param.autocast_copy or not on_rank(param, layers, first, last):
+        if not param.autocast_copy:
             return False
         if param.layer is None:
             return True
@@ -147,7 +146,7 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
         return recompute == "none" or (recompute == "moe" and not (moe_layer and param.kind in ("experts", "ffn")))
 
     return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in parameter_tensors(config.model, config.moe) if kept(p))
+                   for p in rank_tensors(config.model, config.moe, layers, first, last) if kept(p))
 
 
 def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size: int, precision: str,

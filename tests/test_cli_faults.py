@@ -115,6 +115,9 @@ def test_the_memory_tool_refuses_bad_flags_naming_them(capsys, argv, message):
     # not "add GPUs": the batch of 16 splits over no layout of 9 GPUs that fits the model
     (["--world-size", "9"], "no layout of 9 GPUs passes train.py's checks for this config, e.g. "
                             "train.global_batch_size=16 must be divisible by the 9 data-parallel ranks"),
+    # a fixed degree no layout has: the values it could take
+    (["--world-size", "8", "--set", "parallel.tp=3"], "parallel.tp=3: no valid layout of 8 GPUs for this model has "
+                                                      "that degree; valid: parallel.tp in [1, 2]"),
 ])
 def test_the_planner_refuses_bad_flags_and_says_why_no_layout_is_possible(capsys, argv, message):
     from analysis import planner
