@@ -304,30 +304,43 @@ def fixed_layouts(config: RunConfig, world_size: int, fixed: dict[str, int]) -> 
     return chosen
 
 
+def none_passes(world_size: int, refusal: str | None) -> ConfigError:
+    """The error when no candidate passes train.py's checks, with the first refusal: more GPUs would not help."""
+    return ConfigError(f"no layout of {world_size} GPUs passes train.py's checks for this config"
+                       + (f", e.g. {refusal}" if refusal else " (none is valid for the model's shapes)"))
+
+
 def candidates(config: RunConfig, world_size: int, hardware: communication.Hardware, efficiency: float,
                fixed: dict[str, int] | None = None) -> list[Candidate]:
-    """Every setting to rank (module docstring), each passing train.py's checks (``resolve_layout``), cheapest
-    bound first. ConfigError when none passes, saying why: more GPUs would not help."""
+    """Every setting to rank (module docstring), cheapest bound first. Only the batch split is checked here
+    (``micro_batching``); ``search`` holds each candidate it estimates to all of train.py's checks.
+
+    The bounds' figures are computed once per distinct input: each pipeline rank's FLOPs per (pp, v,
+    recompute), each block's roofline per (tp, ep, etp, micro-batch size).
+    """
     out, refusal = [], None
     peak = hardware.bf16_flops * efficiency
+    busiest: dict[tuple, float] = {}
     for layout in fixed_layouts(config, world_size, fixed or {}):
         for recompute, grad_reduce, schedule, micro in itertools.product(
                 recompute_settings(config), GRAD_REDUCE, schedules(config, layout), micro_batch_sizes(config, layout)):
             candidate = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
             try:
-                microbatches = resolve_layout(candidate, world_size)[2]  # train.py's own checks
-            except ConfigError as exc:
+                size, microbatches = micro_batching(candidate, layout.dp, layout.pp)
+            except ConfigError as exc:  # the batch does not split over this layout's data-parallel ranks
                 refusal = refusal or str(exc)
                 continue
             sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
             if grad_reduce != "step" and (microbatches == 1 or not sharded):
                 continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
-            compute = compute_seconds(candidate, layout, peak, hardware.memory_bandwidth)
+            key = (layout.pp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
+            if key not in busiest:
+                busiest[key] = compute_seconds(candidate, layout, peak, hardware.memory_bandwidth) * layout.dp
+            compute = busiest[key] / layout.dp
             bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1])
             out.append(Candidate(candidate, layout, bound))
     if not out:
-        raise ConfigError(f"no layout of {world_size} GPUs passes train.py's checks for this config"
-                          + (f", e.g. {refusal}" if refusal else " (none is valid for the model's shapes)"))
+        raise none_passes(world_size, refusal)
     out.sort(key=lambda c: c.bound)
     return out
 
@@ -338,8 +351,8 @@ class Search:
 
     plans: list[Plan]
     considered: int
-    evaluated: int  # candidates whose memory was estimated (the rest were bounded out)
-    complete: bool  # every candidate evaluated: ``plans`` is every plan that fits
+    evaluated: int  # candidates train.py accepts whose memory was estimated (the rest were bounded out)
+    complete: bool  # every candidate checked: ``plans`` is every plan that fits
     closest: tuple[Candidate, int] | None = None  # the least memory among those that do not fit, when none does
 
 
@@ -355,12 +368,17 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     pool = candidates(config, world_size, hardware, efficiency, fixed)
     plans: list[Plan] = []
     steps: list[float] = []  # a max-heap (negated) of the ``top`` fastest steps so far
-    closest, evaluated = None, 0
+    closest, evaluated, refusal, complete = None, 0, None, True
     for candidate in pool:
-        if top is not None and len(steps) == top and candidate.bound > -steps[0]:
+        if (top is not None and len(steps) == top and candidate.bound > -steps[0]) or (
+                faster_than is not None and candidate.bound >= faster_than):
+            complete = False
             break
-        if faster_than is not None and candidate.bound >= faster_than:
-            break
+        try:
+            resolve_layout(candidate.config, world_size)  # train.py's own checks
+        except ConfigError as exc:
+            refusal = refusal or str(exc)
+            continue
         evaluated += 1
         need = memory_bytes(candidate.config, candidate.layout)[0]
         if need > device_memory:
@@ -373,8 +391,10 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
             heapq.heappush(steps, -result.step)
             if len(steps) > top:
                 heapq.heappop(steps)
+    if evaluated == 0 and complete:
+        raise none_passes(world_size, refusal)
     plans.sort(key=lambda p: (p.step, p.memory))
-    return Search(plans[:top] if top is not None else plans, len(pool), evaluated, evaluated == len(pool),
+    return Search(plans[:top] if top is not None else plans, len(pool), evaluated, complete,
                   closest if not plans else None)
 
 

@@ -10,6 +10,7 @@ from moe.config import ConfigError
 from parallel.groups import Layout
 from parallel.pipeline import stage_layers
 from training.config import load_config
+from training.layout import resolve_layout
 
 H100 = communication.HARDWARE["h100"]
 SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
@@ -215,3 +216,25 @@ def test_pipelines_are_planned_with_every_schedule_and_dense_models_without_moe_
     assert any("interleaved v=2" in p.describe() for p in plans)
     dense, _ = planner.plan(load_config("dense", [*SMALL[:5], "train.global_batch_size=16"]), 4, 80 * 2**30)
     assert dense and all(p.config.parallel.activation_checkpointing != "moe" for p in dense)
+
+
+def test_micro_batch_size_is_searched_unless_fixed_and_every_plan_passes_train_pys_checks():
+    """Global batch 16 on 8 GPUs: micro-batches of 1 and 2 for dp=8, up to 8 for dp=2; each ranked plan is a
+    config ``training.layout.resolve_layout`` accepts with its micro-batch size set. A --set size is kept."""
+    config = load_config("moe-8x", SMALL)
+    plans, _ = planner.plan(config, 8, 80 * planner.GIB, top=400)
+    sizes = {(p.layout.dp, p.config.train.micro_batch_size) for p in plans}
+    assert {(8, 1), (8, 2), (2, 8)} <= sizes
+    for p in plans:
+        layout, micro, _ = resolve_layout(p.config, 8)
+        assert layout == p.layout and micro == p.config.train.micro_batch_size
+    fixed, _ = planner.plan(load_config("moe-8x", [*SMALL, "train.micro_batch_size=1"]), 8, 80 * planner.GIB, top=50)
+    assert {p.config.train.micro_batch_size for p in fixed} == {1}
+
+
+def test_the_bounded_search_returns_the_same_first_plans_as_the_full_one():
+    config = load_config("moe-8x", SMALL)
+    full = planner.search(config, 8, 80 * planner.GIB)
+    bounded = planner.search(config, 8, 80 * planner.GIB, top=5)
+    assert full.complete and not bounded.complete and bounded.evaluated < full.evaluated
+    assert [p.step for p in bounded.plans] == [p.step for p in full.plans[:5]]
