@@ -114,11 +114,15 @@ def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: 
 
 def schedules(config: RunConfig, layout: Layout) -> list[tuple[str, int]]:
     """The pipeline schedules to try: 1F1B, GPipe, and interleaved 1F1B with v = 2, 4, 8, ... virtual stages per
-    rank while every stage keeps a block (Narayanan et al. 2021 sec. 2.2.2); none but 1F1B without pipelining."""
+    rank while every stage keeps a block (Narayanan et al. 2021 sec. 2.2.2), and every v that splits each rank's
+    blocks evenly (Megatron-Core's rule for v: a divisor of layers / pp; its Mixtral 8x22B mapping runs v = 7);
+    none but 1F1B without pipelining."""
     if layout.pp == 1:
         return [("1f1b", 1)]
-    interleaved = [("interleaved_1f1b", 2**k) for k in range(1, 8) if layout.pp * 2**k <= config.model.n_layers]
-    return [("1f1b", 1), ("gpipe", 1), *interleaved]
+    layers = config.model.n_layers
+    virtual = {2**k for k in range(1, 8) if layout.pp * 2**k <= layers}
+    virtual |= {v for v in range(2, layers // layout.pp + 1) if layers % (layout.pp * v) == 0}
+    return [("1f1b", 1), ("gpipe", 1), *(("interleaved_1f1b", v) for v in sorted(virtual))]
 
 
 def recompute_settings(config: RunConfig) -> tuple[str, ...]:
