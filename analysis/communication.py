@@ -190,7 +190,13 @@ class Traffic:
 
     def link(self, gpus_per_node: int) -> str:
         """``intra`` when every rank of the group sits in one node (NVLink), else ``inter`` (the network)."""
-        return "intra" if len({r // gpus_per_node for r in self.group}) == 1 else "inter"
+        return "intra" if nodes_spanned(self.group, gpus_per_node) == 1 else "inter"
+
+
+@functools.lru_cache(maxsize=65536)
+def nodes_spanned(group: tuple[int, ...], gpus_per_node: int) -> int:
+    """How many nodes of ``gpus_per_node`` ranks the group's ranks sit in (remembered: groups recur)."""
+    return len({r // gpus_per_node for r in group})
 
 
 def bus_bytes(collective: str, buffer_bytes: int, group_size: int) -> int:
@@ -347,10 +353,14 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
 
 def _exchange_rows(step: _Step, source: int, kept: list[int]) -> list[int]:
     """Rows ``source`` sends to each of its ep group's ranks (by ep coordinate) in one dispatch."""
-    layout = step.layout
-    where = coordinates(layout, source)
+    return _rows_sent(step.layout, coordinates(step.layout, source)["tp"], tuple(kept))
+
+
+@functools.lru_cache(maxsize=65536)
+def _rows_sent(layout: Layout, tp_coordinate: int, kept: tuple[int, ...]) -> list[int]:
+    """``_exchange_rows`` of a source by its tp coordinate, which alone decides its share (remembered)."""
     if layout.tp > 1:  # its contiguous share of the grouped rows (parallel.tensor.scatter_rows)
-        shares, share = layout.tp // layout.etp, where["tp"] // layout.etp
+        shares, share = layout.tp // layout.etp, tp_coordinate // layout.etp
         bounds = row_bounds(sum(kept), shares)
         rows = share_counts(torch.tensor(kept), bounds[share], bounds[share + 1]).tolist()
     else:
@@ -535,7 +545,7 @@ def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
     if item.link(gpus_per_node) == "intra":
         return hardware.intra_node * NCCL_EFFICIENCY
     if item.collective in RINGS:
-        per_node = len(item.group) // len({r // gpus_per_node for r in item.group})
+        per_node = len(item.group) // nodes_spanned(item.group, gpus_per_node)
         return min(hardware.intra_node, per_node * hardware.inter_node) * NCCL_EFFICIENCY
     return hardware.inter_node * NCCL_EFFICIENCY
 

@@ -54,7 +54,7 @@ import sys
 from dataclasses import dataclass
 
 from analysis import communication, memory
-from analysis.memory_states import experts_own_unit
+from analysis.memory_states import experts_own_unit, local_layers, rank_blocks
 from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts, per_model
 from moe.config import ConfigError
 from parallel.groups import Layout, valid_layouts
@@ -236,7 +236,14 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
     stages = []
     stride = layout.world_size // layout.pp  # pp is the outermost axis: stage s starts at rank s·stride
     last_backward = compute / microbatches * 2 / 3
+    seen = set()
     for stage in range(layout.pp):
+        if stride % gpus_per_node == 0:  # every stage's groups sit on the nodes alike: alike stages send alike
+            layers, first, last = local_layers(config, layout, stage)
+            kinds = tuple(rank_blocks(config.model, config.moe, layers))
+            if (key := (kinds, first, last, stage == 0, stage == layout.pp - 1)) in seen:
+                continue
+            seen.add(key)
         by_dim = dict.fromkeys(("tp", "ep", "pp", "fsdp"), 0.0)
         last = 0.0  # the FSDP traffic of the last micro-batch's backward
         for item in communication.predict(config, layout, stage * stride, precision="bf16"):

@@ -256,3 +256,18 @@ def test_the_micro_batch_of_one_bounds_the_memory_of_larger_ones_where_the_plann
         assert needs[0] <= needs[1], c.setting
         pairs += 1
     assert pairs > 100
+
+
+def test_exposed_communication_is_the_busiest_stages_traffic_though_alike_stages_are_priced_once():
+    """pp=4 over nodes of 2 GPUs (every stage's groups sit alike on the nodes): with no compute to hide behind,
+    the exposed traffic is the largest per-stage sum of every item's seconds, each stage's first rank counted."""
+    config = load_config("moe-8x", [*SMALL, "model.n_layers=8", "train.micro_batch_size=1"])
+    for schedule in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        layout = Layout.resolve(8, pp=4, dp_shard=2)
+        planned = planner.with_layout(config, layout, "none", schedule=schedule)
+        totals = []
+        for stage in range(4):
+            items = communication.predict(planned, layout, stage * 2, "bf16")
+            totals.append(sum(communication.seconds(i, H100, 2) for i in items))
+        exposed = planner.exposed_communication(planned, layout, 0.0, H100, 2, microbatches=8)
+        assert sum(exposed.values()) == pytest.approx(max(totals), rel=1e-12)
