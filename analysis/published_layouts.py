@@ -12,9 +12,10 @@ and a SwiGLU FFN of hidden 8h/3 (rounded to 64), which has the parameters and FL
 
 For each row (``published_row``):
 
-- **rank**: 1 + the plans ``analysis.planner.search`` estimates strictly faster than the published layout's
-  fastest setting (any micro-batch size, recompute and gradient-reduction setting with the published tp, pp,
-  replicas and schedule) among all that fit 80 GiB: the ranking the planner's CLI prints.
+- **rank**: 1 + the layouts (degrees, schedule and virtual stages; ``layout_of``) whose fastest setting
+  ``analysis.planner.search`` estimates strictly faster than the published layout's fastest setting (any
+  micro-batch size, recompute and gradient-reduction setting with the published tp, pp, replicas and schedule)
+  among all that fit 80 GiB: the ranking the planner's CLI prints, each layout counted once.
 - **rank without FSDP**: the same among layouts without sharded data parallelism (dp_shard = 1), the space the
   paper chose from; **among its d's splits**: among those with the published data-parallel degree d too (the
   weak-scaling experiment fixed d = 32 for the first six rows and chose how to split the rest into tp and pp).
@@ -58,6 +59,23 @@ TABLE1 = [Published("1.7", 24, 2304, 24, 1, 1, 32, 512, 137), Published("3.6", 3
           Published("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148)]
 
 
+def layout_of(p: planner.Plan) -> tuple:
+    """What a layout is here: the six degrees, the pipeline schedule and its virtual stages per rank."""
+    layout, par = p.layout, p.config.parallel
+    return layout, par.pp_schedule, par.pp_virtual_stages
+
+
+def layouts_ahead(plans: list[planner.Plan], step: float) -> list[planner.Plan]:
+    """The fastest setting of each layout (``layout_of``) estimated strictly faster than ``step``, fastest first:
+    a layout's other micro-batch sizes, recompute and reduction settings do not push the published one down."""
+    seen, out = set(), []
+    for p in plans:
+        if p.step < step and layout_of(p) not in seen:
+            seen.add(layout_of(p))
+            out.append(p)
+    return out
+
+
 def gpt_config(row: Published) -> RunConfig:
     """The row's GPT in this toolkit's terms (module docstring)."""
     ffn = round(8 * row.hidden / 3 / 64) * 64
@@ -92,6 +110,7 @@ class RowResult:
     rank_same_dp: int  # among the splits of the published data-parallel degree into tp and pp
     first: planner.Plan  # the planner's first choice
     considered: int
+    setting_rank: int  # 1 + the settings (not layouts) estimated faster
 
 
 def published_row(row: Published, hardware: communication.Hardware = A100) -> RowResult:
@@ -105,12 +124,12 @@ def published_row(row: Published, hardware: communication.Hardware = A100) -> Ro
     best = mine[0]
     paper_setting = next(p for p in mine if p.config.parallel.activation_checkpointing == "full")
     faster = planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, faster_than=best.step)
-    ahead = [p for p in faster.plans if p.step < best.step]
+    ahead = layouts_ahead(faster.plans, best.step)
     first = ahead[0] if ahead else best
     replicas = row.gpus // (row.tp * row.pp)
     return RowResult(row, best, paper_setting, 1 + len(ahead), 1 + sum(p.layout.dp_shard == 1 for p in ahead),
                      1 + sum((p.layout.dp_shard, p.layout.dp_replicate) == (1, replicas) for p in ahead), first,
-                     faster.considered)
+                     faster.considered, 1 + sum(p.step < best.step for p in faster.plans))
 
 
 @dataclass(frozen=True)
@@ -150,6 +169,7 @@ class MoEResult:
     rank: int
     first: planner.Plan
     considered: int
+    setting_rank: int
 
 
 def published_moe_row(row: PublishedMoE) -> MoEResult:
@@ -165,28 +185,29 @@ def published_moe_row(row: PublishedMoE) -> MoEResult:
     if not mine:
         raise ValueError(f"the published mapping of {row.name} does not fit {hardware.memory_gib} GiB here")
     faster = planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, faster_than=mine[0].step)
-    ahead = [p for p in faster.plans if p.step < mine[0].step]
-    return MoEResult(row, mine[0], 1 + len(ahead), ahead[0] if ahead else mine[0], faster.considered)
+    ahead = layouts_ahead(faster.plans, mine[0].step)
+    return MoEResult(row, mine[0], 1 + len(ahead), ahead[0] if ahead else mine[0], faster.considered,
+                     1 + sum(p.step < mine[0].step for p in faster.plans))
 
 
 def format_moe_rows(results: list[MoEResult]) -> str:
-    lines = ["| model | GPUs | published tp, pp, ep, etp, v | rank | fastest published setting | planner's first |",
+    lines = ["| model | GPUs | published tp, pp, ep, etp, v | rank (settings) | fastest published setting | planner's first |",
              "|---|---|---|---|---|---|"]
     for r in results:
         row = r.row
         lines.append(f"| {row.name} | {row.gpus} × {row.gpu} | {row.tp}, {row.pp}, {row.ep}, {row.etp}, {row.v} | "
-                     f"{r.rank} of {r.considered:,} | {r.best.describe()} | {r.first.describe()} |")
+                     f"{r.rank} ({r.setting_rank} of {r.considered:,}) | {r.best.describe()} | {r.first.describe()} |")
     return "\n".join(lines)
 
 
 def format_rows(results: list[RowResult]) -> str:
-    lines = ["| params (B) | GPUs | published tp, pp | rank | without FSDP | among its d's splits | fastest published "
+    lines = ["| params (B) | GPUs | published tp, pp | rank (settings) | without FSDP | among its d's splits | fastest published "
              "setting | est. TFLOP/s (full recompute) | published | error | planner's first |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         row = r.row
         estimate = paper_flops(row) / (r.paper_setting.step * row.gpus) / 1e12
-        lines.append(f"| {row.name} | {row.gpus} | {row.tp}, {row.pp} | {r.rank} of {r.considered:,} | "
+        lines.append(f"| {row.name} | {row.gpus} | {row.tp}, {row.pp} | {r.rank} ({r.setting_rank} of {r.considered:,}) | "
                      f"{r.rank_without_fsdp} | {r.rank_same_dp} | {r.best.describe()} | {estimate:.0f} | {row.tflops:.0f} | "
                      f"{(estimate - row.tflops) / row.tflops:+.0%} | {r.first.describe()} |")
     return "\n".join(lines)
