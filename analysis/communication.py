@@ -79,7 +79,6 @@ import torch
 from analysis.memory import planned_precision
 from analysis.memory_states import (
     Block,
-    experts_own_unit,
     rank_blocks,
     root_tensors,
     sharded_numel,
@@ -461,7 +460,6 @@ def sharding_traffic(step: _Step) -> list[Traffic]:
     but the routers'); gradients are reduced in fp32. Each parameter's shard is its sharded dim padded up to a
     multiple of the ranks (FSDP2 pads dim 0); units of the same size are listed together.
     """
-    layout, config = step.layout, step.config
     syncs = _gradient_syncs(step)
     same = _fsdp_units(step)  # (kind, fp32 shard bytes) -> units
     out: list[Traffic] = []

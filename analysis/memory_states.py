@@ -60,7 +60,8 @@ class ParamTensor:
 def parameter_tensors(model: ModelConfig, moe: MoEConfig) -> tuple[ParamTensor, ...]:
     """Every parameter of ``moe.transformer.MoETransformer`` with its global shape (a tied head shares the table).
 
-    Remembered per model (``moe.accounting.per_model``: the planner asks for the same model's tensors for every candidate)."""
+    Remembered per model (``moe.accounting.per_model``: the planner asks for the same model's tensors for every
+    candidate)."""
     return per_model(_TENSORS, model, moe, lambda: tuple(_parameter_tensors(model, moe)))
 
 
@@ -269,7 +270,8 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
     dense, experts, matrices = _states(tuple(root_tensors(model, config.moe, first, last)), layout, has_moe, vp)
     for block, count in rank_blocks(model, config.moe, layers):
         figures = _states(block.params, layout, has_moe, vp)
-        dense, experts, matrices = dense + count * figures[0], experts + count * figures[1], matrices + count * figures[2]
+        dense, experts = dense + count * figures[0], experts + count * figures[1]
+        matrices += count * figures[2]
     return ModelStates(dense, experts, matrices)
 
 
@@ -314,7 +316,8 @@ def _unsharded_extra(params: tuple[ParamTensor, ...], layout: Layout, has_moe: b
                       for p in params)
 
 
-def _block_gathered(params: tuple[ParamTensor, ...], config: RunConfig, layout: Layout, weight_bytes: int = FP32) -> int:
+def _block_gathered(params: tuple[ParamTensor, ...], config: RunConfig, layout: Layout,
+                    weight_bytes: int = FP32) -> int:
     """Bytes FSDP all-gathers to run one block (``params``): its tp-local weights in the units that are sharded,
     ``weight_bytes`` an element (2 under bf16 mixed precision, but the routers' own units stay fp32)."""
     return _gathered(params, layout, config.model.n_moe_layers > 0, config.parallel.vocab_parallel, weight_bytes)

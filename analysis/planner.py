@@ -2,44 +2,46 @@
 
     python -m analysis.planner --config mixtral-8x7b --world-size 64 [--gpu h100] [--gpus-per-node 8]
                                [--device-memory GiB] [--nvlink-gbps N] [--network-gbps N] [--peak-tflops N]
-                               [--set train.micro_batch_size=1 ...] [--top 10] [--efficiency 0.5]
+                               [--set parallel.tp=2 ...] [--top 10] [--efficiency F]
 
 Candidates: every layout of the world size that the model allows (``parallel.groups.valid_layouts``: pp,
-dp_replicate, dp_shard, tp, ep, etp), each with activation checkpointing none, ``moe`` (where there are MoE
-layers) and ``full``, each
-with both gradient-reduction settings (``parallel.grad_reduce``: ``step`` holds unsharded gradients between
-micro-batches and reduces once; ``microbatch`` reduce-scatters every micro-batch and holds only shards; one
-candidate where they are the same: a single micro-batch, or no FSDP shard group of several ranks), and
-sequence parallelism whenever tp > 1 (it costs no traffic here and saves activations). Pipelines run 1F1B,
-GPipe, or interleaved 1F1B with v = 2, 4, 8, ... virtual stages per rank (``schedules``), with the config's
-micro-batching; a layout whose batch split or pipeline the training would refuse is skipped, for the same
-reasons ``train.py`` gives.
+dp_replicate, dp_shard, tp, ep, etp; the degrees a ``--set`` names are fixed), each with activation
+checkpointing none, ``moe`` (where there are MoE layers) and ``full``, with both gradient-reduction settings
+(``parallel.grad_reduce``: ``step`` holds unsharded gradients between micro-batches and reduces once;
+``microbatch`` reduce-scatters every micro-batch and holds only shards; one candidate where they are the same:
+a single micro-batch, or no FSDP shard group of several ranks), every micro-batch size dividing the per-rank
+batch unless the config fixes it (``micro_batch_sizes``), and sequence parallelism whenever tp > 1 (it costs
+no traffic here and saves activations). Pipelines run 1F1B, GPipe, or interleaved 1F1B (``schedules``). Each
+candidate the search weighs is first held to ``train.py``'s own checks (``training.layout.resolve_layout``):
+one it would refuse is skipped, and the reason given if none passes.
 
 For each, ``analysis.memory`` gives the memory of the busiest rank (a plan must fit ``--device-memory``)
 and a step-time model, on the ``--gpu`` preset of ``analysis.communication.HARDWARE`` (A100 40/80 GB, H100, H800,
-H200, B200: datasheet bandwidths, peak and memory, each figure's source named there; any figure can be
-overridden), gives its speed:
+H200, B200: datasheet bandwidths, peak, memory and HBM bandwidth, each figure's source named there; any
+figure but the HBM's can be overridden), gives its speed:
 
 - **compute**: the training FLOPs of the busiest pipeline rank in one step (``moe.accounting``: 6 × active
   matmul parameters + attention, per token) over the global batch's tokens / dp, divided over tp (every
   matmul, the routed experts' rows included, is split over tp; expert parallelism moves rows without
   changing a rank's share under balanced routing), plus the recomputed forward (a third of a block's
-  FLOPs) under activation checkpointing, at ``efficiency`` × the bf16 peak.
+  FLOPs) under activation checkpointing, at ``efficiency`` × the bf16 peak (``calibrated_efficiency``), each
+  block's matmuls held to the roofline of the HBM bandwidth (``roofline_slowdown``).
 - **bubble**: GPipe and 1F1B idle (p − 1)/m of the compute for p stages and m micro-batches, interleaved 1F1B
   (p − 1)/(v·m) (Narayanan et al. 2021, sec. 2.2; REFERENCES.md); the extra pipeline traffic of interleaving
   (v times the stage boundaries) is in the communication model's pp term.
-- **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at its link's bandwidth,
-  on the critical path (each waits for the layer before it); FSDP's gathers and reduce-scatters are
-  prefetched and overlap compute, so only what exceeds the compute shows. The gradient reductions of the
-  last micro-batch (the only reduce-scatter under ``grad_reduce=step``, the last of m under ``microbatch``,
-  and HSDP's all-reduce under both) can only hide behind that micro-batch's backward (two thirds of its
-  compute: 4 of the 6 FLOPs per parameter); what they do not hide adds to the step. So ``microbatch`` is
-  never faster: it sends m − 1 more reduce-scatters, and wins only where ``step``'s memory does not fit.
+- **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at the bandwidth NCCL
+  gets of its links (``communication.bandwidth``), on the critical path (each waits for the layer before
+  it); FSDP's gathers and reduce-scatters are prefetched and overlap compute, so only what exceeds the
+  compute shows. The gradient reductions of the last micro-batch (the only reduce-scatter under
+  ``grad_reduce=step``, the last of m under ``microbatch``, and HSDP's all-reduce under both) can only hide
+  behind that micro-batch's backward (two thirds of its compute: 4 of the 6 FLOPs per parameter); what they
+  do not hide adds to the step. So ``microbatch`` is never faster: it sends m − 1 more reduce-scatters, and
+  wins only where ``step``'s memory does not fit.
 
-step = compute + bubble + exposed communication. The efficiency (default 0.5: large dense and MoE runs
-report 40–57% of peak, REFERENCES.md sec. 1–2) is one number for every layout, so the ranking does not
-depend on it; the times are estimates for comparing layouts, not promises. Not modelled: latency, kernel
-efficiency that varies with the matmul shapes (small tp shards run slower), and routing imbalance.
+step = compute + bubble + exposed communication. ``search`` orders the candidates by compute + bubble, a
+bound no step goes below, and estimates memory and traffic only for those that can still enter the first
+``--top``. The times are estimates for comparing layouts, not promises. Not modelled: latency, kernel-launch
+and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ def gpt_config(row: Published) -> RunConfig:
 
 def paper_flops(row: Published) -> float:
     """Eq. 3 of the paper: one step's FLOPs, the recomputed forward included."""
-    b, s, l, h, v = row.batch, 2048, row.layers, row.hidden, 51200
-    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, layers, h, v = row.batch, 2048, row.layers, row.hidden, 51200
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 def is_published(p: planner.Plan, row: Published) -> bool:
@@ -191,7 +191,8 @@ def published_moe_row(row: PublishedMoE) -> MoEResult:
 
 
 def format_moe_rows(results: list[MoEResult]) -> str:
-    lines = ["| model | GPUs | published tp, pp, ep, etp, v | rank (settings) | fastest published setting | planner's first |",
+    lines = ["| model | GPUs | published tp, pp, ep, etp, v | rank (settings) | fastest published setting | "
+             "planner's first |",
              "|---|---|---|---|---|---|"]
     for r in results:
         row = r.row
@@ -201,15 +202,16 @@ def format_moe_rows(results: list[MoEResult]) -> str:
 
 
 def format_rows(results: list[RowResult]) -> str:
-    lines = ["| params (B) | GPUs | published tp, pp | rank (settings) | without FSDP | among its d's splits | fastest published "
-             "setting | est. TFLOP/s (full recompute) | published | error | planner's first |",
+    lines = ["| params (B) | GPUs | published tp, pp | rank (settings) | without FSDP | among its d's splits | "
+             "fastest published setting | est. TFLOP/s (full recompute) | published | error | planner's first |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         row = r.row
         estimate = paper_flops(row) / (r.paper_setting.step * row.gpus) / 1e12
-        lines.append(f"| {row.name} | {row.gpus} | {row.tp}, {row.pp} | {r.rank} ({r.setting_rank} of {r.considered:,}) | "
-                     f"{r.rank_without_fsdp} | {r.rank_same_dp} | {r.best.describe()} | {estimate:.0f} | {row.tflops:.0f} | "
-                     f"{(estimate - row.tflops) / row.tflops:+.0%} | {r.first.describe()} |")
+        lines.append(f"| {row.name} | {row.gpus} | {row.tp}, {row.pp} | {r.rank} ({r.setting_rank} of "
+                     f"{r.considered:,}) | {r.rank_without_fsdp} | {r.rank_same_dp} | {r.best.describe()} | "
+                     f"{estimate:.0f} | {row.tflops:.0f} | {(estimate - row.tflops) / row.tflops:+.0%} | "
+                     f"{r.first.describe()} |")
     return "\n".join(lines)
 
 

@@ -14,7 +14,6 @@ from typing import TypeVar
 
 from moe.config import ModelConfig, MoEConfig
 
-
 T = TypeVar("T")
 
 
