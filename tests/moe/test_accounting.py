@@ -48,7 +48,7 @@ def test_flops_per_token_hand_formula():
 
 
 def test_flops_of_wide_heads_count_their_width():
-    """Attention's scores and values cost 12 · L · (n_heads · hd) · S, with hd = head_dim here, not d_model / n_heads."""
+    """Attention costs 12 · L · (n_heads · hd) · S, with hd = head_dim here, not d_model / n_heads."""
     model_config, moe_config = SMALL[3]
     counts = parameter_counts(model_config, moe_config)
     expected = 6 * (counts.active - 256 * 32) + 12 * 3 * (4 * 12) * 16

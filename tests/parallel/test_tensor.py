@@ -4,8 +4,8 @@ The spawned test runs every check in one pair of processes: a small model (a den
 attention, then an MoE block with a shared expert) parallelized with tp=2, with ep=2 folded over the
 tp group, and with etp=2 (each expert's hidden dim split), must give the single-process logits,
 gradients (gathered) and global gradient norm, in fp32, under full recompute, and under bf16 autocast
-(looser tolerance), also with Qwen3's per-head query/key norms and a head_dim of its own; with ep over tp, the expert all-to-all must carry each
-kept assignment once, not once per tp rank.
+(looser tolerance), also with Qwen3's per-head query/key norms and a head_dim of its own; with ep over
+tp, the expert all-to-all must carry each kept assignment once, not once per tp rank.
 """
 
 from __future__ import annotations
