@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "none: start fresh; PATH: a checkpoint folder, or a folder of them")
     parser.add_argument("--init-from", default=None, metavar="FILE|hf:DIR",
                         help="start from the weights in a safetensors file (python -m training.export writes one), "
-                             "or hf:DIR, a Hugging Face Mixtral folder whose config.json also sets the model shape")
+                             "or hf:DIR, a Hugging Face Mixtral or Qwen3-MoE folder whose config.json also sets "
+                             "the model shape")
     parser.add_argument("--dry-run", action="store_true",
                         help="build every rank's model on the meta device under a fake process group, print each "
                              "rank's model-state bytes beside the memory model's prediction, and exit: no training, "

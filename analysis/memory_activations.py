@@ -60,14 +60,16 @@ def _linear_inputs(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool =
 
 
 def _attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
-    """wq/wk/wv input; SDPA's q, k (after RoPE), v, output and [b, heads, s] logsumexp; wo's input.
+    """wq/wk/wv input; SDPA's q, k (after RoPE), v, output and [b, heads, s] logsumexp; wo's input; with
+    ``qk_norm`` the per-head norms of q and k (each of the T·heads rows of hd, as an RMSNorm saves them).
 
     wo's input is the output made contiguous, a copy unless one head per rank makes it a view.
     """
-    heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_dim
+    heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
     qkvo = mb.tokens * hd * (2 * heads + 2 * kv_heads) * mb.compute
     wo_input = 0 if heads == 1 else mb.tokens * heads * hd * mb.compute
-    return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32
+    qk_norms = _norm(mb.tokens * heads, hd) + _norm(mb.tokens * kv_heads, hd) if model.qk_norm else 0
+    return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32 + qk_norms
 
 
 def _feed_forward(mb: MicroBatch, d: int, hidden: int, input_saved: bool = True) -> int:
