@@ -61,7 +61,8 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.router = TopKRouter(d_model, config)
-        self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden, config.activation)
+        self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden, config.activation,
+                                      config.backend)
         self.shared_experts = FeedForward(d_model, config.shared_hidden) if config.num_shared_experts else None
         self.aux_loss_scale = 1.0
         self.last_stats: RoutingStats | None = None

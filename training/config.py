@@ -171,6 +171,9 @@ class RunConfig:
             self.model.vocab_size >= 256 or self.data.source.endswith(".bin"),
             f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
         )
+        _require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
+                 "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
+                 "set train.precision=bf16 (or auto), or moe.backend=torch")
 
     def to_dict(self) -> dict:
         return to_dict(self)
