@@ -77,6 +77,9 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # where the run must compute: auto (a GPU when torch sees one, else the CPU) or cuda (a GPU config: refused
+    # before any work on a machine without one)
+    device: Literal["auto", "cuda"] = "auto"
     eval_interval: int = 100  # steps between validation passes; 0 = only at the end
     eval_batches: int = 8  # micro-batches per validation pass
     # non-finite steps in a row (each skipped, weights untouched) before the run stops with a checkpoint

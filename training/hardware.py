@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe.config import ConfigError
 from moe.experts import check_backend
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), FLOP/s.
@@ -118,4 +119,8 @@ def check_hardware(config, device_type: str) -> None:
     needs particular hardware or software checks it here, so ``train.py`` and ``launch.py`` refuse it before a
     process group, a run directory or a tensor exists.
     """
+    if config.train.device == "cuda" and device_type != "cuda":
+        raise ConfigError(f"config '{config.name}' is sized for a GPU (train.device=cuda) and torch sees no CUDA GPU "
+                          "here: run it on a GPU machine, or pick a CPU config such as moe-8x (--set "
+                          "train.device=auto runs it here anyway)")
     check_backend(config.moe.backend, device_type)
