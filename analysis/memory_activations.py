@@ -17,8 +17,7 @@ from analysis.memory_states import (
     in_fsdp_unit,
     largest_chunk,
     local_layers,
-    on_rank,
-    parameter_tensors,
+    rank_tensors,
     tp_local_shape,
 )
 from moe.config import ModelConfig, MoEConfig
@@ -112,14 +111,15 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     rows = largest_chunk(kept, layout.tp // layout.etp)  # this rank's share (the largest)
     hidden = moe.expert_hidden // layout.etp
     swiglu = moe.activation == "swiglu"
-    experts = kept * INDEX  # permute's token index
+    experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
     if layout.ep > 1:  # received rows' reorder index and its inverse, the local grouped rows
         experts += 2 * rows * INDEX + rows * d * a
     else:  # the grouped rows (this tp rank's share)
         experts += rows * d * a
     experts += (4 if swiglu else 2) * rows * hidden * a + (3 if swiglu else 2) * (moe.num_experts // layout.ep) * OFFSET
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
-             "MoE combine": kept * d * a + kept * a + kept * INDEX}  # expert outputs, their weights, order
+             # expert outputs, their weights, the order and the token index
+             "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
     if moe.num_shared_experts:
         parts["shared experts"] = _feed_forward(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
     return parts
@@ -142,7 +142,7 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
             return False  # gathered in bf16 already (``parallel.sharding.mixed_precision``): nothing to cast
         if param.kind == "embedding" and config.model.tie_embeddings:
             return last  # the tied head casts the table (pipelining refuses tied embeddings: last is first)
-        if not param.autocast_copy or not on_rank(param, layers, first, last):
+        if not param.autocast_copy:
             return False
         if param.layer is None:
             return True
@@ -150,7 +150,7 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
         return recompute == "none" or (recompute == "moe" and not (moe_layer and param.kind in ("experts", "ffn")))
 
     return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in parameter_tensors(config.model, config.moe) if kept(p))
+                   for p in rank_tensors(config.model, config.moe, layers, first, last) if kept(p))
 
 
 def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_rank: int = 0) -> int:
@@ -161,8 +161,8 @@ def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_ran
         return 0
     layers, first, last = local_layers(config, layout, pp_rank)
     return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in parameter_tensors(config.model, config.moe)
-                   if p.expert and not in_fsdp_unit(p, layout, config.model) and on_rank(p, layers, first, last))
+                   for p in rank_tensors(config.model, config.moe, layers, first, last)
+                   if p.expert and not in_fsdp_unit(p, layout, config.model))
 
 
 def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size: int, precision: str,
