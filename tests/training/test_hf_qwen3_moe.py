@@ -4,12 +4,15 @@ Mixtral and the helpers both use)."""
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from safetensors import safe_open
 
 from moe.config import ConfigError
 from parallel.groups import Layout, ParallelGroups
@@ -178,3 +181,45 @@ def test_init_from_qwen3_under_tensor_and_expert_parallelism(tmp_path):
     for ours in (state, reference):
         for name, expected in pairs.items():
             torch.testing.assert_close(ours[name], expected, rtol=0, atol=1e-6, msg=name)
+
+
+def test_export_in_bf16_shards_loads_into_transformers(tmp_path, capsys):
+    """``export --dtype bf16 --max-shard-size 20KB``: shards within the size (a larger tensor alone) and an index
+    that transformers loads, every tensor the original rounded to bf16; an fp32 sharded export is the original bit
+    for bit; an export that would leave those shards beside a new model.safetensors is refused, naming them."""
+    hf = make_qwen3(tmp_path / "hf", num_hidden_layers=3, mlp_only_layers=[0], head_dim=16)
+    ours = tmp_path / "ours.safetensors"
+    assert main(["import", str(tmp_path / "hf"), "--out", str(ours), "--seq-len", str(SEQ)]) == 0
+    assert main(["export", str(ours), "--out", str(tmp_path / "bf16"), "--dtype", "bf16",
+                 "--max-shard-size", "20KB"]) == 0
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    shards = sorted((tmp_path / "bf16").glob("model-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {shard.name for shard in shards}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as handle:
+            sizes = [handle.get_slice(name).get_shape() for name in handle.keys()]
+        assert len(sizes) == 1 or sum(2 * math.prod(size) for size in sizes) <= 20_000, shard.name
+    original, exported = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "bf16")
+    assert original.keys() == exported.keys() == index["weight_map"].keys()
+    assert index["metadata"]["total_size"] == sum(value.nbytes for value in exported.values())
+    for name, value in original.items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], value.to(torch.bfloat16)), name
+
+    rounded = copy.deepcopy(hf)  # the oracle with its weights rounded to bf16, computing in fp32
+    with torch.no_grad():
+        for param in rounded.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, rounded(x).logits, rtol=0, atol=1e-5)
+
+    assert main(["export", str(ours), "--out", str(tmp_path / "fp32"), "--max-shard-size", "0.02MB"]) == 0
+    assert (tmp_path / "fp32" / "model.safetensors.index.json").is_file()
+    assert all(torch.equal(value, hf_tensors(tmp_path / "fp32")[name]) for name, value in original.items())
+    capsys.readouterr()
+    assert main(["export", str(ours), "--out", str(tmp_path / "bf16")]) == 2
+    err = capsys.readouterr().err
+    assert f"already holds {shards[0].name}, " in err and "model.safetensors.index.json, which this export" in err
+    assert main(["export", str(ours), "--out", str(tmp_path / "x"), "--max-shard-size", "5 bananas"]) == 2
+    assert "--max-shard-size '5 bananas': give a size such as 5GB" in capsys.readouterr().err
