@@ -102,14 +102,16 @@ def family_of(hf_config: dict) -> Family:
     naming the architecture and the supported ones otherwise."""
     architectures = list(hf_config.get("architectures") or [])
     model_type = hf_config.get("model_type")
-    if architectures:
-        found = [FAMILIES[name] for name in architectures if name in FAMILIES]
-        if len(architectures) == 1 and found and found[0].model_type == model_type:
-            return found[0]
-    else:
-        found = [family for family in FAMILIES.values() if family.model_type == model_type]
-        if found:
-            return found[0]
+    if len(architectures) == 1 and architectures[0] in FAMILIES:
+        family = FAMILIES[architectures[0]]
+        if model_type not in (None, family.model_type):
+            raise ConfigError(f"config.json names architecture {family.architecture} with model_type "
+                              f"{model_type!r}, not its '{family.model_type}'")
+        return family
+    if not architectures:
+        for family in FAMILIES.values():
+            if family.model_type == model_type:
+                return family
     what = ", ".join(architectures) or f"model_type {model_type!r}"
     supported = ", ".join(f"{name} (model_type '{family.model_type}')" for name, family in FAMILIES.items())
     raise ConfigError(f"unsupported architecture {what}: supported are {supported}")

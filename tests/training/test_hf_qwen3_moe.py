@@ -46,9 +46,20 @@ def make_qwen3(folder: Path, seed: int = 0, shard: bool = False, **overrides) ->
     return model
 
 
+def as_written_by_transformers_4(folder: Path) -> None:
+    """Rewrite a saved config.json as the published Qwen3-MoE models have it (transformers 4.5x): ``num_experts``,
+    a top-level ``rope_theta``, ``rope_scaling: null``, ``max_window_layers``, ``torch_dtype``."""
+    data = json.loads((folder / "config.json").read_text())
+    data["num_experts"] = data.pop("num_local_experts")
+    data["rope_theta"] = data.pop("rope_parameters")["rope_theta"]
+    data |= {"rope_scaling": None, "max_window_layers": data["num_hidden_layers"], "torch_dtype": data.pop("dtype"),
+             "transformers_version": "4.51.0"}
+    (folder / "config.json").write_text(json.dumps(data))
+
+
 # name -> (transformers settings, our (moe_every, first_moe_layer) for them)
 SHAPES = {
-    "gqa-top2-untied-renormalised": ({}, (1, 0)),
+    "gqa-top2-untied-renormalised-4.x-config": (dict(written_by_4=True), (1, 0)),
     "mha-top1-tied-not-renormalised": (dict(num_key_value_heads=4, num_experts_per_tok=1, tie_word_embeddings=True,
                                             norm_topk_prob=False), (1, 0)),
     "wide-heads-dense-first-sharded": (dict(head_dim=16, num_hidden_layers=3, mlp_only_layers=[0],
@@ -61,7 +72,11 @@ SHAPES = {
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_import_export_match_transformers(tmp_path, shape):
     settings, (moe_every, first_moe_layer) = SHAPES[shape]
+    settings = dict(settings)
+    written_by_4 = settings.pop("written_by_4", False)
     hf = make_qwen3(tmp_path / "hf", **settings)
+    if written_by_4:
+        as_written_by_transformers_4(tmp_path / "hf")
     config = import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
     assert config.model.qk_norm and config.model.head_size == settings.get("head_dim", 8)
     assert (config.model.moe_every, config.model.first_moe_layer) == (moe_every, first_moe_layer)
@@ -99,6 +114,7 @@ def test_bad_input_is_named(tmp_path):
     cases = [
         (dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe"),
          "Qwen2MoeForCausalLM: supported are MixtralForCausalLM .*, Qwen3MoeForCausalLM"),
+        (dict(model_type="qwen3"), "architecture Qwen3MoeForCausalLM with model_type 'qwen3', not its 'qwen3_moe'"),
         (dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=True"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
