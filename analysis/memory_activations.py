@@ -129,7 +129,8 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     """bf16 autocast copies of this rank's tp-local weights that the matmuls save (``ParamTensor.autocast_copy``).
 
     Only of weights outside FSDP: FSDP's mixed precision gathers its units' weights in bf16, so autocast has
-    nothing to cast (``parallel.sharding.mixed_precision``; bf16 training passes it whenever FSDP runs).
+    nothing to cast (``parallel.sharding.mixed_precision``; bf16 training passes it whenever FSDP runs). Not
+    of the routed experts: their copies are kept once per step, not per micro-batch (``compute_copy_bytes``).
 
     Recomputed modules cast again in backward and keep none: every block under ``full`` checkpointing,
     the MoE layers' experts and shared experts under ``moe``.
@@ -137,7 +138,7 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     recompute = config.parallel.activation_checkpointing
 
     def kept(param: ParamTensor) -> bool:
-        if in_fsdp_unit(param, layout, config.model):
+        if param.expert or in_fsdp_unit(param, layout, config.model):
             return False  # gathered in bf16 already (``parallel.sharding.mixed_precision``): nothing to cast
         if param.kind == "embedding" and config.model.tie_embeddings:
             return last  # the tied head casts the table (pipelining refuses tied embeddings: last is first)
@@ -150,6 +151,18 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
 
     return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
                    for p in parameter_tensors(config.model, config.moe) if kept(p))
+
+
+def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_rank: int = 0) -> int:
+    """The routed experts' bf16 copies on this rank (``moe.experts.ComputeCopies``): made by a step's first
+    forward and dropped before its optimizer step, so held once however many micro-batches are in flight,
+    recomputed or not; none in fp32, or where FSDP gathers the experts in bf16 itself."""
+    if precision != "bf16":
+        return 0
+    layers, first, last = local_layers(config, layout, pp_rank)
+    return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
+                   for p in parameter_tensors(config.model, config.moe)
+                   if p.expert and not in_fsdp_unit(p, layout, config.model) and on_rank(p, layers, first, last))
 
 
 def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size: int, precision: str,

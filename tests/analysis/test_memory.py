@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 import train
 from analysis import memory
-from analysis.memory_activations import in_flight, micro_batch_activations
+from analysis.memory_activations import compute_copy_bytes, in_flight, micro_batch_activations
 from analysis.memory_states import (
     accumulated_grad_bytes,
     gathered_bytes,
@@ -51,7 +51,8 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
                                                  config.parallel.vocab_parallel)
     with memory.loss_context(config.parallel.vocab_parallel):
         measured.loss.backward()  # the measurement leaves a loss to train on
-    predicted = sum(micro_batch_activations(config, layout, micro, precision).values())
+    predicted = (sum(micro_batch_activations(config, layout, micro, precision).values())
+                 + compute_copy_bytes(config, layout, precision))
     return predicted, measured.saved_bytes
 
 
