@@ -218,6 +218,9 @@ class MoEConfig:
     num_shared_experts: int = 0  # DeepSeek-style experts that see every token
     shared_expert_hidden: int | None = None  # None = expert_hidden * num_shared_experts
     force_balance: bool = False  # DEBUG/BENCHMARK ONLY: round-robin assignment ignoring the router
+    # how experts compute their grouped GEMMs (``moe/experts.py``): torch's grouped_mm, megablocks' grouped_gemm
+    # (CUDA, bf16), or auto (megablocks only on a GPU where it was measured faster)
+    backend: Literal["torch", "megablocks", "auto"] = "auto"
 
     @property
     def shared_hidden(self) -> int:

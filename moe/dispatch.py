@@ -18,6 +18,16 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return math.ceil(capacity_factor * top_k * num_tokens / num_experts)
 
 
+def count_per_expert(ids: Tensor, num_bins: int) -> Tensor:
+    """How often each value in ``[0, num_bins)`` occurs in ``ids``: [num_bins] int64.
+
+    ``torch.bincount`` without its host synchronisation: on CUDA bincount reads the largest id on the host to
+    size its output, a sync per call on the hot path; a scatter-add into a fixed-size buffer needs none.
+    """
+    flat = ids.reshape(-1)
+    return flat.new_zeros(num_bins).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 @dataclass
 class DispatchPlan:
     """Where each kept assignment goes; computed once, used to permute and to combine."""
@@ -50,7 +60,7 @@ def plan_dispatch(
     """
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)  # [T*k]
-    selected = torch.bincount(flat_ids, minlength=num_experts)
+    selected = count_per_expert(flat_ids, num_experts)
     if capacity is not None and drop_policy == "probability":
         # stable sort by weight (descending), then stable sort by expert: expert-major, best first
         by_weight = torch.argsort(weights.reshape(-1), descending=True, stable=True)

@@ -176,6 +176,7 @@ class ExpertParallelExperts(nn.Module):
             sharded = DTensor.from_local(local.clone(), expert_mesh, placements, run_check=False)
             self.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         self.has_gate = experts.w_gate is not None
+        self.backend = experts.backend
         # multiplies the weights' gradients: ``parallel.sharding.shard_experts`` sets it where no FSDP unit
         # reduces (and so averages) them. A property of the module, not a hook on the parameters, so it
         # holds when materialising a meta-built model swaps the parameters' data.
@@ -196,7 +197,7 @@ class ExpertParallelExperts(nn.Module):
 
         w_gate = local(self.w_gate) if self.has_gate else None
         return expert_ffn(x, tokens_per_local_expert, local(self.w_in), w_gate, local(self.w_out),
-                          self.compute_copies)
+                          self.compute_copies, self.backend)
 
     def _exchange_and_compute(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         if self.ep_mesh.size() == 1:  # expert tensor parallelism alone: every expert is here, nothing to send
