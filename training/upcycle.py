@@ -144,6 +144,11 @@ def upcycle(source: DenseSource, config: RunConfig, out: Path, noise: float = 0.
 def base_config(dense: RunConfig | None, name: str | None, overrides: list[str]) -> RunConfig:
     """The config whose non-model keys the MoE run takes: ``name`` if given, else the dense run's own (``dense``),
     else ``moe-8x``; with ``overrides`` (``section.key=value``) applied."""
+    for assignment in overrides:
+        key = assignment.split("=", 1)[0].strip()
+        if key.startswith("model.") and key != "model.seq_len":
+            raise ConfigError(f"--set {assignment}: the model's shape is the dense model's; of the model keys only "
+                              "model.seq_len may be set")
     if name is not None or dense is None:
         return load_config(name or "moe-8x", overrides)
     tree = dense.to_dict()

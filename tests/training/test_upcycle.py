@@ -169,6 +169,8 @@ def test_bad_sources_are_refused_before_anything_is_written(tmp_path, capsys):
         (tmp_path / "llama" / "config.json").write_text(original)
     assert main([str(tmp_path / "llama"), "--experts", "2", "--top-k", "3", *up[5:]]) == 2
     assert "moe.top_k=3 must be between 1 and moe.num_experts=2" in capsys.readouterr().err
+    assert main([*up, "model.d_model=64"]) == 2
+    assert "the model's shape is the dense model's" in capsys.readouterr().err
     assert not out.exists() and not out.with_suffix(".yaml").exists()
 
     assert main(up) == 0  # an MoE model is not a dense source
