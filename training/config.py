@@ -83,6 +83,9 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # where the run must compute: auto (a GPU when torch sees one, else the CPU) or cuda (a GPU config: refused
+    # before any work on a machine without one)
+    device: Literal["auto", "cuda"] = "auto"
     eval_interval: int = 100  # steps between validation passes; 0 = only at the end
     eval_batches: int = 8  # micro-batches per validation pass
     # non-finite steps in a row (each skipped, weights untouched) before the run stops with a checkpoint
@@ -177,6 +180,9 @@ class RunConfig:
             self.model.vocab_size >= 256 or self.data.source.endswith(".bin") or self.data.tokenizer != "bytes",
             f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
         )
+        _require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
+                 "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
+                 "set train.precision=bf16 (or auto), or moe.backend=torch")
 
     def to_dict(self) -> dict:
         return to_dict(self)

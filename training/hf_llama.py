@@ -19,13 +19,14 @@ import torch
 
 from moe.config import ConfigError
 from training.hf import DTYPES, HFFolder
-from training.hf_mixtral import _LAYER_COPIES, IGNORED_KEYS, HFShape, _rope_theta
+from training.hf_family import ATTENTION_COPIES, IGNORED_KEYS, HFShape, _rope_theta
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
 
 # the per-layer names Llama shares with Mixtral (attention and norms), and its MLP
-_LAYER_NAMES = {ours: theirs for ours, theirs in _LAYER_COPIES.items() if not ours.startswith("moe.")} | {
+_LAYER_NAMES = {ours: theirs for ours, theirs in ATTENTION_COPIES.items() if "q_norm" not in ours
+                and "k_norm" not in ours} | {
     "ffn.w_gate.weight": "mlp.gate_proj.weight", "ffn.w_in.weight": "mlp.up_proj.weight",
     "ffn.w_out.weight": "mlp.down_proj.weight"}
 
@@ -65,7 +66,7 @@ def shape_from_llama(hf: dict) -> HFShape:
     model = {"vocab_size": hf["vocab_size"], "d_model": hidden, "n_layers": hf["num_hidden_layers"],
              "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads", heads),
              "ffn_hidden": hf["intermediate_size"], "moe_every": 0, "first_moe_layer": 0,
-             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "rope_theta": _rope_theta(hf),
+             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "rope_theta": _rope_theta(hf, 10000.0),
              "norm_eps": float(hf.get("rms_norm_eps", 1e-6))}
     return HFShape(model, {}, int(hf["max_position_embeddings"]), None)
 

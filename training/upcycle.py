@@ -53,8 +53,8 @@ from parallel.checkpoint import CheckpointCorruptError, write_text_atomic
 from training.config import RunConfig, apply_override, config_from_dict, load_config
 from training.export import CONFIG_METADATA_KEY, ExportWriteError, model_tensors, write_safetensors_streaming
 from training.hf import expected_tensors
+from training.hf_family import check_context
 from training.hf_llama import llama_tensors, open_llama
-from training.hf_mixtral import check_context
 
 EXPERT_STACKS = ("w_gate", "w_in", "w_out")
 
