@@ -7,7 +7,8 @@ Training Mixture-of-Experts from Dense Checkpoints", arXiv:2212.05055).
 
 DENSE is a checkpoint of this toolkit's dense model (a ``step_NNNNNNN`` folder or a run's ``checkpoints/``; e.g. a
 run of ``configs/dense.yaml``), our safetensors file of one (``training.export``), or a Hugging Face
-``LlamaForCausalLM`` folder (``training/hf_llama.py``). The choices this makes, each a flag where it is one:
+``LlamaForCausalLM`` or ``Qwen3ForCausalLM`` folder (``training/hf_dense.py``). The choices this makes, each a flag
+where it is one:
 
 - which layers: ``--moe-every`` (default 1, every layer) and ``--first-moe-layer`` (default 0) become
   ``model.moe_every``/``first_moe_layer``; the other layers keep their dense FFN as it is;
@@ -53,8 +54,8 @@ from parallel.checkpoint import CheckpointCorruptError, write_text_atomic
 from training.config import RunConfig, apply_override, config_from_dict, load_config
 from training.export import CONFIG_METADATA_KEY, ExportWriteError, model_tensors, write_safetensors_streaming
 from training.hf import expected_tensors
+from training.hf_dense import dense_tensors, open_dense_folder
 from training.hf_family import check_context
-from training.hf_llama import llama_tensors, open_llama
 
 EXPERT_STACKS = ("w_gate", "w_in", "w_out")
 
@@ -144,6 +145,11 @@ def upcycle(source: DenseSource, config: RunConfig, out: Path, noise: float = 0.
 def base_config(dense: RunConfig | None, name: str | None, overrides: list[str]) -> RunConfig:
     """The config whose non-model keys the MoE run takes: ``name`` if given, else the dense run's own (``dense``),
     else ``moe-8x``; with ``overrides`` (``section.key=value``) applied."""
+    for assignment in overrides:
+        key = assignment.split("=", 1)[0].strip()
+        if key.startswith("model.") and key != "model.seq_len":
+            raise ConfigError(f"--set {assignment}: the model's shape is the dense model's; of the model keys only "
+                              "model.seq_len may be set")
     if name is not None or dense is None:
         return load_config(name or "moe-8x", overrides)
     tree = dense.to_dict()
@@ -156,26 +162,27 @@ def base_config(dense: RunConfig | None, name: str | None, overrides: list[str])
 def open_dense(path: Path, config_name: str | None = None, overrides: list[str] = ()):
     """(the dense source at ``path``, ours or a Llama folder; the ``base_config`` of the MoE run)."""
     if path.is_dir() and (path / "config.json").is_file():
-        folder, shape = open_llama(path)
+        folder, shape = open_dense_folder(path)
         with folder:
             base = base_config(None, config_name, list(overrides))
             tree = base.to_dict()
             tree["model"] |= shape.model
             dense = config_from_dict(tree)
             check_context(shape, dense.model.seq_len)
-            entries, read, names = llama_tensors(folder, dense.model.n_layers, dense.model.tie_embeddings)
+            entries, read, names = dense_tensors(folder, dense.model)
             yield DenseSource(dense, entries, read, names), base
         return
     if not path.exists():
         raise ConfigError(f"{path}: no such file or folder (a dense checkpoint folder, our .safetensors, or a "
-                          "Hugging Face LlamaForCausalLM folder)")
+                          "Hugging Face LlamaForCausalLM or Qwen3ForCausalLM folder)")
     entries, read, dense = model_tensors(path)
     yield DenseSource(dense, entries, read, {}), base_config(dense, config_name, list(overrides))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.upcycle", description=__doc__.split("\n")[0])
-    parser.add_argument("dense", type=Path, help="a dense checkpoint folder, our .safetensors, or an HF Llama folder")
+    parser.add_argument("dense", type=Path,
+                        help="a dense checkpoint folder, our .safetensors, or an HF Llama/Qwen3 folder")
     parser.add_argument("--experts", type=int, required=True, help="experts per MoE layer (moe.num_experts)")
     parser.add_argument("--top-k", type=int, required=True, help="experts per token (moe.top_k)")
     parser.add_argument("--out", type=Path, required=True, help="the .safetensors file to write (and FILE.yaml)")

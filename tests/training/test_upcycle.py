@@ -1,5 +1,5 @@
-"""Sparse upcycling against the dense model it starts from: ours, and ``transformers``' own LlamaForCausalLM
-(built locally from a tiny random config, saved with ``save_pretrained``; no download) as the oracle.
+"""Sparse upcycling against the dense model it starts from: ours, and ``transformers``' own LlamaForCausalLM and
+Qwen3ForCausalLM (built locally from tiny random configs, saved with ``save_pretrained``; no download) as oracles.
 
 With every expert a copy of the dense FFN and the k weights renormalised, an MoE layer computes the dense FFN
 whatever the router picks: the upcycled model's logits must equal the dense model's, here in fp32 to 1e-5.
@@ -93,33 +93,38 @@ def test_our_dense_model_upcycled_gives_its_logits(tmp_path, shape):
         assert (upcycled_model(out)(x) - dense(x)).abs().max() > 1e-3
 
 
-def make_llama(folder: Path, **overrides) -> torch.nn.Module:
+def make_hf(folder: Path, architecture: str = "Llama", **overrides) -> torch.nn.Module:
+    """A random tiny transformers Llama or Qwen3 (dense) saved to ``folder``, norms randomised too."""
     settings = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
     settings.update(overrides)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).eval()
+    config = getattr(transformers, f"{architecture}Config")(**settings)
+    model = getattr(transformers, f"{architecture}ForCausalLM")(config).eval()
     randomise_norms(model)
     model.save_pretrained(folder)
     return model
 
 
-LLAMAS = {"gqa-untied-top2": ({}, ["--experts", "4", "--top-k", "2"]),
-          "mha-tied-top1-every-other": (dict(num_key_value_heads=4, tie_word_embeddings=True),
-                                        ["--experts", "2", "--top-k", "1", "--moe-every", "2"])}
+HF_DENSE = {"llama-gqa-untied-top2": ("Llama", {}, ["--experts", "4", "--top-k", "2"]),
+            "llama-mha-tied-top1-every-other": ("Llama", dict(num_key_value_heads=4, tie_word_embeddings=True),
+                                                ["--experts", "2", "--top-k", "1", "--moe-every", "2"]),
+            # Qwen3: q/k norms, and a head width (12) other than hidden / heads (8)
+            "qwen3-gqa-head-dim-top2": ("Qwen3", dict(head_dim=12), ["--experts", "3", "--top-k", "2"])}
 
 
-@pytest.mark.parametrize("shape", list(LLAMAS), ids=list(LLAMAS))
-def test_a_transformers_llama_upcycled_gives_its_logits(tmp_path, shape):
-    settings, flags = LLAMAS[shape]
-    llama = make_llama(tmp_path / "llama", **settings)
+@pytest.mark.parametrize("shape", list(HF_DENSE), ids=list(HF_DENSE))
+def test_a_transformers_dense_model_upcycled_gives_its_logits(tmp_path, shape):
+    architecture, settings, flags = HF_DENSE[shape]
+    hf = make_hf(tmp_path / "hf", architecture, **settings)
     out = tmp_path / "moe.safetensors"
-    assert main([str(tmp_path / "llama"), *flags, "--out", str(out), "--set", f"model.seq_len={SEQ}"]) == 0
+    assert main([str(tmp_path / "hf"), *flags, "--out", str(out), "--set", f"model.seq_len={SEQ}"]) == 0
     moe = upcycled_model(out)
     assert moe.config.ffn_hidden == 48 and moe.layers["0"].moe.experts.w_in.shape == (int(flags[1]), 32, 48)
+    assert moe.config.qk_norm == (architecture == "Qwen3")
     x = tokens()
     with torch.no_grad():
-        torch.testing.assert_close(moe(x), llama(x).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(moe(x), hf(x).logits, rtol=0, atol=1e-5)
 
 
 def test_an_upcycled_run_starts_at_the_dense_models_loss(tmp_path):
@@ -150,13 +155,13 @@ def edit_config(folder: Path, **changes) -> None:
 
 
 def test_bad_sources_are_refused_before_anything_is_written(tmp_path, capsys):
-    make_llama(tmp_path / "llama")
+    make_hf(tmp_path / "llama")
     out = tmp_path / "moe.safetensors"
     up = [str(tmp_path / "llama"), "--experts", "4", "--top-k", "2", "--out", str(out), "--set", "model.seq_len=16"]
 
     cases = [
-        (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
-         r"unsupported architecture Qwen3ForCausalLM: a dense source is LlamaForCausalLM"),
+        (dict(architectures=["GemmaForCausalLM"], model_type="gemma"),
+         r"unsupported architecture GemmaForCausalLM: a dense source is one of LlamaForCausalLM, Qwen3ForCausalLM"),
         (dict(intermediate_size=40), r"tensor 'model.layers.0.mlp.up_proj.weight' has shape \(48, 32\), the dense "
                                      r"model's config needs \(40, 32\)"),
         (dict(rope_scaling={"type": "linear", "factor": 2.0}), r"rope_scaling=.* is not supported"),
@@ -169,6 +174,8 @@ def test_bad_sources_are_refused_before_anything_is_written(tmp_path, capsys):
         (tmp_path / "llama" / "config.json").write_text(original)
     assert main([str(tmp_path / "llama"), "--experts", "2", "--top-k", "3", *up[5:]]) == 2
     assert "moe.top_k=3 must be between 1 and moe.num_experts=2" in capsys.readouterr().err
+    assert main([*up, "model.d_model=64"]) == 2
+    assert "the model's shape is the dense model's" in capsys.readouterr().err
     assert not out.exists() and not out.with_suffix(".yaml").exists()
 
     assert main(up) == 0  # an MoE model is not a dense source
