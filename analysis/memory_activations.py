@@ -8,16 +8,18 @@ residual stream under sequence parallelism. Routing is assumed balanced.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from analysis.memory_states import (
     FP32,
-    ParamTensor,
+    Block,
     in_fsdp_unit,
     largest_chunk,
     local_layers,
-    rank_tensors,
+    rank_blocks,
+    root_tensors,
     tp_local_shape,
 )
 from moe.config import ModelConfig, MoEConfig
@@ -135,22 +137,34 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     Recomputed modules cast again in backward and keep none: every block under ``full`` checkpointing,
     the MoE layers' experts and shared experts under ``moe``.
     """
+    model, vp = config.model, config.parallel.vocab_parallel
     recompute = config.parallel.activation_checkpointing
+    root = 0
+    for param in root_tensors(model, config.moe, first, last):
+        if in_fsdp_unit(param, layout, model):
+            continue  # gathered in bf16 already (``parallel.sharding.mixed_precision``): nothing to cast
+        if (param.kind == "embedding" and model.tie_embeddings and last) or (
+                param.kind != "embedding" and param.autocast_copy):
+            root += 2 * math.prod(tp_local_shape(param, layout, vp))  # a tied head casts the table
+    return root + sum(count * _block_copies(block, layout, model.n_moe_layers > 0, vp, recompute)
+                      for block, count in rank_blocks(model, config.moe, layers))
 
-    def kept(param: ParamTensor) -> bool:
-        if param.expert or in_fsdp_unit(param, layout, config.model):
-            return False  # gathered in bf16 already (``parallel.sharding.mixed_precision``): nothing to cast
-        if param.kind == "embedding" and config.model.tie_embeddings:
-            return last  # the tied head casts the table (pipelining refuses tied embeddings: last is first)
-        if not param.autocast_copy:
-            return False
-        if param.layer is None:
-            return True
-        moe_layer = config.model.is_moe_layer(param.layer)
-        return recompute == "none" or (recompute == "moe" and not (moe_layer and param.kind in ("experts", "ffn")))
 
-    return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in rank_tensors(config.model, config.moe, layers, first, last) if kept(p))
+@functools.lru_cache(maxsize=65536)
+def _block_copies(block: Block, layout: Layout, has_moe: bool, vp: bool, recompute: str) -> int:
+    """``_weight_copies`` of one block."""
+    if recompute == "full":
+        return 0
+    total = 0
+    for param in block.params:
+        # the experts compute with copies kept for the step (``compute_copy_bytes``); the rest, in FSDP units
+        # when dp > 1, is gathered in bf16 (``in_fsdp_unit``)
+        if param.expert or layout.dp > 1 or not param.autocast_copy:
+            continue
+        if recompute == "moe" and block.is_moe and param.kind in ("experts", "ffn"):
+            continue
+        total += 2 * math.prod(tp_local_shape(param, layout, vp))
+    return total
 
 
 def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_rank: int = 0) -> int:
@@ -159,10 +173,12 @@ def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_ran
     recomputed or not; none in fp32, or where FSDP gathers the experts in bf16 itself."""
     if precision != "bf16":
         return 0
-    layers, first, last = local_layers(config, layout, pp_rank)
-    return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in rank_tensors(config.model, config.moe, layers, first, last)
-                   if p.expert and not in_fsdp_unit(p, layout, config.model))
+    total = 0
+    for block, count in rank_blocks(config.model, config.moe, local_layers(config, layout, pp_rank)[0]):
+        experts = [param for param in block.params if param.expert]
+        if experts and not in_fsdp_unit(experts[0], layout, config.model):
+            total += count * sum(2 * math.prod(tp_local_shape(param, layout, False)) for param in experts)
+    return total
 
 
 def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size: int, precision: str,
@@ -184,19 +200,22 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     def add(name: str, nbytes: int) -> None:
         parts[name] = parts.get(name, 0) + nbytes
 
-    for i in layers:
+    kinds: dict[bool, int] = {}  # MoE or dense: how many of this rank's blocks (each kind saves the same)
+    for block, count in rank_blocks(model, moe, layers):
+        kinds[block.is_moe] = kinds.get(block.is_moe, 0) + count
+    for is_moe, count in kinds.items():
         if par.activation_checkpointing == "full":
-            add("block inputs (recompute)", stream * d * FP32)
+            add("block inputs (recompute)", count * stream * d * FP32)
             continue
-        add("norms", 2 * _norm(stream, d))
-        add("attention", _attention(model, layout.tp, mb))
-        if not model.is_moe_layer(i):
-            add("dense FFN", _feed_forward(mb, d, model.ffn_hidden // layout.tp))
+        add("norms", count * 2 * _norm(stream, d))
+        add("attention", count * _attention(model, layout.tp, mb))
+        if not is_moe:
+            add("dense FFN", count * _feed_forward(mb, d, model.ffn_hidden // layout.tp))
         elif par.activation_checkpointing == "moe":
-            add("MoE inputs (recompute)", tokens * d * FP32)
+            add("MoE inputs (recompute)", count * tokens * d * FP32)
         else:
             for name, nbytes in _moe(model, moe, layout, mb).items():
-                add(name, nbytes)
+                add(name, count * nbytes)
     if first:
         add("embedding", tokens * INDEX)  # the token ids
     if last:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 
 from analysis import communication, memory
 from analysis.memory_states import experts_own_unit
-from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts
+from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts, per_model
 from moe.config import ConfigError
 from parallel.groups import Layout, valid_layouts
 from parallel.pipeline import stage_layers
@@ -113,11 +114,15 @@ def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: 
 
 def schedules(config: RunConfig, layout: Layout) -> list[tuple[str, int]]:
     """The pipeline schedules to try: 1F1B, GPipe, and interleaved 1F1B with v = 2, 4, 8, ... virtual stages per
-    rank while every stage keeps a block (Narayanan et al. 2021 sec. 2.2.2); none but 1F1B without pipelining."""
+    rank while every stage keeps a block (Narayanan et al. 2021 sec. 2.2.2), and every v that splits each rank's
+    blocks evenly (Megatron-Core's rule for v: a divisor of layers / pp; its Mixtral 8x22B mapping runs v = 7);
+    none but 1F1B without pipelining."""
     if layout.pp == 1:
         return [("1f1b", 1)]
-    interleaved = [("interleaved_1f1b", 2**k) for k in range(1, 8) if layout.pp * 2**k <= config.model.n_layers]
-    return [("1f1b", 1), ("gpipe", 1), *interleaved]
+    layers = config.model.n_layers
+    virtual = {2**k for k in range(1, 8) if layout.pp * 2**k <= layers}
+    virtual |= {v for v in range(2, layers // layout.pp + 1) if layers % (layout.pp * v) == 0}
+    return [("1f1b", 1), ("gpipe", 1), *(("interleaved_1f1b", v) for v in sorted(virtual))]
 
 
 def recompute_settings(config: RunConfig) -> tuple[str, ...]:
@@ -136,6 +141,18 @@ def stage_flops_per_token(config: RunConfig, layout: Layout) -> list[float]:
 def _rank_blocks(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
     """Each pipeline rank's (training FLOPs per token, is-MoE) of its blocks, recompute included; the head last
     (is-MoE None: no roofline, its matmul is the largest of the model)."""
+    model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
+    key = (layout.pp, config.parallel.pp_virtual_stages, recompute)
+    known = per_model(_RANK_BLOCKS, model, moe, dict)
+    if key not in known:
+        known[key] = _count_rank_blocks(config, layout)
+    return known[key]
+
+
+_RANK_BLOCKS: dict = {}  # a per_model store of _rank_blocks by (pp, v, recompute)
+
+
+def _count_rank_blocks(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
     stages = layout.pp * config.parallel.pp_virtual_stages
     ranges = stage_layers(model, moe, stages) if layout.pp > 1 else [range(model.n_layers)]
@@ -255,9 +272,11 @@ def calibrated_efficiency() -> float:
 EFFICIENCY = calibrated_efficiency()
 
 
-def memory_bytes(config: RunConfig, layout: Layout) -> tuple[int, int]:
-    """The busiest pipeline rank's bytes (``analysis.memory``) and the micro-batches per step."""
-    estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank) for pp_rank in range(layout.pp)]
+def memory_bytes(config: RunConfig, layout: Layout,
+                 resolved: tuple[Layout, int, int] | None = None) -> tuple[int, int]:
+    """The busiest pipeline rank's bytes (``analysis.memory``) and the micro-batches per step (``resolved``:
+    ``resolve_layout``'s answer for the config, when at hand)."""
+    estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank, resolved) for pp_rank in range(layout.pp)]
     return max(e.total for e in estimates), estimates[0].microbatches
 
 
@@ -275,11 +294,25 @@ def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware
 
 @dataclass(frozen=True)
 class Candidate:
-    """A setting train.py accepts, with a lower bound on its step: compute and bubble, no communication yet."""
+    """A setting to weigh, with a lower bound on its step: compute and bubble, no communication yet."""
 
-    config: RunConfig
+    base: RunConfig  # the config planned for
     layout: Layout
+    recompute: str
+    grad_reduce: str
+    schedule: tuple[str, int]
+    micro_batch_size: int | None  # None: the config's own
     bound: float
+
+    @property
+    def setting(self) -> tuple:
+        return self.layout, self.recompute, self.grad_reduce, self.schedule, self.micro_batch_size
+
+    @functools.cached_property
+    def config(self) -> RunConfig:
+        """The config set to this candidate (built when weighed: most candidates are bounded out first)."""
+        return with_layout(self.base, self.layout, self.recompute, self.grad_reduce, self.schedule,
+                           self.micro_batch_size)
 
 
 def micro_batch_sizes(config: RunConfig, layout: Layout) -> list[int | None]:
@@ -288,7 +321,10 @@ def micro_batch_sizes(config: RunConfig, layout: Layout) -> list[int | None]:
     if config.train.micro_batch_size is not None or config.parallel.microbatches is not None:
         return [None]
     per_rank, rest = divmod(config.train.global_batch_size, layout.dp)
-    return [b for b in range(1, per_rank + 1) if per_rank % b == 0] if not rest else [None]
+    if rest:
+        return [None]
+    small = [b for b in range(1, math.isqrt(per_rank) + 1) if per_rank % b == 0]
+    return sorted({*small, *(per_rank // b for b in small)})
 
 
 def fixed_layouts(config: RunConfig, world_size: int, fixed: dict[str, int]) -> list[Layout]:
@@ -322,27 +358,47 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
     peak = hardware.bf16_flops * efficiency
     busiest: dict[tuple, float] = {}
     for layout in fixed_layouts(config, world_size, fixed or {}):
-        for recompute, grad_reduce, schedule, micro in itertools.product(
-                recompute_settings(config), GRAD_REDUCE, schedules(config, layout), micro_batch_sizes(config, layout)):
-            candidate = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
-            try:
-                size, microbatches = micro_batching(candidate, layout.dp, layout.pp)
-            except ConfigError as exc:  # the batch does not split over this layout's data-parallel ranks
+        sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
+        for micro in micro_batch_sizes(config, layout):
+            try:  # the batch split: the searched sizes divide the per-rank batch, the config's own may not
+                size, microbatches = micro_batching(with_layout(config, layout, "none", micro_batch_size=micro),
+                                                    layout.dp, layout.pp)
+            except ConfigError as exc:
                 refusal = refusal or str(exc)
                 continue
-            sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
-            if grad_reduce != "step" and (microbatches == 1 or not sharded):
-                continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
-            key = (layout.pp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
-            if key not in busiest:
-                busiest[key] = compute_seconds(candidate, layout, peak, hardware.memory_bandwidth) * layout.dp
-            compute = busiest[key] / layout.dp
-            bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1])
-            out.append(Candidate(candidate, layout, bound))
+            for recompute, grad_reduce, schedule in itertools.product(recompute_settings(config), GRAD_REDUCE,
+                                                                      schedules(config, layout)):
+                if grad_reduce != "step" and (microbatches == 1 or not sharded):
+                    continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
+                key = (layout.pp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
+                if key not in busiest:
+                    setting = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
+                    busiest[key] = compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * layout.dp
+                compute = busiest[key] / layout.dp
+                bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1])
+                out.append(Candidate(config, layout, recompute, grad_reduce, schedule, micro, bound))
     if not out:
         raise none_passes(world_size, refusal)
     out.sort(key=lambda c: c.bound)
     return out
+
+
+def smallest_micro_batch(candidate: Candidate) -> Candidate | None:
+    """The same setting with micro-batches of one sequence, when that bounds its memory from below.
+
+    The memory model's total then never falls as the micro-batch grows: every activation grows with the
+    tokens while the micro-batches held in flight stay put (one without pipelining, pp − r under 1F1B and
+    interleaved 1F1B once m ≥ pp), and the weights, gathers and held gradients stay (they change only where a
+    step has a single micro-batch). Not under GPipe, which holds all m: fewer, larger micro-batches hold fewer
+    per-micro-batch buffers (the bf16 weight copies). None where the config fixes the size, the size is 1
+    already, or the rule does not hold."""
+    micro, layout = candidate.micro_batch_size, candidate.layout
+    per_rank = candidate.base.train.global_batch_size // layout.dp
+    if micro is None or micro == 1 or per_rank // micro == 1 or candidate.schedule[0] == "gpipe":
+        return None
+    if layout.pp > 1 and per_rank // micro < layout.pp:
+        return None
+    return dataclasses.replace(candidate, micro_batch_size=1, bound=0.0)
 
 
 @dataclass
@@ -369,18 +425,32 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     plans: list[Plan] = []
     steps: list[float] = []  # a max-heap (negated) of the ``top`` fastest steps so far
     closest, evaluated, refusal, complete = None, 0, None, True
+    needs: dict[tuple, int | None] = {}  # memory of each setting weighed (None: train.py refuses it)
+
+    def need_of(candidate: Candidate) -> int | None:
+        if candidate.setting not in needs:
+            try:
+                resolved = resolve_layout(candidate.config, world_size)  # train.py's own checks
+            except ConfigError as exc:
+                needs[candidate.setting] = None
+                nonlocal refusal
+                refusal = refusal or str(exc)
+            else:
+                needs[candidate.setting] = memory_bytes(candidate.config, candidate.layout, resolved)[0]
+        return needs[candidate.setting]
+
     for candidate in pool:
         if (top is not None and len(steps) == top and candidate.bound > -steps[0]) or (
                 faster_than is not None and candidate.bound >= faster_than):
             complete = False
             break
-        try:
-            resolve_layout(candidate.config, world_size)  # train.py's own checks
-        except ConfigError as exc:
-            refusal = refusal or str(exc)
+        smallest = smallest_micro_batch(candidate)
+        if smallest is not None and (floor := need_of(smallest)) is not None and floor > device_memory:
+            continue  # its micro-batches of one do not fit: larger ones cannot (``smallest_micro_batch``)
+        need = need_of(candidate)
+        if need is None:
             continue
         evaluated += 1
-        need = memory_bytes(candidate.config, candidate.layout)[0]
         if need > device_memory:
             if closest is None or need < closest[1]:
                 closest = (candidate, need)
