@@ -29,7 +29,7 @@ def train(run_dir: Path, *overrides: str, cpu: bool = False, config: str = "moe-
     done = subprocess.run([*launcher, "train.py", "--config", config, "--run-dir", str(run_dir), "--set",
                            *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr, [r for r in read_metrics(run_dir) if "train/loss" in r]
+    return done.stderr, [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r]
 
 
 def test_gpu_bf16_follows_the_cpu_fp32_loss_curve(tmp_path):
