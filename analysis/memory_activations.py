@@ -130,9 +130,10 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     nothing to cast (``parallel.sharding.mixed_precision``; bf16 training passes it whenever FSDP runs).
 
     Recomputed modules cast again in backward and keep none: every block under ``full`` checkpointing,
-    the MoE layers' experts and shared experts under ``moe``.
+    the MoE layers' experts and shared experts under ``moe``. Offloaded modules' copies go to the host with
+    their other saved tensors (counted in the offloaded part).
     """
-    recompute = config.parallel.activation_checkpointing
+    recompute, offload = config.parallel.activation_checkpointing, config.parallel.activation_offload
 
     def kept(param: ParamTensor) -> bool:
         if in_fsdp_unit(param, layout, config.model):
@@ -144,6 +145,8 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
         if param.layer is None:
             return True
         moe_layer = config.model.is_moe_layer(param.layer)
+        if offload == "blocks" or (offload == "moe" and moe_layer and param.kind in ("experts", "ffn")):
+            return False
         return recompute == "none" or (recompute == "moe" and not (moe_layer and param.kind in ("experts", "ffn")))
 
     return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
@@ -155,8 +158,11 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     """Bytes autograd saves in one micro-batch's forward on one rank of pipeline rank ``pp_rank``, by part.
 
     ``parallel.activation_checkpointing``: ``full`` keeps each block's input only, ``moe`` the MoE layers'
-    inputs only (``parallel/activation_checkpoint.py``). Sequence parallelism puts the norms and the
-    residual stream on S/tp; attention, the dense FFN and the MoE layer work on the gathered sequence.
+    inputs only (``parallel/activation_checkpoint.py``). ``parallel.activation_offload`` (blocks or MoE layers)
+    keeps two such modules' saved bytes on the device, the largest, for the one whose copies are in flight beside
+    the one computing: an estimate of its design (``parallel/activation_offload.py``), not yet measured on a GPU.
+    Sequence parallelism puts the norms and the residual stream on S/tp; attention, the dense FFN and the MoE
+    layer work on the gathered sequence.
     """
     model, moe, par = config.model, config.moe, config.parallel
     layers, first, last = local_layers(config, layout, pp_rank)
@@ -169,19 +175,29 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     def add(name: str, nbytes: int) -> None:
         parts[name] = parts.get(name, 0) + nbytes
 
+    offloaded = []  # each offloaded module's saved bytes (``parallel/activation_offload.py``)
     for i in layers:
         if par.activation_checkpointing == "full":
             add("block inputs (recompute)", stream * d * FP32)
             continue
-        add("norms", 2 * _norm(stream, d))
-        add("attention", _attention(model, layout.tp, mb))
+        block = {"norms": 2 * _norm(stream, d), "attention": _attention(model, layout.tp, mb)}
         if not model.is_moe_layer(i):
-            add("dense FFN", _feed_forward(mb, d, model.ffn_hidden // layout.tp))
+            block["dense FFN"] = _feed_forward(mb, d, model.ffn_hidden // layout.tp)
         elif par.activation_checkpointing == "moe":
-            add("MoE inputs (recompute)", tokens * d * FP32)
+            block["MoE inputs (recompute)"] = tokens * d * FP32
         else:
-            for name, nbytes in _moe(model, moe, layout, mb).items():
-                add(name, nbytes)
+            moe_parts = _moe(model, moe, layout, mb)
+            if par.activation_offload == "moe":
+                offloaded.append(sum(moe_parts.values()))
+            else:
+                block.update(moe_parts)
+        if par.activation_offload == "blocks":
+            offloaded.append(sum(block.values()))
+            continue
+        for name, nbytes in block.items():
+            add(name, nbytes)
+    if offloaded:  # about two modules' at a time: one arriving (or leaving) while the next computes
+        add(f"offloaded {par.activation_offload} in flight", min(2, len(offloaded)) * max(offloaded))
     if first:
         add("embedding", tokens * INDEX)  # the token ids
     if last:

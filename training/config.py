@@ -175,6 +175,9 @@ class RunConfig:
             self.model.vocab_size >= 256 or self.data.source.endswith(".bin"),
             f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
         )
+        _require(not (self.train.compile and self.parallel.activation_offload != "none"),
+                 "train.compile with parallel.activation_offload is not supported yet (its saved-tensor hooks would "
+                 "split every compiled block); set one of them off")
         _require(not (self.train.compile and self.parallel.pp > 1),
                  "train.compile with pipeline parallelism (parallel.pp > 1) is not supported yet; set one of them off")
         _require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
