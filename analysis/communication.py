@@ -9,7 +9,8 @@ Byte convention (both sides): **bus bytes**, the data one rank puts on its link 
 (ring) algorithms, as nccl-tests defines bus bandwidth (NVIDIA nccl-tests, doc/PERFORMANCE.md): for a group
 of n ranks and a buffer of S bytes (the full, unsharded buffer) all-reduce moves 2(n−1)/n·S, all-gather and
 reduce-scatter (n−1)/n·S, broadcast S; an all-to-all moves exactly the rows that leave the rank for other
-ranks; a point-to-point send its tensor. Time on a link is then bus bytes / the link's one-way bandwidth.
+ranks; a point-to-point send its tensor. Time on a link is then bus bytes / the bandwidth NCCL gets of it
+(``bandwidth``: NVLink, or the network adapters of the group's ranks in a node).
 
 What the code does, read from it and confirmed by counting (tests/analysis/test_communication.py):
 
@@ -45,7 +46,8 @@ step): the gradient-norm all-reduces (one vector of per-parameter norms per mesh
 step-loss and aux-free-bias all-reduces over dp, routing statistics at log intervals, and, under sequence
 parallelism without FSDP, the norm weights' gradients, which DTensor leaves partial and the gradient-norm
 step makes whole (one all-reduce of [D] each; with FSDP its gradient reduction makes them whole once per
-micro-batch, and that is counted).
+micro-batch, and that is counted); the same for the per-head query/key norms (``model.qk_norm``, [hd] each)
+under any tp.
 
 Element sizes: gradients are reduced in fp32; parameters are gathered in fp32, or under bf16 in bf16 (FSDP2's
 mixed precision), but for the routers, fp32 units of their own. Under bf16 autocast the projections'
@@ -75,7 +77,7 @@ from dataclasses import dataclass
 import torch
 
 from analysis.memory import planned_precision
-from analysis.memory_states import ParamTensor, experts_own_unit, on_rank, parameter_tensors, sharded_numel
+from analysis.memory_states import ParamTensor, experts_own_unit, rank_tensors, sharded_numel
 from moe.config import ConfigError
 from moe.dispatch import expert_capacity
 from parallel.groups import Layout, axis_view, coordinates, groups_for
@@ -95,33 +97,36 @@ class Hardware:
     inter_node: float
     bf16_flops: float
     memory_gib: float  # nominal (the datasheet's GB)
+    memory_bandwidth: float  # HBM bytes/s (the roofline of the planner's matmuls)
     source: str
 
 
 # Datasheet figures. NVLink totals are quoted for both directions together: one direction is half. The network
 # is one adapter per GPU as the vendors' 8-GPU reference systems have it (DGX A100: 200 Gb/s HDR, 25 GB/s each
-# way; DGX H100/H200/B200: 400 Gb/s, 50 GB/s). Peaks are dense bf16 tensor-core FLOP/s, without sparsity.
+# way; DGX H100/H200/B200: 400 Gb/s, 50 GB/s). Peaks are dense bf16 tensor-core FLOP/s, without sparsity. HBM
+# bandwidth from the same datasheets: A100 40GB 1,555 GB/s, 80GB 2,039 GB/s; H100 and H800 SXM 3.35 TB/s; H200
+# 4.8 TB/s; B200 8 TB/s (HGX B200: 64 TB/s for 8 GPUs).
 HARDWARE = {
     # NVIDIA A100 Tensor Core GPU datasheet: NVLink 3 600 GB/s, bf16 312 TFLOP/s, 40 or 80 GB; DGX A100 user
     # guide: 8 single-port 200 Gb/s HDR InfiniBand adapters for the compute fabric
-    "a100-40gb": Hardware("A100 SXM4 40GB, NVLink 3, HDR InfiniBand", 8, 300e9, 25e9, 312e12, 40,
+    "a100-40gb": Hardware("A100 SXM4 40GB, NVLink 3, HDR InfiniBand", 8, 300e9, 25e9, 312e12, 40, 1555e9,
                           "NVIDIA A100 datasheet; DGX A100 user guide"),
-    "a100-80gb": Hardware("A100 SXM4 80GB, NVLink 3, HDR InfiniBand", 8, 300e9, 25e9, 312e12, 80,
+    "a100-80gb": Hardware("A100 SXM4 80GB, NVLink 3, HDR InfiniBand", 8, 300e9, 25e9, 312e12, 80, 2039e9,
                           "NVIDIA A100 datasheet; DGX A100 user guide"),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): NVLink 4 900 GB/s, bf16 989 TFLOP/s (1979 with sparsity),
     # 80 GB; one 400 Gb/s NDR InfiniBand adapter per GPU
-    "h100": Hardware("H100 SXM5, NVLink 4, NDR InfiniBand", 8, 450e9, 50e9, 989e12, 80,
+    "h100": Hardware("H100 SXM5, NVLink 4, NDR InfiniBand", 8, 450e9, 50e9, 989e12, 80, 3350e9,
                      "NVIDIA H100 Tensor Core GPU datasheet"),
     # H800 SXM5: the H100's compute with NVLink cut to 400 GB/s (NVIDIA's H800 specifications); DeepSeek-V3's
     # report (arXiv:2412.19437 sec. 3.2.2) measures about 160 GB/s of NVLink and 50 GB/s of InfiniBand per GPU
-    "h800": Hardware("H800 SXM5, NVLink 400 GB/s, NDR InfiniBand", 8, 200e9, 50e9, 989e12, 80,
+    "h800": Hardware("H800 SXM5, NVLink 400 GB/s, NDR InfiniBand", 8, 200e9, 50e9, 989e12, 80, 3350e9,
                      "NVIDIA H800 specifications; DeepSeek-V3 technical report sec. 3.2.2"),
     # NVIDIA H200 Tensor Core GPU datasheet: the H100's compute and NVLink 4, 141 GB of HBM3e
-    "h200": Hardware("H200 SXM, NVLink 4, NDR InfiniBand", 8, 450e9, 50e9, 989e12, 141,
+    "h200": Hardware("H200 SXM, NVLink 4, NDR InfiniBand", 8, 450e9, 50e9, 989e12, 141, 4800e9,
                      "NVIDIA H200 Tensor Core GPU datasheet"),
     # NVIDIA HGX B200 / DGX B200 specifications: NVLink 5 1.8 TB/s per GPU, bf16 2.25 PFLOP/s dense (4.5 with
     # sparsity), 1,440 GB for 8 GPUs, 400 Gb/s ConnectX-7 per GPU
-    "b200": Hardware("B200, NVLink 5, 400 Gb/s InfiniBand", 8, 900e9, 50e9, 2250e12, 180,
+    "b200": Hardware("B200, NVLink 5, 400 Gb/s InfiniBand", 8, 900e9, 50e9, 2250e12, 180, 8000e9,
                      "NVIDIA HGX B200 and DGX B200 specifications"),
 }
 
@@ -302,6 +307,9 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
         syncs = _gradient_syncs(step)
         _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
              model.d_model * fp32, group)
+    if model.qk_norm and layout.dp > 1:  # the per-head q/k norms see this rank's heads: the same, [hd] each
+        _add(out, "tp", "all_reduce", "query/key norm weights' gradients (backward)",
+             2 * len(step.layers) * _gradient_syncs(step), model.head_size * fp32, group)
     if step.first and (par.vocab_parallel or sp):
         if par.vocab_parallel:
             _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "embedding output (forward)", m,
@@ -368,9 +376,7 @@ def _fsdp_units(step: _Step) -> dict[str, list[ParamTensor]]:
     experts_apart = experts_own_unit(layout, config.model)
     routers_apart = step.act == 2  # bf16 mixed precision: each router an fp32 unit of its own
     units: dict[str, list[ParamTensor]] = defaultdict(list)
-    for param in parameter_tensors(config.model, config.moe):
-        if not on_rank(param, step.layers, step.first, step.last):
-            continue
+    for param in rank_tensors(config.model, config.moe, list(step.layers), step.first, step.last):
         if param.layer is None:
             units["root"].append(param)
         elif param.kind == "router" and routers_apart:
@@ -481,10 +487,32 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
 # ---------------------------------------------------------------------------
 
 
+# What NCCL gets of a link's line rate: "with the protocol overhead (~20%) NCCL can get an effective NVLink
+# bandwidth of 370GB/s" of H100's 450 (S. Jeaugey, NCCL's maintainer, NVIDIA/nccl-tests issue #212, 2024); taken
+# for every link, the network's too.
+NCCL_EFFICIENCY = 0.8
+RINGS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
+    """Bytes/s ``item`` gets from its links at NCCL's share of their line rate (``NCCL_EFFICIENCY``).
+
+    Inside a node, NVLink. A ring collective whose group spans nodes with k of its ranks in each node runs
+    one ring per network adapter (NCCL's channels, one adapter per GPU on DGX-style nodes), so the bytes that
+    leave a node share k adapters: k × the per-GPU network bandwidth, but no more than NVLink carries.
+    All-to-all, sends and broadcasts leave through the rank's own adapter.
+    """
+    if item.link(gpus_per_node) == "intra":
+        return hardware.intra_node * NCCL_EFFICIENCY
+    if item.collective in RINGS:
+        per_node = len(item.group) // len({r // gpus_per_node for r in item.group})
+        return min(hardware.intra_node, per_node * hardware.inter_node) * NCCL_EFFICIENCY
+    return hardware.inter_node * NCCL_EFFICIENCY
+
+
 def seconds(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
-    """Time of ``item`` on its link at the table's one-way bandwidth (no overlap with compute, no latency)."""
-    bandwidth = hardware.intra_node if item.link(gpus_per_node) == "intra" else hardware.inter_node
-    return item.bus_bytes / bandwidth
+    """Time of ``item`` on its links (``bandwidth``; no overlap with compute, no latency)."""
+    return item.bus_bytes / bandwidth(item, hardware, gpus_per_node)
 
 
 def format_table(items: list[Traffic], hardware: Hardware, gpus_per_node: int) -> str:

@@ -50,7 +50,7 @@ def check_fits(config: RunConfig, world_size: int, available: int | None, precis
         return needs
     layout = resolve_layout(config, world_size)[0]
     stage = f"the ranks of pipeline stage {worst}" if len(needs) > 1 else "every rank"
-    fitting = plan(config, world_size, available)[0][:3]
+    fitting = plan(config, world_size, available, top=3)[0]
     advice = ("; layouts of this world size that fit, fastest first: "
               + " | ".join(f"{p.describe()} ({p.memory / GIB:.2f} GiB)" for p in fitting) if fitting else
               f"; no layout of {world_size} rank(s) fits: use more ranks, a smaller train.micro_batch_size, "

@@ -17,8 +17,7 @@ from analysis.memory_states import (
     in_fsdp_unit,
     largest_chunk,
     local_layers,
-    on_rank,
-    parameter_tensors,
+    rank_tensors,
     tp_local_shape,
 )
 from moe.config import ModelConfig, MoEConfig
@@ -60,14 +59,16 @@ def _linear_inputs(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool =
 
 
 def _attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
-    """wq/wk/wv input; SDPA's q, k (after RoPE), v, output and [b, heads, s] logsumexp; wo's input.
+    """wq/wk/wv input; SDPA's q, k (after RoPE), v, output and [b, heads, s] logsumexp; wo's input; with
+    ``qk_norm`` the per-head norms of q and k (each of the T·heads rows of hd, as an RMSNorm saves them).
 
     wo's input is the output made contiguous, a copy unless one head per rank makes it a view.
     """
-    heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_dim
+    heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
     qkvo = mb.tokens * hd * (2 * heads + 2 * kv_heads) * mb.compute
     wo_input = 0 if heads == 1 else mb.tokens * heads * hd * mb.compute
-    return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32
+    qk_norms = _norm(mb.tokens * heads, hd) + _norm(mb.tokens * kv_heads, hd) if model.qk_norm else 0
+    return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32 + qk_norms
 
 
 def _feed_forward(mb: MicroBatch, d: int, hidden: int, input_saved: bool = True) -> int:
@@ -110,14 +111,15 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     rows = largest_chunk(kept, layout.tp // layout.etp)  # this rank's share (the largest)
     hidden = moe.expert_hidden // layout.etp
     swiglu = moe.activation == "swiglu"
-    experts = kept * INDEX  # permute's token index
+    experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
     if layout.ep > 1:  # received rows' reorder index and its inverse, the local grouped rows
         experts += 2 * rows * INDEX + rows * d * a
     else:  # the grouped rows (this tp rank's share)
         experts += rows * d * a
     experts += (4 if swiglu else 2) * rows * hidden * a + (3 if swiglu else 2) * (moe.num_experts // layout.ep) * OFFSET
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
-             "MoE combine": kept * d * a + kept * a + kept * INDEX}  # expert outputs, their weights, order
+             # expert outputs, their weights, the order and the token index
+             "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
     if moe.num_shared_experts:
         parts["shared experts"] = _feed_forward(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
     return parts
@@ -127,7 +129,8 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     """bf16 autocast copies of this rank's tp-local weights that the matmuls save (``ParamTensor.autocast_copy``).
 
     Only of weights outside FSDP: FSDP's mixed precision gathers its units' weights in bf16, so autocast has
-    nothing to cast (``parallel.sharding.mixed_precision``; bf16 training passes it whenever FSDP runs).
+    nothing to cast (``parallel.sharding.mixed_precision``; bf16 training passes it whenever FSDP runs). Not
+    of the routed experts: their copies are kept once per step, not per micro-batch (``compute_copy_bytes``).
 
     Recomputed modules cast again in backward and keep none: every block under ``full`` checkpointing,
     the MoE layers' experts and shared experts under ``moe``. Offloaded modules' copies go to the host with
@@ -136,11 +139,11 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     recompute, offload = config.parallel.activation_checkpointing, config.parallel.activation_offload
 
     def kept(param: ParamTensor) -> bool:
-        if in_fsdp_unit(param, layout, config.model):
+        if param.expert or in_fsdp_unit(param, layout, config.model):
             return False  # gathered in bf16 already (``parallel.sharding.mixed_precision``): nothing to cast
         if param.kind == "embedding" and config.model.tie_embeddings:
             return last  # the tied head casts the table (pipelining refuses tied embeddings: last is first)
-        if not param.autocast_copy or not on_rank(param, layers, first, last):
+        if not param.autocast_copy:
             return False
         if param.layer is None:
             return True
@@ -150,7 +153,19 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
         return recompute == "none" or (recompute == "moe" and not (moe_layer and param.kind in ("experts", "ffn")))
 
     return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in parameter_tensors(config.model, config.moe) if kept(p))
+                   for p in rank_tensors(config.model, config.moe, layers, first, last) if kept(p))
+
+
+def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_rank: int = 0) -> int:
+    """The routed experts' bf16 copies on this rank (``moe.experts.ComputeCopies``): made by a step's first
+    forward and dropped before its optimizer step, so held once however many micro-batches are in flight,
+    recomputed or not; none in fp32, or where FSDP gathers the experts in bf16 itself."""
+    if precision != "bf16":
+        return 0
+    layers, first, last = local_layers(config, layout, pp_rank)
+    return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
+                   for p in rank_tensors(config.model, config.moe, layers, first, last)
+                   if p.expert and not in_fsdp_unit(p, layout, config.model))
 
 
 def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size: int, precision: str,

@@ -21,6 +21,7 @@ the step's all-reduce).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -54,15 +55,48 @@ class ParamTensor:
         return self.kind in ("attention", "ffn", "experts", "head")
 
 
-def parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
-    """Every parameter of ``moe.transformer.MoETransformer`` with its global shape (a tied head shares the table)."""
-    d, hd, out = model.d_model, model.head_dim, []
+def parameter_tensors(model: ModelConfig, moe: MoEConfig) -> tuple[ParamTensor, ...]:
+    """Every parameter of ``moe.transformer.MoETransformer`` with its global shape (a tied head shares the table).
+
+    Remembered by the shapes' values (the planner asks for the same model's tensors for every candidate)."""
+    key = (repr(model), repr(moe))
+    if key not in _TENSORS:
+        _TENSORS[key] = tuple(_parameter_tensors(model, moe))
+    return _TENSORS[key]
+
+
+def tensors_by_layer(model: ModelConfig, moe: MoEConfig) -> dict[int | None, tuple[ParamTensor, ...]]:
+    """``parameter_tensors`` grouped by block (None: the embedding, final norm and head), remembered likewise."""
+    key = (repr(model), repr(moe))
+    if key not in _BY_LAYER:
+        groups: dict[int | None, list[ParamTensor]] = {}
+        for param in parameter_tensors(model, moe):
+            groups.setdefault(param.layer, []).append(param)
+        _BY_LAYER[key] = {layer: tuple(params) for layer, params in groups.items()}
+    return _BY_LAYER[key]
+
+
+_TENSORS: dict[tuple[str, str], tuple[ParamTensor, ...]] = {}
+_BY_LAYER: dict[tuple[str, str], dict[int | None, tuple[ParamTensor, ...]]] = {}
+
+
+def rank_tensors(model: ModelConfig, moe: MoEConfig, layers: list[int], first: bool,
+                 last: bool) -> list[ParamTensor]:
+    """The tensors a pipeline rank holds (``on_rank``), found by block instead of by a scan of every tensor."""
+    groups = tensors_by_layer(model, moe)
+    return [p for i in layers for p in groups.get(i, ())] + [p for p in groups[None] if on_rank(p, layers, first, last)]
+
+
+def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
+    d, hd, out = model.d_model, model.head_size, []
     for i in range(model.n_layers):
         out += [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)),
                 ParamTensor("attention", i, (model.n_heads * hd, d), 0),
                 ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
                 ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
                 ParamTensor("attention", i, (d, model.n_heads * hd), 1)]
+        if model.qk_norm:  # per-head query and key norms, whole on every tp rank
+            out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
         hidden = model.ffn_hidden
         if model.is_moe_layer(i):
             e, h = moe.num_experts, moe.expert_hidden
@@ -120,10 +154,20 @@ def in_fsdp_unit(param: ParamTensor, layout: Layout, model: ModelConfig) -> bool
 
 
 def sharded_numel(param: ParamTensor, layout: Layout, model: ModelConfig, vocab_parallel: bool) -> int:
-    """Elements of ``param`` one rank stores: its tp/ep slice, then its FSDP shard (``parallel/sharding.py``)."""
+    """Elements of ``param`` one rank stores: its tp/ep slice, then its FSDP shard (``parallel/sharding.py``).
+
+    Remembered by the tensor's shape and cut (not its block: every block of a kind gives the same figure)."""
+    return _sharded_numel(param.kind, param.shape, param.tp_dim, param.expert_hidden_dim, layout,
+                          model.n_moe_layers > 0, vocab_parallel)
+
+
+@functools.lru_cache(maxsize=65536)
+def _sharded_numel(kind: str, shape: tuple[int, ...], tp_dim: int | None, expert_hidden_dim: int | None,
+                   layout: Layout, has_moe: bool, vocab_parallel: bool) -> int:
+    param = ParamTensor(kind, None, shape, tp_dim, expert_hidden_dim)
     shape = tp_local_shape(param, layout, vocab_parallel)
-    if param.expert and experts_own_unit(layout, model):
-        if in_fsdp_unit(param, layout, model):  # else unmanaged: ep (× etp) spans all dp_shard × tp ranks
+    if param.expert and experts_spread(layout, has_moe):  # experts_own_unit
+        if layout.dp_replicate * layout.edp > 1:  # in_fsdp_unit; else unmanaged: ep (× etp) spans dp_shard × tp
             dim = expert_fsdp_dim(shape[0], layout.edp, param.expert_hidden_dim if layout.etp > 1 else None)
             shape[dim] = largest_chunk(shape[dim], layout.edp)
     elif layout.dp > 1:  # FSDP2 over dp_shard (HSDP replicates over dp_replicate), dim 0
@@ -178,9 +222,7 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
     model, vp = config.model, config.parallel.vocab_parallel
     layers, first, last = local_layers(config, layout, pp_rank)
     dense = experts = matrices = 0
-    for param in parameter_tensors(model, config.moe):
-        if not on_rank(param, layers, first, last):
-            continue
+    for param in rank_tensors(model, config.moe, layers, first, last):
         numel = sharded_numel(param, layout, model, vp)
         if param.expert:
             experts += numel * FP32
@@ -204,7 +246,7 @@ def accumulated_grad_bytes(config: RunConfig, layout: Layout, microbatches: int,
     model, vp = config.model, config.parallel.vocab_parallel
     layers, first, last = local_layers(config, layout, pp_rank)
     return FP32 * sum(math.prod(tp_local_shape(p, layout, vp)) - sharded_numel(p, layout, model, vp)
-                      for p in parameter_tensors(model, config.moe) if on_rank(p, layers, first, last))
+                      for p in rank_tensors(model, config.moe, layers, first, last))
 
 
 def _block_gathered(params: list[ParamTensor], config: RunConfig, layout: Layout, weight_bytes: int = FP32) -> int:
@@ -237,15 +279,15 @@ def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0, microbat
     one backward to the next (``parallel/pipeline.py``, as torch's ``PipelineStage``).
     """
     layers, first, last = local_layers(config, layout, pp_rank)
-    params = parameter_tensors(config.model, config.moe)
+    groups = tensors_by_layer(config.model, config.moe)
     weight_bytes = 2 if precision == "bf16" else FP32
-    by_layer = [[p for p in params if p.layer == i] for i in layers]
+    by_layer = [groups[i] for i in layers]
     weights = [_block_gathered(block, config, layout, weight_bytes) for block in by_layer]
     grads = [_block_gathered(block, config, layout) for block in by_layer]
     root = 0
     if layout.dp > 1 and layout.dp_shard > 1:
         root = sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in params if p.layer is None and on_rank(p, layers, first, last)) * weight_bytes
+                   for p in groups[None] if on_rank(p, layers, first, last)) * weight_bytes
     kept_by_pipeline = layout.pp > 1 and config.parallel.grad_reduce == "step" and microbatches > 1
     if config.parallel.reshard_after_forward and not kept_by_pipeline:
         return root + 2 * max(weights, default=0) + max(grads, default=0)

@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import itertools
+import math
 import sys
 from dataclasses import dataclass
 
@@ -58,7 +60,7 @@ from parallel.groups import Layout, valid_layouts
 from parallel.pipeline import stage_layers
 from parallel.sharding import GRAD_REDUCE
 from training.config import RunConfig, load_config
-from training.layout import resolve_layout
+from training.layout import micro_batching, resolve_layout
 
 RECOMPUTE = ("none", "moe", "full")
 GIB = 2**30
@@ -83,7 +85,9 @@ class Plan:
         par = self.config.parallel
         degrees = " ".join(f"{k}={getattr(self.layout, k)}" for k in ("pp", "dp_replicate", "dp_shard", "tp", "ep",
                                                                          "etp") if getattr(self.layout, k) > 1)
-        extra = [f"recompute={par.activation_checkpointing}"] if par.activation_checkpointing != "none" else []
+        extra = [f"micro={self.config.train.micro_batch_size}"] if self.config.train.micro_batch_size else []
+        if par.activation_checkpointing != "none":
+            extra.append(f"recompute={par.activation_checkpointing}")
         if self.layout.pp > 1 and par.pp_schedule != "1f1b":
             extra.append(f"interleaved v={par.pp_virtual_stages}" if par.pp_virtual_stages > 1 else par.pp_schedule)
         if par.sequence_parallel:
@@ -94,14 +98,17 @@ class Plan:
 
 
 def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: str = "step",
-                schedule: tuple[str, int] = ("1f1b", 1)) -> RunConfig:
-    """``config`` set to train under ``layout`` (sequence parallel with tp), ``recompute``, ``grad_reduce`` and the
-    pipeline ``schedule`` (name, virtual stages per rank)."""
+                schedule: tuple[str, int] = ("1f1b", 1), micro_batch_size: int | None = None) -> RunConfig:
+    """``config`` set to train under ``layout`` (sequence parallel with tp), ``recompute``, ``grad_reduce``, the
+    pipeline ``schedule`` (name, virtual stages per rank) and ``micro_batch_size`` (None: the config's)."""
     parallel = dataclasses.replace(
         config.parallel, pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,
         ep=layout.ep, etp=layout.etp, activation_checkpointing=recompute, sequence_parallel=layout.tp > 1,
         pp_schedule=schedule[0], pp_virtual_stages=schedule[1], grad_reduce=grad_reduce)
-    return dataclasses.replace(config, parallel=parallel)
+    if micro_batch_size is None:
+        return dataclasses.replace(config, parallel=parallel)
+    return dataclasses.replace(config, parallel=parallel,
+                               train=dataclasses.replace(config.train, micro_batch_size=micro_batch_size))
 
 
 def schedules(config: RunConfig, layout: Layout) -> list[tuple[str, int]]:
@@ -123,23 +130,68 @@ def stage_flops_per_token(config: RunConfig, layout: Layout) -> list[float]:
 
     Under interleaving a rank holds v stages, s ≡ rank (mod pp) (``parallel/pipeline.py``): their sum.
     """
+    return [sum(flops for flops, _ in rank) for rank in _rank_blocks(config, layout)]
+
+
+def _rank_blocks(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
+    """Each pipeline rank's (training FLOPs per token, is-MoE) of its blocks, recompute included; the head last
+    (is-MoE None: no roofline, its matmul is the largest of the model)."""
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
     stages = layout.pp * config.parallel.pp_virtual_stages
     ranges = stage_layers(model, moe, stages) if layout.pp > 1 else [range(model.n_layers)]
-    flops = [0.0] * len(ranges[:layout.pp])
+    dense, sparse = (block_flops_per_token(model, moe, kind) for kind in (False, True))
+    ranks: list[list[tuple[float, bool | None]]] = [[] for _ in ranges[:layout.pp]]
     for index, layers in enumerate(ranges):
         for i in layers:
-            block = block_flops_per_token(model, moe, model.is_moe_layer(i))
-            recomputed = recompute == "full" or (recompute == "moe" and model.is_moe_layer(i))
-            flops[index % layout.pp] += block * (4 / 3 if recomputed else 1)  # forward: 2 of 6 FLOPs per parameter
-    flops[(len(ranges) - 1) % layout.pp] += head_flops_per_token(model)
-    return flops
+            is_moe = model.is_moe_layer(i)
+            recomputed = recompute == "full" or (recompute == "moe" and is_moe)
+            # the forward again: 2 of 6 FLOPs per parameter
+            ranks[index % layout.pp].append(((sparse if is_moe else dense) * (4 / 3 if recomputed else 1), is_moe))
+    ranks[(len(ranges) - 1) % layout.pp].append((head_flops_per_token(model), None))
+    return ranks
 
 
-def compute_seconds(config: RunConfig, layout: Layout, peak: float) -> float:
-    """The busiest pipeline rank's compute time for one optimizer step at ``peak`` FLOP/s."""
+def block_gemms(config: RunConfig, layout: Layout, tokens: int, is_moe: bool) -> list[tuple[float, int, int, int]]:
+    """The matmuls one rank runs in one block's forward on ``tokens`` tokens: (count, M, K, N).
+
+    Column- and row-parallel projections split N or K over tp; the routed experts get T·k/E rows each (balanced
+    routing), E/ep experts per rank, rows split over tp/etp and the hidden dim over etp (``parallel/expert.py``).
+    """
+    model, moe, tp = config.model, config.moe, layout.tp
+    d, hd = model.d_model, model.head_size
+    out = [(1, tokens, d, model.n_heads * hd // tp), (2, tokens, d, model.kv_heads * hd // tp),
+           (1, tokens, model.n_heads * hd // tp, d)]
+    hidden = model.ffn_hidden
+    if is_moe:
+        rows = tokens * moe.top_k * layout.ep / moe.num_experts / (tp // layout.etp)
+        experts, expert_hidden = moe.num_experts // layout.ep, moe.expert_hidden // layout.etp
+        out += [(1, tokens, d, moe.num_experts), (experts * (2 if moe.activation == "swiglu" else 1), rows, d,
+                                                  expert_hidden), (experts, rows, expert_hidden, d)]
+        hidden = moe.shared_hidden if moe.num_shared_experts else 0
+    if hidden:
+        out += [(2, tokens, d, hidden // tp), (1, tokens, hidden // tp, d)]
+    return out
+
+
+def roofline_slowdown(gemms: list[tuple[float, int, int, int]], flops: float, bandwidth: float) -> float:
+    """How much longer than at ``flops`` FLOP/s the matmuls take when each also waits for its bf16 operands and
+    result to cross HBM (``bandwidth`` bytes/s): Σ max(2MKN / flops, 2(MK + KN + MN) / bandwidth) over Σ 2MKN /
+    flops. 1 for the large matmuls of dense models; more where a matmul is thin (few tokens per expert)."""
+    work = sum(c * 2 * m * k * n for c, m, k, n in gemms)
+    time = sum(c * max(2 * m * k * n / flops, 2 * (m * k + k * n + m * n) / bandwidth) for c, m, k, n in gemms)
+    return time / work * flops
+
+
+def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: float = math.inf) -> float:
+    """The busiest pipeline rank's compute time for one optimizer step at ``peak`` FLOP/s, each block's matmuls
+    held to the roofline of ``bandwidth`` bytes/s of HBM (``roofline_slowdown``; none at the default)."""
+    micro = micro_batching(config, layout.dp, layout.pp)[0]
     tokens_per_rank = config.train.global_batch_size * config.model.seq_len / layout.dp
-    return max(stage_flops_per_token(config, layout)) * tokens_per_rank / layout.tp / peak
+    slowdown = {kind: roofline_slowdown(block_gemms(config, layout, micro * config.model.seq_len, kind), peak,
+                                        bandwidth) if bandwidth < math.inf else 1.0 for kind in (False, True)}
+    slowdown[None] = 1.0
+    busiest = max(sum(flops * slowdown[kind] for flops, kind in rank) for rank in _rank_blocks(config, layout))
+    return busiest * tokens_per_rank / layout.tp / peak
 
 
 def bubble_seconds(compute: float, layout: Layout, microbatches: int, virtual_stages: int = 1) -> float:
@@ -183,80 +235,233 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
     return max(stages, key=lambda by_dim: sum(by_dim.values()))
 
 
-def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware, gpus_per_node: int,
-             efficiency: float) -> Plan:
-    """The plan of ``config`` (already set to ``layout``): memory of the busiest rank and the step estimate."""
-    estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank) for pp_rank in range(layout.pp)]
-    compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency)
-    bubble = bubble_seconds(compute, layout, estimates[0].microbatches, config.parallel.pp_virtual_stages)
-    exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node, estimates[0].microbatches)
-    return Plan(config, layout, max(e.total for e in estimates), compute, bubble, exposed)
+def calibrated_efficiency() -> float:
+    """The fraction of the bf16 peak the matmuls reach, from one stated measurement, for every GPU and layout.
 
-
-def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node: int = 8,
-         hardware: communication.Hardware = communication.HARDWARE["h100"],
-         efficiency: float = 0.5) -> tuple[list[Plan], int]:
-    """The plans that fit ``device_memory`` bytes, fastest first, and how many candidates were considered.
-
-    When no layout of ``world_size`` passes train.py's checks (a global batch that does not split over the
-    data-parallel ranks of any layout, say), that is a ConfigError saying why: more GPUs would not help.
+    Korthikanti et al. 2022, Table 4 (REFERENCES.md sec. 2.3): one layer of their 22B GPT (h = 6144, s = 2048,
+    micro-batch 4, tp = 8, no recompute) runs forward and backward in 19.6 ms on an A100 (312 TFLOP/s bf16).
+    Its FLOPs are 3·(24bsh² + 4bs²h) (Narayanan et al. 2021 appendix), 1/8 per rank; its four tp all-reduces of
+    b·s·h bf16 take what ``analysis.communication`` charges on A100 NVLink. The rest of the 19.6 ms is the
+    matmuls (and the small element-wise work between them): 56% of the peak.
     """
-    plans, considered, refusal = [], 0, None
-    for layout in valid_layouts(world_size, config.model, config.moe):
-        for recompute, grad_reduce, schedule in itertools.product(recompute_settings(config), GRAD_REDUCE,
-                                                                  schedules(config, layout)):
-            candidate = with_layout(config, layout, recompute, grad_reduce, schedule)
+    h, s, b, t = 6144, 2048, 4, 8
+    a100 = communication.HARDWARE["a100-80gb"]
+    flops = 3 * (24 * b * s * h * h + 4 * b * s * s * h) / t
+    all_reduce = communication.Traffic("tp", "all_reduce", "", 4, 4 * communication.bus_bytes(
+        "all_reduce", b * s * h * 2, t), tuple(range(t)))
+    return flops / ((19.6e-3 - communication.seconds(all_reduce, a100, 8)) * a100.bf16_flops)
+
+
+EFFICIENCY = calibrated_efficiency()
+
+
+def memory_bytes(config: RunConfig, layout: Layout) -> tuple[int, int]:
+    """The busiest pipeline rank's bytes (``analysis.memory``) and the micro-batches per step."""
+    estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank) for pp_rank in range(layout.pp)]
+    return max(e.total for e in estimates), estimates[0].microbatches
+
+
+def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware, gpus_per_node: int,
+             efficiency: float = EFFICIENCY, memory_total: int | None = None) -> Plan:
+    """The plan of ``config`` (already set to ``layout``): memory of the busiest rank and the step estimate."""
+    microbatches = micro_batching(config, layout.dp, layout.pp)[1]
+    if memory_total is None:
+        memory_total = memory_bytes(config, layout)[0]
+    compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency, hardware.memory_bandwidth)
+    bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages)
+    exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node, microbatches)
+    return Plan(config, layout, memory_total, compute, bubble, exposed)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A setting train.py accepts, with a lower bound on its step: compute and bubble, no communication yet."""
+
+    config: RunConfig
+    layout: Layout
+    bound: float
+
+
+def micro_batch_sizes(config: RunConfig, layout: Layout) -> list[int | None]:
+    """The micro-batch sizes to try: every divisor of the per-rank batch, unless the config fixes the size or the
+    micro-batch count (None: the config's own)."""
+    if config.train.micro_batch_size is not None or config.parallel.microbatches is not None:
+        return [None]
+    per_rank, rest = divmod(config.train.global_batch_size, layout.dp)
+    return [b for b in range(1, per_rank + 1) if per_rank % b == 0] if not rest else [None]
+
+
+def fixed_layouts(config: RunConfig, world_size: int, fixed: dict[str, int]) -> list[Layout]:
+    """The valid layouts of ``world_size`` for the model with the ``fixed`` degrees; ConfigError naming the values
+    each fixed degree can take when none has them."""
+    layouts = valid_layouts(world_size, config.model, config.moe)
+    chosen = [layout for layout in layouts if all(getattr(layout, k) == v for k, v in fixed.items())]
+    if not chosen and fixed:
+        options = "; ".join(f"parallel.{k} in {sorted({getattr(layout, k) for layout in layouts})}" for k in fixed)
+        given = " ".join(f"parallel.{k}={v}" for k, v in fixed.items())
+        raise ConfigError(f"{given}: no valid layout of {world_size} GPUs for this model has "
+                          f"{'that degree' if len(fixed) == 1 else 'those degrees'}; valid: {options}")
+    return chosen
+
+
+def none_passes(world_size: int, refusal: str | None) -> ConfigError:
+    """The error when no candidate passes train.py's checks, with the first refusal: more GPUs would not help."""
+    return ConfigError(f"no layout of {world_size} GPUs passes train.py's checks for this config"
+                       + (f", e.g. {refusal}" if refusal else " (none is valid for the model's shapes)"))
+
+
+def candidates(config: RunConfig, world_size: int, hardware: communication.Hardware, efficiency: float,
+               fixed: dict[str, int] | None = None) -> list[Candidate]:
+    """Every setting to rank (module docstring), cheapest bound first. Only the batch split is checked here
+    (``micro_batching``); ``search`` holds each candidate it estimates to all of train.py's checks.
+
+    The bounds' figures are computed once per distinct input: each pipeline rank's FLOPs per (pp, v,
+    recompute), each block's roofline per (tp, ep, etp, micro-batch size).
+    """
+    out, refusal = [], None
+    peak = hardware.bf16_flops * efficiency
+    busiest: dict[tuple, float] = {}
+    for layout in fixed_layouts(config, world_size, fixed or {}):
+        for recompute, grad_reduce, schedule, micro in itertools.product(
+                recompute_settings(config), GRAD_REDUCE, schedules(config, layout), micro_batch_sizes(config, layout)):
+            candidate = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
             try:
-                microbatches = resolve_layout(candidate, world_size)[2]  # train.py's own checks
-            except ConfigError as exc:
+                size, microbatches = micro_batching(candidate, layout.dp, layout.pp)
+            except ConfigError as exc:  # the batch does not split over this layout's data-parallel ranks
                 refusal = refusal or str(exc)
                 continue
             sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
             if grad_reduce != "step" and (microbatches == 1 or not sharded):
                 continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
-            considered += 1
-            result = evaluate(candidate, layout, hardware, gpus_per_node, efficiency)
-            if result.memory <= device_memory:
-                plans.append(result)
-    if considered == 0:
-        raise ConfigError(f"no layout of {world_size} GPUs passes train.py's checks for this config"
-                          + (f", e.g. {refusal}" if refusal else " (none is valid for the model's shapes)"))
+            key = (layout.pp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
+            if key not in busiest:
+                busiest[key] = compute_seconds(candidate, layout, peak, hardware.memory_bandwidth) * layout.dp
+            compute = busiest[key] / layout.dp
+            bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1])
+            out.append(Candidate(candidate, layout, bound))
+    if not out:
+        raise none_passes(world_size, refusal)
+    out.sort(key=lambda c: c.bound)
+    return out
+
+
+@dataclass
+class Search:
+    """What ``plan`` found: the plans that fit (fastest first), the candidates, and the closest miss."""
+
+    plans: list[Plan]
+    considered: int
+    evaluated: int  # candidates train.py accepts whose memory was estimated (the rest were bounded out)
+    complete: bool  # every candidate checked: ``plans`` is every plan that fits
+    closest: tuple[Candidate, int] | None = None  # the least memory among those that do not fit, when none does
+
+
+def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_node: int = 8,
+           hardware: communication.Hardware = communication.HARDWARE["h100"], efficiency: float = EFFICIENCY,
+           top: int | None = None, faster_than: float | None = None, fixed: dict[str, int] | None = None) -> Search:
+    """Rank the candidates: the ``top`` fastest that fit exactly (all of them by default), or every plan faster
+    than ``faster_than`` seconds.
+
+    Candidates come cheapest bound first; since a step is never below its bound, once ``top`` plans fit and the
+    next bound exceeds the slowest of them (or the bound reaches ``faster_than``), no later candidate can enter.
+    """
+    pool = candidates(config, world_size, hardware, efficiency, fixed)
+    plans: list[Plan] = []
+    steps: list[float] = []  # a max-heap (negated) of the ``top`` fastest steps so far
+    closest, evaluated, refusal, complete = None, 0, None, True
+    for candidate in pool:
+        if (top is not None and len(steps) == top and candidate.bound > -steps[0]) or (
+                faster_than is not None and candidate.bound >= faster_than):
+            complete = False
+            break
+        try:
+            resolve_layout(candidate.config, world_size)  # train.py's own checks
+        except ConfigError as exc:
+            refusal = refusal or str(exc)
+            continue
+        evaluated += 1
+        need = memory_bytes(candidate.config, candidate.layout)[0]
+        if need > device_memory:
+            if closest is None or need < closest[1]:
+                closest = (candidate, need)
+            continue
+        result = evaluate(candidate.config, candidate.layout, hardware, gpus_per_node, efficiency, need)
+        plans.append(result)
+        if top is not None:
+            heapq.heappush(steps, -result.step)
+            if len(steps) > top:
+                heapq.heappop(steps)
+    if evaluated == 0 and complete:
+        raise none_passes(world_size, refusal)
     plans.sort(key=lambda p: (p.step, p.memory))
-    return plans, considered
+    return Search(plans[:top] if top is not None else plans, len(pool), evaluated, complete,
+                  closest if not plans else None)
 
 
-def format_plans(config: RunConfig, plans: list[Plan], considered: int, world_size: int, device_memory: float,
+def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node: int = 8,
+         hardware: communication.Hardware = communication.HARDWARE["h100"], efficiency: float = EFFICIENCY,
+         top: int | None = None) -> tuple[list[Plan], int]:
+    """The plans that fit ``device_memory`` bytes, fastest first (the ``top`` first only, when given), and how
+    many candidates were considered (``search``)."""
+    found = search(config, world_size, device_memory, gpus_per_node, hardware, efficiency, top)
+    return found.plans, found.considered
+
+
+def format_plans(config: RunConfig, found: Search, world_size: int, device_memory: float,
                  hardware: communication.Hardware, efficiency: float, top: int) -> str:
     tokens = config.train.global_batch_size * config.model.seq_len
     params = parameter_counts(config.model, config.moe)
+    plans = found.plans
     lines = [f"{config.name}: {params.total / 1e9:.2f}B parameters ({params.active / 1e9:.2f}B active), "
              f"{tokens:,} tokens per step, on {world_size} × {hardware.name}, {device_memory / GIB:.0f} GiB each, "
-             f"at {efficiency:.0%} of the bf16 peak",
-             f"{considered} candidate settings, {len(plans)} fit"]
+             f"matmuls at {efficiency:.0%} of the bf16 peak",
+             f"{found.considered:,} candidate settings; {found.evaluated:,} estimated in full, the rest bounded "
+             f"slower than #{top} by their compute and bubble alone" if not found.complete else
+             f"{found.considered:,} candidate settings, {len(plans):,} fit"]
     if not plans:
-        lines.append("none fits: add GPUs, or lower train.micro_batch_size (--set), or use larger devices")
+        if found.closest:
+            candidate, need = found.closest
+            plan_text = evaluate(candidate.config, candidate.layout, hardware, hardware.gpus_per_node, efficiency,
+                                 need).describe()
+            lines.append(f"none fits: the closest, {plan_text}, needs {need / GIB:.1f} GiB per GPU, "
+                         f"{(need - device_memory) / GIB:.1f} GiB more than {device_memory / GIB:.0f} GiB; add GPUs, "
+                         "use larger devices, or a smaller model")
         return "\n".join(lines)
     lines.append("milliseconds per optimizer step: the total, then compute, pipeline bubble and the exposed "
                  "communication of each dimension")
-    lines.append(f"{'#':>3} {'layout':<46} {'GiB':>6} {'step':>9} {'compute':>9} {'bubble':>8} {'tp':>8} "
+    lines.append(f"{'#':>3} {'layout':<52} {'GiB':>6} {'step':>9} {'compute':>9} {'bubble':>8} {'tp':>8} "
                  f"{'ep':>8} {'pp':>7} {'fsdp':>8} {'tok/s/GPU':>10}")
     for rank, p in enumerate(plans[:top], 1):
         ms = {k: v * 1e3 for k, v in p.exposed.items()}
-        lines.append(f"{rank:>3} {p.describe():<46} {p.memory / GIB:>6.1f} {p.step * 1e3:>9.2f} "
+        lines.append(f"{rank:>3} {p.describe():<52} {p.memory / GIB:>6.1f} {p.step * 1e3:>9.2f} "
                      f"{p.compute * 1e3:>9.2f} {p.bubble * 1e3:>8.2f} {ms['tp']:>8.2f} {ms['ep']:>8.2f} "
                      f"{ms['pp']:>7.2f} {ms['fsdp']:>8.2f} {tokens / p.step / world_size:>10,.0f}")
     return "\n".join(lines)
 
 
+def fixed_degrees(overrides: list[str]) -> dict[str, int]:
+    """The parallel degrees a ``--set`` fixes (``parallel.tp=2``): the planner searches only the others."""
+    fixed = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        name = key.removeprefix("parallel.")
+        if key.startswith("parallel.") and name in ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp"):
+            fixed[name] = int(value)
+    return fixed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.planner", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="moe-8x")
-    parser.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE")
+    parser.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE",
+                        help="config overrides; a parallel degree set here (parallel.tp=2) is fixed, the rest searched")
     parser.add_argument("--world-size", type=int, required=True, help="GPUs to plan for")
     parser.add_argument("--device-memory", type=float, default=None,
                         help="GiB per GPU (default: the --gpu preset's)")
     communication.add_hardware_arguments(parser)
-    parser.add_argument("--efficiency", type=float, default=0.5, help="achieved fraction of the bf16 peak")
+    parser.add_argument("--efficiency", type=float, default=EFFICIENCY,
+                        help=f"fraction of the bf16 peak the matmuls reach (default {EFFICIENCY:.3f}, calibrated: "
+                             "planner.calibrated_efficiency)")
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args(argv)
     try:
@@ -268,13 +473,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--top must be at least 1, got {args.top}")
         config = load_config(args.config, args.overrides)
         hardware = communication.hardware_from_args(args, args.device_memory)
-        plans, considered = plan(config, args.world_size, hardware.memory_gib * GIB, hardware.gpus_per_node, hardware,
-                                 args.efficiency)
+        found = search(config, args.world_size, hardware.memory_gib * GIB, hardware.gpus_per_node, hardware,
+                       args.efficiency, args.top, fixed=fixed_degrees(args.overrides))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_plans(config, plans, considered, args.world_size, hardware.memory_gib * GIB, hardware,
-                       args.efficiency, args.top))
+    print(format_plans(config, found, args.world_size, hardware.memory_gib * GIB, hardware, args.efficiency,
+                       args.top))
     return 0
 
 

@@ -66,6 +66,68 @@ def compute_dtype(reference: Tensor) -> torch.dtype:
     return reference.dtype
 
 
+class _UseCopy(torch.autograd.Function):
+    """``copy`` (a low-precision copy of ``weight``) in forward; the gradient cast back to ``weight``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, copy: Tensor) -> Tensor:
+        ctx.dtype = weight.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.to(ctx.dtype), None
+
+
+class ComputeCopies:
+    """Copies of fp32 weights in the compute dtype, made once per optimizer step rather than at every call.
+
+    Under bf16 autocast each forward casts every fp32 weight its matmuls use, once per micro-batch, and
+    keeps the copy until that micro-batch's backward. For the routed experts, most of an MoE model's
+    weights, that is a pass over all of them per micro-batch, which the expert math alone (the floor
+    ``benchmarks/moe_layer.py`` measures against) does not pay. A copy made here serves every micro-batch of
+    an optimizer step and every micro-batch in flight in a pipeline. The optimizer drops the copies before
+    it steps (``release_compute_copies``, hooked in by ``training.optim.build_optimizer``: a fused AdamW
+    writes the weights without moving their version counters); a copy is also remade whenever its weight's
+    version counter has moved since it was made (a checkpoint load, any in-place write autograd sees; not a
+    write through ``.data``). Gradients reach the fp32 weight cast up from the matmul's, exactly as through
+    autocast's cast, so training is unchanged.
+
+    The memory: one copy of the weights it serves, held from a step's first forward to its optimizer step,
+    instead of one per micro-batch in flight held until its backward (``analysis.memory_activations``
+    counts it). Weights already in the compute dtype (FSDP's bf16 gathers:
+    ``parallel.sharding.mixed_precision``) pass through.
+    """
+
+    def __init__(self):
+        self._copies: dict[str, tuple[tuple, Tensor]] = {}
+
+    def get(self, name: str, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        """``weight`` in ``dtype``: the kept copy while ``weight`` is unchanged, else a new one."""
+        if weight.dtype == dtype:
+            return weight
+        key = (weight._version, weight.data_ptr(), tuple(weight.shape), dtype)
+        kept = self._copies.get(name)
+        if kept is None or kept[0] != key:
+            with torch.no_grad():
+                kept = (key, weight.detach().to(dtype))
+            self._copies[name] = kept
+        return _UseCopy.apply(weight, kept[1])
+
+    def tensors(self) -> list[Tensor]:
+        return [copy for _, copy in self._copies.values()]
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+
+def release_compute_copies(model: nn.Module) -> None:
+    """Drop every compute copy in ``model``: its weights are about to change (an optimizer step)."""
+    for module in model.modules():
+        if isinstance(copies := getattr(module, "compute_copies", None), ComputeCopies):
+            copies.clear()
+
+
 def _grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
     """torch's grouped_mm wants 16-byte aligned rows everywhere, and bf16 on CUDA."""
     if not HAS_GROUPED_MM:
@@ -150,19 +212,22 @@ class GroupedExperts(nn.Module):
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if activation == "swiglu" else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.compute_copies = ComputeCopies()
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: [N, D] grouped by expert; tokens_per_expert: [E] -> [N, D] in the compute dtype."""
-        return expert_ffn(x, tokens_per_expert, self.w_in, self.w_gate, self.w_out, self.backend)
+        return expert_ffn(x, tokens_per_expert, self.w_in, self.w_gate, self.w_out, self.compute_copies,
+                          self.backend)
 
 
 def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tensor | None, w_out: Tensor,
-               backend: str = "torch") -> Tensor:
+               copies: ComputeCopies, backend: str = "torch") -> Tensor:
     """The experts' feed-forward on grouped rows, given their stacked weights (SwiGLU when ``w_gate`` is set).
 
     A function of the weights, not of the module, so ``parallel/expert.py`` runs the same math on the
-    local slice of an ep-sharded stack. ``backend``: ``moe.backend`` (``auto`` is decided once per device).
-    The megablocks backend reads the group sizes on the host: one device-to-host copy per layer and pass.
+    local slice of an ep-sharded stack. ``copies`` holds the weights' compute-dtype copies between calls.
+    ``backend``: ``moe.backend`` (``auto`` is decided once per device). The megablocks backend reads the
+    group sizes on the host: one device-to-host copy per layer and pass.
     """
     if backend == "auto":
         backend = _auto_backend(x.device)
@@ -170,12 +235,12 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
         tokens_per_expert = tokens_per_expert.to("cpu", torch.int64)
     dtype = compute_dtype(x)
     x = x.to(dtype)
-    hidden = grouped_matmul(x, w_in.to(dtype), tokens_per_expert, backend)
+    hidden = grouped_matmul(x, copies.get("w_in", w_in, dtype), tokens_per_expert, backend)
     if w_gate is not None:
-        hidden = F.silu(grouped_matmul(x, w_gate.to(dtype), tokens_per_expert, backend)) * hidden
+        hidden = F.silu(grouped_matmul(x, copies.get("w_gate", w_gate, dtype), tokens_per_expert, backend)) * hidden
     else:
         hidden = F.gelu(hidden)
-    return grouped_matmul(hidden, w_out.to(dtype), tokens_per_expert, backend)
+    return grouped_matmul(hidden, copies.get("w_out", w_out, dtype), tokens_per_expert, backend)
 
 
 class FeedForward(nn.Module):

@@ -102,8 +102,18 @@ def balanced_split(layer_costs: Sequence[float], num_stages: int, first_extra: f
 
 def stage_layers(model: ModelConfig, moe: MoEConfig, num_stages: int) -> list[range]:
     """The layer indices of each of ``num_stages`` stages, balanced by training FLOPs per token."""
-    costs = tuple(block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers))
-    return list(_balanced_split_cached(costs, num_stages, head_flops_per_token(model)))
+    return list(_balanced_split_cached(_layer_costs(model, moe), num_stages, head_flops_per_token(model)))
+
+
+def _layer_costs(model: ModelConfig, moe: MoEConfig) -> tuple[float, ...]:
+    """Each block's training FLOPs per token, remembered by the shapes' values (asked once per candidate layout)."""
+    key = (repr(model), repr(moe))
+    if key not in _COSTS:
+        _COSTS[key] = tuple(block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers))
+    return _COSTS[key]
+
+
+_COSTS: dict[tuple[str, str], tuple[float, ...]] = {}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -239,6 +249,10 @@ class PipelineModel:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for stage in self.stages:
             yield from stage.named_parameters()
+
+    def modules(self) -> Iterator[nn.Module]:
+        for stage in self.stages:
+            yield from stage.modules()
 
     def state_dict(self) -> dict[str, Tensor]:
         """This rank's part of the model's state dict (its stages'), under the full model's names."""

@@ -112,9 +112,13 @@ def test_the_memory_tool_refuses_bad_flags_naming_them(capsys, argv, message):
     (["--world-size", "8", "--efficiency", "nan"], "--efficiency must be in (0, 1], got nan"),
     (["--world-size", "8", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1, got 0"),
     (["--world-size", "0"], "--world-size must be at least 1, got 0"),
-    # not "add GPUs": the batch of 16 splits over no layout of 9 GPUs that fits the model
+    # not "add GPUs": the batch of 16 splits over no data-parallel degree of 9 GPUs but 1, and tp=9 cannot
+    # split the sequence of 256
     (["--world-size", "9"], "no layout of 9 GPUs passes train.py's checks for this config, e.g. "
-                            "train.global_batch_size=16 must be divisible by the 9 data-parallel ranks"),
+                            "parallel.sequence_parallel=true splits model.seq_len=256 over parallel.tp=3 ranks"),
+    # a fixed degree no layout has: the values it could take
+    (["--world-size", "8", "--set", "parallel.tp=3"], "parallel.tp=3: no valid layout of 8 GPUs for this model has "
+                                                      "that degree; valid: parallel.tp in [1, 2]"),
 ])
 def test_the_planner_refuses_bad_flags_and_says_why_no_layout_is_possible(capsys, argv, message):
     from analysis import planner

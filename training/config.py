@@ -54,11 +54,17 @@ class DataConfig:
     source: str = "stdlib"
     val_fraction: float = 0.005  # held-out tail of the token stream used for validation
     cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
+    # "bytes" (one token per byte, vocab 256) or the path of a Hugging Face tokenizer.json (training/tokenizer.py)
+    tokenizer: str = "bytes"
 
     def validate(self) -> None:
         _require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
         _require(bool(self.source.strip()), "data.source is empty; use 'stdlib', a text file or folder, or a "
                                             "uint16 .bin file")
+        _require(bool(self.tokenizer.strip()), "data.tokenizer is empty; use 'bytes' or a tokenizer.json path")
+        _require(self.tokenizer == "bytes" or not self.source.endswith(".bin"),
+                 f"data.tokenizer={self.tokenizer!r} with data.source={self.source!r}: a .bin is already tokenised, "
+                 "so no tokenizer applies to it; give the text it came from, or leave data.tokenizer as 'bytes'")
 
 
 @dataclass
@@ -172,7 +178,7 @@ class RunConfig:
         for section in (self.model, self.moe, self.parallel, self.data, self.train, self.logging, self.checkpoint):
             section.validate()
         _require(
-            self.model.vocab_size >= 256 or self.data.source.endswith(".bin"),
+            self.model.vocab_size >= 256 or self.data.source.endswith(".bin") or self.data.tokenizer != "bytes",
             f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
         )
         _require(not (self.train.compile and self.parallel.activation_offload != "none"),

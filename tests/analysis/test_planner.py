@@ -10,6 +10,7 @@ from moe.config import ConfigError
 from parallel.groups import Layout
 from parallel.pipeline import stage_layers
 from training.config import load_config
+from training.layout import resolve_layout
 
 H100 = communication.HARDWARE["h100"]
 SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
@@ -55,13 +56,29 @@ def test_pipeline_compute_is_the_busiest_stage_and_the_bubble_is_p_minus_1_over_
 
 
 def test_tensor_parallel_across_nodes_waits_for_the_network():
-    """The same tp=4 layout, its tp group inside one node of 8 or spread over nodes of 2: 450 / 50 GB/s."""
+    """The same tp=4 layout, its tp group inside one node of 8 or spread over nodes of 2: its rings (all-gathers,
+    reduce-scatters, all-reduces) then run over the 2 adapters of each node, 450 / (2 × 50) GB/s."""
     layout = Layout.resolve(8, dp_shard=2, tp=4)
     config = _config(layout)
     inside = planner.exposed_communication(config, layout, 0.0, H100, gpus_per_node=8)
     across = planner.exposed_communication(config, layout, 0.0, H100, gpus_per_node=2)
     assert inside["tp"] > 0
-    assert across["tp"] == pytest.approx(inside["tp"] * H100.intra_node / H100.inter_node)
+    assert across["tp"] == pytest.approx(inside["tp"] * 450 / 100)
+
+
+def test_link_bandwidth_is_nccls_share_of_nvlink_or_of_the_groups_adapters_in_a_node():
+    """80% of the line rate (NCCL's protocol overhead); a ring over nodes with k ranks each gets k adapters (no
+    more than NVLink), an all-to-all or a send its rank's own adapter."""
+    def item(collective, group):
+        return communication.Traffic("dp", collective, "", 1, 10**9, tuple(group))
+    assert communication.bandwidth(item("all_reduce", range(8)), H100, 8) == pytest.approx(0.8 * 450e9)
+    assert communication.bandwidth(item("all_reduce", range(0, 64, 8)), H100, 8) == pytest.approx(0.8 * 50e9)
+    assert communication.bandwidth(item("all_gather", range(0, 64, 2)), H100, 8) == pytest.approx(0.8 * 4 * 50e9)
+    assert communication.bandwidth(item("all_reduce", range(64)), H100, 8) == pytest.approx(0.8 * 400e9)
+    assert communication.bandwidth(item("all_reduce", range(64)), communication.HARDWARE["h800"], 8) == (
+        pytest.approx(0.8 * 200e9))  # NVLink is the narrower
+    assert communication.bandwidth(item("all_to_all", range(64)), H100, 8) == pytest.approx(0.8 * 50e9)
+    assert communication.seconds(item("send", (0, 8)), H100, 8) == pytest.approx(1e9 / (0.8 * 50e9))
 
 
 def test_fsdp_traffic_shows_only_beyond_the_compute_it_overlaps():
@@ -109,7 +126,7 @@ def test_both_gradient_reduction_settings_are_planned_and_step_trades_memory_for
 
 
 def test_plans_fit_are_sorted_and_carry_the_memory_models_figure():
-    config = load_config("moe-8x", SMALL)
+    config = load_config("moe-8x", [*SMALL, "train.micro_batch_size=2"])
     plans, considered = planner.plan(config, 8, device_memory=80 * planner.GIB)
     assert considered >= len(plans) > 10
     assert [p.step for p in plans] == sorted(p.step for p in plans)
@@ -124,16 +141,23 @@ def test_plans_fit_are_sorted_and_carry_the_memory_models_figure():
 def test_mixtral_does_not_fit_on_eight_80_gib_gpus():
     """46.7B parameters × 16 bytes of model state / 8 GPUs = 93 GB > 80 GiB (86 GB), whatever the layout."""
     config = load_config("mixtral-8x7b", ["train.micro_batch_size=1"])
-    plans, considered = planner.plan(config, 8, device_memory=80 * planner.GIB)
-    assert considered > 0 and plans == []
-    text = planner.format_plans(config, plans, considered, 8, 80 * planner.GIB, H100, 0.5, 10)
-    assert "none fits" in text
+    found = planner.search(config, 8, device_memory=80 * planner.GIB)
+    assert found.considered > 0 and found.plans == [] and found.complete
+    # the closest miss is the least memory of all candidates, as the memory model counts it
+    candidate, need = found.closest
+    assert need == min(planner.memory_bytes(c.config, c.layout)[0]
+                       for c in planner.candidates(config, 8, H100, planner.EFFICIENCY))
+    assert need > 46.7e9 * 16 / 8
+    text = planner.format_plans(config, found, 8, 80 * planner.GIB, H100, 0.5, 10)
+    described = planner.evaluate(candidate.config, candidate.layout, H100, 8, 0.5, need).describe()
+    assert f"none fits: the closest, {described}, " in text
+    assert f"needs {need / planner.GIB:.1f} GiB per GPU, {need / planner.GIB - 80:.1f} GiB more than 80 GiB" in text
 
 
 def test_cli_prints_the_ranking_and_refuses_bad_arguments(capsys):
     assert planner.main(["--config", "moe-8x", "--world-size", "4", "--top", "3", "--set", *SMALL]) == 0
     out = capsys.readouterr().out
-    assert "fit" in out and out.count("\n") >= 6
+    assert "candidate settings" in out and out.count("\n") >= 6
     assert planner.main(["--world-size", "4", "--efficiency", "0"]) == 2
     assert "--efficiency must be in (0, 1]" in capsys.readouterr().err
 
@@ -185,10 +209,32 @@ def test_interleaving_divides_the_bubble_by_v_and_each_rank_sums_its_stages():
 
 
 def test_pipelines_are_planned_with_every_schedule_and_dense_models_without_moe_recompute():
-    config = load_config("moe-8x", [*SMALL, "train.global_batch_size=32"])
+    config = load_config("moe-8x", [*SMALL, "train.global_batch_size=32", "train.micro_batch_size=1"])
     plans, _ = planner.plan(config, 8, 80 * 2**30)
     tried = {(p.config.parallel.pp_schedule, p.config.parallel.pp_virtual_stages) for p in plans if p.layout.pp > 1}
     assert {("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)} <= tried
     assert any("interleaved v=2" in p.describe() for p in plans)
     dense, _ = planner.plan(load_config("dense", [*SMALL[:5], "train.global_batch_size=16"]), 4, 80 * 2**30)
     assert dense and all(p.config.parallel.activation_checkpointing != "moe" for p in dense)
+
+
+def test_micro_batch_size_is_searched_unless_fixed_and_every_plan_passes_train_pys_checks():
+    """Global batch 16 on 8 GPUs: micro-batches of 1 and 2 for dp=8, up to 8 for dp=2; each ranked plan is a
+    config ``training.layout.resolve_layout`` accepts with its micro-batch size set. A --set size is kept."""
+    config = load_config("moe-8x", SMALL)
+    plans, _ = planner.plan(config, 8, 80 * planner.GIB, top=400)
+    sizes = {(p.layout.dp, p.config.train.micro_batch_size) for p in plans}
+    assert {(8, 1), (8, 2), (2, 8)} <= sizes
+    for p in plans:
+        layout, micro, _ = resolve_layout(p.config, 8)
+        assert layout == p.layout and micro == p.config.train.micro_batch_size
+    fixed, _ = planner.plan(load_config("moe-8x", [*SMALL, "train.micro_batch_size=1"]), 8, 80 * planner.GIB, top=50)
+    assert {p.config.train.micro_batch_size for p in fixed} == {1}
+
+
+def test_the_bounded_search_returns_the_same_first_plans_as_the_full_one():
+    config = load_config("moe-8x", SMALL)
+    full = planner.search(config, 8, 80 * planner.GIB)
+    bounded = planner.search(config, 8, 80 * planner.GIB, top=5)
+    assert full.complete and not bounded.complete and bounded.evaluated < full.evaluated
+    assert [p.step for p in bounded.plans] == [p.step for p in full.plans[:5]]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe.config import ConfigError, MoEConfig
-from moe.experts import GroupedExperts, _auto_backend, check_backend, expert_ffn
+from moe.experts import ComputeCopies, GroupedExperts, _auto_backend, check_backend, expert_ffn
 from moe.init import initialize
 from moe.layer import MoELayer
 from tests.test_cli_faults import refused
@@ -59,7 +59,8 @@ def test_auto_is_the_torch_backend_on_a_cpu():
     torch.manual_seed(0)
     x, tokens = torch.randn(10, 8), torch.tensor([3, 0, 7])
     weights = [torch.randn(3, 8, 16), torch.randn(3, 8, 16), torch.randn(3, 16, 8)]
-    assert torch.equal(expert_ffn(x, tokens, *weights, backend="auto"), expert_ffn(x, tokens, *weights))
+    assert torch.equal(expert_ffn(x, tokens, *weights, ComputeCopies(), backend="auto"),
+                       expert_ffn(x, tokens, *weights, ComputeCopies()))
 
 
 def _strict_gmm(a, b, batch_sizes, trans_b=False):

@@ -1,0 +1,141 @@
+"""The planner held to the layouts large runs published: each one's rank in the planner's list, and its estimate.
+
+    python -m analysis.published_layouts [--rows 1.7,18.4,...]
+
+Table 1 of Narayanan et al. 2021 (PTD-P; REFERENCES.md sec. 1.1): GPT models of 1.7B to 145.6B parameters on
+32 to 1,536 A100-80GB GPUs, each with its published tensor- and pipeline-parallel degrees, the data-parallel
+rest (replicas: Megatron had no sharded data parallelism then), the interleaved schedule wherever there is a
+pipeline, and full activation recomputation (the paper's FLOP count, Eq. 3, includes it). Each row's model is
+built here, not read from YAML: the paper's heads, hidden size and layers, vocabulary 51,200, sequence 2,048,
+and a SwiGLU FFN of hidden 8h/3 (rounded to 64), which has the parameters and FLOPs of the paper's GeLU FFN of
+4h (this toolkit's dense FFN is SwiGLU); the head is untied (pipelining refuses tied embeddings).
+
+For each row (``published_row``):
+
+- **rank**: 1 + the plans ``analysis.planner.search`` estimates strictly faster than the published layout's
+  fastest setting (any micro-batch size, recompute and gradient-reduction setting with the published tp, pp,
+  replicas and schedule) among all that fit 80 GiB: the ranking the planner's CLI prints.
+- **rank without FSDP**: the same among layouts without sharded data parallelism (dp_shard = 1), the space the
+  paper chose from.
+- **TFLOP/s per GPU**: the paper's Eq. 3 FLOPs of one step over the estimated step of the published setting
+  (full recompute, the fastest micro-batch size), against the published figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from analysis import communication, planner
+from training.config import RunConfig, load_config
+
+A100 = communication.HARDWARE["a100-80gb"]
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published run: the model, the GPUs, the global batch, the layout and its measured throughput."""
+
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float  # per GPU, as published
+
+
+# Narayanan et al. 2021, Table 1 (REFERENCES.md sec. 1.1), the rows up to 145.6B
+TABLE1 = [Published("1.7", 24, 2304, 24, 1, 1, 32, 512, 137), Published("3.6", 32, 3072, 30, 2, 1, 64, 512, 138),
+          Published("7.5", 32, 4096, 36, 4, 1, 128, 512, 142),
+          Published("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135),
+          Published("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138),
+          Published("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+          Published("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148)]
+
+
+def gpt_config(row: Published) -> RunConfig:
+    """The row's GPT in this toolkit's terms (module docstring)."""
+    ffn = round(8 * row.hidden / 3 / 64) * 64
+    return load_config("dense", [f"model.d_model={row.hidden}", f"model.n_heads={row.heads}",
+                                 f"model.n_layers={row.layers}", f"model.ffn_hidden={ffn}", "model.vocab_size=51200",
+                                 "model.seq_len=2048", f"train.global_batch_size={row.batch}",
+                                 "train.precision=bf16", "model.tie_embeddings=false"])
+
+
+def paper_flops(row: Published) -> float:
+    """Eq. 3 of the paper: one step's FLOPs, the recomputed forward included."""
+    b, s, l, h, v = row.batch, 2048, row.layers, row.hidden, 51200
+    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def is_published(p: planner.Plan, row: Published) -> bool:
+    """Whether a plan has the row's tp, pp, replicas (no FSDP shards) and, with a pipeline, the interleaved
+    schedule."""
+    layout = p.layout
+    interleaved = layout.pp == 1 or p.config.parallel.pp_schedule == "interleaved_1f1b"
+    return (layout.tp, layout.pp, layout.dp_replicate, layout.dp_shard) == (row.tp, row.pp, row.gpus // (
+        row.tp * row.pp), 1) and interleaved
+
+
+@dataclass(frozen=True)
+class RowResult:
+    row: Published
+    best: planner.Plan  # the published layout's fastest setting
+    paper_setting: planner.Plan  # with full recompute, as the paper ran it
+    rank: int
+    rank_without_fsdp: int
+    first: planner.Plan  # the planner's first choice
+    considered: int
+
+
+def published_row(row: Published, hardware: communication.Hardware = A100) -> RowResult:
+    config = gpt_config(row)
+    memory = hardware.memory_gib * planner.GIB
+    fixed = dict(tp=row.tp, pp=row.pp, dp_replicate=row.gpus // (row.tp * row.pp), dp_shard=1)
+    mine = [p for p in planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware,
+                                      fixed=fixed).plans if is_published(p, row)]
+    if not mine:
+        raise ValueError(f"the published layout of the {row.name}B row does not fit {hardware.memory_gib} GiB here")
+    best = mine[0]
+    paper_setting = next(p for p in mine if p.config.parallel.activation_checkpointing == "full")
+    faster = planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, faster_than=best.step)
+    ahead = [p for p in faster.plans if p.step < best.step]
+    first = ahead[0] if ahead else best
+    return RowResult(row, best, paper_setting, 1 + len(ahead), 1 + sum(p.layout.dp_shard == 1 for p in ahead),
+                     first, faster.considered)
+
+
+def format_rows(results: list[RowResult]) -> str:
+    lines = ["| params (B) | GPUs | published tp, pp | rank | rank without FSDP | fastest published setting | "
+             "est. TFLOP/s (full recompute) | published | error | planner's first |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        row = r.row
+        estimate = paper_flops(row) / (r.paper_setting.step * row.gpus) / 1e12
+        lines.append(f"| {row.name} | {row.gpus} | {row.tp}, {row.pp} | {r.rank} of {r.considered:,} | "
+                     f"{r.rank_without_fsdp} | {r.best.describe()} | {estimate:.0f} | {row.tflops:.0f} | "
+                     f"{(estimate - row.tflops) / row.tflops:+.0%} | {r.first.describe()} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.published_layouts", description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default=",".join(r.name for r in TABLE1),
+                        help="which Table 1 rows, by parameters in billions")
+    args = parser.parse_args(argv)
+    names = args.rows.split(",")
+    unknown = [n for n in names if n not in {r.name for r in TABLE1}]
+    if unknown:
+        print(f"error: --rows {','.join(unknown)}: not a row; valid: {','.join(r.name for r in TABLE1)}",
+              file=sys.stderr)
+        return 2
+    print(format_rows([published_row(r) for r in TABLE1 if r.name in names]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
