@@ -14,8 +14,9 @@ keeps only the host copy, so the device memory is freed once the copy is done (`
 caching allocator). In backward, when the first tensor of module i is unpacked, the copies back of module i-1's
 tensors start on the side stream: they overlap module i's backward, and each unpack waits only for its own
 copy. So the device holds about two modules' saved activations at a time (the memory model counts two;
-``analysis/memory_activations.py``), and the host holds one micro-batch's. Parameters (FSDP's gathered ones
-too) are never offloaded: they are saved by reference and live on anyway.
+``analysis/memory_activations.py``), and the host holds one micro-batch's. Weights are never offloaded: they
+live on anyway, whether parameters (FSDP's gathered ones too) or the experts' bf16 compute copies kept for
+the step (``moe.experts.ComputeCopies``).
 
 GPU only (on a CPU activations are in host memory already: ``training.hardware.check_hardware`` refuses it),
 one micro-batch in flight at a time (no pipeline parallelism), and not combined with activation checkpointing
@@ -31,6 +32,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from moe.experts import ComputeCopies
 from moe.transformer import MoETransformer
 
 MODES = ("none", "blocks", "moe")
@@ -52,11 +54,14 @@ class ActivationOffloader:
     def __init__(self) -> None:
         self.saved: dict[int, list[_Saved]] = {}
         self.unpacked: set[int] = set()  # modules whose backward has begun (their predecessor is prefetched)
+        self.weight_copies: dict[int, list[ComputeCopies]] = {}  # each module's kept weight copies: not offloaded
         self._stream: torch.cuda.Stream | None = None
 
     def wrap(self, module: nn.Module, index: int) -> None:
         """Run ``module``'s forward under this offloader's hooks, as module ``index`` (in place, names unchanged)."""
         module.forward = partial(self._forward, module.forward, index)
+        self.weight_copies[index] = [copies for m in module.modules()
+                                     if isinstance(copies := getattr(m, "compute_copies", None), ComputeCopies)]
 
     def _forward(self, forward, index: int, *args, **kwargs):
         self.saved[index] = []  # a new forward: the previous micro-batch's copies are spent
@@ -65,11 +70,16 @@ class ActivationOffloader:
             return forward(*args, **kwargs)
 
     def _pack(self, index: int, tensor: Tensor):
-        if not self._offloads(tensor):
+        if not self._offloads(tensor) or self._is_weight_copy(index, tensor):
             return tensor
         saved = _Saved(self._to_host(tensor), tensor.device)
         self.saved[index].append(saved)
         return saved
+
+    def _is_weight_copy(self, index: int, tensor: Tensor) -> bool:
+        storage = tensor.untyped_storage().data_ptr()
+        return any(copy.untyped_storage().data_ptr() == storage
+                   for copies in self.weight_copies[index] for copy in copies.tensors())
 
     def _unpack(self, index: int, saved):
         if isinstance(saved, Tensor):

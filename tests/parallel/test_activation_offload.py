@@ -29,12 +29,14 @@ class HostTransport(ActivationOffloader):
     def __init__(self):
         super().__init__()
         self.events = []
+        self.moved = []  # the tensors sent out, kept alive so that their addresses are not reused
 
     def _offloads(self, tensor):
         return not isinstance(tensor, nn.Parameter)
 
     def _to_host(self, tensor):
         self.events.append(("out", id(tensor)))
+        self.moved.append(tensor)
         return tensor.detach().clone()
 
     def _unpack(self, index, saved):
@@ -61,8 +63,11 @@ def tiny_model(*overrides):
 
 
 def gradients(model, config):
+    """One forward and backward in bf16 autocast (so the experts keep bf16 weight copies); the gradients."""
     tokens = torch.randint(0, 256, (2, config.model.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -79,6 +84,10 @@ def test_offloaded_modules_give_the_same_gradients_and_restore_in_order(mode):
         assert torch.equal(got, expected)
     assert [name for name, _ in model.named_parameters()] == names
     assert all(offloader.saved[i] for i in range(len(modules)))  # each module offloaded something
+    # the experts' bf16 weight copies, kept for the step, stay where they are
+    copies = [c.untyped_storage().data_ptr() for m in model.modules() if hasattr(m, "compute_copies")
+              for c in m.compute_copies.tensors()]
+    assert copies and not set(copies) & {tensor.untyped_storage().data_ptr() for tensor in offloader.moved}
     moved = sum(len(group) for group in offloader.saved.values())
     assert sum(kind == "out" for kind, _ in offloader.events) == moved
     # every module but the last (the first in backward: copied back on demand) comes back whole, prefetched
