@@ -135,7 +135,8 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     of the routed experts: their copies are kept once per step, not per micro-batch (``compute_copy_bytes``).
 
     Recomputed modules cast again in backward and keep none: every block under ``full`` checkpointing,
-    the MoE layers' experts and shared experts under ``moe``.
+    the MoE layers' experts and shared experts under ``moe``. Offloaded modules' copies go to the host with
+    their other saved tensors (counted in the offloaded part).
     """
     model, vp = config.model, config.parallel.vocab_parallel
     recompute = config.parallel.activation_checkpointing
@@ -146,22 +147,23 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
         if (param.kind == "embedding" and model.tie_embeddings and last) or (
                 param.kind != "embedding" and param.autocast_copy):
             root += 2 * math.prod(tp_local_shape(param, layout, vp))  # a tied head casts the table
-    return root + sum(count * _block_copies(block, layout, model.n_moe_layers > 0, vp, recompute)
+    return root + sum(count * _block_copies(block, layout, vp, recompute, config.parallel.activation_offload)
                       for block, count in rank_blocks(model, config.moe, layers))
 
 
 @functools.lru_cache(maxsize=65536)
-def _block_copies(block: Block, layout: Layout, has_moe: bool, vp: bool, recompute: str) -> int:
+def _block_copies(block: Block, layout: Layout, vp: bool, recompute: str, offload: str) -> int:
     """``_weight_copies`` of one block."""
-    if recompute == "full":
+    if recompute == "full" or offload == "blocks":
         return 0
+    ffn_away = block.is_moe and "moe" in (recompute, offload)  # recomputed, or offloaded with the MoE layer
     total = 0
     for param in block.params:
         # the experts compute with copies kept for the step (``compute_copy_bytes``); the rest, in FSDP units
         # when dp > 1, is gathered in bf16 (``in_fsdp_unit``)
         if param.expert or layout.dp > 1 or not param.autocast_copy:
             continue
-        if recompute == "moe" and block.is_moe and param.kind in ("experts", "ffn"):
+        if ffn_away and param.kind in ("experts", "ffn"):
             continue
         total += 2 * math.prod(tp_local_shape(param, layout, vp))
     return total
@@ -186,8 +188,11 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     """Bytes autograd saves in one micro-batch's forward on one rank of pipeline rank ``pp_rank``, by part.
 
     ``parallel.activation_checkpointing``: ``full`` keeps each block's input only, ``moe`` the MoE layers'
-    inputs only (``parallel/activation_checkpoint.py``). Sequence parallelism puts the norms and the
-    residual stream on S/tp; attention, the dense FFN and the MoE layer work on the gathered sequence.
+    inputs only (``parallel/activation_checkpoint.py``). ``parallel.activation_offload`` (blocks or MoE layers)
+    keeps two such modules' saved bytes on the device, the largest, for the one whose copies are in flight beside
+    the one computing: an estimate of its design (``parallel/activation_offload.py``), not yet measured on a GPU.
+    Sequence parallelism puts the norms and the residual stream on S/tp; attention, the dense FFN and the MoE
+    layer work on the gathered sequence.
     """
     model, moe, par = config.model, config.moe, config.parallel
     layers, first, last = local_layers(config, layout, pp_rank)
