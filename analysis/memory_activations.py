@@ -208,19 +208,30 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     kinds: dict[bool, int] = {}  # MoE or dense: how many of this rank's blocks (each kind saves the same)
     for block, count in rank_blocks(model, moe, layers):
         kinds[block.is_moe] = kinds.get(block.is_moe, 0) + count
+    offloaded = []  # (one offloaded module's saved bytes, how many such modules) (``parallel/activation_offload.py``)
     for is_moe, count in kinds.items():
         if par.activation_checkpointing == "full":
             add("block inputs (recompute)", count * stream * d * FP32)
             continue
-        add("norms", count * 2 * _norm(stream, d))
-        add("attention", count * _attention(model, layout.tp, mb))
+        block = {"norms": 2 * _norm(stream, d), "attention": _attention(model, layout.tp, mb)}
         if not is_moe:
-            add("dense FFN", count * _feed_forward(mb, d, model.ffn_hidden // layout.tp))
+            block["dense FFN"] = _feed_forward(mb, d, model.ffn_hidden // layout.tp)
         elif par.activation_checkpointing == "moe":
-            add("MoE inputs (recompute)", count * tokens * d * FP32)
+            block["MoE inputs (recompute)"] = tokens * d * FP32
         else:
-            for name, nbytes in _moe(model, moe, layout, mb).items():
-                add(name, count * nbytes)
+            moe_parts = _moe(model, moe, layout, mb)
+            if par.activation_offload == "moe":
+                offloaded.append((sum(moe_parts.values()), count))
+            else:
+                block.update(moe_parts)
+        if par.activation_offload == "blocks":
+            offloaded.append((sum(block.values()), count))
+            continue
+        for name, nbytes in block.items():
+            add(name, count * nbytes)
+    if offloaded:  # about two modules' at a time: one arriving (or leaving) while the next computes
+        modules = sum(count for _, count in offloaded)
+        add(f"offloaded {par.activation_offload} in flight", min(2, modules) * max(nbytes for nbytes, _ in offloaded))
     if first:
         add("embedding", tokens * INDEX)  # the token ids
     if last:
