@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CONFIG ?= moe-8x
 
-.PHONY: train test bench lint clean
+.PHONY: train test bench lint clean gpu-check
 
 $(STAMP): pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh
@@ -18,6 +18,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/moe_layer.py
+
+# on a GPU machine, with the image's own Python and torch (no .venv, no network): GPU_CHECK_ARGS="--wheels DIR"
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -31,6 +31,8 @@ from parallel.checkpoint import CheckpointCorruptError
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import exit_process, init_runtime, shutdown_runtime
 from training.config import RunConfig, load_config
+from training.data import check_tokenizer
+from training.hardware import check_hardware
 from training.hf import hf_run_config, split_init_from
 from training.layout import resolve_layout
 from training.loop import NonFiniteLossError, train
@@ -51,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "none: start fresh; PATH: a checkpoint folder, or a folder of them")
     parser.add_argument("--init-from", default=None, metavar="FILE|hf:DIR",
                         help="start from the weights in a safetensors file (python -m training.export writes one), "
-                             "or hf:DIR, a Hugging Face Mixtral folder whose config.json also sets the model shape")
+                             "or hf:DIR, a Hugging Face Mixtral or Qwen3-MoE folder whose config.json also sets "
+                             "the model shape")
     parser.add_argument("--dry-run", action="store_true",
                         help="build every rank's model on the meta device under a fake process group, print each "
                              "rank's model-state bytes beside the memory model's prediction, and exit: no training, "
@@ -83,6 +86,9 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     if world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
     layout = None if args.dry_run else resolve_layout(config, world_size)[0]
+    if not args.dry_run:  # a dry run reads no data and plans for any hardware
+        check_tokenizer(config.data.source, config.data.tokenizer, config.model.vocab_size)
+        check_hardware(config, "cuda" if torch.cuda.is_available() else "cpu")
     if args.resume not in ("auto", "none") and not Path(args.resume).exists():
         raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
                           "them; or auto, none)")

@@ -46,7 +46,8 @@ step): the gradient-norm all-reduces (one vector of per-parameter norms per mesh
 step-loss and aux-free-bias all-reduces over dp, routing statistics at log intervals, and, under sequence
 parallelism without FSDP, the norm weights' gradients, which DTensor leaves partial and the gradient-norm
 step makes whole (one all-reduce of [D] each; with FSDP its gradient reduction makes them whole once per
-micro-batch, and that is counted).
+micro-batch, and that is counted); the same for the per-head query/key norms (``model.qk_norm``, [hd] each)
+under any tp.
 
 Element sizes: gradients are reduced in fp32; parameters are gathered in fp32, or under bf16 in bf16 (FSDP2's
 mixed precision), but for the routers, fp32 units of their own. Under bf16 autocast the projections'
@@ -333,6 +334,9 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
         syncs = _gradient_syncs(step)
         _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
              model.d_model * fp32, group)
+    if model.qk_norm and layout.dp > 1:  # the per-head q/k norms see this rank's heads: the same, [hd] each
+        _add(out, "tp", "all_reduce", "query/key norm weights' gradients (backward)",
+             2 * len(step.layers) * _gradient_syncs(step), model.head_size * fp32, group)
     if step.first and (par.vocab_parallel or sp):
         if par.vocab_parallel:
             _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "embedding output (forward)", m,

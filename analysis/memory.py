@@ -27,6 +27,8 @@ What one rank holds during a step (``estimate``):
   micro-batches in flight (``in_flight``). Under bf16 autocast the cast copies of the weights that the
   matmuls save count here too: they live as long as the micro-batch's graph. Plus, on the last stage, one
   transient [tokens, V] fp32 buffer (the logits in forward, their gradient in backward).
+- **compute copies** (``compute_copy_bytes``): in bf16 the routed experts' bf16 copies outside FSDP
+  (``moe.experts.ComputeCopies``), held once from a step's first forward to its optimizer step.
 
 Routing is assumed balanced: an MoE layer keeps ``min(T·k, C·E)`` assignments (capacity ``C`` from
 ``moe.dispatch.expert_capacity``), or ``T·k`` when dropless; imbalance moves rows between experts and
@@ -57,7 +59,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from analysis.memory_activations import in_flight, micro_batch_activations
+from analysis.memory_activations import compute_copy_bytes, in_flight, micro_batch_activations
 from analysis.memory_states import (
     FP32,
     ModelStates,
@@ -69,6 +71,7 @@ from analysis.memory_states import (
 )
 from moe.accounting import parameter_counts
 from moe.config import ConfigError
+from moe.experts import ComputeCopies
 from parallel.groups import Layout
 from parallel.tensor import lm_loss, loss_context
 from training.config import RunConfig, load_config
@@ -90,6 +93,7 @@ class MemoryEstimate:
     states: ModelStates
     gathered: int
     accumulated_grads: int  # unsharded gradients held between micro-batches beyond the shards (grad_reduce=step)
+    compute_copies: int  # the routed experts' bf16 copies, once per step (``moe.experts.ComputeCopies``)
     activations: dict[str, int]  # by part, already × in_flight
     logits_buffer: int  # last stage: one [tokens, V] fp32 buffer (logits in forward, their gradient in backward)
     micro_batch_size: int
@@ -104,9 +108,9 @@ class MemoryEstimate:
     @property
     def forward_backward(self) -> int:
         """The peak of forward and backward: states, gathered weights, gradients accumulated unsharded,
-        activations held, the logits buffer."""
-        return (self.states.total + self.gathered + self.accumulated_grads + self.activation_total
-                + self.logits_buffer)
+        compute copies, activations held, the logits buffer."""
+        return (self.states.total + self.gathered + self.accumulated_grads + self.compute_copies
+                + self.activation_total + self.logits_buffer)
 
     @property
     def total(self) -> int:
@@ -138,6 +142,7 @@ def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 
     return MemoryEstimate(pp_rank, model_states(config, layout, pp_rank),
                           gathered_bytes(config, layout, pp_rank, microbatches, precision),
                           accumulated_grad_bytes(config, layout, microbatches, pp_rank),
+                          compute_copy_bytes(config, layout, precision, pp_rank),
                           activations, logits, micro, microbatches, held,
                           parameter_counts(config.model, config.moe).total)
 
@@ -191,7 +196,8 @@ class SavedActivations:
 
 def saved_activation_bytes(model: torch.nn.Module, inputs: Tensor, targets: Tensor,
                            vocab_parallel: bool = False) -> SavedActivations:
-    """Run one forward and the LM loss; count the bytes autograd keeps for backward on this rank.
+    """Run one forward and the LM loss; count the bytes autograd keeps for backward on this rank, and the
+    experts' compute copies the forward made (``moe.experts.ComputeCopies``: held whether saved or not).
 
     Every tensor a ``saved_tensors_hooks`` pack hook sees counts if the graph still holds it at the end of the
     forward (a dropped branch frees its tensors, whose addresses may be reused), once per storage, at the
@@ -214,8 +220,11 @@ def saved_activation_bytes(model: torch.nn.Module, inputs: Tensor, targets: Tens
         loss = lm_loss(logits, targets)
     state = {local_tensor(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     storages = {}
-    for ref in packed:
-        if (tensor := ref()) is not None:
+    held = [ref() for ref in packed] + [copy for module in model.modules()
+                                        if isinstance(copies := getattr(module, "compute_copies", None), ComputeCopies)
+                                        for copy in copies.tensors()]
+    for tensor in held:
+        if tensor is not None:
             storage = local_tensor(tensor).untyped_storage()
             if storage.data_ptr() not in state:
                 storages[storage.data_ptr()] = storage.nbytes()
@@ -253,6 +262,7 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
         ("AdamW moments", [e.states.optimizer for e in estimates]),
         ("FSDP gathered weights", [e.gathered for e in estimates]),
         ("unsharded gradients held", [e.accumulated_grads for e in estimates]),
+        ("experts' bf16 compute copies", [e.compute_copies for e in estimates]),
     ]
     parts = list(dict.fromkeys(name for e in estimates for name in e.activations))
     rows += [(f"activations: {name}", [e.activations.get(name, 0) for e in estimates]) for name in parts]
@@ -296,8 +306,8 @@ def format_sweep(rows: list[tuple[int, MemoryEstimate]], device_gib: float) -> s
              "           (model)     (per rank)     (per rank)  grads held       copies  (+ logits)   (per rank)   "
              "share"]
     for experts, e in rows:
-        copies = e.activations.get("bf16 weight copies", 0)
-        activations = e.activation_total - copies + e.logits_buffer
+        copies = e.activations.get("bf16 weight copies", 0) + e.compute_copies
+        activations = e.activation_total - e.activations.get("bf16 weight copies", 0) + e.logits_buffer
         fits = "yes" if e.total <= device_gib * GIB else "no"
         lines.append(f"{experts:>7}  {_count(e.parameters):>10}  {_size(e.states.total):>12}  {_size(e.gathered):>13}  "
                      f"{_size(e.accumulated_grads):>11}  {_size(copies):>11}  {_size(activations):>11}  "

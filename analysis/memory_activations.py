@@ -25,7 +25,6 @@ from analysis.memory_states import (
 from moe.config import ModelConfig, MoEConfig
 from moe.dispatch import expert_capacity
 from parallel.groups import Layout
-from parallel.sharding import experts_spread
 from training.config import RunConfig
 
 INDEX = 8  # int64 ids and indices
@@ -62,14 +61,16 @@ def _linear_inputs(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool =
 
 
 def _attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
-    """wq/wk/wv input; SDPA's q, k (after RoPE), v, output and [b, heads, s] logsumexp; wo's input.
+    """wq/wk/wv input; SDPA's q, k (after RoPE), v, output and [b, heads, s] logsumexp; wo's input; with
+    ``qk_norm`` the per-head norms of q and k (each of the T·heads rows of hd, as an RMSNorm saves them).
 
     wo's input is the output made contiguous, a copy unless one head per rank makes it a view.
     """
-    heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_dim
+    heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
     qkvo = mb.tokens * hd * (2 * heads + 2 * kv_heads) * mb.compute
     wo_input = 0 if heads == 1 else mb.tokens * heads * hd * mb.compute
-    return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32
+    qk_norms = _norm(mb.tokens * heads, hd) + _norm(mb.tokens * kv_heads, hd) if model.qk_norm else 0
+    return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32 + qk_norms
 
 
 def _feed_forward(mb: MicroBatch, d: int, hidden: int, input_saved: bool = True) -> int:
@@ -112,14 +113,15 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     rows = largest_chunk(kept, layout.tp // layout.etp)  # this rank's share (the largest)
     hidden = moe.expert_hidden // layout.etp
     swiglu = moe.activation == "swiglu"
-    experts = kept * INDEX  # permute's token index
+    experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
     if layout.ep > 1:  # received rows' reorder index and its inverse, the local grouped rows
         experts += 2 * rows * INDEX + rows * d * a
     else:  # the grouped rows (this tp rank's share)
         experts += rows * d * a
     experts += (4 if swiglu else 2) * rows * hidden * a + (3 if swiglu else 2) * (moe.num_experts // layout.ep) * OFFSET
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
-             "MoE combine": kept * d * a + kept * a + kept * INDEX}  # expert outputs, their weights, order
+             # expert outputs, their weights, the order and the token index
+             "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
     if moe.num_shared_experts:
         parts["shared experts"] = _feed_forward(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
     return parts
@@ -129,10 +131,12 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     """bf16 autocast copies of this rank's tp-local weights that the matmuls save (``ParamTensor.autocast_copy``).
 
     Only of weights outside FSDP: FSDP's mixed precision gathers its units' weights in bf16, so autocast has
-    nothing to cast (``parallel.sharding.mixed_precision``; bf16 training passes it whenever FSDP runs).
+    nothing to cast (``parallel.sharding.mixed_precision``; bf16 training passes it whenever FSDP runs). Not
+    of the routed experts: their copies are kept once per step, not per micro-batch (``compute_copy_bytes``).
 
     Recomputed modules cast again in backward and keep none: every block under ``full`` checkpointing,
-    the MoE layers' experts and shared experts under ``moe``.
+    the MoE layers' experts and shared experts under ``moe``. Offloaded modules' copies go to the host with
+    their other saved tensors (counted in the offloaded part).
     """
     model, vp = config.model, config.parallel.vocab_parallel
     recompute = config.parallel.activation_checkpointing
@@ -143,26 +147,39 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
         if (param.kind == "embedding" and model.tie_embeddings and last) or (
                 param.kind != "embedding" and param.autocast_copy):
             root += 2 * math.prod(tp_local_shape(param, layout, vp))  # a tied head casts the table
-    return root + sum(count * _block_copies(block, layout, model.n_moe_layers > 0, vp, recompute)
+    return root + sum(count * _block_copies(block, layout, vp, recompute, config.parallel.activation_offload)
                       for block, count in rank_blocks(model, config.moe, layers))
 
 
 @functools.lru_cache(maxsize=65536)
-def _block_copies(block: Block, layout: Layout, has_moe: bool, vp: bool, recompute: str) -> int:
+def _block_copies(block: Block, layout: Layout, vp: bool, recompute: str, offload: str) -> int:
     """``_weight_copies`` of one block."""
-    if recompute == "full":
+    if recompute == "full" or offload == "blocks":
         return 0
+    ffn_away = block.is_moe and "moe" in (recompute, offload)  # recomputed, or offloaded with the MoE layer
     total = 0
     for param in block.params:
-        if param.expert and experts_spread(layout, has_moe):  # in_fsdp_unit
-            in_fsdp = layout.dp_replicate * layout.edp > 1
-        else:
-            in_fsdp = layout.dp > 1
-        if in_fsdp or not param.autocast_copy:
+        # the experts compute with copies kept for the step (``compute_copy_bytes``); the rest, in FSDP units
+        # when dp > 1, is gathered in bf16 (``in_fsdp_unit``)
+        if param.expert or layout.dp > 1 or not param.autocast_copy:
             continue
-        if recompute == "moe" and block.is_moe and param.kind in ("experts", "ffn"):
+        if ffn_away and param.kind in ("experts", "ffn"):
             continue
         total += 2 * math.prod(tp_local_shape(param, layout, vp))
+    return total
+
+
+def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_rank: int = 0) -> int:
+    """The routed experts' bf16 copies on this rank (``moe.experts.ComputeCopies``): made by a step's first
+    forward and dropped before its optimizer step, so held once however many micro-batches are in flight,
+    recomputed or not; none in fp32, or where FSDP gathers the experts in bf16 itself."""
+    if precision != "bf16":
+        return 0
+    total = 0
+    for block, count in rank_blocks(config.model, config.moe, local_layers(config, layout, pp_rank)[0]):
+        experts = [param for param in block.params if param.expert]
+        if experts and not in_fsdp_unit(experts[0], layout, config.model):
+            total += count * sum(2 * math.prod(tp_local_shape(param, layout, False)) for param in experts)
     return total
 
 
@@ -171,8 +188,11 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     """Bytes autograd saves in one micro-batch's forward on one rank of pipeline rank ``pp_rank``, by part.
 
     ``parallel.activation_checkpointing``: ``full`` keeps each block's input only, ``moe`` the MoE layers'
-    inputs only (``parallel/activation_checkpoint.py``). Sequence parallelism puts the norms and the
-    residual stream on S/tp; attention, the dense FFN and the MoE layer work on the gathered sequence.
+    inputs only (``parallel/activation_checkpoint.py``). ``parallel.activation_offload`` (blocks or MoE layers)
+    keeps two such modules' saved bytes on the device, the largest, for the one whose copies are in flight beside
+    the one computing: an estimate of its design (``parallel/activation_offload.py``), not yet measured on a GPU.
+    Sequence parallelism puts the norms and the residual stream on S/tp; attention, the dense FFN and the MoE
+    layer work on the gathered sequence.
     """
     model, moe, par = config.model, config.moe, config.parallel
     layers, first, last = local_layers(config, layout, pp_rank)
@@ -188,19 +208,30 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     kinds: dict[bool, int] = {}  # MoE or dense: how many of this rank's blocks (each kind saves the same)
     for block, count in rank_blocks(model, moe, layers):
         kinds[block.is_moe] = kinds.get(block.is_moe, 0) + count
+    offloaded = []  # (one offloaded module's saved bytes, how many such modules) (``parallel/activation_offload.py``)
     for is_moe, count in kinds.items():
         if par.activation_checkpointing == "full":
             add("block inputs (recompute)", count * stream * d * FP32)
             continue
-        add("norms", count * 2 * _norm(stream, d))
-        add("attention", count * _attention(model, layout.tp, mb))
+        block = {"norms": 2 * _norm(stream, d), "attention": _attention(model, layout.tp, mb)}
         if not is_moe:
-            add("dense FFN", count * _feed_forward(mb, d, model.ffn_hidden // layout.tp))
+            block["dense FFN"] = _feed_forward(mb, d, model.ffn_hidden // layout.tp)
         elif par.activation_checkpointing == "moe":
-            add("MoE inputs (recompute)", count * tokens * d * FP32)
+            block["MoE inputs (recompute)"] = tokens * d * FP32
         else:
-            for name, nbytes in _moe(model, moe, layout, mb).items():
-                add(name, count * nbytes)
+            moe_parts = _moe(model, moe, layout, mb)
+            if par.activation_offload == "moe":
+                offloaded.append((sum(moe_parts.values()), count))
+            else:
+                block.update(moe_parts)
+        if par.activation_offload == "blocks":
+            offloaded.append((sum(block.values()), count))
+            continue
+        for name, nbytes in block.items():
+            add(name, count * nbytes)
+    if offloaded:  # about two modules' at a time: one arriving (or leaving) while the next computes
+        modules = sum(count for _, count in offloaded)
+        add(f"offloaded {par.activation_offload} in flight", min(2, modules) * max(nbytes for nbytes, _ in offloaded))
     if first:
         add("embedding", tokens * INDEX)  # the token ids
     if last:

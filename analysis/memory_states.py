@@ -129,13 +129,15 @@ def rank_tensors(model: ModelConfig, moe: MoEConfig, layers: list[int], first: b
 
 
 def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
-    d, hd, out = model.d_model, model.head_dim, []
+    d, hd, out = model.d_model, model.head_size, []
     for i in range(model.n_layers):
         out += [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)),
                 ParamTensor("attention", i, (model.n_heads * hd, d), 0),
                 ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
                 ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
                 ParamTensor("attention", i, (d, model.n_heads * hd), 1)]
+        if model.qk_norm:  # per-head query and key norms, whole on every tp rank
+            out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
         hidden = model.ffn_hidden
         if model.is_moe_layer(i):
             e, h = moe.num_experts, moe.expert_hidden

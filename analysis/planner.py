@@ -177,7 +177,7 @@ def block_gemms(config: RunConfig, layout: Layout, tokens: int, is_moe: bool) ->
     routing), E/ep experts per rank, rows split over tp/etp and the hidden dim over etp (``parallel/expert.py``).
     """
     model, moe, tp = config.model, config.moe, layout.tp
-    d, hd = model.d_model, model.head_dim
+    d, hd = model.d_model, model.head_size
     out = [(1, tokens, d, model.n_heads * hd // tp), (2, tokens, d, model.kv_heads * hd // tp),
            (1, tokens, model.n_heads * hd // tp, d)]
     hidden = model.ffn_hidden

@@ -223,7 +223,8 @@ def check_state_dict(state: dict, expected: dict[str, torch.Tensor]) -> None:
 
 def heldout_tokens(config: RunConfig, count: int) -> np.ndarray:
     """The first ``count`` tokens of the run's validation split: text the model never trained on."""
-    _, val = split_tokens(load_tokens(config.data.source, config.data.cache_dir), config.data.val_fraction)
+    tokens = load_tokens(config.data.source, config.data.cache_dir, tokenizer=config.data.tokenizer)
+    _, val = split_tokens(tokens, config.data.val_fraction)
     if len(val) < config.model.seq_len:
         raise ValueError(f"the validation split has {len(val)} tokens, fewer than model.seq_len")
     return np.asarray(val[:count], dtype=np.int64)

@@ -3,7 +3,8 @@
 What is measured. The standard layer (E=8 experts, top-2, d_model=512, SwiGLU
 experts of hidden 1024, 4096 tokens as [4, 1024, 512], 2 threads) runs forward
 and backward in fp32, and in bf16 mixed precision (``torch.autocast`` on CPU,
-fp32 master weights), dropless and with capacity factor 1.25. In the same
+fp32 master weights; the experts compute with bf16 copies of their weights made once per
+optimizer step, ``moe.experts.ComputeCopies``), dropless and with capacity factor 1.25. In the same
 process, interleaved step for step with it, runs the *floor*: the expert math
 alone, i.e. the three grouped GEMMs of the SwiGLU experts and the activation
 between them, forward and backward, on tokens that are already grouped, with the
@@ -17,6 +18,10 @@ losses cost on top of the expert math; the goal is at most 1.20 in both
 precisions. Absolute speed depends on the machine, the ratio much less. bf16 is
 the hard case: on CPUs with AVX512-BF16 its GEMMs are ~4x faster than fp32, so
 the memory-bound rest no longer hides behind them.
+
+Casts. The timed steps are micro-batches of one optimizer step: in bf16 they reuse the experts' copies,
+as training does between optimizer steps. What remaking the copies costs, once per step, is timed apart
+and printed as ``cast``, a percentage of the layer step (a step of m micro-batches pays it once).
 
 Routing. ``random``: a freshly initialised router on Gaussian tokens, i.e. what
 that router really picks (nearly balanced). ``skewed``: the same router on tokens
@@ -52,6 +57,7 @@ import torch.nn.functional as F
 from moe.config import MoEConfig
 from moe.dispatch import expert_capacity
 from moe.experts import grouped_matmul
+from moe.init import initialize
 from moe.layer import MoELayer
 
 NUM_EXPERTS, TOP_K, D_MODEL, HIDDEN = 8, 2, 512, 1024
@@ -75,13 +81,14 @@ class Result:
     ratio: float  # median of per-repeat layer / floor
     best_ratio: float  # fastest layer step / fastest floor step: the least disturbed estimate
     tokens_per_s: float  # tokens / layer_s
+    cast_s: float  # median time to remake the experts' bf16 copies (once per optimizer step); 0 in fp32
 
 
 def make_layer(capacity_factor: float | None, routing: str) -> MoELayer:
     config = MoEConfig(num_experts=NUM_EXPERTS, top_k=TOP_K, expert_hidden=HIDDEN,
                        capacity_factor=capacity_factor, force_balance=routing == "balanced")
     layer = MoELayer(D_MODEL, config)
-    layer.init_weights(std=0.02, out_std=0.01)
+    initialize(layer, seed=0, std=0.02, out_std=0.01)
     return layer
 
 
@@ -133,6 +140,14 @@ def make_floor_step(layer: MoELayer, group_sizes: torch.Tensor, precision: str) 
     return step
 
 
+def copy_refresh_time(layer: MoELayer, precision: str, repeats: int) -> float:
+    """Median time to cast the experts' weights to bf16, what ``ComputeCopies`` does once per step."""
+    if precision != "bf16":
+        return 0.0
+    weights = [p.detach() for p in layer.experts.parameters()]
+    return statistics.median(timed(lambda: [w.to(torch.bfloat16) for w in weights]) for _ in range(repeats))
+
+
 def timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
@@ -181,17 +196,19 @@ def run_case(precision: str, mode: str, routing: str, repeats: int, warmup: int 
         ratio=statistics.median(a / b for a, b in zip(layer_times, floor_times, strict=True)),
         best_ratio=min(layer_times) / min(floor_times),
         tokens_per_s=BATCH * SEQ / layer_s,
+        cast_s=copy_refresh_time(layer, precision, repeats),
     )
 
 
 def print_table(results: list[Result]) -> None:
     header = (f"{'prec':<5} {'mode':<9} {'routing':<9} {'imbal':>6} {'kept':>6} "
-              f"{'layer s':>8} {'floor s':>8} {'ratio':>6} {'best':>5} {'tokens/s':>9}")
+              f"{'layer s':>8} {'floor s':>8} {'ratio':>6} {'best':>5} {'tokens/s':>9} {'cast':>6}")
     print(header)
     print("-" * len(header))
     for r in results:
         print(f"{r.precision:<5} {r.mode:<9} {r.routing:<9} {r.imbalance:>6.2f} {r.kept_fraction:>6.3f} "
-              f"{r.layer_s:>8.4f} {r.floor_s:>8.4f} {r.ratio:>6.2f} {r.best_ratio:>5.2f} {r.tokens_per_s:>9.0f}")
+              f"{r.layer_s:>8.4f} {r.floor_s:>8.4f} {r.ratio:>6.2f} {r.best_ratio:>5.2f} {r.tokens_per_s:>9.0f} "
+              f"{100 * r.cast_s / r.layer_s:>5.1f}%")
 
 
 def main() -> None:

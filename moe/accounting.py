@@ -43,9 +43,9 @@ class ParameterCounts:
 
 
 def parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
-    d, hd = model.d_model, model.head_dim
+    d, hd = model.d_model, model.head_size
     attention = d * model.n_heads * hd * 2 + d * model.kv_heads * hd * 2  # wq, wo, wk, wv
-    norms = 2 * d
+    norms = 2 * d + (2 * hd if model.qk_norm else 0)
     dense_ffn = 3 * d * model.ffn_hidden
     matrices_per_expert = 3 if moe.activation == "swiglu" else 2
     one_expert = matrices_per_expert * d * moe.expert_hidden
@@ -73,33 +73,34 @@ def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
 
     ``6 * N_active`` for the weight matmuls (2 forward, 4 backward per parameter;
     Kaplan et al. 2020 sec. 2.1) over the active parameters that do matmuls (the
-    embedding lookup does none; a tied head still does), plus ``12 * L * d_model * S``
-    for attention scores and values (PaLM, Chowdhery et al. 2022, appendix B).
+    embedding lookup does none; a tied head still does), plus ``12 * L * n_heads * hd * S``
+    for attention scores and values (PaLM, Chowdhery et al. 2022, appendix B, where n_heads · hd = d_model;
+    Qwen3's explicit ``head_dim`` makes it wider).
     """
     counts = parameter_counts(model, moe)
     matmul_params = counts.active - counts.embedding
     if model.tie_embeddings:
         matmul_params += model.vocab_size * model.d_model
-    return 6.0 * matmul_params + 12.0 * model.n_layers * model.d_model * model.seq_len
+    return 6.0 * matmul_params + 12.0 * model.n_layers * model.attention_width * model.seq_len
 
 
 def block_flops_per_token(model: ModelConfig, moe: MoEConfig, is_moe: bool) -> float:
     """Training FLOPs of one token through one transformer block, on the terms of ``training_flops_per_token``.
 
     ``6 *`` the block's active matmul parameters (attention, its two norms, and the dense FFN or
-    the router, shared experts and top_k routed experts) ``+ 12 * d_model * S`` for attention.
+    the router, shared experts and top_k routed experts) ``+ 12 * n_heads * hd * S`` for attention.
     A MoE block with top_k experts of the dense FFN's size costs more than a dense block; the
     pipeline split (``parallel/pipeline.py``) balances stages by these numbers.
     """
-    d, hd = model.d_model, model.head_dim
-    params = d * model.n_heads * hd * 2 + d * model.kv_heads * hd * 2 + 2 * d
+    d, hd = model.d_model, model.head_size
+    params = d * model.n_heads * hd * 2 + d * model.kv_heads * hd * 2 + 2 * d + (2 * hd if model.qk_norm else 0)
     if is_moe:
         matrices_per_expert = 3 if moe.activation == "swiglu" else 2
         params += d * moe.num_experts + moe.top_k * matrices_per_expert * d * moe.expert_hidden
         params += 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
     else:
         params += 3 * d * model.ffn_hidden
-    return 6.0 * params + 12.0 * d * model.seq_len
+    return 6.0 * params + 12.0 * model.attention_width * model.seq_len
 
 
 def head_flops_per_token(model: ModelConfig) -> float:

@@ -133,6 +133,8 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
+    head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
     seq_len: int = 256  # training context length
     ffn_hidden: int = 512  # hidden size of the dense SwiGLU FFN blocks
     moe_every: int = 1  # every moe_every-th layer (from first_moe_layer on) is MoE; 0 = no MoE layer
@@ -147,8 +149,14 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """The per-head width hd of queries, keys and values: ``head_dim``, or d_model / n_heads."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def attention_width(self) -> int:
+        """n_heads · hd: the width of the queries and of the attention output (d_model unless ``head_dim`` is set)."""
+        return self.n_heads * self.head_size
 
     def is_moe_layer(self, index: int) -> bool:
         if self.moe_every == 0 or index < self.first_moe_layer:
@@ -166,12 +174,17 @@ class ModelConfig:
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "ffn_hidden"):
             _require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        _require(
-            self.d_model % self.n_heads == 0,
-            f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
-            f"valid head counts: {[h for h in range(1, 65) if self.d_model % h == 0]}",
-        )
-        _require(self.head_dim % 2 == 0, f"head dimension d_model/n_heads={self.head_dim} must be even for RoPE")
+        if self.head_dim is None:
+            _require(
+                self.d_model % self.n_heads == 0,
+                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+                f"valid head counts: {[h for h in range(1, 65) if self.d_model % h == 0]}, or set model.head_dim",
+            )
+            _require(self.head_size % 2 == 0,
+                     f"head dimension d_model/n_heads={self.head_size} must be even for RoPE; or set model.head_dim")
+        else:
+            _require(self.head_dim > 0 and self.head_dim % 2 == 0,
+                     f"model.head_dim={self.head_dim} must be a positive even number (RoPE rotates pairs), or null")
         _require(
             self.n_kv_heads is None or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
             f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}",
@@ -205,6 +218,9 @@ class MoEConfig:
     num_shared_experts: int = 0  # DeepSeek-style experts that see every token
     shared_expert_hidden: int | None = None  # None = expert_hidden * num_shared_experts
     force_balance: bool = False  # DEBUG/BENCHMARK ONLY: round-robin assignment ignoring the router
+    # how experts compute their grouped GEMMs (``moe/experts.py``): torch's grouped_mm, megablocks' grouped_gemm
+    # (CUDA, bf16), or auto (megablocks only on a GPU where it was measured faster)
+    backend: Literal["torch", "megablocks", "auto"] = "auto"
 
     @property
     def shared_hidden(self) -> int:

@@ -1,15 +1,61 @@
 """Routed experts as stacked weights, computed with grouped GEMM on tokens grouped by expert.
 
 Shapes: N grouped tokens, D = d_model, H = expert hidden size, E experts.
+
+Two backends compute the grouped GEMMs (``moe.backend``): ``torch`` (``torch.nn.functional.grouped_mm``, or a
+padded ``bmm`` where that is missing) and ``megablocks`` (``grouped_gemm.ops.gmm``, the grouped GEMM the
+MegaBlocks package builds on; CUDA and bf16 only). Both take the stacked weights as they are stored, so neither
+copies them. ``auto`` picks megablocks only on GPUs where a benchmark measured it faster (``MEGABLOCKS_FASTER_ON``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.config import ConfigError
+
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+# GPUs (substrings of ``torch.cuda.get_device_name``) on which ``benchmarks/moe_layer.py --device cuda`` measured
+# the megablocks backend faster than torch's for the layer: ``auto`` picks megablocks there. Empty until a GPU
+# run records such a result (none has yet, README "GPU"): ``auto`` is the torch backend everywhere today.
+MEGABLOCKS_FASTER_ON: tuple[str, ...] = ()
+
+INSTALL_MEGABLOCKS = ("on a CUDA machine run `bash scripts/install_megablocks.sh` (it builds megablocks 0.10.0 and "
+                      "grouped_gemm against your torch; `pip install -e .[megablocks]` lists them), or set "
+                      "moe.backend=torch")
+
+
+def megablocks_unavailable(device_type: str) -> str | None:
+    """Why the megablocks backend cannot run on ``device_type`` here, or None when it can."""
+    if device_type != "cuda":
+        return "it runs only on CUDA GPUs (grouped_gemm's kernels are CUDA-only) and this run has none"
+    try:
+        import grouped_gemm.ops  # noqa: F401
+    except ImportError as exc:  # also an installed package whose compiled extension is missing
+        return f"grouped_gemm cannot be imported ({exc})"
+    return None
+
+
+def check_backend(requested: str, device_type: str) -> None:
+    """Refuse ``moe.backend=megablocks`` before any work where it cannot run, saying why and how to install."""
+    if requested == "megablocks":
+        reason = megablocks_unavailable(device_type)
+        if reason is not None:
+            raise ConfigError(f"moe.backend=megablocks: {reason}; {INSTALL_MEGABLOCKS}")
+
+
+@functools.cache
+def _auto_backend(device: torch.device) -> str:
+    """``auto`` on one device, decided once: megablocks where measured faster and installed, else torch."""
+    if device.type != "cuda" or megablocks_unavailable("cuda") is not None:
+        return "torch"
+    name = torch.cuda.get_device_name(device)
+    return "megablocks" if any(gpu in name for gpu in MEGABLOCKS_FASTER_ON) else "torch"
 
 
 def compute_dtype(reference: Tensor) -> torch.dtype:
@@ -18,6 +64,68 @@ def compute_dtype(reference: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return reference.dtype
+
+
+class _UseCopy(torch.autograd.Function):
+    """``copy`` (a low-precision copy of ``weight``) in forward; the gradient cast back to ``weight``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, copy: Tensor) -> Tensor:
+        ctx.dtype = weight.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.to(ctx.dtype), None
+
+
+class ComputeCopies:
+    """Copies of fp32 weights in the compute dtype, made once per optimizer step rather than at every call.
+
+    Under bf16 autocast each forward casts every fp32 weight its matmuls use, once per micro-batch, and
+    keeps the copy until that micro-batch's backward. For the routed experts, most of an MoE model's
+    weights, that is a pass over all of them per micro-batch, which the expert math alone (the floor
+    ``benchmarks/moe_layer.py`` measures against) does not pay. A copy made here serves every micro-batch of
+    an optimizer step and every micro-batch in flight in a pipeline. The optimizer drops the copies before
+    it steps (``release_compute_copies``, hooked in by ``training.optim.build_optimizer``: a fused AdamW
+    writes the weights without moving their version counters); a copy is also remade whenever its weight's
+    version counter has moved since it was made (a checkpoint load, any in-place write autograd sees; not a
+    write through ``.data``). Gradients reach the fp32 weight cast up from the matmul's, exactly as through
+    autocast's cast, so training is unchanged.
+
+    The memory: one copy of the weights it serves, held from a step's first forward to its optimizer step,
+    instead of one per micro-batch in flight held until its backward (``analysis.memory_activations``
+    counts it). Weights already in the compute dtype (FSDP's bf16 gathers:
+    ``parallel.sharding.mixed_precision``) pass through.
+    """
+
+    def __init__(self):
+        self._copies: dict[str, tuple[tuple, Tensor]] = {}
+
+    def get(self, name: str, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        """``weight`` in ``dtype``: the kept copy while ``weight`` is unchanged, else a new one."""
+        if weight.dtype == dtype:
+            return weight
+        key = (weight._version, weight.data_ptr(), tuple(weight.shape), dtype)
+        kept = self._copies.get(name)
+        if kept is None or kept[0] != key:
+            with torch.no_grad():
+                kept = (key, weight.detach().to(dtype))
+            self._copies[name] = kept
+        return _UseCopy.apply(weight, kept[1])
+
+    def tensors(self) -> list[Tensor]:
+        return [copy for _, copy in self._copies.values()]
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+
+def release_compute_copies(model: nn.Module) -> None:
+    """Drop every compute copy in ``model``: its weights are about to change (an optimizer step)."""
+    for module in model.modules():
+        if isinstance(copies := getattr(module, "compute_copies", None), ComputeCopies):
+            copies.clear()
 
 
 def _grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
@@ -40,16 +148,44 @@ def _padded_bmm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
     return torch.bmm(padded, weight)[group, slot]
 
 
-def grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
+def _megablocks_gmm(x: Tensor, weight: Tensor, batch_sizes: Tensor) -> Tensor:
+    """``grouped_gemm.ops.gmm``: a [N, in] bf16, b [E, in, out] bf16 (``trans_b=False``: our stacked layout, no
+    copy), group sizes as a CPU int64 tensor (its cuBLAS path reads them on the host). Autograd included."""
+    from grouped_gemm.ops import gmm
+
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ConfigError(f"moe.backend=megablocks computes in bf16 only (got {x.dtype} tokens, {weight.dtype} "
+                          "weights): set train.precision=bf16, or moe.backend=torch")
+    return gmm(x.contiguous(), weight.contiguous(), batch_sizes, trans_b=False)
+
+
+def grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor, backend: str = "torch") -> Tensor:
     """Row block ``e`` of ``x`` times ``weight[e]``: [N, in] x [E, in, out] -> [N, out].
 
     The blocks are consecutive with sizes ``tokens_per_expert`` (summing to N); empty
     groups are fine. One kernel for all experts: no Python loop over experts.
+    ``backend="megablocks"`` wants ``tokens_per_expert`` on the host (``expert_ffn`` copies it once per layer).
     """
+    if backend == "megablocks":
+        return _megablocks_gmm(x, weight, tokens_per_expert)
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return _eager_grouped_matmul(x, weight, tokens_per_expert)
+    return _torch_grouped_matmul(x, weight, tokens_per_expert)
+
+
+def _torch_grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
     if _grouped_mm_supported(x, weight):
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         return F.grouped_mm(x, weight, offs=offsets)
     return _padded_bmm(x, weight, tokens_per_expert)
+
+
+@torch.compiler.disable
+def _eager_grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    """The grouped GEMM outside ``torch.compile`` (``train.compile``) for dtypes other than bf16: torch's
+    meta kernel of ``grouped_mm`` (what compilation traces with) accepts bf16 only, though the CPU kernel takes
+    fp32 too, and the padded fallback has a data-dependent shape. So fp32 blocks compile around their experts."""
+    return _torch_grouped_matmul(x, weight, tokens_per_expert)
 
 
 class GroupedExperts(nn.Module):
@@ -67,33 +203,44 @@ class GroupedExperts(nn.Module):
     both on H without reshuffling.
     """
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int, activation: str = "swiglu"):
+    def __init__(self, num_experts: int, d_model: int, hidden: int, activation: str = "swiglu",
+                 backend: str = "torch"):
         super().__init__()
         self.num_experts = num_experts
         self.activation = activation
+        self.backend = backend  # moe.backend: torch, megablocks or auto
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if activation == "swiglu" else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.compute_copies = ComputeCopies()
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: [N, D] grouped by expert; tokens_per_expert: [E] -> [N, D] in the compute dtype."""
-        return expert_ffn(x, tokens_per_expert, self.w_in, self.w_gate, self.w_out)
+        return expert_ffn(x, tokens_per_expert, self.w_in, self.w_gate, self.w_out, self.compute_copies,
+                          self.backend)
 
 
-def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tensor | None, w_out: Tensor) -> Tensor:
+def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tensor | None, w_out: Tensor,
+               copies: ComputeCopies, backend: str = "torch") -> Tensor:
     """The experts' feed-forward on grouped rows, given their stacked weights (SwiGLU when ``w_gate`` is set).
 
     A function of the weights, not of the module, so ``parallel/expert.py`` runs the same math on the
-    local slice of an ep-sharded stack.
+    local slice of an ep-sharded stack. ``copies`` holds the weights' compute-dtype copies between calls.
+    ``backend``: ``moe.backend`` (``auto`` is decided once per device). The megablocks backend reads the
+    group sizes on the host: one device-to-host copy per layer and pass.
     """
+    if backend == "auto":
+        backend = _auto_backend(x.device)
+    if backend == "megablocks":
+        tokens_per_expert = tokens_per_expert.to("cpu", torch.int64)
     dtype = compute_dtype(x)
     x = x.to(dtype)
-    hidden = grouped_matmul(x, w_in.to(dtype), tokens_per_expert)
+    hidden = grouped_matmul(x, copies.get("w_in", w_in, dtype), tokens_per_expert, backend)
     if w_gate is not None:
-        hidden = F.silu(grouped_matmul(x, w_gate.to(dtype), tokens_per_expert)) * hidden
+        hidden = F.silu(grouped_matmul(x, copies.get("w_gate", w_gate, dtype), tokens_per_expert, backend)) * hidden
     else:
         hidden = F.gelu(hidden)
-    return grouped_matmul(hidden, w_out.to(dtype), tokens_per_expert)
+    return grouped_matmul(hidden, copies.get("w_out", w_out, dtype), tokens_per_expert, backend)
 
 
 class FeedForward(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from moe.config import MoEConfig
-from moe.dispatch import expert_capacity, permute, plan_dispatch, unpermute_and_combine
+from moe.dispatch import count_per_expert, expert_capacity, permute, plan_dispatch, unpermute_and_combine
 from moe.experts import FeedForward, GroupedExperts, compute_dtype
 from moe.losses import attach_loss, load_balancing_loss, z_loss
 from moe.router import TopKRouter
@@ -61,7 +61,8 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.router = TopKRouter(d_model, config)
-        self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden, config.activation)
+        self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden, config.activation,
+                                      config.backend)
         self.shared_experts = FeedForward(d_model, config.shared_hidden) if config.num_shared_experts else None
         self.aux_loss_scale = 1.0
         self.last_stats: RoutingStats | None = None
@@ -106,7 +107,7 @@ class MoELayer(nn.Module):
         if self.config.top_k >= 2:  # count (i, j) pairs among each token's choices; integer, so autocast-proof
             num_experts = probs.shape[1]
             pairs = routed.expert_ids[:, :, None] * num_experts + routed.expert_ids[:, None, :]  # [T, k, k]
-            coselection = torch.bincount(pairs.reshape(-1), minlength=num_experts * num_experts)
+            coselection = count_per_expert(pairs, num_experts * num_experts)
             coselection = coselection.view(num_experts, num_experts)
         return RoutingStats(
             tokens_per_expert=selected.detach(),

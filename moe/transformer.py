@@ -33,22 +33,33 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal multi-head (or grouped-query) attention with rotary positions, on SDPA."""
+    """Causal multi-head (or grouped-query) attention with rotary positions, on SDPA.
+
+    With ``qk_norm`` each query and key head is RMS-normalised over its hd channels (one weight [hd] shared
+    by the heads) before RoPE, as Qwen3 does: it keeps the attention logits from growing without bound
+    ("QK normalization", Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters",
+    sec. 3). Per head, so it runs unchanged on the heads a tensor-parallel rank holds.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_size
         self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x: [B, S, D]; cos, sin: the rotary tables of at least S positions, of which the first S are used."""
         batch, seq, _ = x.shape
         cos, sin = cos[:seq], sin[:seq]
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, nh, S, hd]
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, nkv, S, hd]
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # [B, S, nh, hd]
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)  # [B, S, nkv, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
@@ -99,7 +110,7 @@ class MoETransformer(nn.Module):
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(config.head_dim, config.seq_len, config.rope_theta)
+        cos, sin = rope_tables(config.head_size, config.seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.tok_embeddings.weight.device.type != "meta":
@@ -118,7 +129,7 @@ class MoETransformer(nn.Module):
 
         Needed after ``to_empty`` (materialising a meta model), which leaves buffers uninitialised.
         """
-        cos, sin = rope_tables(self.config.head_dim, self.config.seq_len, self.config.rope_theta)
+        cos, sin = rope_tables(self.config.head_size, self.config.seq_len, self.config.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for layer in self.moe_layers().values():

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from moe.experts import GroupedExperts, expert_ffn
+from moe.experts import ComputeCopies, GroupedExperts, expert_ffn
 from moe.transformer import MoETransformer
 from parallel.tensor import gather_rows, scatter_rows
 
@@ -176,10 +176,12 @@ class ExpertParallelExperts(nn.Module):
             sharded = DTensor.from_local(local.clone(), expert_mesh, placements, run_check=False)
             self.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         self.has_gate = experts.w_gate is not None
+        self.backend = experts.backend
         # multiplies the weights' gradients: ``parallel.sharding.shard_experts`` sets it where no FSDP unit
         # reduces (and so averages) them. A property of the module, not a hook on the parameters, so it
         # holds when materialising a meta-built model swaps the parameters' data.
         self.grad_scale = 1.0
+        self.compute_copies = ComputeCopies()  # of the local slices (``moe.experts.ComputeCopies``)
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: [N, D] grouped by global expert id; tokens_per_expert: [E] -> [N, D] in the experts' compute dtype."""
@@ -194,7 +196,8 @@ class ExpertParallelExperts(nn.Module):
             return _ScaleGradient.apply(tensor, self.grad_scale) if self.grad_scale != 1.0 else tensor
 
         w_gate = local(self.w_gate) if self.has_gate else None
-        return expert_ffn(x, tokens_per_local_expert, local(self.w_in), w_gate, local(self.w_out))
+        return expert_ffn(x, tokens_per_local_expert, local(self.w_in), w_gate, local(self.w_out),
+                          self.compute_copies, self.backend)
 
     def _exchange_and_compute(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         if self.ep_mesh.size() == 1:  # expert tensor parallelism alone: every expert is here, nothing to send

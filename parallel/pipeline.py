@@ -248,6 +248,10 @@ class PipelineModel:
         for stage in self.stages:
             yield from stage.named_parameters()
 
+    def modules(self) -> Iterator[nn.Module]:
+        for stage in self.stages:
+            yield from stage.modules()
+
     def state_dict(self) -> dict[str, Tensor]:
         """This rank's part of the model's state dict (its stages'), under the full model's names."""
         return {k: v for stage in self.stages for k, v in stage.state_dict().items()}

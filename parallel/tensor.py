@@ -7,7 +7,9 @@ column-parallel input).
 
 - attention: ``wq``, ``wk``, ``wv`` column-parallel, i.e. split by heads (tp divides both head counts;
   ``Attention.forward`` reshapes with ``-1`` heads, so it runs on its nh / tp local heads unchanged);
-  ``wo`` row-parallel.
+  ``wo`` row-parallel. The per-head query/key norms (``model.qk_norm``) stay whole on every rank and run on
+  its local heads: DTensor's ``SequenceParallel`` style over the heads dim, so their weights' gradients,
+  each rank's sum over its own heads, are summed over tp like the sequence-parallel norms'.
 - dense SwiGLU FFN and the MoE layer's shared experts: ``w_in`` and ``w_gate`` column-parallel (split on
   the hidden dim), ``w_out`` row-parallel.
 - the router stays whole on every tp rank: it must see the full hidden vector in fp32 so every tp rank
@@ -103,6 +105,9 @@ def _block_plan(block: Block, sequence_parallel: bool) -> dict:
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout over tp
     plan = {"attn": _shared_input(stream, num_inputs=3), "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
             "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(output_layouts=stream)}
+    if block.attn.q_norm is not None:  # [B, S, heads, hd]: this rank's heads are a shard of dim 2
+        plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                     "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
     if block.ffn is not None:
         plan.update(_feed_forward_plan("ffn", stream))
     elif block.moe.shared_experts is not None:  # inside the MoE layer, which sees the whole sequence

@@ -54,11 +54,17 @@ class DataConfig:
     source: str = "stdlib"
     val_fraction: float = 0.005  # held-out tail of the token stream used for validation
     cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
+    # "bytes" (one token per byte, vocab 256) or the path of a Hugging Face tokenizer.json (training/tokenizer.py)
+    tokenizer: str = "bytes"
 
     def validate(self) -> None:
         _require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
         _require(bool(self.source.strip()), "data.source is empty; use 'stdlib', a text file or folder, or a "
                                             "uint16 .bin file")
+        _require(bool(self.tokenizer.strip()), "data.tokenizer is empty; use 'bytes' or a tokenizer.json path")
+        _require(self.tokenizer == "bytes" or not self.source.endswith(".bin"),
+                 f"data.tokenizer={self.tokenizer!r} with data.source={self.source!r}: a .bin is already tokenised, "
+                 "so no tokenizer applies to it; give the text it came from, or leave data.tokenizer as 'bytes'")
 
 
 @dataclass
@@ -77,6 +83,10 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # where the run must compute: auto (a GPU when torch sees one, else the CPU) or cuda (a GPU config: refused
+    # before any work on a machine without one)
+    device: Literal["auto", "cuda"] = "auto"
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     eval_interval: int = 100  # steps between validation passes; 0 = only at the end
     eval_batches: int = 8  # micro-batches per validation pass
     # non-finite steps in a row (each skipped, weights untouched) before the run stops with a checkpoint
@@ -168,9 +178,17 @@ class RunConfig:
         for section in (self.model, self.moe, self.parallel, self.data, self.train, self.logging, self.checkpoint):
             section.validate()
         _require(
-            self.model.vocab_size >= 256 or self.data.source.endswith(".bin"),
+            self.model.vocab_size >= 256 or self.data.source.endswith(".bin") or self.data.tokenizer != "bytes",
             f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
         )
+        _require(not (self.train.compile and self.parallel.activation_offload != "none"),
+                 "train.compile with parallel.activation_offload is not supported yet (its saved-tensor hooks would "
+                 "split every compiled block); set one of them off")
+        _require(not (self.train.compile and self.parallel.pp > 1),
+                 "train.compile with pipeline parallelism (parallel.pp > 1) is not supported yet; set one of them off")
+        _require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
+                 "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
+                 "set train.precision=bf16 (or auto), or moe.backend=torch")
 
     def to_dict(self) -> dict:
         return to_dict(self)

@@ -1,9 +1,10 @@
-"""Training data: a byte-level token stream, its train/validation split, and the batch samplers.
+"""Training data: the token stream of a corpus, its train/validation split, and the batch samplers.
 
 Every machine can train with no download: the default corpus is the running Python's own standard
-library sources, tokenised one byte per token (vocab 256). A corpus is tokenised once into a raw
-uint16 file in ``data.cache_dir`` and memory-mapped from then on, so start-up is instant and every
-rank of a job shares one page cache instead of holding its own copy.
+library sources (``training/corpus.py``), tokenised one byte per token (vocab 256) or with a
+``tokenizer.json`` (``data.tokenizer``, ``training/tokenizer.py``). A corpus is tokenised once into a raw
+uint16 (or, for a vocabulary over 65,536, uint32) file in ``data.cache_dir`` and memory-mapped from then on,
+so start-up is instant and every rank of a job shares one page cache instead of holding its own copy.
 
 The sampler's order is a pure function of (seed, sample number): it depends neither on the
 data-parallel layout nor on how many steps ran in this process, which is what makes a resumed run,
@@ -16,50 +17,39 @@ import contextlib
 import hashlib
 import json
 import os
-import re
-import stat
-import sys
-import sysconfig
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
-# Bump when tokenisation changes, so old caches are not mistaken for new ones.
-TOKENISER_VERSION = "bytes-v1"
-# Appended after every document, so the model sees where one file ends and the next begins.
-DOCUMENT_SEPARATOR = b"\n\n"
-# A file with a NUL byte this early is almost surely not text (the heuristic git and grep use).
-BINARY_SNIFF_BYTES = 8192
-CHUNK_BYTES = 1 << 24
+from training.corpus import CHUNK_BYTES, VALID_SOURCES, Document, list_corpus, looks_binary, signature, unreadable
+from training.tokenizer import BYTES, Tokenizer, load_tokenizer
+
 # Files changed this recently before a cache build are re-hashed on later starts (see _write_tokens).
 RACY_SECONDS = 2.0
 
-_VALID_SOURCES = "use 'stdlib', a text file or folder, or a uint16 .bin file"
 
-# (relative posix path, absolute path, stat) of one corpus document.
-_Document = tuple[str, Path, os.stat_result]
+def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = None,
+                tokenizer: str = BYTES) -> np.memmap:
+    """The whole token stream of ``data.source`` as a read-only memmap, shape ``[tokens]``.
 
-
-def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = None) -> np.memmap:
-    """The whole token stream of ``data.source`` as a read-only uint16 memmap, shape ``[tokens]``.
-
-    ``"stdlib"`` and text files/folders are tokenised once (bytes -> tokens 0..255) into
-    ``cache_dir``; the cache file is named by a hash of what went into it: the tokeniser version, the
-    root, and every file's relative path, size, modification and status-change times. Writing a file
-    always moves its status-change time (``st_ctime``, which no tool can set back, unlike the
-    modification time), so an edited, replaced, added or removed file gives a new key and the corpus is
-    re-tokenised rather than served stale. A file that cannot be read is an error naming it, never a
-    silent gap. A ``.bin`` is taken as already tokenised and mapped as is; given ``vocab_size``, its largest
-    token id is checked against it when it is opened (an id ``>= vocab_size`` would otherwise be an
-    ``IndexError`` at whichever step first samples it), scanning the file once: the largest id is cached in
-    ``cache_dir`` under the file's identity (path, size, modification and status-change times).
+    ``"stdlib"`` and text files/folders are tokenised once with ``tokenizer`` (``data.tokenizer``: ``bytes``
+    or a ``tokenizer.json``, whose vocabulary must fit ``vocab_size``, checked first) into ``cache_dir``; the
+    cache file is named by a hash of what went into it: the tokenizer's identity, the root, and every file's
+    relative path, size, modification and status-change times. Writing a file always moves its status-change
+    time (``st_ctime``, which no tool can set back, unlike the modification time), so an edited, replaced,
+    added or removed file gives a new key and the corpus is re-tokenised rather than served stale. A file that
+    cannot be read is an error naming it, never a silent gap. A ``.bin`` is taken as already tokenised (uint16)
+    and mapped as is; given ``vocab_size``, its largest token id is checked against it when it is opened (an id
+    ``>= vocab_size`` would otherwise be an ``IndexError`` at whichever step first samples it), scanning the
+    file once: the largest id is cached in ``cache_dir`` under the file's identity (path, size, modification
+    and status-change times).
     """
     if source.endswith(".bin"):
-        tokens = _map_uint16(Path(source), source)
+        tokens = _map_tokens(Path(source), source, np.dtype(np.uint16))
         if vocab_size is not None:
             largest = _largest_token_id(Path(source), tokens, Path(cache_dir))
             if largest >= vocab_size:
@@ -69,30 +59,18 @@ def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = Non
                     "re-tokenise the file"
                 )
         return tokens
-    if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        # Third-party packages installed into the interpreter are not the standard library, and
-        # would make the corpus differ between machines.
-        docs = _walk(
-            root,
-            keep=lambda name: name.endswith(".py"),
-            prune=lambda name: name in ("site-packages", "dist-packages"),
-        )
-        key = [TOKENISER_VERSION, sys.version, str(root), [(rel, *_signature(st)) for rel, _, st in docs]]
-        return _cached_tokens(docs, "stdlib", key, cache_dir, source, skip_binary=False)
+    encoder = load_tokenizer(tokenizer, vocab_size, source)
+    corpus = list_corpus(source)
+    label = f"{corpus.label}-{encoder.label}" if encoder.label else corpus.label
+    return _cached_tokens(corpus.documents, label, [encoder.identity, *corpus.key], cache_dir, source,
+                          corpus.skip_binary, encoder)
 
-    path = Path(source).resolve()
-    if path.is_dir():
-        # Hidden entries (.git, .cache, editor files) are not corpus text; skipping them also keeps
-        # a cache_dir inside the folder from changing the folder's own hash on every call.
-        docs = _walk(path, keep=lambda name: not _is_hidden(name), prune=_is_hidden)
-    elif path.is_file():
-        docs = [(path.name, path, path.stat())]
-    else:
-        raise ValueError(f"data.source={source!r}: no such file or folder; {_VALID_SOURCES}")
-    key = [TOKENISER_VERSION, str(path), [(rel, *_signature(st)) for rel, _, st in docs]]
-    label = "text-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name)[:40]
-    return _cached_tokens(docs, label, key, cache_dir, source, skip_binary=True)
+
+def check_tokenizer(source: str, tokenizer: str, vocab_size: int) -> None:
+    """``load_tokens``' first check, for ``train.py`` to make before any process starts: the tokenizer of a text
+    source exists, reads, and its vocabulary fits ``model.vocab_size`` (a ``.bin`` is checked when it is opened)."""
+    if not source.endswith(".bin"):
+        load_tokenizer(tokenizer, vocab_size, source)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float,
@@ -249,50 +227,8 @@ def _local_batch_size(global_batch_size: int, dp_size: int) -> int:
     return global_batch_size // dp_size
 
 
-def _is_hidden(name: str) -> bool:
-    return name.startswith(".")
-
-
-def _signature(st: os.stat_result) -> tuple[int, int, int]:
-    """What changes whenever a file's content does: size, modification and status-change time (ns)."""
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def _unreadable(path: Path | str, error: OSError) -> ValueError:
-    return ValueError(f"data.source: cannot read {path} ({error.strerror or error}); make it readable, or move it "
-                      "out of the corpus")
-
-
-def _walk(root: Path, keep: Callable[[str], bool], prune: Callable[[str], bool]) -> list[_Document]:
-    """Regular files under ``root`` whose name passes ``keep``, sorted by relative posix path.
-
-    Sorting by the relative path string (not walk order, which depends on the file system) makes
-    the corpus, and so the token stream, identical on every machine with the same files. A folder
-    or file that cannot be listed or looked at is an error: the corpus would silently lack it.
-    """
-
-    def refuse(error: OSError) -> None:
-        raise _unreadable(error.filename, error)
-
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root, onerror=refuse):
-        dirnames[:] = [name for name in dirnames if not prune(name)]
-        for name in filenames:
-            if not keep(name):
-                continue
-            path = Path(dirpath, name)
-            try:
-                st = path.stat()
-            except OSError as error:
-                raise _unreadable(path, error) from error
-            if stat.S_ISREG(st.st_mode):
-                found.append((path.relative_to(root).as_posix(), path, st))
-    return sorted(found, key=lambda doc: doc[0])
-
-
-def _cached_tokens(
-    docs: list[_Document], label: str, key: list, cache_dir: str | Path, source: str, skip_binary: bool
-) -> np.memmap:
+def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str | Path, source: str,
+                   skip_binary: bool, tokenizer: Tokenizer) -> np.memmap:
     """Map the cached tokens for ``key``, tokenising ``docs`` first if no cache exists yet (or if a file that was
     racy when it was built has changed since: see ``_write_tokens``)."""
     cache_dir = Path(cache_dir)
@@ -305,16 +241,17 @@ def _cached_tokens(
             raise ValueError(
                 f"data.cache_dir={str(cache_dir)!r}: cannot create it ({error}); use a writable folder"
             ) from error
-        if _write_tokens(cache_file, [(path, st) for _, path, st in docs], skip_binary) == 0:
+        if _write_tokens(cache_file, [(path, st) for _, path, st in docs], skip_binary, tokenizer) == 0:
             raise ValueError(
-                f"data.source={source!r}: no readable text in {len(docs)} candidate files; {_VALID_SOURCES}"
+                f"data.source={source!r}: no readable text in {len(docs)} candidate files; {VALID_SOURCES}"
             )
-    return _map_uint16(cache_file, source)
+    return _map_tokens(cache_file, source, tokenizer.dtype)
 
 
-def _write_tokens(dest: Path, files: list[tuple[Path, os.stat_result]], skip_binary: bool) -> int:
-    """Tokenise ``files`` (each with its stat when listed) into ``dest`` atomically; return the token count (0:
-    nothing written).
+def _write_tokens(dest: Path, files: list[tuple[Path, os.stat_result]], skip_binary: bool,
+                  tokenizer: Tokenizer) -> int:
+    """Tokenise ``files`` (each with its stat when listed) with ``tokenizer`` into ``dest`` atomically; return the
+    token count (0: nothing written).
 
     Writing a temp file in the same folder, fsyncing it and renaming it over ``dest`` means a crash
     never leaves a half-written cache, and ranks building the same cache at once cannot corrupt it.
@@ -335,30 +272,32 @@ def _write_tokens(dest: Path, files: list[tuple[Path, os.stat_result]], skip_bin
                          "writable folder") from error
     os.fchmod(fd, 0o644)  # mkstemp makes it private; a shared cache must be readable by every user's ranks
     tokens = 0
+    stream = tokenizer.stream()
     try:
         with os.fdopen(fd, "wb") as out:
             for path, listed in files:
                 hasher = hashlib.sha256() if max(listed.st_mtime_ns, listed.st_ctime_ns) >= racy_after else None
                 try:
                     with open(path, "rb") as doc:
-                        if _signature(os.fstat(doc.fileno())) != _signature(listed):
+                        if signature(os.fstat(doc.fileno())) != signature(listed):
                             raise ValueError(f"data.source: {path} changed while the corpus was being read; "
                                              "run again once it is written")
                         chunk = doc.read(CHUNK_BYTES)
-                        binary = skip_binary and b"\0" in chunk[:BINARY_SNIFF_BYTES]
+                        binary = skip_binary and looks_binary(chunk)
                         while chunk and not (binary and hasher is None):
                             if hasher is not None:
                                 hasher.update(chunk)
                             if not binary:
-                                out.write(_bytes_to_tokens(chunk))
+                                out.write(stream.feed(chunk))
                             chunk = doc.read(CHUNK_BYTES)
                 except OSError as error:
-                    raise _unreadable(path, error) from error
+                    raise unreadable(path, error) from error
                 if hasher is not None:
                     digests[str(path)] = hasher.hexdigest()
                 if not binary:
-                    out.write(_bytes_to_tokens(DOCUMENT_SEPARATOR))
-            tokens = out.tell() // 2
+                    out.write(stream.end_document())
+            out.write(stream.finish())
+            tokens = out.tell() // tokenizer.dtype.itemsize
             out.flush()
             os.fsync(out.fileno())
         if tokens:
@@ -415,22 +354,17 @@ def _racy_files_unchanged(cache_file: Path) -> bool:
     return True
 
 
-def _bytes_to_tokens(data: bytes) -> np.ndarray:
-    """Byte-level tokenisation: each byte is one token, widened to the uint16 cache format."""
-    return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
-
-
-def _map_uint16(path: Path, source: str) -> np.memmap:
-    """Memory-map a raw uint16 token file read-only, after checking it can be one."""
+def _map_tokens(path: Path, source: str, dtype: np.dtype) -> np.memmap:
+    """Memory-map a raw token file (uint16 or uint32) read-only, after checking it can be one."""
     if not path.is_file():
-        raise ValueError(f"data.source={source!r}: no such file or folder; {_VALID_SOURCES}")
+        raise ValueError(f"data.source={source!r}: no such file or folder; {VALID_SOURCES}")
     size = path.stat().st_size
-    if size == 0 or size % 2:
+    if size == 0 or size % dtype.itemsize:
         raise ValueError(
-            f"data.source={source!r}: {path} has {size} bytes; a token file must be non-empty uint16 "
-            f"(an even number of bytes); {_VALID_SOURCES}"
+            f"data.source={source!r}: {path} has {size} bytes; a token file must be non-empty {dtype.name} "
+            f"(a multiple of {dtype.itemsize} bytes); {VALID_SOURCES}"
         )
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def _largest_token_id(path: Path, tokens: np.memmap, cache_dir: Path) -> int:
@@ -440,7 +374,7 @@ def _largest_token_id(path: Path, tokens: np.memmap, cache_dir: Path) -> int:
     whole only the first time it is used (and again whenever it changes). A cache that cannot be written costs
     only the next start's scan.
     """
-    key = json.dumps(["max-id-v1", str(path.resolve()), *_signature(path.stat())])
+    key = json.dumps(["max-id-v1", str(path.resolve()), *signature(path.stat())])
     record = cache_dir / f"maxid-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         return int(json.loads(record.read_text(encoding="utf-8"))["max_id"])

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe.config import ConfigError
@@ -137,6 +138,31 @@ def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple[torch.Size, to
         return value
 
     return entries, read, config_text
+
+
+def model_tensors(source: Path) -> tuple[dict[str, tuple[torch.Size, torch.dtype]], Callable[[str], torch.Tensor],
+                                        RunConfig]:
+    """(each tensor's shape and dtype, a reader of one whole tensor, the config) of our weights, one tensor at a
+    time: a checkpoint (a ``step_NNNNNNN`` folder, or a folder of them) or a safetensors file of this toolkit's
+    (``export_checkpoint``'s, ``training.hf import``'s, ``training.upcycle``'s: the config is its metadata)."""
+    if source.is_dir():
+        entries, read, config_text = checkpoint_tensors(source)
+        return entries, read, config_from_dict(yaml.safe_load(config_text))
+    try:
+        handle = safe_open(str(source), framework="pt")
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"{source}: not a checkpoint folder or a readable safetensors file ({exc})") from exc
+    metadata = handle.metadata() or {}
+    if CONFIG_METADATA_KEY not in metadata:
+        raise ConfigError(f"{source}: no '{CONFIG_METADATA_KEY}' metadata (not written by this toolkit)")
+    dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+    entries = {}
+    for name in handle.keys():
+        tensor = handle.get_slice(name)
+        if tensor.get_dtype() not in dtypes:
+            raise ConfigError(f"{source}: tensor '{name}' has dtype {tensor.get_dtype()}, not supported")
+        entries[name] = (torch.Size(tensor.get_shape()), dtypes[tensor.get_dtype()])
+    return entries, handle.get_tensor, config_from_dict(yaml.safe_load(metadata[CONFIG_METADATA_KEY]))
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> int:

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe.config import ConfigError
+from moe.experts import check_backend
+from parallel.compile import compile_unavailable
+
 # Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), FLOP/s.
 GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
@@ -107,3 +111,26 @@ def memory_per_rank(device: torch.device, peak: bool = True) -> list[int]:
     every = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, local)
     return every.tolist()
+
+
+def check_hardware(config, device_type: str) -> None:
+    """Refuse, before any work, a config that this machine cannot run (a ConfigError saying why and what to do).
+
+    ``device_type`` is where the run would compute: "cuda" when torch sees a GPU, else "cpu". Each option that
+    needs particular hardware or software checks it here, so ``train.py`` and ``launch.py`` refuse it before a
+    process group, a run directory or a tensor exists.
+    """
+    if config.train.device == "cuda" and device_type != "cuda":
+        raise ConfigError(f"config '{config.name}' is sized for a GPU (train.device=cuda) and torch sees no CUDA GPU "
+                          "here: run it on a GPU machine, or pick a CPU config such as moe-8x (--set "
+                          "train.device=auto runs it here anyway)")
+    check_backend(config.moe.backend, device_type)
+    if config.parallel.activation_offload != "none" and device_type != "cuda":
+        raise ConfigError(f"parallel.activation_offload={config.parallel.activation_offload} moves activations from "
+                          "GPU memory to pinned host memory, and this run has no GPU (on a CPU they are in host memory "
+                          "already): set parallel.activation_offload=none, or parallel.activation_checkpointing to "
+                          "save memory here")
+    if config.train.compile:
+        reason = compile_unavailable(device_type)
+        if reason is not None:
+            raise ConfigError(f"train.compile=true: {reason}; or set train.compile=false")

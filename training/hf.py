@@ -1,15 +1,17 @@
 """Hugging Face model folders in and out: import to our weights, export to a folder, and ``--init-from hf:DIR``.
 
     python -m training.hf import HF_DIR --out model.safetensors [--config moe-8x] [--seq-len 4096]
-    python -m training.hf export runs/NAME/checkpoints/step_0000300 --out HF_DIR
+    python -m training.hf export runs/NAME/checkpoints/step_0000300 --out HF_DIR [--architecture NAME]
+        [--dtype bf16|fp32] [--max-shard-size 5GB]
     python train.py --config moe-8x --init-from hf:HF_DIR
 
-Families: Mixtral (``training/hf_mixtral.py`` holds the config mapping and the tensor layouts). A folder is
-``config.json`` plus ``model.safetensors``, or shards named in ``model.safetensors.index.json``. Everything
-streams: import reads one HF tensor at a time (an expert stack, one of our tensors, needs its E experts),
-export one of our tensors at a time, and ``--init-from hf:DIR`` converts on the fly, each rank reading just
-its box of each tensor (see ``HFWeights``). ``transformers`` is not needed (nor imported): only tests use it,
-as the oracle.
+Families (``FAMILIES``, by the architecture config.json names): Mixtral (``training/hf_mixtral.py``) and
+Qwen3-MoE (``training/hf_qwen3_moe.py``), each a config mapping and its tensor names over the pieces they
+share (``training/hf_family.py``). A folder is ``config.json`` plus ``model.safetensors``, or shards named in
+``model.safetensors.index.json``. Everything streams: import reads one HF tensor at a time (an expert stack,
+one of our tensors, needs its E experts), export one of our tensors at a time, and ``--init-from hf:DIR``
+converts on the fly, each rank reading just its box of each tensor (see ``HFWeights``). ``transformers`` is
+not needed (nor imported): only tests use it, as the oracle.
 """
 
 from __future__ import annotations
@@ -29,25 +31,23 @@ from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
 from parallel.checkpoint import CheckpointCorruptError
 from parallel.materialize import load_weights
+from training import hf_mixtral, hf_qwen3_moe
 from training.config import RunConfig, config_from_dict, load_config
 from training.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
+    ExportWriteError,
     checkpoint_tensors,
     write_safetensors_streaming,
 )
-from training.hf_mixtral import (
-    Source,
-    check_context,
-    hf_from_config,
-    hf_sources,
-    hf_targets,
-    shape_from_hf,
-)
+from training.hf_family import Family, Source, check_context, hf_targets
+from training.hf_shards import INDEX_FILE, SINGLE_FILE, parse_size, write_weights
+
+# the families we convert, by the architecture config.json names; export tries them in this order
+FAMILIES: dict[str, Family] = {family.architecture: family for family in (hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY)}
 
 HF_PREFIX = "hf:"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()} | {"F8_E4M3": None, "F8_E5M2": None}
 
 
@@ -97,6 +97,26 @@ class HFFolder(contextlib.AbstractContextManager):
         return self._handles[file].get_slice(name)
 
 
+def family_of(hf_config: dict) -> Family:
+    """The family of a config.json, by its ``architectures`` (or, without them, its ``model_type``); an error
+    naming the architecture and the supported ones otherwise."""
+    architectures = list(hf_config.get("architectures") or [])
+    model_type = hf_config.get("model_type")
+    if len(architectures) == 1 and architectures[0] in FAMILIES:
+        family = FAMILIES[architectures[0]]
+        if model_type not in (None, family.model_type):
+            raise ConfigError(f"config.json names architecture {family.architecture} with model_type "
+                              f"{model_type!r}, not its '{family.model_type}'")
+        return family
+    if not architectures:
+        for family in FAMILIES.values():
+            if family.model_type == model_type:
+                return family
+    what = ", ".join(architectures) or f"model_type {model_type!r}"
+    supported = ", ".join(f"{name} (model_type '{family.model_type}')" for name, family in FAMILIES.items())
+    raise ConfigError(f"unsupported architecture {what}: supported are {supported}")
+
+
 class HFWeights:
     """An HF folder seen under our names and layouts (``parallel.materialize.WeightSource``).
 
@@ -106,11 +126,13 @@ class HFWeights:
     """
 
     def __init__(self, folder: HFFolder, model: ModelConfig, moe: MoEConfig):
-        self.folder, self.sources, self.num_experts = folder, hf_sources(model, moe), moe.num_experts
+        self.family = family_of(folder.config)
+        self.folder, self.sources, self.num_experts = folder, self.family.hf_sources(model, moe), moe.num_experts
 
     def _source(self, name: str) -> Source:
         if name not in self.sources:
-            raise ConfigError(f"{self.folder.folder}: our tensor '{name}' has no Mixtral counterpart")
+            raise ConfigError(f"{self.folder.folder}: our tensor '{name}' has no {self.family.architecture} "
+                              "counterpart")
         return self.sources[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -154,7 +176,7 @@ def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = N
     config's; our context must fit the model's ``max_position_embeddings`` and any sliding window.
     """
     with HFFolder(folder) as hf:
-        shape = shape_from_hf(hf.config)
+        shape = family_of(hf.config).shape_from_hf(hf.config)
     tree = config.to_dict()
     tree["model"].update(shape.model)
     tree["moe"].update(shape.moe)
@@ -220,24 +242,48 @@ def _our_tensors(source: Path):
     return entries, handle.get_tensor, config_from_dict(yaml.safe_load(metadata[CONFIG_METADATA_KEY]))
 
 
-def export_folder(source: Path, out: Path) -> tuple[int, RunConfig]:
-    """Write our checkpoint (a step folder, a folder of them, or our safetensors file) as an HF Mixtral folder.
+def export_family(model: ModelConfig, moe: MoEConfig, architecture: str | None = None) -> Family:
+    """The family to export our model as: ``architecture``, or the first of ``FAMILIES`` that can express it;
+    an error with each family's reason when none can."""
+    if architecture is not None:
+        if architecture not in FAMILIES:
+            raise ConfigError(f"--architecture {architecture}: supported are {', '.join(FAMILIES)}")
+        FAMILIES[architecture].hf_from_config(model, moe)  # its refusal, if any
+        return FAMILIES[architecture]
+    reasons = []
+    for family in FAMILIES.values():
+        try:
+            family.hf_from_config(model, moe)
+            return family
+        except ConfigError as exc:
+            reasons.append(str(exc))
+    raise ConfigError("no Hugging Face family expresses this model: " + "; ".join(reasons))
 
-    One of our tensors in memory at a time (an expert stack is split into its E transposed matrices).
-    The weights keep their dtype. Returns the number of HF tensors written, and our config.
+
+def export_folder(source: Path, out: Path, architecture: str | None = None, dtype: str | None = None,
+                  max_shard_bytes: int | None = None) -> tuple[int, RunConfig]:
+    """Write our checkpoint (a step folder, a folder of them, or our safetensors file) as an HF folder of
+    ``architecture`` (by default the first family that expresses the model, see ``export_family``).
+
+    One of our tensors in memory at a time (an expert stack is split into its E transposed matrices). The
+    weights keep their dtype unless ``dtype`` (``EXPORT_DTYPES``) casts each as it is written; with
+    ``max_shard_bytes`` they go into shards of at most that size and an index (``training/hf_shards.py``).
+    Returns the number of HF tensors written, and our config.
     """
     entries, read, config = _our_tensors(source)
-    hf_config = hf_from_config(config.model, config.moe, "float32")
-    targets = hf_targets(config.model, config.moe)
+    family = export_family(config.model, config.moe, architecture)
+    hf_config = family.hf_from_config(config.model, config.moe)
+    targets = hf_targets(family.hf_sources(config.model, config.moe))
     for ours in {ours for ours, _ in targets.values()}:
         if ours not in entries:
-            raise ConfigError(f"{source}: has no tensor '{ours}' that a Mixtral export needs")
+            raise ConfigError(f"{source}: has no tensor '{ours}' that a {family.architecture} export needs")
+    cast = EXPORT_DTYPES[dtype] if dtype is not None else None
     cache: dict[str, Tensor] = {}
 
     def value(ours: str) -> Tensor:
         if ours not in cache:
             cache.clear()  # tensors are asked for in order: one of ours in memory at a time
-            cache[ours] = read(ours)
+            cache[ours] = read(ours) if cast is None else read(ours).to(cast)
         return cache[ours]
 
     def hf_tensor(name: str) -> Tensor:
@@ -246,11 +292,11 @@ def export_folder(source: Path, out: Path) -> tuple[int, RunConfig]:
 
     hf_entries = {}
     for name, (ours, expert) in targets.items():
-        shape, dtype = entries[ours]
-        hf_entries[name] = (torch.Size(shape if expert is None else (shape[2], shape[1])), dtype)
+        shape, stored = entries[ours]
+        hf_entries[name] = (torch.Size(shape if expert is None else (shape[2], shape[1])), cast or stored)
     hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors_streaming(out / SINGLE_FILE, hf_entries, hf_tensor, {"format": "pt"})
+    write_weights(out, hf_entries, hf_tensor, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
     return len(hf_entries), config
 
@@ -267,22 +313,30 @@ def main(argv: list[str] | None = None) -> int:
     exp = commands.add_parser("export", help="our checkpoint (or safetensors file) -> an HF model folder")
     exp.add_argument("checkpoint", type=Path, help="a step_NNNNNNN folder, a folder of them, or our .safetensors")
     exp.add_argument("--out", type=Path, required=True, help="the folder to write")
+    exp.add_argument("--architecture", choices=list(FAMILIES), default=None,
+                     help="the HF architecture to write (default: the first that expresses the model)")
+    exp.add_argument("--dtype", choices=list(EXPORT_DTYPES), default=None,
+                     help="cast the weights as they are written (default: the checkpoint's dtype)")
+    exp.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                     help="write shards of at most SIZE (5GB, 500MB, 2GiB) and model.safetensors.index.json "
+                          "(default: one model.safetensors)")
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
             seq_len = args.seq_len
             if seq_len is None:
                 with HFFolder(args.folder) as hf:
-                    seq_len = shape_from_hf(hf.config).max_positions
+                    seq_len = family_of(hf.config).shape_from_hf(hf.config).max_positions
             import_folder(args.folder, args.out, load_config(args.config), seq_len)
             print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)
         else:
-            count, config = export_folder(args.checkpoint, args.out)
+            max_bytes = parse_size(args.max_shard_size) if args.max_shard_size is not None else None
+            count, config = export_folder(args.checkpoint, args.out, args.architecture, args.dtype, max_bytes)
             print(f"wrote {count} tensors and config.json to {args.out}", file=sys.stderr)
             if config.moe.capacity_factor is not None:
-                print(f"note: trained with moe.capacity_factor={config.moe.capacity_factor}; Mixtral routes "
+                print(f"note: trained with moe.capacity_factor={config.moe.capacity_factor}; Hugging Face routes "
                       "dropless, so its outputs equal ours with moe.capacity_factor=null", file=sys.stderr)
-    except (ConfigError, OSError, CheckpointCorruptError) as exc:
+    except (ConfigError, OSError, CheckpointCorruptError, ExportWriteError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -112,7 +112,7 @@ def build_model(config: RunConfig, groups: ParallelGroups, device: torch.device,
         model = build_pipeline(model, config.moe, groups, device, par, microbatches, micro, lm_loss, autocast,
                                param_dtype)
     else:
-        model = parallelize(model, groups, par, param_dtype)
+        model = parallelize(model, groups, par, param_dtype, compile_blocks=config.train.compile)
     if allocate:
         for part in model.stages if isinstance(model, PipelineModel) else [model]:
             materialize(part, device, config.train.seed)
@@ -226,7 +226,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     # seq_len (the validation split would otherwise fail only at the first evaluation)
     failure = None  # every rank meets the same data: one says what is wrong with it
     try:
-        tokens = load_tokens(config.data.source, config.data.cache_dir, config.model.vocab_size)
+        tokens = load_tokens(config.data.source, config.data.cache_dir, config.model.vocab_size,
+                             config.data.tokenizer)
         train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction, config.model.seq_len)
         sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
     except ValueError as exc:
@@ -262,7 +263,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     say = (lambda text: print(text, file=sys.stderr)) if runtime.is_main else (lambda text: None)
     say(f"run '{config.name}' in {run_dir}: {counts.total / 1e6:.2f}M parameters, {counts.active / 1e6:.2f}M active; "
         f"{config.model.n_moe_layers} MoE layers of {config.moe.num_experts} experts, top-{config.moe.top_k}")
-    say(f"data: {config.data.source} ({len(train_tokens):,} train / {len(val_tokens):,} val tokens); "
+    say(f"data: {config.data.source}, tokenizer {config.data.tokenizer} ({len(train_tokens):,} train / "
+        f"{len(val_tokens):,} val tokens); "
         f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {dp_size} rank(s) x "
         f"{accumulation} micro-batch(es) of {micro}")
     say(f"precision: {precision.precision} on {device} ({precision.reason})")

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe.experts import release_compute_copies
 from training.config import TrainConfig
 
 
@@ -24,10 +25,13 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     for param in model.parameters():
         if param.requires_grad:
             groups.setdefault((param.dim() >= 2, isinstance(param, DTensor)), []).append(param)
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         [{"params": params, "weight_decay": config.weight_decay if decay else 0.0}
          for (decay, _), params in sorted(groups.items(), key=lambda item: item[0], reverse=True)],
         lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
+    # the experts' bf16 copies go stale with the step; dropping them first also keeps them out of its peak
+    optimizer.register_step_pre_hook(lambda *_: release_compute_copies(model))
+    return optimizer
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:

@@ -76,6 +76,8 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
     "ep=2 x etp=2 over tp=2 x dp_shard=2, sequence parallel": [
         "parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "moe.capacity_factor=null",
         "parallel.sequence_parallel=true", "moe.num_shared_experts=1"],
+    "tp=2 x dp_shard=2, Qwen3's query/key norms": ["parallel.dp_shard=2", "parallel.tp=2", "model.qk_norm=true",
+                                                    "model.head_dim=16"],
     "etp=2 in tp=2, dp_shard=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
                                              "moe.num_experts=3"],
 }

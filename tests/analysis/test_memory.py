@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 import train
 from analysis import memory
-from analysis.memory_activations import in_flight, micro_batch_activations
+from analysis.memory_activations import compute_copy_bytes, in_flight, micro_batch_activations
 from analysis.memory_states import (
     accumulated_grad_bytes,
     gathered_bytes,
@@ -51,11 +51,13 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
                                                  config.parallel.vocab_parallel)
     with memory.loss_context(config.parallel.vocab_parallel):
         measured.loss.backward()  # the measurement leaves a loss to train on
-    predicted = sum(micro_batch_activations(config, layout, micro, precision).values())
+    predicted = (sum(micro_batch_activations(config, layout, micro, precision).values())
+                 + compute_copy_bytes(config, layout, precision))
     return predicted, measured.saved_bytes
 
 
-@pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape"])
+@pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape",
+                                  "qwen3-30b-a3b"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_parameter_tensors_add_up_to_the_accounting(name, tie):
     config = load_config(name, [f"model.tie_embeddings={str(tie).lower()}"])
@@ -67,7 +69,7 @@ def test_parameter_tensors_add_up_to_the_accounting(name, tie):
 
 @pytest.mark.parametrize("overrides", [
     [], ["moe.activation=gelu", "moe.num_shared_experts=2", "model.first_moe_layer=1"],
-    ["model.tie_embeddings=true", "model.moe_every=0"]])
+    ["model.tie_embeddings=true", "model.moe_every=0"], ["model.qk_norm=true", "model.head_dim=12"]])
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
@@ -102,6 +104,9 @@ SINGLE = {
                                "model.first_moe_layer=1", "moe.force_balance=true"]),
     "bf16": ("bf16", ["moe.num_shared_experts=1", "model.first_moe_layer=1", "moe.force_balance=true"]),
     "bf16, tied embeddings": ("bf16", ["model.tie_embeddings=true", "moe.force_balance=true"]),
+    "Qwen3 attention: q/k norms, wide heads": ("fp32", ["model.qk_norm=true", "model.head_dim=16",
+                                                        "moe.renormalize=false", "moe.force_balance=true"]),
+    "bf16, Qwen3 attention": ("bf16", ["model.qk_norm=true", "model.head_dim=16", "moe.force_balance=true"]),
     "bf16, recompute moe": ("bf16", ["parallel.activation_checkpointing=moe", "moe.num_shared_experts=1",
                                      "moe.force_balance=true"]),
 }
@@ -219,6 +224,9 @@ SPAWNED = [
     ("fp32", ["parallel.ep=2"]),  # dp_shard=2: FSDP shards the dense weights, ep the experts
     ("bf16", ["parallel.dp_shard=2"]),  # FSDP's mixed precision: weights gathered in bf16, no autocast copies
     ("bf16", ["parallel.ep=2"]),  # the experts outside FSDP: autocast casts (and keeps copies of) theirs alone
+    # Qwen3's attention: q/k norms whole on each tp rank, on its heads; under FSDP's bf16 weights
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "model.qk_norm=true", "model.head_dim=16"]),
+    ("bf16", ["parallel.dp_shard=2", "model.qk_norm=true", "model.head_dim=16"]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

@@ -13,6 +13,9 @@ SMALL = [
                  first_moe_layer=1, tie_embeddings=True),
      MoEConfig(num_experts=6, top_k=3, expert_hidden=16, num_shared_experts=2, activation="gelu")),
     (ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16, ffn_hidden=48, moe_every=0), MoEConfig()),
+    # Qwen3-MoE's attention: per-head q/k norms, heads wider than d_model / n_heads
+    (ModelConfig(d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True, seq_len=16,
+                 ffn_hidden=48, first_moe_layer=1), MoEConfig(expert_hidden=24, renormalize=False)),
 ]
 
 
@@ -42,6 +45,23 @@ def test_flops_per_token_hand_formula():
     counts = parameter_counts(model_config, moe_config)
     expected = 6 * (counts.active - 256 * 32) + 12 * 3 * 32 * 16
     assert training_flops_per_token(model_config, moe_config) == expected
+
+
+def test_flops_of_wide_heads_count_their_width():
+    """Attention costs 12 · L · (n_heads · hd) · S, with hd = head_dim here, not d_model / n_heads."""
+    model_config, moe_config = SMALL[3]
+    counts = parameter_counts(model_config, moe_config)
+    expected = 6 * (counts.active - 256 * 32) + 12 * 3 * (4 * 12) * 16
+    assert training_flops_per_token(model_config, moe_config) == expected
+
+
+def test_qwen3_30b_a3b_shape_has_its_published_size():
+    """Its model card: 30.5B total, 29.9B without the embedding and head, 3.3B activated."""
+    config = load_config("qwen3-30b-a3b")
+    counts = parameter_counts(config.model, config.moe)
+    assert counts.total / 1e9 == pytest.approx(30.5, abs=0.05)
+    assert (counts.total - 2 * counts.embedding) / 1e9 == pytest.approx(29.9, abs=0.05)
+    assert counts.active / 1e9 == pytest.approx(3.3, rel=0.02)  # 3.35B
 
 
 def test_a_dense_model_has_no_inactive_parameters():

@@ -97,3 +97,21 @@ def test_combine_gradients_with_dropped_assignments_match_a_naive_sum(policy):
     dropped = [a for a in range(num_tokens * top_k) if a not in row_of]
     assert torch.all(got[1].reshape(-1)[dropped] == 0)  # a dropped assignment's weight gets no gradient
     torch.autograd.gradcheck(lambda r, w: unpermute_and_combine(r, plan, w), (rows, weights))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_permute_gradient_is_the_sum_over_a_tokens_kept_rows(top_k, capacity):
+    """The gathering backward equals autograd's own through index_select, with and without drops."""
+    generator = torch.Generator().manual_seed(top_k)
+    num_tokens, num_experts, dim = 7, 4, 5
+    ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=generator)
+    plan = plan_dispatch(ids, weights, num_experts, capacity)
+    assert capacity is None or int(plan.num_dropped) > 0  # the drop case really drops
+    x = torch.randn(num_tokens, dim, generator=generator, requires_grad=True)
+    grad = torch.randn(plan.order.numel(), dim, generator=generator)
+    (ours,) = torch.autograd.grad(permute(x, plan), x, grad)
+    (reference,) = torch.autograd.grad(x.index_select(0, plan.token_index), x, grad)
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+    assert torch.equal(permute(x, plan), x[plan.token_index])

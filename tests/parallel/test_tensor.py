@@ -4,8 +4,8 @@ The spawned test runs every check in one pair of processes: a small model (a den
 attention, then an MoE block with a shared expert) parallelized with tp=2, with ep=2 folded over the
 tp group, and with etp=2 (each expert's hidden dim split), must give the single-process logits,
 gradients (gathered) and global gradient norm, in fp32, under full recompute, and under bf16 autocast
-(looser tolerance); with ep over tp, the expert all-to-all must carry each
-kept assignment once, not once per tp rank.
+(looser tolerance), also with Qwen3's per-head query/key norms and a head_dim of its own; with ep over
+tp, the expert all-to-all must carry each kept assignment once, not once per tp rank.
 """
 
 from __future__ import annotations
@@ -90,11 +90,19 @@ MODEL = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads
                     first_moe_layer=1)
 
 
-def _model(capacity_factor: float | None, tie_embeddings: bool = False) -> MoETransformer:
+def _model(capacity_factor: float | None, tie_embeddings: bool = False, qk_norm: bool = False) -> MoETransformer:
+    """The test model; ``qk_norm``: Qwen3's attention (per-head q/k norms, randomised so a wrong reduction shows,
+    and heads wider than d_model / n_heads)."""
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=12, capacity_factor=capacity_factor, num_shared_experts=1,
                     aux_loss_coef=0.01, z_loss_coef=0.001)
     torch.manual_seed(0)  # every rank builds the same weights
-    return MoETransformer(dataclasses.replace(MODEL, tie_embeddings=tie_embeddings), moe)
+    shape = dict(qk_norm=True, head_dim=6) if qk_norm else {}
+    model = MoETransformer(dataclasses.replace(MODEL, tie_embeddings=tie_embeddings, **shape), moe)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                param.copy_(1 + 0.5 * torch.randn_like(param))
+    return model
 
 
 def _forward(model: MoETransformer, dtype: torch.dtype | None,
@@ -113,13 +121,15 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str = "none",
            dtype: torch.dtype | None = None, sequence_parallel: bool = False, vocab_parallel: bool = False,
-           tie_embeddings: bool = False) -> None:
-    reference = _model(capacity_factor, tie_embeddings)
+           tie_embeddings: bool = False, qk_norm: bool = False) -> None:
+    reference = _model(capacity_factor, tie_embeddings, qk_norm)
     options = ParallelConfig(activation_checkpointing=recompute, sequence_parallel=sequence_parallel,
                              vocab_parallel=vocab_parallel)
     model = parallelize(copy.deepcopy(reference), groups, options)
     attn = model.layers["0"].attn
-    assert isinstance(attn.wq.weight, DTensor) and attn.wq.weight.to_local().shape == (8, 16)  # 2 of 4 heads
+    head_dim = reference.config.head_size
+    assert isinstance(attn.wq.weight, DTensor) and attn.wq.weight.to_local().shape == (2 * head_dim, 16)  # 2 of 4 heads
+    assert isinstance(attn.q_norm.weight, DTensor) if qk_norm else attn.q_norm is None  # replicated over tp
     assert not isinstance(model.layers["1"].moe.router.gate, DTensor)  # the router stays whole
     if groups.layout.etp > 1:  # each rank holds half of every expert's hidden dim
         assert model.layers["1"].moe.experts.w_out.to_local().shape == (4, 6, 16)
@@ -201,6 +211,9 @@ def _worker(rank: int) -> None:
         _check(groups, None, "full", sequence_parallel=True, vocab_parallel=True)
         # one vocabulary-split table serves as embedding and head
         _check(groups, None, sequence_parallel=True, vocab_parallel=True, tie_embeddings=True)
+        # Qwen3's per-head q/k norms on each rank's heads (their weights' gradients summed over tp)
+        _check(groups, None, qk_norm=True)
+        _check(groups, 1.0, "full", sequence_parallel=True, qk_norm=True)
 
 
 def test_tensor_parallel_model_matches_single_process():

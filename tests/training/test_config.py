@@ -38,6 +38,7 @@ def test_a_yaml_path_works(tmp_path):
         (["moe.capacity_factor=-1.5"], r"capacity_factor=-1.5"),
         (["model.n_heads=7"], r"model.n_heads=7 does not divide model.d_model=192; valid head counts"),
         (["model.n_kv_heads=4"], r"model.n_kv_heads=4 must divide model.n_heads=6"),
+        (["model.head_dim=7"], r"model.head_dim=7 must be a positive even number"),
         (["moe.top_k=two"], r"moe.top_k: expected an integer, got 'two'"),
         (["moe.score_func=relu"], r"moe.score_func: 'relu' is not one of 'softmax', 'sigmoid'"),
         (["train.precision=fp16"], r"train.precision: 'fp16' is not one of"),
