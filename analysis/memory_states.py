@@ -121,13 +121,6 @@ _BLOCKS: dict = {}
 _ROOTS: dict = {}
 
 
-def rank_tensors(model: ModelConfig, moe: MoEConfig, layers: list[int], first: bool,
-                 last: bool) -> list[ParamTensor]:
-    """The tensors a pipeline rank holds (``on_rank``), found by block instead of by a scan of every tensor."""
-    groups = tensors_by_layer(model, moe)
-    return [p for i in layers for p in groups.get(i, ())] + [p for p in groups[None] if on_rank(p, layers, first, last)]
-
-
 def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
     d, hd, out = model.d_model, model.head_size, []
     for i in range(model.n_layers):
