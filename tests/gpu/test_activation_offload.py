@@ -1,5 +1,6 @@
 """Activation offloading on a GPU: the gradients of offloaded blocks are those without offloading (the copies
-are exact), the device's peak memory falls, and the device memory it keeps is near the memory model's.
+are exact: they differ no more than two runs without offloading differ from each other, CUDA's atomic adds
+in some backward kernels summing in varying order), and the device's peak memory falls.
 
 Step time and memory beside activation checkpointing's are printed (``-s``; scripts/gpu_check.sh keeps the log)
 rather than asserted: they are measurements, not pass/fail."""
@@ -48,9 +49,11 @@ def step(setting: str):
 @pytest.mark.parametrize("mode", ["blocks", "moe"])
 def test_offloading_keeps_gradients_and_lowers_peak_memory(mode):
     reference, peak, seconds, config = step("activation_offload=none")
+    again, _, _, _ = step("activation_offload=none")
     grads, offloaded_peak, offloaded_seconds, offloaded_config = step(f"activation_offload={mode}")
-    for got, expected in zip(grads, reference, strict=True):
-        assert torch.equal(got, expected)
+    for got, expected, repeat in zip(grads, reference, again, strict=True):
+        noise = (repeat - expected).norm()
+        assert (got - expected).norm() <= 2 * noise + 1e-6 * expected.norm()
     assert offloaded_peak < peak
     layout = resolve_layout(config, 1)[0]
     predicted_saving = (sum(micro_batch_activations(config, layout, 4, "bf16").values())
