@@ -37,7 +37,15 @@ the median of the per-repeat ratios, the times are medians, and ``best`` is the
 fastest layer step over the fastest floor step, the estimate least disturbed by
 other processes. This is a measurement, never a pass/fail test.
 
-    python benchmarks/moe_layer.py [--repeats N] [--precision fp32|bf16|both] [--quick] [--json PATH]
+GPU (``--device cuda``, run by ``scripts/gpu_check.sh``): bf16 only, the standard layer and a
+Mixtral-shaped one (d_model 4096, expert hidden 14336, 8 experts, top-2, 8192 tokens), each with the torch
+backend and, where it is installed, megablocks' grouped GEMM (``moe.backend``), against the floor computed
+with the same backend. Steps are timed between device synchronisations. ``TFLOP/s`` is the expert math's
+FLOPs (18·rows·D·H for SwiGLU: three GEMMs forward, twice that backward) over the layer step, and ``peak``
+its fraction of the GPU's dense bf16 datasheet figure (``training.hardware.GPU_BF16_PEAK``).
+
+    python benchmarks/moe_layer.py [--device cpu|cuda] [--repeats N] [--precision fp32|bf16|both] [--quick]
+                                   [--json PATH]
 """
 
 from __future__ import annotations
@@ -56,12 +64,29 @@ import torch.nn.functional as F
 
 from moe.config import MoEConfig
 from moe.dispatch import expert_capacity
-from moe.experts import grouped_matmul
+from moe.experts import grouped_matmul, megablocks_unavailable
 from moe.init import initialize
 from moe.layer import MoELayer
+from training.hardware import GPU_BF16_PEAK
 
-NUM_EXPERTS, TOP_K, D_MODEL, HIDDEN = 8, 2, 512, 1024
-BATCH, SEQ = 4, 1024  # 4096 tokens
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    d_model: int
+    hidden: int  # expert hidden size
+    batch: int
+    seq: int
+    num_experts: int = 8
+    top_k: int = 2
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+STANDARD = Shape("standard", 512, 1024, 4, 1024)  # 4096 tokens
+MIXTRAL = Shape("mixtral", 4096, 14336, 2, 4096)  # Mixtral 8x7B's MoE layer on 8192 tokens
 THREADS = 2
 ROUTINGS = ("random", "skewed", "balanced")
 CAPACITY_FACTORS = {"dropless": None, "cf1.25": 1.25}
@@ -71,6 +96,8 @@ SKEW = 0.45  # size of the shared direction in ``skewed`` tokens, relative to th
 
 @dataclass
 class Result:
+    shape: str
+    backend: str
     precision: str
     mode: str
     routing: str
@@ -82,27 +109,30 @@ class Result:
     best_ratio: float  # fastest layer step / fastest floor step: the least disturbed estimate
     tokens_per_s: float  # tokens / layer_s
     cast_s: float  # median time to remake the experts' bf16 copies (once per optimizer step); 0 in fp32
+    tflops: float  # the expert math's FLOPs per second of layer step
+    peak_fraction: float | None  # of the GPU's dense bf16 datasheet peak; None on a CPU or an unknown GPU
 
 
-def make_layer(capacity_factor: float | None, routing: str) -> MoELayer:
-    config = MoEConfig(num_experts=NUM_EXPERTS, top_k=TOP_K, expert_hidden=HIDDEN,
-                       capacity_factor=capacity_factor, force_balance=routing == "balanced")
-    layer = MoELayer(D_MODEL, config)
+def make_layer(shape: Shape, capacity_factor: float | None, routing: str, backend: str,
+               device: torch.device) -> MoELayer:
+    config = MoEConfig(num_experts=shape.num_experts, top_k=shape.top_k, expert_hidden=shape.hidden,
+                       capacity_factor=capacity_factor, force_balance=routing == "balanced", backend=backend)
+    layer = MoELayer(shape.d_model, config).to(device)
     initialize(layer, seed=0, std=0.02, out_std=0.01)
     return layer
 
 
-def make_tokens(routing: str) -> torch.Tensor:
+def make_tokens(shape: Shape, routing: str, device: torch.device) -> torch.Tensor:
     """[B, S, D] layer inputs; ``skewed`` ones share a direction, as real hidden states do."""
-    x = torch.randn(BATCH, SEQ, D_MODEL)
+    x = torch.randn(shape.batch, shape.seq, shape.d_model, device=device)
     if routing == "skewed":
-        x = x + SKEW * torch.randn(D_MODEL)
+        x = x + SKEW * torch.randn(shape.d_model, device=device)
     return x
 
 
-def autocast(precision: str):
+def autocast(precision: str, device: torch.device):
     if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -114,7 +144,7 @@ def make_layer_step(layer: MoELayer, x: torch.Tensor, precision: str) -> Callabl
     def step() -> None:
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        with autocast(precision):
+        with autocast(precision, x.device):
             out = layer(x)
         out.backward(grad)
 
@@ -122,39 +152,48 @@ def make_layer_step(layer: MoELayer, x: torch.Tensor, precision: str) -> Callabl
 
 
 def make_floor_step(layer: MoELayer, group_sizes: torch.Tensor, precision: str) -> Callable[[], None]:
-    """Forward + backward of the SwiGLU expert math alone, on already-grouped tokens."""
+    """Forward + backward of the SwiGLU expert math alone, on already-grouped tokens, with the layer's backend."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     experts = layer.experts
     w_in, w_gate, w_out = (w.detach().to(dtype).requires_grad_(True)
                            for w in (experts.w_in, experts.w_gate, experts.w_out))
-    rows = int(group_sizes.sum())
-    x = torch.randn(rows, D_MODEL, dtype=dtype, requires_grad=True)
-    grad = torch.randn(rows, D_MODEL, dtype=dtype)
+    rows, device = int(group_sizes.sum()), w_in.device
+    backend = layer.config.backend
+    group_sizes = group_sizes.cpu() if backend == "megablocks" else group_sizes.to(device)  # as expert_ffn passes them
+    x = torch.randn(rows, w_in.shape[1], dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(rows, w_in.shape[1], dtype=dtype, device=device)
 
     def step() -> None:
         for leaf in (x, w_in, w_gate, w_out):
             leaf.grad = None
-        hidden = F.silu(grouped_matmul(x, w_gate, group_sizes)) * grouped_matmul(x, w_in, group_sizes)
-        grouped_matmul(hidden, w_out, group_sizes).backward(grad)
+        hidden = (F.silu(grouped_matmul(x, w_gate, group_sizes, backend))
+                  * grouped_matmul(x, w_in, group_sizes, backend))
+        grouped_matmul(hidden, w_out, group_sizes, backend).backward(grad)
 
     return step
 
 
-def copy_refresh_time(layer: MoELayer, precision: str, repeats: int) -> float:
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds ``fn`` takes, its device work included (synchronised before and after on a GPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def copy_refresh_time(layer: MoELayer, precision: str, repeats: int, device: torch.device) -> float:
     """Median time to cast the experts' weights to bf16, what ``ComputeCopies`` does once per step."""
     if precision != "bf16":
         return 0.0
     weights = [p.detach() for p in layer.experts.parameters()]
-    return statistics.median(timed(lambda: [w.to(torch.bfloat16) for w in weights]) for _ in range(repeats))
+    return statistics.median(timed(lambda: [w.to(torch.bfloat16) for w in weights], device) for _ in range(repeats))
 
 
-def timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def time_pair(layer_step, floor_step, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
+def time_pair(layer_step, floor_step, repeats: int, warmup: int, device: torch.device
+              ) -> tuple[list[float], list[float]]:
     """Per-repeat times of both steps, run back to back, alternating which goes first."""
     for _ in range(warmup):
         layer_step()
@@ -162,30 +201,43 @@ def time_pair(layer_step, floor_step, repeats: int, warmup: int) -> tuple[list[f
     layer_times, floor_times = [], []
     for repeat in range(repeats):
         if repeat % 2:
-            floor_times.append(timed(floor_step))
-            layer_times.append(timed(layer_step))
+            floor_times.append(timed(floor_step, device))
+            layer_times.append(timed(layer_step, device))
         else:
-            layer_times.append(timed(layer_step))
-            floor_times.append(timed(floor_step))
+            layer_times.append(timed(layer_step, device))
+            floor_times.append(timed(floor_step, device))
     return layer_times, floor_times
 
 
-def run_case(precision: str, mode: str, routing: str, repeats: int, warmup: int = 1) -> Result:
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in GPU_BF16_PEAK.items() if key in name), None)
+
+
+def run_case(shape: Shape, backend: str, precision: str, mode: str, routing: str, repeats: int,
+             device: torch.device, warmup: int = 1) -> Result:
     torch.manual_seed(0)
     capacity_factor = CAPACITY_FACTORS[mode]
-    layer = make_layer(capacity_factor, routing)
-    x = make_tokens(routing)
-    with torch.no_grad(), autocast(precision):
+    layer = make_layer(shape, capacity_factor, routing, backend, device)
+    x = make_tokens(shape, routing, device)
+    with torch.no_grad(), autocast(precision, device):
         layer(x)
-    routed = layer.last_stats.tokens_per_expert
+    routed = layer.last_stats.tokens_per_expert.cpu()
     group_sizes = routed
     if capacity_factor is not None:
-        group_sizes = routed.clamp(max=expert_capacity(BATCH * SEQ, TOP_K, NUM_EXPERTS, capacity_factor))
+        group_sizes = routed.clamp(max=expert_capacity(shape.tokens, shape.top_k, shape.num_experts, capacity_factor))
 
     layer_times, floor_times = time_pair(make_layer_step(layer, x, precision),
-                                         make_floor_step(layer, group_sizes, precision), repeats, warmup)
+                                         make_floor_step(layer, group_sizes, precision),
+                                         repeats, warmup, device)
     layer_s = statistics.median(layer_times)
+    flops = 18 * int(group_sizes.sum()) * shape.d_model * shape.hidden  # SwiGLU: 3 GEMMs, x3 with backward
+    peak = peak_flops(device)
     return Result(
+        shape=shape.name,
+        backend=backend,
         precision=precision,
         mode=mode,
         routing=routing,
@@ -195,43 +247,62 @@ def run_case(precision: str, mode: str, routing: str, repeats: int, warmup: int 
         floor_s=statistics.median(floor_times),
         ratio=statistics.median(a / b for a, b in zip(layer_times, floor_times, strict=True)),
         best_ratio=min(layer_times) / min(floor_times),
-        tokens_per_s=BATCH * SEQ / layer_s,
-        cast_s=copy_refresh_time(layer, precision, repeats),
+        tokens_per_s=shape.tokens / layer_s,
+        cast_s=copy_refresh_time(layer, precision, repeats, device),
+        tflops=flops / layer_s / 1e12,
+        peak_fraction=flops / layer_s / peak if peak else None,
     )
 
 
 def print_table(results: list[Result]) -> None:
-    header = (f"{'prec':<5} {'mode':<9} {'routing':<9} {'imbal':>6} {'kept':>6} "
-              f"{'layer s':>8} {'floor s':>8} {'ratio':>6} {'best':>5} {'tokens/s':>9} {'cast':>6}")
+    header = (f"{'shape':<9} {'backend':<10} {'prec':<5} {'mode':<9} {'routing':<9} {'imbal':>6} {'kept':>6} "
+              f"{'layer s':>8} {'floor s':>8} {'ratio':>6} {'best':>5} {'tokens/s':>9} {'cast':>6} "
+              f"{'TFLOP/s':>8} {'peak':>6}")
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r.precision:<5} {r.mode:<9} {r.routing:<9} {r.imbalance:>6.2f} {r.kept_fraction:>6.3f} "
-              f"{r.layer_s:>8.4f} {r.floor_s:>8.4f} {r.ratio:>6.2f} {r.best_ratio:>5.2f} {r.tokens_per_s:>9.0f} "
-              f"{100 * r.cast_s / r.layer_s:>5.1f}%")
+        peak = f"{r.peak_fraction:>6.1%}" if r.peak_fraction is not None else f"{'-':>6}"
+        print(f"{r.shape:<9} {r.backend:<10} {r.precision:<5} {r.mode:<9} {r.routing:<9} {r.imbalance:>6.2f} "
+              f"{r.kept_fraction:>6.3f} {r.layer_s:>8.4f} {r.floor_s:>8.4f} {r.ratio:>6.2f} {r.best_ratio:>5.2f} "
+              f"{r.tokens_per_s:>9.0f} {100 * r.cast_s / r.layer_s:>5.1f}% {r.tflops:>8.2f} {peak}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: bf16, the standard and the Mixtral-shaped layer, torch and megablocks backends")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed steps per case (default: fp32 7, bf16 21; quick: 3)")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default=None,
+                        help="default: both on a CPU, bf16 on a GPU (grouped GEMMs there are bf16 only)")
     parser.add_argument("--quick", action="store_true", help="3 repeats, random and balanced routing only")
     parser.add_argument("--json", type=Path, default=None, help="also write the settings and results here")
     args = parser.parse_args()
 
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here")
+    precision = args.precision or ("both" if device.type == "cpu" else "bf16")
+    if device.type == "cuda" and precision != "bf16":
+        parser.error("--device cuda measures bf16 only: torch's grouped GEMM on CUDA is bf16")
     torch.set_num_threads(THREADS)
-    precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
-    repeats = {precision: args.repeats or (3 if args.quick else DEFAULT_REPEATS[precision])
-               for precision in precisions}
+    precisions = ("fp32", "bf16") if precision == "both" else (precision,)
+    repeats = {p: args.repeats or (3 if args.quick else DEFAULT_REPEATS[p]) for p in precisions}
     routings = ("random", "balanced") if args.quick else ROUTINGS
-    settings = dict(num_experts=NUM_EXPERTS, top_k=TOP_K, d_model=D_MODEL, expert_hidden=HIDDEN,
-                    tokens=BATCH * SEQ, threads=torch.get_num_threads(), repeats=repeats,
-                    torch=torch.__version__)
+    shapes = (STANDARD,) if device.type == "cpu" else (STANDARD, MIXTRAL)
+    backends = ["torch"]
+    if device.type == "cuda" and megablocks_unavailable("cuda") is None:
+        backends.append("megablocks")
+    settings = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    shapes=[asdict(shape) for shape in shapes], backends=backends,
+                    threads=torch.get_num_threads(), repeats=repeats, torch=torch.__version__)
     print("MoE layer vs expert-math floor, forward + backward: "
-          + " ".join(f"{key}={value}" for key, value in settings.items()))
-    results = [run_case(precision, mode, routing, repeats[precision])
-               for precision in precisions for mode in CAPACITY_FACTORS for routing in routings]
+          + " ".join(f"{key}={value}" for key, value in settings.items() if key != "shapes")
+          + " | " + "; ".join(f"{s.name}: E={s.num_experts} top-{s.top_k} d_model={s.d_model} "
+                              f"hidden={s.hidden} tokens={s.tokens}" for s in shapes))
+    results = [run_case(shape, backend, p, mode, routing, repeats[p], device)
+               for shape in shapes for backend in backends for p in precisions
+               for mode in CAPACITY_FACTORS for routing in routings]
     print_table(results)
     if args.json is not None:
         args.json.write_text(json.dumps({"settings": settings, "results": [asdict(r) for r in results]}, indent=2))
