@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 from collections import defaultdict
@@ -77,11 +78,19 @@ from dataclasses import dataclass
 import torch
 
 from analysis.memory import planned_precision
-from analysis.memory_states import ParamTensor, experts_own_unit, rank_tensors, sharded_numel
+from analysis.memory_states import (
+    Block,
+    rank_blocks,
+    root_tensors,
+    sharded_numel,
+    sharded_numel_of,
+)
 from moe.config import ConfigError
 from moe.dispatch import expert_capacity
-from parallel.groups import Layout, axis_view, coordinates, groups_for
+from parallel.groups import Layout, axis_view, groups_for
+from parallel.groups import coordinates as _coordinates
 from parallel.pipeline import stage_layers
+from parallel.sharding import experts_spread
 from parallel.tensor import row_bounds, share_counts
 from training.config import RunConfig, load_config
 from training.layout import micro_batching, resolve_layout
@@ -181,7 +190,13 @@ class Traffic:
 
     def link(self, gpus_per_node: int) -> str:
         """``intra`` when every rank of the group sits in one node (NVLink), else ``inter`` (the network)."""
-        return "intra" if len({r // gpus_per_node for r in self.group}) == 1 else "inter"
+        return "intra" if nodes_spanned(self.group, gpus_per_node) == 1 else "inter"
+
+
+@functools.lru_cache(maxsize=65536)
+def nodes_spanned(group: tuple[int, ...], gpus_per_node: int) -> int:
+    """How many nodes of ``gpus_per_node`` ranks the group's ranks sit in (remembered: groups recur)."""
+    return len({r // gpus_per_node for r in group})
 
 
 def bus_bytes(collective: str, buffer_bytes: int, group_size: int) -> int:
@@ -221,11 +236,23 @@ class _Step:
     act: int  # bytes of an activation in compute precision (bf16 projections' outputs, routed rows)
 
     def group(self, *axes: str) -> tuple[int, ...]:
-        return tuple(next(g for g in groups_for(self.layout, *axis_view(*axes)) if self.rank in g))
+        return _group_of(self.layout, self.rank, axes)
 
     @property
     def tokens(self) -> int:
         return self.micro * self.config.model.seq_len
+
+
+@functools.lru_cache(maxsize=65536)
+def coordinates(layout: Layout, rank: int) -> dict[str, int]:
+    """``parallel.groups.coordinates``, remembered (read, never changed, here)."""
+    return _coordinates(layout, rank)
+
+
+@functools.lru_cache(maxsize=65536)
+def _group_of(layout: Layout, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+    """The ranks of ``rank``'s group along ``axes`` (remembered: the planner asks for the same groups often)."""
+    return tuple(next(g for g in groups_for(layout, *axis_view(*axes)) if rank in g))
 
 
 def _add(out: list[Traffic], dimension: str, collective: str, what: str, calls: int, buffer: int,
@@ -329,10 +356,14 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
 
 def _exchange_rows(step: _Step, source: int, kept: list[int]) -> list[int]:
     """Rows ``source`` sends to each of its ep group's ranks (by ep coordinate) in one dispatch."""
-    layout = step.layout
-    where = coordinates(layout, source)
+    return _rows_sent(step.layout, coordinates(step.layout, source)["tp"], tuple(kept))
+
+
+@functools.lru_cache(maxsize=65536)
+def _rows_sent(layout: Layout, tp_coordinate: int, kept: tuple[int, ...]) -> list[int]:
+    """``_exchange_rows`` of a source by its tp coordinate, which alone decides its share (remembered)."""
     if layout.tp > 1:  # its contiguous share of the grouped rows (parallel.tensor.scatter_rows)
-        shares, share = layout.tp // layout.etp, where["tp"] // layout.etp
+        shares, share = layout.tp // layout.etp, tp_coordinate // layout.etp
         bounds = row_bounds(sum(kept), shares)
         rows = share_counts(torch.tensor(kept), bounds[share], bounds[share + 1]).tolist()
     else:
@@ -365,25 +396,42 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     return out
 
 
-def _fsdp_units(step: _Step) -> dict[str, list[ParamTensor]]:
-    """This rank's FSDP units ("root", "block N", "experts N", "router N") and their parameters
-    (``parallel/sharding.py``).
+def _fsdp_units(step: _Step) -> dict[tuple[str, int], int]:
+    """This rank's FSDP units by kind ("root", "block", "experts", "router") and fp32 shard bytes: how many of each
+    (``parallel/sharding.py``). Kinds with nothing to shard are left out: a single expert replica
+    (``sharding.shard_experts``), or no data parallelism.
 
     The routed experts are a unit of their own whenever ``parallel/__init__.py`` wraps them (ep, etp or tp), and
     under bf16 each router is one too, gathered in fp32 while the rest is gathered in bf16.
     """
     config, layout = step.config, step.layout
-    experts_apart = experts_own_unit(layout, config.model)
+    vp, has_moe = config.parallel.vocab_parallel, config.model.n_moe_layers > 0
     routers_apart = step.act == 2  # bf16 mixed precision: each router an fp32 unit of its own
-    units: dict[str, list[ParamTensor]] = defaultdict(list)
-    for param in rank_tensors(config.model, config.moe, list(step.layers), step.first, step.last):
-        if param.layer is None:
-            units["root"].append(param)
-        elif param.kind == "router" and routers_apart:
-            units[f"router {param.layer}"].append(param)
+    same: dict[tuple[str, int], int] = defaultdict(int)
+    root = root_tensors(config.model, config.moe, step.first, step.last)
+    if root and layout.dp > 1:
+        same["root", 4 * sum(sharded_numel(p, layout, config.model, vp) for p in root)] += 1
+    for block, count in rank_blocks(config.model, config.moe, list(step.layers)):
+        for unit in _block_units(block, layout, has_moe, vp, routers_apart):
+            same[unit] += count
+    return same
+
+
+@functools.lru_cache(maxsize=65536)
+def _block_units(block: Block, layout: Layout, has_moe: bool, vp: bool, routers_apart: bool) -> tuple[tuple[str, int],
+                                                                                                     ...]:
+    """One block's FSDP units: (kind, fp32 shard bytes) of each that has something to shard."""
+    experts_apart = experts_spread(layout, has_moe)  # experts_own_unit
+    units: dict[str, int] = {}
+    for param in block.params:
+        if param.kind == "router" and routers_apart:
+            kind = "router"
         else:
-            units[f"{'experts' if experts_apart and param.expert else 'block'} {param.layer}"].append(param)
-    return units
+            kind = "experts" if experts_apart and param.expert else "block"
+        units[kind] = units.get(kind, 0) + 4 * sharded_numel_of(param, layout, has_moe, vp)
+    return tuple((kind, shard) for kind, shard in units.items()
+                 if not ((kind == "experts" and layout.dp_replicate * layout.edp == 1)
+                         or (kind != "experts" and layout.dp == 1)))
 
 
 def _gradient_syncs(step: _Step) -> int:
@@ -416,14 +464,8 @@ def sharding_traffic(step: _Step) -> list[Traffic]:
     but the routers'); gradients are reduced in fp32. Each parameter's shard is its sharded dim padded up to a
     multiple of the ranks (FSDP2 pads dim 0); units of the same size are listed together.
     """
-    layout, config = step.layout, step.config
     syncs = _gradient_syncs(step)
-    same: dict[tuple[str, int], int] = defaultdict(int)  # (kind, fp32 shard bytes) -> units
-    for unit, params in _fsdp_units(step).items():
-        kind = unit.split()[0]
-        if (kind == "experts" and layout.dp_replicate * layout.edp == 1) or (kind != "experts" and layout.dp == 1):
-            continue  # nothing to shard: a single expert replica (sharding.shard_experts), or no data parallelism
-        same[kind, 4 * sum(sharded_numel(p, layout, config.model, config.parallel.vocab_parallel) for p in params)] += 1
+    same = _fsdp_units(step)  # (kind, fp32 shard bytes) -> units
     out: list[Traffic] = []
     for (kind, shard), units in sorted(same.items()):
         shard_group = step.group("edp" if kind == "experts" else "dp_shard")
@@ -505,7 +547,7 @@ def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
     if item.link(gpus_per_node) == "intra":
         return hardware.intra_node * NCCL_EFFICIENCY
     if item.collective in RINGS:
-        per_node = len(item.group) // len({r // gpus_per_node for r in item.group})
+        per_node = len(item.group) // nodes_spanned(item.group, gpus_per_node)
         return min(hardware.intra_node, per_node * hardware.inter_node) * NCCL_EFFICIENCY
     return hardware.inter_node * NCCL_EFFICIENCY
 

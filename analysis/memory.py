@@ -126,9 +126,11 @@ def planned_precision(requested: str, device_type: str = "cuda") -> str:
     return requested
 
 
-def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 0) -> MemoryEstimate:
-    """The memory of one rank of pipeline rank ``pp_rank`` training ``config`` on ``world_size`` ranks."""
-    layout, micro, microbatches = resolve_layout(config, world_size)
+def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 0,
+             resolved: tuple[Layout, int, int] | None = None) -> MemoryEstimate:
+    """The memory of one rank of pipeline rank ``pp_rank`` training ``config`` on ``world_size`` ranks
+    (``resolved``: ``resolve_layout(config, world_size)``, when the caller has it already)."""
+    layout, micro, microbatches = resolved or resolve_layout(config, world_size)
     held = in_flight(config, layout, microbatches, pp_rank)
     activations = {name: round(nbytes * held)
                    for name, nbytes in micro_batch_activations(config, layout, micro, precision, pp_rank).items()}

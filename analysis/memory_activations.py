@@ -8,16 +8,18 @@ residual stream under sequence parallelism. Routing is assumed balanced.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from analysis.memory_states import (
     FP32,
-    ParamTensor,
+    Block,
     in_fsdp_unit,
     largest_chunk,
     local_layers,
-    rank_tensors,
+    rank_blocks,
+    root_tensors,
     tp_local_shape,
 )
 from moe.config import ModelConfig, MoEConfig
@@ -133,24 +135,38 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
     of the routed experts: their copies are kept once per step, not per micro-batch (``compute_copy_bytes``).
 
     Recomputed modules cast again in backward and keep none: every block under ``full`` checkpointing,
-    the MoE layers' experts and shared experts under ``moe``.
+    the MoE layers' experts and shared experts under ``moe``. Offloaded modules' copies go to the host with
+    their other saved tensors (counted in the offloaded part).
     """
+    model, vp = config.model, config.parallel.vocab_parallel
     recompute = config.parallel.activation_checkpointing
+    root = 0
+    for param in root_tensors(model, config.moe, first, last):
+        if in_fsdp_unit(param, layout, model):
+            continue  # gathered in bf16 already (``parallel.sharding.mixed_precision``): nothing to cast
+        if (param.kind == "embedding" and model.tie_embeddings and last) or (
+                param.kind != "embedding" and param.autocast_copy):
+            root += 2 * math.prod(tp_local_shape(param, layout, vp))  # a tied head casts the table
+    return root + sum(count * _block_copies(block, layout, vp, recompute, config.parallel.activation_offload)
+                      for block, count in rank_blocks(model, config.moe, layers))
 
-    def kept(param: ParamTensor) -> bool:
-        if param.expert or in_fsdp_unit(param, layout, config.model):
-            return False  # gathered in bf16 already (``parallel.sharding.mixed_precision``): nothing to cast
-        if param.kind == "embedding" and config.model.tie_embeddings:
-            return last  # the tied head casts the table (pipelining refuses tied embeddings: last is first)
-        if not param.autocast_copy:
-            return False
-        if param.layer is None:
-            return True
-        moe_layer = config.model.is_moe_layer(param.layer)
-        return recompute == "none" or (recompute == "moe" and not (moe_layer and param.kind in ("experts", "ffn")))
 
-    return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in rank_tensors(config.model, config.moe, layers, first, last) if kept(p))
+@functools.lru_cache(maxsize=65536)
+def _block_copies(block: Block, layout: Layout, vp: bool, recompute: str, offload: str) -> int:
+    """``_weight_copies`` of one block."""
+    if recompute == "full" or offload == "blocks":
+        return 0
+    ffn_away = block.is_moe and "moe" in (recompute, offload)  # recomputed, or offloaded with the MoE layer
+    total = 0
+    for param in block.params:
+        # the experts compute with copies kept for the step (``compute_copy_bytes``); the rest, in FSDP units
+        # when dp > 1, is gathered in bf16 (``in_fsdp_unit``)
+        if param.expert or layout.dp > 1 or not param.autocast_copy:
+            continue
+        if ffn_away and param.kind in ("experts", "ffn"):
+            continue
+        total += 2 * math.prod(tp_local_shape(param, layout, vp))
+    return total
 
 
 def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_rank: int = 0) -> int:
@@ -159,10 +175,12 @@ def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_ran
     recomputed or not; none in fp32, or where FSDP gathers the experts in bf16 itself."""
     if precision != "bf16":
         return 0
-    layers, first, last = local_layers(config, layout, pp_rank)
-    return 2 * sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in rank_tensors(config.model, config.moe, layers, first, last)
-                   if p.expert and not in_fsdp_unit(p, layout, config.model))
+    total = 0
+    for block, count in rank_blocks(config.model, config.moe, local_layers(config, layout, pp_rank)[0]):
+        experts = [param for param in block.params if param.expert]
+        if experts and not in_fsdp_unit(experts[0], layout, config.model):
+            total += count * sum(2 * math.prod(tp_local_shape(param, layout, False)) for param in experts)
+    return total
 
 
 def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size: int, precision: str,
@@ -170,8 +188,11 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     """Bytes autograd saves in one micro-batch's forward on one rank of pipeline rank ``pp_rank``, by part.
 
     ``parallel.activation_checkpointing``: ``full`` keeps each block's input only, ``moe`` the MoE layers'
-    inputs only (``parallel/activation_checkpoint.py``). Sequence parallelism puts the norms and the
-    residual stream on S/tp; attention, the dense FFN and the MoE layer work on the gathered sequence.
+    inputs only (``parallel/activation_checkpoint.py``). ``parallel.activation_offload`` (blocks or MoE layers)
+    keeps two such modules' saved bytes on the device, the largest, for the one whose copies are in flight beside
+    the one computing: an estimate of its design (``parallel/activation_offload.py``), not yet measured on a GPU.
+    Sequence parallelism puts the norms and the residual stream on S/tp; attention, the dense FFN and the MoE
+    layer work on the gathered sequence.
     """
     model, moe, par = config.model, config.moe, config.parallel
     layers, first, last = local_layers(config, layout, pp_rank)
@@ -184,19 +205,33 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     def add(name: str, nbytes: int) -> None:
         parts[name] = parts.get(name, 0) + nbytes
 
-    for i in layers:
+    kinds: dict[bool, int] = {}  # MoE or dense: how many of this rank's blocks (each kind saves the same)
+    for block, count in rank_blocks(model, moe, layers):
+        kinds[block.is_moe] = kinds.get(block.is_moe, 0) + count
+    offloaded = []  # (one offloaded module's saved bytes, how many such modules) (``parallel/activation_offload.py``)
+    for is_moe, count in kinds.items():
         if par.activation_checkpointing == "full":
-            add("block inputs (recompute)", stream * d * FP32)
+            add("block inputs (recompute)", count * stream * d * FP32)
             continue
-        add("norms", 2 * _norm(stream, d))
-        add("attention", _attention(model, layout.tp, mb))
-        if not model.is_moe_layer(i):
-            add("dense FFN", _feed_forward(mb, d, model.ffn_hidden // layout.tp))
+        block = {"norms": 2 * _norm(stream, d), "attention": _attention(model, layout.tp, mb)}
+        if not is_moe:
+            block["dense FFN"] = _feed_forward(mb, d, model.ffn_hidden // layout.tp)
         elif par.activation_checkpointing == "moe":
-            add("MoE inputs (recompute)", tokens * d * FP32)
+            block["MoE inputs (recompute)"] = tokens * d * FP32
         else:
-            for name, nbytes in _moe(model, moe, layout, mb).items():
-                add(name, nbytes)
+            moe_parts = _moe(model, moe, layout, mb)
+            if par.activation_offload == "moe":
+                offloaded.append((sum(moe_parts.values()), count))
+            else:
+                block.update(moe_parts)
+        if par.activation_offload == "blocks":
+            offloaded.append((sum(block.values()), count))
+            continue
+        for name, nbytes in block.items():
+            add(name, count * nbytes)
+    if offloaded:  # about two modules' at a time: one arriving (or leaving) while the next computes
+        modules = sum(count for _, count in offloaded)
+        add(f"offloaded {par.activation_offload} in flight", min(2, modules) * max(nbytes for nbytes, _ in offloaded))
     if first:
         add("embedding", tokens * INDEX)  # the token ids
     if last:

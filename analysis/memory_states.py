@@ -21,10 +21,12 @@ the step's all-reduce).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
+from moe.accounting import per_model
 from moe.config import ModelConfig, MoEConfig
 from parallel.groups import Layout
 from parallel.pipeline import stage_layers
@@ -58,33 +60,65 @@ class ParamTensor:
 def parameter_tensors(model: ModelConfig, moe: MoEConfig) -> tuple[ParamTensor, ...]:
     """Every parameter of ``moe.transformer.MoETransformer`` with its global shape (a tied head shares the table).
 
-    Remembered by the shapes' values (the planner asks for the same model's tensors for every candidate)."""
-    key = (repr(model), repr(moe))
-    if key not in _TENSORS:
-        _TENSORS[key] = tuple(_parameter_tensors(model, moe))
-    return _TENSORS[key]
+    Remembered per model (``moe.accounting.per_model``: the planner asks for the same model's tensors for every
+    candidate)."""
+    return per_model(_TENSORS, model, moe, lambda: tuple(_parameter_tensors(model, moe)))
 
 
 def tensors_by_layer(model: ModelConfig, moe: MoEConfig) -> dict[int | None, tuple[ParamTensor, ...]]:
     """``parameter_tensors`` grouped by block (None: the embedding, final norm and head), remembered likewise."""
-    key = (repr(model), repr(moe))
-    if key not in _BY_LAYER:
+
+    def build() -> dict[int | None, tuple[ParamTensor, ...]]:
         groups: dict[int | None, list[ParamTensor]] = {}
         for param in parameter_tensors(model, moe):
             groups.setdefault(param.layer, []).append(param)
-        _BY_LAYER[key] = {layer: tuple(params) for layer, params in groups.items()}
-    return _BY_LAYER[key]
+        return {layer: tuple(params) for layer, params in groups.items()}
+
+    return per_model(_BY_LAYER, model, moe, build)
 
 
-_TENSORS: dict[tuple[str, str], tuple[ParamTensor, ...]] = {}
-_BY_LAYER: dict[tuple[str, str], dict[int | None, tuple[ParamTensor, ...]]] = {}
+@dataclass(frozen=True, eq=False)
+class Block:
+    """The tensors of one kind of block, its index dropped. Blocks of one kind in one model share one Block (equal
+    and hashed by identity), so per-block figures are remembered once per kind, not per layer."""
+
+    params: tuple[ParamTensor, ...]
+    is_moe: bool
 
 
-def rank_tensors(model: ModelConfig, moe: MoEConfig, layers: list[int], first: bool,
-                 last: bool) -> list[ParamTensor]:
-    """The tensors a pipeline rank holds (``on_rank``), found by block instead of by a scan of every tensor."""
-    groups = tensors_by_layer(model, moe)
-    return [p for i in layers for p in groups.get(i, ())] + [p for p in groups[None] if on_rank(p, layers, first, last)]
+def rank_blocks(model: ModelConfig, moe: MoEConfig, layers: list[int]) -> list[tuple[Block, int]]:
+    """The kinds of block among ``layers`` and how many of each (remembered per model and list of layers)."""
+    def build() -> dict[int, Block]:
+        kinds: dict[tuple[ParamTensor, ...], Block] = {}
+        of_layer = {}
+        for layer, params in tensors_by_layer(model, moe).items():
+            if layer is not None:
+                canonical = tuple(dataclasses.replace(p, layer=None) for p in params)
+                of_layer[layer] = kinds.setdefault(canonical, Block(canonical, model.is_moe_layer(layer)))
+        return of_layer
+
+    of_layer, known = per_model(_BLOCKS, model, moe, lambda: (build(), {}))
+    key = tuple(layers)
+    if key not in known:
+        counts: dict[Block, int] = {}
+        for i in layers:
+            counts[of_layer[i]] = counts.get(of_layer[i], 0) + 1
+        known[key] = list(counts.items())
+    return known[key]
+
+
+def root_tensors(model: ModelConfig, moe: MoEConfig, first: bool, last: bool) -> list[ParamTensor]:
+    """The embedding (first stage), final norm and head (last stage) a pipeline rank holds (remembered)."""
+    known = per_model(_ROOTS, model, moe, dict)
+    if (first, last) not in known:
+        known[first, last] = [p for p in tensors_by_layer(model, moe)[None] if on_rank(p, [], first, last)]
+    return known[first, last]
+
+
+_TENSORS: dict = {}  # per_model stores
+_BY_LAYER: dict = {}
+_BLOCKS: dict = {}
+_ROOTS: dict = {}
 
 
 def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
@@ -161,6 +195,12 @@ def sharded_numel(param: ParamTensor, layout: Layout, model: ModelConfig, vocab_
                           model.n_moe_layers > 0, vocab_parallel)
 
 
+def sharded_numel_of(param: ParamTensor, layout: Layout, has_moe: bool, vocab_parallel: bool) -> int:
+    """``sharded_numel`` given whether the model has MoE layers instead of the model."""
+    return _sharded_numel(param.kind, param.shape, param.tp_dim, param.expert_hidden_dim, layout, has_moe,
+                          vocab_parallel)
+
+
 @functools.lru_cache(maxsize=65536)
 def _sharded_numel(kind: str, shape: tuple[int, ...], tp_dim: int | None, expert_hidden_dim: int | None,
                    layout: Layout, has_moe: bool, vocab_parallel: bool) -> int:
@@ -221,16 +261,28 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
     """Model-state bytes of one rank of pipeline rank ``pp_rank``: fp32 weights, gradients, two Adam moments."""
     model, vp = config.model, config.parallel.vocab_parallel
     layers, first, last = local_layers(config, layout, pp_rank)
+    has_moe = model.n_moe_layers > 0
+    dense, experts, matrices = _states(tuple(root_tensors(model, config.moe, first, last)), layout, has_moe, vp)
+    for block, count in rank_blocks(model, config.moe, layers):
+        figures = _states(block.params, layout, has_moe, vp)
+        dense, experts = dense + count * figures[0], experts + count * figures[1]
+        matrices += count * figures[2]
+    return ModelStates(dense, experts, matrices)
+
+
+@functools.lru_cache(maxsize=65536)
+def _states(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: bool) -> tuple[int, int, int]:
+    """fp32 bytes of ``params`` on one rank: dense, routed experts, and the matrices among them."""
     dense = experts = matrices = 0
-    for param in rank_tensors(model, config.moe, layers, first, last):
-        numel = sharded_numel(param, layout, model, vp)
+    for param in params:
+        numel = _sharded_numel(param.kind, param.shape, param.tp_dim, param.expert_hidden_dim, layout, has_moe, vp)
         if param.expert:
             experts += numel * FP32
         else:
             dense += numel * FP32
         if len(param.shape) >= 2:
             matrices += numel * FP32
-    return ModelStates(dense, experts, matrices)
+    return dense, experts, matrices
 
 
 def accumulated_grad_bytes(config: RunConfig, layout: Layout, microbatches: int, pp_rank: int = 0) -> int:
@@ -245,22 +297,38 @@ def accumulated_grad_bytes(config: RunConfig, layout: Layout, microbatches: int,
         return 0
     model, vp = config.model, config.parallel.vocab_parallel
     layers, first, last = local_layers(config, layout, pp_rank)
-    return FP32 * sum(math.prod(tp_local_shape(p, layout, vp)) - sharded_numel(p, layout, model, vp)
-                      for p in rank_tensors(model, config.moe, layers, first, last))
+    has_moe = model.n_moe_layers > 0
+    total = _unsharded_extra(tuple(root_tensors(model, config.moe, first, last)), layout, has_moe, vp)
+    return total + sum(count * _unsharded_extra(block.params, layout, has_moe, vp)
+                       for block, count in rank_blocks(model, config.moe, layers))
 
 
-def _block_gathered(params: list[ParamTensor], config: RunConfig, layout: Layout, weight_bytes: int = FP32) -> int:
+@functools.lru_cache(maxsize=65536)
+def _unsharded_extra(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: bool) -> int:
+    """fp32 bytes of ``params``' tp-local gradients beyond their FSDP shards."""
+    return FP32 * sum(math.prod(tp_local_shape(p, layout, vp))
+                      - _sharded_numel(p.kind, p.shape, p.tp_dim, p.expert_hidden_dim, layout, has_moe, vp)
+                      for p in params)
+
+
+def _block_gathered(params: tuple[ParamTensor, ...], config: RunConfig, layout: Layout,
+                    weight_bytes: int = FP32) -> int:
     """Bytes FSDP all-gathers to run one block (``params``): its tp-local weights in the units that are sharded,
     ``weight_bytes`` an element (2 under bf16 mixed precision, but the routers' own units stay fp32)."""
+    return _gathered(params, layout, config.model.n_moe_layers > 0, config.parallel.vocab_parallel, weight_bytes)
+
+
+@functools.lru_cache(maxsize=65536)
+def _gathered(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: bool, weight_bytes: int) -> int:
     total = 0
     for param in params:
-        if param.expert and experts_own_unit(layout, config.model):
+        if param.expert and experts_spread(layout, has_moe):  # experts_own_unit
             sharded = layout.edp > 1
         else:
             sharded = layout.dp > 1 and layout.dp_shard > 1
         if sharded:
             size = FP32 if param.kind == "router" else weight_bytes
-            total += math.prod(tp_local_shape(param, layout, config.parallel.vocab_parallel)) * size
+            total += math.prod(tp_local_shape(param, layout, vp)) * size
     return total
 
 
@@ -279,16 +347,15 @@ def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0, microbat
     one backward to the next (``parallel/pipeline.py``, as torch's ``PipelineStage``).
     """
     layers, first, last = local_layers(config, layout, pp_rank)
-    groups = tensors_by_layer(config.model, config.moe)
     weight_bytes = 2 if precision == "bf16" else FP32
-    by_layer = [groups[i] for i in layers]
-    weights = [_block_gathered(block, config, layout, weight_bytes) for block in by_layer]
-    grads = [_block_gathered(block, config, layout) for block in by_layer]
+    blocks = rank_blocks(config.model, config.moe, layers)
+    weights = [(_block_gathered(block.params, config, layout, weight_bytes), count) for block, count in blocks]
+    grads = [_block_gathered(block.params, config, layout) for block, _ in blocks]
     root = 0
     if layout.dp > 1 and layout.dp_shard > 1:
         root = sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
-                   for p in groups[None] if on_rank(p, layers, first, last)) * weight_bytes
+                   for p in root_tensors(config.model, config.moe, first, last)) * weight_bytes
     kept_by_pipeline = layout.pp > 1 and config.parallel.grad_reduce == "step" and microbatches > 1
     if config.parallel.reshard_after_forward and not kept_by_pipeline:
-        return root + 2 * max(weights, default=0) + max(grads, default=0)
-    return root + sum(weights) + max(grads, default=0)
+        return root + 2 * max((w for w, _ in weights), default=0) + max(grads, default=0)
+    return root + sum(w * count for w, count in weights) + max(grads, default=0)

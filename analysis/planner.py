@@ -2,50 +2,53 @@
 
     python -m analysis.planner --config mixtral-8x7b --world-size 64 [--gpu h100] [--gpus-per-node 8]
                                [--device-memory GiB] [--nvlink-gbps N] [--network-gbps N] [--peak-tflops N]
-                               [--set train.micro_batch_size=1 ...] [--top 10] [--efficiency 0.5]
+                               [--set parallel.tp=2 ...] [--top 10] [--efficiency F]
 
 Candidates: every layout of the world size that the model allows (``parallel.groups.valid_layouts``: pp,
-dp_replicate, dp_shard, tp, ep, etp), each with activation checkpointing none, ``moe`` (where there are MoE
-layers) and ``full``, each
-with both gradient-reduction settings (``parallel.grad_reduce``: ``step`` holds unsharded gradients between
-micro-batches and reduces once; ``microbatch`` reduce-scatters every micro-batch and holds only shards; one
-candidate where they are the same: a single micro-batch, or no FSDP shard group of several ranks), and
-sequence parallelism whenever tp > 1 (it costs no traffic here and saves activations). Pipelines run 1F1B,
-GPipe, or interleaved 1F1B with v = 2, 4, 8, ... virtual stages per rank (``schedules``), with the config's
-micro-batching; a layout whose batch split or pipeline the training would refuse is skipped, for the same
-reasons ``train.py`` gives.
+dp_replicate, dp_shard, tp, ep, etp; the degrees a ``--set`` names are fixed), each with activation
+checkpointing none, ``moe`` (where there are MoE layers) and ``full``, with both gradient-reduction settings
+(``parallel.grad_reduce``: ``step`` holds unsharded gradients between micro-batches and reduces once;
+``microbatch`` reduce-scatters every micro-batch and holds only shards; one candidate where they are the same:
+a single micro-batch, or no FSDP shard group of several ranks), every micro-batch size dividing the per-rank
+batch unless the config fixes it (``micro_batch_sizes``), and sequence parallelism whenever tp > 1 (it costs
+no traffic here and saves activations). Pipelines run 1F1B, GPipe, or interleaved 1F1B (``schedules``). Each
+candidate the search weighs is first held to ``train.py``'s own checks (``training.layout.resolve_layout``):
+one it would refuse is skipped, and the reason given if none passes.
 
 For each, ``analysis.memory`` gives the memory of the busiest rank (a plan must fit ``--device-memory``)
 and a step-time model, on the ``--gpu`` preset of ``analysis.communication.HARDWARE`` (A100 40/80 GB, H100, H800,
-H200, B200: datasheet bandwidths, peak and memory, each figure's source named there; any figure can be
-overridden), gives its speed:
+H200, B200: datasheet bandwidths, peak, memory and HBM bandwidth, each figure's source named there; any
+figure but the HBM's can be overridden), gives its speed:
 
 - **compute**: the training FLOPs of the busiest pipeline rank in one step (``moe.accounting``: 6 × active
   matmul parameters + attention, per token) over the global batch's tokens / dp, divided over tp (every
   matmul, the routed experts' rows included, is split over tp; expert parallelism moves rows without
   changing a rank's share under balanced routing), plus the recomputed forward (a third of a block's
-  FLOPs) under activation checkpointing, at ``efficiency`` × the bf16 peak.
+  FLOPs) under activation checkpointing, at ``efficiency`` × the bf16 peak (``calibrated_efficiency``), each
+  block's matmuls held to the roofline of the HBM bandwidth (``roofline_slowdown``).
 - **bubble**: GPipe and 1F1B idle (p − 1)/m of the compute for p stages and m micro-batches, interleaved 1F1B
   (p − 1)/(v·m) (Narayanan et al. 2021, sec. 2.2; REFERENCES.md); the extra pipeline traffic of interleaving
   (v times the stage boundaries) is in the communication model's pp term.
-- **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at its link's bandwidth,
-  on the critical path (each waits for the layer before it); FSDP's gathers and reduce-scatters are
-  prefetched and overlap compute, so only what exceeds the compute shows. The gradient reductions of the
-  last micro-batch (the only reduce-scatter under ``grad_reduce=step``, the last of m under ``microbatch``,
-  and HSDP's all-reduce under both) can only hide behind that micro-batch's backward (two thirds of its
-  compute: 4 of the 6 FLOPs per parameter); what they do not hide adds to the step. So ``microbatch`` is
-  never faster: it sends m − 1 more reduce-scatters, and wins only where ``step``'s memory does not fit.
+- **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at the bandwidth NCCL
+  gets of its links (``communication.bandwidth``), on the critical path (each waits for the layer before
+  it); FSDP's gathers and reduce-scatters are prefetched and overlap compute, so only what exceeds the
+  compute shows. The gradient reductions of the last micro-batch (the only reduce-scatter under
+  ``grad_reduce=step``, the last of m under ``microbatch``, and HSDP's all-reduce under both) can only hide
+  behind that micro-batch's backward (two thirds of its compute: 4 of the 6 FLOPs per parameter); what they
+  do not hide adds to the step. So ``microbatch`` is never faster: it sends m − 1 more reduce-scatters, and
+  wins only where ``step``'s memory does not fit.
 
-step = compute + bubble + exposed communication. The efficiency (default 0.5: large dense and MoE runs
-report 40–57% of peak, REFERENCES.md sec. 1–2) is one number for every layout, so the ranking does not
-depend on it; the times are estimates for comparing layouts, not promises. Not modelled: latency, kernel
-efficiency that varies with the matmul shapes (small tp shards run slower), and routing imbalance.
+step = compute + bubble + exposed communication. ``search`` orders the candidates by compute + bubble, a
+bound no step goes below, and estimates memory and traffic only for those that can still enter the first
+``--top``. The times are estimates for comparing layouts, not promises. Not modelled: latency, kernel-launch
+and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -53,8 +56,8 @@ import sys
 from dataclasses import dataclass
 
 from analysis import communication, memory
-from analysis.memory_states import experts_own_unit
-from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts
+from analysis.memory_states import experts_own_unit, local_layers, rank_blocks
+from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts, per_model
 from moe.config import ConfigError
 from parallel.groups import Layout, valid_layouts
 from parallel.pipeline import stage_layers
@@ -113,11 +116,15 @@ def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: 
 
 def schedules(config: RunConfig, layout: Layout) -> list[tuple[str, int]]:
     """The pipeline schedules to try: 1F1B, GPipe, and interleaved 1F1B with v = 2, 4, 8, ... virtual stages per
-    rank while every stage keeps a block (Narayanan et al. 2021 sec. 2.2.2); none but 1F1B without pipelining."""
+    rank while every stage keeps a block (Narayanan et al. 2021 sec. 2.2.2), and every v that splits each rank's
+    blocks evenly (Megatron-Core's rule for v: a divisor of layers / pp; its Mixtral 8x22B mapping runs v = 7);
+    none but 1F1B without pipelining."""
     if layout.pp == 1:
         return [("1f1b", 1)]
-    interleaved = [("interleaved_1f1b", 2**k) for k in range(1, 8) if layout.pp * 2**k <= config.model.n_layers]
-    return [("1f1b", 1), ("gpipe", 1), *interleaved]
+    layers = config.model.n_layers
+    virtual = {2**k for k in range(1, 8) if layout.pp * 2**k <= layers}
+    virtual |= {v for v in range(2, layers // layout.pp + 1) if layers % (layout.pp * v) == 0}
+    return [("1f1b", 1), ("gpipe", 1), *(("interleaved_1f1b", v) for v in sorted(virtual))]
 
 
 def recompute_settings(config: RunConfig) -> tuple[str, ...]:
@@ -136,6 +143,18 @@ def stage_flops_per_token(config: RunConfig, layout: Layout) -> list[float]:
 def _rank_blocks(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
     """Each pipeline rank's (training FLOPs per token, is-MoE) of its blocks, recompute included; the head last
     (is-MoE None: no roofline, its matmul is the largest of the model)."""
+    model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
+    key = (layout.pp, config.parallel.pp_virtual_stages, recompute)
+    known = per_model(_RANK_BLOCKS, model, moe, dict)
+    if key not in known:
+        known[key] = _count_rank_blocks(config, layout)
+    return known[key]
+
+
+_RANK_BLOCKS: dict = {}  # a per_model store of _rank_blocks by (pp, v, recompute)
+
+
+def _count_rank_blocks(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
     stages = layout.pp * config.parallel.pp_virtual_stages
     ranges = stage_layers(model, moe, stages) if layout.pp > 1 else [range(model.n_layers)]
@@ -219,7 +238,14 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
     stages = []
     stride = layout.world_size // layout.pp  # pp is the outermost axis: stage s starts at rank s·stride
     last_backward = compute / microbatches * 2 / 3
+    seen = set()
     for stage in range(layout.pp):
+        if stride % gpus_per_node == 0:  # every stage's groups sit on the nodes alike: alike stages send alike
+            layers, first, last = local_layers(config, layout, stage)
+            kinds = tuple(rank_blocks(config.model, config.moe, layers))
+            if (key := (kinds, first, last, stage == 0, stage == layout.pp - 1)) in seen:
+                continue
+            seen.add(key)
         by_dim = dict.fromkeys(("tp", "ep", "pp", "fsdp"), 0.0)
         last = 0.0  # the FSDP traffic of the last micro-batch's backward
         for item in communication.predict(config, layout, stage * stride, precision="bf16"):
@@ -255,9 +281,11 @@ def calibrated_efficiency() -> float:
 EFFICIENCY = calibrated_efficiency()
 
 
-def memory_bytes(config: RunConfig, layout: Layout) -> tuple[int, int]:
-    """The busiest pipeline rank's bytes (``analysis.memory``) and the micro-batches per step."""
-    estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank) for pp_rank in range(layout.pp)]
+def memory_bytes(config: RunConfig, layout: Layout,
+                 resolved: tuple[Layout, int, int] | None = None) -> tuple[int, int]:
+    """The busiest pipeline rank's bytes (``analysis.memory``) and the micro-batches per step (``resolved``:
+    ``resolve_layout``'s answer for the config, when at hand)."""
+    estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank, resolved) for pp_rank in range(layout.pp)]
     return max(e.total for e in estimates), estimates[0].microbatches
 
 
@@ -275,11 +303,25 @@ def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware
 
 @dataclass(frozen=True)
 class Candidate:
-    """A setting train.py accepts, with a lower bound on its step: compute and bubble, no communication yet."""
+    """A setting to weigh, with a lower bound on its step: compute and bubble, no communication yet."""
 
-    config: RunConfig
+    base: RunConfig  # the config planned for
     layout: Layout
+    recompute: str
+    grad_reduce: str
+    schedule: tuple[str, int]
+    micro_batch_size: int | None  # None: the config's own
     bound: float
+
+    @property
+    def setting(self) -> tuple:
+        return self.layout, self.recompute, self.grad_reduce, self.schedule, self.micro_batch_size
+
+    @functools.cached_property
+    def config(self) -> RunConfig:
+        """The config set to this candidate (built when weighed: most candidates are bounded out first)."""
+        return with_layout(self.base, self.layout, self.recompute, self.grad_reduce, self.schedule,
+                           self.micro_batch_size)
 
 
 def micro_batch_sizes(config: RunConfig, layout: Layout) -> list[int | None]:
@@ -288,7 +330,10 @@ def micro_batch_sizes(config: RunConfig, layout: Layout) -> list[int | None]:
     if config.train.micro_batch_size is not None or config.parallel.microbatches is not None:
         return [None]
     per_rank, rest = divmod(config.train.global_batch_size, layout.dp)
-    return [b for b in range(1, per_rank + 1) if per_rank % b == 0] if not rest else [None]
+    if rest:
+        return [None]
+    small = [b for b in range(1, math.isqrt(per_rank) + 1) if per_rank % b == 0]
+    return sorted({*small, *(per_rank // b for b in small)})
 
 
 def fixed_layouts(config: RunConfig, world_size: int, fixed: dict[str, int]) -> list[Layout]:
@@ -322,27 +367,47 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
     peak = hardware.bf16_flops * efficiency
     busiest: dict[tuple, float] = {}
     for layout in fixed_layouts(config, world_size, fixed or {}):
-        for recompute, grad_reduce, schedule, micro in itertools.product(
-                recompute_settings(config), GRAD_REDUCE, schedules(config, layout), micro_batch_sizes(config, layout)):
-            candidate = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
-            try:
-                size, microbatches = micro_batching(candidate, layout.dp, layout.pp)
-            except ConfigError as exc:  # the batch does not split over this layout's data-parallel ranks
+        sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
+        for micro in micro_batch_sizes(config, layout):
+            try:  # the batch split: the searched sizes divide the per-rank batch, the config's own may not
+                size, microbatches = micro_batching(with_layout(config, layout, "none", micro_batch_size=micro),
+                                                    layout.dp, layout.pp)
+            except ConfigError as exc:
                 refusal = refusal or str(exc)
                 continue
-            sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
-            if grad_reduce != "step" and (microbatches == 1 or not sharded):
-                continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
-            key = (layout.pp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
-            if key not in busiest:
-                busiest[key] = compute_seconds(candidate, layout, peak, hardware.memory_bandwidth) * layout.dp
-            compute = busiest[key] / layout.dp
-            bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1])
-            out.append(Candidate(candidate, layout, bound))
+            for recompute, grad_reduce, schedule in itertools.product(recompute_settings(config), GRAD_REDUCE,
+                                                                      schedules(config, layout)):
+                if grad_reduce != "step" and (microbatches == 1 or not sharded):
+                    continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
+                key = (layout.pp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
+                if key not in busiest:
+                    setting = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
+                    busiest[key] = compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * layout.dp
+                compute = busiest[key] / layout.dp
+                bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1])
+                out.append(Candidate(config, layout, recompute, grad_reduce, schedule, micro, bound))
     if not out:
         raise none_passes(world_size, refusal)
     out.sort(key=lambda c: c.bound)
     return out
+
+
+def smallest_micro_batch(candidate: Candidate) -> Candidate | None:
+    """The same setting with micro-batches of one sequence, when that bounds its memory from below.
+
+    The memory model's total then never falls as the micro-batch grows: every activation grows with the
+    tokens while the micro-batches held in flight stay put (one without pipelining, pp − r under 1F1B and
+    interleaved 1F1B once m ≥ pp), and the weights, gathers and held gradients stay (they change only where a
+    step has a single micro-batch). Not under GPipe, which holds all m: fewer, larger micro-batches hold fewer
+    per-micro-batch buffers (the bf16 weight copies). None where the config fixes the size, the size is 1
+    already, or the rule does not hold."""
+    micro, layout = candidate.micro_batch_size, candidate.layout
+    per_rank = candidate.base.train.global_batch_size // layout.dp
+    if micro is None or micro == 1 or per_rank // micro == 1 or candidate.schedule[0] == "gpipe":
+        return None
+    if layout.pp > 1 and per_rank // micro < layout.pp:
+        return None
+    return dataclasses.replace(candidate, micro_batch_size=1, bound=0.0)
 
 
 @dataclass
@@ -369,18 +434,32 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     plans: list[Plan] = []
     steps: list[float] = []  # a max-heap (negated) of the ``top`` fastest steps so far
     closest, evaluated, refusal, complete = None, 0, None, True
+    needs: dict[tuple, int | None] = {}  # memory of each setting weighed (None: train.py refuses it)
+
+    def need_of(candidate: Candidate) -> int | None:
+        if candidate.setting not in needs:
+            try:
+                resolved = resolve_layout(candidate.config, world_size)  # train.py's own checks
+            except ConfigError as exc:
+                needs[candidate.setting] = None
+                nonlocal refusal
+                refusal = refusal or str(exc)
+            else:
+                needs[candidate.setting] = memory_bytes(candidate.config, candidate.layout, resolved)[0]
+        return needs[candidate.setting]
+
     for candidate in pool:
         if (top is not None and len(steps) == top and candidate.bound > -steps[0]) or (
                 faster_than is not None and candidate.bound >= faster_than):
             complete = False
             break
-        try:
-            resolve_layout(candidate.config, world_size)  # train.py's own checks
-        except ConfigError as exc:
-            refusal = refusal or str(exc)
+        smallest = smallest_micro_batch(candidate)
+        if smallest is not None and (floor := need_of(smallest)) is not None and floor > device_memory:
+            continue  # its micro-batches of one do not fit: larger ones cannot (``smallest_micro_batch``)
+        need = need_of(candidate)
+        if need is None:
             continue
         evaluated += 1
-        need = memory_bytes(candidate.config, candidate.layout)[0]
         if need > device_memory:
             if closest is None or need < closest[1]:
                 closest = (candidate, need)

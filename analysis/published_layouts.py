@@ -1,6 +1,6 @@
 """The planner held to the layouts large runs published: each one's rank in the planner's list, and its estimate.
 
-    python -m analysis.published_layouts [--rows 1.7,18.4,...]
+    python -m analysis.published_layouts [--rows 1.7,18.4,...] [--moe]
 
 Table 1 of Narayanan et al. 2021 (PTD-P; REFERENCES.md sec. 1.1): GPT models of 1.7B to 145.6B parameters on
 32 to 1,536 A100-80GB GPUs, each with its published tensor- and pipeline-parallel degrees, the data-parallel
@@ -12,11 +12,13 @@ and a SwiGLU FFN of hidden 8h/3 (rounded to 64), which has the parameters and FL
 
 For each row (``published_row``):
 
-- **rank**: 1 + the plans ``analysis.planner.search`` estimates strictly faster than the published layout's
-  fastest setting (any micro-batch size, recompute and gradient-reduction setting with the published tp, pp,
-  replicas and schedule) among all that fit 80 GiB: the ranking the planner's CLI prints.
+- **rank**: 1 + the layouts (degrees, schedule and virtual stages; ``layout_of``) whose fastest setting
+  ``analysis.planner.search`` estimates strictly faster than the published layout's fastest setting (any
+  micro-batch size, recompute and gradient-reduction setting with the published tp, pp, replicas and schedule)
+  among all that fit 80 GiB: the ranking the planner's CLI prints, each layout counted once.
 - **rank without FSDP**: the same among layouts without sharded data parallelism (dp_shard = 1), the space the
-  paper chose from.
+  paper chose from; **among its d's splits**: among those with the published data-parallel degree d too (the
+  weak-scaling experiment fixed d = 32 for the first six rows and chose how to split the rest into tp and pp).
 - **TFLOP/s per GPU**: the paper's Eq. 3 FLOPs of one step over the estimated step of the published setting
   (full recompute, the fastest micro-batch size), against the published figure.
 """
@@ -57,6 +59,23 @@ TABLE1 = [Published("1.7", 24, 2304, 24, 1, 1, 32, 512, 137), Published("3.6", 3
           Published("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148)]
 
 
+def layout_of(p: planner.Plan) -> tuple:
+    """What a layout is here: the six degrees, the pipeline schedule and its virtual stages per rank."""
+    layout, par = p.layout, p.config.parallel
+    return layout, par.pp_schedule, par.pp_virtual_stages
+
+
+def layouts_ahead(plans: list[planner.Plan], step: float) -> list[planner.Plan]:
+    """The fastest setting of each layout (``layout_of``) estimated strictly faster than ``step``, fastest first:
+    a layout's other micro-batch sizes, recompute and reduction settings do not push the published one down."""
+    seen, out = set(), []
+    for p in plans:
+        if p.step < step and layout_of(p) not in seen:
+            seen.add(layout_of(p))
+            out.append(p)
+    return out
+
+
 def gpt_config(row: Published) -> RunConfig:
     """The row's GPT in this toolkit's terms (module docstring)."""
     ffn = round(8 * row.hidden / 3 / 64) * 64
@@ -68,8 +87,8 @@ def gpt_config(row: Published) -> RunConfig:
 
 def paper_flops(row: Published) -> float:
     """Eq. 3 of the paper: one step's FLOPs, the recomputed forward included."""
-    b, s, l, h, v = row.batch, 2048, row.layers, row.hidden, 51200
-    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, layers, h, v = row.batch, 2048, row.layers, row.hidden, 51200
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 def is_published(p: planner.Plan, row: Published) -> bool:
@@ -88,8 +107,10 @@ class RowResult:
     paper_setting: planner.Plan  # with full recompute, as the paper ran it
     rank: int
     rank_without_fsdp: int
+    rank_same_dp: int  # among the splits of the published data-parallel degree into tp and pp
     first: planner.Plan  # the planner's first choice
     considered: int
+    setting_rank: int  # 1 + the settings (not layouts) estimated faster
 
 
 def published_row(row: Published, hardware: communication.Hardware = A100) -> RowResult:
@@ -103,22 +124,94 @@ def published_row(row: Published, hardware: communication.Hardware = A100) -> Ro
     best = mine[0]
     paper_setting = next(p for p in mine if p.config.parallel.activation_checkpointing == "full")
     faster = planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, faster_than=best.step)
-    ahead = [p for p in faster.plans if p.step < best.step]
+    ahead = layouts_ahead(faster.plans, best.step)
     first = ahead[0] if ahead else best
+    replicas = row.gpus // (row.tp * row.pp)
     return RowResult(row, best, paper_setting, 1 + len(ahead), 1 + sum(p.layout.dp_shard == 1 for p in ahead),
-                     first, faster.considered)
+                     1 + sum((p.layout.dp_shard, p.layout.dp_replicate) == (1, replicas) for p in ahead), first,
+                     faster.considered, 1 + sum(p.step < best.step for p in faster.plans))
+
+
+@dataclass(frozen=True)
+class PublishedMoE:
+    """A published MoE mapping: the config, GPUs, global batch and its tp, pp, ep, etp and virtual stages."""
+
+    name: str
+    config: str
+    overrides: tuple[str, ...]
+    gpu: str
+    gpus: int
+    batch: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    v: int
+    source: str
+
+
+# Megatron-Core's MoE README (megatron/core/transformer/moe/README.md, "Reference Best Parallel Mapping", MCore
+# v0.8, 8×H100 nodes, dropless, all-to-all, bf16, micro-batch 1, sequence 4096, distributed optimizer); expert
+# tensor parallelism defaults to tp there. Mixtral 8x22B's shape: mistralai/Mixtral-8x22B-v0.1's config.json
+# (hidden 6144, 56 layers, 48 heads, 8 key-value heads, expert hidden 16384, vocabulary 32768).
+MOE = [PublishedMoE("Mixtral 8x7B", "mixtral-8x7b", (), "h100", 64, 256, 1, 4, 8, 1, 8,
+                    "Megatron-Core MoE README"),
+       PublishedMoE("Mixtral 8x22B", "mixtral-8x7b", ("model.d_model=6144", "model.n_layers=56", "model.n_heads=48",
+                                                      "model.n_kv_heads=8", "model.ffn_hidden=16384",
+                                                      "moe.expert_hidden=16384", "model.vocab_size=32768"),
+                    "h100", 128, 256, 4, 8, 2, 4, 7, "Megatron-Core MoE README")]
+
+
+@dataclass(frozen=True)
+class MoEResult:
+    row: PublishedMoE
+    best: planner.Plan
+    rank: int
+    first: planner.Plan
+    considered: int
+    setting_rank: int
+
+
+def published_moe_row(row: PublishedMoE) -> MoEResult:
+    """The rank of the mapping's fastest setting (its tp, pp, ep, etp and v; any split of its data-parallel ranks
+    into replicas and FSDP shards: Megatron's distributed optimizer shards only the optimizer, which this
+    toolkit does not offer) among every plan that fits."""
+    hardware = communication.HARDWARE[row.gpu]
+    config = load_config(row.config, [*row.overrides, f"train.global_batch_size={row.batch}"])
+    memory = hardware.memory_gib * planner.GIB
+    fixed = dict(tp=row.tp, pp=row.pp, ep=row.ep, etp=row.etp)
+    mine = [p for p in planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, fixed=fixed).plans
+            if p.config.parallel.pp_virtual_stages == row.v]
+    if not mine:
+        raise ValueError(f"the published mapping of {row.name} does not fit {hardware.memory_gib} GiB here")
+    faster = planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, faster_than=mine[0].step)
+    ahead = layouts_ahead(faster.plans, mine[0].step)
+    return MoEResult(row, mine[0], 1 + len(ahead), ahead[0] if ahead else mine[0], faster.considered,
+                     1 + sum(p.step < mine[0].step for p in faster.plans))
+
+
+def format_moe_rows(results: list[MoEResult]) -> str:
+    lines = ["| model | GPUs | published tp, pp, ep, etp, v | rank (settings) | fastest published setting | "
+             "planner's first |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        row = r.row
+        lines.append(f"| {row.name} | {row.gpus} × {row.gpu} | {row.tp}, {row.pp}, {row.ep}, {row.etp}, {row.v} | "
+                     f"{r.rank} ({r.setting_rank} of {r.considered:,}) | {r.best.describe()} | {r.first.describe()} |")
+    return "\n".join(lines)
 
 
 def format_rows(results: list[RowResult]) -> str:
-    lines = ["| params (B) | GPUs | published tp, pp | rank | rank without FSDP | fastest published setting | "
-             "est. TFLOP/s (full recompute) | published | error | planner's first |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| params (B) | GPUs | published tp, pp | rank (settings) | without FSDP | among its d's splits | "
+             "fastest published setting | est. TFLOP/s (full recompute) | published | error | planner's first |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         row = r.row
         estimate = paper_flops(row) / (r.paper_setting.step * row.gpus) / 1e12
-        lines.append(f"| {row.name} | {row.gpus} | {row.tp}, {row.pp} | {r.rank} of {r.considered:,} | "
-                     f"{r.rank_without_fsdp} | {r.best.describe()} | {estimate:.0f} | {row.tflops:.0f} | "
-                     f"{(estimate - row.tflops) / row.tflops:+.0%} | {r.first.describe()} |")
+        lines.append(f"| {row.name} | {row.gpus} | {row.tp}, {row.pp} | {r.rank} ({r.setting_rank} of "
+                     f"{r.considered:,}) | {r.rank_without_fsdp} | {r.rank_same_dp} | {r.best.describe()} | "
+                     f"{estimate:.0f} | {row.tflops:.0f} | {(estimate - row.tflops) / row.tflops:+.0%} | "
+                     f"{r.first.describe()} |")
     return "\n".join(lines)
 
 
@@ -126,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.published_layouts", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default=",".join(r.name for r in TABLE1),
                         help="which Table 1 rows, by parameters in billions")
+    parser.add_argument("--moe", action="store_true", help="also rank the published MoE mappings (MOE)")
     args = parser.parse_args(argv)
     names = args.rows.split(",")
     unknown = [n for n in names if n not in {r.name for r in TABLE1}]
@@ -134,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     print(format_rows([published_row(r) for r in TABLE1 if r.name in names]))
+    if args.moe:
+        print()
+        print(format_moe_rows([published_moe_row(r) for r in MOE]))
     return 0
 
 

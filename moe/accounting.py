@@ -7,9 +7,26 @@ against a built model).
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from moe.config import ModelConfig, MoEConfig
+
+T = TypeVar("T")
+
+
+def per_model(store: dict, model: ModelConfig, moe: MoEConfig, build: Callable[[], T]) -> T:
+    """``build()`` remembered in ``store`` for this model's shape: found by the config objects' identity and
+    confirmed by equality with a copy kept of each (so a changed or new object with other values is built
+    again). Cheaper than hashing the values, which the planner would do for every candidate it weighs."""
+    entry = store.get((id(model), id(moe)))
+    if entry is None or entry[0] != model or entry[1] != moe:
+        if len(store) > 256:
+            store.clear()
+        entry = store[id(model), id(moe)] = (copy.copy(model), copy.copy(moe), build())
+    return entry[2]
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
     head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
-    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; Dehghani et al. 2023, sec. 3.1.1)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
     seq_len: int = 256  # training context length
     ffn_hidden: int = 512  # hidden size of the dense SwiGLU FFN blocks
     moe_every: int = 1  # every moe_every-th layer (from first_moe_layer on) is MoE; 0 = no MoE layer

@@ -168,10 +168,24 @@ def grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor, backend
     """
     if backend == "megablocks":
         return _megablocks_gmm(x, weight, tokens_per_expert)
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return _eager_grouped_matmul(x, weight, tokens_per_expert)
+    return _torch_grouped_matmul(x, weight, tokens_per_expert)
+
+
+def _torch_grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
     if _grouped_mm_supported(x, weight):
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         return F.grouped_mm(x, weight, offs=offsets)
     return _padded_bmm(x, weight, tokens_per_expert)
+
+
+@torch.compiler.disable
+def _eager_grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    """The grouped GEMM outside ``torch.compile`` (``train.compile``) for dtypes other than bf16: torch's
+    meta kernel of ``grouped_mm`` (what compilation traces with) accepts bf16 only, though the CPU kernel takes
+    fp32 too, and the padded fallback has a data-dependent shape. So fp32 blocks compile around their experts."""
+    return _torch_grouped_matmul(x, weight, tokens_per_expert)
 
 
 class GroupedExperts(nn.Module):

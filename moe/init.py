@@ -16,7 +16,8 @@ CUDA generators differ), not on the layout.
 
 The rules (which distribution each parameter gets) live here, by name, in one place:
 
-- norms' weights (``*norm.weight``): ones;
+- norms' weights (``*norm.weight``: the block norms, and the per-head ``attn.q_norm``/``attn.k_norm`` of
+  ``model.qk_norm``): ones;
 - projections that write into the residual stream (attention ``wo``, FFN and expert ``w_out``):
   N(0, init_std / sqrt(2 · n_layers)), so the residual's variance does not grow with depth (GPT-2,
   Radford et al. 2019 sec. 2.3; Megatron-LM's scaled init);

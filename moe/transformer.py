@@ -36,9 +36,9 @@ class Attention(nn.Module):
     """Causal multi-head (or grouped-query) attention with rotary positions, on SDPA.
 
     With ``qk_norm`` each query and key head is RMS-normalised over its hd channels (one weight [hd] shared
-    by the heads) before RoPE, as Qwen3 does: it bounds the attention logits (Dehghani et al. 2023, "Scaling
-    Vision Transformers to 22B Parameters", sec. 3.1.1). Per head, so it runs unchanged on the heads a
-    tensor-parallel rank holds.
+    by the heads) before RoPE, as Qwen3 does: it keeps the attention logits from growing without bound
+    ("QK normalization", Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters",
+    sec. 3). Per head, so it runs unchanged on the heads a tensor-parallel rank holds.
     """
 
     def __init__(self, config: ModelConfig):

@@ -6,9 +6,10 @@ applies, in a fixed order, the techniques the layout enables: tensor parallelism
 sequence- and vocabulary-parallel options; ``parallel/tensor.py``), expert and expert-tensor
 parallelism (ep × etp, folded over dp_shard × tp; ``parallel/expert.py``; with tp alone too, so
 that each tp rank computes a share of the routed rows), activation checkpointing
-(``parallel/activation_checkpoint.py``), then FSDP2 over the expert-data-parallel mesh for the
-routed experts and over the dense data-parallel mesh for everything else (HSDP with
-dp_replicate; ``parallel/sharding.py``), 2-D with the tp shards.
+(``parallel/activation_checkpoint.py``) or offloading (``parallel/activation_offload.py``),
+``torch.compile`` of each block when asked (``parallel/compile.py``), then FSDP2 over the
+expert-data-parallel mesh for the routed experts and over the dense data-parallel mesh for
+everything else (HSDP with dp_replicate; ``parallel/sharding.py``), 2-D with the tp shards.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 
 from moe.transformer import MoETransformer
 from parallel.activation_checkpoint import apply_activation_checkpointing
+from parallel.activation_offload import apply_activation_offload
+from parallel.compile import apply_compile
 from parallel.config import ParallelConfig
 from parallel.expert import apply_expert_parallel
 from parallel.groups import ParallelGroups
@@ -27,18 +30,19 @@ __all__ = ["clip_grad_norm_", "parallelize", "set_gradient_sync"]
 
 
 def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: ParallelConfig | None = None,
-                param_dtype: torch.dtype | None = None) -> MoETransformer:
+                param_dtype: torch.dtype | None = None, compile_blocks: bool = False) -> MoETransformer:
     """Apply the layout's parallelism and ``parallel``'s options (default: none) to ``model`` in place; return it.
 
     ``model`` is built on the meta device (``training.loop.build_model``; ``parallel.materialize`` then
     allocates this rank's shards) or, the same on every rank, already initialised: tensor and expert
     parallelism keep this rank's slices and FSDP this rank's shards of them, so the weights do not depend
-    on the layout. The options used here: ``activation_checkpointing``; ``reshard_after_forward=False``
-    keeps each block's gathered weights from forward to backward (one all-gather fewer per block and step,
-    for the memory of the unsharded blocks); ``sequence_parallel`` and ``vocab_parallel``, tensor
-    parallelism's options (``parallel/tensor.py``). ``param_dtype`` (bf16) makes every FSDP unit gather and
-    compute its weights in it, over fp32 master weights and with fp32 gradient reduction
-    (``parallel.sharding.mixed_precision``); parameters outside FSDP stay fp32 for autocast to cast.
+    on the layout. The options used here: ``activation_checkpointing``, ``activation_offload``;
+    ``reshard_after_forward=False`` keeps each block's gathered weights from forward to backward (one
+    all-gather fewer per block and step, for the memory of the unsharded blocks); ``sequence_parallel`` and
+    ``vocab_parallel``, tensor parallelism's options (``parallel/tensor.py``). ``param_dtype`` (bf16) makes
+    every FSDP unit gather and compute its weights in it, over fp32 master weights and with fp32 gradient
+    reduction (``parallel.sharding.mixed_precision``); parameters outside FSDP stay fp32 for autocast to cast.
+    ``compile_blocks`` (``train.compile``) compiles each block (``parallel/compile.py``).
     """
     parallel = parallel or ParallelConfig()
     layout = groups.layout
@@ -52,6 +56,9 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: Paralle
         expert_dp_mesh = groups.mesh(*expert_axes) if layout.dp_replicate * layout.edp > 1 else None
         unmanaged = shard_experts(model, expert_dp_mesh, layout.dp, parallel.reshard_after_forward, param_dtype)
     apply_activation_checkpointing(model, parallel.activation_checkpointing)  # before FSDP (see its module)
+    apply_activation_offload(model, parallel.activation_offload)
+    if compile_blocks:
+        apply_compile(model)
     if layout.dp > 1:
         axes = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, groups.mesh(*axes), parallel.reshard_after_forward, ignored_params=unmanaged or None,

@@ -36,6 +36,8 @@ class ParallelConfig:
     microbatches: int | None = None
     # recompute activations in backward: none, every block ("full"), or only the MoE blocks ("moe")
     activation_checkpointing: Literal["none", "full", "moe"] = "none"
+    # keep saved activations in pinned host memory until backward (GPU only): none, every block, or the MoE layers
+    activation_offload: Literal["none", "blocks", "moe"] = "none"
     # free each block's gathered FSDP weights after forward (gather again in backward): less memory, more traffic
     reshard_after_forward: bool = True
     # tensor parallelism's options (tp > 1): norms and residual stream on a 1/tp slice of the sequence;
@@ -62,3 +64,9 @@ class ParallelConfig:
         _require(self.pp_virtual_stages >= 1, f"parallel.pp_virtual_stages must be >= 1, got {self.pp_virtual_stages}")
         _require(self.microbatches is None or self.microbatches >= 1,
                  f"parallel.microbatches must be >= 1 or null, got {self.microbatches}")
+        if self.activation_offload != "none":
+            _require(self.activation_checkpointing == "none",
+                     f"parallel.activation_offload={self.activation_offload} with parallel.activation_checkpointing="
+                     f"{self.activation_checkpointing}: choose one (recomputing keeps less than offloading moves)")
+            _require(self.pp == 1, "parallel.activation_offload with pipeline parallelism (parallel.pp > 1) is not "
+                                   "supported yet: it assumes one micro-batch in flight")

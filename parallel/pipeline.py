@@ -52,7 +52,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining._backward import stage_backward
 
-from moe.accounting import block_flops_per_token, head_flops_per_token
+from moe.accounting import block_flops_per_token, head_flops_per_token, per_model
 from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
@@ -106,14 +106,12 @@ def stage_layers(model: ModelConfig, moe: MoEConfig, num_stages: int) -> list[ra
 
 
 def _layer_costs(model: ModelConfig, moe: MoEConfig) -> tuple[float, ...]:
-    """Each block's training FLOPs per token, remembered by the shapes' values (asked once per candidate layout)."""
-    key = (repr(model), repr(moe))
-    if key not in _COSTS:
-        _COSTS[key] = tuple(block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers))
-    return _COSTS[key]
+    """Each block's training FLOPs per token, remembered per model (the planner asks once per candidate)."""
+    return per_model(_COSTS, model, moe, lambda: tuple(block_flops_per_token(model, moe, model.is_moe_layer(i))
+                                                         for i in range(model.n_layers)))
 
 
-_COSTS: dict[tuple[str, str], tuple[float, ...]] = {}
+_COSTS: dict = {}  # a per_model store
 
 
 @functools.lru_cache(maxsize=1024)

@@ -62,7 +62,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAM
     shift 2
     began=$(date +%s)
     echo "gpu_check: $name ..."
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout "$limit" bash -c '"$@"' _ "$@" > "$OUT/$name.log" 2>&1  # through bash: COMMAND may be a function
     status=$?
     printf '%s\t%s\t%s\n' "$name" "$status" "$(( $(date +%s) - began ))" >> "$STEPS"
     [[ $status -eq 0 ]] || tail -n 5 "$OUT/$name.log" | sed "s/^/  $name: /"
@@ -84,6 +84,8 @@ build_megablocks() {
     bash "$ROOT/scripts/install_megablocks.sh" --from "$WHEELS"
 }
 
+export -f install_missing build_megablocks
+export PYTHON WHEELS OUT ROOT RUNTIME_PACKAGES
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PYTHON" - > "$OUT/device.txt" <<'PY'
@@ -93,6 +95,6 @@ PY
 step install 120 install_missing
 [[ $BUILD -eq 1 ]] && step megablocks_build 360 build_megablocks
 step gpu_tests 300 "$PYTHON" -m pytest -q -rs tests/gpu --junitxml "$OUT/gpu_tests.xml"
-step train_step_bench 150 "$PYTHON" benchmarks/train_step.py --device cuda --json "$OUT/train_step.json"
+step train_step_bench 200 "$PYTHON" benchmarks/train_step.py --device cuda --json "$OUT/train_step.json"
 step moe_layer_bench 150 "$PYTHON" benchmarks/moe_layer.py --device cuda --json "$OUT/moe_layer.json"
 "$PYTHON" scripts/gpu_summary.py "$OUT"

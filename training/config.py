@@ -86,6 +86,7 @@ class TrainConfig:
     # where the run must compute: auto (a GPU when torch sees one, else the CPU) or cuda (a GPU config: refused
     # before any work on a machine without one)
     device: Literal["auto", "cuda"] = "auto"
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     eval_interval: int = 100  # steps between validation passes; 0 = only at the end
     eval_batches: int = 8  # micro-batches per validation pass
     # non-finite steps in a row (each skipped, weights untouched) before the run stops with a checkpoint
@@ -180,6 +181,11 @@ class RunConfig:
             self.model.vocab_size >= 256 or self.data.source.endswith(".bin") or self.data.tokenizer != "bytes",
             f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
         )
+        _require(not (self.train.compile and self.parallel.activation_offload != "none"),
+                 "train.compile with parallel.activation_offload is not supported yet (its saved-tensor hooks would "
+                 "split every compiled block); set one of them off")
+        _require(not (self.train.compile and self.parallel.pp > 1),
+                 "train.compile with pipeline parallelism (parallel.pp > 1) is not supported yet; set one of them off")
         _require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
                  "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
                  "set train.precision=bf16 (or auto), or moe.backend=torch")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from moe.config import ConfigError
 from moe.experts import check_backend
+from parallel.compile import compile_unavailable
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), FLOP/s.
 GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
@@ -124,3 +125,12 @@ def check_hardware(config, device_type: str) -> None:
                           "here: run it on a GPU machine, or pick a CPU config such as moe-8x (--set "
                           "train.device=auto runs it here anyway)")
     check_backend(config.moe.backend, device_type)
+    if config.parallel.activation_offload != "none" and device_type != "cuda":
+        raise ConfigError(f"parallel.activation_offload={config.parallel.activation_offload} moves activations from "
+                          "GPU memory to pinned host memory, and this run has no GPU (on a CPU they are in host memory "
+                          "already): set parallel.activation_offload=none, or parallel.activation_checkpointing to "
+                          "save memory here")
+    if config.train.compile:
+        reason = compile_unavailable(device_type)
+        if reason is not None:
+            raise ConfigError(f"train.compile=true: {reason}; or set train.compile=false")

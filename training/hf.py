@@ -2,6 +2,7 @@
 
     python -m training.hf import HF_DIR --out model.safetensors [--config moe-8x] [--seq-len 4096]
     python -m training.hf export runs/NAME/checkpoints/step_0000300 --out HF_DIR [--architecture NAME]
+        [--dtype bf16|fp32] [--max-shard-size 5GB]
     python train.py --config moe-8x --init-from hf:HF_DIR
 
 Families (``FAMILIES``, by the architecture config.json names): Mixtral (``training/hf_mixtral.py``) and
@@ -35,17 +36,18 @@ from training.config import RunConfig, config_from_dict, load_config
 from training.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
+    ExportWriteError,
     model_tensors,
     write_safetensors_streaming,
 )
 from training.hf_family import Family, Source, check_context, hf_targets
+from training.hf_shards import INDEX_FILE, SINGLE_FILE, parse_size, write_weights
 
 # the families we convert, by the architecture config.json names; export tries them in this order
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY)}
 
 HF_PREFIX = "hf:"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()} | {"F8_E4M3": None, "F8_E5M2": None}
 
 
@@ -100,14 +102,16 @@ def family_of(hf_config: dict) -> Family:
     naming the architecture and the supported ones otherwise."""
     architectures = list(hf_config.get("architectures") or [])
     model_type = hf_config.get("model_type")
-    if architectures:
-        found = [FAMILIES[name] for name in architectures if name in FAMILIES]
-        if len(architectures) == 1 and found and found[0].model_type == model_type:
-            return found[0]
-    else:
-        found = [family for family in FAMILIES.values() if family.model_type == model_type]
-        if found:
-            return found[0]
+    if len(architectures) == 1 and architectures[0] in FAMILIES:
+        family = FAMILIES[architectures[0]]
+        if model_type not in (None, family.model_type):
+            raise ConfigError(f"config.json names architecture {family.architecture} with model_type "
+                              f"{model_type!r}, not its '{family.model_type}'")
+        return family
+    if not architectures:
+        for family in FAMILIES.values():
+            if family.model_type == model_type:
+                return family
     what = ", ".join(architectures) or f"model_type {model_type!r}"
     supported = ", ".join(f"{name} (model_type '{family.model_type}')" for name, family in FAMILIES.items())
     raise ConfigError(f"unsupported architecture {what}: supported are {supported}")
@@ -239,12 +243,15 @@ def export_family(model: ModelConfig, moe: MoEConfig, architecture: str | None =
     raise ConfigError("no Hugging Face family expresses this model: " + "; ".join(reasons))
 
 
-def export_folder(source: Path, out: Path, architecture: str | None = None) -> tuple[int, RunConfig]:
+def export_folder(source: Path, out: Path, architecture: str | None = None, dtype: str | None = None,
+                  max_shard_bytes: int | None = None) -> tuple[int, RunConfig]:
     """Write our checkpoint (a step folder, a folder of them, or our safetensors file) as an HF folder of
     ``architecture`` (by default the first family that expresses the model, see ``export_family``).
 
-    One of our tensors in memory at a time (an expert stack is split into its E transposed matrices).
-    The weights keep their dtype. Returns the number of HF tensors written, and our config.
+    One of our tensors in memory at a time (an expert stack is split into its E transposed matrices). The
+    weights keep their dtype unless ``dtype`` (``EXPORT_DTYPES``) casts each as it is written; with
+    ``max_shard_bytes`` they go into shards of at most that size and an index (``training/hf_shards.py``).
+    Returns the number of HF tensors written, and our config.
     """
     entries, read, config = model_tensors(source)
     family = export_family(config.model, config.moe, architecture)
@@ -253,12 +260,13 @@ def export_folder(source: Path, out: Path, architecture: str | None = None) -> t
     for ours in {ours for ours, _ in targets.values()}:
         if ours not in entries:
             raise ConfigError(f"{source}: has no tensor '{ours}' that a {family.architecture} export needs")
+    cast = EXPORT_DTYPES[dtype] if dtype is not None else None
     cache: dict[str, Tensor] = {}
 
     def value(ours: str) -> Tensor:
         if ours not in cache:
             cache.clear()  # tensors are asked for in order: one of ours in memory at a time
-            cache[ours] = read(ours)
+            cache[ours] = read(ours) if cast is None else read(ours).to(cast)
         return cache[ours]
 
     def hf_tensor(name: str) -> Tensor:
@@ -267,11 +275,11 @@ def export_folder(source: Path, out: Path, architecture: str | None = None) -> t
 
     hf_entries = {}
     for name, (ours, expert) in targets.items():
-        shape, dtype = entries[ours]
-        hf_entries[name] = (torch.Size(shape if expert is None else (shape[2], shape[1])), dtype)
+        shape, stored = entries[ours]
+        hf_entries[name] = (torch.Size(shape if expert is None else (shape[2], shape[1])), cast or stored)
     hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors_streaming(out / SINGLE_FILE, hf_entries, hf_tensor, {"format": "pt"})
+    write_weights(out, hf_entries, hf_tensor, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
     return len(hf_entries), config
 
@@ -290,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--out", type=Path, required=True, help="the folder to write")
     exp.add_argument("--architecture", choices=list(FAMILIES), default=None,
                      help="the HF architecture to write (default: the first that expresses the model)")
+    exp.add_argument("--dtype", choices=list(EXPORT_DTYPES), default=None,
+                     help="cast the weights as they are written (default: the checkpoint's dtype)")
+    exp.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                     help="write shards of at most SIZE (5GB, 500MB, 2GiB) and model.safetensors.index.json "
+                          "(default: one model.safetensors)")
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
@@ -300,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
             import_folder(args.folder, args.out, load_config(args.config), seq_len)
             print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)
         else:
-            count, config = export_folder(args.checkpoint, args.out, args.architecture)
+            max_bytes = parse_size(args.max_shard_size) if args.max_shard_size is not None else None
+            count, config = export_folder(args.checkpoint, args.out, args.architecture, args.dtype, max_bytes)
             print(f"wrote {count} tensors and config.json to {args.out}", file=sys.stderr)
             if config.moe.capacity_factor is not None:
                 print(f"note: trained with moe.capacity_factor={config.moe.capacity_factor}; Hugging Face routes "
                       "dropless, so its outputs equal ours with moe.capacity_factor=null", file=sys.stderr)
-    except (ConfigError, OSError, CheckpointCorruptError) as exc:
+    except (ConfigError, OSError, CheckpointCorruptError, ExportWriteError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

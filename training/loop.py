@@ -112,7 +112,7 @@ def build_model(config: RunConfig, groups: ParallelGroups, device: torch.device,
         model = build_pipeline(model, config.moe, groups, device, par, microbatches, micro, lm_loss, autocast,
                                param_dtype)
     else:
-        model = parallelize(model, groups, par, param_dtype)
+        model = parallelize(model, groups, par, param_dtype, compile_blocks=config.train.compile)
     if allocate:
         for part in model.stages if isinstance(model, PipelineModel) else [model]:
             materialize(part, device, config.train.seed)

@@ -56,7 +56,8 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
     return predicted, measured.saved_bytes
 
 
-@pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape"])
+@pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape",
+                                  "qwen3-30b-a3b"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_parameter_tensors_add_up_to_the_accounting(name, tie):
     config = load_config(name, [f"model.tie_embeddings={str(tie).lower()}"])
@@ -223,6 +224,9 @@ SPAWNED = [
     ("fp32", ["parallel.ep=2"]),  # dp_shard=2: FSDP shards the dense weights, ep the experts
     ("bf16", ["parallel.dp_shard=2"]),  # FSDP's mixed precision: weights gathered in bf16, no autocast copies
     ("bf16", ["parallel.ep=2"]),  # the experts outside FSDP: autocast casts (and keeps copies of) theirs alone
+    # Qwen3's attention: q/k norms whole on each tp rank, on its heads; under FSDP's bf16 weights
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "model.qk_norm=true", "model.head_dim=16"]),
+    ("bf16", ["parallel.dp_shard=2", "model.qk_norm=true", "model.head_dim=16"]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

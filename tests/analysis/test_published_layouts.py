@@ -18,9 +18,12 @@ def test_a_rows_rank_is_its_place_in_the_full_ranking_the_cli_prints():
     assert full.complete and len(full.plans) > 20
     position = next(i for i, p in enumerate(full.plans, 1) if is_published(p, row))
     assert result.best.step == full.plans[position - 1].step
-    assert result.rank == 1 + sum(p.step < result.best.step for p in full.plans) <= position
-    assert result.rank_without_fsdp == 1 + sum(p.step < result.best.step and p.layout.dp_shard == 1
-                                               for p in full.plans)
+    assert result.setting_rank == 1 + sum(p.step < result.best.step for p in full.plans) <= position
+    # each layout once: the distinct (degrees, schedule, v) among the faster plans, counted by hand
+    faster = {(p.layout, p.config.parallel.pp_schedule, p.config.parallel.pp_virtual_stages) for p in full.plans
+              if p.step < result.best.step}
+    assert result.rank == 1 + len(faster) < result.setting_rank
+    assert result.rank_without_fsdp == 1 + len({f for f in faster if f[0].dp_shard == 1})
     assert result.paper_setting.config.parallel.activation_checkpointing == "full"
     assert result.first.step == full.plans[0].step
 
@@ -32,3 +35,27 @@ def test_eq3_agrees_with_the_toolkits_flop_count_under_full_recompute(row):
     config = planner.with_layout(gpt_config(row), Layout.resolve(1), "full")
     ours = sum(planner.stage_flops_per_token(config, Layout.resolve(1))) * row.batch * 2048
     assert ours == pytest.approx(paper_flops(row), rel=5e-3)
+
+
+def test_rank_among_the_published_data_parallel_degree_counts_only_its_tp_pp_splits():
+    row = Published("tiny", 4, 256, 4, 2, 2, 8, 16, 100.0)
+    result = published_layouts.published_row(row)
+    full = planner.search(gpt_config(row), 8, 80 * planner.GIB, 8, A100)
+    faster = {(p.layout, p.config.parallel.pp_schedule, p.config.parallel.pp_virtual_stages) for p in full.plans
+              if p.step < result.best.step and (p.layout.dp_shard, p.layout.dp_replicate) == (1, 2)}
+    assert result.rank_same_dp == 1 + len(faster)
+
+
+def test_a_published_moe_mappings_rank_is_its_place_in_the_full_ranking():
+    small = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
+             "moe.num_experts=4", "moe.expert_hidden=64", "train.precision=bf16")
+    row = published_layouts.PublishedMoE("tiny", "moe-8x", small, "h100", 8, 16, 1, 2, 2, 1, 2, "a test")
+    result = published_layouts.published_moe_row(row)
+    config = published_layouts.load_config("moe-8x", [*small, "train.global_batch_size=16"])
+    full = planner.search(config, 8, 80 * planner.GIB, 8, published_layouts.communication.HARDWARE["h100"])
+    mine = [p for p in full.plans if (p.layout.tp, p.layout.pp, p.layout.ep, p.layout.etp,
+                                      p.config.parallel.pp_virtual_stages) == (1, 2, 2, 1, 2)]
+    assert result.best.step == mine[0].step
+    assert result.setting_rank == 1 + sum(p.step < mine[0].step for p in full.plans)
+    assert result.rank == 1 + len({(p.layout, p.config.parallel.pp_schedule, p.config.parallel.pp_virtual_stages)
+                                   for p in full.plans if p.step < mine[0].step})

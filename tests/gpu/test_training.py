@@ -1,10 +1,13 @@
 """Training on a GPU: moe-8x in bf16 follows the CPU's fp32 loss curve, and ``torchrun ... --config moe-8x-gpu``
 trains.
 
-Tolerance of the curve: each logged interval's mean training loss (5 steps) on the GPU in bf16 within 2% of the
-CPU fp32 run's, over 40 steps of the same data and initial weights. On CPU, bf16 autocast against fp32 differs by
-at most 0.5% over those 40 steps (README "GPU": measured with the same command on the CPU alone); the GPU's
-bf16 kernels round differently again, and capacity drops of near-tied tokens can flip, hence 4x that margin.
+Tolerance of the curve: each logged interval's mean training loss (5 steps) on the GPU in bf16 within 5% of the
+CPU fp32 run's, over 40 steps of the same data and initial weights. bf16 rounding sends the two runs along
+slightly different paths (capacity drops flip, Adam amplifies small gradient differences), and the gap grows
+with the steps: on the CPU alone, bf16 autocast against fp32 differed by 0.0, 0.0, 0.1, 2.2, 0.2, 1.1, 2.2 and
+2.9% at steps 5 to 40 (README "GPU", measured with ``train.py --config moe-8x --set train.steps=40
+logging.log_interval=5 train.eval_interval=0 train.precision=fp32|bf16``). 5% leaves the GPU's own rounding
+that margin again; a wrong gradient or a broken kernel moves the curve far more (the loss falls from 5.5 to 2.7).
 """
 
 import os
@@ -17,7 +20,7 @@ from training.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 CURVE = ["train.steps=40", "logging.wandb=disabled", "logging.log_interval=5", "train.eval_interval=0",
          "logging.progress=lines"]
-RELATIVE = 0.02
+RELATIVE = 0.05
 
 
 def train(run_dir: Path, *overrides: str, cpu: bool = False, config: str = "moe-8x", torchrun: bool = False):
@@ -29,7 +32,7 @@ def train(run_dir: Path, *overrides: str, cpu: bool = False, config: str = "moe-
     done = subprocess.run([*launcher, "train.py", "--config", config, "--run-dir", str(run_dir), "--set",
                            *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr, [r for r in read_metrics(run_dir) if "train/loss" in r]
+    return done.stderr, [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r]
 
 
 def test_gpu_bf16_follows_the_cpu_fp32_loss_curve(tmp_path):

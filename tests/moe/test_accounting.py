@@ -56,11 +56,9 @@ def test_flops_of_wide_heads_count_their_width():
 
 
 def test_qwen3_30b_a3b_shape_has_its_published_size():
-    """Its model card: 30.5B total, 29.9B without the embedding and head, 3.3B activated; its config.json's shape."""
-    model = ModelConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
-                        qk_norm=True, seq_len=4096)
-    moe = MoEConfig(num_experts=128, top_k=8, expert_hidden=768)
-    counts = parameter_counts(model, moe)
+    """Its model card: 30.5B total, 29.9B without the embedding and head, 3.3B activated."""
+    config = load_config("qwen3-30b-a3b")
+    counts = parameter_counts(config.model, config.moe)
     assert counts.total / 1e9 == pytest.approx(30.5, abs=0.05)
     assert (counts.total - 2 * counts.embedding) / 1e9 == pytest.approx(29.9, abs=0.05)
     assert counts.active / 1e9 == pytest.approx(3.3, rel=0.02)  # 3.35B

@@ -68,7 +68,8 @@ LAYOUTS = {  # name: overrides (all on 4 ranks)
     "dp_replicate=2xtp=2xep=2": ["parallel.dp_replicate=2", "parallel.tp=2", "parallel.ep=2"],
     "tp=4xep=2xetp=2": ["parallel.tp=4", "parallel.ep=2", "parallel.etp=2"],
     "dp_shard=4xep=2-tied": ["parallel.dp_shard=4", "parallel.ep=2", "model.tie_embeddings=true"],
-    "tp=2xdp_shard=2-tied": ["parallel.tp=2", "parallel.dp_shard=2", "model.tie_embeddings=true"],
+    "tp=2xdp_shard=2-tied-qwen3_attention": ["parallel.tp=2", "parallel.dp_shard=2", "model.tie_embeddings=true",
+                                             "model.qk_norm=true", "model.head_dim=12"],
     "pp=2xdp_shard=2xep=2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "model.tie_embeddings=false"],
 }
 UNEVEN = ["parallel.dp_shard=3", "train.global_batch_size=6", "model.vocab_size=257", "model.n_heads=2",

@@ -54,6 +54,11 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.tp=2", "parallel.vocab_parallel=true"], 2, "null", id="tp=2-vocab_parallel"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
                   "parallel.vocab_parallel=true"], 4, "1.25", id="dp_shard=2xtp=2xep=2-sequence+vocab_parallel"),
+    # Qwen3-MoE's shape: per-head q/k norms on each tp rank's heads (their gradients summed over tp), wide heads,
+    # a dense first layer, top-k weights not renormalised
+    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+                  "model.qk_norm=true", "model.head_dim=16", "model.first_moe_layer=1", "moe.renormalize=false"],
+                 4, "null", id="dp_shard=2xtp=2xep=2-qwen3"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
     pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),

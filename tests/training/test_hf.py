@@ -70,7 +70,8 @@ def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 SHAPES = {"gqa-top2-untied": {}, "mha-top1-tied": dict(num_key_value_heads=4, num_experts_per_tok=1,
                                                         tie_word_embeddings=True),
-          "gqa-top2-tied-sharded": dict(tie_word_embeddings=True, num_local_experts=3, shard=True)}
+          "gqa-top2-tied-wide-heads-sharded": dict(tie_word_embeddings=True, num_local_experts=3, head_dim=16,
+                                                   shard=True)}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))

@@ -4,12 +4,15 @@ Mixtral and the helpers both use)."""
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from safetensors import safe_open
 
 from moe.config import ConfigError
 from parallel.groups import Layout, ParallelGroups
@@ -43,9 +46,20 @@ def make_qwen3(folder: Path, seed: int = 0, shard: bool = False, **overrides) ->
     return model
 
 
+def as_written_by_transformers_4(folder: Path) -> None:
+    """Rewrite a saved config.json as the published Qwen3-MoE models have it (transformers 4.5x): ``num_experts``,
+    a top-level ``rope_theta``, ``rope_scaling: null``, ``max_window_layers``, ``torch_dtype``."""
+    data = json.loads((folder / "config.json").read_text())
+    data["num_experts"] = data.pop("num_local_experts")
+    data["rope_theta"] = data.pop("rope_parameters")["rope_theta"]
+    data |= {"rope_scaling": None, "max_window_layers": data["num_hidden_layers"], "torch_dtype": data.pop("dtype"),
+             "transformers_version": "4.51.0"}
+    (folder / "config.json").write_text(json.dumps(data))
+
+
 # name -> (transformers settings, our (moe_every, first_moe_layer) for them)
 SHAPES = {
-    "gqa-top2-untied-renormalised": ({}, (1, 0)),
+    "gqa-top2-untied-renormalised-4.x-config": (dict(written_by_4=True), (1, 0)),
     "mha-top1-tied-not-renormalised": (dict(num_key_value_heads=4, num_experts_per_tok=1, tie_word_embeddings=True,
                                             norm_topk_prob=False), (1, 0)),
     "wide-heads-dense-first-sharded": (dict(head_dim=16, num_hidden_layers=3, mlp_only_layers=[0],
@@ -58,7 +72,11 @@ SHAPES = {
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_import_export_match_transformers(tmp_path, shape):
     settings, (moe_every, first_moe_layer) = SHAPES[shape]
+    settings = dict(settings)
+    written_by_4 = settings.pop("written_by_4", False)
     hf = make_qwen3(tmp_path / "hf", **settings)
+    if written_by_4:
+        as_written_by_transformers_4(tmp_path / "hf")
     config = import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
     assert config.model.qk_norm and config.model.head_size == settings.get("head_dim", 8)
     assert (config.model.moe_every, config.model.first_moe_layer) == (moe_every, first_moe_layer)
@@ -96,6 +114,7 @@ def test_bad_input_is_named(tmp_path):
     cases = [
         (dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe"),
          "Qwen2MoeForCausalLM: supported are MixtralForCausalLM .*, Qwen3MoeForCausalLM"),
+        (dict(model_type="qwen3"), "architecture Qwen3MoeForCausalLM with model_type 'qwen3', not its 'qwen3_moe'"),
         (dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=True"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
@@ -178,3 +197,45 @@ def test_init_from_qwen3_under_tensor_and_expert_parallelism(tmp_path):
     for ours in (state, reference):
         for name, expected in pairs.items():
             torch.testing.assert_close(ours[name], expected, rtol=0, atol=1e-6, msg=name)
+
+
+def test_export_in_bf16_shards_loads_into_transformers(tmp_path, capsys):
+    """``export --dtype bf16 --max-shard-size 20KB``: shards within the size (a larger tensor alone) and an index
+    that transformers loads, every tensor the original rounded to bf16; an fp32 sharded export is the original bit
+    for bit; an export that would leave those shards beside a new model.safetensors is refused, naming them."""
+    hf = make_qwen3(tmp_path / "hf", num_hidden_layers=3, mlp_only_layers=[0], head_dim=16)
+    ours = tmp_path / "ours.safetensors"
+    assert main(["import", str(tmp_path / "hf"), "--out", str(ours), "--seq-len", str(SEQ)]) == 0
+    assert main(["export", str(ours), "--out", str(tmp_path / "bf16"), "--dtype", "bf16",
+                 "--max-shard-size", "20KB"]) == 0
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    shards = sorted((tmp_path / "bf16").glob("model-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {shard.name for shard in shards}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as handle:
+            sizes = [handle.get_slice(name).get_shape() for name in handle.keys()]
+        assert len(sizes) == 1 or sum(2 * math.prod(size) for size in sizes) <= 20_000, shard.name
+    original, exported = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "bf16")
+    assert original.keys() == exported.keys() == index["weight_map"].keys()
+    assert index["metadata"]["total_size"] == sum(value.nbytes for value in exported.values())
+    for name, value in original.items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], value.to(torch.bfloat16)), name
+
+    rounded = copy.deepcopy(hf)  # the oracle with its weights rounded to bf16, computing in fp32
+    with torch.no_grad():
+        for param in rounded.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, rounded(x).logits, rtol=0, atol=1e-5)
+
+    assert main(["export", str(ours), "--out", str(tmp_path / "fp32"), "--max-shard-size", "0.02MB"]) == 0
+    assert (tmp_path / "fp32" / "model.safetensors.index.json").is_file()
+    assert all(torch.equal(value, hf_tensors(tmp_path / "fp32")[name]) for name, value in original.items())
+    capsys.readouterr()
+    assert main(["export", str(ours), "--out", str(tmp_path / "bf16")]) == 2
+    err = capsys.readouterr().err
+    assert f"already holds {shards[0].name}, " in err and "model.safetensors.index.json, which this export" in err
+    assert main(["export", str(ours), "--out", str(tmp_path / "x"), "--max-shard-size", "5 bananas"]) == 2
+    assert "--max-shard-size '5 bananas': give a size such as 5GB" in capsys.readouterr().err

@@ -1,0 +1,222 @@
+"""One training step end to end, and where its time goes: attention, expert GEMMs, routing and permutation,
+the optimizer, the rest.
+
+What is measured. ``training.loop.train_step`` (micro-batches, backward, gradient clipping, AdamW) on one
+process: on CPU ``configs/moe-8x.yaml`` as it is (its precision choice included); on CUDA a Mixtral-shaped
+slice (Mixtral 8x7B's d_model 4096, 32 heads with 8 KV heads, 8 experts of hidden 14336, top-2, dropless,
+vocabulary 32000, sequences of 4096 tokens, bf16; 8 sequences per step in micro-batches of one) with as many
+layers as the memory model says fit the GPU's free memory. Steps are timed after warm-up (medians); then one
+step runs under the torch profiler, and each operator's self time (CPU time on a CPU, kernel time on a GPU)
+is put in a category:
+
+- attention: everything inside the ``Attention`` modules (projections, RoPE, ``scaled_dot_product_attention``)
+- expert GEMMs: inside ``GroupedExperts`` (the grouped GEMMs, the activation between them, weight copies)
+- routing and permutation: the rest of each ``MoELayer`` (router, dispatch plan, permute, combine, balancing
+  losses, statistics)
+- optimizer: ``optimizer.step``
+- the rest: embedding, norms, residual adds, dense FFNs, LM head and loss, gradient clipping, the loop
+
+Forward operators take the category of the innermost module they ran in (``record_function`` ranges that
+forward hooks open and close); a backward operator takes its forward operator's, matched through autograd's
+sequence numbers. The printed line ``outside expert GEMMs and attention: N%`` is the share of the step that is
+neither (goal: under 15% on CPU). On CUDA it also prints model FLOP utilisation: model FLOPs per token from the
+active parameters (as ``perf/mfu`` counts them, ``moe.accounting.training_flops_per_token``) times tokens per
+second, over the GPU's dense bf16 datasheet peak (``training.hardware.GPU_BF16_PEAK``). A measurement, never a
+pass/fail test; the profiler adds its own overhead to the profiled step (the timed steps run without it).
+
+    python benchmarks/train_step.py [--device cpu|cuda] [--config NAME] [--set key=value ...] [--steps N]
+                                    [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moe.accounting import parameter_counts, training_flops_per_token  # noqa: E402
+from moe.experts import GroupedExperts  # noqa: E402
+from moe.layer import MoELayer  # noqa: E402
+from moe.transformer import Attention, MoETransformer  # noqa: E402
+from parallel.expert import ExpertParallelExperts  # noqa: E402
+from training.config import load_config  # noqa: E402
+from training.hardware import GPU_BF16_PEAK, choose_precision  # noqa: E402
+from training.loop import IntervalStats, train_step  # noqa: E402
+from training.optim import build_optimizer  # noqa: E402
+
+CATEGORIES = ("attention", "expert GEMMs", "routing and permutation", "optimizer", "the rest")
+MIXTRAL_SLICE = ["model.vocab_size=32000", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8",
+                 "model.seq_len=4096", "model.ffn_hidden=14336", "model.rope_theta=1000000.0",
+                 "moe.num_experts=8", "moe.top_k=2", "moe.expert_hidden=14336", "moe.capacity_factor=null",
+                 "train.precision=bf16", "train.global_batch_size=8", "train.micro_batch_size=1"]
+
+
+def label_modules(model: MoETransformer) -> None:
+    """Open a ``record_function`` range named after each module's category around its forward."""
+    def label(module, name):
+        ranges = []
+        module.register_forward_pre_hook(lambda *_: ranges.append(record_function(name).__enter__()))
+        module.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None))
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            label(module, "attention")
+        elif isinstance(module, GroupedExperts | ExpertParallelExperts):
+            label(module, "expert GEMMs")
+        elif isinstance(module, MoELayer):
+            label(module, "routing and permutation")
+
+
+def label_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    ranges = []
+    optimizer.register_step_pre_hook(lambda *_: ranges.append(record_function("optimizer").__enter__()))
+    optimizer.register_step_post_hook(lambda *_: ranges.pop().__exit__(None, None, None))
+
+
+def categorized(prof):
+    """Each profiled event with its category (see the module docstring), or None outside every category."""
+    events = prof.events()
+    forward_category: dict[int, str] = {}
+    backward = "autograd::engine::evaluate_function: "
+
+    def enclosing(event):
+        """The innermost category range or backward node around ``event``."""
+        node = event
+        while node is not None and node.name not in CATEGORIES and not node.name.startswith(backward):
+            node = node.cpu_parent
+        return node
+
+    for event in events:  # forward operators that made autograd nodes: their category, by sequence number
+        node = enclosing(event)
+        if event.sequence_nr >= 0 and node is not None and node.name in CATEGORIES:
+            forward_category.setdefault(event.sequence_nr, node.name)
+    for event in events:
+        node = enclosing(event)
+        if node is None:
+            yield event, None
+        else:
+            yield event, node.name if node.name in CATEGORIES else forward_category.get(node.sequence_nr)
+
+
+def breakdown(prof, device: str) -> dict[str, float]:
+    """Seconds of self time per category in the profiled step (CPU time on a CPU, kernel time on a GPU)."""
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for event, part in categorized(prof):
+        own = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
+        if own > 0 and event.name not in CATEGORIES:
+            totals[part or "the rest"] += own / 1e6
+    return totals
+
+
+def build(config, device: torch.device):
+    torch.manual_seed(config.train.seed)
+    with torch.device(device):
+        model = MoETransformer(config.model, config.moe, seed=config.train.seed)
+    return model, build_optimizer(model, config.train)
+
+
+def layers_that_fit(overrides: list[str], device: torch.device, largest: int = 32) -> int:
+    """The most layers of the slice whose training memory (the memory model's) fits the GPU's free memory,
+    with 10% left for the allocator."""
+    from analysis.fit_check import predicted_bytes
+
+    free = torch.cuda.mem_get_info(device)[0] * 0.9
+    fitting = [n for n in range(1, largest + 1)
+               if predicted_bytes(load_config("moe-8x", [*overrides, f"model.n_layers={n}"]), 1, "bf16")[0] <= free]
+    if not fitting:
+        raise SystemExit("train_step: not even one layer of the slice fits this GPU's free memory")
+    return fitting[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--config", default="moe-8x", help="on CPU (default moe-8x); on CUDA the Mixtral slice")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps after 2 warm-up steps")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("train_step: --device cuda needs a CUDA GPU and torch sees none", file=sys.stderr)
+        return 2
+    if args.steps < 1:
+        print(f"train_step: --steps must be at least 1, got {args.steps}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    overrides = list(args.overrides)
+    name = args.config
+    if args.device == "cuda":
+        overrides = [*MIXTRAL_SLICE, *overrides]
+        overrides.append(f"model.n_layers={layers_that_fit(overrides, device)}")
+        name = "mixtral slice"
+    config = load_config(args.config, overrides)
+    precision = choose_precision(config.train.precision, device)
+    bf16 = precision.precision == "bf16"
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
+    model, optimizer = build(config, device)
+    label_modules(model)
+    label_optimizer(optimizer)
+    generator = torch.Generator().manual_seed(0)
+    batch = config.train.global_batch_size
+    micro = config.train.micro_batch_size or batch
+    tokens = torch.randint(0, config.model.vocab_size, (batch, config.model.seq_len + 1), generator=generator)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip, autocast, IntervalStats())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    seconds = []
+    for index in range(2 + args.steps):
+        began = time.perf_counter()
+        step()
+        if index >= 2:
+            seconds.append(time.perf_counter() - began)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    parts = breakdown(prof, device.type)
+    total = sum(parts.values())
+    step_s = statistics.median(seconds)
+    tokens_per_s = batch * config.model.seq_len / step_s
+    counts = parameter_counts(config.model, config.moe)
+    result = {"config": name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "cuda": torch.version.cuda, "precision": precision.precision,
+              "layers": config.model.n_layers, "parameters": counts.total, "active": counts.active,
+              "step_s": step_s, "tokens_per_s": tokens_per_s,
+              **{f"share {part}": seconds_ / total for part, seconds_ in parts.items()},
+              "outside expert GEMMs and attention": 1 - (parts["expert GEMMs"] + parts["attention"]) / total}
+    if device.type == "cuda":
+        peak = next((flops for key, flops in GPU_BF16_PEAK.items() if key in result["device"]), None)
+        model_flops = training_flops_per_token(config.model, config.moe) * tokens_per_s
+        result.update({"model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
+                       "memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30})
+
+    print(f"{name} on {result['device']} ({precision.precision}, torch {torch.__version__}): "
+          f"{config.model.n_layers} layers, {counts.total / 1e6:,.1f}M parameters ({counts.active / 1e6:,.1f}M "
+          f"active), {batch} x {config.model.seq_len} tokens per step")
+    print(f"step {step_s:.3f} s (median of {args.steps}), {tokens_per_s:,.0f} tokens/s")
+    for part in CATEGORIES:
+        print(f"  {part:<24} {parts[part]:8.3f} s  {parts[part] / total:6.1%}")
+    print(f"outside expert GEMMs and attention: {result['outside expert GEMMs and attention']:.0%}")
+    if device.type == "cuda":
+        mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "unknown peak"
+        print(f"model FLOPs {result['model_tflops']:.0f} TFLOP/s, MFU {mfu} of the datasheet's dense bf16 peak; "
+              f"peak memory {result['memory_peak_gib']:.1f} GiB")
+    if args.json:
+        args.json.write_text(json.dumps([result], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Activation offloading on a GPU: the gradients of offloaded blocks are those without offloading (the copies
+are exact), the device's peak memory falls, and the device memory it keeps is near the memory model's.
+
+Step time and memory beside activation checkpointing's are printed (``-s``; scripts/gpu_check.sh keeps the log)
+rather than asserted: they are measurements, not pass/fail."""
+
+import time
+
+import pytest
+import torch
+
+from analysis.memory_activations import micro_batch_activations
+from parallel.activation_checkpoint import apply_activation_checkpointing
+from parallel.activation_offload import apply_activation_offload
+from parallel.tensor import lm_loss
+from tests.gpu.helpers import batch, moe_8x
+from training.layout import resolve_layout
+
+SHAPE = ["model.d_model=1024", "model.n_heads=16", "model.n_layers=4", "model.seq_len=2048",
+         "moe.expert_hidden=2816", "moe.capacity_factor=null", "train.precision=bf16"]
+
+
+def step(setting: str):
+    """Forward + backward of a 4-block, d_model 1024 MoE on 4 × 2048 tokens: gradients, peak bytes, seconds."""
+    mode, value = setting.split("=")
+    model, config = moe_8x("cuda", *SHAPE, f"parallel.{mode}={value}")
+    if mode == "activation_offload":
+        apply_activation_offload(model, value)
+    else:
+        apply_activation_checkpointing(model, value)
+    inputs, targets = batch(config, "cuda", sequences=4)
+    seconds = []
+    for _ in range(3):  # the first allocates the caches and pinned blocks
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        began = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - began)
+    grads = [p.grad.clone() for p in model.parameters()]
+    return grads, torch.cuda.max_memory_allocated() - base, min(seconds), config
+
+
+@pytest.mark.parametrize("mode", ["blocks", "moe"])
+def test_offloading_keeps_gradients_and_lowers_peak_memory(mode):
+    reference, peak, seconds, config = step("activation_offload=none")
+    grads, offloaded_peak, offloaded_seconds, offloaded_config = step(f"activation_offload={mode}")
+    for got, expected in zip(grads, reference, strict=True):
+        assert torch.equal(got, expected)
+    assert offloaded_peak < peak
+    layout = resolve_layout(config, 1)[0]
+    predicted_saving = (sum(micro_batch_activations(config, layout, 4, "bf16").values())
+                        - sum(micro_batch_activations(offloaded_config, layout, 4, "bf16").values()))
+    _, recompute_peak, recompute_seconds, _ = step(f"activation_checkpointing={'full' if mode == 'blocks' else 'moe'}")
+    print(f"\noffload {mode}: peak {offloaded_peak / 2**30:.2f} GiB vs {peak / 2**30:.2f} GiB "
+          f"(saved {(peak - offloaded_peak) / 2**30:.2f}, memory model {predicted_saving / 2**30:.2f}), "
+          f"step {offloaded_seconds / seconds:.2f}x; recompute: peak {recompute_peak / 2**30:.2f} GiB, "
+          f"step {recompute_seconds / seconds:.2f}x")
