@@ -37,7 +37,7 @@ from training.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
     ExportWriteError,
-    checkpoint_tensors,
+    model_tensors,
     write_safetensors_streaming,
 )
 from training.hf_family import Family, Source, check_context, hf_targets
@@ -225,23 +225,6 @@ def import_folder(folder: Path, out: Path, config: RunConfig, seq_len: int | Non
     return config
 
 
-def _our_tensors(source: Path):
-    """(entries, read, config) of our weights: a checkpoint folder (via DCP) or a safetensors file of ours."""
-    if source.is_dir():
-        entries, read, config_text = checkpoint_tensors(source)
-        return entries, read, config_from_dict(yaml.safe_load(config_text))
-    try:
-        handle = safe_open(str(source), framework="pt")
-    except (OSError, SafetensorError) as exc:
-        raise ConfigError(f"{source}: not a checkpoint folder or a readable safetensors file ({exc})") from exc
-    metadata = handle.metadata() or {}
-    if CONFIG_METADATA_KEY not in metadata:
-        raise ConfigError(f"{source}: no '{CONFIG_METADATA_KEY}' metadata (not written by this toolkit)")
-    entries = {name: (torch.Size(handle.get_slice(name).get_shape()), DTYPES[handle.get_slice(name).get_dtype()])
-               for name in handle.keys()}
-    return entries, handle.get_tensor, config_from_dict(yaml.safe_load(metadata[CONFIG_METADATA_KEY]))
-
-
 def export_family(model: ModelConfig, moe: MoEConfig, architecture: str | None = None) -> Family:
     """The family to export our model as: ``architecture``, or the first of ``FAMILIES`` that can express it;
     an error with each family's reason when none can."""
@@ -270,7 +253,7 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
     ``max_shard_bytes`` they go into shards of at most that size and an index (``training/hf_shards.py``).
     Returns the number of HF tensors written, and our config.
     """
-    entries, read, config = _our_tensors(source)
+    entries, read, config = model_tensors(source)
     family = export_family(config.model, config.moe, architecture)
     hf_config = family.hf_from_config(config.model, config.moe)
     targets = hf_targets(family.hf_sources(config.model, config.moe))
