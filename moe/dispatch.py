@@ -116,13 +116,18 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, grad_rows):
         (assignment_row,) = ctx.saved_tensors
         num_rows = grad_rows.shape[0]
-        rows = assignment_row.view(ctx.num_tokens, -1)
         if num_rows < assignment_row.numel():  # some assignments were dropped: they point at an extra zero row
             grad_rows = torch.cat([grad_rows, grad_rows.new_zeros(1, grad_rows.shape[1])])
-        grad_x = grad_rows.index_select(0, rows[:, 0])
-        for choice in range(1, rows.shape[1]):
-            grad_x += grad_rows.index_select(0, rows[:, choice])
-        return grad_x, None, None
+        return _sum_choices(grad_rows, assignment_row.view(ctx.num_tokens, -1)), None, None
+
+
+def _sum_choices(grouped: Tensor, rows: Tensor) -> Tensor:
+    """``out[t] = sum_j grouped[rows[t, j]]``, added in choice order: a gather, not a scatter-add, so the sum
+    is the same on every run and device. ``rows`` [T, k]; a dropped assignment points at a zero row."""
+    out = grouped.index_select(0, rows[:, 0])
+    for choice in range(1, rows.shape[1]):
+        out += grouped.index_select(0, rows[:, choice])
+    return out
 
 
 def unpermute_and_combine(expert_out: Tensor, plan: DispatchPlan, weights: Tensor) -> Tensor:
@@ -155,10 +160,7 @@ class _WeightedCombine(torch.autograd.Function):
         scaled = expert_out.new_empty(num_rows + 1, dim)
         torch.mul(expert_out, grouped_weights.unsqueeze(1), out=scaled[:num_rows])
         scaled[num_rows] = 0  # what dropped assignments read
-        rows = assignment_row.view(num_tokens, top_k)
-        out = scaled.index_select(0, rows[:, 0])
-        for choice in range(1, top_k):
-            out += scaled.index_select(0, rows[:, choice])
+        out = _sum_choices(scaled, assignment_row.view(num_tokens, top_k))
         ctx.save_for_backward(expert_out, grouped_weights, order, token_index)
         ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
         return out

@@ -125,14 +125,18 @@ class HFWeights:
     only its own part, and nothing is converted or written ahead (``--init-from hf:DIR``).
     """
 
-    def __init__(self, folder: HFFolder, model: ModelConfig, moe: MoEConfig):
-        self.family = family_of(folder.config)
-        self.folder, self.sources, self.num_experts = folder, self.family.hf_sources(model, moe), moe.num_experts
+    def __init__(self, folder: HFFolder, sources: dict[str, Source], num_experts: int, architecture: str):
+        self.folder, self.sources, self.num_experts, self.architecture = folder, sources, num_experts, architecture
+
+    @classmethod
+    def of_family(cls, folder: HFFolder, model: ModelConfig, moe: MoEConfig) -> HFWeights:
+        """The folder's weights under our names, through the family its config.json names."""
+        family = family_of(folder.config)
+        return cls(folder, family.hf_sources(model, moe), moe.num_experts, family.architecture)
 
     def _source(self, name: str) -> Source:
         if name not in self.sources:
-            raise ConfigError(f"{self.folder.folder}: our tensor '{name}' has no {self.family.architecture} "
-                              "counterpart")
+            raise ConfigError(f"{self.folder.folder}: our tensor '{name}' has no {self.architecture} counterpart")
         return self.sources[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -195,7 +199,7 @@ def split_init_from(init_from: str | None) -> Path | None:
 def load_hf_weights(module: torch.nn.Module, folder: Path | str, config: RunConfig) -> int:
     """Fill ``module``'s tensors (this rank's shards) from an HF folder, converting on the fly."""
     with HFFolder(folder) as hf:
-        return load_weights(module, HFWeights(hf, config.model, config.moe), str(folder))
+        return load_weights(module, HFWeights.of_family(hf, config.model, config.moe), str(folder))
 
 
 def expected_tensors(model: ModelConfig, moe: MoEConfig) -> dict[str, tuple[int, ...]]:
@@ -210,7 +214,7 @@ def import_folder(folder: Path, out: Path, config: RunConfig, seq_len: int | Non
     our resolved config as the ``config.yaml`` metadata; returns that config."""
     config = hf_run_config(config, folder, seq_len)
     with HFFolder(folder) as hf:
-        weights = HFWeights(hf, config.model, config.moe)
+        weights = HFWeights.of_family(hf, config.model, config.moe)
         entries = {}
         for name, shape in expected_tensors(config.model, config.moe).items():
             found = weights.shape(name)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from moe.config import ConfigError, ModelConfig
-from training.hf import DTYPES, HFFolder
+from training.hf import HFFolder, HFWeights
 from training.hf_family import (
     DECODER_KEYS,
     HFShape,
@@ -95,16 +95,11 @@ def dense_sources(model: ModelConfig) -> dict[str, Source]:
 def dense_tensors(folder: HFFolder, model: ModelConfig
                   ) -> tuple[dict[str, tuple[torch.Size, torch.dtype]], Callable[[str], torch.Tensor], dict[str, str]]:
     """(each of our dense tensors' shape and dtype, a reader of one whole tensor under our name, our name -> the
-    HF name) of an open folder; a missing tensor is named before any is read."""
-    names = {ours: source.names[0] for ours, source in dense_sources(model).items()}
-    entries = {}
-    for ours, theirs in names.items():
-        source = folder.slice(theirs)
-        dtype = DTYPES.get(source.get_dtype())
-        if dtype is None:
-            raise ConfigError(f"{folder.folder}: tensor '{theirs}' has dtype {source.get_dtype()}, not supported")
-        entries[ours] = (torch.Size(source.get_shape()), dtype)
-    return entries, lambda ours: folder.slice(names[ours])[:], names
+    HF name) of an open folder, read through ``HFWeights``; a missing tensor is named before any is read."""
+    weights = HFWeights(folder, dense_sources(model), 0, dense_family(folder.config)[0])
+    entries = {ours: (torch.Size(weights.shape(ours)), weights.dtype(ours)) for ours in weights.sources}
+    names = {ours: source.names[0] for ours, source in weights.sources.items()}
+    return entries, lambda ours: weights.read(ours, ()), names
 
 
 def open_dense_folder(path: Path) -> tuple[HFFolder, HFShape]:

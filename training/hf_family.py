@@ -143,6 +143,14 @@ def refuse(architecture: str, refusals: list[tuple[bool, str]]) -> None:
             raise ConfigError(f"cannot export as {architecture}: {why}")
 
 
+def routed_moe(num_experts: int, top_k: int, expert_hidden: int, renormalize: bool) -> dict:
+    """Our ``moe`` keys for an HF softmax top-k router over SwiGLU experts: dropless, no jitter, no balancing bias,
+    no shared experts (what ``router_refusals`` refuses on the way back)."""
+    return {"num_experts": num_experts, "top_k": top_k, "expert_hidden": expert_hidden, "activation": "swiglu",
+            "score_func": "softmax", "renormalize": renormalize, "jitter_eps": 0.0, "capacity_factor": None,
+            "bias_update_rate": 0.0, "num_shared_experts": 0, "shared_expert_hidden": None, "force_balance": False}
+
+
 def router_refusals(moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
     """What no HF softmax top-k router here expresses: other experts, other scores, balancing bias, debug routing."""
     return [

@@ -24,6 +24,7 @@ from training.hf_family import (
     expert_stacks,
     get_key,
     refuse,
+    routed_moe,
     router_refusals,
 )
 
@@ -38,11 +39,8 @@ def shape_from_hf(hf: dict) -> HFShape:
     check_requirements(hf, {"router_jitter_noise": (0, "router_jitter_noise must be 0 (no HF-style jitter here)"),
                             "mlp_bias": (False, "mlp_bias must be false (no biases here)")})
     model = decoder_shape(hf, "Mixtral", rope_theta=1e6) | {"moe_every": 1, "first_moe_layer": 0, "qk_norm": False}
-    moe = {"num_experts": get_key(hf, "num_local_experts", "Mixtral"),
-           "top_k": get_key(hf, "num_experts_per_tok", "Mixtral"),
-           "expert_hidden": get_key(hf, "intermediate_size", "Mixtral"), "activation": "swiglu",
-           "score_func": "softmax", "renormalize": True, "jitter_eps": 0.0, "capacity_factor": None,
-           "bias_update_rate": 0.0, "num_shared_experts": 0, "shared_expert_hidden": None, "force_balance": False}
+    moe = routed_moe(get_key(hf, "num_local_experts", "Mixtral"), get_key(hf, "num_experts_per_tok", "Mixtral"),
+                     get_key(hf, "intermediate_size", "Mixtral"), renormalize=True)
     return HFShape(model, moe, int(get_key(hf, "max_position_embeddings", "Mixtral")), hf.get("sliding_window"))
 
 

@@ -30,6 +30,7 @@ from training.hf_family import (
     expert_stacks,
     get_key,
     refuse,
+    routed_moe,
     router_refusals,
 )
 
@@ -87,11 +88,9 @@ def shape_from_hf(hf: dict) -> HFShape:
     every, first = moe_layout(hf, model["n_layers"])
     model |= {"moe_every": every, "first_moe_layer": first, "qk_norm": True,
               "ffn_hidden": get_key(hf, "intermediate_size", FAMILY_NAME)}
-    moe = {"num_experts": _num_experts(hf), "top_k": get_key(hf, "num_experts_per_tok", FAMILY_NAME),
-           "expert_hidden": get_key(hf, "moe_intermediate_size", FAMILY_NAME), "activation": "swiglu",
-           "score_func": "softmax", "renormalize": bool(get_key(hf, "norm_topk_prob", FAMILY_NAME, False, False)),
-           "jitter_eps": 0.0, "capacity_factor": None, "bias_update_rate": 0.0, "num_shared_experts": 0,
-           "shared_expert_hidden": None, "force_balance": False}
+    moe = routed_moe(_num_experts(hf), get_key(hf, "num_experts_per_tok", FAMILY_NAME),
+                     get_key(hf, "moe_intermediate_size", FAMILY_NAME),
+                     renormalize=bool(get_key(hf, "norm_topk_prob", FAMILY_NAME, False, False)))
     # transformers drops sliding_window unless use_sliding_window (refused above) is set
     return HFShape(model, moe, int(get_key(hf, "max_position_embeddings", FAMILY_NAME)), None)
 

@@ -3,7 +3,6 @@ random configs (no download), saved with ``save_pretrained``, imported by us, ex
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,12 @@ import yaml
 from safetensors import safe_open
 
 from moe.config import ConfigError
-from moe.transformer import MoETransformer
 from parallel.groups import Layout, ParallelGroups
-from parallel.materialize import load_weights_file
 from parallel.runtime import Runtime, init_runtime
 from tests.parallel.parity import full_state
 from tests.spawn import spawn
-from training.config import config_from_dict, load_config
-from training.export import CONFIG_METADATA_KEY
+from tests.training.hf_models import edit_config, our_model, save_random
+from training.config import load_config
 from training.hf import export_folder, hf_run_config, import_folder, main
 from training.loop import train
 from training.metrics import read_metrics
@@ -39,21 +36,7 @@ def make_hf(folder: Path, seed: int = 0, shard: bool = False, **overrides) -> to
                     max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
     settings.update(overrides)
     torch.manual_seed(seed)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**settings)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-    model.save_pretrained(folder, max_shard_size="20KB" if shard else "5GB")
-    return model
-
-
-def our_model(file: Path) -> MoETransformer:
-    with safe_open(str(file), framework="pt") as handle:
-        config = config_from_dict(yaml.safe_load(handle.metadata()[CONFIG_METADATA_KEY]))
-    model = MoETransformer(config.model, config.moe).eval()
-    load_weights_file(model, file)
-    return model
+    return save_random(transformers.MixtralForCausalLM(transformers.MixtralConfig(**settings)), folder, shard)
 
 
 def tokens(vocab: int = 256) -> torch.Tensor:
@@ -116,13 +99,6 @@ def test_export_of_a_checkpoint(tmp_path):
         torch.testing.assert_close(back(x).logits, result.model.eval()(x), rtol=0, atol=1e-5)
 
 
-def _edit_config(folder: Path, **changes) -> None:
-    path = folder / "config.json"
-    data = json.loads(path.read_text())
-    data.update(changes)
-    path.write_text(json.dumps(data))
-
-
 def test_bad_input_is_named(tmp_path):
     make_hf(tmp_path / "hf", shard=True)
     out, base = tmp_path / "ours.safetensors", load_config("moe-8x")
@@ -139,7 +115,7 @@ def test_bad_input_is_named(tmp_path):
     original = (tmp_path / "hf" / "config.json").read_text()
     for changes, message in cases:
         (tmp_path / "hf" / "config.json").write_text(original)
-        _edit_config(tmp_path / "hf", **changes)
+        edit_config(tmp_path / "hf", **changes)
         with pytest.raises(ConfigError, match=message):
             import_folder(tmp_path / "hf", out, base, seq_len=SEQ)
     (tmp_path / "hf" / "config.json").write_text(original)

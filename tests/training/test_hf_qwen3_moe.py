@@ -19,7 +19,8 @@ from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime
 from tests.parallel.parity import full_state
 from tests.spawn import spawn
-from tests.training.test_hf import TINY_RUN, _hf_run, hf_tensors, our_model, tokens
+from tests.training.hf_models import edit_config, our_model, save_random
+from tests.training.test_hf import TINY_RUN, _hf_run, hf_tensors, tokens
 from training.config import load_config
 from training.hf import export_family, export_folder, hf_run_config, import_folder, main
 from training.loop import train
@@ -37,13 +38,7 @@ def make_qwen3(folder: Path, seed: int = 0, shard: bool = False, **overrides) ->
                     rms_norm_eps=1e-6, tie_word_embeddings=False)
     settings.update(overrides)
     torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**settings)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-    model.save_pretrained(folder, max_shard_size="20KB" if shard else "5GB")
-    return model
+    return save_random(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**settings)), folder, shard)
 
 
 def as_written_by_transformers_4(folder: Path) -> None:
@@ -101,13 +96,6 @@ def test_import_export_match_transformers(tmp_path, shape):
         assert torch.equal(value, returned[name]), name
 
 
-def _edit_config(folder: Path, **changes) -> None:
-    path = folder / "config.json"
-    data = json.loads(path.read_text())
-    data.update(changes)
-    path.write_text(json.dumps(data))
-
-
 def test_bad_input_is_named(tmp_path):
     make_qwen3(tmp_path / "hf", num_hidden_layers=4)
     out, base = tmp_path / "ours.safetensors", load_config("moe-8x")
@@ -126,12 +114,12 @@ def test_bad_input_is_named(tmp_path):
     original = (tmp_path / "hf" / "config.json").read_text()
     for changes, message in cases:
         (tmp_path / "hf" / "config.json").write_text(original)
-        _edit_config(tmp_path / "hf", **changes)
+        edit_config(tmp_path / "hf", **changes)
         with pytest.raises(ConfigError, match=message):
             import_folder(tmp_path / "hf", out, base, seq_len=SEQ)
     (tmp_path / "hf" / "config.json").write_text(original)
     # every layer dense maps too (model.moe_every=0), but these files have no dense FFN: the first missing named
-    _edit_config(tmp_path / "hf", mlp_only_layers=[0, 1, 2, 3])
+    edit_config(tmp_path / "hf", mlp_only_layers=[0, 1, 2, 3])
     with pytest.raises(ConfigError, match="has no tensor 'model.layers.0.mlp.up_proj.weight'"):
         import_folder(tmp_path / "hf", out, base, seq_len=SEQ)
 

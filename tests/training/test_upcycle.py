@@ -7,7 +7,6 @@ whatever the router picks: the upcycled model's logits must equal the dense mode
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from safetensors import safe_open
 
 import train
 from moe.transformer import MoETransformer
-from parallel.materialize import load_weights_file
+from tests.training.hf_models import edit_config, our_model, randomise_norms, save_random
 from training.config import config_from_dict, load_config
 from training.data import TokenSampler, load_tokens, split_tokens
 from training.export import CONFIG_METADATA_KEY, consolidated_state, write_safetensors_streaming
@@ -29,14 +28,6 @@ from training.upcycle import main
 transformers = pytest.importorskip("transformers")
 SEQ = 16
 DENSE = ["model.d_model=32", "model.n_layers=3", "model.n_heads=4", f"model.seq_len={SEQ}", "model.ffn_hidden=48"]
-
-
-def randomise_norms(model: torch.nn.Module) -> None:
-    """Norm weights away from 1, so a swapped or dropped norm shows in the logits."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.2 * torch.randn_like(param))
 
 
 def our_dense_file(path: Path, overrides: list[str]) -> MoETransformer:
@@ -49,14 +40,6 @@ def our_dense_file(path: Path, overrides: list[str]) -> MoETransformer:
     write_safetensors_streaming(path, {name: (value.shape, value.dtype) for name, value in state.items()},
                                 lambda name: state[name].contiguous(),
                                 {CONFIG_METADATA_KEY: yaml.safe_dump(config.to_dict())})
-    return model
-
-
-def upcycled_model(file: Path) -> MoETransformer:
-    with safe_open(str(file), framework="pt") as handle:
-        config = config_from_dict(yaml.safe_load(handle.metadata()[CONFIG_METADATA_KEY]))
-    model = MoETransformer(config.model, config.moe).eval()
-    load_weights_file(model, file)
     return model
 
 
@@ -76,7 +59,7 @@ def test_our_dense_model_upcycled_gives_its_logits(tmp_path, shape):
     dense = our_dense_file(tmp_path / "dense.safetensors", model_overrides)
     out = tmp_path / "moe.safetensors"
     assert main([str(tmp_path / "dense.safetensors"), *flags, "--out", str(out)]) == 0
-    moe = upcycled_model(out)
+    moe = our_model(out)
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(moe(x), dense(x), rtol=0, atol=1e-5)
@@ -90,7 +73,7 @@ def test_our_dense_model_upcycled_gives_its_logits(tmp_path, shape):
     # the check can fail: noise on the copies makes the experts differ, and the logits with them
     assert main([str(tmp_path / "dense.safetensors"), *flags, "--noise", "0.5", "--out", str(out)]) == 0
     with torch.no_grad():
-        assert (upcycled_model(out)(x) - dense(x)).abs().max() > 1e-3
+        assert (our_model(out)(x) - dense(x)).abs().max() > 1e-3
 
 
 def make_hf(folder: Path, architecture: str = "Llama", **overrides) -> torch.nn.Module:
@@ -100,10 +83,7 @@ def make_hf(folder: Path, architecture: str = "Llama", **overrides) -> torch.nn.
     settings.update(overrides)
     torch.manual_seed(0)
     config = getattr(transformers, f"{architecture}Config")(**settings)
-    model = getattr(transformers, f"{architecture}ForCausalLM")(config).eval()
-    randomise_norms(model)
-    model.save_pretrained(folder)
-    return model
+    return save_random(getattr(transformers, f"{architecture}ForCausalLM")(config), folder)
 
 
 HF_DENSE = {"llama-gqa-untied-top2": ("Llama", {}, ["--experts", "4", "--top-k", "2"]),
@@ -119,7 +99,7 @@ def test_a_transformers_dense_model_upcycled_gives_its_logits(tmp_path, shape):
     hf = make_hf(tmp_path / "hf", architecture, **settings)
     out = tmp_path / "moe.safetensors"
     assert main([str(tmp_path / "hf"), *flags, "--out", str(out), "--set", f"model.seq_len={SEQ}"]) == 0
-    moe = upcycled_model(out)
+    moe = our_model(out)
     assert moe.config.ffn_hidden == 48 and moe.layers["0"].moe.experts.w_in.shape == (int(flags[1]), 32, 48)
     assert moe.config.qk_norm == (architecture == "Qwen3")
     x = tokens()
@@ -147,11 +127,6 @@ def test_an_upcycled_run_starts_at_the_dense_models_loss(tmp_path):
     with torch.no_grad():
         expected = F.cross_entropy(dense(inputs).flatten(0, 1), targets.flatten()).item()
     assert first["step"] == 1 and first["train/lm_loss"] == pytest.approx(expected, abs=1e-5)
-
-
-def edit_config(folder: Path, **changes) -> None:
-    path = folder / "config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
 
 
 def test_bad_sources_are_refused_before_anything_is_written(tmp_path, capsys):
