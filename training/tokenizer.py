@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import hashlib
-import os
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -200,17 +198,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
 
 
 def write_tokenizer(tokenizer, out: Path) -> None:
-    """Save atomically: a run reading ``out`` never sees half a file."""
+    """Save atomically: a run reading ``out`` never sees half a file (the same text ``Tokenizer.save`` writes)."""
+    from parallel.checkpoint import write_text_atomic  # noqa: PLC0415 - torch's distributed stack, for the CLI alone
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        tokenizer.save(tmp_name)
-        os.chmod(tmp_name, 0o644)
-        os.replace(tmp_name, out)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+    write_text_atomic(out, tokenizer.to_str(pretty=True))
 
 
 def main(argv: list[str] | None = None) -> int:
