@@ -19,9 +19,9 @@ What one rank holds during a step (``estimate``):
   micro-batches, each FSDP unit holds its unsharded (tp-local, fp32) gradients from the first micro-batch to
   the last one's reduce-scatter, in place of their shards; the extra over the sharded gradients. Zero under
   ``microbatch`` (ZeRO-3: reduce-scattered every micro-batch). ``held_gradient_bytes`` measures it.
-- **the optimizer step**: every state (the gradients sharded again by then) and the one fp32 buffer torch's
-  foreach AdamW allocates (the square root of the matrices' second moments). It is the step's peak when the
-  activations are small (few tokens per micro-batch, a large model): ``total`` takes the larger of the two.
+- **the optimizer step**: every state (the gradients sharded again by then); fused AdamW (``training.optim``)
+  updates in place and allocates nothing more. It is the step's peak when the activations are small (few
+  tokens per micro-batch, a large model): ``total`` takes the larger of the two.
 - **activations** (``analysis/memory_activations.py``): what autograd saves for backward in one micro-batch's
   forward, tensor by tensor as the modules of ``moe/`` save it (listed in each function), times the
   micro-batches in flight (``in_flight``). Under bf16 autocast the cast copies of the weights that the

@@ -221,11 +221,6 @@ class ModelStates:
 
     weights_dense: int
     weights_experts: int
-    # bytes of the matrices (everything but the norms' gains): torch's foreach AdamW takes the square root of
-    # a whole parameter group's second moments into one new fp32 buffer per step (``_multi_tensor_adam``),
-    # and the matrices are the largest group (``training.optim``); an upper bound where tensor parallelism
-    # splits that group into sharded and whole tensors
-    weights_matrices: int = 0
 
     @property
     def weights(self) -> int:
@@ -245,8 +240,8 @@ class ModelStates:
 
     @property
     def optimizer_step_peak(self) -> int:
-        """During ``optimizer.step``: every state, gradients still held, and AdamW's one transient buffer."""
-        return self.total + self.weights_matrices
+        """During ``optimizer.step``: every state, gradients still held (fused AdamW allocates nothing more)."""
+        return self.total
 
 
 def local_layers(config: RunConfig, layout: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
@@ -262,27 +257,24 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
     model, vp = config.model, config.parallel.vocab_parallel
     layers, first, last = local_layers(config, layout, pp_rank)
     has_moe = model.n_moe_layers > 0
-    dense, experts, matrices = _states(tuple(root_tensors(model, config.moe, first, last)), layout, has_moe, vp)
+    dense, experts = _states(tuple(root_tensors(model, config.moe, first, last)), layout, has_moe, vp)
     for block, count in rank_blocks(model, config.moe, layers):
         figures = _states(block.params, layout, has_moe, vp)
         dense, experts = dense + count * figures[0], experts + count * figures[1]
-        matrices += count * figures[2]
-    return ModelStates(dense, experts, matrices)
+    return ModelStates(dense, experts)
 
 
 @functools.lru_cache(maxsize=65536)
-def _states(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: bool) -> tuple[int, int, int]:
-    """fp32 bytes of ``params`` on one rank: dense, routed experts, and the matrices among them."""
-    dense = experts = matrices = 0
+def _states(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: bool) -> tuple[int, int]:
+    """fp32 bytes of ``params`` on one rank: dense and routed experts."""
+    dense = experts = 0
     for param in params:
         numel = _sharded_numel(param.kind, param.shape, param.tp_dim, param.expert_hidden_dim, layout, has_moe, vp)
         if param.expert:
             experts += numel * FP32
         else:
             dense += numel * FP32
-        if len(param.shape) >= 2:
-            matrices += numel * FP32
-    return dense, experts, matrices
+    return dense, experts
 
 
 def accumulated_grad_bytes(config: RunConfig, layout: Layout, microbatches: int, pp_rank: int = 0) -> int:

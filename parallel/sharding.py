@@ -182,6 +182,11 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
     once, replicas not at all. Under pipeline parallelism each rank holds only its stages'
     parameters, so the stages' norms are combined over ``pp_group`` (sum of p-th powers; max for
     the inf-norm). Returns a plain scalar tensor, the same on every rank.
+
+    Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``, computed on the device so
+    that no host sync is needed (PyTorch's design), and so a full pass over the gradients even when the factor
+    is 1, as it is for most steps of a run. On CPU reading the norm costs nothing: there the pass is skipped
+    when the factor is 1.
     """
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for param in parameters:
@@ -194,7 +199,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
     if pp_group is not None:
         total = _combine_over_stages(total, norm_type, pp_group)
-    if max_norm < math.inf:
+    if max_norm < math.inf and (total.device.type != "cpu" or float(total) + 1e-6 >= max_norm):
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

@@ -16,10 +16,15 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW: matrices (and expert stacks) decay, vectors (norm gains) do not.
 
     Decaying norm gains pulls them toward zero, which only fights the normalisation
-    (the convention of GPT-3 and nanoGPT). ``foreach`` keeps the step to a few fused
-    kernels per group instead of one per parameter. It refuses to mix plain tensors and
-    DTensors in one kernel (tensor parallelism shards some weights of a block and leaves
-    the rest whole), so each of the two groups is split further by the weights' kind.
+    (the convention of GPT-3 and nanoGPT). ``fused`` runs the whole update of a tensor in one
+    kernel (CPU and CUDA): one pass over weights, gradients and moments, and no temporaries,
+    where ``foreach`` makes a pass per elementwise op and a buffer the size of a group's
+    second moments (on the CPU ``moe-8x`` step, 2.5 ms against 14.5 ms, caches flushed). It
+    refuses to mix plain tensors and DTensors in one call (tensor parallelism shards some
+    weights of a block and leaves the rest whole), so each of the two groups is split
+    further by the weights' kind. The fused kernel writes the weights without bumping their
+    version counters, so the experts' bf16 copies are dropped by a hook before each step
+    rather than noticed as stale afterwards.
     """
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for param in model.parameters():
@@ -28,7 +33,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     optimizer = torch.optim.AdamW(
         [{"params": params, "weight_decay": config.weight_decay if decay else 0.0}
          for (decay, _), params in sorted(groups.items(), key=lambda item: item[0], reverse=True)],
-        lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
+        lr=config.lr, betas=(config.beta1, config.beta2), fused=True)
     # the experts' bf16 copies go stale with the step; dropping them first also keeps them out of its peak
     optimizer.register_step_pre_hook(lambda *_: release_compute_copies(model))
     return optimizer
