@@ -30,7 +30,8 @@ figure but the HBM's can be overridden), gives its speed:
   (p − 1)/(v·m) (Narayanan et al. 2021, sec. 2.2; REFERENCES.md); the extra pipeline traffic of interleaving
   (v times the stage boundaries) is in the communication model's pp term.
 - **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at the bandwidth NCCL
-  gets of its links (``communication.bandwidth``), on the critical path (each waits for the layer before
+  gets of its links (``communication.bandwidth``) plus each call's latency (NCCL's ring model,
+  ``communication.startup``), on the critical path (each waits for the layer before
   it); FSDP's gathers and reduce-scatters are prefetched and overlap compute, so only what exceeds the
   compute shows. The gradient reductions of the last micro-batch (the only reduce-scatter under
   ``grad_reduce=step``, the last of m under ``microbatch``, and HSDP's all-reduce under both) can only hide
@@ -40,7 +41,7 @@ figure but the HBM's can be overridden), gives its speed:
 
 step = compute + bubble + exposed communication. ``search`` orders the candidates by compute + bubble, a
 bound no step goes below, and estimates memory and traffic only for those that can still enter the first
-``--top``. The times are estimates for comparing layouts, not promises. Not modelled: latency, kernel-launch
+``--top``. The times are estimates for comparing layouts, not promises. Not modelled: kernel-launch
 and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
 """
 
@@ -248,7 +249,7 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
             seen.add(key)
         by_dim = dict.fromkeys(("tp", "ep", "pp", "fsdp"), 0.0)
         last = 0.0  # the FSDP traffic of the last micro-batch's backward
-        for item in communication.predict(config, layout, stage * stride, precision="bf16"):
+        for item in communication.predict(config, layout, stage * stride, precision=hardware.precision):
             seconds = communication.seconds(item, hardware, gpus_per_node)
             if item.dimension == "fsdp":
                 share = in_last_backward(item, config.parallel.grad_reduce, microbatches)
