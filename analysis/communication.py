@@ -133,6 +133,7 @@ class Hardware:
     source: str
     latency: Latency = NCCL_LATENCY
     precision: str = "bf16"  # what the planner trains in here: the bytes its traffic carries
+    sharing: float = 1.0  # a rank's compute alone over its share when all run: above 1 where ranks share CPU cores
 
 
 # Datasheet figures. NVLink totals are quoted for both directions together: one direction is half. The network

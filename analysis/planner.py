@@ -214,10 +214,17 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: f
     return busiest * tokens_per_rank / layout.tp / peak
 
 
-def bubble_seconds(compute: float, layout: Layout, microbatches: int, virtual_stages: int = 1) -> float:
+def bubble_seconds(compute: float, layout: Layout, microbatches: int, virtual_stages: int = 1,
+                   sharing: float = 1.0) -> float:
     """The pipeline's idle time: (p − 1) / m of the compute for GPipe and 1F1B, (p − 1) / (v · m) interleaved
-    with v stages per rank (Narayanan et al. 2021, sec. 2.2.1 and 2.2.2)."""
-    return compute * (layout.pp - 1) / (virtual_stages * microbatches)
+    with v stages per rank (Narayanan et al. 2021, sec. 2.2.1 and 2.2.2).
+
+    Where ranks share their compute (``Hardware.sharing`` > 1: processes on fewer CPU cores, ``compute`` at each
+    one's share), a rank idle in the bubble leaves its share to the busy ones: the step takes the larger of
+    ``compute`` (every rank's work at the shared rate) and the pipeline's critical path at the unshared rate,
+    compute / sharing · (1 + bubble fraction)."""
+    fraction = (layout.pp - 1) / (virtual_stages * microbatches)
+    return compute * max(0.0, (1 + fraction) / sharing - 1)
 
 
 def in_last_backward(item: communication.Traffic, grad_reduce: str, microbatches: int) -> float:
@@ -297,7 +304,7 @@ def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware
     if memory_total is None:
         memory_total = memory_bytes(config, layout)[0]
     compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency, hardware.memory_bandwidth)
-    bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages)
+    bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages, hardware.sharing)
     exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node, microbatches)
     return Plan(config, layout, memory_total, compute, bubble, exposed)
 
@@ -385,7 +392,7 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
                     setting = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
                     busiest[key] = compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * layout.dp
                 compute = busiest[key] / layout.dp
-                bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1])
+                bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1], hardware.sharing)
                 out.append(Candidate(config, layout, recompute, grad_reduce, schedule, micro, bound))
     if not out:
         raise none_passes(world_size, refusal)

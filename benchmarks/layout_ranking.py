@@ -6,7 +6,13 @@ preset of this machine built from measured figures, for each world size (4 and 8
 - **matmul FLOP/s per rank**: every rank runs the config's own matmuls at once (``planner.block_gemms`` of
   each kind of block on one micro-batch, and the head: forward, input gradient and weight gradient), one
   thread each as ``train.py`` runs under torchrun. Shown beside one process alone, to check the sharing
-  rule: n ranks on c cores get min(1, c/n) of one rank's rate;
+  rule (n ranks on c cores get min(1, c/n) of one rank's rate); the ratio of the two is the preset's
+  ``sharing``, with which a pipeline's idle ranks leave their cores to the busy ones
+  (``planner.bubble_seconds``);
+- **the efficiency**: one process trains the config alone (``train.py``, one thread); the step's training
+  FLOPs over its time, as a fraction of the matmuls' rate alone, is what the planner's ``efficiency`` is on a
+  GPU (``planner.calibrated_efficiency``: one measured step, the element-wise work, routing and optimizer
+  included), measured once and used for every layout and world size;
 - **gloo bandwidth and latency**: the collectives the layouts use (all-reduce, all-gather, reduce-scatter,
   all-to-all, pairwise send/recv), each timed on a small and a large buffer with every rank taking part.
   The bandwidth is the large buffers' bus bytes (``communication.bus_bytes``) over the time the extra bytes
@@ -245,8 +251,10 @@ def single_rank_flops(config: RunConfig, seconds: float = 2.0) -> float:
         torch.set_num_threads(threads)
 
 
-def preset(world: int, flops: float, times: dict) -> tuple[communication.Hardware, dict[str, float]]:
-    """This machine as the planner's hardware for ``world`` ranks (one node), and each collective's bus GB/s."""
+def preset(world: int, flops: float, times: dict, sharing: float = 1.0
+           ) -> tuple[communication.Hardware, dict[str, float]]:
+    """This machine as the planner's hardware for ``world`` ranks (one node) whose matmuls run at ``flops`` each
+    when all run and ``sharing`` times that alone, and each collective's bus bytes/s from its ``times``."""
     rates, small_calls = {}, []
     for name in COLLECTIVES:
         members = (0, 1) if name == "send" else tuple(range(world))
@@ -261,7 +269,7 @@ def preset(world: int, flops: float, times: dict) -> tuple[communication.Hardwar
     points = [(steps, seconds - small / bandwidth) for steps, seconds, small in small_calls]  # less the bytes' time
     hardware = communication.Hardware(
         f"this CPU, {world} gloo ranks", world, bandwidth, bandwidth, flops, 64, math.inf,
-        "measured by benchmarks/layout_ranking.py", fit_latency(points), "fp32")
+        "measured by benchmarks/layout_ranking.py", fit_latency(points), "fp32", max(sharing, 1.0))
     return hardware, rates
 
 
@@ -272,10 +280,10 @@ def preset(world: int, flops: float, times: dict) -> tuple[communication.Hardwar
 
 def step_times(config_name: str, overrides: list[str], world: int, steps: int, run_dir: Path) -> list[float]:
     """Seconds of each step of ``train.py`` on ``world`` ranks (from its per-step tokens/s)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "train.py", "--config", config_name, "--run-dir", str(run_dir), "--resume", "none", "--set",
-               *overrides, f"train.steps={steps}", "logging.log_interval=1", "logging.wandb=disabled",
-               "train.eval_batches=1", "train.eval_interval=0"]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
+    command = [sys.executable, *launcher, "train.py", "--config", config_name, "--run-dir", str(run_dir),
+               "--resume", "none", "--set", *overrides, f"train.steps={steps}", "logging.log_interval=1",
+               "logging.wandb=disabled", "train.eval_batches=1", "train.eval_interval=0"]
     done = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True)
     if done.returncode != 0:
@@ -286,12 +294,24 @@ def step_times(config_name: str, overrides: list[str], world: int, steps: int, r
     return [tokens / r["perf/tokens_per_s"] for r in records if "perf/tokens_per_s" in r]
 
 
-def predicted(config_name: str, overrides: list[str], world: int, hardware: communication.Hardware
-              ) -> planner.Plan:
-    """The planner's estimate of the layout on the measured preset (matmuls at the measured rate: efficiency 1)."""
+def step_efficiency(config_name: str, overrides: list[str], alone: float, steps: int, warmup: int,
+                    run_dir: Path) -> tuple[float, float]:
+    """The fraction of its matmuls' rate (``alone`` FLOP/s) a whole training step of the config reaches in one
+    process (one thread), and that step's seconds: the CPU's counterpart of ``planner.calibrated_efficiency``,
+    measured once on one rank, where the GPU's is taken from one published layer. It is what the element-wise
+    work, routing and the optimizer add to the matmuls."""
+    config = load_config(config_name, overrides)
+    flops = planner.compute_seconds(config, Layout.resolve(1), peak=1.0)  # the step's training FLOPs
+    seconds = statistics.median(step_times(config_name, overrides, 1, warmup + steps, run_dir)[warmup:])
+    return flops / seconds / alone, seconds
+
+
+def predicted(config_name: str, overrides: list[str], world: int, hardware: communication.Hardware,
+              efficiency: float) -> planner.Plan:
+    """The planner's estimate of the layout on the measured preset, its matmuls at ``efficiency`` of the rate."""
     config = load_config(config_name, overrides)
     layout = resolve_layout(config, world)[0]
-    return planner.evaluate(config, layout, hardware, world, efficiency=1.0, memory_total=0)
+    return planner.evaluate(config, layout, hardware, world, efficiency=efficiency, memory_total=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,14 +329,18 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     alone = single_rank_flops(config)
     print(f"{args.config} ({' '.join(base)}): one rank alone {alone / 1e9:.1f} GFLOP/s on its matmuls; {cores} cores")
+    with tempfile.TemporaryDirectory() as tmp:
+        efficiency, one_step = step_efficiency(args.config, base, alone, args.steps, args.warmup, Path(tmp))
+    print(f"one process: a step of {one_step:.3f} s, {efficiency:.0%} of its matmuls' rate (the efficiency)")
     presets = {}
     for world in args.worlds:
         measured = measure_machine(config, world)
-        hardware, rates = preset(world, measured["flops_per_rank"], measured["times"])
+        hardware, rates = preset(world, measured["flops_per_rank"], measured["times"],
+                                 alone / measured["flops_per_rank"])
         presets[world] = hardware
         lat = hardware.latency
         print(f"{world} ranks: {hardware.bf16_flops / 1e9:.2f} GFLOP/s per rank (sharing rule min(1, {cores}/{world}) "
-              f"x alone: {alone * min(1, cores / world) / 1e9:.2f}); gloo bus GB/s "
+              f"x alone: {alone * min(1, cores / world) / 1e9:.2f}; sharing {hardware.sharing:.2f}); gloo bus GB/s "
               + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items())
               + f"; preset {hardware.intra_node / 1e9:.2f} GB/s, latency {lat.call * 1e6:.0f} us per call + "
               f"{lat.intra_step * 1e6:.0f} us per step")
@@ -330,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                 samples[world, layout] += times[args.warmup:]
     rows = []
     for world, layout in runs:
-        plan = predicted(args.config, [*base, *layout.split()], world, presets[world])
+        plan = predicted(args.config, [*base, *layout.split()], world, presets[world], efficiency)
         rows.append({"world": world, "layout": layout, "plan": plan.describe(), "predicted_s": plan.step,
                      "compute_s": plan.compute, "bubble_s": plan.bubble, "exposed_s": plan.exposed,
                      "measured_s": statistics.median(samples[world, layout]), "samples": samples[world, layout]})
@@ -347,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['predicted_s'] / r['measured_s'] - 1:>+7.0%}  {parts}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "spearman": summary, "single_rank_flops": alone,
+                                         "efficiency": efficiency, "one_process_step_s": one_step,
                                          "presets": {w: vars(h) | {"latency": vars(h.latency)}
                                                      for w, h in presets.items()}}, indent=1, default=str))
     return 0

@@ -21,7 +21,7 @@ def test_spearman_matches_the_textbook_formula_and_averages_ties():
     # ties: ranks (1.5, 1.5, 3) against (1, 2, 3): Pearson of the ranks by hand
     rx, ry = [1.5, 1.5, 3.0], [1.0, 2.0, 3.0]
     mx, my = sum(rx) / 3, sum(ry) / 3
-    expected = (sum((a - mx) * (b - my) for a, b in zip(rx, ry)) /
+    expected = (sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True)) /
                 math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)))
     assert benchmark.spearman([7.0, 7.0, 9.0], [1.0, 2.0, 3.0]) == pytest.approx(expected)
 
@@ -53,6 +53,6 @@ def test_preset_takes_the_median_collective_rate_and_the_planner_prices_a_layout
     assert hardware.latency.intra_step == pytest.approx(step, rel=1e-3)
     assert hardware.precision == "fp32" and hardware.memory_bandwidth == math.inf
     overrides = [*benchmark.BASE, "model.n_layers=2", "parallel.dp_shard=4"]
-    plan = benchmark.predicted("moe-8x", overrides, world, hardware)
+    plan = benchmark.predicted("moe-8x", overrides, world, hardware, efficiency=0.5)
     assert plan.compute > 0 and plan.bubble == 0
     assert plan.step == pytest.approx(plan.compute + sum(plan.exposed.values()))

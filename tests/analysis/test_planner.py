@@ -220,6 +220,16 @@ def test_the_cli_plans_for_a_preset_and_its_memory(capsys):
     assert "--network-gbps must be a positive number of GB/s, got nan" in capsys.readouterr().err
 
 
+def test_ranks_sharing_cores_fill_the_bubble_until_the_critical_path_at_the_unshared_rate_is_longer():
+    """pp=4, 8 micro-batches: bubble 3/8 of the compute. Ranks at half their rate alone (sharing 2) finish the
+    critical path, 1.375 × compute / 2, within the shared compute: no bubble; at sharing 1.25 it is 1.1 × compute,
+    0.1 × compute longer."""
+    layout = Layout.resolve(8, pp=4, dp_shard=2)
+    assert planner.bubble_seconds(8.0, layout, microbatches=8) == pytest.approx(3.0)
+    assert planner.bubble_seconds(8.0, layout, microbatches=8, sharing=2.0) == 0.0
+    assert planner.bubble_seconds(8.0, layout, microbatches=8, sharing=1.25) == pytest.approx(0.8)
+
+
 def test_interleaving_divides_the_bubble_by_v_and_each_rank_sums_its_stages():
     """Narayanan et al. 2021 sec. 2.2.2: (p − 1)/(v·m). With pp=2 and v=2 over 4 blocks, rank 0 runs stages 0 and
     2, rank 1 stages 1 and 3 and the head; together every block once."""
