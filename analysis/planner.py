@@ -242,9 +242,13 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
 
     FSDP's traffic is prefetched and hides behind ``compute`` (the stage's compute for the step), but the
     last micro-batch's gradient reductions only behind its backward, 2/3 of its compute (``in_last_backward``).
+    Where ranks share CPU cores (``Hardware.sharing`` > 1) nothing hides: every core computes, and the copies
+    and ring steps of gloo's collectives need the same cores.
     """
     stages = []
     stride = layout.world_size // layout.pp  # pp is the outermost axis: stage s starts at rank s·stride
+    if hardware.sharing > 1:
+        compute = 0.0
     last_backward = compute / microbatches * 2 / 3
     seen = set()
     for stage in range(layout.pp):

@@ -116,6 +116,9 @@ def test_fsdp_traffic_shows_only_beyond_the_compute_it_overlaps():
     assert planner.exposed_communication(config, layout, 0.0, H100, 8)["fsdp"] == pytest.approx(fsdp)
     assert planner.exposed_communication(config, layout, fsdp / 2, H100, 8)["fsdp"] == pytest.approx(fsdp / 2)
     assert planner.exposed_communication(config, layout, 2 * fsdp, H100, 8)["fsdp"] == 0.0
+    # ranks sharing CPU cores: no idle core to overlap on, all of it shows
+    shared = dataclasses.replace(H100, sharing=2.0)
+    assert planner.exposed_communication(config, layout, 2 * fsdp, shared, 8)["fsdp"] == pytest.approx(fsdp)
 
 
 def test_the_last_micro_batchs_gradient_reductions_hide_only_behind_its_backward():
