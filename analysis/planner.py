@@ -39,6 +39,10 @@ figure but the HBM's can be overridden), gives its speed:
   do not hide adds to the step. So ``microbatch`` is never faster: it sends m − 1 more reduce-scatters, and
   wins only where ``step``'s memory does not fit.
 
+On a CPU preset whose ranks share cores (``Hardware.sharing`` > 1, ``benchmarks/layout_ranking.py``), a
+pipeline's idle ranks leave their cores to the busy ones (``bubble_seconds``) and no traffic hides behind
+compute (``exposed_communication``).
+
 step = compute + bubble + exposed communication. ``search`` orders the candidates by compute + bubble, a
 bound no step goes below, and estimates memory and traffic only for those that can still enter the first
 ``--top``. The times are estimates for comparing layouts, not promises. Not modelled: kernel-launch
