@@ -128,19 +128,22 @@ def fit_latency(points: list[tuple[int, float]]) -> communication.Latency:
 
 
 def gemm_shapes(config: RunConfig) -> list[tuple[float, int, int, int]]:
-    """The config's matmuls of one micro-batch on one rank without parallelism: every block's and the head's."""
+    """The config's matmuls of one micro-batch on one rank without parallelism: one block of each kind (dense,
+    MoE) the model has, and the head (a short pass: many passes make the fastest a fair one)."""
     layout = Layout.resolve(1)
     micro = config.train.micro_batch_size or config.train.global_batch_size
     tokens = micro * config.model.seq_len
     out = []
-    for i in range(config.model.n_layers):
-        out += planner.block_gemms(config, layout, tokens, config.model.is_moe_layer(i))
+    for is_moe in sorted({config.model.is_moe_layer(i) for i in range(config.model.n_layers)}):
+        out += planner.block_gemms(config, layout, tokens, is_moe)
     out.append((1, tokens, config.model.d_model, config.model.vocab_size))
     return out
 
 
 def _time_gemms(shapes: list[tuple[float, int, int, int]], seconds: float) -> float:
-    """FLOP/s of running every shape's forward, input-gradient and weight-gradient matmul, repeated ``seconds``."""
+    """FLOP/s of running every shape's forward, input-gradient and weight-gradient matmul, from the fastest of the
+    passes repeated for ``seconds``: the one other processes of the machine disturbed least (as
+    ``training.hardware.measure_matmul_flops``); the ranks measured together disturb every pass alike."""
     operands = []
     for count, m, k, n in shapes:
         m = max(int(round(m)), 1)
@@ -156,11 +159,12 @@ def _time_gemms(shapes: list[tuple[float, int, int, int]], seconds: float) -> fl
                 a.T @ g
 
     run()  # warm-up
-    done, start = 0, time.perf_counter()
+    fastest, start = math.inf, time.perf_counter()
     while time.perf_counter() - start < seconds:
+        began = time.perf_counter()
         run()
-        done += 1
-    return flops * done / (time.perf_counter() - start)
+        fastest = min(fastest, time.perf_counter() - began)
+    return flops / fastest
 
 
 def _collective(name: str, nbytes: int, world: int, rank: int) -> callable:
@@ -224,7 +228,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_machine(config: RunConfig, world: int, seconds: float = 2.0, blocks: int = 5, calls: int = 10) -> dict:
+def measure_machine(config: RunConfig, world: int, seconds: float = 3.0, blocks: int = 5, calls: int = 10) -> dict:
     """Matmul FLOP/s per rank with ``world`` ranks at once, and gloo's collective times on ``world`` ranks."""
     context = mp.get_context("spawn")
     queue = context.Queue()
@@ -241,7 +245,7 @@ def measure_machine(config: RunConfig, world: int, seconds: float = 2.0, blocks:
     return {"flops_per_rank": statistics.median(flops_all), "times": times}
 
 
-def single_rank_flops(config: RunConfig, seconds: float = 2.0) -> float:
+def single_rank_flops(config: RunConfig, seconds: float = 3.0) -> float:
     """The same matmuls in this process alone, one thread: the rate the sharing rule divides."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
