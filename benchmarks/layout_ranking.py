@@ -7,8 +7,8 @@ preset of this machine built from measured figures, for each world size (4 and 8
   each kind of block on one micro-batch, and the head: forward, input gradient and weight gradient), one
   thread each as ``train.py`` runs under torchrun. Shown beside one process alone, to check the sharing
   rule (n ranks on c cores get min(1, c/n) of one rank's rate); the ratio of the two is the preset's
-  ``sharing``, with which a pipeline's idle ranks leave their cores to the busy ones
-  (``planner.bubble_seconds``);
+  ``sharing``: above 1, a pipeline's idle ranks leave their cores to the busy ones
+  (``planner.bubble_seconds``) and no traffic hides behind compute (``planner.exposed_communication``);
 - **the efficiency**: one process trains the config alone (``train.py``, one thread); the step's training
   FLOPs over its time, as a fraction of the matmuls' rate alone, is what the planner's ``efficiency`` is on a
   GPU (``planner.calibrated_efficiency``: one measured step, the element-wise work, routing and optimizer
