@@ -90,6 +90,19 @@ def test_link_bandwidth_is_nccls_share_of_nvlink_or_of_the_groups_adapters_in_a_
     assert communication.seconds(item("send", (0, 8)), H100, 8) == pytest.approx(8.4e-6 + 9.6e-6 + 1e9 / (0.8 * 50e9))
 
 
+def test_the_presets_precision_sets_the_bytes_its_traffic_carries():
+    """A preset that trains in fp32 (the CPU's) prices the traffic ``communication.predict`` counts in fp32."""
+    layout = Layout.resolve(8, dp_shard=4, tp=2)
+    config = _config(layout)
+    fp32 = dataclasses.replace(_bandwidth_only(H100), precision="fp32")
+    for hardware in (_bandwidth_only(H100), fp32):
+        items = communication.predict(config, layout, 0, hardware.precision)
+        tp = sum(i.bus_bytes for i in items if i.dimension == "tp") / (0.8 * H100.intra_node)
+        assert planner.exposed_communication(config, layout, 0.0, hardware, 8)["tp"] == pytest.approx(tp)
+    assert (planner.exposed_communication(config, layout, 0.0, fp32, 8)["tp"]
+            > planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)["tp"])
+
+
 def test_collective_latency_is_nccls_ring_model_per_call():
     """NCCL's tuning model (Ring, Simple): 8.4 us per call, 3.4 us per ring step on NVLink, 9.6 us per step that
     crosses nodes; an all-reduce of n ranks on k nodes runs 2(n − 1) steps, 2(k − 1) of them across."""
