@@ -12,6 +12,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+import torch
+
 from analysis.memory_states import (
     FP32,
     Block,
@@ -24,6 +26,7 @@ from analysis.memory_states import (
 )
 from moe.config import ModelConfig, MoEConfig
 from moe.dispatch import expert_capacity
+from moe.norm import uses_fused_backward
 from parallel.groups import Layout
 from training.config import RunConfig
 
@@ -44,9 +47,12 @@ class MicroBatch:
     bf16_weights: bool = False  # dense weights in FSDP units gathering bf16 (``parallel.sharding.mixed_precision``)
 
 
-def _norm(stream: int, d: int) -> int:
-    """RMSNorm (fp32, the residual stream's dtype): its input, the normalised input and the [T] rsqrt."""
-    return stream * (2 * d + 1) * FP32
+def _norm(rows: int, d: int, fused: bool) -> int:
+    """RMSNorm over ``rows`` rows of ``d``, all saved in fp32: the input and the [rows] rstd where its backward
+    is fused (``moe.norm.uses_fused_backward``: an fp32 plain-tensor input); the normalised input too where
+    autograd differentiates the decomposed ops (DTensor inputs under tensor parallelism; bf16 inputs, q/k under
+    autocast and the residual stream under FSDP's bf16 weights, whose fp32 upcast is what it saves)."""
+    return rows * ((1 if fused else 2) * d + 1) * FP32
 
 
 def _linear_inputs(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool = True) -> int:
@@ -69,7 +75,8 @@ def _attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
     heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
     qkvo = mb.tokens * hd * (2 * heads + 2 * kv_heads) * mb.compute
     wo_input = 0 if heads == 1 else mb.tokens * heads * hd * mb.compute
-    qk_norms = _norm(mb.tokens * heads, hd) + _norm(mb.tokens * kv_heads, hd) if model.qk_norm else 0
+    fused = uses_fused_backward(torch.bfloat16 if mb.bf16 else torch.float32, distributed=tp > 1)
+    qk_norms = _norm(mb.tokens * heads, hd, fused) + _norm(mb.tokens * kv_heads, hd, fused) if model.qk_norm else 0
     return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32 + qk_norms
 
 
@@ -201,6 +208,8 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     mb = MicroBatch(tokens, stream, micro_batch_size, COMPUTE_BYTES[precision], precision == "bf16",
                     precision == "bf16" and layout.dp > 1)
     d, parts = model.d_model, {}
+    stream_dtype = torch.bfloat16 if mb.bf16_weights else torch.float32  # the embedding's output: FSDP gathers it bf16
+    fused_norms = uses_fused_backward(stream_dtype, distributed=par.sequence_parallel and layout.tp > 1)
 
     def add(name: str, nbytes: int) -> None:
         parts[name] = parts.get(name, 0) + nbytes
@@ -213,7 +222,7 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
         if par.activation_checkpointing == "full":
             add("block inputs (recompute)", count * stream * d * FP32)
             continue
-        block = {"norms": 2 * _norm(stream, d), "attention": _attention(model, layout.tp, mb)}
+        block = {"norms": 2 * _norm(stream, d, fused_norms), "attention": _attention(model, layout.tp, mb)}
         if not is_moe:
             block["dense FFN"] = _feed_forward(mb, d, model.ffn_hidden // layout.tp)
         elif par.activation_checkpointing == "moe":
@@ -237,7 +246,7 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     if last:
         vocab = largest_chunk(model.vocab_size, layout.tp) if par.vocab_parallel else model.vocab_size
         # final norm, the head's input, log-softmax output (fp32), targets and nll's total weight
-        add("head + loss", _norm(stream, d) + _linear_inputs(mb, d, 1) + tokens * vocab * FP32
+        add("head + loss", _norm(stream, d, fused_norms) + _linear_inputs(mb, d, 1) + tokens * vocab * FP32
             + tokens * INDEX + FP32)
     if mb.bf16:
         add("bf16 weight copies", _weight_copies(config, layout, layers, first, last))

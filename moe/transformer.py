@@ -16,6 +16,7 @@ from moe.config import ModelConfig, MoEConfig
 from moe.experts import FeedForward
 from moe.init import Slice, initialize, whole
 from moe.layer import MoELayer, RoutingStats
+from moe.norm import RMSNorm
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -48,8 +49,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x: [B, S, D]; cos, sin: the rotary tables of at least S positions, of which the first S are used."""
@@ -71,9 +72,9 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelConfig, moe_config: MoEConfig, is_moe: bool):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config)
-        self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.moe = MoELayer(config.d_model, moe_config) if is_moe else None
         self.ffn = None if is_moe else FeedForward(config.d_model, config.ffn_hidden)
 
@@ -106,7 +107,7 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): Block(config, moe_config, config.is_moe_layer(i)) for i in range(config.n_layers)}
         )
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
