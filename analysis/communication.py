@@ -60,8 +60,8 @@ and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep �
 sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf16, pp with 1F1B and
 interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once); and with 2 micro-batches under
 both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP (and under ``step`` for
-tp with sequence parallelism over FSDP). Not modelled: latency, and the
-overlap of communication with compute (the time column is bytes over bandwidth).
+tp with sequence parallelism over FSDP). The time column is each item's latency (NCCL's ring model,
+``startup``) plus its bytes over the link's bandwidth; overlap with compute is the planner's business.
 """
 
 from __future__ import annotations
@@ -97,8 +97,31 @@ from training.layout import micro_batching, resolve_layout
 
 
 @dataclass(frozen=True)
+class Latency:
+    """What a collective costs before its first byte counts: seconds per call, and per ring step on each link.
+
+    A ring collective of n ranks runs 2(n − 1) steps (all-reduce) or n − 1 (all-gather, reduce-scatter), each
+    waiting for the previous rank's chunk; the steps that cross to another node wait on the network
+    (``startup``).
+    """
+
+    call: float  # seconds per call (launch and set-up)
+    intra_step: float  # seconds per ring step inside a node
+    inter_step: float  # seconds per ring step that crosses nodes
+
+
+# NCCL's own cost model of a ring collective in the Simple protocol, the one it picks for the large messages of
+# training (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel: baseLat Ring/Simple 8.4 us per call, hwLat
+# Ring/Simple 3.4 us per step on NVLink and 9.6 us per step on the network; latency = baseLat + (nsteps −
+# nInterSteps)·intra + nInterSteps·inter, nsteps 2(n − 1) for all-reduce, n − 1 for all-gather and
+# reduce-scatter).
+NCCL_LATENCY = Latency(8.4e-6, 3.4e-6, 9.6e-6)
+
+
+@dataclass(frozen=True)
 class Hardware:
-    """One kind of GPU node: link bandwidths (bytes/s, one direction, per GPU), dense bf16 peak, memory per GPU."""
+    """One kind of node: link bandwidths (bytes/s, one direction, per device), dense peak FLOP/s in ``precision``
+    (the datasheet's bf16 for the GPUs), memory per device, and the collectives' latencies."""
 
     name: str
     gpus_per_node: int
@@ -108,6 +131,9 @@ class Hardware:
     memory_gib: float  # nominal (the datasheet's GB)
     memory_bandwidth: float  # HBM bytes/s (the roofline of the planner's matmuls)
     source: str
+    latency: Latency = NCCL_LATENCY
+    precision: str = "bf16"  # what the planner trains in here: the bytes its traffic carries
+    sharing: float = 1.0  # a rank's compute alone over its share when all run: above 1 where ranks share CPU cores
 
 
 # Datasheet figures. NVLink totals are quoted for both directions together: one direction is half. The network
@@ -552,9 +578,30 @@ def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
     return hardware.inter_node * NCCL_EFFICIENCY
 
 
+def ring_steps(item: Traffic, gpus_per_node: int) -> tuple[int, int]:
+    """(steps, of which cross nodes) of one call of ``item``, as NCCL's tuning model counts a ring's
+    (``NCCL_LATENCY``): all-reduce 2(n − 1) and 2(k − 1) over k nodes, all-gather and reduce-scatter n − 1 and
+    k − 1. A broadcast is a chain of n − 1 steps; an all-to-all sends to its n − 1 peers in turn, those in
+    other nodes over the network; a send is one step."""
+    n, k = len(item.group), nodes_spanned(item.group, gpus_per_node)
+    if item.collective == "all_reduce":
+        return 2 * (n - 1), 2 * (k - 1)
+    if item.collective == "all_to_all":
+        return n - 1, n - n // k
+    return n - 1, k - 1  # all-gather, reduce-scatter, broadcast; a send's group is (sender, receiver)
+
+
+def startup(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
+    """Seconds ``item``'s calls spend on latency: per call ``Latency.call`` plus each ring step's."""
+    steps, crossing = ring_steps(item, gpus_per_node)
+    lat = hardware.latency
+    return item.calls * (lat.call + (steps - crossing) * lat.intra_step + crossing * lat.inter_step)
+
+
 def seconds(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
-    """Time of ``item`` on its links (``bandwidth``; no overlap with compute, no latency)."""
-    return item.bus_bytes / bandwidth(item, hardware, gpus_per_node)
+    """Time of ``item`` on its links: its latency (``startup``) and its bytes at ``bandwidth`` (no overlap with
+    compute)."""
+    return startup(item, hardware, gpus_per_node) + item.bus_bytes / bandwidth(item, hardware, gpus_per_node)
 
 
 def format_table(items: list[Traffic], hardware: Hardware, gpus_per_node: int) -> str:

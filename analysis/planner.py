@@ -30,7 +30,8 @@ figure but the HBM's can be overridden), gives its speed:
   (p − 1)/(v·m) (Narayanan et al. 2021, sec. 2.2; REFERENCES.md); the extra pipeline traffic of interleaving
   (v times the stage boundaries) is in the communication model's pp term.
 - **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at the bandwidth NCCL
-  gets of its links (``communication.bandwidth``), on the critical path (each waits for the layer before
+  gets of its links (``communication.bandwidth``) plus each call's latency (NCCL's ring model,
+  ``communication.startup``), on the critical path (each waits for the layer before
   it); FSDP's gathers and reduce-scatters are prefetched and overlap compute, so only what exceeds the
   compute shows. The gradient reductions of the last micro-batch (the only reduce-scatter under
   ``grad_reduce=step``, the last of m under ``microbatch``, and HSDP's all-reduce under both) can only hide
@@ -38,9 +39,13 @@ figure but the HBM's can be overridden), gives its speed:
   do not hide adds to the step. So ``microbatch`` is never faster: it sends m − 1 more reduce-scatters, and
   wins only where ``step``'s memory does not fit.
 
+On a CPU preset whose ranks share cores (``Hardware.sharing`` > 1, ``benchmarks/layout_ranking.py``), a
+pipeline's idle ranks leave their cores to the busy ones (``bubble_seconds``) and no traffic hides behind
+compute (``exposed_communication``).
+
 step = compute + bubble + exposed communication. ``search`` orders the candidates by compute + bubble, a
 bound no step goes below, and estimates memory and traffic only for those that can still enter the first
-``--top``. The times are estimates for comparing layouts, not promises. Not modelled: latency, kernel-launch
+``--top``. The times are estimates for comparing layouts, not promises. Not modelled: kernel-launch
 and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
 """
 
@@ -213,10 +218,17 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: f
     return busiest * tokens_per_rank / layout.tp / peak
 
 
-def bubble_seconds(compute: float, layout: Layout, microbatches: int, virtual_stages: int = 1) -> float:
+def bubble_seconds(compute: float, layout: Layout, microbatches: int, virtual_stages: int = 1,
+                   sharing: float = 1.0) -> float:
     """The pipeline's idle time: (p − 1) / m of the compute for GPipe and 1F1B, (p − 1) / (v · m) interleaved
-    with v stages per rank (Narayanan et al. 2021, sec. 2.2.1 and 2.2.2)."""
-    return compute * (layout.pp - 1) / (virtual_stages * microbatches)
+    with v stages per rank (Narayanan et al. 2021, sec. 2.2.1 and 2.2.2).
+
+    Where ranks share their compute (``Hardware.sharing`` > 1: processes on fewer CPU cores, ``compute`` at each
+    one's share), a rank idle in the bubble leaves its share to the busy ones: the step takes the larger of
+    ``compute`` (every rank's work at the shared rate) and the pipeline's critical path at the unshared rate,
+    compute / sharing · (1 + bubble fraction)."""
+    fraction = (layout.pp - 1) / (virtual_stages * microbatches)
+    return compute * max(0.0, (1 + fraction) / sharing - 1)
 
 
 def in_last_backward(item: communication.Traffic, grad_reduce: str, microbatches: int) -> float:
@@ -234,9 +246,13 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
 
     FSDP's traffic is prefetched and hides behind ``compute`` (the stage's compute for the step), but the
     last micro-batch's gradient reductions only behind its backward, 2/3 of its compute (``in_last_backward``).
+    Where ranks share CPU cores (``Hardware.sharing`` > 1) nothing hides: every core computes, and the copies
+    and ring steps of gloo's collectives need the same cores.
     """
     stages = []
     stride = layout.world_size // layout.pp  # pp is the outermost axis: stage s starts at rank s·stride
+    if hardware.sharing > 1:
+        compute = 0.0
     last_backward = compute / microbatches * 2 / 3
     seen = set()
     for stage in range(layout.pp):
@@ -248,7 +264,7 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
             seen.add(key)
         by_dim = dict.fromkeys(("tp", "ep", "pp", "fsdp"), 0.0)
         last = 0.0  # the FSDP traffic of the last micro-batch's backward
-        for item in communication.predict(config, layout, stage * stride, precision="bf16"):
+        for item in communication.predict(config, layout, stage * stride, precision=hardware.precision):
             seconds = communication.seconds(item, hardware, gpus_per_node)
             if item.dimension == "fsdp":
                 share = in_last_backward(item, config.parallel.grad_reduce, microbatches)
@@ -296,7 +312,7 @@ def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware
     if memory_total is None:
         memory_total = memory_bytes(config, layout)[0]
     compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency, hardware.memory_bandwidth)
-    bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages)
+    bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages, hardware.sharing)
     exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node, microbatches)
     return Plan(config, layout, memory_total, compute, bubble, exposed)
 
@@ -384,7 +400,7 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
                     setting = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
                     busiest[key] = compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * layout.dp
                 compute = busiest[key] / layout.dp
-                bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1])
+                bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1], hardware.sharing)
                 out.append(Candidate(config, layout, recompute, grad_reduce, schedule, micro, bound))
     if not out:
         raise none_passes(world_size, refusal)

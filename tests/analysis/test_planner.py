@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from analysis import communication, memory, planner
@@ -15,6 +17,11 @@ from training.layout import resolve_layout
 H100 = communication.HARDWARE["h100"]
 SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
          "moe.num_experts=4", "moe.expert_hidden=64", "train.global_batch_size=16", "train.precision=bf16"]
+
+
+def _bandwidth_only(hardware: communication.Hardware) -> communication.Hardware:
+    """The preset without latency: its traffic's time is then its bytes over the links' bandwidth."""
+    return dataclasses.replace(hardware, latency=communication.Latency(0.0, 0.0, 0.0))
 
 
 def _config(layout: Layout, recompute: str = "none", overrides: list[str] = SMALL):
@@ -57,11 +64,12 @@ def test_pipeline_compute_is_the_busiest_stage_and_the_bubble_is_p_minus_1_over_
 
 def test_tensor_parallel_across_nodes_waits_for_the_network():
     """The same tp=4 layout, its tp group inside one node of 8 or spread over nodes of 2: its rings (all-gathers,
-    reduce-scatters, all-reduces) then run over the 2 adapters of each node, 450 / (2 × 50) GB/s."""
+    reduce-scatters, all-reduces) then run over the 2 adapters of each node, 450 / (2 × 50) GB/s (bandwidth
+    alone: the latency term is tested on its own below)."""
     layout = Layout.resolve(8, dp_shard=2, tp=4)
     config = _config(layout)
-    inside = planner.exposed_communication(config, layout, 0.0, H100, gpus_per_node=8)
-    across = planner.exposed_communication(config, layout, 0.0, H100, gpus_per_node=2)
+    inside = planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)
+    across = planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=2)
     assert inside["tp"] > 0
     assert across["tp"] == pytest.approx(inside["tp"] * 450 / 100)
 
@@ -78,7 +86,38 @@ def test_link_bandwidth_is_nccls_share_of_nvlink_or_of_the_groups_adapters_in_a_
     assert communication.bandwidth(item("all_reduce", range(64)), communication.HARDWARE["h800"], 8) == (
         pytest.approx(0.8 * 200e9))  # NVLink is the narrower
     assert communication.bandwidth(item("all_to_all", range(64)), H100, 8) == pytest.approx(0.8 * 50e9)
-    assert communication.seconds(item("send", (0, 8)), H100, 8) == pytest.approx(1e9 / (0.8 * 50e9))
+    # a send across nodes: one call and one network step of NCCL's latency, then its bytes
+    assert communication.seconds(item("send", (0, 8)), H100, 8) == pytest.approx(8.4e-6 + 9.6e-6 + 1e9 / (0.8 * 50e9))
+
+
+def test_the_presets_precision_sets_the_bytes_its_traffic_carries():
+    """A preset that trains in fp32 (the CPU's) prices the traffic ``communication.predict`` counts in fp32."""
+    layout = Layout.resolve(8, dp_shard=4, tp=2)
+    config = _config(layout)
+    fp32 = dataclasses.replace(_bandwidth_only(H100), precision="fp32")
+    for hardware in (_bandwidth_only(H100), fp32):
+        items = communication.predict(config, layout, 0, hardware.precision)
+        tp = sum(i.bus_bytes for i in items if i.dimension == "tp") / (0.8 * H100.intra_node)
+        assert planner.exposed_communication(config, layout, 0.0, hardware, 8)["tp"] == pytest.approx(tp)
+    assert (planner.exposed_communication(config, layout, 0.0, fp32, 8)["tp"]
+            > planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)["tp"])
+
+
+def test_collective_latency_is_nccls_ring_model_per_call():
+    """NCCL's tuning model (Ring, Simple): 8.4 us per call, 3.4 us per ring step on NVLink, 9.6 us per step that
+    crosses nodes; an all-reduce of n ranks on k nodes runs 2(n − 1) steps, 2(k − 1) of them across."""
+    def item(collective, group, calls=3):
+        return communication.Traffic("dp", collective, "", calls, 0, tuple(group))
+    us = 1e-6
+    assert communication.startup(item("all_reduce", range(16)), H100, 8) == pytest.approx(
+        3 * (8.4 + 28 * 3.4 + 2 * 9.6) * us)
+    assert communication.startup(item("all_gather", range(8)), H100, 8) == pytest.approx(3 * (8.4 + 7 * 3.4) * us)
+    assert communication.startup(item("reduce_scatter", range(0, 32, 8)), H100, 8) == pytest.approx(
+        3 * (8.4 + 3 * 9.6) * us)
+    # an all-to-all over 2 nodes of 4: 7 peers, 4 of them in the other node
+    assert communication.startup(item("all_to_all", range(8)), H100, 4) == pytest.approx(
+        3 * (8.4 + 3 * 3.4 + 4 * 9.6) * us)
+    assert communication.startup(item("send", (0, 1), calls=1), H100, 8) == pytest.approx((8.4 + 3.4) * us)
 
 
 def test_fsdp_traffic_shows_only_beyond_the_compute_it_overlaps():
@@ -90,6 +129,9 @@ def test_fsdp_traffic_shows_only_beyond_the_compute_it_overlaps():
     assert planner.exposed_communication(config, layout, 0.0, H100, 8)["fsdp"] == pytest.approx(fsdp)
     assert planner.exposed_communication(config, layout, fsdp / 2, H100, 8)["fsdp"] == pytest.approx(fsdp / 2)
     assert planner.exposed_communication(config, layout, 2 * fsdp, H100, 8)["fsdp"] == 0.0
+    # ranks sharing CPU cores: no idle core to overlap on, all of it shows
+    shared = dataclasses.replace(H100, sharing=2.0)
+    assert planner.exposed_communication(config, layout, 2 * fsdp, shared, 8)["fsdp"] == pytest.approx(fsdp)
 
 
 def test_the_last_micro_batchs_gradient_reductions_hide_only_behind_its_backward():
@@ -169,8 +211,8 @@ def test_hardware_presets_and_overrides_reach_the_estimate():
     assert all(h.source and h.memory_gib > 0 and h.gpus_per_node == 8 for h in communication.HARDWARE.values())
     layout = Layout.resolve(8, dp_shard=2, tp=4)
     config = _config(layout)
-    h800 = communication.HARDWARE["h800"]
-    on_h100 = planner.exposed_communication(config, layout, 0.0, H100, gpus_per_node=8)["tp"]
+    h800 = _bandwidth_only(communication.HARDWARE["h800"])
+    on_h100 = planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)["tp"]
     on_h800 = planner.exposed_communication(config, layout, 0.0, h800, gpus_per_node=8)["tp"]
     assert on_h800 == pytest.approx(on_h100 * 450 / 200)
     b200 = communication.HARDWARE["b200"]
@@ -192,6 +234,16 @@ def test_the_cli_plans_for_a_preset_and_its_memory(capsys):
     assert "H200 SXM, NVLink 4, NDR InfiniBand, 100 GiB each" in capsys.readouterr().out
     assert planner.main([*args, "--network-gbps", "nan"]) == 2
     assert "--network-gbps must be a positive number of GB/s, got nan" in capsys.readouterr().err
+
+
+def test_ranks_sharing_cores_fill_the_bubble_until_the_critical_path_at_the_unshared_rate_is_longer():
+    """pp=4, 8 micro-batches: bubble 3/8 of the compute. Ranks at half their rate alone (sharing 2) finish the
+    critical path, 1.375 × compute / 2, within the shared compute: no bubble; at sharing 1.25 it is 1.1 × compute,
+    0.1 × compute longer."""
+    layout = Layout.resolve(8, pp=4, dp_shard=2)
+    assert planner.bubble_seconds(8.0, layout, microbatches=8) == pytest.approx(3.0)
+    assert planner.bubble_seconds(8.0, layout, microbatches=8, sharing=2.0) == 0.0
+    assert planner.bubble_seconds(8.0, layout, microbatches=8, sharing=1.25) == pytest.approx(0.8)
 
 
 def test_interleaving_divides_the_bubble_by_v_and_each_rank_sums_its_stages():
@@ -233,11 +285,16 @@ def test_micro_batch_size_is_searched_unless_fixed_and_every_plan_passes_train_p
 
 
 def test_the_bounded_search_returns_the_same_first_plans_as_the_full_one():
+    """Without latency the tiny model's steps are mostly compute and the bound prunes; with NCCL's latency its
+    steps are mostly latency, the bound prunes little, and the answer is still the full search's."""
     config = load_config("moe-8x", SMALL)
-    full = planner.search(config, 8, 80 * planner.GIB)
-    bounded = planner.search(config, 8, 80 * planner.GIB, top=5)
-    assert full.complete and not bounded.complete and bounded.evaluated < full.evaluated
-    assert [p.step for p in bounded.plans] == [p.step for p in full.plans[:5]]
+    for hardware, prunes in ((_bandwidth_only(H100), True), (H100, False)):
+        full = planner.search(config, 8, 80 * planner.GIB, hardware=hardware)
+        bounded = planner.search(config, 8, 80 * planner.GIB, hardware=hardware, top=5)
+        assert full.complete and bounded.evaluated <= full.evaluated
+        if prunes:
+            assert not bounded.complete and bounded.evaluated < full.evaluated
+        assert [p.step for p in bounded.plans] == [p.step for p in full.plans[:5]]
 
 
 def test_the_micro_batch_of_one_bounds_the_memory_of_larger_ones_where_the_planner_prunes_by_it():
