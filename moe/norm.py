@@ -14,10 +14,11 @@ Here those cases run ``_RMSNorm``, the closed-form gradient
     x̂ = x · rstd,   g_w = g · w,   dx = rstd · (g_w − x̂ · mean(g_w · x̂)),   dw = Σ_tokens g · x̂,
 
 in about half the passes over the activations that the decomposed ops make, saving what the fused kernels
-save: the input and ``rstd``. Forward and backward together ran 2 to 3 times faster than ``nn.RMSNorm``'s on the
-CPU step's [16, 256, 192] norms (one process, caches flushed between calls). Everything else (DTensor inputs under sequence
-parallelism or tensor-parallel q/k norms, bf16 inputs such as the q/k norms under autocast, tracing by
-``torch.compile``, which fuses the decomposed ops itself) takes ``nn.RMSNorm``'s own path unchanged.
+save: the input and ``rstd``. Forward and backward together ran 2 to 3 times faster than ``nn.RMSNorm``'s on
+the CPU step's [16, 256, 192] norms (one process, caches flushed between calls). Everything else (DTensor
+inputs under sequence parallelism or tensor-parallel q/k norms, bf16 inputs such as the q/k norms under
+autocast, tracing by ``torch.compile``, which fuses the decomposed ops itself) takes ``nn.RMSNorm``'s own
+path unchanged.
 ``uses_fused_backward`` is the rule, and ``analysis.memory_activations`` counts the saved bytes by it.
 """
 
