@@ -40,7 +40,8 @@ Against the published formula (Korthikanti et al. 2022, Eq. 1; REFERENCES.md sec
 bytes per layer in 16-bit: that counts LayerNorm, a 4h GeLU MLP, dropout masks and the s×s attention
 scores. Here the norms are RMSNorm (fp32: input and a [T] rstd; the normalised input too under sequence
 parallelism), the MLP is SwiGLU (four [T, F] tensors), there is no dropout, and SDPA keeps q, k, v, its
-output and a [b, heads, s] logsumexp instead of the s×s matrix, so the ``5as/h`` term is absent; the formula is cited, not matched.
+output and a [b, heads, s] logsumexp instead of the s×s matrix, so the ``5as/h`` term is absent; the formula
+is cited, not matched.
 
 ``saved_activation_bytes`` measures what the model predicts: the bytes autograd keeps after one forward.
 """
