@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step {step_s:.3f} s (median of {args.steps}), {tokens_per_s:,.0f} tokens/s")
     for part in CATEGORIES:
         print(f"  {part:<24} {parts[part]:8.3f} s  {parts[part] / total:6.1%}")
-    print(f"outside expert GEMMs and attention: {result['outside expert GEMMs and attention']:.0%}")
+    print(f"outside expert GEMMs and attention: {result['outside expert GEMMs and attention']:.1%}")
     if device.type == "cuda":
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "unknown peak"
         print(f"model FLOPs {result['model_tflops']:.0f} TFLOP/s, MFU {mfu} of the datasheet's dense bf16 peak; "
