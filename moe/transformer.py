@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from moe.config import ModelConfig, MoEConfig
 from moe.experts import FeedForward
@@ -83,8 +84,16 @@ class Block(nn.Module):
         return self.moe if self.moe is not None else self.ffn
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = _residual(x, self.attn(self.attn_norm(x), cos, sin))
+        return _residual(x, self.feed_forward(self.ffn_norm(x)))
+
+
+def _residual(stream: Tensor, branch: Tensor) -> Tensor:
+    """``stream + branch``. A bf16 branch (autocast) is cast into a new fp32 tensor that the stream is then
+    added into: on CPU ``stream + branch`` makes the same cast as a temporary and then a third tensor."""
+    if branch.dtype == stream.dtype or isinstance(branch, DTensor) or isinstance(stream, DTensor):
+        return stream + branch
+    return branch.to(stream.dtype).add_(stream)
 
 
 class MoETransformer(nn.Module):
