@@ -3,11 +3,11 @@
 ``nn.RMSNorm`` computes ``y = x · rstd · w`` with ``rstd = 1 / sqrt(mean(x²) + eps)`` over the last dim
 (Zhang & Sennrich 2019). On CUDA, with input and weight of one dtype, PyTorch runs it as one kernel each way
 (``_fused_rms_norm`` and its backward) and saves only the input and ``rstd``. On CPU it has no fused backward:
-autograd differentiates the decomposed forward, about fifteen passes over the activations, several of them
-broadcasts over a size-1 last dim, and saves the normalised input beside the input. On the CPU ``moe-8x``
-step that made the norms the largest part of what is neither attention nor expert GEMMs
-(``benchmarks/train_step.py``). It is also the path taken on CUDA when FSDP's mixed precision hands the norm
-bf16 weights for an fp32 residual stream (the fused kernel needs equal dtypes).
+autograd differentiates the decomposed forward and backward, about twenty passes over the activations, and
+saves the normalised input beside the input. On the CPU ``moe-8x`` step that made the norms the largest part
+of what is neither attention nor expert GEMMs (``benchmarks/train_step.py``). On CUDA the decomposed path is
+also what an fp32 input with weights of another dtype gets (the fused kernel needs equal dtypes), a case the
+trainer does not make today: under FSDP's bf16 weights the residual stream is bf16 too.
 
 Here those cases run ``_RMSNorm``, the closed-form gradient
 
