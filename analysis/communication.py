@@ -90,7 +90,7 @@ from moe.dispatch import expert_capacity
 from parallel.groups import Layout, axis_view, groups_for
 from parallel.groups import coordinates as _coordinates
 from parallel.pipeline import stage_layers
-from parallel.sharding import experts_spread
+from parallel.sharding import experts_replicated, experts_spread
 from parallel.tensor import row_bounds, share_counts
 from training.config import RunConfig, load_config
 from training.layout import micro_batching, resolve_layout
@@ -444,10 +444,10 @@ def _fsdp_units(step: _Step) -> dict[tuple[str, int], int]:
 
 
 @functools.lru_cache(maxsize=65536)
-def _block_units(block: Block, layout: Layout, has_moe: bool, vp: bool, routers_apart: bool) -> tuple[tuple[str, int],
-                                                                                                     ...]:
+def _block_units(block: Block, layout: Layout, has_moe: bool, vp: bool,
+                 routers_apart: bool) -> tuple[tuple[str, int], ...]:
     """One block's FSDP units: (kind, fp32 shard bytes) of each that has something to shard."""
-    experts_apart = experts_spread(layout, has_moe)  # experts_own_unit
+    experts_apart = experts_spread(layout, has_moe)
     units: dict[str, int] = {}
     for param in block.params:
         if param.kind == "router" and routers_apart:
@@ -456,8 +456,7 @@ def _block_units(block: Block, layout: Layout, has_moe: bool, vp: bool, routers_
             kind = "experts" if experts_apart and param.expert else "block"
         units[kind] = units.get(kind, 0) + 4 * sharded_numel_of(param, layout, has_moe, vp)
     return tuple((kind, shard) for kind, shard in units.items()
-                 if not ((kind == "experts" and layout.dp_replicate * layout.edp == 1)
-                         or (kind != "experts" and layout.dp == 1)))
+                 if (experts_replicated(layout) if kind == "experts" else layout.dp > 1))
 
 
 def _gradient_syncs(step: _Step) -> int:

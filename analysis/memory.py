@@ -307,8 +307,9 @@ def format_sweep(rows: list[tuple[int, MemoryEstimate]], device_gib: float) -> s
              "           (model)     (per rank)     (per rank)  grads held       copies  (+ logits)   (per rank)   "
              "share"]
     for experts, e in rows:
-        copies = e.activations.get("bf16 weight copies", 0) + e.compute_copies
-        activations = e.activation_total - e.activations.get("bf16 weight copies", 0) + e.logits_buffer
+        autocast_copies = e.activations.get("bf16 weight copies", 0)
+        copies = autocast_copies + e.compute_copies
+        activations = e.activation_total - autocast_copies + e.logits_buffer
         fits = "yes" if e.total <= device_gib * GIB else "no"
         lines.append(f"{experts:>7}  {_count(e.parameters):>10}  {_size(e.states.total):>12}  {_size(e.gathered):>13}  "
                      f"{_size(e.accumulated_grads):>11}  {_size(copies):>11}  {_size(activations):>11}  "

@@ -30,7 +30,7 @@ from moe.accounting import per_model
 from moe.config import ModelConfig, MoEConfig
 from parallel.groups import Layout
 from parallel.pipeline import stage_layers
-from parallel.sharding import expert_fsdp_dim, experts_spread
+from parallel.sharding import expert_fsdp_dim, experts_replicated, experts_spread
 from training.config import RunConfig
 
 FP32 = 4
@@ -183,7 +183,7 @@ def in_fsdp_unit(param: ParamTensor, layout: Layout, model: ModelConfig) -> bool
     """Whether an FSDP unit holds ``param`` (``parallel/__init__.py``): the routed experts in their own unit when
     they have several replicas (dp_replicate × edp > 1; else they stay out of FSDP), the rest with dp > 1."""
     if param.expert and experts_own_unit(layout, model):
-        return layout.dp_replicate * layout.edp > 1
+        return experts_replicated(layout)
     return layout.dp > 1
 
 
@@ -191,8 +191,7 @@ def sharded_numel(param: ParamTensor, layout: Layout, model: ModelConfig, vocab_
     """Elements of ``param`` one rank stores: its tp/ep slice, then its FSDP shard (``parallel/sharding.py``).
 
     Remembered by the tensor's shape and cut (not its block: every block of a kind gives the same figure)."""
-    return _sharded_numel(param.kind, param.shape, param.tp_dim, param.expert_hidden_dim, layout,
-                          model.n_moe_layers > 0, vocab_parallel)
+    return sharded_numel_of(param, layout, model.n_moe_layers > 0, vocab_parallel)
 
 
 def sharded_numel_of(param: ParamTensor, layout: Layout, has_moe: bool, vocab_parallel: bool) -> int:
@@ -206,8 +205,8 @@ def _sharded_numel(kind: str, shape: tuple[int, ...], tp_dim: int | None, expert
                    layout: Layout, has_moe: bool, vocab_parallel: bool) -> int:
     param = ParamTensor(kind, None, shape, tp_dim, expert_hidden_dim)
     shape = tp_local_shape(param, layout, vocab_parallel)
-    if param.expert and experts_spread(layout, has_moe):  # experts_own_unit
-        if layout.dp_replicate * layout.edp > 1:  # in_fsdp_unit; else unmanaged: ep (× etp) spans dp_shard × tp
+    if param.expert and experts_spread(layout, has_moe):  # the experts' own unit (``in_fsdp_unit``)
+        if experts_replicated(layout):
             dim = expert_fsdp_dim(shape[0], layout.edp, param.expert_hidden_dim if layout.etp > 1 else None)
             shape[dim] = largest_chunk(shape[dim], layout.edp)
     elif layout.dp > 1:  # FSDP2 over dp_shard (HSDP replicates over dp_replicate), dim 0
@@ -269,7 +268,7 @@ def _states(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: 
     """fp32 bytes of ``params`` on one rank: dense and routed experts."""
     dense = experts = 0
     for param in params:
-        numel = _sharded_numel(param.kind, param.shape, param.tp_dim, param.expert_hidden_dim, layout, has_moe, vp)
+        numel = sharded_numel_of(param, layout, has_moe, vp)
         if param.expert:
             experts += numel * FP32
         else:
@@ -298,8 +297,7 @@ def accumulated_grad_bytes(config: RunConfig, layout: Layout, microbatches: int,
 @functools.lru_cache(maxsize=65536)
 def _unsharded_extra(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: bool) -> int:
     """fp32 bytes of ``params``' tp-local gradients beyond their FSDP shards."""
-    return FP32 * sum(math.prod(tp_local_shape(p, layout, vp))
-                      - _sharded_numel(p.kind, p.shape, p.tp_dim, p.expert_hidden_dim, layout, has_moe, vp)
+    return FP32 * sum(math.prod(tp_local_shape(p, layout, vp)) - sharded_numel_of(p, layout, has_moe, vp)
                       for p in params)
 
 
@@ -314,7 +312,7 @@ def _block_gathered(params: tuple[ParamTensor, ...], config: RunConfig, layout: 
 def _gathered(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: bool, weight_bytes: int) -> int:
     total = 0
     for param in params:
-        if param.expert and experts_spread(layout, has_moe):  # experts_own_unit
+        if param.expert and experts_spread(layout, has_moe):  # the experts' own unit
             sharded = layout.edp > 1
         else:
             sharded = layout.dp > 1 and layout.dp_shard > 1

@@ -142,24 +142,24 @@ def stage_flops_per_token(config: RunConfig, layout: Layout) -> list[float]:
 
     Under interleaving a rank holds v stages, s ≡ rank (mod pp) (``parallel/pipeline.py``): their sum.
     """
-    return [sum(flops for flops, _ in rank) for rank in _rank_blocks(config, layout)]
+    return [sum(flops for flops, _ in rank) for rank in _rank_block_flops(config, layout)]
 
 
-def _rank_blocks(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
+def _rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
     """Each pipeline rank's (training FLOPs per token, is-MoE) of its blocks, recompute included; the head last
     (is-MoE None: no roofline, its matmul is the largest of the model)."""
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
     key = (layout.pp, config.parallel.pp_virtual_stages, recompute)
-    known = per_model(_RANK_BLOCKS, model, moe, dict)
+    known = per_model(_RANK_BLOCK_FLOPS, model, moe, dict)
     if key not in known:
-        known[key] = _count_rank_blocks(config, layout)
+        known[key] = _count_rank_block_flops(config, layout)
     return known[key]
 
 
-_RANK_BLOCKS: dict = {}  # a per_model store of _rank_blocks by (pp, v, recompute)
+_RANK_BLOCK_FLOPS: dict = {}  # a per_model store of _rank_block_flops by (pp, v, recompute)
 
 
-def _count_rank_blocks(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
+def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
     stages = layout.pp * config.parallel.pp_virtual_stages
     ranges = stage_layers(model, moe, stages) if layout.pp > 1 else [range(model.n_layers)]
@@ -214,7 +214,7 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: f
     slowdown = {kind: roofline_slowdown(block_gemms(config, layout, micro * config.model.seq_len, kind), peak,
                                         bandwidth) if bandwidth < math.inf else 1.0 for kind in (False, True)}
     slowdown[None] = 1.0
-    busiest = max(sum(flops * slowdown[kind] for flops, kind in rank) for rank in _rank_blocks(config, layout))
+    busiest = max(sum(flops * slowdown[kind] for flops, kind in rank) for rank in _rank_block_flops(config, layout))
     return busiest * tokens_per_rank / layout.tp / peak
 
 

@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from analysis import communication, planner  # noqa: E402
 from parallel.groups import Layout  # noqa: E402
+from parallel.runtime import free_port  # noqa: E402
 from training.config import RunConfig, load_config  # noqa: E402
 from training.layout import resolve_layout  # noqa: E402
 
@@ -220,12 +220,6 @@ def _measure_rank(rank: int, world: int, port: int, shapes, seconds: float, bloc
         out.put((flops_all, times))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure_machine(config: RunConfig, world: int, seconds: float = 3.0, blocks: int = 5, calls: int = 10) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 
 import torch
@@ -36,6 +35,7 @@ from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.config import ParallelConfig
 from parallel.groups import Layout, ParallelGroups
+from parallel.runtime import free_port
 from parallel.tensor import lm_loss, loss_context
 from training.config import load_config
 
@@ -96,9 +96,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     results = {"1 process": measure(args.config, args.set, False, False, args.batch, args.repeats, 1)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with mp.Manager() as manager:
         shared = manager.dict()
         mp.spawn(_worker, args=(args.tp, port, args, shared), nprocs=args.tp)

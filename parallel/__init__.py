@@ -23,7 +23,14 @@ from parallel.compile import apply_compile
 from parallel.config import ParallelConfig
 from parallel.expert import apply_expert_parallel
 from parallel.groups import ParallelGroups
-from parallel.sharding import apply_fsdp, clip_grad_norm_, experts_spread, set_gradient_sync, shard_experts
+from parallel.sharding import (
+    apply_fsdp,
+    clip_grad_norm_,
+    experts_replicated,
+    experts_spread,
+    set_gradient_sync,
+    shard_experts,
+)
 from parallel.tensor import apply_tensor_parallel
 
 __all__ = ["clip_grad_norm_", "parallelize", "set_gradient_sync"]
@@ -53,7 +60,7 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: Paralle
     if experts_spread(layout, bool(model.moe_layers())):
         apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh)
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
-        expert_dp_mesh = groups.mesh(*expert_axes) if layout.dp_replicate * layout.edp > 1 else None
+        expert_dp_mesh = groups.mesh(*expert_axes) if experts_replicated(layout) else None
         unmanaged = shard_experts(model, expert_dp_mesh, layout.dp, parallel.reshard_after_forward, param_dtype)
     apply_activation_checkpointing(model, parallel.activation_checkpointing)  # before FSDP (see its module)
     apply_activation_offload(model, parallel.activation_offload)

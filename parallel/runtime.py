@@ -8,6 +8,7 @@ GPUs, gloo on CPUs. Every other group is built from this one by ``parallel/group
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -31,6 +32,14 @@ class Runtime:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now: the rendezvous of processes spawned on this machine
+    (the tests' gloo jobs, the benchmarks')."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_runtime() -> Runtime:

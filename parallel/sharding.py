@@ -94,6 +94,12 @@ def experts_spread(layout: Layout, has_moe_layers: bool) -> bool:
     return has_moe_layers and (layout.ep > 1 or layout.etp > 1 or layout.tp > 1)
 
 
+def experts_replicated(layout: Layout) -> bool:
+    """Whether routed experts in their own unit (``experts_spread``) have several replicas for FSDP to shard over
+    (dp_replicate × edp > 1). With one they stay out of FSDP: ep (× etp) then spans dp_shard × tp."""
+    return layout.dp_replicate * layout.edp > 1
+
+
 def expert_fsdp_dim(num_local_experts: int, edp: int, etp_dim: int | None) -> int:
     """The dim of an expert stack [E/ep, ...] that FSDP shards over the edp ranks.
 

@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
 
-from parallel.runtime import exit_process, init_runtime, shutdown_runtime
-
-
-def free_port() -> int:
-    """A TCP port on the loopback that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from parallel.runtime import exit_process, free_port, init_runtime, shutdown_runtime
 
 
 def spawn(body: Callable[..., None], world_size: int, *args) -> None:

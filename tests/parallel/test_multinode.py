@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import train
-from tests.spawn import free_port
+from parallel.runtime import free_port
 from training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

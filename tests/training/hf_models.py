@@ -40,6 +40,26 @@ def our_model(file: Path) -> MoETransformer:
     return model
 
 
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors files, by name."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            out.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return out
+
+
+def assert_same_tensors(original_folder: Path, returned_folder: Path, tied: bool) -> None:
+    """The folder an export wrote holds the original folder's tensors, bit for bit, and no others (a tied model's
+    ``lm_head.weight``, which an export leaves to the embedding, aside)."""
+    original, returned = hf_tensors(original_folder), hf_tensors(returned_folder)
+    if tied:
+        original.pop("lm_head.weight", None)
+    assert original.keys() == returned.keys()
+    for name, value in original.items():
+        assert torch.equal(value, returned[name]), name
+
+
 def edit_config(folder: Path, **changes) -> None:
     """Set keys of a saved folder's config.json."""
     path = folder / "config.json"

@@ -11,14 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from safetensors import safe_open
 
 from moe.config import ConfigError
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime, init_runtime
 from tests.parallel.parity import full_state
 from tests.spawn import spawn
-from tests.training.hf_models import edit_config, our_model, save_random
+from tests.training.hf_models import assert_same_tensors, edit_config, hf_tensors, our_model, save_random
 from training.config import load_config
 from training.hf import export_folder, hf_run_config, import_folder, main
 from training.loop import train
@@ -41,14 +40,6 @@ def make_hf(folder: Path, seed: int = 0, shard: bool = False, **overrides) -> to
 
 def tokens(vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            out.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return out
 
 
 SHAPES = {"gqa-top2-untied": {}, "mha-top1-tied": dict(num_key_value_heads=4, num_experts_per_tok=1,
@@ -76,12 +67,7 @@ def test_import_export_match_transformers(tmp_path, shape):
     back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, expected, rtol=0, atol=1e-5)
-    original, returned = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    if settings.get("tie_word_embeddings"):
-        original.pop("lm_head.weight", None)
-    assert original.keys() == returned.keys()
-    for name, value in original.items():
-        assert torch.equal(value, returned[name]), name
+    assert_same_tensors(tmp_path / "hf", tmp_path / "back", tied=settings.get("tie_word_embeddings", False))
 
 
 def test_export_of_a_checkpoint(tmp_path):
@@ -138,7 +124,8 @@ def test_cli_round_trip_and_no_transformers_import(tmp_path):
             "export", str(ours), "--out", str(back)]
     done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert all(torch.equal(value, hf_tensors(back)[name]) for name, value in hf_tensors(tmp_path / "hf").items())
+    returned = hf_tensors(back)
+    assert all(torch.equal(value, returned[name]) for name, value in hf_tensors(tmp_path / "hf").items())
 
 
 TINY_RUN = ["model.seq_len=16", "train.global_batch_size=4", "train.steps=1", "train.warmup_steps=1",

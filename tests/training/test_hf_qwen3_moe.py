@@ -19,8 +19,8 @@ from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime
 from tests.parallel.parity import full_state
 from tests.spawn import spawn
-from tests.training.hf_models import edit_config, our_model, save_random
-from tests.training.test_hf import TINY_RUN, _hf_run, hf_tensors, tokens
+from tests.training.hf_models import assert_same_tensors, edit_config, hf_tensors, our_model, save_random
+from tests.training.test_hf import TINY_RUN, _hf_run, tokens
 from training.config import load_config
 from training.hf import export_family, export_folder, hf_run_config, import_folder, main
 from training.loop import train
@@ -88,12 +88,7 @@ def test_import_export_match_transformers(tmp_path, shape):
     assert type(back).__name__ == "Qwen3MoeForCausalLM"
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, expected, rtol=0, atol=1e-5)
-    original, returned = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    if settings.get("tie_word_embeddings"):
-        original.pop("lm_head.weight", None)
-    assert original.keys() == returned.keys()
-    for name, value in original.items():
-        assert torch.equal(value, returned[name]), name
+    assert_same_tensors(tmp_path / "hf", tmp_path / "back", tied=settings.get("tie_word_embeddings", False))
 
 
 def test_bad_input_is_named(tmp_path):
@@ -220,7 +215,8 @@ def test_export_in_bf16_shards_loads_into_transformers(tmp_path, capsys):
 
     assert main(["export", str(ours), "--out", str(tmp_path / "fp32"), "--max-shard-size", "0.02MB"]) == 0
     assert (tmp_path / "fp32" / "model.safetensors.index.json").is_file()
-    assert all(torch.equal(value, hf_tensors(tmp_path / "fp32")[name]) for name, value in original.items())
+    fp32 = hf_tensors(tmp_path / "fp32")
+    assert all(torch.equal(value, fp32[name]) for name, value in original.items())
     capsys.readouterr()
     assert main(["export", str(ours), "--out", str(tmp_path / "bf16")]) == 2
     err = capsys.readouterr().err
