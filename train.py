@@ -32,7 +32,7 @@ from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import exit_process, init_runtime, shutdown_runtime
 from training.config import RunConfig, load_config
 from training.data import check_tokenizer
-from training.hardware import check_hardware
+from training.hardware import check_hardware, keep_freed_memory
 from training.hf import hf_run_config, split_init_from
 from training.layout import resolve_layout
 from training.loop import NonFiniteLossError, train
@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             print(format_dry_run(config, built, estimates, None))
             return 0
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        if device_type == "cpu":
+            keep_freed_memory()
         compute = planned_precision(config.train.precision, device_type)
         needs = fit_check.check_fits(config, world_size, fit_check.available_bytes_per_rank(device_type), compute,
                                        device_type)

@@ -49,7 +49,7 @@ from moe.layer import MoELayer  # noqa: E402
 from moe.transformer import Attention, MoETransformer  # noqa: E402
 from parallel.expert import ExpertParallelExperts  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.hardware import GPU_BF16_PEAK, choose_precision  # noqa: E402
+from training.hardware import GPU_BF16_PEAK, choose_precision, keep_freed_memory  # noqa: E402
 from training.loop import IntervalStats, train_step  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 
@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_step: --steps must be at least 1, got {args.steps}", file=sys.stderr)
         return 2
     device = torch.device(args.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # as train.py does
     overrides = list(args.overrides)
     name = args.config
     if args.device == "cuda":

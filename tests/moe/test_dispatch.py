@@ -69,6 +69,19 @@ def test_permute_then_combine_with_identity_experts_sums_kept_weights():
     torch.testing.assert_close(out, expected)
 
 
+def test_probability_order_is_expert_major_then_weight_then_position():
+    """The one-sort key against Python's sort on (expert, -weight, position), with ties, zeros and -0.0."""
+    torch.manual_seed(2)
+    num_tokens, top_k, num_experts = 300, 2, 7
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k).mul(8).round().div(8)  # few distinct values: many ties, zeros
+    weights[0, 0], weights[1, 1] = -0.0, 1e-40  # a negative zero and a subnormal
+    plan = plan_dispatch(ids, weights, num_experts, capacity=num_tokens * top_k, drop_policy="probability")
+    flat_ids, flat_w = ids.reshape(-1).tolist(), weights.reshape(-1).tolist()
+    expected = sorted(range(num_tokens * top_k), key=lambda a: (flat_ids[a], -flat_w[a], a))
+    assert plan.order.tolist() == expected
+
+
 @pytest.mark.parametrize("policy", ["position", "probability"])
 def test_combine_gradients_with_dropped_assignments_match_a_naive_sum(policy):
     """The hand-written backward of the combine against autograd through a per-token loop, with drops."""
