@@ -260,17 +260,18 @@ def padded_rows(group_sizes: list[int], multiple: int) -> int:
 
 def row_multiple_on(device_type: str, dtype: torch.dtype) -> int:
     """The multiple of rows each expert's group is padded to before its GEMMs: ``ONEDNN_GROUP_ROWS`` for
-    reduced-precision rows on CPU, else 1 (no padding).
+    bf16 or fp16 rows on CPU, else 1 (no padding).
 
     On CPU, torch runs bf16 matmuls through oneDNN, which compiles (JIT) a kernel for every new GEMM shape
     and keeps 1,024 in a cache. The grouped GEMM is one matmul per expert, whose row count is that expert's
     group size: it changes every step as the router learns, so nearly every call compiled a kernel (about
     400 per step of ``moe-8x``, each mapping fresh memory). Padded to blocks of 16 rows the shapes repeat and
-    stay cached: in ``benchmarks/train_step.py`` the ``moe-8x`` step ran about 15% faster (median of 5 steps
-    in alternating runs, blocks of 16, 32, 64 and 128 alike), at most 15 rows of zeros per expert. fp32 runs
-    through BLAS kernels that compile nothing, and CUDA's grouped GEMM takes the group offsets as data.
+    stay cached: in ``benchmarks/train_step.py`` the profiled expert GEMMs of a ``moe-8x`` step took half the
+    time and steps ran 3 to 15% faster (medians of 5 steps, alternating runs; blocks of 16, 32, 64 and 128
+    alike), for at most 15 rows of zeros per expert. fp32 and fp64 run through BLAS kernels that compile
+    nothing, and CUDA's grouped GEMM takes the group offsets as data.
     """
-    return ONEDNN_GROUP_ROWS if device_type == "cpu" and dtype != torch.float32 else 1
+    return ONEDNN_GROUP_ROWS if device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) else 1
 
 
 class GroupPadding:

@@ -218,6 +218,7 @@ def test_group_padding_gradients():
 def test_groups_padded_for_reduced_precision_on_cpu_only():
     assert experts_module.row_multiple_on("cpu", torch.bfloat16) == 16
     assert experts_module.row_multiple_on("cpu", torch.float32) == 1
+    assert experts_module.row_multiple_on("cpu", torch.float64) == 1
     assert experts_module.row_multiple_on("cuda", torch.bfloat16) == 1
     assert experts_module.padded_rows([19, 0, 3, 21], 16) == 32 + 0 + 16 + 32
 
