@@ -126,7 +126,9 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
     if layout.ep > 1:  # received rows' reorder index and its inverse
         experts += 2 * rows * INDEX
-    if mb.group_rows > 1:  # groups padded (balanced: sizes differ by one at most); each row's padded place
+    # Groups padded (CPU bf16): balanced, their sizes differ by one at most; plus each row's padded place. Exact
+    # without tp; a tp share (contiguous rows) may reach fewer experts, so there it is an upper bound.
+    if mb.group_rows > 1:
         sizes = [rows // local_experts + (e < rows % local_experts) for e in range(local_experts)]
         rows = padded_rows(sizes, mb.group_rows)
         experts += sum(sizes) * INDEX

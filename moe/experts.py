@@ -293,14 +293,14 @@ class GroupPadding:
 
     def pad(self, x: Tensor) -> Tensor:
         """[N, D] -> [N_padded, D]."""
-        return _ScatterRows.apply(x, self.destination, self.num_padded)
+        return _MoveRows.apply(x, self.destination, self.num_padded)
 
     def unpad(self, y: Tensor) -> Tensor:
         """[N_padded, D] -> [N, D]."""
-        return _ScatterRows.apply(y, self.destination, None)
+        return _MoveRows.apply(y, self.destination, None)
 
 
-class _ScatterRows(torch.autograd.Function):
+class _MoveRows(torch.autograd.Function):
     """Row ``i`` of ``x`` to row ``destination[i]`` of ``num_rows`` zero rows, or, with ``num_rows=None``, the
     inverse: row ``destination[i]`` of ``x`` back to row ``i``. Each direction's gradient is the other, so
     both are a copy of the rows with no scatter-add (the destinations are distinct)."""
@@ -316,7 +316,7 @@ class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (destination,) = ctx.saved_tensors
-        return _ScatterRows.apply(grad, destination, ctx.num_rows), None, None
+        return _MoveRows.apply(grad, destination, ctx.num_rows), None, None
 
 
 class FeedForward(nn.Module):
