@@ -127,7 +127,7 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     if layout.ep > 1:  # received rows' reorder index and its inverse
         experts += 2 * rows * INDEX
     # Groups padded (CPU bf16): balanced, their sizes differ by one at most; plus each row's padded place. Exact
-    # without tp; a tp share (contiguous rows) may reach fewer experts, so there it is an upper bound.
+    # without tp; under tp a share is contiguous rows whose groups differ from these: within 15 rows per expert.
     if mb.group_rows > 1:
         sizes = [rows // local_experts + (e < rows % local_experts) for e in range(local_experts)]
         rows = padded_rows(sizes, mb.group_rows)
