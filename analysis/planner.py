@@ -30,13 +30,15 @@ figure but the HBM's can be overridden), gives its speed:
   (p − 1)/(v·m) (Narayanan et al. 2021, sec. 2.2; REFERENCES.md); the extra pipeline traffic of interleaving
   (v times the stage boundaries) is in the communication model's pp term.
 - **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at the bandwidth NCCL
-  gets of its links (``communication.bandwidth``) plus each call's latency (NCCL's ring model,
-  ``communication.startup``), on the critical path (each waits for the layer before
-  it); FSDP's gathers and reduce-scatters are prefetched and overlap compute, so only what exceeds the
-  compute shows. The gradient reductions of the last micro-batch (the only reduce-scatter under
-  ``grad_reduce=step``, the last of m under ``microbatch``, and HSDP's all-reduce under both) can only hide
-  behind that micro-batch's backward (two thirds of its compute: 4 of the 6 FLOPs per parameter); what they
-  do not hide adds to the step. So ``microbatch`` is never faster: it sends m − 1 more reduce-scatters, and
+  gets of its links (``communication.bandwidth``: NVLink in a node, the rank's own adapter across nodes) plus
+  each call's latency (NCCL's ring model, ``communication.startup``), on the critical path (each waits for the
+  layer before it); FSDP's gathers and reduce-scatters are prefetched and overlap compute (``ShardingTime``):
+  the first unit's gather and the last unit's reduction show in full, the last micro-batch's gradient
+  reductions (the only reduce-scatter under ``grad_reduce=step``, the last of m under ``microbatch``, and
+  HSDP's all-reduce under both) hide only behind that micro-batch's backward (4 of the 6 FLOPs per parameter),
+  and the traffic that overlaps compute shows where it outlasts the compute, and otherwise slows the compute
+  beside it (``Hardware.overlap_slowdown``: calibrated, with the network's rate, from the ZeRO-3 rows of
+  Narayanan et al. 2021 Table 2). So ``microbatch`` is never faster: it sends m − 1 more reduce-scatters, and
   wins only where ``step``'s memory does not fit.
 
 On a CPU preset whose ranks share cores (``Hardware.sharing`` > 1, ``benchmarks/layout_ranking.py``), a

@@ -202,12 +202,13 @@ def format_zero3_rows(plans: list[tuple[Published, planner.Plan]]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row, p in plans:
         estimate = paper_flops(row) / (p.step * row.gpus) / 1e12
+        fits = "yes" if p.memory <= A100.memory_gib * planner.GIB else f"no ({p.memory / planner.GIB:.0f} GiB)"
         traffic = sum(communication.seconds(i, A100, A100.gpus_per_node)
                       for i in communication.predict(p.config, p.layout, 0, A100.precision) if i.dimension == "fsdp")
         lines.append(f"| {row.name} | {row.gpus} | {row.batch} ({row.batch // row.gpus}) | {p.compute:.1f} | "
                      f"{traffic:.1f} | {p.step:.1f} | {published_step(row):.1f} | {estimate:.0f} | "
                      f"{row.tflops:.0f} | {(estimate - row.tflops) / row.tflops:+.0%} | "
-                     f"{'yes' if p.memory <= A100.memory_gib * planner.GIB else f'no ({p.memory / planner.GIB:.0f} GiB)'} |")
+                     f"{fits} |")
     return "\n".join(lines)
 
 
