@@ -576,7 +576,8 @@ def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
     nodes the rank's own adapter at ``NETWORK_EFFICIENCY``, for every collective.
 
     A ring whose group has k ranks in each node could in principle send its bytes over the k adapters of the
-    node together (NCCL's channels, one per adapter), and nccl-tests reach that on idle nodes. The training
+    node together (NCCL's channels, one per adapter), and nccl-tests reach that on idle nodes (85 to 96 GB/s
+    of all-reduce bus bandwidth over nodes of 8 GPUs and 4 HDR adapters: NVIDIA/nccl-tests issue #119). The training
     steps of Narayanan et al. 2021 Table 2 did not: ZeRO-3 of a 175B model took the same 66.7 s per step on 768
     and on 1,536 A100s (and a 530B model 180 and 184 s on 1,120 and 2,240), with 8 of each node's GPUs in
     every ring. A step that does not shrink as the compute halves is bound by traffic at a fixed rate per GPU;
