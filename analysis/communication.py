@@ -123,6 +123,12 @@ NCCL_LATENCY = Latency(8.4e-6, 3.4e-6, 9.6e-6)
 # ``analysis.published_layouts.calibrated_overlap_slowdown``; taken for every GPU.
 OVERLAP_SLOWDOWN = 0.28
 
+# What a rank's traffic across nodes gets of its own network adapter's line rate, calibrated once from the
+# ZeRO-3 rows of Narayanan et al. 2021 Table 2 (``analysis.published_layouts.calibrated_network_efficiency``:
+# the mean over the four rows whose step did not shrink with more GPUs, their FSDP bytes over their step less
+# NCCL's latency); nccl-tests across nodes measure the same order (86 of 96 GB/s, NVIDIA/nccl issue #1048).
+NETWORK_EFFICIENCY = 0.92
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -141,6 +147,7 @@ class Hardware:
     precision: str = "bf16"  # what the planner trains in here: the bytes its traffic carries
     sharing: float = 1.0  # a rank's compute alone over its share when all run: above 1 where ranks share CPU cores
     overlap_slowdown: float = OVERLAP_SLOWDOWN  # compute's slowdown per second of collectives beside it
+    network_efficiency: float = NETWORK_EFFICIENCY  # the share of its adapter's line rate a rank's traffic gets
 
 
 # Datasheet figures. NVLink totals are quoted for both directions together: one direction is half. The network
@@ -564,16 +571,11 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
 # What NCCL gets of NVLink's line rate: "with the protocol overhead (~20%) NCCL can get an effective NVLink
 # bandwidth of 370GB/s" of H100's 450 (S. Jeaugey, NCCL's maintainer, NVIDIA/nccl-tests issue #212, 2024).
 NCCL_EFFICIENCY = 0.8
-# What a rank's traffic across nodes gets of its own network adapter's line rate, calibrated once from the
-# ZeRO-3 rows of Narayanan et al. 2021 Table 2 (``analysis.published_layouts.calibrated_network_efficiency``:
-# the mean over the four rows whose step did not shrink with more GPUs, their FSDP bytes over their step less
-# NCCL's latency); nccl-tests across nodes measure the same order (86 of 96 GB/s, NVIDIA/nccl issue #1048).
-NETWORK_EFFICIENCY = 0.92
 
 
 def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
     """Bytes/s ``item`` gets from its links: NVLink at NCCL's share (``NCCL_EFFICIENCY``) inside a node; across
-    nodes the rank's own adapter at ``NETWORK_EFFICIENCY``, for every collective.
+    nodes the rank's own adapter at ``Hardware.network_efficiency`` (``NETWORK_EFFICIENCY``), for every collective.
 
     A ring whose group has k ranks in each node could in principle send its bytes over the k adapters of the
     node together (NCCL's channels, one per adapter), and nccl-tests reach that on idle nodes (85 to 96 GB/s
@@ -588,7 +590,7 @@ def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
     """
     if item.link(gpus_per_node) == "intra":
         return hardware.intra_node * NCCL_EFFICIENCY
-    return hardware.inter_node * NETWORK_EFFICIENCY
+    return hardware.inter_node * hardware.network_efficiency
 
 
 def ring_steps(item: Traffic, gpus_per_node: int) -> tuple[int, int]:

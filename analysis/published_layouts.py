@@ -162,34 +162,35 @@ def zero3_plan(row: Published, hardware: communication.Hardware = A100) -> plann
     return planner.evaluate(config, layout, hardware, hardware.gpus_per_node)
 
 
-def communication_bound(row: Published) -> bool:
+def communication_bound(row: Published, rows: list[Published] = TABLE2) -> bool:
     """Whether the row is one whose step did not shrink with more GPUs: each model's rows but its smallest."""
-    return row.gpus > min(r.gpus for r in TABLE2 if r.name == row.name)
+    return row.gpus > min(r.gpus for r in rows if r.name == row.name)
 
 
-def calibrated_network_efficiency(hardware: communication.Hardware = A100) -> float:
+def calibrated_network_efficiency(rows: list[Published] = TABLE2, hardware: communication.Hardware = A100) -> float:
     """The share of its adapter's line rate a rank's traffic across nodes gets (``communication.NETWORK_EFFICIENCY``),
-    from the communication-bound rows of Table 2: there the step is its FSDP traffic (``predict``'s bus bytes of
+    from the communication-bound ``rows`` of Table 2: there the step is its FSDP traffic (``predict``'s bus bytes of
     one rank, 8 per parameter: bf16 gathers in forward and backward, fp32 gradient reduce-scatters), so each row's
     bytes over its published step less NCCL's latency (``communication.startup``) is the rate; their mean."""
     rates = []
-    for row in filter(communication_bound, TABLE2):
-        config = zero3_plan(row, hardware).config
-        items = [i for i in communication.predict(config, Layout.resolve(row.gpus, dp_shard=row.gpus), 0,
-                                                  hardware.precision) if i.dimension == "fsdp"]
-        latency = sum(communication.startup(i, hardware, hardware.gpus_per_node) for i in items)
-        rates.append(sum(i.bus_bytes for i in items) / (published_step(row) - latency) / hardware.inter_node)
+    for row in rows:
+        if communication_bound(row, rows):
+            plan = zero3_plan(row, hardware)
+            items = [i for i in communication.predict(plan.config, plan.layout, 0, hardware.precision)
+                     if i.dimension == "fsdp"]
+            latency = sum(communication.startup(i, hardware, hardware.gpus_per_node) for i in items)
+            rates.append(sum(i.bus_bytes for i in items) / (published_step(row) - latency) / hardware.inter_node)
     return sum(rates) / len(rates)
 
 
-def calibrated_overlap_slowdown(hardware: communication.Hardware = A100) -> float:
-    """``communication.OVERLAP_SLOWDOWN`` from the rows of Table 2 whose compute outlasts their traffic (each model's
-    smallest): the published step less the estimate without slowdown, over the overlapped traffic's seconds
-    (the estimate's growth from slowdown 0 to 1, linear in between while compute outlasts the traffic); their
-    mean."""
+def calibrated_overlap_slowdown(rows: list[Published] = TABLE2, hardware: communication.Hardware = A100) -> float:
+    """``communication.OVERLAP_SLOWDOWN`` from the ``rows`` of Table 2 whose compute outlasts their traffic (each
+    model's smallest; the traffic at ``hardware``'s network efficiency): the published step less the estimate
+    without slowdown, over the overlapped traffic's seconds (the estimate's growth from slowdown 0 to 1, linear
+    in between while compute outlasts the traffic); their mean."""
     slowdowns = []
-    for row in TABLE2:
-        if not communication_bound(row):
+    for row in rows:
+        if not communication_bound(row, rows):
             free, full = (zero3_plan(row, dataclasses.replace(hardware, overlap_slowdown=slowdown)).step
                           for slowdown in (0.0, 1.0))
             slowdowns.append((published_step(row) - free) / (full - free))
