@@ -596,13 +596,15 @@ def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
 def ring_steps(item: Traffic, gpus_per_node: int) -> tuple[int, int]:
     """(steps, of which cross nodes) of one call of ``item``, as NCCL's tuning model counts a ring's
     (``NCCL_LATENCY``): all-reduce 2(n − 1) and 2(k − 1) over k nodes, all-gather and reduce-scatter n − 1 and
-    k − 1. A broadcast is a chain of n − 1 steps; an all-to-all sends to its n − 1 peers in turn, those in
-    other nodes over the network; a send is one step."""
+    k − 1. A broadcast is a chain of n − 1 steps; a send is one step. An all-to-all posts its sends to and
+    receives from all n − 1 peers before it waits for any (gloo/alltoall.cc and alltoallv.cc; PyTorch's NCCL
+    all-to-all groups one send and one receive per peer), so its exchanges wait together: one step, across
+    nodes if any peer is in another node."""
     n, k = len(item.group), nodes_spanned(item.group, gpus_per_node)
     if item.collective == "all_reduce":
         return 2 * (n - 1), 2 * (k - 1)
     if item.collective == "all_to_all":
-        return n - 1, n - n // k
+        return 1, int(k > 1)
     return n - 1, k - 1  # all-gather, reduce-scatter, broadcast; a send's group is (sender, receiver)
 
 

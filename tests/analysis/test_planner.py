@@ -104,7 +104,8 @@ def test_the_presets_precision_sets_the_bytes_its_traffic_carries():
 
 def test_collective_latency_is_nccls_ring_model_per_call():
     """NCCL's tuning model (Ring, Simple): 8.4 us per call, 3.4 us per ring step on NVLink, 9.6 us per step that
-    crosses nodes; an all-reduce of n ranks on k nodes runs 2(n − 1) steps, 2(k − 1) of them across."""
+    crosses nodes; an all-reduce of n ranks on k nodes runs 2(n − 1) steps, 2(k − 1) of them across; an
+    all-to-all's exchanges with its peers are posted together (one step)."""
     def item(collective, group, calls=3):
         return communication.Traffic("dp", collective, "", calls, 0, tuple(group))
     us = 1e-6
@@ -113,9 +114,9 @@ def test_collective_latency_is_nccls_ring_model_per_call():
     assert communication.startup(item("all_gather", range(8)), H100, 8) == pytest.approx(3 * (8.4 + 7 * 3.4) * us)
     assert communication.startup(item("reduce_scatter", range(0, 32, 8)), H100, 8) == pytest.approx(
         3 * (8.4 + 3 * 9.6) * us)
-    # an all-to-all over 2 nodes of 4: 7 peers, 4 of them in the other node
-    assert communication.startup(item("all_to_all", range(8)), H100, 4) == pytest.approx(
-        3 * (8.4 + 3 * 3.4 + 4 * 9.6) * us)
+    # an all-to-all waits for its 7 peers together: one step, across nodes when some peer is in another node
+    assert communication.startup(item("all_to_all", range(8)), H100, 4) == pytest.approx(3 * (8.4 + 9.6) * us)
+    assert communication.startup(item("all_to_all", range(8)), H100, 8) == pytest.approx(3 * (8.4 + 3.4) * us)
     assert communication.startup(item("send", (0, 1), calls=1), H100, 8) == pytest.approx((8.4 + 3.4) * us)
 
 
