@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         compute = planned_precision(config.train.precision, device_type)
-        needs = fit_check.check_fits(config, world_size, fit_check.available_bytes_per_rank(device_type), compute)
+        needs = fit_check.check_fits(config, world_size, fit_check.available_bytes_per_rank(device_type), compute,
+                                       device_type)
         run_dir = args.run_dir or Path("runs") / config.name
         runtime = init_runtime()
         started = True

@@ -36,15 +36,17 @@ def available_bytes_per_rank(device_type: str) -> int | None:
     return kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def predicted_bytes(config: RunConfig, world_size: int, precision: str) -> list[int]:
+def predicted_bytes(config: RunConfig, world_size: int, precision: str, device_type: str = "cuda") -> list[int]:
     """The memory model's peak for one rank of each pipeline stage."""
-    layout = resolve_layout(config, world_size)[0]
-    return [estimate(config, world_size, precision, pp_rank).total for pp_rank in range(layout.pp)]
+    resolved = resolve_layout(config, world_size)
+    return [estimate(config, world_size, precision, pp_rank, resolved, device_type).total
+            for pp_rank in range(resolved[0].pp)]
 
 
-def check_fits(config: RunConfig, world_size: int, available: int | None, precision: str) -> list[int]:
+def check_fits(config: RunConfig, world_size: int, available: int | None, precision: str,
+               device_type: str = "cuda") -> list[int]:
     """Each pipeline stage's predicted bytes per rank; ConfigError when one exceeds ``available`` (None: no check)."""
-    needs = predicted_bytes(config, world_size, precision)
+    needs = predicted_bytes(config, world_size, precision, device_type)
     worst = max(range(len(needs)), key=lambda pp_rank: needs[pp_rank])
     if available is None or needs[worst] <= available:
         return needs

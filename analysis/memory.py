@@ -128,13 +128,13 @@ def planned_precision(requested: str, device_type: str = "cuda") -> str:
 
 
 def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 0,
-             resolved: tuple[Layout, int, int] | None = None) -> MemoryEstimate:
+             resolved: tuple[Layout, int, int] | None = None, device_type: str = "cuda") -> MemoryEstimate:
     """The memory of one rank of pipeline rank ``pp_rank`` training ``config`` on ``world_size`` ranks
-    (``resolved``: ``resolve_layout(config, world_size)``, when the caller has it already)."""
+    (``resolved``: ``resolve_layout(config, world_size)``, when the caller has it already) of ``device_type``."""
     layout, micro, microbatches = resolved or resolve_layout(config, world_size)
     held = in_flight(config, layout, microbatches, pp_rank)
-    activations = {name: round(nbytes * held)
-                   for name, nbytes in micro_batch_activations(config, layout, micro, precision, pp_rank).items()}
+    activations = {name: round(nbytes * held) for name, nbytes in
+                   micro_batch_activations(config, layout, micro, precision, pp_rank, device_type).items()}
     last = local_layers(config, layout, pp_rank)[2]
     vocab = config.model.vocab_size
     if config.parallel.vocab_parallel:

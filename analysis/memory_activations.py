@@ -26,6 +26,7 @@ from analysis.memory_states import (
 )
 from moe.config import ModelConfig, MoEConfig
 from moe.dispatch import expert_capacity
+from moe.experts import padded_rows, row_multiple_on
 from moe.norm import uses_fused_backward
 from parallel.groups import Layout
 from training.config import RunConfig
@@ -45,6 +46,7 @@ class MicroBatch:
     compute: int  # bytes of the compute dtype
     bf16: bool
     bf16_weights: bool = False  # dense weights in FSDP units gathering bf16 (``parallel.sharding.mixed_precision``)
+    group_rows: int = 1  # experts' groups padded to a multiple of this many rows (``moe.experts.row_multiple_on``)
 
 
 def _norm(rows: int, d: int, fused: bool) -> int:
@@ -120,12 +122,16 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     rows = largest_chunk(kept, layout.tp // layout.etp)  # this rank's share (the largest)
     hidden = moe.expert_hidden // layout.etp
     swiglu = moe.activation == "swiglu"
+    local_experts = moe.num_experts // layout.ep
     experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
-    if layout.ep > 1:  # received rows' reorder index and its inverse, the local grouped rows
-        experts += 2 * rows * INDEX + rows * d * a
-    else:  # the grouped rows (this tp rank's share)
-        experts += rows * d * a
-    experts += (4 if swiglu else 2) * rows * hidden * a + (3 if swiglu else 2) * (moe.num_experts // layout.ep) * OFFSET
+    if layout.ep > 1:  # received rows' reorder index and its inverse
+        experts += 2 * rows * INDEX
+    if mb.group_rows > 1:  # groups padded (balanced: sizes differ by one at most); each row's padded place
+        sizes = [rows // local_experts + (e < rows % local_experts) for e in range(local_experts)]
+        rows = padded_rows(sizes, mb.group_rows)
+        experts += sum(sizes) * INDEX
+    # the grouped rows (this tp rank's share), the hidden activations, the group offsets
+    experts += rows * d * a + (4 if swiglu else 2) * rows * hidden * a + (3 if swiglu else 2) * local_experts * OFFSET
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
              # expert outputs, their weights, the order and the token index
              "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
@@ -191,8 +197,9 @@ def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_ran
 
 
 def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size: int, precision: str,
-                            pp_rank: int = 0) -> dict[str, int]:
-    """Bytes autograd saves in one micro-batch's forward on one rank of pipeline rank ``pp_rank``, by part.
+                            pp_rank: int = 0, device_type: str = "cuda") -> dict[str, int]:
+    """Bytes autograd saves in one micro-batch's forward on one rank of pipeline rank ``pp_rank``, by part,
+    on a ``device_type`` device (a CPU pads the experts' bf16 groups: ``moe.experts.row_multiple_on``).
 
     ``parallel.activation_checkpointing``: ``full`` keeps each block's input only, ``moe`` the MoE layers'
     inputs only (``parallel/activation_checkpoint.py``). ``parallel.activation_offload`` (blocks or MoE layers)
@@ -206,7 +213,8 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     tokens = micro_batch_size * model.seq_len
     stream = tokens // layout.tp if par.sequence_parallel else tokens
     mb = MicroBatch(tokens, stream, micro_batch_size, COMPUTE_BYTES[precision], precision == "bf16",
-                    precision == "bf16" and layout.dp > 1)
+                    precision == "bf16" and layout.dp > 1,
+                    row_multiple_on(device_type, torch.bfloat16 if precision == "bf16" else torch.float32))
     d, parts = model.d_model, {}
     stream_dtype = torch.bfloat16 if mb.bf16_weights else torch.float32  # the embedding's output: FSDP gathers it bf16
     fused_norms = uses_fused_backward(stream_dtype, distributed=par.sequence_parallel and layout.tp > 1)

@@ -51,7 +51,7 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
                                                  config.parallel.vocab_parallel)
     with memory.loss_context(config.parallel.vocab_parallel):
         measured.loss.backward()  # the measurement leaves a loss to train on
-    predicted = (sum(micro_batch_activations(config, layout, micro, precision).values())
+    predicted = (sum(micro_batch_activations(config, layout, micro, precision, device_type="cpu").values())
                  + compute_copy_bytes(config, layout, precision))
     return predicted, measured.saved_bytes
 
@@ -104,6 +104,8 @@ SINGLE = {
                                "model.first_moe_layer=1", "moe.force_balance=true"]),
     "bf16": ("bf16", ["moe.num_shared_experts=1", "model.first_moe_layer=1", "moe.force_balance=true"]),
     "bf16, tied embeddings": ("bf16", ["model.tie_embeddings=true", "moe.force_balance=true"]),
+    # 64 rows over 3 experts: groups of 21 or 22 rows, padded to 32 each on CPU (``moe.experts.row_multiple_on``)
+    "bf16, padded groups": ("bf16", ["moe.num_experts=3", "moe.force_balance=true"]),
     "Qwen3 attention: q/k norms, wide heads": ("fp32", ["model.qk_norm=true", "model.head_dim=16",
                                                         "moe.renormalize=false", "moe.force_balance=true"]),
     "bf16, Qwen3 attention": ("bf16", ["model.qk_norm=true", "model.head_dim=16", "moe.force_balance=true"]),

@@ -193,3 +193,69 @@ def test_routing_stats_match_a_per_token_loop(top_k, score_func):
     else:
         assert torch.equal(stats.coselection, pairs)
         assert torch.equal(stats.coselection.diagonal(), stats.tokens_per_expert)
+
+
+def test_group_padding_layout_by_hand():
+    padding = experts_module.GroupPadding(torch.tensor([3, 0, 17, 1]), 16)
+    assert padding.padded_counts.tolist() == [16, 0, 32, 16]
+    assert padding.destination.tolist() == [0, 1, 2] + list(range(16, 33)) + [48]
+    x = torch.arange(21.0).repeat_interleave(2).view(21, 2)
+    padded = padding.pad(x)
+    assert padded.shape == (64, 2)
+    assert torch.equal(padded[padding.destination], x)
+    assert int((padded != 0).any(1).sum()) == 20  # row 0 of x is zero itself; every padding row is zero
+    assert torch.equal(padding.unpad(padded), x)
+
+
+def test_group_padding_gradients():
+    padding = experts_module.GroupPadding(torch.tensor([5, 2, 0, 9]), 4)
+    x = torch.randn(16, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(int(padding.num_padded), 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(padding.pad, (x,))
+    assert torch.autograd.gradcheck(padding.unpad, (y,))
+
+
+def test_groups_padded_for_reduced_precision_on_cpu_only():
+    assert experts_module.row_multiple_on("cpu", torch.bfloat16) == 16
+    assert experts_module.row_multiple_on("cpu", torch.float32) == 1
+    assert experts_module.row_multiple_on("cuda", torch.bfloat16) == 1
+    assert experts_module.padded_rows([19, 0, 3, 21], 16) == 32 + 0 + 16 + 32
+
+
+def _bf16_experts_grads(activation, counts, monkeypatch, multiple):
+    """Output and gradients (input's, then the weights') of bf16 experts with groups padded to ``multiple``."""
+    monkeypatch.setattr(experts_module, "ONEDNN_GROUP_ROWS", multiple)
+    torch.manual_seed(0)
+    experts = GroupedExperts(len(counts), D, 12, activation)
+    initialize(experts, 0, 0.3, 0.3)
+    x = torch.randn(int(counts.sum()), D).bfloat16().requires_grad_(True)
+    grad = torch.randn(int(counts.sum()), D).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts(x, counts)
+    out.backward(grad)
+    return experts, x, grad, [out.float(), x.grad.float()] + [p.grad for p in experts.parameters()]
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_padded_bf16_experts_equal_unpadded_and_a_per_expert_loop(activation, monkeypatch):
+    """bf16 on CPU pads the groups (``row_multiple_on``). Padding changes no result: outputs and every gradient
+    equal the unpadded grouped GEMM's, and the per-expert loop's on the same bf16 values computed in fp32 (within
+    the bf16 rounding of the experts' hidden activations, relative to each tensor's largest value)."""
+    counts = torch.tensor([19, 0, 3, 21])  # none a multiple of 16, an empty group included
+    experts, x, grad, got = _bf16_experts_grads(activation, counts, monkeypatch, 16)
+    unpadded = _bf16_experts_grads(activation, counts, monkeypatch, 1)[3]
+    for g, u in zip(got, unpadded, strict=True):
+        torch.testing.assert_close(g, u, rtol=1e-3, atol=1e-3 * float(u.detach().abs().max()))
+
+    weights = {n: p.detach().bfloat16().float().requires_grad_(True) for n, p in experts.named_parameters()}
+    x_ref = x.detach().float().requires_grad_(True)
+    pieces, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        w_gate = weights["w_gate"][e] if "w_gate" in weights else None
+        pieces.append(torch.stack([naive_expert(x_ref[i], weights["w_in"][e], w_gate, weights["w_out"][e], activation)
+                                   for i in range(start, start + n)]) if n else x_ref[:0])
+        start += n
+    ref = torch.cat(pieces)
+    ref.backward(grad.float())
+    for g, e in zip(got, [ref, x_ref.grad] + list(w.grad for w in weights.values()), strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=2e-2 * float(e.detach().abs().max()))
