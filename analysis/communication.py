@@ -117,6 +117,10 @@ class Latency:
 # reduce-scatter).
 NCCL_LATENCY = Latency(8.4e-6, 3.4e-6, 9.6e-6)
 
+# What NCCL gets of NVLink's line rate: "with the protocol overhead (~20%) NCCL can get an effective NVLink
+# bandwidth of 370GB/s" of H100's 450 (S. Jeaugey, NCCL's maintainer, NVIDIA/nccl-tests issue #212, 2024).
+NCCL_EFFICIENCY = 0.8
+
 # How much slower the matmuls run while FSDP's collectives run beside them (NCCL's kernels hold SMs and HBM
 # bandwidth the matmuls would use), per second of overlapped traffic. Calibrated once from the ZeRO-3 rows of
 # Narayanan et al. 2021 Table 2 whose compute outlasts their traffic (175B on 384 A100s, 530B on 640):
@@ -148,6 +152,7 @@ class Hardware:
     sharing: float = 1.0  # a rank's compute alone over its share when all run: above 1 where ranks share CPU cores
     overlap_slowdown: float = OVERLAP_SLOWDOWN  # compute's slowdown per second of collectives beside it
     network_efficiency: float = NETWORK_EFFICIENCY  # the share of its adapter's line rate a rank's traffic gets
+    intra_efficiency: float = NCCL_EFFICIENCY  # the share of ``intra_node`` collectives get (1: measured so)
 
 
 # Datasheet figures. NVLink totals are quoted for both directions together: one direction is half. The network
@@ -568,13 +573,11 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
 # ---------------------------------------------------------------------------
 
 
-# What NCCL gets of NVLink's line rate: "with the protocol overhead (~20%) NCCL can get an effective NVLink
-# bandwidth of 370GB/s" of H100's 450 (S. Jeaugey, NCCL's maintainer, NVIDIA/nccl-tests issue #212, 2024).
-NCCL_EFFICIENCY = 0.8
 
 
 def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
-    """Bytes/s ``item`` gets from its links: NVLink at NCCL's share (``NCCL_EFFICIENCY``) inside a node; across
+    """Bytes/s ``item`` gets from its links: NVLink at NCCL's share (``Hardware.intra_efficiency``, ``NCCL_EFFICIENCY``;
+    1 for a preset whose link rate is itself measured by collectives) inside a node; across
     nodes the rank's own adapter at ``Hardware.network_efficiency`` (``NETWORK_EFFICIENCY``), for every collective.
 
     A ring whose group has k ranks in each node could in principle send its bytes over the k adapters of the
@@ -589,7 +592,7 @@ def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
     node's. (Why those rings did not use the node's adapters is not known here.)
     """
     if item.link(gpus_per_node) == "intra":
-        return hardware.intra_node * NCCL_EFFICIENCY
+        return hardware.intra_node * hardware.intra_efficiency
     return hardware.inter_node * hardware.network_efficiency
 
 
