@@ -10,7 +10,7 @@ Byte convention (both sides): **bus bytes**, the data one rank puts on its link 
 of n ranks and a buffer of S bytes (the full, unsharded buffer) all-reduce moves 2(n−1)/n·S, all-gather and
 reduce-scatter (n−1)/n·S, broadcast S; an all-to-all moves exactly the rows that leave the rank for other
 ranks; a point-to-point send its tensor. Time on a link is then bus bytes / the bandwidth NCCL gets of it
-(``bandwidth``: NVLink, or the network adapters of the group's ranks in a node).
+(``bandwidth``: NVLink inside a node, the rank's network adapter across nodes).
 
 What the code does, read from it and confirmed by counting (tests/analysis/test_communication.py):
 
@@ -117,6 +117,22 @@ class Latency:
 # reduce-scatter).
 NCCL_LATENCY = Latency(8.4e-6, 3.4e-6, 9.6e-6)
 
+# What NCCL gets of NVLink's line rate: "with the protocol overhead (~20%) NCCL can get an effective NVLink
+# bandwidth of 370GB/s" of H100's 450 (S. Jeaugey, NCCL's maintainer, NVIDIA/nccl-tests issue #212, 2024).
+NCCL_EFFICIENCY = 0.8
+
+# How much slower the matmuls run while FSDP's collectives run beside them (NCCL's kernels hold SMs and HBM
+# bandwidth the matmuls would use), per second of overlapped traffic. Calibrated once from the ZeRO-3 rows of
+# Narayanan et al. 2021 Table 2 whose compute outlasts their traffic (175B on 384 A100s, 530B on 640):
+# ``analysis.published_layouts.calibrated_overlap_slowdown``; taken for every GPU.
+OVERLAP_SLOWDOWN = 0.28
+
+# What a rank's traffic across nodes gets of its own network adapter's line rate, calibrated once from the
+# ZeRO-3 rows of Narayanan et al. 2021 Table 2 (``analysis.published_layouts.calibrated_network_efficiency``:
+# the mean over the four rows whose step did not shrink with more GPUs, their FSDP bytes over their step less
+# NCCL's latency); nccl-tests across nodes measure the same order (86 of 96 GB/s, NVIDIA/nccl issue #1048).
+NETWORK_EFFICIENCY = 0.92
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -134,6 +150,9 @@ class Hardware:
     latency: Latency = NCCL_LATENCY
     precision: str = "bf16"  # what the planner trains in here: the bytes its traffic carries
     sharing: float = 1.0  # a rank's compute alone over its share when all run: above 1 where ranks share CPU cores
+    overlap_slowdown: float = OVERLAP_SLOWDOWN  # compute's slowdown per second of collectives beside it
+    network_efficiency: float = NETWORK_EFFICIENCY  # the share of its adapter's line rate a rank's traffic gets
+    intra_efficiency: float = NCCL_EFFICIENCY  # the share of ``intra_node`` collectives get (1: measured so)
 
 
 # Datasheet figures. NVLink totals are quoted for both directions together: one direction is half. The network
@@ -554,39 +573,41 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
 # ---------------------------------------------------------------------------
 
 
-# What NCCL gets of a link's line rate: "with the protocol overhead (~20%) NCCL can get an effective NVLink
-# bandwidth of 370GB/s" of H100's 450 (S. Jeaugey, NCCL's maintainer, NVIDIA/nccl-tests issue #212, 2024); taken
-# for every link, the network's too.
-NCCL_EFFICIENCY = 0.8
-RINGS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:
-    """Bytes/s ``item`` gets from its links at NCCL's share of their line rate (``NCCL_EFFICIENCY``).
+    """Bytes/s ``item`` gets from its links: NVLink at NCCL's share (``Hardware.intra_efficiency``, ``NCCL_EFFICIENCY``;
+    1 for a preset whose link rate is itself measured by collectives) inside a node; across
+    nodes the rank's own adapter at ``Hardware.network_efficiency`` (``NETWORK_EFFICIENCY``), for every collective.
 
-    Inside a node, NVLink. A ring collective whose group spans nodes with k of its ranks in each node runs
-    one ring per network adapter (NCCL's channels, one adapter per GPU on DGX-style nodes), so the bytes that
-    leave a node share k adapters: k × the per-GPU network bandwidth, but no more than NVLink carries.
-    All-to-all, sends and broadcasts leave through the rank's own adapter.
+    A ring whose group has k ranks in each node could in principle send its bytes over the k adapters of the
+    node together (NCCL's channels, one per adapter), and nccl-tests reach that on idle nodes (85 to 96 GB/s
+    of all-reduce bus bandwidth over nodes of 8 GPUs and 4 HDR adapters: NVIDIA/nccl-tests issue #119). The training
+    steps of Narayanan et al. 2021 Table 2 did not: ZeRO-3 of a 175B model took the same 66.7 s per step on 768
+    and on 1,536 A100s (and a 530B model 180 and 184 s on 1,120 and 2,240), with 8 of each node's GPUs in
+    every ring. A step that does not shrink as the compute halves is bound by traffic at a fixed rate per GPU;
+    its bytes (``predict``: 8 per parameter) over that time are 0.85 to 1.0 of one 25 GB/s HDR adapter per
+    GPU, where the node's 8 adapters per ring at NCCL's 80% would have moved them in a sixth or a seventh of
+    the time. So rings across nodes are priced at the rank's own adapter, as measured in training, not at the
+    node's. (Why those rings did not use the node's adapters is not known here.)
     """
     if item.link(gpus_per_node) == "intra":
-        return hardware.intra_node * NCCL_EFFICIENCY
-    if item.collective in RINGS:
-        per_node = len(item.group) // nodes_spanned(item.group, gpus_per_node)
-        return min(hardware.intra_node, per_node * hardware.inter_node) * NCCL_EFFICIENCY
-    return hardware.inter_node * NCCL_EFFICIENCY
+        return hardware.intra_node * hardware.intra_efficiency
+    return hardware.inter_node * hardware.network_efficiency
 
 
 def ring_steps(item: Traffic, gpus_per_node: int) -> tuple[int, int]:
     """(steps, of which cross nodes) of one call of ``item``, as NCCL's tuning model counts a ring's
     (``NCCL_LATENCY``): all-reduce 2(n − 1) and 2(k − 1) over k nodes, all-gather and reduce-scatter n − 1 and
-    k − 1. A broadcast is a chain of n − 1 steps; an all-to-all sends to its n − 1 peers in turn, those in
-    other nodes over the network; a send is one step."""
+    k − 1. A broadcast is a chain of n − 1 steps; a send is one step. An all-to-all posts its sends to and
+    receives from all n − 1 peers before it waits for any (gloo/alltoall.cc and alltoallv.cc; PyTorch's NCCL
+    all-to-all groups one send and one receive per peer), so its exchanges wait together: one step, across
+    nodes if any peer is in another node."""
     n, k = len(item.group), nodes_spanned(item.group, gpus_per_node)
     if item.collective == "all_reduce":
         return 2 * (n - 1), 2 * (k - 1)
     if item.collective == "all_to_all":
-        return n - 1, n - n // k
+        return 1, int(k > 1)
     return n - 1, k - 1  # all-gather, reduce-scatter, broadcast; a send's group is (sender, receiver)
 
 

@@ -30,13 +30,15 @@ figure but the HBM's can be overridden), gives its speed:
   (p − 1)/(v·m) (Narayanan et al. 2021, sec. 2.2; REFERENCES.md); the extra pipeline traffic of interleaving
   (v times the stage boundaries) is in the communication model's pp term.
 - **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at the bandwidth NCCL
-  gets of its links (``communication.bandwidth``) plus each call's latency (NCCL's ring model,
-  ``communication.startup``), on the critical path (each waits for the layer before
-  it); FSDP's gathers and reduce-scatters are prefetched and overlap compute, so only what exceeds the
-  compute shows. The gradient reductions of the last micro-batch (the only reduce-scatter under
-  ``grad_reduce=step``, the last of m under ``microbatch``, and HSDP's all-reduce under both) can only hide
-  behind that micro-batch's backward (two thirds of its compute: 4 of the 6 FLOPs per parameter); what they
-  do not hide adds to the step. So ``microbatch`` is never faster: it sends m − 1 more reduce-scatters, and
+  gets of its links (``communication.bandwidth``: NVLink in a node, the rank's own adapter across nodes) plus
+  each call's latency (NCCL's ring model, ``communication.startup``), on the critical path (each waits for the
+  layer before it); FSDP's gathers and reduce-scatters are prefetched and overlap compute (``ShardingTime``):
+  the first unit's gather and the last unit's reduction show in full, the last micro-batch's gradient
+  reductions (the only reduce-scatter under ``grad_reduce=step``, the last of m under ``microbatch``, and
+  HSDP's all-reduce under both) hide only behind that micro-batch's backward (4 of the 6 FLOPs per parameter),
+  and the traffic that overlaps compute shows where it outlasts the compute, and otherwise slows the compute
+  beside it (``Hardware.overlap_slowdown``: calibrated, with the network's rate, from the ZeRO-3 rows of
+  Narayanan et al. 2021 Table 2). So ``microbatch`` is never faster: it sends m − 1 more reduce-scatters, and
   wins only where ``step``'s memory does not fit.
 
 On a CPU preset whose ranks share cores (``Hardware.sharing`` > 1, ``benchmarks/layout_ranking.py``), a
@@ -240,20 +242,54 @@ def in_last_backward(item: communication.Traffic, grad_reduce: str, microbatches
     return 1 / microbatches if item.collective == "reduce_scatter" else 0.0
 
 
+@dataclass(frozen=True)
+class ShardingTime:
+    """One stage's FSDP traffic in seconds, split by what it can hide behind (``sharding_time``)."""
+
+    ends: float  # the first unit's all-gather and the last unit's gradient reduction: no compute beside them
+    last: float  # the rest of the last micro-batch's gradient reductions: only its backward is left to hide them
+    rest: float  # every other all-gather and reduction, prefetched behind the step's compute
+
+    def exposed(self, compute: float, microbatches: int, slowdown: float) -> float:
+        """Seconds the step waits beyond ``compute``: the ends; what of ``last`` its backward (2/3 of the last
+        micro-batch's compute: 4 of the 6 FLOPs per parameter) does not hide; and of the O seconds that overlap
+        compute, max(O − the compute they overlap, ``slowdown`` · O): two streams, traffic taking O and compute C
+        that runs ``slowdown`` · the time slower while traffic runs beside it (``Hardware.overlap_slowdown``),
+        take max(O, C + slowdown · O)."""
+        hidden_last = min(self.last, compute / microbatches * 2 / 3)
+        overlapped = hidden_last + self.rest
+        return self.ends + self.last - hidden_last + max(overlapped - compute, slowdown * overlapped)
+
+
+def sharding_time(timed: list[tuple[communication.Traffic, float]], grad_reduce: str,
+                  microbatches: int) -> ShardingTime:
+    """``ShardingTime`` of a stage's FSDP items, each with its seconds on its links.
+
+    Nothing computes before the first unit is gathered, and the optimizer waits for the last unit's reduction:
+    one call of the largest all-gather, and of the largest reduce-scatter (and HSDP all-reduce), never overlap.
+    Of the rest, the share in the last micro-batch's backward (``in_last_backward``) hides only behind it."""
+    def largest_call(collective: str) -> float:
+        return max((seconds / item.calls for item, seconds in timed if item.collective == collective), default=0.0)
+
+    first, final = largest_call("all_gather"), largest_call("reduce_scatter") + largest_call("all_reduce")
+    last = sum(seconds * in_last_backward(item, grad_reduce, microbatches) for item, seconds in timed)
+    total = sum(seconds for _, seconds in timed)
+    return ShardingTime(first + final, max(0.0, last - final), max(0.0, total - last - first))
+
+
 def exposed_communication(config: RunConfig, layout: Layout, compute: float, hardware: communication.Hardware,
                           gpus_per_node: int, microbatches: int = 1) -> dict[str, float]:
     """Seconds of communication the step waits for, by dimension, on the slowest of the stages' first ranks.
 
-    FSDP's traffic is prefetched and hides behind ``compute`` (the stage's compute for the step), but the
-    last micro-batch's gradient reductions only behind its backward, 2/3 of its compute (``in_last_backward``).
-    Where ranks share CPU cores (``Hardware.sharing`` > 1) nothing hides: every core computes, and the copies
-    and ring steps of gloo's collectives need the same cores.
+    tp, ep and pp traffic waits in full (each waits for the layer before it); FSDP's shows as
+    ``ShardingTime.exposed`` behind ``compute`` (the stage's compute for the step). Where ranks share CPU cores
+    (``Hardware.sharing`` > 1) nothing hides: every core computes, and the copies and ring steps of gloo's
+    collectives need the same cores.
     """
     stages = []
     stride = layout.world_size // layout.pp  # pp is the outermost axis: stage s starts at rank s·stride
     if hardware.sharing > 1:
         compute = 0.0
-    last_backward = compute / microbatches * 2 / 3
     seen = set()
     for stage in range(layout.pp):
         if stride % gpus_per_node == 0:  # every stage's groups sit on the nodes alike: alike stages send alike
@@ -263,16 +299,15 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
                 continue
             seen.add(key)
         by_dim = dict.fromkeys(("tp", "ep", "pp", "fsdp"), 0.0)
-        last = 0.0  # the FSDP traffic of the last micro-batch's backward
+        sharding = []
         for item in communication.predict(config, layout, stage * stride, precision=hardware.precision):
             seconds = communication.seconds(item, hardware, gpus_per_node)
             if item.dimension == "fsdp":
-                share = in_last_backward(item, config.parallel.grad_reduce, microbatches)
-                last += seconds * share
-                seconds *= 1 - share
-            by_dim[item.dimension] += seconds
-        hidden_last = min(last, last_backward)
-        by_dim["fsdp"] = (last - hidden_last) + max(0.0, by_dim["fsdp"] - (compute - hidden_last))
+                sharding.append((item, seconds))
+            else:
+                by_dim[item.dimension] += seconds
+        by_dim["fsdp"] = sharding_time(sharding, config.parallel.grad_reduce, microbatches).exposed(
+            compute, microbatches, hardware.overlap_slowdown)
         stages.append(by_dim)
     return max(stages, key=lambda by_dim: sum(by_dim.values()))
 

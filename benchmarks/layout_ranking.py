@@ -267,7 +267,8 @@ def preset(world: int, flops: float, times: dict, sharing: float = 1.0
     points = [(steps, seconds - small / bandwidth) for steps, seconds, small in small_calls]  # less the bytes' time
     hardware = communication.Hardware(
         f"this CPU, {world} gloo ranks", world, bandwidth, bandwidth, flops, 64, math.inf,
-        "measured by benchmarks/layout_ranking.py", fit_latency(points), "fp32", max(sharing, 1.0))
+        "measured by benchmarks/layout_ranking.py", fit_latency(points), "fp32", max(sharing, 1.0),
+        intra_efficiency=1.0)  # the rate is gloo's own, measured: nothing more to take off
     return hardware, rates
 
 
