@@ -107,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_dry_run(config, built, estimates, None))
             return 0
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        if device_type == "cpu":
-            keep_freed_memory()
+        keep_freed_memory(device_type)
         compute = planned_precision(config.train.precision, device_type)
         needs = fit_check.check_fits(config, world_size, fit_check.available_bytes_per_rank(device_type), compute,
                                        device_type)

@@ -569,10 +569,8 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
 
 
 # ---------------------------------------------------------------------------
-# The command line
+# Time on the links, and the command line
 # ---------------------------------------------------------------------------
-
-
 
 
 def bandwidth(item: Traffic, hardware: Hardware, gpus_per_node: int) -> float:

@@ -20,8 +20,8 @@ What one rank holds during a step (``estimate``):
   the last one's reduce-scatter, in place of their shards; the extra over the sharded gradients. Zero under
   ``microbatch`` (ZeRO-3: reduce-scattered every micro-batch). ``held_gradient_bytes`` measures it.
 - **the optimizer step**: every state (the gradients sharded again by then); fused AdamW (``training.optim``)
-  updates in place and allocates nothing more. It is the step's peak when the activations are small (few
-  tokens per micro-batch, a large model): ``total`` takes the larger of the two.
+  updates in place and allocates nothing more, so it is never above forward and backward's peak, which
+  holds the states too (the printed table shows both).
 - **activations** (``analysis/memory_activations.py``): what autograd saves for backward in one micro-batch's
   forward, tensor by tensor as the modules of ``moe/`` save it (listed in each function), times the
   micro-batches in flight (``in_flight``). Under bf16 autocast the cast copies of the weights that the
@@ -115,8 +115,9 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        """The step's peak: forward and backward's, or the optimizer step's when that is larger (small batches)."""
-        return max(self.forward_backward, self.states.optimizer_step_peak)
+        """The step's peak: forward and backward's. The optimizer step holds the states alone (fused AdamW
+        allocates nothing more), which forward and backward's peak includes."""
+        return self.forward_backward
 
 
 def planned_precision(requested: str, device_type: str = "cuda") -> str:
@@ -275,7 +276,7 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
     lines.append(f"{'  micro-batches held':<{width}}" + "".join(f"{e.in_flight:>14g}" for e in estimates))
     lines.append(f"{'forward and backward':<{width}}" + "".join(f"{_size(e.forward_backward):>14}" for e in estimates))
     lines.append(f"{'optimizer step':<{width}}"
-                 + "".join(f"{_size(e.states.optimizer_step_peak):>14}" for e in estimates))
+                 + "".join(f"{_size(e.states.total):>14}" for e in estimates))
     lines.append(f"{'total (the larger)':<{width}}" + "".join(f"{_size(e.total):>14}" for e in estimates))
     worst = max(e.total for e in estimates)
     verdict = "fits" if worst <= device_gib * GIB else "does NOT fit"

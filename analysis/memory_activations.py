@@ -33,7 +33,7 @@ from training.config import RunConfig
 
 INDEX = 8  # int64 ids and indices
 OFFSET = 4  # the grouped GEMM's int32 group offsets
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
+COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -214,9 +214,9 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     layers, first, last = local_layers(config, layout, pp_rank)
     tokens = micro_batch_size * model.seq_len
     stream = tokens // layout.tp if par.sequence_parallel else tokens
-    mb = MicroBatch(tokens, stream, micro_batch_size, COMPUTE_BYTES[precision], precision == "bf16",
-                    precision == "bf16" and layout.dp > 1,
-                    row_multiple_on(device_type, torch.bfloat16 if precision == "bf16" else torch.float32))
+    dtype = COMPUTE_DTYPE[precision]
+    mb = MicroBatch(tokens, stream, micro_batch_size, dtype.itemsize, precision == "bf16",
+                    precision == "bf16" and layout.dp > 1, row_multiple_on(device_type, dtype))
     d, parts = model.d_model, {}
     stream_dtype = torch.bfloat16 if mb.bf16_weights else torch.float32  # the embedding's output: FSDP gathers it bf16
     fused_norms = uses_fused_backward(stream_dtype, distributed=par.sequence_parallel and layout.tp > 1)

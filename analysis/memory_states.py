@@ -237,11 +237,6 @@ class ModelStates:
     def total(self) -> int:
         return self.weights + self.grads + self.optimizer
 
-    @property
-    def optimizer_step_peak(self) -> int:
-        """During ``optimizer.step``: every state, gradients still held (fused AdamW allocates nothing more)."""
-        return self.total
-
 
 def local_layers(config: RunConfig, layout: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
     """The blocks on pipeline rank ``pp_rank`` (its stages s ≡ pp_rank mod pp) and whether it is first / last."""

@@ -162,6 +162,12 @@ def zero3_plan(row: Published, hardware: communication.Hardware = A100) -> plann
     return planner.evaluate(config, layout, hardware, hardware.gpus_per_node)
 
 
+def fsdp_items(plan: planner.Plan, hardware: communication.Hardware = A100) -> list[communication.Traffic]:
+    """The FSDP traffic of ``plan``'s first rank (``communication.predict``) in ``hardware``'s precision."""
+    return [item for item in communication.predict(plan.config, plan.layout, 0, hardware.precision)
+            if item.dimension == "fsdp"]
+
+
 def communication_bound(row: Published, rows: list[Published] = TABLE2) -> bool:
     """Whether the row is one whose step did not shrink with more GPUs: each model's rows but its smallest."""
     return row.gpus > min(r.gpus for r in rows if r.name == row.name)
@@ -176,8 +182,7 @@ def calibrated_network_efficiency(rows: list[Published] = TABLE2, hardware: comm
     for row in rows:
         if communication_bound(row, rows):
             plan = zero3_plan(row, hardware)
-            items = [i for i in communication.predict(plan.config, plan.layout, 0, hardware.precision)
-                     if i.dimension == "fsdp"]
+            items = fsdp_items(plan, hardware)
             latency = sum(communication.startup(i, hardware, hardware.gpus_per_node) for i in items)
             rates.append(sum(i.bus_bytes for i in items) / (published_step(row) - latency) / hardware.inter_node)
     return sum(rates) / len(rates)
@@ -204,8 +209,7 @@ def format_zero3_rows(plans: list[tuple[Published, planner.Plan]]) -> str:
     for row, p in plans:
         estimate = paper_flops(row) / (p.step * row.gpus) / 1e12
         fits = "yes" if p.memory <= A100.memory_gib * planner.GIB else f"no ({p.memory / planner.GIB:.0f} GiB)"
-        traffic = sum(communication.seconds(i, A100, A100.gpus_per_node)
-                      for i in communication.predict(p.config, p.layout, 0, A100.precision) if i.dimension == "fsdp")
+        traffic = sum(communication.seconds(i, A100, A100.gpus_per_node) for i in fsdp_items(p))
         lines.append(f"| {row.name} | {row.gpus} | {row.batch} ({row.batch // row.gpus}) | {p.compute:.1f} | "
                      f"{traffic:.1f} | {p.step:.1f} | {published_step(row):.1f} | {estimate:.0f} | "
                      f"{row.tflops:.0f} | {(estimate - row.tflops) / row.tflops:+.0%} | "

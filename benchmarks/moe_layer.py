@@ -286,8 +286,7 @@ def main() -> None:
     if device.type == "cuda" and precision != "bf16":
         parser.error("--device cuda measures bf16 only: torch's grouped GEMM on CUDA is bf16")
     torch.set_num_threads(THREADS)
-    if device.type == "cpu":
-        keep_freed_memory()  # as train.py does
+    keep_freed_memory(device.type)  # as train.py does
     precisions = ("fp32", "bf16") if precision == "both" else (precision,)
     repeats = {p: args.repeats or (3 if args.quick else DEFAULT_REPEATS[p]) for p in precisions}
     routings = ("random", "balanced") if args.quick else ROUTINGS

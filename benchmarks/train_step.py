@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_step: --steps must be at least 1, got {args.steps}", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    if device.type == "cpu":
-        keep_freed_memory()  # as train.py does
+    keep_freed_memory(device.type)  # as train.py does
     overrides = list(args.overrides)
     name = args.config
     if args.device == "cuda":

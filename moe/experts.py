@@ -237,7 +237,7 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
     dtype = compute_dtype(x)
     x = x.to(dtype)
     padding, multiple = None, row_multiple_on(x.device.type, dtype)
-    if backend == "torch" and multiple > 1 and not torch.compiler.is_compiling():
+    if multiple > 1 and not torch.compiler.is_compiling():  # CPU only, where the backend is torch's
         padding = GroupPadding(tokens_per_expert, multiple)
         x, tokens_per_expert = padding.pad(x), padding.padded_counts
     hidden = grouped_matmul(x, copies.get("w_in", w_in, dtype), tokens_per_expert, backend)
@@ -253,9 +253,14 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
 ONEDNN_GROUP_ROWS = 16
 
 
+def padded_size(size, multiple: int):
+    """``size`` (an int or an integer tensor) rounded up to a multiple of ``multiple``: a padded group's rows."""
+    return (size + multiple - 1) // multiple * multiple
+
+
 def padded_rows(group_sizes: list[int], multiple: int) -> int:
     """Rows of groups of these sizes, each padded to a multiple of ``multiple`` (``GroupPadding``'s layout)."""
-    return sum(-(-size // multiple) * multiple for size in group_sizes)
+    return sum(padded_size(size, multiple) for size in group_sizes)
 
 
 def row_multiple_on(device_type: str, dtype: torch.dtype) -> int:
@@ -285,7 +290,7 @@ class GroupPadding:
 
     def __init__(self, tokens_per_expert: Tensor, multiple: int):
         counts = tokens_per_expert.to(torch.int64)
-        self.padded_counts = (counts + multiple - 1) // multiple * multiple
+        self.padded_counts = padded_size(counts, multiple)
         extra = self.padded_counts - counts
         shift = torch.cumsum(extra, 0) - extra  # padding rows before each group
         self.destination = torch.arange(int(counts.sum()), device=counts.device) + shift.repeat_interleave(counts)

@@ -31,8 +31,9 @@ class PrecisionChoice:
     peak_source: str  # "datasheet" or "measured"
 
 
-def keep_freed_memory() -> bool:
-    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the OS; on CPU runs.
+def keep_freed_memory(device_type: str) -> bool:
+    """On a ``device_type`` of "cpu", have glibc's malloc keep freed memory for reuse instead of handing it back
+    to the OS (a GPU run's activations live in CUDA's own caching allocator: nothing to do there).
 
     A training step frees its activations in backward and allocates them again in the next forward. glibc
     serves allocations from about 128 KiB up (the activations of any real model) with fresh ``mmap``s, or
@@ -42,9 +43,9 @@ def keep_freed_memory() -> bool:
     no trimming, the process keeps its peak and reuses it, as PyTorch's CUDA caching allocator does on a GPU;
     PyTorch's CPU performance guide suggests jemalloc or TCMalloc for the same reason. The ``moe-8x`` CPU
     step ran 3-4% faster (``benchmarks/train_step.py``, alternating runs). Returns whether it was applied
-    (glibc on Linux only).
+    (on CPU with glibc on Linux only).
     """
-    if not sys.platform.startswith("linux"):
+    if device_type != "cpu" or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -14,7 +14,7 @@ import resource, sys, torch
 sys.path.insert(0, {root!r})
 from training.hardware import keep_freed_memory
 if {keep}:
-    assert keep_freed_memory()
+    assert keep_freed_memory("cpu")
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(2):
