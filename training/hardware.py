@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import resource
 import sys
 import time
@@ -43,9 +44,13 @@ def keep_freed_memory(device_type: str) -> bool:
     no trimming, the process keeps its peak and reuses it, as PyTorch's CUDA caching allocator does on a GPU;
     PyTorch's CPU performance guide suggests jemalloc or TCMalloc for the same reason. The ``moe-8x`` CPU
     step ran 3-4% faster (``benchmarks/train_step.py``, alternating runs). Returns whether it was applied
-    (on CPU with glibc on Linux only).
+    (on CPU with glibc on Linux only). Settings the environment already gives glibc win: with any
+    ``MALLOC_*_`` variable or ``GLIBC_TUNABLES`` set the allocator is left alone (``benchmarks/large_model.py``
+    asks for the opposite, every large tensor returned when freed, so that the resident peak tracks the live
+    tensors).
     """
-    if device_type != "cpu" or not sys.platform.startswith("linux"):
+    if (device_type != "cpu" or not sys.platform.startswith("linux") or "GLIBC_TUNABLES" in os.environ
+            or any(name.startswith("MALLOC_") and name.endswith("_") for name in os.environ)):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -1,10 +1,13 @@
 """``keep_freed_memory``: freed memory is reused rather than faulted in again (a fresh process each case)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from training.hardware import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,8 +29,10 @@ print(faults() - before)
 
 
 def second_round_faults(keep: bool) -> int:
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("MALLOC_") and name != "GLIBC_TUNABLES"}
     run = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT), keep=keep)], capture_output=True,
-                         text=True, check=True, timeout=120)
+                         text=True, check=True, timeout=120, env=env)
     return int(run.stdout.split()[-1])
 
 
@@ -36,3 +41,11 @@ def test_freed_activations_are_reused_not_faulted_in_again():
     pages = 20 * 3 * 2**20 // 4096
     assert second_round_faults(keep=False) > pages // 2  # glibc's default hands the memory back: faults again
     assert second_round_faults(keep=True) < pages // 10  # kept: the second round reuses the first's pages
+
+
+def test_an_allocator_setting_from_the_environment_wins(monkeypatch):
+    """``benchmarks/large_model.py`` runs train.py with ``MALLOC_MMAP_THRESHOLD_`` set; a GPU run needs nothing."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert not keep_freed_memory("cpu")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert not keep_freed_memory("cuda")
