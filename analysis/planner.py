@@ -42,8 +42,9 @@ figure but the HBM's can be overridden), gives its speed:
   wins only where ``step``'s memory does not fit.
 
 On a CPU preset whose ranks share cores (``Hardware.sharing`` > 1, ``benchmarks/layout_ranking.py``), a
-pipeline's idle ranks leave their cores to the busy ones (``bubble_seconds``) and no traffic hides behind
-compute (``exposed_communication``).
+pipeline's idle ranks leave their cores to the busy ones (``bubble_seconds``), so the compute is the mean
+pipeline rank's, not the busiest's (``shared_balance``), and no traffic hides behind compute
+(``exposed_communication``).
 
 step = compute + bubble + exposed communication. ``search`` orders the candidates by compute + bubble, a
 bound no step goes below, and estimates memory and traffic only for those that can still enter the first
@@ -221,16 +222,26 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: f
 
 
 def bubble_seconds(compute: float, layout: Layout, microbatches: int, virtual_stages: int = 1,
-                   sharing: float = 1.0) -> float:
+                   sharing: float = 1.0, balance: float = 1.0) -> float:
     """The pipeline's idle time: (p − 1) / m of the compute for GPipe and 1F1B, (p − 1) / (v · m) interleaved
     with v stages per rank (Narayanan et al. 2021, sec. 2.2.1 and 2.2.2).
 
-    Where ranks share their compute (``Hardware.sharing`` > 1: processes on fewer CPU cores, ``compute`` at each
-    one's share), a rank idle in the bubble leaves its share to the busy ones: the step takes the larger of
-    ``compute`` (every rank's work at the shared rate) and the pipeline's critical path at the unshared rate,
-    compute / sharing · (1 + bubble fraction)."""
+    Where ranks share their compute (``Hardware.sharing`` > 1: processes on fewer CPU cores), a rank idle in the
+    bubble leaves its share to the busy ones. ``compute`` is then the mean pipeline rank's work at the shared
+    rate (``shared_balance`` of the busiest's), and the step takes the larger of it and the pipeline's critical
+    path: the busiest rank's work at the unshared rate, compute / (balance · sharing) · (1 + bubble fraction)."""
     fraction = (layout.pp - 1) / (virtual_stages * microbatches)
-    return compute * max(0.0, (1 + fraction) / sharing - 1)
+    return compute * max(0.0, (1 + fraction) / (sharing * balance) - 1)
+
+
+def shared_balance(config: RunConfig, layout: Layout, sharing: float) -> float:
+    """The mean pipeline rank's training FLOPs over the busiest's where ranks share cores (``sharing`` > 1), else
+    1. Sharing cores, a rank that finishes its step's work early leaves its share to the others, so the ranks
+    together take their mean's time at the shared rate, not the busiest's (the last stage's head, say)."""
+    if sharing <= 1 or layout.pp == 1:
+        return 1.0
+    ranks = stage_flops_per_token(config, layout)
+    return sum(ranks) / len(ranks) / max(ranks)
 
 
 def in_last_backward(item: communication.Traffic, grad_reduce: str, microbatches: int) -> float:
@@ -346,8 +357,10 @@ def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware
     microbatches = micro_batching(config, layout.dp, layout.pp)[1]
     if memory_total is None:
         memory_total = memory_bytes(config, layout)[0]
-    compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency, hardware.memory_bandwidth)
-    bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages, hardware.sharing)
+    balance = shared_balance(config, layout, hardware.sharing)
+    compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency, hardware.memory_bandwidth) * balance
+    bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages, hardware.sharing,
+                            balance)
     exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node, microbatches)
     return Plan(config, layout, memory_total, compute, bubble, exposed)
 
@@ -416,7 +429,7 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
     """
     out, refusal = [], None
     peak = hardware.bf16_flops * efficiency
-    busiest: dict[tuple, float] = {}
+    busiest: dict[tuple, tuple[float, float]] = {}  # (compute × dp, shared_balance)
     for layout in fixed_layouts(config, world_size, fixed or {}):
         sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
         for micro in micro_batch_sizes(config, layout):
@@ -433,9 +446,12 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
                 key = (layout.pp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
                 if key not in busiest:
                     setting = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
-                    busiest[key] = compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * layout.dp
-                compute = busiest[key] / layout.dp
-                bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1], hardware.sharing)
+                    busiest[key] = (compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * layout.dp,
+                                    shared_balance(setting, layout, hardware.sharing))
+                work, balance = busiest[key]
+                compute = work / layout.dp * balance
+                bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1], hardware.sharing,
+                                                 balance)
                 out.append(Candidate(config, layout, recompute, grad_reduce, schedule, micro, bound))
     if not out:
         raise none_passes(world_size, refusal)

@@ -192,55 +192,88 @@ def _collective(name: str, nbytes: int, world: int, rank: int) -> callable:
     return exchange
 
 
-def _measure_rank(rank: int, world: int, port: int, shapes, seconds: float, blocks: int, calls: int, out) -> None:
+def _timed_blocks(work: callable, blocks: int, calls: int) -> list[float]:
+    """Seconds per call of ``work`` run ``calls`` times back to back, for each of ``blocks`` blocks: every rank
+    starts a block together, and a block ends when its last rank does (a collective ends then too)."""
+    samples = []
+    for _ in range(blocks):
+        dist.barrier()
+        began = time.perf_counter()
+        for _ in range(calls):
+            work()
+        elapsed = torch.tensor([(time.perf_counter() - began) / calls])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        samples.append(elapsed.item())
+    return samples
+
+
+def _measure_rank(rank: int, world: int, port: int, chunk, blocks: int, calls: int, out) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    dist.barrier()
-    flops = _time_gemms(shapes, seconds)
+    operands = [(int(count), torch.randn(max(int(round(m)), 1), k), torch.randn(k, n)) for count, m, k, n in chunk]
+
+    def compute() -> None:
+        for count, a, w in operands:
+            for _ in range(count):
+                a @ w
+
     times = {}
     for name in COLLECTIVES:
+        alone = {}
         for nbytes in (SMALL, LARGE):
             call = _collective(name, nbytes, world, rank)
-            for _ in range(3):
-                call()
-            samples = []
-            for _ in range(blocks):  # calls back to back, as a step issues them: the ranks' skew is amortized
-                dist.barrier()
-                began = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                elapsed = torch.tensor([(time.perf_counter() - began) / calls])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends when its last rank does
-                samples.append(elapsed.item())
-            times[name, nbytes] = statistics.median(samples)
-    flops_all = [None] * world
-    dist.all_gather_object(flops_all, flops)
+            _timed_blocks(call, 1, 3)  # warm-up
+            alone[nbytes] = statistics.median(_timed_blocks(call, blocks, 2 * calls))
+        small = _collective(name, SMALL, world, rank)
+
+        def step_like(call: callable = small) -> None:
+            compute()
+            call()
+        _timed_blocks(step_like, 1, 2)  # warm-up
+        # alternated, so that the machine's drift falls on both alike
+        pairs = [(_timed_blocks(step_like, 1, calls)[0], _timed_blocks(compute, 1, calls)[0]) for _ in range(blocks)]
+        times[name, SMALL] = statistics.median(with_call - without for with_call, without in pairs)
+        # the bytes' time from the calls alone: beside compute it is a few ms in a difference of tens, lost in noise
+        times[name, LARGE] = times[name, SMALL] + alone[LARGE] - alone[SMALL]
     if rank == 0:
-        out.put((flops_all, times))
+        out.put(times)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_machine(config: RunConfig, world: int, seconds: float = 3.0, blocks: int = 5, calls: int = 10) -> dict:
-    """Matmul FLOP/s per rank with ``world`` ranks at once, and gloo's collective times on ``world`` ranks."""
+def chunk_between_calls(config: RunConfig, world: int) -> list[tuple[float, int, int, int]]:
+    """The compute a rank runs between two collectives of a step, as the collectives are timed: one block's
+    forward matmuls on a data-parallel rank's share of the batch, which is what runs between FSDP's gathers of
+    consecutive blocks (one unit per block)."""
+    tokens = config.train.global_batch_size // world * config.model.seq_len
+    return planner.block_gemms(config, Layout.resolve(1), tokens, config.model.is_moe_layer(0))
+
+
+def measure_machine(config: RunConfig, world: int, blocks: int = 7, calls: int = 4) -> dict:
+    """gloo's seconds per collective call on ``world`` ranks, for a small and a large buffer, as a step sees them.
+
+    A small buffer's call is timed under load: each rank runs the compute a step runs between two calls
+    (``chunk_between_calls``) before each call, and the call's cost is the time beyond the same compute without
+    it. Ranks that share cores drift apart while they compute, so a call waits longer for its last peer than in
+    a loop of collectives alone (on 4 ranks of 2 cores about 7-10 ms for an all-reduce instead of 5). The large
+    buffer adds its extra bytes' time as measured in a loop of calls alone."""
     context = mp.get_context("spawn")
     queue = context.Queue()
-    shapes = gemm_shapes(config)
     port = free_port()
-    processes = [context.Process(target=_measure_rank, args=(r, world, port, shapes, seconds, blocks, calls,
-                                                                         queue))
+    processes = [context.Process(target=_measure_rank, args=(r, world, port, chunk_between_calls(config, world),
+                                                             blocks, calls, queue))
                  for r in range(world)]
     for p in processes:
         p.start()
-    flops_all, times = queue.get(timeout=600)
+    times = queue.get(timeout=600)
     for p in processes:
         p.join()
-    return {"flops_per_rank": statistics.median(flops_all), "times": times}
+    return times
 
 
 def single_rank_flops(config: RunConfig, seconds: float = 3.0) -> float:
-    """The same matmuls in this process alone, one thread: the rate the sharing rule divides."""
+    """The config's matmuls in this process alone, one thread: the rate the efficiency and sharing divide."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -277,20 +310,58 @@ def preset(world: int, flops: float, times: dict, sharing: float = 1.0
 # ---------------------------------------------------------------------------
 
 
-def step_times(config_name: str, overrides: list[str], world: int, steps: int, run_dir: Path) -> list[float]:
-    """Seconds of each step of ``train.py`` on ``world`` ranks (from its per-step tokens/s)."""
+def train_command(config_name: str, overrides: list[str], world: int, steps: int, run_dir: Path) -> list[str]:
+    """``train.py`` on ``world`` ranks (torchrun above one) for ``steps`` steps, logging every step."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
-    command = [sys.executable, *launcher, "train.py", "--config", config_name, "--run-dir", str(run_dir),
-               "--resume", "none", "--set", *overrides, f"train.steps={steps}", "logging.log_interval=1",
-               "logging.wandb=disabled", "train.eval_batches=1", "train.eval_interval=0"]
-    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return [sys.executable, *launcher, "train.py", "--config", config_name, "--run-dir", str(run_dir),
+            "--resume", "none", "--set", *overrides, f"train.steps={steps}", "logging.log_interval=1",
+            "logging.wandb=disabled", "train.eval_batches=1", "train.eval_interval=0"]
+
+
+THREAD_PER_RANK = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def logged_step_times(config_name: str, overrides: list[str], run_dir: Path) -> list[float]:
+    """Seconds of each step a finished run logged (from its per-step tokens/s)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     config = load_config(config_name, overrides)
     tokens = config.train.global_batch_size * config.model.seq_len
     return [tokens / r["perf/tokens_per_s"] for r in records if "perf/tokens_per_s" in r]
+
+
+def step_times(config_name: str, overrides: list[str], world: int, steps: int, run_dir: Path) -> list[float]:
+    """Seconds of each step of ``train.py`` on ``world`` ranks."""
+    command = train_command(config_name, overrides, world, steps, run_dir)
+    done = subprocess.run(command, cwd=ROOT, env=THREAD_PER_RANK, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return logged_step_times(config_name, overrides, run_dir)
+
+
+def shared_step(config_name: str, overrides: list[str], world: int, steps: int, warmup: int,
+                run_dir: Path) -> float:
+    """The step seconds of ``world`` one-process trainings run at once, each on a ``world``-th of the global batch
+    (the median of their medians): a data-parallel rank's compute, shared with the others as on ``world`` ranks,
+    with nothing to exchange. Over a ``world``-th of one process's step alone, it is the preset's ``sharing``:
+    what the ranks' switching and their contention for caches and memory cost beyond dividing the cores."""
+    batch, rest = divmod(load_config(config_name, overrides).train.global_batch_size, world)
+    if rest:
+        raise ValueError(f"the global batch does not split over {world} processes")
+    mine = [*overrides, f"train.global_batch_size={batch}", "train.micro_batch_size=null"]
+    runs = []
+    for i in range(world):
+        log = (run_dir / f"shared-{i}.log").open("w")
+        command = train_command(config_name, mine, 1, warmup + steps, run_dir / f"shared-{i}")
+        runs.append((command, subprocess.Popen(command, cwd=ROOT, env=THREAD_PER_RANK, stdout=log, stderr=log), log))
+    medians = []
+    for i, (command, process, log) in enumerate(runs):
+        process.wait()
+        log.close()
+        if process.returncode != 0:
+            tail = (run_dir / f"shared-{i}.log").read_text()[-3000:]
+            raise RuntimeError(f"{' '.join(command)} failed:\n{tail}")
+        medians.append(statistics.median(logged_step_times(config_name, mine, run_dir / f"shared-{i}")[warmup:]))
+    return statistics.median(medians)
 
 
 def step_efficiency(config_name: str, overrides: list[str], alone: float, steps: int, warmup: int,
@@ -320,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8], choices=sorted(LAYOUTS))
     parser.add_argument("--steps", type=int, default=4, help="measured steps per run (after --warmup)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2, help="runs of every layout, interleaved")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every layout, interleaved")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     base = [*BASE, *args.overrides]
@@ -333,13 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one process: a step of {one_step:.3f} s, {efficiency:.0%} of its matmuls' rate (the efficiency)")
     presets = {}
     for world in args.worlds:
-        measured = measure_machine(config, world)
-        hardware, rates = preset(world, measured["flops_per_rank"], measured["times"],
-                                 alone / measured["flops_per_rank"])
+        with tempfile.TemporaryDirectory() as tmp:
+            shared = shared_step(args.config, base, world, args.steps, args.warmup, Path(tmp))
+        sharing = world * shared / one_step
+        hardware, rates = preset(world, alone / sharing, measure_machine(config, world), sharing)
         presets[world] = hardware
         lat = hardware.latency
-        print(f"{world} ranks: {hardware.bf16_flops / 1e9:.2f} GFLOP/s per rank (sharing rule min(1, {cores}/{world}) "
-              f"x alone: {alone * min(1, cores / world) / 1e9:.2f}; sharing {hardware.sharing:.2f}); gloo bus GB/s "
+        print(f"{world} ranks: {world} one-process steps on a {world}-th of the batch at once take {shared:.3f} s "
+              f"each, sharing {sharing:.2f} (the cores alone: {world / min(world, cores):.2f}), "
+              f"{hardware.bf16_flops / 1e9:.2f} GFLOP/s per rank; gloo bus GB/s under load "
               + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items())
               + f"; preset {hardware.intra_node / 1e9:.2f} GB/s, latency {lat.call * 1e6:.0f} us per call + "
               f"{lat.intra_step * 1e6:.0f} us per step")

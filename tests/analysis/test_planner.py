@@ -291,6 +291,28 @@ def test_ranks_sharing_cores_fill_the_bubble_until_the_critical_path_at_the_unsh
     assert planner.bubble_seconds(8.0, layout, microbatches=8, sharing=1.25) == pytest.approx(0.8)
 
 
+def test_ranks_sharing_cores_take_the_mean_stage_s_work_not_the_busiest_s():
+    """moe-8x on pp=4: one block per rank, the head on the last. Sharing cores, the ranks finish their total
+    work at the shared rate: the mean rank's time, (3 blocks + (block + head)) / 4 of the busiest's. Not on GPUs,
+    and not without pipelining. The bubble's critical path is still the busiest rank's at the unshared rate."""
+    layout = Layout.resolve(4, pp=4)
+    config = planner.with_layout(load_config("moe-8x", ["train.precision=fp32"]), layout, "none",
+                                 schedule=("gpipe", 1), micro_batch_size=4)
+    block, head = (block_flops_per_token(config.model, config.moe, True), head_flops_per_token(config.model))
+    balance = (4 * block + head) / 4 / (block + head)
+    assert planner.shared_balance(config, layout, sharing=2.0) == pytest.approx(balance)
+    assert planner.shared_balance(config, layout, sharing=1.0) == 1.0
+    assert planner.shared_balance(_config(Layout.resolve(4, dp_shard=4)), Layout.resolve(4, dp_shard=4), 2.0) == 1.0
+    cpu = dataclasses.replace(_bandwidth_only(H100), sharing=2.0)
+    plan = planner.evaluate(config, layout, cpu, 8, efficiency=0.5, memory_total=0)
+    busiest = planner.compute_seconds(config, layout, cpu.bf16_flops * 0.5, cpu.memory_bandwidth)
+    assert plan.compute == pytest.approx(busiest * balance)
+    # 8 micro-batches, bubble 3/8: the critical path 1.375 × busiest / 2 is within the mean's time: no bubble
+    assert plan.bubble == 0.0
+    assert planner.bubble_seconds(busiest * balance, layout, 8, sharing=1.25, balance=balance) == pytest.approx(
+        max(0.0, busiest * 1.375 / 1.25 - busiest * balance))
+
+
 def test_interleaving_divides_the_bubble_by_v_and_each_rank_sums_its_stages():
     """Narayanan et al. 2021 sec. 2.2.2: (p − 1)/(v·m). With pp=2 and v=2 over 4 blocks, rank 0 runs stages 0 and
     2, rank 1 stages 1 and 3 and the head; together every block once."""
