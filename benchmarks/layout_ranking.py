@@ -3,32 +3,38 @@
 The planner's step estimate (``analysis.planner.evaluate``, the same code that ranks GPU layouts) is given a
 preset of this machine built from measured figures, for each world size (4 and 8 gloo processes by default):
 
-- **matmul FLOP/s per rank**: every rank runs the config's own matmuls at once (``planner.block_gemms`` of
-  each kind of block on one micro-batch, and the head: forward, input gradient and weight gradient), one
-  thread each as ``train.py`` runs under torchrun. Shown beside one process alone, to check the sharing
-  rule (n ranks on c cores get min(1, c/n) of one rank's rate); the ratio of the two is the preset's
-  ``sharing``: above 1, a pipeline's idle ranks leave their cores to the busy ones
-  (``planner.bubble_seconds``) and no traffic hides behind compute (``planner.exposed_communication``);
+- **matmul FLOP/s alone**: the config's own matmuls (``planner.block_gemms`` of each kind of block on one
+  micro-batch, and the head: forward, input gradient and weight gradient) in one process, one thread as
+  ``train.py`` runs under torchrun;
 - **the efficiency**: one process trains the config alone (``train.py``, one thread); the step's training
   FLOPs over its time, as a fraction of the matmuls' rate alone, is what the planner's ``efficiency`` is on a
   GPU (``planner.calibrated_efficiency``: one measured step, the element-wise work, routing and optimizer
   included), measured once and used for every layout and world size;
-- **gloo bandwidth and latency**: the collectives the layouts use (all-reduce, all-gather, reduce-scatter,
-  all-to-all, pairwise send/recv), each timed on a small and a large buffer with every rank taking part.
-  The bandwidth is the large buffers' bus bytes (``communication.bus_bytes``) over the time the extra bytes
-  took; the latency (``communication.Latency``) is fitted by least squares to the small buffers' times with
-  the ring-step counts of ``communication.ring_steps`` (a call's cost and one per step). One figure each for
-  the whole world size: the planner has one link here, as on a GPU node.
+- **sharing**: n one-process trainings at once, each on an n-th of the global batch (``shared_step``): a
+  data-parallel rank's compute, shared as on n ranks, with nothing to exchange. Their step over an n-th of the
+  step alone is the preset's ``sharing``, and the matmul rate alone over it the rate per rank. Above 1, a
+  pipeline's idle ranks leave their cores to the busy ones (``planner.bubble_seconds``,
+  ``planner.shared_balance``) and no traffic hides behind compute (``planner.exposed_communication``). Measured
+  on whole steps, not on matmuls alone: switching between processes and their contention for caches cost more
+  in a step (on 8 processes of 2 cores, 4.8 against 4.25 for matmuls alone);
+- **gloo bandwidth and latency** (``measure_machine``): the collectives the layouts use (all-reduce,
+  all-gather, reduce-scatter, all-to-all, pairwise send/recv). A small buffer's call is timed after the compute
+  a step runs between two calls, as its cost beyond that compute: on shared cores the ranks drift apart while
+  they compute, and a call waits for the last. The bandwidth is a large buffer's extra bus bytes
+  (``communication.bus_bytes``) over their extra time in a loop of calls alone; the latency
+  (``communication.Latency``) is fitted by least squares to the small buffers' times under load with the
+  ring-step counts of ``communication.ring_steps`` (a call's cost and one per step). One figure each for the
+  whole world size: the planner has one link here, as on a GPU node.
 
 Then every layout of ``LAYOUTS`` trains ``--config`` for ``--warmup`` + ``--steps`` steps with
 ``train.py`` under torchrun (fp32, one thread per rank), the layouts interleaved over ``--rounds`` rounds,
 and its step time is the median of the measured steps (``perf/tokens_per_s`` at a log interval of 1: the
 step and its per-step logging). The table lists predicted against measured per layout, the error, and
 Spearman's rank correlation of the two orders per world size. A measurement, never a pass/fail test
-(tests/benchmarks/test_layout_ranking.py checks its plumbing).
+(tests/test_layout_ranking_benchmark.py checks its plumbing).
 
     python benchmarks/layout_ranking.py [--config moe-8x] [--set KEY=VALUE ...] [--worlds 4 8] [--steps 4]
-                                        [--warmup 2] [--rounds 2] [--json PATH]
+                                        [--warmup 2] [--rounds 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -236,6 +242,7 @@ def _measure_rank(rank: int, world: int, port: int, chunk, blocks: int, calls: i
         times[name, SMALL] = statistics.median(with_call - without for with_call, without in pairs)
         # the bytes' time from the calls alone: beside compute it is a few ms in a difference of tens, lost in noise
         times[name, LARGE] = times[name, SMALL] + alone[LARGE] - alone[SMALL]
+        times[name, "alone"] = alone[SMALL]  # for the record: the small call in a loop of calls alone
     if rank == 0:
         out.put(times)
     dist.barrier()
@@ -402,17 +409,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         efficiency, one_step = step_efficiency(args.config, base, alone, args.steps, args.warmup, Path(tmp))
     print(f"one process: a step of {one_step:.3f} s, {efficiency:.0%} of its matmuls' rate (the efficiency)")
-    presets = {}
+    presets, collectives = {}, {}
     for world in args.worlds:
         with tempfile.TemporaryDirectory() as tmp:
             shared = shared_step(args.config, base, world, args.steps, args.warmup, Path(tmp))
         sharing = world * shared / one_step
-        hardware, rates = preset(world, alone / sharing, measure_machine(config, world), sharing)
+        collectives[world] = measure_machine(config, world)
+        hardware, rates = preset(world, alone / sharing, collectives[world], sharing)
         presets[world] = hardware
         lat = hardware.latency
         print(f"{world} ranks: {world} one-process steps on a {world}-th of the batch at once take {shared:.3f} s "
               f"each, sharing {sharing:.2f} (the cores alone: {world / min(world, cores):.2f}), "
-              f"{hardware.bf16_flops / 1e9:.2f} GFLOP/s per rank; gloo bus GB/s under load "
+              f"{hardware.bf16_flops / 1e9:.2f} GFLOP/s per rank; gloo bus GB/s "
               + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items())
               + f"; preset {hardware.intra_node / 1e9:.2f} GB/s, latency {lat.call * 1e6:.0f} us per call + "
               f"{lat.intra_step * 1e6:.0f} us per step")
@@ -442,8 +450,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['plan']:<62} {r['predicted_s']:>8.3f}s {r['measured_s']:>8.3f}s "
                   f"{r['predicted_s'] / r['measured_s'] - 1:>+7.0%}  {parts}")
     if args.json:
+        seconds = {w: {f"{name} {size}": t for (name, size), t in c.items()} for w, c in collectives.items()}
         args.json.write_text(json.dumps({"rows": rows, "spearman": summary, "single_rank_flops": alone,
                                          "efficiency": efficiency, "one_process_step_s": one_step,
+                                         "collective_seconds": seconds,
                                          "presets": {w: vars(h) | {"latency": vars(h.latency)}
                                                      for w, h in presets.items()}}, indent=1, default=str))
     return 0
