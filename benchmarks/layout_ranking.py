@@ -16,7 +16,7 @@ preset of this machine built from measured figures, for each world size (4 and 8
   pipeline's idle ranks leave their cores to the busy ones (``planner.bubble_seconds``,
   ``planner.shared_balance``) and no traffic hides behind compute (``planner.exposed_communication``). Measured
   on whole steps, not on matmuls alone: switching between processes and their contention for caches cost more
-  in a step (on 8 processes of 2 cores, 4.8 against 4.25 for matmuls alone);
+  in a step (on 8 processes of 2 cores, about 4.9 against 4.25 for matmuls alone);
 - **gloo bandwidth and latency** (``measure_machine``): the collectives the layouts use (all-reduce,
   all-gather, reduce-scatter, all-to-all, pairwise send/recv). A small buffer's call is timed after the compute
   a step runs between two calls, as its cost beyond that compute: on shared cores the ranks drift apart while
@@ -91,6 +91,7 @@ LAYOUTS = {
     ],
 }
 
+THREAD_PER_RANK = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun runs each rank here
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 SMALL, LARGE = 1024, 4 * 2**20  # bytes of the buffers timed for latency and for bandwidth
 
@@ -263,7 +264,7 @@ def measure_machine(config: RunConfig, world: int, blocks: int = 7, calls: int =
     A small buffer's call is timed under load: each rank runs the compute a step runs between two calls
     (``chunk_between_calls``) before each call, and the call's cost is the time beyond the same compute without
     it. Ranks that share cores drift apart while they compute, so a call waits longer for its last peer than in
-    a loop of collectives alone (on 4 ranks of 2 cores about 7-10 ms for an all-reduce instead of 5). The large
+    a loop of collectives alone (a 1 KiB all-reduce on 4 ranks of 2 cores: 7 to 11 ms, against 4 to 5). The large
     buffer adds its extra bytes' time as measured in a loop of calls alone."""
     context = mp.get_context("spawn")
     queue = context.Queue()
@@ -323,9 +324,6 @@ def train_command(config_name: str, overrides: list[str], world: int, steps: int
     return [sys.executable, *launcher, "train.py", "--config", config_name, "--run-dir", str(run_dir),
             "--resume", "none", "--set", *overrides, f"train.steps={steps}", "logging.log_interval=1",
             "logging.wandb=disabled", "train.eval_batches=1", "train.eval_interval=0"]
-
-
-THREAD_PER_RANK = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def logged_step_times(config_name: str, overrides: list[str], run_dir: Path) -> list[float]:
