@@ -227,14 +227,13 @@ def _measure_rank(rank: int, world: int, port: int, chunk, blocks: int, calls: i
 
     times = {}
     for name in COLLECTIVES:
-        alone = {}
+        alone, collective = {}, {}
         for nbytes in (SMALL, LARGE):
-            call = _collective(name, nbytes, world, rank)
-            _timed_blocks(call, 1, 3)  # warm-up
-            alone[nbytes] = statistics.median(_timed_blocks(call, blocks, 2 * calls))
-        small = _collective(name, SMALL, world, rank)
+            collective[nbytes] = _collective(name, nbytes, world, rank)
+            _timed_blocks(collective[nbytes], 1, 3)  # warm-up
+            alone[nbytes] = statistics.median(_timed_blocks(collective[nbytes], blocks, 2 * calls))
 
-        def step_like(call: callable = small) -> None:
+        def step_like(call: callable = collective[SMALL]) -> None:
             compute()
             call()
         _timed_blocks(step_like, 1, 2)  # warm-up
