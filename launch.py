@@ -26,10 +26,11 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, parse_min_max_nnodes, run
 
-from moe.config import ConfigError
+from config.cli import run_command
+from config.errors import DIVERGED, INTERRUPTED, USER_ERROR, describe, exit_status
 
 # train.py's own exit statuses: the worker said what happened
-CLI_STATUSES = {2, 3, 130}
+CLI_STATUSES = {USER_ERROR, DIVERGED, INTERRUPTED}
 # the elastic agent logs every worker failure at ERROR before anyone can tell a user error from a crash; a crash's
 # details are printed below from the same failure record
 AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
@@ -51,21 +52,23 @@ def precheck(args) -> str | None:
     import train  # the training CLI's own parser and checks; only for train.py
     try:
         train.check(train.parse_args(args.training_script_args), fixed_world_size(args.nnodes, args.nproc_per_node))
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        return str(exc)
     except SystemExit as exc:  # argparse refused the arguments and printed why
         return "" if exc.code else None
+    except Exception as exc:
+        if exit_status(exc) != USER_ERROR:
+            raise
+        return describe(exc)
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
+def launch(args) -> int:
+    """Check, then run torchrun's launcher; the exit status."""
     sys.path.insert(0, str(Path(args.training_script).resolve().parent))
     message = precheck(args)
     if message is not None:
         if message:
             print(f"error: {message}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     logging.getLogger(AGENT_LOGGER).setLevel(logging.CRITICAL)
     try:
         run(args)
@@ -76,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: a worker failed (exit status {failure.exitcode}); torchrun's report:\n{exc.format_msg()}",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    return run_command(lambda: launch(args))
 
 
 if __name__ == "__main__":

@@ -77,7 +77,6 @@ from dataclasses import dataclass
 
 import torch
 
-from analysis.memory import planned_precision
 from analysis.memory_states import (
     Block,
     rank_blocks,
@@ -85,15 +84,24 @@ from analysis.memory_states import (
     sharded_numel,
     sharded_numel_of,
 )
-from moe.config import ConfigError
+from config.cli import (
+    add_config_arguments,
+    add_world_size,
+    command_parser,
+    load_config_from,
+    run_command,
+    world_size_of,
+)
+from config.errors import ConfigError
+from config.run import RunConfig
 from moe.dispatch import expert_capacity
 from parallel.groups import Layout, axis_view, groups_for
 from parallel.groups import coordinates as _coordinates
+from parallel.hardware import planned_precision
+from parallel.layout import micro_batching, resolve_layout
 from parallel.pipeline import stage_layers
 from parallel.sharding import experts_replicated, experts_spread
 from parallel.tensor import row_bounds, share_counts
-from training.config import RunConfig, load_config
-from training.layout import micro_batching, resolve_layout
 
 
 @dataclass(frozen=True)
@@ -643,33 +651,29 @@ def format_table(items: list[Traffic], hardware: Hardware, gpus_per_node: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Collective traffic of one rank in one optimizer step.")
-    parser.add_argument("--config", default="moe-8x", help="config name in configs/ or a YAML path")
-    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                        help="override config keys, e.g. --set parallel.tp=2 parallel.ep=4")
-    parser.add_argument("--world-size", type=int, default=8, help="number of ranks (GPUs)")
+    parser = command_parser("moe-communication", "Collective traffic of one rank in one optimizer step.")
+    add_config_arguments(parser, set_help="override config keys, e.g. --set parallel.tp=2 parallel.ep=4")
+    add_world_size(parser, default=8, help="number of ranks (GPUs)")
     parser.add_argument("--rank", type=int, default=0, help="which rank to describe (traffic can differ by rank)")
     add_hardware_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        if args.world_size < 1:
-            raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
-        config = load_config(args.config, args.overrides)
-        layout, micro, microbatches = resolve_layout(config, args.world_size)
+
+    def describe_traffic() -> None:
+        world_size = world_size_of(args)
+        config = load_config_from(args)
+        layout, micro, microbatches = resolve_layout(config, world_size)
         if not 0 <= args.rank < layout.world_size:
             raise ConfigError(f"--rank {args.rank} is outside the world of {layout.world_size} ranks")
         hardware = hardware_from_args(args)
         gpus_per_node = hardware.gpus_per_node
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    precision = planned_precision(config.train.precision)
-    print(f"{config.name}: {layout.degrees()} on {layout.world_size} ranks, {gpus_per_node} per node; rank "
-          f"{args.rank}; {microbatches} micro-batch(es) of {micro} x {config.model.seq_len} tokens; {precision}")
-    print(f"bandwidth per GPU, one way: {hardware.intra_node / 1e9:.0f} GB/s in a node, "
-          f"{hardware.inter_node / 1e9:.0f} GB/s between nodes ({hardware.name}; {hardware.source})")
-    print(format_table(predict(config, layout, args.rank, precision), hardware, gpus_per_node))
-    return 0
+        precision = planned_precision(config.train.precision)
+        print(f"{config.name}: {layout.degrees()} on {layout.world_size} ranks, {gpus_per_node} per node; rank "
+              f"{args.rank}; {microbatches} micro-batch(es) of {micro} x {config.model.seq_len} tokens; {precision}")
+        print(f"bandwidth per GPU, one way: {hardware.intra_node / 1e9:.0f} GB/s in a node, "
+              f"{hardware.inter_node / 1e9:.0f} GB/s between nodes ({hardware.name}; {hardware.source})")
+        print(format_table(predict(config, layout, args.rank, precision), hardware, gpus_per_node))
+
+    return run_command(describe_traffic)
 
 
 if __name__ == "__main__":

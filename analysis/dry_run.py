@@ -1,7 +1,7 @@
 """``train.py --dry-run``: build every rank's part of a model at full size, on a laptop, without allocating it.
 
 For each rank of the job, in this one process, a fake process group (torch's ``fake`` backend: collectives
-return at once) stands in for the job's, and ``training.loop.build_model`` runs the real construction on
+return at once) stands in for the job's, and ``parallel.build.build_model`` runs the real construction on
 the meta device: the pipeline cut, tensor, expert and sharded data parallelism, all as a real run would
 apply them. Nothing is materialised. The parameters' local shards then give this rank's model-state bytes
 exactly (fp32 weights, fp32 gradients, AdamW's two fp32 moments: 16 bytes per held element), printed beside
@@ -9,7 +9,7 @@ the memory model's prediction (``analysis.memory``), whose whole-step estimate (
 activations as well) is printed too. Megatron-LM's ``--fake-init-process-group`` and torchtitan's dry run
 do the same.
 
-The layout is validated first exactly as ``train.py`` validates it (``training.loop.resolve_layout``), so
+The layout is validated first exactly as ``train.py`` validates it (``parallel.layout.resolve_layout``), so
 a layout a real run would refuse fails here with the same message.
 """
 
@@ -25,10 +25,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from analysis.memory import GIB, MemoryEstimate, estimate
 from analysis.memory_states import ModelStates
+from config.run import RunConfig
+from parallel.build import build_model
 from parallel.groups import Layout, ParallelGroups, coordinates
-from training.config import RunConfig
-from training.layout import resolve_layout
-from training.loop import build_model
+from parallel.layout import ResolvedLayout
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,15 @@ def extreme_ranks(layout: Layout) -> list[int]:
     return sorted({rank for ranks in stages.values() for rank in (ranks[0], ranks[-1])})
 
 
-def dry_run(config: RunConfig, world_size: int, precision: str,
+def dry_run(config: RunConfig, resolved: ResolvedLayout, precision: str,
             every_rank: bool = False) -> tuple[list[RankStates], list[MemoryEstimate]]:
     """Built model states of each stage's first and last rank (or of every rank), and the memory model's estimate
-    for each pipeline rank."""
-    layout, micro, microbatches = resolve_layout(config, world_size)
+    for each pipeline rank, of ``config`` laid out as ``resolved`` (``resolve_layout``'s)."""
+    layout, micro, microbatches = resolved
+    world_size = layout.world_size
     ranks = range(world_size) if every_rank else extreme_ranks(layout)
     built = [built_states(config, layout, rank, micro, microbatches) for rank in ranks]
-    estimates = [estimate(config, world_size, precision, pp_rank) for pp_rank in range(layout.pp)]
+    estimates = [estimate(config, world_size, precision, pp_rank, resolved) for pp_rank in range(layout.pp)]
     return built, estimates
 
 

@@ -18,9 +18,9 @@ import torch
 
 from analysis.memory import GIB, estimate
 from analysis.planner import plan
-from moe.config import ConfigError
-from training.config import RunConfig
-from training.layout import resolve_layout
+from config.errors import ConfigError
+from config.run import RunConfig
+from parallel.layout import ResolvedLayout
 
 
 def available_bytes_per_rank(device_type: str) -> int | None:
@@ -36,21 +36,23 @@ def available_bytes_per_rank(device_type: str) -> int | None:
     return kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def predicted_bytes(config: RunConfig, world_size: int, precision: str, device_type: str = "cuda") -> list[int]:
-    """The memory model's peak for one rank of each pipeline stage."""
-    resolved = resolve_layout(config, world_size)
+def predicted_bytes(config: RunConfig, resolved: ResolvedLayout, precision: str, device_type: str = "cuda"
+                    ) -> list[int]:
+    """The memory model's peak for one rank of each pipeline stage of ``resolved`` (``resolve_layout``'s)."""
+    world_size = resolved.layout.world_size
     return [estimate(config, world_size, precision, pp_rank, resolved, device_type).total
-            for pp_rank in range(resolved[0].pp)]
+            for pp_rank in range(resolved.layout.pp)]
 
 
-def check_fits(config: RunConfig, world_size: int, available: int | None, precision: str,
+def check_fits(config: RunConfig, resolved: ResolvedLayout, available: int | None, precision: str,
                device_type: str = "cuda") -> list[int]:
     """Each pipeline stage's predicted bytes per rank; ConfigError when one exceeds ``available`` (None: no check)."""
-    needs = predicted_bytes(config, world_size, precision, device_type)
+    needs = predicted_bytes(config, resolved, precision, device_type)
     worst = max(range(len(needs)), key=lambda pp_rank: needs[pp_rank])
     if available is None or needs[worst] <= available:
         return needs
-    layout = resolve_layout(config, world_size)[0]
+    layout = resolved.layout
+    world_size = layout.world_size
     stage = f"the ranks of pipeline stage {worst}" if len(needs) > 1 else "every rank"
     fitting = plan(config, world_size, available, top=3)[0]
     advice = ("; layouts of this world size that fit, fastest first: "

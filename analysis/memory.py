@@ -48,7 +48,6 @@ is cited, not matched.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import weakref
@@ -70,13 +69,22 @@ from analysis.memory_states import (
     local_layers,
     model_states,
 )
+from config.cli import (
+    add_config_arguments,
+    add_world_size,
+    command_parser,
+    load_config_from,
+    run_command,
+    world_size_of,
+)
+from config.errors import ConfigError
+from config.run import RunConfig, load_config
 from moe.accounting import parameter_counts
-from moe.config import ConfigError
 from moe.experts import ComputeCopies
 from parallel.groups import Layout
+from parallel.hardware import planned_precision
+from parallel.layout import resolve_layout
 from parallel.tensor import lm_loss, loss_context
-from training.config import RunConfig, load_config
-from training.layout import resolve_layout
 
 GIB, MIB = 2**30, 2**20
 
@@ -118,14 +126,6 @@ class MemoryEstimate:
         """The step's peak: forward and backward's. The optimizer step holds the states alone (fused AdamW
         allocates nothing more), which forward and backward's peak includes."""
         return self.forward_backward
-
-
-def planned_precision(requested: str, device_type: str = "cuda") -> str:
-    """The compute precision the models count for ``train.precision``: ``auto`` is bf16 on a GPU (every
-    bf16-capable one qualifies, ``training.hardware``) and, conservatively, fp32 on a CPU (measured there)."""
-    if requested == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
-    return requested
 
 
 def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 0,
@@ -319,11 +319,9 @@ def format_sweep(rows: list[tuple[int, MemoryEstimate]], device_gib: float) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Per-rank training memory of a config and layout.")
-    parser.add_argument("--config", default="moe-8x", help="config name in configs/ or a YAML path")
-    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                        help="override config keys, e.g. --set parallel.tp=2 parallel.ep=4")
-    parser.add_argument("--world-size", type=int, default=1, help="ranks in the job (default 1)")
+    parser = command_parser("moe-memory", "Per-rank training memory of a config and layout.")
+    add_config_arguments(parser, set_help="override config keys, e.g. --set parallel.tp=2 parallel.ep=4")
+    add_world_size(parser, default=1, help="ranks in the job (default 1)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default=None,
                         help="compute precision (default: train.precision; auto means bf16, as on a GPU)")
     parser.add_argument("--device-memory", type=float, default=80.0, metavar="GIB",
@@ -331,37 +329,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-experts", default=None, metavar="E1,E2,...",
                         help="print how the footprint shifts from activations to weights as moe.num_experts grows")
     args = parser.parse_args(argv)
-    try:
-        if not 0 < args.device_memory < math.inf:  # NaN fails this too
-            raise ConfigError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
-        if args.world_size < 1:
-            raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
-        config = load_config(args.config, args.overrides)
-        precision = args.precision or planned_precision(config.train.precision)
-        if args.sweep_experts:
-            try:
-                counts = [int(e) for e in args.sweep_experts.split(",")]
-            except ValueError:
-                counts = []
-            if not counts or min(counts) < 1:
-                raise ConfigError(f"--sweep-experts {args.sweep_experts!r}: give positive expert counts separated "
-                                  "by commas, e.g. 8,16,64")
-            for experts in counts:  # each count's layout passes train.py's checks, as the single estimate does
-                resolve_layout(load_config(args.config, [*args.overrides, f"moe.num_experts={experts}"]),
-                               args.world_size)
-            rows = sweep_experts(args.config, args.overrides, args.world_size, precision, counts)
-            layout = Layout.resolve(args.world_size, **config.parallel.degrees())
-            print(f"{config.name}: {args.world_size} rank(s), {layout.degrees()}; {precision}; the largest "
-                  f"pipeline rank as moe.num_experts grows (layout, top_k and expert_hidden fixed)")
-            print(format_sweep(rows, args.device_memory))
-            return 0
-        layout = resolve_layout(config, args.world_size)[0]
-        estimates = [estimate(config, args.world_size, precision, r) for r in range(layout.pp)]
-        print(format_estimates(config, layout, precision, estimates, args.device_memory))
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: _estimate_command(args))
+
+
+def _estimate_command(args) -> None:
+    """``main``'s work: the estimate, or the sweep over expert counts, printed."""
+    if not 0 < args.device_memory < math.inf:  # NaN fails this too
+        raise ConfigError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
+    world_size_of(args)
+    config = load_config_from(args)
+    precision = args.precision or planned_precision(config.train.precision)
+    if args.sweep_experts:
+        try:
+            counts = [int(e) for e in args.sweep_experts.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1:
+            raise ConfigError(f"--sweep-experts {args.sweep_experts!r}: give positive expert counts separated "
+                              "by commas, e.g. 8,16,64")
+        for experts in counts:  # each count's layout passes train.py's checks, as the single estimate does
+            resolve_layout(load_config(args.config, [*args.overrides, f"moe.num_experts={experts}"]),
+                           args.world_size)
+        rows = sweep_experts(args.config, args.overrides, args.world_size, precision, counts)
+        layout = Layout.resolve(args.world_size, **config.parallel.degrees())
+        print(f"{config.name}: {args.world_size} rank(s), {layout.degrees()}; {precision}; the largest "
+              f"pipeline rank as moe.num_experts grows (layout, top_k and expert_hidden fixed)")
+        print(format_sweep(rows, args.device_memory))
+        return
+    layout = resolve_layout(config, args.world_size)[0]
+    estimates = [estimate(config, args.world_size, precision, r) for r in range(layout.pp)]
+    print(format_estimates(config, layout, precision, estimates, args.device_memory))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ from analysis.memory_states import (
     root_tensors,
     tp_local_shape,
 )
-from moe.config import ModelConfig, MoEConfig
+from config.model import ModelConfig, MoEConfig
+from config.run import RunConfig
 from moe.dispatch import expert_capacity
 from moe.experts import padded_rows, row_multiple_on
 from moe.norm import uses_fused_backward
 from parallel.groups import Layout
-from training.config import RunConfig
 
 INDEX = 8  # int64 ids and indices
 OFFSET = 4  # the grouped GEMM's int32 group offsets

@@ -26,12 +26,12 @@ import functools
 import math
 from dataclasses import dataclass
 
+from config.model import ModelConfig, MoEConfig
+from config.run import RunConfig
 from moe.accounting import per_model
-from moe.config import ModelConfig, MoEConfig
 from parallel.groups import Layout
 from parallel.pipeline import stage_layers
 from parallel.sharding import expert_fsdp_dim, experts_replicated, experts_spread
-from training.config import RunConfig
 
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 like the parameter

@@ -12,7 +12,7 @@ checkpointing none, ``moe`` (where there are MoE layers) and ``full``, with both
 a single micro-batch, or no FSDP shard group of several ranks), every micro-batch size dividing the per-rank
 batch unless the config fixes it (``micro_batch_sizes``), and sequence parallelism whenever tp > 1 (it costs
 no traffic here and saves activations). Pipelines run 1F1B, GPipe, or interleaved 1F1B (``schedules``). Each
-candidate the search weighs is first held to ``train.py``'s own checks (``training.layout.resolve_layout``):
+candidate the search weighs is first held to ``train.py``'s own checks (``parallel.layout.resolve_layout``):
 one it would refuse is skipped, and the reason given if none passes.
 
 For each, ``analysis.memory`` gives the memory of the busiest rank (a plan must fit ``--device-memory``)
@@ -54,7 +54,6 @@ and element-wise costs, overlap of tp or ep traffic with compute, and routing im
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import heapq
@@ -65,13 +64,21 @@ from dataclasses import dataclass
 
 from analysis import communication, memory
 from analysis.memory_states import experts_own_unit, local_layers, rank_blocks
+from config.cli import (
+    add_config_arguments,
+    add_world_size,
+    command_parser,
+    load_config_from,
+    run_command,
+    world_size_of,
+)
+from config.errors import ConfigError
+from config.run import RunConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts, per_model
-from moe.config import ConfigError
 from parallel.groups import Layout, valid_layouts
+from parallel.layout import micro_batching, resolve_layout
 from parallel.pipeline import stage_layers
 from parallel.sharding import GRAD_REDUCE
-from training.config import RunConfig, load_config
-from training.layout import micro_batching, resolve_layout
 
 RECOMPUTE = ("none", "moe", "full")
 GIB = 2**30
@@ -597,11 +604,10 @@ def fixed_degrees(overrides: list[str]) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.planner", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="moe-8x")
-    parser.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE",
-                        help="config overrides; a parallel degree set here (parallel.tp=2) is fixed, the rest searched")
-    parser.add_argument("--world-size", type=int, required=True, help="GPUs to plan for")
+    parser = command_parser("moe-plan", __doc__)
+    add_config_arguments(parser, set_help="config overrides; a parallel degree set here (parallel.tp=2) is fixed, "
+                                          "the rest searched")
+    add_world_size(parser, required=True, help="GPUs to plan for")
     parser.add_argument("--device-memory", type=float, default=None,
                         help="GiB per GPU (default: the --gpu preset's)")
     communication.add_hardware_arguments(parser)
@@ -610,23 +616,21 @@ def main(argv: list[str] | None = None) -> int:
                              "planner.calibrated_efficiency)")
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args(argv)
-    try:
-        if args.world_size < 1:
-            raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
+
+    def plan_layouts() -> None:
+        world_size = world_size_of(args)
         if not 0 < args.efficiency <= 1:  # NaN fails this too
             raise ConfigError(f"--efficiency must be in (0, 1], got {args.efficiency}")
         if args.top < 1:
             raise ConfigError(f"--top must be at least 1, got {args.top}")
-        config = load_config(args.config, args.overrides)
+        config = load_config_from(args)
         hardware = communication.hardware_from_args(args, args.device_memory)
-        found = search(config, args.world_size, hardware.memory_gib * GIB, hardware.gpus_per_node, hardware,
+        found = search(config, world_size, hardware.memory_gib * GIB, hardware.gpus_per_node, hardware,
                        args.efficiency, args.top, fixed=fixed_degrees(args.overrides))
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_plans(config, found, args.world_size, hardware.memory_gib * GIB, hardware, args.efficiency,
-                       args.top))
-    return 0
+        print(format_plans(config, found, world_size, hardware.memory_gib * GIB, hardware, args.efficiency,
+                           args.top))
+
+    return run_command(plan_layouts)
 
 
 if __name__ == "__main__":

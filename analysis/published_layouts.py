@@ -30,14 +30,15 @@ the estimate's figures are calibrated once from these rows (``calibrated_network
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass
 
 from analysis import communication, planner
+from config.cli import command_parser, run_command
+from config.errors import ConfigError
+from config.run import RunConfig, load_config
 from parallel.groups import Layout
-from training.config import RunConfig, load_config
 
 A100 = communication.HARDWARE["a100-80gb"]
 
@@ -301,24 +302,26 @@ def format_rows(results: list[RowResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.published_layouts", description=__doc__.split("\n")[0])
+    parser = command_parser("moe-published-layouts", __doc__)
     parser.add_argument("--rows", default=",".join(r.name for r in TABLE1),
                         help="which Table 1 rows, by parameters in billions")
     parser.add_argument("--moe", action="store_true", help="also rank the published MoE mappings (MOE)")
     args = parser.parse_args(argv)
+    return run_command(lambda: _compare(args))
+
+
+def _compare(args) -> None:
+    """``main``'s work: the chosen rows of each table, planned and printed beside the published figures."""
     names = args.rows.split(",")
     unknown = [n for n in names if n not in {r.name for r in TABLE1}]
     if unknown:
-        print(f"error: --rows {','.join(unknown)}: not a row; valid: {','.join(r.name for r in TABLE1)}",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"--rows {','.join(unknown)}: not a row; valid: {','.join(r.name for r in TABLE1)}")
     print(format_rows([published_row(r) for r in TABLE1 if r.name in names]))
     print()
     print(format_zero3_rows([(r, zero3_plan(r)) for r in TABLE2]))
     if args.moe:
         print()
         print(format_moe_rows([published_moe_row(r) for r in MOE]))
-    return 0
 
 
 if __name__ == "__main__":

@@ -40,12 +40,15 @@ from analysis.router_probe import (
     routing_change,
     top_tokens,
 )
-from moe.config import ConfigError, from_dict
+from config.cli import command_parser, run_command
+from config.errors import ConfigError, UserError
+from config.run import RunConfig
+from config.schema import from_dict, parse_yaml
+from data.cache import load_tokens
+from data.sampler import split_tokens
+from interop.export import consolidated_state
 from moe.transformer import MoETransformer
-from training.checkpointing import published_checkpoints
-from training.config import RunConfig, parse_yaml
-from training.data import load_tokens, split_tokens
-from training.export import consolidated_state
+from parallel.checkpoint import published_checkpoints
 from training.metrics import read_metrics
 from training.routing_stats import read_routing
 
@@ -120,7 +123,7 @@ class RunData:
     def per_layer(self, field: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(steps [I], values [I, ...]) of one routing field for one layer, in step order."""
         if field not in self.routing:
-            raise KeyError(f"{self.run_dir} has no routing field {field!r}; it has {', '.join(sorted(self.routing))}")
+            raise UserError(f"{self.run_dir} has no routing field {field!r}; it has {', '.join(sorted(self.routing))}")
         rows = self.routing["layer"] == layer
         return self.routing["step"][rows], self.routing[field][rows]
 
@@ -363,7 +366,7 @@ def probe_command(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.router", description=__doc__.split("\n")[0])
+    parser = command_parser("moe-router", __doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     probe_parser = commands.add_parser("probe", help="what each expert specialises in, on a held-out text")
     probe_parser.add_argument("--run", required=True, type=Path, help="run directory (holds config.yaml)")
@@ -377,12 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     summary_parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     summary_parser.add_argument("--last", type=int, default=5, help="logging intervals to average routing over")
     args = parser.parse_args(argv)
-    try:
-        {"probe": probe_command, "summary": summary_command}[args.command](args)
-    except (ConfigError, ValueError, OSError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: {"probe": probe_command, "summary": summary_command}[args.command](args))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 from analysis.router import RunData, coselection_lift
 from analysis.router_probe import CATEGORIES, ProbeResult, category_lift, expert_categories
-from training.routing_charts import load_heatmap_figure
+from training.routing_log import load_heatmap_figure
 
 
 def _log2_lift(lift: np.ndarray) -> np.ndarray:

@@ -37,13 +37,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from config.run import load_config  # noqa: E402
+from data.sampler import TokenSampler  # noqa: E402
 from moe.transformer import MoETransformer  # noqa: E402
-from parallel.checkpoint import load_sharded, verify  # noqa: E402
+from parallel.checkpoint import load_sharded, published_checkpoints, verify  # noqa: E402
 from parallel.groups import Layout, ParallelGroups  # noqa: E402
 from parallel.runtime import Runtime  # noqa: E402
-from training.checkpointing import Checkpointer, published_checkpoints  # noqa: E402
-from training.config import load_config  # noqa: E402
-from training.data import TokenSampler  # noqa: E402
+from training.checkpointing import Checkpointer  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 
 BLOCK = 8 << 20

@@ -31,8 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.memory import GIB, estimate, planned_precision  # noqa: E402
-from training.config import load_config  # noqa: E402
+from analysis.memory import GIB, estimate  # noqa: E402
+from config.run import load_config  # noqa: E402
+from parallel.hardware import planned_precision  # noqa: E402
 
 
 def train(config: str, overrides: list[str], nproc: int, run_dir: Path) -> dict:

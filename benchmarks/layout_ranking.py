@@ -58,10 +58,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from analysis import communication, planner  # noqa: E402
+from config.run import RunConfig, load_config  # noqa: E402
 from parallel.groups import Layout  # noqa: E402
+from parallel.layout import resolve_layout  # noqa: E402
 from parallel.runtime import free_port  # noqa: E402
-from training.config import RunConfig, load_config  # noqa: E402
-from training.layout import resolve_layout  # noqa: E402
 
 # The config's settings every layout shares: a step of about a second on 2 cores.
 BASE = ["train.global_batch_size=32", "train.precision=fp32"]
@@ -150,7 +150,7 @@ def gemm_shapes(config: RunConfig) -> list[tuple[float, int, int, int]]:
 def _time_gemms(shapes: list[tuple[float, int, int, int]], seconds: float) -> float:
     """FLOP/s of running every shape's forward, input-gradient and weight-gradient matmul, from the fastest of the
     passes repeated for ``seconds``: the one other processes of the machine disturbed least (as
-    ``training.hardware.measure_matmul_flops``); the ranks measured together disturb every pass alike."""
+    ``parallel.hardware.measure_matmul_flops``); the ranks measured together disturb every pass alike."""
     operands = []
     for count, m, k, n in shapes:
         m = max(int(round(m)), 1)

@@ -42,7 +42,7 @@ Mixtral-shaped one (d_model 4096, expert hidden 14336, 8 experts, top-2, 8192 to
 backend and, where it is installed, megablocks' grouped GEMM (``moe.backend``), against the floor computed
 with the same backend. Steps are timed between device synchronisations. ``TFLOP/s`` is the expert math's
 FLOPs (18·rows·D·H for SwiGLU: three GEMMs forward, twice that backward) over the layer step, and ``peak``
-its fraction of the GPU's dense bf16 datasheet figure (``training.hardware.GPU_BF16_PEAK``).
+its fraction of the GPU's dense bf16 datasheet figure (``parallel.hardware.GPU_BF16_PEAK``).
 
     python benchmarks/moe_layer.py [--device cpu|cuda] [--repeats N] [--precision fp32|bf16|both] [--quick]
                                    [--json PATH]
@@ -62,12 +62,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moe.config import MoEConfig
+from config.model import MoEConfig
 from moe.dispatch import expert_capacity
 from moe.experts import grouped_matmul, megablocks_unavailable
 from moe.init import initialize
 from moe.layer import MoELayer
-from training.hardware import GPU_BF16_PEAK, keep_freed_memory
+from parallel.hardware import GPU_BF16_PEAK, keep_freed_memory
 
 
 @dataclass(frozen=True)

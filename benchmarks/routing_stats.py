@@ -43,15 +43,15 @@ from unittest import mock
 
 import torch
 
+from config.run import load_config
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
-from training.config import load_config
-from training.layout import micro_batching
+from parallel.layout import micro_batching
 from training.loop import IntervalStats, train_step
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer
-from training.routing_charts import log_routing_charts
-from training.routing_stats import RoutingAccumulator, RoutingLog, routing_metrics
+from training.routing_log import RoutingLog, log_routing_charts
+from training.routing_stats import RoutingAccumulator, routing_metrics
 
 
 def _time(fn, repeats: int) -> float:

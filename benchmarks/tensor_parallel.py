@@ -31,13 +31,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from analysis.memory import saved_activation_bytes
+from config.parallel import ParallelConfig
+from config.run import load_config
 from moe.transformer import MoETransformer
 from parallel import parallelize
-from parallel.config import ParallelConfig
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import free_port
 from parallel.tensor import lm_loss, loss_context
-from training.config import load_config
 
 VARIANTS = {"tp": (False, False), "tp + sequence_parallel": (True, False), "tp + vocab_parallel": (False, True),
             "tp + both": (True, True)}

@@ -21,7 +21,7 @@ forward hooks open and close); a backward operator takes its forward operator's,
 sequence numbers. The printed line ``outside expert GEMMs and attention: N%`` is the share of the step that is
 neither (goal: under 15% on CPU). On CUDA it also prints model FLOP utilisation: model FLOPs per token from the
 active parameters (as ``perf/mfu`` counts them, ``moe.accounting.training_flops_per_token``) times tokens per
-second, over the GPU's dense bf16 datasheet peak (``training.hardware.GPU_BF16_PEAK``). A measurement, never a
+second, over the GPU's dense bf16 datasheet peak (``parallel.hardware.GPU_BF16_PEAK``). A measurement, never a
 pass/fail test; the profiler adds its own overhead to the profiled step (the timed steps run without it).
 
     python benchmarks/train_step.py [--device cpu|cuda] [--config NAME] [--set key=value ...] [--steps N]
@@ -43,13 +43,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from config.run import load_config  # noqa: E402
 from moe.accounting import parameter_counts, training_flops_per_token  # noqa: E402
 from moe.experts import GroupedExperts  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 from moe.transformer import Attention, MoETransformer  # noqa: E402
 from parallel.expert import ExpertParallelExperts  # noqa: E402
-from training.config import load_config  # noqa: E402
-from training.hardware import GPU_BF16_PEAK, choose_precision, keep_freed_memory  # noqa: E402
+from parallel.hardware import GPU_BF16_PEAK, choose_precision, keep_freed_memory  # noqa: E402
 from training.loop import IntervalStats, train_step  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 
@@ -128,10 +128,14 @@ def layers_that_fit(overrides: list[str], device: torch.device, largest: int = 3
     """The most layers of the slice whose training memory (the memory model's) fits the GPU's free memory,
     with 10% left for the allocator."""
     from analysis.fit_check import predicted_bytes
+    from parallel.layout import resolve_layout
+
+    def need(layers: int) -> int:
+        config = load_config("moe-8x", [*overrides, f"model.n_layers={layers}"])
+        return predicted_bytes(config, resolve_layout(config, 1), "bf16")[0]
 
     free = torch.cuda.mem_get_info(device)[0] * 0.9
-    fitting = [n for n in range(1, largest + 1)
-               if predicted_bytes(load_config("moe-8x", [*overrides, f"model.n_layers={n}"]), 1, "bf16")[0] <= free]
+    fitting = [n for n in range(1, largest + 1) if need(n) <= free]
     if not fitting:
         raise SystemExit("train_step: not even one layer of the slice fits this GPU's free memory")
     return fitting[-1]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from moe.config import ModelConfig, MoEConfig
+from config.model import ModelConfig, MoEConfig
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.config import ConfigError
+from config.errors import ConfigError
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from moe.config import MoEConfig
+from config.model import MoEConfig
 from moe.dispatch import count_per_expert, expert_capacity, permute, plan_dispatch, unpermute_and_combine
 from moe.experts import FeedForward, GroupedExperts, compute_dtype
 from moe.losses import attach_loss, load_balancing_loss, z_loss

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from moe.config import MoEConfig
+from config.model import MoEConfig
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from moe.config import ModelConfig, MoEConfig
+from config.model import ModelConfig, MoEConfig
 from moe.experts import FeedForward
 from moe.init import Slice, initialize, whole
 from moe.layer import MoELayer, RoutingStats

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from config.parallel import ParallelConfig
 from moe.transformer import MoETransformer
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.activation_offload import apply_activation_offload
 from parallel.compile import apply_compile
-from parallel.config import ParallelConfig
 from parallel.expert import apply_expert_parallel
 from parallel.groups import ParallelGroups
 from parallel.sharding import (
@@ -40,7 +40,7 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: Paralle
                 param_dtype: torch.dtype | None = None, compile_blocks: bool = False) -> MoETransformer:
     """Apply the layout's parallelism and ``parallel``'s options (default: none) to ``model`` in place; return it.
 
-    ``model`` is built on the meta device (``training.loop.build_model``; ``parallel.materialize`` then
+    ``model`` is built on the meta device (``parallel.build.build_model``; ``parallel.materialize`` then
     allocates this rank's shards) or, the same on every rank, already initialised: tensor and expert
     parallelism keep this rank's slices and FSDP this rank's shards of them, so the weights do not depend
     on the layout. The options used here: ``activation_checkpointing``, ``activation_offload``;

@@ -18,7 +18,7 @@ copy. So the device holds about two modules' saved activations at a time (the me
 live on anyway, whether parameters (FSDP's gathered ones too) or the experts' bf16 compute copies kept for
 the step (``moe.experts.ComputeCopies``).
 
-GPU only (on a CPU activations are in host memory already: ``training.hardware.check_hardware`` refuses it),
+GPU only (on a CPU activations are in host memory already: ``parallel.hardware.check_hardware`` refuses it),
 one micro-batch in flight at a time (no pipeline parallelism), and not combined with activation checkpointing
 (which keeps less, by recomputing) or ``train.compile``: ``RunConfig.validate`` refuses those. Its behaviour on
 a GPU (memory saved, time lost, overlap) is unmeasured so far (README "GPU").

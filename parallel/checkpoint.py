@@ -42,14 +42,39 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from config.errors import UserError
+
 # DCP warns on every call without a process group that it assumes a single process: here that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 MANIFEST = "manifest.json"
 _HASH_CHUNK = 1 << 22
 
+# A folder of checkpoints (a run's ``checkpoints/``): ``step_NNNNNNN`` folders, each published whole, a
+# ``.tmp_`` folder while one is written, ``latest`` naming the newest; each holds the resolved config it was
+# trained with. The training run writes them (``training/checkpointing.py``); export and analysis read them.
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp_"
+LATEST = "latest"
+CONFIG_FILE = "config.yaml"
 
-class CheckpointCorruptError(RuntimeError):
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:07d}"
+
+
+def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every published checkpoint under ``root``, newest first (temporary folders excluded)."""
+    found = []
+    if root.is_dir():
+        for path in root.iterdir():
+            digits = path.name[len(STEP_PREFIX):]
+            if path.is_dir() and path.name.startswith(STEP_PREFIX) and digits.isdigit():
+                found.append((int(digits), path))
+    return sorted(found, reverse=True)
+
+
+class CheckpointCorruptError(UserError, RuntimeError):
     """A checkpoint file is missing, truncated or altered; the message names the file."""
 
 

@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from moe.config import ConfigError, ModelConfig, MoEConfig
+from config.errors import ConfigError
+from config.model import ModelConfig, MoEConfig
+from config.parallel import DEGREES
 
-DEGREES = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp")  # the parallel.* config keys
 DENSE = ("pp", "dp_replicate", "dp_shard", "tp")
 EXPERT = ("pp", "dp_replicate", "edp", "ep", "etp")
 VIEWS = {"dense": DENSE, "expert": EXPERT}

@@ -11,6 +11,8 @@ FSDP-sharded parameter whose dim 0 does not split evenly, FSDP's padded copy of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from moe.config import ConfigError
+from config.errors import ConfigError
 from moe.init import Slice, whole
 from moe.transformer import MoETransformer
 
@@ -60,6 +62,19 @@ def materialize(model: MoETransformer, device: torch.device, seed: int) -> None:
     model.init_weights(seed, locate)
 
 
+@dataclass(frozen=True)
+class InitialWeights:
+    """Weights a run starts from instead of its seed's initialisation (``train.py --init-from``).
+
+    ``load`` fills a module's tensors (this rank's shards, as ``load_weights`` does) and returns how many it read;
+    ``label`` names the source in messages. The checkpoint policy is handed one and calls it, so it needs to know
+    nothing of file formats (``interop/weights.py`` makes them).
+    """
+
+    label: str
+    load: Callable[[nn.Module], int]
+
+
 class WeightSource(Protocol):
     """Tensors under the single-process model's names, read a box at a time (a file, or a converting reader)."""
 
@@ -71,7 +86,7 @@ class WeightSource(Protocol):
 
 
 class SafetensorsWeights:
-    """A safetensors file of our names (``training/export.py`` writes one); slices are read in place (mmap)."""
+    """A safetensors file of our names (``interop/export.py`` writes one); slices are read in place (mmap)."""
 
     def __init__(self, handle):
         self.handle = handle

@@ -52,12 +52,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining._backward import stage_backward
 
+from config.errors import ConfigError
+from config.model import ModelConfig, MoEConfig
+from config.parallel import ParallelConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, per_model
-from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
-from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups
 from parallel.tensor import loss_context
 
@@ -124,7 +125,7 @@ def check_pipeline(pp: int, model: ModelConfig, schedule: str, virtual_stages: i
     """Refuse, before any process group exists, a pipeline the schedules cannot run.
 
     ``microbatches`` is the number of micro-batches per optimizer step on one pipeline
-    (``training.layout.micro_batching``). The micro-batch rules are torch's: 1F1B needs at least one
+    (``parallel.layout.micro_batching``). The micro-batch rules are torch's: 1F1B needs at least one
     micro-batch per stage to fill the pipe; interleaved 1F1B runs rounds of ``pp`` micro-batches and
     needs their count to split evenly into ``max(1, microbatches // pp)`` rounds.
     """

@@ -42,16 +42,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_device() -> torch.device:
+    """The device this process computes on: its node's GPU number LOCAL_RANK when torch sees GPUs, else the CPU
+    (known before the job is joined, so ``train.py`` checks the config against it first)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def init_runtime() -> Runtime:
     """Join the job torchrun started (if any) and pick this process's device."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = local_device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, device_id=device

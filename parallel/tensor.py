@@ -63,7 +63,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from moe.config import ConfigError, ModelConfig
+from config.errors import ConfigError
+from config.model import ModelConfig
 from moe.transformer import Block, MoETransformer
 
 

@@ -137,8 +137,8 @@ def test_the_communication_tool_refuses_bad_flags_naming_them(capsys, argv, mess
 
 def test_a_refused_layout_suggests_only_layouts_that_train_py_accepts(capsys):
     from analysis import memory
-    from training.config import load_config
-    from training.layout import resolve_layout
+    from config.run import load_config
+    from parallel.layout import resolve_layout
     # 9 ranks, tp=2: the layouts of 9 ranks that ignore the model include tp=3 ep=3 (8 experts) and pp=9 (4 layers)
     for settings in (["parallel.ep=2", "parallel.tp=2", "train.global_batch_size=9"],
                      ["parallel.pp=2", "train.global_batch_size=9"], ["parallel.ep=4", "train.global_batch_size=9"]):
@@ -211,7 +211,7 @@ def test_an_export_to_a_path_that_cannot_be_written_is_one_message_and_leaves_no
     for out, message in [("/proc/x.safetensors", "cannot write /proc/x.safetensors"),
                          (str(tmp_path / "none" / "x.safetensors"), "its folder"),
                          (str(tmp_path), "is a folder")]:
-        run_cli("-m", "training.export", checkpoints, out, message=message)
+        run_cli("-m", "interop.export", checkpoints, out, message=message)
     assert not list(tmp_path.glob(".*partial"))
 
 

@@ -11,8 +11,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import train_step as benchmark  # noqa: E402
 
+from config.run import load_config  # noqa: E402
 from tests.training.test_data_loss import TINY  # noqa: E402
-from training.config import load_config  # noqa: E402
 from training.loop import IntervalStats, train_step  # noqa: E402
 
 

@@ -38,37 +38,37 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from moe.config import ConfigError
+from config.errors import ConfigError
+from config.run import RunConfig
+from data.sampler import TokenSampler
 from parallel.checkpoint import (
+    CONFIG_FILE,
+    LATEST,
+    TMP_PREFIX,
     CheckpointCorruptError,
     async_save_sharded,
     load_sharded,
     publish,
+    published_checkpoints,
     save_sharded,
     sharded_state,
+    step_dir_name,
     write_manifest,
     write_text_atomic,
 )
 from parallel.groups import ParallelGroups
-from parallel.materialize import load_weights_file
+from parallel.materialize import InitialWeights
 from parallel.runtime import Runtime
 from training.checkpoint_interval import AutoInterval
-from training.config import RunConfig
-from training.data import TokenSampler
 from training.resume import (
-    CONFIG_FILE,
-    LATEST,
-    TMP_PREFIX,
     TRAINER_STATE,
     candidates,
     check_fits,
     checkpoint_root,
-    published_checkpoints,
     record_changes,
     rewind_logs,
     rng_state,
     set_rng,
-    step_dir_name,
     verified,
 )
 from training.run_dir import rank0_verdict
@@ -129,9 +129,9 @@ class Checkpointer:
     """
 
     def __init__(self, config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
-                 resume: str = "auto", init_from: str | None = None):
+                 resume: str = "auto", init_weights: InitialWeights | None = None):
         self.config, self.runtime, self.groups, self.resume = config, runtime, groups, resume
-        self.init_from = init_from
+        self.init_weights = init_weights
         self.policy = config.checkpoint
         self.run_dir = Path(run_dir)
         self.root = checkpoint_root(config, self.run_dir)
@@ -171,29 +171,20 @@ class Checkpointer:
         if found:
             raise CheckpointCorruptError(f"no complete checkpoint in {self.root}: every one failed verification "
                                          "(see above); restore one, or move them away and start with --resume none")
-        if self.init_from is not None:
+        if self.init_weights is not None:
             self._init_weights(model)
         return 0
 
     def _init_weights(self, model: torch.nn.Module) -> None:
-        """Start from the weights of a consolidated safetensors file (``training/export.py``) or of a Hugging
-        Face folder (``hf:DIR``, converted on the fly: ``training/hf.py``), with a fresh optimizer.
-
-        Each rank reads only its own shards of each tensor (``parallel.materialize.load_weights``).
-        """
-        from training.hf import load_hf_weights, split_init_from  # training.hf imports this module (via export)
-
-        folder = split_init_from(self.init_from)
-        parts = getattr(model, "stages", [model])
-        if folder is not None:
-            count = sum(load_hf_weights(part, folder, self.config) for part in parts)
-        else:
-            count = sum(load_weights_file(part, self.init_from) for part in parts)
-        self.say(f"initialised from {self.init_from} ({count} tensors on this rank); optimizer state starts fresh")
+        """Start from ``init_weights`` (a consolidated safetensors file or a Hugging Face folder:
+        ``interop/weights.py``), with a fresh optimizer. Each rank reads only its own shards of each tensor."""
+        count = sum(self.init_weights.load(part) for part in getattr(model, "stages", [model]))
+        self.say(f"initialised from {self.init_weights.label} ({count} tensors on this rank); optimizer state starts "
+                 "fresh")
 
     def _load(self, path: Path, model, optimizer, sampler: TokenSampler) -> int:
-        if self.init_from is not None:
-            self.say(f"--init-from {self.init_from} ignored: the run resumes its own checkpoint")
+        if self.init_weights is not None:
+            self.say(f"--init-from {self.init_weights.label} ignored: the run resumes its own checkpoint")
         started = time.perf_counter()
         saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
         check_fits(path, model, saved_config, self.config)

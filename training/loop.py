@@ -20,37 +20,34 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from config.errors import ConfigError, DivergedError
+from config.run import RunConfig
+from data.cache import load_tokens
+from data.sampler import TokenSampler, eval_batches, split_tokens
 from moe.accounting import parameter_counts, training_flops_per_token
-from moe.config import ConfigError
 from moe.layer import RoutingStats
 from moe.transformer import MoETransformer
-from parallel import clip_grad_norm_, parallelize, set_gradient_sync
+from parallel import clip_grad_norm_, set_gradient_sync
+from parallel.build import build_model
 from parallel.checkpoint import write_text_atomic
 from parallel.groups import ParallelGroups
-from parallel.materialize import materialize
-from parallel.pipeline import PipelineModel, build_pipeline
+from parallel.hardware import PrecisionChoice, choose_precision, memory_per_rank
+from parallel.layout import ResolvedLayout, micro_batching
+from parallel.materialize import InitialWeights
+from parallel.pipeline import PipelineModel
 from parallel.runtime import Runtime
 from parallel.tensor import lm_loss, loss_context
 from training.checkpointing import Checkpointer
-from training.config import RunConfig
-from training.data import TokenSampler, eval_batches, load_tokens, split_tokens
-from training.hardware import choose_precision, memory_per_rank
-from training.layout import micro_batching
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
 from training.resume import checkpoint_root
-from training.routing_stats import (
-    IntervalRouting,
-    RoutingAccumulator,
-    RoutingLog,
-    balancing_biases,
-    routing_metrics,
-)
+from training.routing_log import RoutingLog
+from training.routing_stats import IntervalRouting, RoutingAccumulator, balancing_biases, routing_metrics
 from training.run_dir import first_failure_verdict, hold_run_dir, rank0_verdict
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(DivergedError):
     """The loss or gradient norm became NaN/inf; training stops rather than corrupt the weights."""
 
 
@@ -92,31 +89,6 @@ class IntervalStats:
             "perf/tokens_per_s": self.tokens / elapsed,
             **routing_metrics(self.routing_result),
         }
-
-
-def build_model(config: RunConfig, groups: ParallelGroups, device: torch.device, micro: int, microbatches: int,
-                autocast, allocate: bool = True, param_dtype: torch.dtype | None = None
-                ) -> MoETransformer | PipelineModel:
-    """This rank's part of the model, parallelized by ``groups``' layout, on ``device``, initialised.
-
-    The whole model is only ever a description on the meta device: it is cut into this rank's pipeline
-    stages (if any) and parallelized there, and only then are this rank's shards allocated and
-    initialised (``parallel.materialize``), with the single-process weights for ``train.seed``.
-    ``allocate=False`` leaves it on meta (``train.py --dry-run`` measures the shards' shapes).
-    ``param_dtype`` is FSDP's compute dtype (bf16: ``parallel.sharding.mixed_precision``).
-    """
-    with torch.device("meta"):
-        model = MoETransformer(config.model, config.moe)
-    par = config.parallel
-    if groups.layout.pp > 1:  # this rank's stages, each parallelized like the whole model
-        model = build_pipeline(model, config.moe, groups, device, par, microbatches, micro, lm_loss, autocast,
-                               param_dtype)
-    else:
-        model = parallelize(model, groups, par, param_dtype, compile_blocks=config.train.compile)
-    if allocate:
-        for part in model.stages if isinstance(model, PipelineModel) else [model]:
-            materialize(part, device, config.train.seed)
-    return model
 
 
 @torch.no_grad()
@@ -202,23 +174,31 @@ class RunResult:
     optimizer: torch.optim.Optimizer | None = None  # its optimizer, with the state a checkpoint would hold
 
 
-def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
-          resume: str = "auto", init_from: str | None = None) -> RunResult:
+def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups, resume: str = "auto",
+          init_weights: InitialWeights | None = None, resolved: ResolvedLayout | None = None,
+          precision: PrecisionChoice | None = None) -> RunResult:
     """Train ``config`` in ``run_dir`` under ``groups``' layout, resuming as ``resume`` says (``Checkpointer``)
-    or starting from the weights of the safetensors file ``init_from``. The run holds ``run_dir`` while it lives
-    (``training/run_dir.py``: a second run there is refused, and a new run never mixes with an old one)."""
+    or starting from ``init_weights``. The run holds ``run_dir`` while it lives (``training/run_dir.py``: a second
+    run there is refused, and a new run never mixes with an old one).
+
+    ``resolved`` (the layout with its batch split) and ``precision`` are what ``train.py`` resolved once at
+    start and checked the memory with; a caller without them (the tests, with groups of any layout) has them
+    resolved here by the same rules, for ``groups``' layout.
+    """
+    layout = groups.layout
+    resolved = resolved or ResolvedLayout(layout, *micro_batching(config, layout.dp, layout.pp))
+    precision = precision or choose_precision(config.train.precision, runtime.device)
     with hold_run_dir(run_dir, runtime, checkpoint_root(config, run_dir), resume, config.checkpoint.enabled):
-        return _train(config, run_dir, runtime, groups, resume, init_from)
+        return _train(config, run_dir, runtime, groups, resume, init_weights, resolved, precision)
 
 
-def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups,
-           resume: str, init_from: str | None) -> RunResult:
+def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups, resume: str,
+           init_weights: InitialWeights | None, resolved: ResolvedLayout, precision: PrecisionChoice) -> RunResult:
     device = runtime.device
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
     dp_group = groups.group("dp") if dp_size > 1 else None
     pp_group = groups.group("pp") if groups.layout.pp > 1 else None
-    micro, accumulation = micro_batching(config, dp_size, groups.layout.pp)
-    precision = choose_precision(config.train.precision, device)
+    micro, accumulation = resolved.micro_batch_size, resolved.microbatches
     autocast = lambda: (torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
                         if precision.precision == "bf16" else contextlib.nullcontext())
 
@@ -240,7 +220,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
                         param_dtype=torch.bfloat16 if precision.precision == "bf16" else None)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
-    checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_from)
+    checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_weights)
     first_step = checkpoints.restore(model, optimizer, sampler) + 1
     counts = parameter_counts(config.model, config.moe)
     flops_per_token = training_flops_per_token(config.model, config.moe)

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from moe.config import ConfigError
+from config.errors import ConfigError
 
 WANDB_MODES = ("offline", "online", "disabled")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from config.run import TrainConfig
 from moe.experts import release_compute_copies
-from training.config import TrainConfig
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:

@@ -17,46 +17,28 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from moe.config import ConfigError
+from config.errors import ConfigError
+from config.run import RunConfig
 from parallel.checkpoint import (
     MANIFEST,
     CheckpointCorruptError,
     SafeFileSystemReader,
+    published_checkpoints,
     stateful_module,
     verify,
     write_text_atomic,
 )
 from parallel.runtime import Runtime
-from training.config import RunConfig
 from training.routing_stats import truncate_routing
 
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp_"
-LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
-CONFIG_FILE = "config.yaml"
 RESUME_CHANGES = "resume_changes.yaml"
-
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:07d}"
 
 
 def checkpoint_root(config: RunConfig, run_dir: Path) -> Path:
     """The folder a run's checkpoints go to: ``checkpoint.dir``, under the run directory unless absolute."""
     folder = Path(config.checkpoint.dir)
     return folder if folder.is_absolute() else Path(run_dir) / folder
-
-
-def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every published checkpoint under ``root``, newest first (temporary folders excluded)."""
-    found = []
-    if root.is_dir():
-        for path in root.iterdir():
-            digits = path.name[len(STEP_PREFIX):]
-            if path.is_dir() and path.name.startswith(STEP_PREFIX) and digits.isdigit():
-                found.append((int(digits), path))
-    return sorted(found, reverse=True)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

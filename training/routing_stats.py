@@ -6,8 +6,8 @@ interval :meth:`RoutingAccumulator.reduce` sums the packed tensors over the data
 one all-reduce and derives the interval's figures (:class:`IntervalRouting`), which describe the global
 batch, not one rank's share of it.
 
-:class:`RoutingLog` appends them to ``run_dir/routing/<field>.npy``: columnar, one row per MoE layer
-per interval, each field a plain ``.npy`` file that ``numpy.load`` opens (rows are appended in place
+:class:`training.routing_log.RoutingLog` appends them to ``run_dir/routing/<field>.npy``: columnar, one
+row per MoE layer per interval, each field a plain ``.npy`` file that ``numpy.load`` opens (rows are appended in place
 and the header's shape rewritten; numpy pads the header so that the shape can grow). Fields:
 
 - ``step`` [N], ``layer`` [N]: which interval (its last step) and which layer a row describes
@@ -39,8 +39,6 @@ import torch.distributed as dist
 from numpy.lib import format as npy
 
 from moe.layer import RoutingStats
-from training.metrics import MetricsLogger
-from training.routing_charts import log_routing_charts
 
 ROUTING_DIR = "routing"
 # order of the scalars packed after tokens_per_expert: dropped, tokens, sum of entropy, sum of top1_prob,
@@ -270,29 +268,3 @@ def balancing_biases(model: torch.nn.Module) -> dict[int, torch.Tensor]:
     """The aux-loss-free selection bias of each MoE layer that uses one, by layer index."""
     return {i: layer.router.expert_bias for i, layer in model.moe_layers().items()
             if layer.router.bias_update_rate > 0}
-
-
-class RoutingLog:
-    """Appends each interval's routing rows under ``run_dir/routing/`` and draws the wandb charts.
-
-    Charts go to wandb every ``charts_every``-th interval and at the last one (0 = never). Only the
-    logger's rank (the main one) writes anything.
-    """
-
-    def __init__(self, run_dir: Path, logger: MetricsLogger, charts_every: int) -> None:
-        self.folder = Path(run_dir) / ROUTING_DIR
-        self.logger = logger
-        self.charts_every = charts_every
-        self.intervals = 0
-        if logger.enabled:
-            self.folder.mkdir(parents=True, exist_ok=True)
-
-    def append(self, step: int, routing: IntervalRouting | None, last: bool = False) -> None:
-        """Record one interval (``routing`` from :meth:`RoutingAccumulator.reduce`) at its last ``step``."""
-        if not self.logger.enabled or routing is None:
-            return
-        for name, values in routing_rows(step, routing).items():
-            append_rows(self.folder / f"{name}.npy", values)
-        if self.charts_every and (self.intervals % self.charts_every == 0 or last):
-            log_routing_charts(self.logger, step, routing)
-        self.intervals += 1

@@ -29,9 +29,9 @@ from typing import IO
 import torch
 import torch.distributed as dist
 
-from moe.config import ConfigError
+from config.errors import ConfigError
+from parallel.checkpoint import published_checkpoints
 from parallel.runtime import Runtime
-from training.resume import published_checkpoints
 
 LOCK = "run.lock"
 # What a run writes into its directory besides its checkpoints (training/loop.py, metrics.py, routing_stats.py).

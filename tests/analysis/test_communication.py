@@ -24,15 +24,15 @@ from analysis.communication import (
     predict,
     totals,
 )
+from config.errors import ConfigError
+from config.run import load_config
 from moe.accounting import parameter_counts
-from moe.config import ConfigError
 from parallel.groups import Layout, ParallelGroups, axis_view, groups_for
+from parallel.hardware import PrecisionChoice
+from parallel.layout import resolve_layout
 from parallel.runtime import init_runtime
 from tests.parallel.parity import TINY
 from tests.spawn import spawn
-from training.config import load_config
-from training.hardware import PrecisionChoice
-from training.layout import resolve_layout
 
 BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
 DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block

@@ -1,7 +1,7 @@
 """``train.py --dry-run``: every rank's model built on meta at full size, its shards against the memory model.
 
 The built side counts the elements of each rank's local parameter shards after the real construction
-(``training.loop.build_model``: pipeline cut, tp, ep/etp, FSDP2); the predicted side is the memory model's
+(``parallel.build.build_model``: pipeline cut, tp, ep/etp, FSDP2); the predicted side is the memory model's
 arithmetic (``analysis.memory_states``), written separately. They must agree exactly for each stage's
 largest rank, and every rank's shards must sum to the whole model as many times as the layout replicates it.
 """
@@ -18,9 +18,9 @@ from analysis.dry_run import RankStates, built_states, dry_run, extreme_ranks
 from analysis.memory import GIB
 from analysis.memory_states import parameter_tensors, tp_local_shape
 from analysis.planner import plan
-from moe.config import ConfigError
-from training.config import load_config
-from training.layout import resolve_layout
+from config.errors import ConfigError
+from config.run import load_config
+from parallel.layout import resolve_layout
 
 MODEL = ["model.d_model=96", "model.n_layers=4", "model.n_heads=6", "model.n_kv_heads=2", "model.seq_len=64",
          "model.ffn_hidden=160", "model.vocab_size=1000", "moe.num_experts=6", "moe.expert_hidden=80",
@@ -38,7 +38,7 @@ LAYOUTS = [  # 12 ranks: uneven FSDP shards (96 / 12, 1000 / 6, 6 experts over 4
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "x".join(o.split(".")[1] for o in layout[:4]))
 def test_each_stages_largest_rank_is_the_memory_models_prediction(layout):
     config = load_config("moe-8x", [*MODEL, *layout, "train.precision=fp32"])
-    built, estimates = dry_run(config, 12, "fp32", every_rank=True)
+    built, estimates = dry_run(config, resolve_layout(config, 12), "fp32", every_rank=True)
     assert [s.rank for s in built] == list(range(12))
     for pp_rank, predicted in enumerate(estimates):
         stage = [s for s in built if s.pp_rank == pp_rank]
@@ -87,6 +87,6 @@ def test_the_planners_top_layouts_build_and_match_the_memory_model():
     plans, _ = plan(config, 8, 80 * GIB)
     assert len(plans) >= 5
     for candidate in plans[:5]:
-        built, estimates = dry_run(candidate.config, 8, "bf16")
+        built, estimates = dry_run(candidate.config, resolve_layout(candidate.config, 8), "bf16")
         for predicted in estimates:
             assert max(s.total for s in built if s.pp_rank == predicted.pp_rank) == predicted.states.total

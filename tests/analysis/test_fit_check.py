@@ -10,8 +10,9 @@ import train
 from analysis import fit_check
 from analysis.fit_check import check_fits, predicted_bytes
 from analysis.memory import GIB
-from moe.config import ConfigError
-from training.config import load_config
+from config.errors import ConfigError
+from config.run import load_config
+from parallel.layout import resolve_layout
 
 MODEL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
          "moe.num_experts=4", "moe.expert_hidden=64", "train.global_batch_size=16", "train.precision=fp32"]
@@ -19,12 +20,12 @@ MODEL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_l
 
 def test_a_layout_that_does_not_fit_names_the_stage_the_bytes_and_layouts_that_fit():
     config = load_config("moe-8x", [*MODEL, "parallel.pp=2", "parallel.dp_shard=4"])
-    needs = predicted_bytes(config, 8, "fp32")
-    assert check_fits(config, 8, max(needs), "fp32") == needs  # exactly enough: accepted
-    assert check_fits(config, 8, None, "fp32") == needs  # unknown memory: no check
+    needs = predicted_bytes(config, resolve_layout(config, 8), "fp32")
+    assert check_fits(config, resolve_layout(config, 8), max(needs), "fp32") == needs  # exactly enough: accepted
+    assert check_fits(config, resolve_layout(config, 8), None, "fp32") == needs  # unknown memory: no check
     available = max(needs) - 1
     with pytest.raises(ConfigError) as refused:
-        check_fits(config, 8, available, "fp32")
+        check_fits(config, resolve_layout(config, 8), available, "fp32")
     message = str(refused.value)
     worst = needs.index(max(needs))
     assert f"the ranks of pipeline stage {worst}" in message

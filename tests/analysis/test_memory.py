@@ -25,15 +25,15 @@ from analysis.memory_states import (
     model_states,
     parameter_tensors,
 )
+from config.run import load_config
 from moe.accounting import parameter_counts
 from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.groups import Layout, ParallelGroups
+from parallel.layout import resolve_layout
 from parallel.tensor import lm_loss
 from tests.spawn import spawn
-from training.config import load_config
-from training.layout import resolve_layout
 
 TINY = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.seq_len=16",
         "model.ffn_hidden=48", "moe.num_experts=4", "moe.expert_hidden=24", "train.global_batch_size=2"]
@@ -271,7 +271,7 @@ def _worker(rank: int, results: dict) -> None:
         layout, micro, _ = resolve_layout(config, 2)
         groups = ParallelGroups.build(layout, "cpu")
         torch.manual_seed(0)
-        param_dtype = torch.bfloat16 if precision == "bf16" else None  # as training.loop.build_model gives it
+        param_dtype = torch.bfloat16 if precision == "bf16" else None  # as parallel.build.build_model gives it
         model = parallelize(MoETransformer(config.model, config.moe), groups, config.parallel, param_dtype)
         storages = {s.data_ptr(): s.nbytes()
                     for s in (memory.local_tensor(p).untyped_storage() for p in model.parameters())}

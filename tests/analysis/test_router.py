@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from analysis import router
-from training.config import load_config
+from config.errors import UserError
+from config.run import load_config
 from training.routing_stats import append_rows
 
 
@@ -60,7 +61,7 @@ def test_run_data_selects_per_layer_columns_in_step_order(tmp_path):
     np.testing.assert_array_equal(run.coselection(0), run.routing["coselection"][[0, 2, 4]].sum(0))
     np.testing.assert_array_equal(run.coselection(0, last_intervals=1), run.routing["coselection"][4])
     assert run.metric("train/loss")[1].tolist() == pytest.approx([4.0, 3.0, 2.0])
-    with pytest.raises(KeyError, match="no routing field 'entropy'"):
+    with pytest.raises(UserError, match="no routing field 'entropy'"):
         run.per_layer("entropy", 0)
 
 

@@ -22,7 +22,7 @@ from analysis.router_probe import (
     routing_change,
     top_tokens,
 )
-from training.config import load_config
+from config.run import load_config
 
 TINY = ["model.d_model=32", "model.n_layers=3", "model.n_heads=2", "model.seq_len=16", "model.ffn_hidden=64",
         "moe.num_experts=4", "moe.expert_hidden=16", "logging.wandb=disabled"]

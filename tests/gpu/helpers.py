@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from config.run import load_config
 from moe.transformer import MoETransformer
-from training.config import load_config
 
 
 def moe_8x(device: str, *overrides: str) -> tuple[MoETransformer, object]:

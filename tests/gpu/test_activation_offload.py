@@ -13,9 +13,9 @@ import torch
 from analysis.memory_activations import micro_batch_activations
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.activation_offload import apply_activation_offload
+from parallel.layout import resolve_layout
 from parallel.tensor import lm_loss
 from tests.gpu.helpers import batch, moe_8x
-from training.layout import resolve_layout
 
 SHAPE = ["model.d_model=1024", "model.n_heads=16", "model.n_layers=4", "model.seq_len=2048",
          "moe.expert_hidden=2816", "moe.capacity_factor=null", "train.precision=bf16"]

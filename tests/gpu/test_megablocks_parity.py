@@ -10,7 +10,7 @@ agree to 1% of its norm (``‖a − b‖ ≤ 0.01 ‖b‖``), about three bf16 r
 import pytest
 import torch
 
-from moe.config import MoEConfig
+from config.model import MoEConfig
 from moe.experts import ComputeCopies, expert_ffn, megablocks_unavailable
 from moe.init import initialize
 from moe.layer import MoELayer

@@ -2,10 +2,10 @@
 
 import pytest
 
+from config.model import ModelConfig, MoEConfig
+from config.run import load_config
 from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts, training_flops_per_token
-from moe.config import ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
-from training.config import load_config
 
 SMALL = [
     (ModelConfig(d_model=32, n_layers=3, n_heads=4, seq_len=16, ffn_hidden=48), MoEConfig(expert_hidden=24)),

@@ -12,13 +12,14 @@ import types
 import pytest
 import torch
 
-from moe.config import ConfigError, MoEConfig
+from config.errors import ConfigError
+from config.model import MoEConfig
+from config.run import load_config
 from moe.experts import ComputeCopies, GroupedExperts, _auto_backend, check_backend, expert_ffn
 from moe.init import initialize
 from moe.layer import MoELayer
 from tests.test_cli_faults import refused
 from tests.training.test_data_loss import TINY
-from training.config import load_config
 
 
 def test_megablocks_on_a_cpu_is_refused_saying_why_and_how_to_install():

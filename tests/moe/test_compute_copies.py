@@ -3,9 +3,9 @@
 import torch
 import torch.nn.functional as F
 
+from config.run import TrainConfig
 from moe.experts import GroupedExperts, grouped_matmul
 from moe.init import initialize
-from training.config import TrainConfig
 from training.optim import build_optimizer
 
 E, D, H = 4, 16, 32

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from config.model import MoEConfig
 from moe import experts as experts_module
-from moe.config import MoEConfig
 from moe.experts import GroupedExperts
 from moe.init import initialize
 from moe.layer import MoELayer

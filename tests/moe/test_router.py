@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moe.config import MoEConfig
+from config.model import MoEConfig
 from moe.init import initialize
 from moe.losses import attach_loss, load_balancing_loss, z_loss
 from moe.router import TopKRouter

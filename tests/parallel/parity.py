@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from config.run import load_config
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime, init_runtime
 from tests.spawn import spawn
-from training.config import load_config
 from training.loop import train
 from training.metrics import read_metrics
 

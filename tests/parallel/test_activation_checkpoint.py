@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe.config import ModelConfig, MoEConfig
+from config.model import ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
 from parallel.activation_checkpoint import apply_activation_checkpointing
 

@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 from analysis.memory_activations import micro_batch_activations
-from moe.config import ConfigError
+from config.errors import ConfigError
+from config.run import load_config
 from moe.transformer import MoETransformer
 from parallel.activation_offload import ActivationOffloader, apply_activation_offload
+from parallel.hardware import check_hardware
+from parallel.layout import resolve_layout
 from parallel.tensor import lm_loss
 from tests.test_cli_faults import refused
 from tests.training.test_data_loss import TINY
-from training.config import load_config
-from training.hardware import check_hardware
-from training.layout import resolve_layout
 
 
 class HostTransport(ActivationOffloader):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
+from config.run import load_config
 from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.checkpoint import load_sharded, stateful_module
@@ -26,7 +27,6 @@ from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime, init_runtime
 from tests.parallel.parity import TINY, full_state
 from tests.spawn import spawn
-from training.config import load_config
 from training.loop import train
 from training.metrics import read_metrics
 from training.optim import build_optimizer

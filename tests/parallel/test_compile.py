@@ -10,10 +10,10 @@ import torch._dynamo
 
 import parallel.compile
 import train
-from moe.config import ConfigError
+from config.errors import ConfigError
+from config.run import load_config
+from parallel.hardware import check_hardware
 from tests.training.test_train import TINY
-from training.config import load_config
-from training.hardware import check_hardware
 from training.metrics import read_metrics
 
 STEPS = ["train.steps=3", "logging.log_interval=1", "train.eval_interval=0", "train.eval_batches=1"]

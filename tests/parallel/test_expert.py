@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from moe.config import MoEConfig
+from config.model import MoEConfig
 from moe.dispatch import expert_capacity, plan_dispatch
 from moe.init import initialize
 from moe.layer import MoELayer

@@ -10,10 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe.config import ConfigError, ModelConfig, MoEConfig
+from config.errors import ConfigError
+from config.model import ModelConfig, MoEConfig
+from config.parallel import DEGREES
 from parallel.groups import (
     AXES,
-    DEGREES,
     DENSE,
     EXPERT,
     VIEWS,

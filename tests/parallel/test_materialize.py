@@ -2,7 +2,7 @@
 
 - ``moe.init``'s chunked draws: any box of a parameter, drawn alone, equals that box of the whole draw,
   and the chunks cover every element once (single process, against a naive whole-tensor fill).
-- Layout independence, bit for bit: the initial weights that ``training.loop.build_model`` gives each rank
+- Layout independence, bit for bit: the initial weights that ``parallel.build.build_model`` gives each rank
   of several layouts (tp with its options, ep, etp, HSDP, pipeline stages, uneven FSDP shards, tied
   embeddings), gathered, equal the single-process model's, with chunks small enough that every
   parameter spans many of them.
@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 
 import moe.init
+from config.run import load_config
 from moe.init import Slice, _chunks, fill_normal_
 from moe.transformer import MoETransformer
+from parallel.build import build_model
 from parallel.groups import ParallelGroups
+from parallel.layout import resolve_layout
 from tests.parallel.parity import TINY, full_state
 from tests.spawn import spawn
-from training.config import load_config
-from training.layout import resolve_layout
-from training.loop import build_model
 
 SMALL_CHUNK = 40  # elements: every weight of the tiny model spans many chunks, cut along every dim
 

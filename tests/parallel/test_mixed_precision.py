@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
+from config.run import load_config
 from moe.transformer import Attention, MoETransformer
 from parallel import parallelize
 from parallel.groups import Layout, ParallelGroups
 from parallel.tensor import lm_loss
 from tests.parallel.parity import TINY
 from tests.spawn import spawn
-from training.config import load_config
 
 
 def _observe(rank: int, results: dict) -> None:

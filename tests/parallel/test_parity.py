@@ -14,7 +14,8 @@ accumulation under both ``parallel.grad_reduce`` settings) apply to the referenc
 import pytest
 import torch
 
-from parallel.groups import DEGREES, Layout
+from config.parallel import DEGREES
+from parallel.groups import Layout
 from tests.parallel.parity import run
 from training.metrics import read_metrics
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import train
+from config.errors import ConfigError
+from config.model import ModelConfig, MoEConfig
 from moe.accounting import block_flops_per_token
-from moe.config import ConfigError, ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
 from parallel.pipeline import balanced_split, check_pipeline, cut_stage, stage_layers
 

@@ -19,10 +19,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from moe.config import ConfigError, ModelConfig, MoEConfig
+from config.errors import ConfigError
+from config.model import ModelConfig, MoEConfig
+from config.parallel import ParallelConfig
 from moe.transformer import MoETransformer
 from parallel import expert, parallelize
-from parallel.config import ParallelConfig
 from parallel.groups import Layout, ParallelGroups, validate_for_model
 from parallel.sharding import clip_grad_norm_
 from parallel.tensor import check_tensor_parallel, lm_loss, loss_context, row_bounds, share_counts

@@ -15,16 +15,24 @@ import torch
 import yaml
 
 import training.loop
-from moe.config import ConfigError
+from config.errors import ConfigError
+from config.run import load_config
+from data.sampler import TokenSampler
+from interop import export
+from interop.weights import initial_weights
 from moe.transformer import MoETransformer
-from parallel.checkpoint import CheckpointCorruptError, SafeFileSystemReader, load_sharded, verify, write_manifest
+from parallel.checkpoint import (
+    CheckpointCorruptError,
+    SafeFileSystemReader,
+    load_sharded,
+    published_checkpoints,
+    verify,
+    write_manifest,
+)
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime
 from tests.parallel.parity import TINY, run
-from training import export
-from training.checkpointing import Checkpointer, published_checkpoints
-from training.config import load_config
-from training.data import TokenSampler
+from training.checkpointing import Checkpointer
 from training.metrics import read_metrics
 from training.optim import build_optimizer
 
@@ -265,13 +273,14 @@ def test_export_to_safetensors_and_start_a_run_from_it(uninterrupted, tmp_path, 
     sampler = TokenSampler(torch.zeros(10_000, dtype=torch.int64).numpy(), config.model.seq_len, 0)
     groups = ParallelGroups.build(Layout.resolve(1), "cpu")
     checkpointer = Checkpointer(config, tmp_path / "run", Runtime(0, 1, 0, torch.device("cpu")), groups,
-                                init_from=str(out))
+                                init_weights=initial_weights(str(out), config))
     assert checkpointer.restore(model, optimizer, sampler) == 0  # a new run, step 0, fresh optimizer
     for name, value in model.state_dict().items():
         assert torch.equal(value, ref_state[name]), name
     assert not optimizer.state and "initialised from" in capsys.readouterr().err
-    bad = Checkpointer(load_config("moe-8x", [*TINY, "model.d_model=64"]), tmp_path / "r2",
-                       Runtime(0, 1, 0, torch.device("cpu")), groups, init_from=str(out))
+    other = load_config("moe-8x", [*TINY, "model.d_model=64"])
+    bad = Checkpointer(other, tmp_path / "r2", Runtime(0, 1, 0, torch.device("cpu")), groups,
+                       init_weights=initial_weights(str(out), other))
     _, other, other_optimizer = single_process([*SETTINGS, "model.d_model=64"])
     first_differing = r"tensor .tok_embeddings.weight. has shape \(256, 32\), this model needs \(256, 64\)"
     with pytest.raises(ConfigError, match=first_differing):

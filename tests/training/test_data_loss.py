@@ -25,12 +25,13 @@ from numpy.testing import assert_array_equal
 
 import train
 import training.loop
+from data import cache as token_cache
+from data.cache import load_tokens
+from parallel.checkpoint import published_checkpoints
 from parallel.runtime import Runtime
 from tests.spawn import spawn
 from tests.training.test_checkpointing import load_checkpoint
-from training import data
-from training.checkpointing import Checkpointer, published_checkpoints
-from training.data import load_tokens
+from training.checkpointing import Checkpointer
 from training.metrics import read_metrics
 from training.routing_stats import read_routing
 from training.run_dir import hold_run_dir
@@ -239,7 +240,7 @@ def rewrite_keeping_size_and_mtime(path, content):
 def test_the_corpus_cache_serves_only_what_a_fresh_tokenisation_would(tmp_path, monkeypatch, racy_seconds):
     # just-written: files changed within RACY_SECONDS of the build are re-hashed on each start;
     # older: their status-change time (which writing always moves) is part of the cache's key
-    monkeypatch.setattr(data, "RACY_SECONDS", racy_seconds)
+    monkeypatch.setattr(token_cache, "RACY_SECONDS", racy_seconds)
     folder, cache = tmp_path / "corpus", tmp_path / "cache"
     folder.mkdir()
     (folder / "a.txt").write_bytes(b"alpha")
@@ -269,7 +270,7 @@ def test_an_unreadable_corpus_file_is_an_error_naming_it_even_with_a_cache(tmp_p
             raise PermissionError(13, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(data, "open", open_as_a_user, raising=False)
+    monkeypatch.setattr(token_cache, "open", open_as_a_user, raising=False)
     (folder / "b.txt").chmod(0)
     capsys.readouterr()
     assert main(tmp_path / "r2", *settings) == 2

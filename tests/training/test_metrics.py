@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moe.config import ConfigError
+from config.errors import ConfigError
 from training.metrics import MetricsLogger, read_metrics
 
 

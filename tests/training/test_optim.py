@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from moe.config import ModelConfig, MoEConfig
+from config.model import ModelConfig, MoEConfig
+from config.run import TrainConfig
 from moe.transformer import MoETransformer
-from training.config import TrainConfig
 from training.optim import build_optimizer, learning_rate
 
 

@@ -6,17 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from moe.config import ModelConfig, MoEConfig
+from config.model import ModelConfig, MoEConfig
 from moe.transformer import MoETransformer
 from training.metrics import MetricsLogger
-from training.routing_stats import (
-    RoutingAccumulator,
-    RoutingLog,
-    append_rows,
-    balancing_biases,
-    read_routing,
-    routing_metrics,
-)
+from training.routing_log import RoutingLog
+from training.routing_stats import RoutingAccumulator, append_rows, balancing_biases, read_routing, routing_metrics
 
 
 def _tiny_model(top_k: int, capacity_factor: float | None, bias_rate: float = 0.0) -> MoETransformer:

@@ -12,8 +12,8 @@ import torch
 import yaml
 
 import train
+from config.run import load_config
 from moe.transformer import MoETransformer
-from training.config import load_config
 from training.loop import IntervalStats, train_step
 from training.metrics import read_metrics
 from training.optim import build_optimizer

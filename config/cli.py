@@ -1,0 +1,74 @@
+"""The command-line contract every command of the toolkit follows, in one place.
+
+Each command (``train.py``, ``launch.py``, the planning, interop, data and router tools; all listed as console
+scripts in ``pyproject.toml``, and each still runs as ``python -m ...``) takes its config the same way
+(``--config NAME|PATH``, ``--set KEY=VALUE ...``, ``--world-size N``: ``add_config_arguments``,
+``add_world_size``, ``load_config_from``) and ends the same way (``run_command``): success is exit status 0;
+every error the project names, and bad input met in a file, is one line on stderr (``error: ...``) and the
+status ``config/errors.py`` gives it (2 a user error, 3 a diverged run, 130 interrupted); a bug keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from config.errors import INTERRUPTED, ConfigError, describe, exit_status
+from config.run import RunConfig, load_config
+
+
+def command_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """A command's parser, described by the first line of its module's docstring ``doc``."""
+    return argparse.ArgumentParser(prog=prog, description=(doc or "").strip().split("\n")[0])
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, default: str | None = "moe-8x",
+                         set_help: str = "override config keys, e.g. --set train.steps=50 parallel.ep=2",
+                         config_help: str = "config name in configs/ or a YAML path") -> None:
+    """``--config`` (a name from ``configs/`` or a YAML path) and ``--set`` (repeatable; several may follow one)."""
+    parser.add_argument("--config", default=default, help=config_help)
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help=set_help)
+
+
+def add_world_size(parser: argparse.ArgumentParser, default: int | None = None, required: bool = False,
+                   help: str = "number of ranks (GPUs) to plan for") -> None:
+    """``--world-size N``; ``world_size_of`` checks it."""
+    parser.add_argument("--world-size", type=int, default=default, required=required, metavar="N", help=help)
+
+
+def world_size_of(args: argparse.Namespace) -> int:
+    """``--world-size``, refused below 1."""
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
+    return args.world_size
+
+
+def load_config_from(args: argparse.Namespace, extra: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The config ``--config`` names, with ``--set``'s overrides (then ``extra``) applied, validated."""
+    return load_config(args.config, [*args.overrides, *extra])
+
+
+def print_error(error: BaseException, status: int) -> None:
+    """The one line a command prints for an error (nothing for one marked ``quiet``: another rank said it)."""
+    if status == INTERRUPTED:
+        print("interrupted", file=sys.stderr)
+    elif not getattr(error, "quiet", False):
+        print(f"error: {describe(error)}", file=sys.stderr)
+
+
+def run_command(body: Callable[[], int | None],
+                report: Callable[[BaseException, int], None] = print_error) -> int:
+    """Run a command's ``body``; its exit status: ``body``'s own (None is 0), or the status of the error it raised,
+    reported by ``report`` (one line on stderr by default). An error ``config/errors.py`` does not name is raised
+    on, traceback and all: it is a bug to report."""
+    try:
+        return body() or 0
+    except BaseException as error:  # KeyboardInterrupt too: it has a status of its own
+        status = exit_status(error)
+        if status is None:
+            raise
+        report(error, status)
+        return status

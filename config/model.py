@@ -1,0 +1,136 @@
+"""The model's sections of a run's config: the transformer's shape (``model``) and its MoE layers (``moe``).
+
+``moe/`` builds from these two alone; each ``validate()`` refuses an impossible value before any tensor exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from config.schema import require
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the decoder-only transformer language model."""
+
+    vocab_size: int = 256  # byte-level tokens by default
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
+    head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
+    seq_len: int = 256  # training context length
+    ffn_hidden: int = 512  # hidden size of the dense SwiGLU FFN blocks
+    moe_every: int = 1  # every moe_every-th layer (from first_moe_layer on) is MoE; 0 = no MoE layer
+    first_moe_layer: int = 0  # layers before it are dense (DeepSeek-V3 keeps its first 3 dense)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """The per-head width hd of queries, keys and values: ``head_dim``, or d_model / n_heads."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def attention_width(self) -> int:
+        """n_heads · hd: the width of the queries and of the attention output (d_model unless ``head_dim`` is set)."""
+        return self.n_heads * self.head_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        if self.moe_every == 0 or index < self.first_moe_layer:
+            return False
+        return (index - self.first_moe_layer) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        """The layers ``is_moe_layer`` picks: every ``moe_every``-th from ``first_moe_layer`` (counted, not looped:
+        the planner asks millions of times)."""
+        if self.moe_every == 0:
+            return 0
+        return len(range(self.first_moe_layer, self.n_layers, self.moe_every))
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "ffn_hidden"):
+            require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim is None:
+            require(
+                self.d_model % self.n_heads == 0,
+                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+                f"valid head counts: {[h for h in range(1, 65) if self.d_model % h == 0]}, or set model.head_dim",
+            )
+            require(self.head_size % 2 == 0,
+                     f"head dimension d_model/n_heads={self.head_size} must be even for RoPE; or set model.head_dim")
+        else:
+            require(self.head_dim > 0 and self.head_dim % 2 == 0,
+                     f"model.head_dim={self.head_dim} must be a positive even number (RoPE rotates pairs), or null")
+        require(
+            self.n_kv_heads is None or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
+            f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}",
+        )
+        require(self.moe_every >= 0, f"model.moe_every must be >= 0, got {self.moe_every}")
+        require(
+            0 <= self.first_moe_layer < self.n_layers or self.moe_every == 0,
+            f"model.first_moe_layer={self.first_moe_layer} must be in [0, n_layers={self.n_layers})",
+        )
+        require(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0,
+                 "model.rope_theta, model.norm_eps and model.init_std must be positive")
+
+
+@dataclass
+class MoEConfig:
+    """Routing, capacity, balancing and expert shapes of every MoE layer."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 512  # hidden size of one routed expert
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True  # rescale the k selected weights to sum to 1
+    jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps) in training (Switch Transformer)
+    capacity_factor: float | None = 1.25  # None = dropless
+    drop_policy: Literal["probability", "position"] = "probability"
+    aux_loss_coef: float = 0.01  # Switch/GShard load-balancing loss weight (Switch: 1e-2)
+    aux_loss_scope: Literal["batch", "sequence"] = "batch"  # balance per micro-batch or per sequence
+    z_loss_coef: float = 0.001  # ST-MoE router z-loss weight (ST-MoE: 1e-3)
+    bias_update_rate: float = 0.0  # > 0 enables aux-loss-free balancing (DeepSeek-V3: 1e-3)
+    num_shared_experts: int = 0  # DeepSeek-style experts that see every token
+    shared_expert_hidden: int | None = None  # None = expert_hidden * num_shared_experts
+    force_balance: bool = False  # DEBUG/BENCHMARK ONLY: round-robin assignment ignoring the router
+    # how experts compute their grouped GEMMs (``moe/experts.py``): torch's grouped_mm, megablocks' grouped_gemm
+    # (CUDA, bf16), or auto (megablocks only on a GPU where it was measured faster)
+    backend: Literal["torch", "megablocks", "auto"] = "auto"
+
+    @property
+    def shared_hidden(self) -> int:
+        return self.shared_expert_hidden or self.expert_hidden * self.num_shared_experts
+
+    def validate(self) -> None:
+        require(self.num_experts >= 1, f"moe.num_experts must be >= 1, got {self.num_experts}")
+        require(
+            1 <= self.top_k <= self.num_experts,
+            f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}",
+        )
+        require(self.expert_hidden > 0, f"moe.expert_hidden must be positive, got {self.expert_hidden}")
+        require(
+            self.capacity_factor is None or (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)),
+            f"moe.capacity_factor={self.capacity_factor} must be a positive number, or null for dropless",
+        )
+        require(0 <= self.jitter_eps < 1, f"moe.jitter_eps must be in [0, 1), got {self.jitter_eps}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            require(getattr(self, name) >= 0, f"moe.{name} must be >= 0, got {getattr(self, name)}")
+        require(self.num_shared_experts >= 0, "moe.num_shared_experts must be >= 0")
+        require(
+            self.shared_expert_hidden is None or self.shared_expert_hidden > 0,
+            "moe.shared_expert_hidden must be positive or null",
+        )
+

@@ -1,0 +1,204 @@
+"""The run configuration: one YAML file per named config, plus ``--set key=value`` overrides.
+
+Sections: ``model``, ``moe`` (``config/model.py``), ``parallel`` (``config/parallel.py``), ``data``, ``train``,
+``logging``, ``checkpoint``. ``load_config("moe-8x", ["train.steps=50"])`` reads
+``configs/moe-8x.yaml``, applies the overrides (CLI > file > dataclass defaults),
+builds the typed tree and validates it, all before any process group or tensor exists.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from config.errors import ConfigError
+from config.model import ModelConfig, MoEConfig
+from config.parallel import ParallelConfig
+from config.schema import apply_override, from_dict, nearest, parse_yaml, require, to_dict
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from and how it is split."""
+
+    # "stdlib" (the running Python's standard-library sources), a text file or folder, or a uint16 .bin
+    source: str = "stdlib"
+    val_fraction: float = 0.005  # held-out tail of the token stream used for validation
+    cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
+    # "bytes" (one token per byte, vocab 256) or the path of a Hugging Face tokenizer.json (data/tokenizer.py)
+    tokenizer: str = "bytes"
+
+    def validate(self) -> None:
+        require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        require(bool(self.source.strip()), "data.source is empty; use 'stdlib', a text file or folder, or a "
+                                            "uint16 .bin file")
+        require(bool(self.tokenizer.strip()), "data.tokenizer is empty; use 'bytes' or a tokenizer.json path")
+        require(self.tokenizer == "bytes" or not self.source.endswith(".bin"),
+                 f"data.tokenizer={self.tokenizer!r} with data.source={self.source!r}: a .bin is already tokenised, "
+                 "so no tokenizer applies to it; give the text it came from, or leave data.tokenizer as 'bytes'")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: steps, batch, AdamW with warmup + cosine decay, precision, evaluation."""
+
+    steps: int = 300
+    seed: int = 0
+    global_batch_size: int = 16  # sequences per optimizer step, across all data-parallel ranks
+    micro_batch_size: int | None = None  # sequences per forward pass on one rank; None = no accumulation
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30  # linear warmup; runs shorter than this warm up for all their steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # where the run must compute: auto (a GPU when torch sees one, else the CPU) or cuda (a GPU config: refused
+    # before any work on a machine without one)
+    device: Literal["auto", "cuda"] = "auto"
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    eval_interval: int = 100  # steps between validation passes; 0 = only at the end
+    eval_batches: int = 8  # micro-batches per validation pass
+    # non-finite steps in a row (each skipped, weights untouched) before the run stops with a checkpoint
+    max_bad_steps: int = 3
+
+    def validate(self) -> None:
+        require(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        require(self.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.micro_batch_size is not None:
+            require(
+                self.micro_batch_size >= 1 and self.global_batch_size % self.micro_batch_size == 0,
+                f"train.micro_batch_size={self.micro_batch_size} must divide "
+                f"train.global_batch_size={self.global_batch_size}",
+            )
+        require(self.lr > 0, f"train.lr must be positive, got {self.lr}")
+        require(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
+        require(self.weight_decay >= 0 and self.grad_clip >= 0, "train.weight_decay and train.grad_clip must be >= 0")
+        require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
+        require(self.eval_interval >= 0 and self.eval_batches >= 1,
+                 "train.eval_interval must be >= 0 and train.eval_batches >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    """What a person sees while the run trains, and where metrics go."""
+
+    log_interval: int = 10  # steps between metric records (metrics.jsonl, wandb, plain lines)
+    progress: Literal["auto", "bar", "lines"] = "auto"  # auto = a bar on a terminal, plain lines otherwise
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "moe-toolkit"
+    router_charts_every: int = 5  # log intervals between wandb expert-load charts (and the last); 0 = never
+
+    def validate(self) -> None:
+        require(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}")
+        require(self.router_charts_every >= 0,
+                 f"logging.router_charts_every must be >= 0 (0 = no charts), got {self.router_charts_every}")
+
+
+# Mean time between failures of the whole job when checkpoint.mtbf_hours is not set: about 3 h, what
+# Llama 3 pre-training saw on up to 16K H100 (419 unexpected interruptions in 54 days, arXiv:2407.21783
+# sec. 3.3.4; shared/REFERENCES.md 6.2). A large cluster's figure: set your own for a small job.
+DEFAULT_MTBF_HOURS = 3.0
+
+
+@dataclass
+class CheckpointConfig:
+    """When and how checkpoints are saved (``training/checkpointing.py``) into ``run_dir/dir``."""
+
+    # steps between saves, "auto" (Young/Daly optimum from the measured save time and mtbf_hours), or null
+    interval: int | Literal["auto"] | None = None
+    interval_minutes: float | None = None  # wall-clock minutes between saves (with or instead of interval)
+    keep: int = 3  # complete checkpoints kept; older ones are deleted after each save
+    async_save: bool = False  # write in a background thread while training goes on (torch DCP async_save)
+    mtbf_hours: float = DEFAULT_MTBF_HOURS  # mean time between failures of the job, for interval: auto
+    dir: str = "checkpoints"  # relative to the run directory, or absolute
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run saves periodically (a final checkpoint is then saved too)."""
+        return self.interval is not None or self.interval_minutes is not None
+
+    def validate(self) -> None:
+        require(self.interval is None or self.interval == "auto" or (isinstance(self.interval, int)
+                                                                      and self.interval >= 1),
+                 f"checkpoint.interval={self.interval!r} must be a number of steps >= 1, 'auto' or null")
+        require(self.interval_minutes is None or self.interval_minutes > 0,
+                 f"checkpoint.interval_minutes={self.interval_minutes} must be positive or null")
+        require(self.keep >= 1, f"checkpoint.keep={self.keep} must be >= 1 (the newest checkpoint is always kept)")
+        require(self.mtbf_hours > 0, f"checkpoint.mtbf_hours={self.mtbf_hours} must be positive")
+        require(bool(self.dir), "checkpoint.dir must not be empty")
+
+
+@dataclass
+class RunConfig:
+    """The whole configuration of one training run."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> None:
+        for section in (self.model, self.moe, self.parallel, self.data, self.train, self.logging, self.checkpoint):
+            section.validate()
+        require(
+            self.model.vocab_size >= 256 or self.data.source.endswith(".bin") or self.data.tokenizer != "bytes",
+            f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
+        )
+        require(not (self.train.compile and self.parallel.activation_offload != "none"),
+                 "train.compile with parallel.activation_offload is not supported yet (its saved-tensor hooks would "
+                 "split every compiled block); set one of them off")
+        require(not (self.train.compile and self.parallel.pp > 1),
+                 "train.compile with pipeline parallelism (parallel.pp > 1) is not supported yet; set one of them off")
+        require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
+                 "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
+                 "set train.precision=bf16 (or auto), or moe.backend=torch")
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """``moe-8x`` -> ``configs/moe-8x.yaml``; an existing path is taken as it is."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' " + ("is a folder; give a YAML file or a config name"
+                                                          if path.is_dir() else "does not exist"))
+        return path
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    names = [p.stem for p in CONFIG_DIR.glob("*.yaml")]
+    raise ConfigError(f"no config named '{name_or_path}': {nearest(name_or_path, names)}")
+
+
+def config_from_dict(tree: dict) -> RunConfig:
+    """Build and validate a config from a resolved tree (e.g. the ``config.yaml`` a checkpoint carries)."""
+    config = from_dict(RunConfig, tree)
+    config.validate()
+    return config
+
+
+def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a named config or YAML path, apply overrides, build and validate the typed tree."""
+    path = resolve_config_path(name_or_path)
+    tree = parse_yaml(path.read_text(), f"config file '{path}'") or {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+    tree = copy.deepcopy(tree)
+    tree.setdefault("name", path.stem)
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    return config_from_dict(tree)

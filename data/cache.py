@@ -1,0 +1,227 @@
+"""The token cache: a corpus tokenised once, then memory-mapped by every run and rank that reads it.
+
+Every machine can train with no download: the default corpus is the running Python's own standard
+library sources (``data/corpus.py``), tokenised one byte per token (vocab 256) or with a
+``tokenizer.json`` (``data.tokenizer``, ``data/tokenizer.py``). A corpus is tokenised once into a raw
+uint16 (or, for a vocabulary over 65,536, uint32) file in ``data.cache_dir`` and memory-mapped from then on,
+so start-up is instant and every rank of a job shares one page cache instead of holding its own copy.
+The cache is keyed on the content it was built from; ``data/sampler.py`` cuts the stream into batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from data.corpus import CHUNK_BYTES, VALID_SOURCES, Document, list_corpus, looks_binary, signature, unreadable
+from data.tokenizer import BYTES, Tokenizer, load_tokenizer
+
+# Files changed this recently before a cache build are re-hashed on later starts (see _write_tokens).
+RACY_SECONDS = 2.0
+
+
+def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = None,
+                tokenizer: str = BYTES) -> np.memmap:
+    """The whole token stream of ``data.source`` as a read-only memmap, shape ``[tokens]``.
+
+    ``"stdlib"`` and text files/folders are tokenised once with ``tokenizer`` (``data.tokenizer``: ``bytes``
+    or a ``tokenizer.json``, whose vocabulary must fit ``vocab_size``, checked first) into ``cache_dir``; the
+    cache file is named by a hash of what went into it: the tokenizer's identity, the root, and every file's
+    relative path, size, modification and status-change times. Writing a file always moves its status-change
+    time (``st_ctime``, which no tool can set back, unlike the modification time), so an edited, replaced,
+    added or removed file gives a new key and the corpus is re-tokenised rather than served stale. A file that
+    cannot be read is an error naming it, never a silent gap. A ``.bin`` is taken as already tokenised (uint16)
+    and mapped as is; given ``vocab_size``, its largest token id is checked against it when it is opened (an id
+    ``>= vocab_size`` would otherwise be an ``IndexError`` at whichever step first samples it), scanning the
+    file once: the largest id is cached in ``cache_dir`` under the file's identity (path, size, modification
+    and status-change times).
+    """
+    if source.endswith(".bin"):
+        tokens = _map_tokens(Path(source), source, np.dtype(np.uint16))
+        if vocab_size is not None:
+            largest = _largest_token_id(Path(source), tokens, Path(cache_dir))
+            if largest >= vocab_size:
+                raise ValueError(
+                    f"data.source={source!r}: {source} holds token id {largest}, outside model.vocab_size="
+                    f"{vocab_size} (ids must be below it); set model.vocab_size to at least {largest + 1}, or "
+                    "re-tokenise the file"
+                )
+        return tokens
+    encoder = load_tokenizer(tokenizer, vocab_size, source)
+    corpus = list_corpus(source)
+    label = f"{corpus.label}-{encoder.label}" if encoder.label else corpus.label
+    return _cached_tokens(corpus.documents, label, [encoder.identity, *corpus.key], cache_dir, source,
+                          corpus.skip_binary, encoder)
+
+
+def check_tokenizer(source: str, tokenizer: str, vocab_size: int) -> None:
+    """``load_tokens``' first check, for ``train.py`` to make before any process starts: the tokenizer of a text
+    source exists, reads, and its vocabulary fits ``model.vocab_size`` (a ``.bin`` is checked when it is opened)."""
+    if not source.endswith(".bin"):
+        load_tokenizer(tokenizer, vocab_size, source)
+
+
+def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str | Path, source: str,
+                   skip_binary: bool, tokenizer: Tokenizer) -> np.memmap:
+    """Map the cached tokens for ``key``, tokenising ``docs`` first if no cache exists yet (or if a file that was
+    racy when it was built has changed since: see ``_write_tokens``)."""
+    cache_dir = Path(cache_dir)
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    cache_file = cache_dir / f"{label}-{digest}.bin"
+    if not cache_file.exists() or not _racy_files_unchanged(cache_file):
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(
+                f"data.cache_dir={str(cache_dir)!r}: cannot create it ({error}); use a writable folder"
+            ) from error
+        if _write_tokens(cache_file, [(path, st) for _, path, st in docs], skip_binary, tokenizer) == 0:
+            raise ValueError(
+                f"data.source={source!r}: no readable text in {len(docs)} candidate files; {VALID_SOURCES}"
+            )
+    return _map_tokens(cache_file, source, tokenizer.dtype)
+
+
+def _write_tokens(dest: Path, files: list[tuple[Path, os.stat_result]], skip_binary: bool,
+                  tokenizer: Tokenizer) -> int:
+    """Tokenise ``files`` (each with its stat when listed) with ``tokenizer`` into ``dest`` atomically; return the
+    token count (0: nothing written).
+
+    Writing a temp file in the same folder, fsyncing it and renaming it over ``dest`` means a crash
+    never leaves a half-written cache, and ranks building the same cache at once cannot corrupt it.
+    Files are streamed in chunks so a corpus larger than memory still tokenises. A file that cannot be
+    read, or changed since it was listed (the cache's name describes the listed state), is an error.
+
+    File times have a coarse grain (a clock tick, up to a second on some network filesystems), so a file
+    changed within ``RACY_SECONDS`` before the build could change again without its times moving (git's
+    "racy clean" case). The SHA-256 of what was read from each such file goes to ``<cache>.racy.json``,
+    written before the cache; a later start re-hashes just those files and rebuilds if one differs.
+    """
+    racy_after = time.time_ns() - int(RACY_SECONDS * 1e9)
+    digests: dict[str, str] = {}
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    except OSError as error:
+        raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write there ({error.strerror}); use a "
+                         "writable folder") from error
+    os.fchmod(fd, 0o644)  # mkstemp makes it private; a shared cache must be readable by every user's ranks
+    tokens = 0
+    stream = tokenizer.stream()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for path, listed in files:
+                hasher = hashlib.sha256() if max(listed.st_mtime_ns, listed.st_ctime_ns) >= racy_after else None
+                try:
+                    with open(path, "rb") as doc:
+                        if signature(os.fstat(doc.fileno())) != signature(listed):
+                            raise ValueError(f"data.source: {path} changed while the corpus was being read; "
+                                             "run again once it is written")
+                        chunk = doc.read(CHUNK_BYTES)
+                        binary = skip_binary and looks_binary(chunk)
+                        while chunk and not (binary and hasher is None):
+                            if hasher is not None:
+                                hasher.update(chunk)
+                            if not binary:
+                                out.write(stream.feed(chunk))
+                            chunk = doc.read(CHUNK_BYTES)
+                except OSError as error:
+                    raise unreadable(path, error) from error
+                if hasher is not None:
+                    digests[str(path)] = hasher.hexdigest()
+                if not binary:
+                    out.write(stream.end_document())
+            out.write(stream.finish())
+            tokens = out.tell() // tokenizer.dtype.itemsize
+            out.flush()
+            os.fsync(out.fileno())
+        if tokens:
+            racy = _racy_record(dest)
+            if digests:
+                _write_json_atomic(racy, digests)
+            else:
+                racy.unlink(missing_ok=True)
+            os.replace(tmp_name, dest)
+    except OSError as error:  # writing (reading errors are ValueErrors by now): a full disk, say
+        raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write the token cache there "
+                         f"({error.strerror}); free space or use another folder") from error
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return tokens
+
+
+def _racy_record(cache_file: Path) -> Path:
+    return cache_file.with_suffix(".racy.json")
+
+
+def _write_json_atomic(path: Path, value: dict) -> None:
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o644)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(value, out)
+        os.replace(tmp_name, path)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
+def _racy_files_unchanged(cache_file: Path) -> bool:
+    """Whether every file that was racy when ``cache_file`` was built still holds what was read from it."""
+    record = _racy_record(cache_file)
+    if not record.is_file():
+        return True
+    try:
+        digests = dict(json.loads(record.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return False  # a damaged record: rebuild, which rewrites it
+    for name, digest in digests.items():
+        hasher = hashlib.sha256()
+        try:
+            with open(name, "rb") as doc:
+                while chunk := doc.read(CHUNK_BYTES):
+                    hasher.update(chunk)
+        except OSError:
+            return False  # rebuilding names the error
+        if hasher.hexdigest() != digest:
+            return False
+    return True
+
+
+def _map_tokens(path: Path, source: str, dtype: np.dtype) -> np.memmap:
+    """Memory-map a raw token file (uint16 or uint32) read-only, after checking it can be one."""
+    if not path.is_file():
+        raise ValueError(f"data.source={source!r}: no such file or folder; {VALID_SOURCES}")
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise ValueError(
+            f"data.source={source!r}: {path} has {size} bytes; a token file must be non-empty {dtype.name} "
+            f"(a multiple of {dtype.itemsize} bytes); {VALID_SOURCES}"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _largest_token_id(path: Path, tokens: np.memmap, cache_dir: Path) -> int:
+    """The largest id in the token file ``path`` (mapped as ``tokens``), scanned once per version of the file.
+
+    The result is kept in ``cache_dir`` under a hash of the file's path and signature, so a large file is read
+    whole only the first time it is used (and again whenever it changes). A cache that cannot be written costs
+    only the next start's scan.
+    """
+    key = json.dumps(["max-id-v1", str(path.resolve()), *signature(path.stat())])
+    record = cache_dir / f"maxid-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return int(json.loads(record.read_text(encoding="utf-8"))["max_id"])
+    step = CHUNK_BYTES // 2
+    largest = max(int(tokens[start:start + step].max()) for start in range(0, len(tokens), step))
+    with contextlib.suppress(OSError):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(record, {"max_id": largest})
+    return largest

@@ -1,0 +1,167 @@
+"""The batch samplers: a token stream's train/validation split, random training windows and fixed validation ones.
+
+The sampler's order is a pure function of (seed, sample number): it depends neither on the
+data-parallel layout nor on how many steps ran in this process, which is what makes a resumed run,
+even one resumed on a different number of ranks, see exactly the samples an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float,
+                 seq_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Split the stream into (train head, validation tail); both are views of ``tokens``, not copies.
+
+    A contiguous tail (rather than random windows) keeps validation text unseen by training even
+    across window boundaries. Given ``seq_len``, each part must hold one window of ``seq_len + 1`` tokens:
+    checked here, before any work, not at the first evaluation (the samplers check again).
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
+    num_val = int(len(tokens) * val_fraction)  # < len(tokens) as val_fraction < 1: train is never empty
+    if num_val == 0:
+        raise ValueError(
+            f"data.val_fraction={val_fraction} of {len(tokens)} tokens leaves no validation tokens; "
+            "use a larger corpus or a larger val_fraction"
+        )
+    train, val = tokens[:-num_val], tokens[-num_val:]
+    if seq_len is not None:
+        _check_layout(seq_len, 0, 1)
+        _num_windows(train, seq_len, "training")
+        _num_windows(val, seq_len, "validation")
+    return train, val
+
+
+class TokenSampler:
+    """Random training windows, the same for any data-parallel layout, resumable from a tiny state.
+
+    Sample ``g`` (numbered globally across epochs) is window ``perm_e[g % W]`` of epoch
+    ``e = g // W``, where ``W`` is the number of windows and ``perm_e`` a permutation drawn from
+    ``default_rng((seed, e))``. A window is ``seq_len + 1`` tokens starting at a multiple of
+    ``seq_len``, so inputs never overlap and each window yields inputs and next-token targets.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+        _check_layout(seq_len, dp_rank, dp_size)
+        if seed < 0:
+            raise ValueError(f"train.seed={seed}: must be non-negative (it seeds numpy's SeedSequence)")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.num_windows = _num_windows(tokens, seq_len, "training")
+        self.samples_seen = 0
+        self._permutations: dict[int, np.ndarray] = {}
+
+    def next_batch(self, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the next global batch: (inputs, targets), both int64 ``[n, seq_len]``.
+
+        ``n = global_batch_size // dp_size``; rank r takes global samples ``[r*n, (r+1)*n)`` of the
+        batch. Every rank advances by the whole global batch, so ranks stay in step without talking.
+        """
+        local = _local_batch_size(global_batch_size, self.dp_size)
+        first = self.samples_seen + self.dp_rank * local
+        windows = self._window_indices(np.arange(first, first + local, dtype=np.int64))
+        self.samples_seen += global_batch_size
+        return _gather(self.tokens, windows, self.seq_len)
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: the order itself is recomputed from the seed."""
+        return {"samples_seen": self.samples_seen, "seed": self.seed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``; a different seed or seq_len would silently change the data order."""
+        for name in ("seed", "seq_len"):
+            saved, current = state.get(name), getattr(self, name)
+            if saved != current:
+                raise ValueError(
+                    f"sampler state {name}={saved} does not match this run's {name}={current}; "
+                    f"resume with the same {name} or start a fresh run"
+                )
+        if state["samples_seen"] < 0:
+            raise ValueError(f"sampler state samples_seen={state['samples_seen']}: must be non-negative")
+        self.samples_seen = int(state["samples_seen"])
+
+    def _window_indices(self, samples: np.ndarray) -> np.ndarray:
+        """Window index of each global sample number; a batch may straddle two epochs."""
+        epochs, positions = np.divmod(samples, self.num_windows)
+        windows = np.empty_like(samples)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            windows[mask] = self._permutation(int(epoch))[positions[mask]]
+        return windows
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._permutations:
+            # Only the current and next epoch are ever needed again; older ones would just hold memory.
+            self._permutations = {e: p for e, p in self._permutations.items() if e >= epoch - 1}
+            rng = np.random.default_rng((self.seed, epoch))
+            self._permutations[epoch] = rng.permutation(self.num_windows)
+        return self._permutations[epoch]
+
+
+def eval_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int, dp_rank: int = 0, dp_size: int = 1
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The same validation batches on every call: windows spread evenly over the whole split.
+
+    A fixed set makes validation losses comparable across steps and runs; spreading it
+    (window ``i * W // n`` of ``W`` for the ``n`` needed) samples every part of the
+    held-out text rather than whichever file happens to open it. When the split holds
+    fewer windows than needed, they repeat in order. ``batch_size`` is global and split
+    across ranks like :meth:`TokenSampler.next_batch`. Arguments are checked here,
+    before the first batch is asked for.
+    """
+    _check_layout(seq_len, dp_rank, dp_size)
+    local = _local_batch_size(batch_size, dp_size)
+    num_windows = _num_windows(tokens, seq_len, "validation")
+    needed = batch_size * num_batches
+    sample = np.arange(needed, dtype=np.int64)
+    windows = sample * num_windows // needed if needed <= num_windows else sample % num_windows
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in range(num_batches):
+            first = batch * batch_size + dp_rank * local
+            yield _gather(tokens, windows[first:first + local], seq_len)
+
+    return batches()
+
+
+def _gather(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read windows ``[n]`` into (inputs, targets) ``[n, seq_len]`` with one fancy-indexed memmap read."""
+    offsets = windows[:, None] * seq_len + np.arange(seq_len + 1)
+    batch = torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+def _num_windows(tokens: np.ndarray, seq_len: int, split: str) -> int:
+    # Window i spans tokens [i*seq_len, i*seq_len + seq_len], so it needs i*seq_len + seq_len < len.
+    if len(tokens) < seq_len + 1:
+        raise ValueError(
+            f"the {split} split has {len(tokens):,} tokens, fewer than model.seq_len + 1 = {seq_len + 1:,}; "
+            f"use a larger data.source, model.seq_len of at most {max(len(tokens) - 1, 0):,}, or "
+            + ("a larger data.val_fraction" if split == "validation" else "a smaller data.val_fraction")
+        )
+    return (len(tokens) - 1) // seq_len
+
+
+def _check_layout(seq_len: int, dp_rank: int, dp_size: int) -> None:
+    if seq_len < 1:
+        raise ValueError(f"model.seq_len={seq_len}: must be at least 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} with dp_size={dp_size}: rank must be in [0, dp_size)")
+
+
+def _local_batch_size(global_batch_size: int, dp_size: int) -> int:
+    if global_batch_size < 1 or global_batch_size % dp_size:
+        raise ValueError(
+            f"train.global_batch_size={global_batch_size}: must be a positive multiple of the "
+            f"data-parallel size {dp_size}"
+        )
+    return global_batch_size // dp_size

@@ -1,0 +1,332 @@
+"""Hugging Face model folders in and out: import to our weights, export to a folder, and ``--init-from hf:DIR``.
+
+    python -m interop.hf import HF_DIR --out model.safetensors [--config moe-8x] [--seq-len 4096]
+    python -m interop.hf export runs/NAME/checkpoints/step_0000300 --out HF_DIR [--architecture NAME]
+        [--dtype bf16|fp32] [--max-shard-size 5GB]
+    python train.py --config moe-8x --init-from hf:HF_DIR
+
+Families (``FAMILIES``, by the architecture config.json names): Mixtral (``interop/hf_mixtral.py``) and
+Qwen3-MoE (``interop/hf_qwen3_moe.py``), each a config mapping and its tensor names over the pieces they
+share (``interop/hf_family.py``). A folder is ``config.json`` plus ``model.safetensors``, or shards named in
+``model.safetensors.index.json``. Everything streams: import reads one HF tensor at a time (an expert stack,
+one of our tensors, needs its E experts), export one of our tensors at a time, and ``--init-from hf:DIR``
+converts on the fly, each rank reading just its box of each tensor (see ``HFWeights``). ``transformers`` is
+not needed (nor imported): only tests use it, as the oracle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from config.cli import add_config_arguments, command_parser, load_config_from, run_command
+from config.errors import ConfigError
+from config.model import ModelConfig, MoEConfig
+from config.run import RunConfig, config_from_dict
+from interop import hf_mixtral, hf_qwen3_moe
+from interop.export import (
+    CONFIG_METADATA_KEY,
+    SAFETENSORS_DTYPES,
+    model_tensors,
+    write_safetensors_streaming,
+)
+from interop.hf_family import Family, Source, check_context, hf_targets
+from interop.hf_shards import INDEX_FILE, SINGLE_FILE, parse_size, write_weights
+from moe.transformer import MoETransformer
+from parallel.materialize import load_weights
+
+# the families we convert, by the architecture config.json names; export tries them in this order
+FAMILIES: dict[str, Family] = {family.architecture: family for family in (hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY)}
+
+HF_PREFIX = "hf:"
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()} | {"F8_E4M3": None, "F8_E5M2": None}
+
+
+class HFFolder(contextlib.AbstractContextManager):
+    """A Hugging Face model folder: its config.json and its tensors by name, over one or many shard files.
+
+    Shards are opened when first read (safetensors maps them; slicing reads in place). Missing files are
+    named up front, before any tensor is read.
+    """
+
+    def __init__(self, folder: Path | str):
+        self.folder = Path(folder)
+        config_path = self.folder / "config.json"
+        if not config_path.is_file():
+            raise ConfigError(f"{self.folder}: no config.json (not a Hugging Face model folder)")
+        try:
+            self.config = json.loads(config_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{config_path}: not valid JSON ({exc})") from exc
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            self.files = dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        elif (self.folder / SINGLE_FILE).is_file():
+            with safe_open(str(self.folder / SINGLE_FILE), framework="pt") as handle:
+                self.files = dict.fromkeys(handle.keys(), SINGLE_FILE)
+        else:
+            raise ConfigError(f"{self.folder}: neither {SINGLE_FILE} nor {INDEX_FILE} (safetensors weights only)")
+        for file in sorted(set(self.files.values())):
+            if not (self.folder / file).is_file():
+                raise ConfigError(f"{self.folder}: shard {file} named in {INDEX_FILE} is missing")
+        self._handles: dict[str, object] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def slice(self, name: str):
+        """The safetensors slice of HF tensor ``name`` (read nothing yet); an error naming it if absent."""
+        if name not in self.files:
+            raise ConfigError(f"{self.folder}: has no tensor '{name}'")
+        file = self.files[name]
+        if file not in self._handles:
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(str(self.folder / file), framework="pt"))
+            except (OSError, SafetensorError) as exc:
+                raise ConfigError(f"{self.folder / file}: not a readable safetensors file ({exc})") from exc
+        return self._handles[file].get_slice(name)
+
+
+def family_of(hf_config: dict) -> Family:
+    """The family of a config.json, by its ``architectures`` (or, without them, its ``model_type``); an error
+    naming the architecture and the supported ones otherwise."""
+    architectures = list(hf_config.get("architectures") or [])
+    model_type = hf_config.get("model_type")
+    if len(architectures) == 1 and architectures[0] in FAMILIES:
+        family = FAMILIES[architectures[0]]
+        if model_type not in (None, family.model_type):
+            raise ConfigError(f"config.json names architecture {family.architecture} with model_type "
+                              f"{model_type!r}, not its '{family.model_type}'")
+        return family
+    if not architectures:
+        for family in FAMILIES.values():
+            if family.model_type == model_type:
+                return family
+    what = ", ".join(architectures) or f"model_type {model_type!r}"
+    supported = ", ".join(f"{name} (model_type '{family.model_type}')" for name, family in FAMILIES.items())
+    raise ConfigError(f"unsupported architecture {what}: supported are {supported}")
+
+
+class HFWeights:
+    """An HF folder seen under our names and layouts (``parallel.materialize.WeightSource``).
+
+    Converts per tensor and per box: a box of an expert stack [e0:e1, i0:i1, j0:j1] is read as the
+    [j0:j1, i0:i1] slice of each of those experts' HF matrices, transposed. So a rank of any layout reads
+    only its own part, and nothing is converted or written ahead (``--init-from hf:DIR``).
+    """
+
+    def __init__(self, folder: HFFolder, sources: dict[str, Source], num_experts: int, architecture: str):
+        self.folder, self.sources, self.num_experts, self.architecture = folder, sources, num_experts, architecture
+
+    @classmethod
+    def of_family(cls, folder: HFFolder, model: ModelConfig, moe: MoEConfig) -> HFWeights:
+        """The folder's weights under our names, through the family its config.json names."""
+        family = family_of(folder.config)
+        return cls(folder, family.hf_sources(model, moe), moe.num_experts, family.architecture)
+
+    def _source(self, name: str) -> Source:
+        if name not in self.sources:
+            raise ConfigError(f"{self.folder.folder}: our tensor '{name}' has no {self.architecture} counterpart")
+        return self.sources[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        source = self._source(name)
+        if source.kind == "zeros":
+            return (self.num_experts,)
+        first = tuple(self.folder.slice(source.names[0]).get_shape())
+        if source.kind == "copy":
+            return first
+        for hf_name in source.names[1:]:
+            shape = tuple(self.folder.slice(hf_name).get_shape())
+            if shape != first:
+                raise ConfigError(f"{self.folder.folder}: tensor '{hf_name}' has shape {shape}, its layer's other "
+                                  f"experts {first}")
+        return (len(source.names), first[1], first[0])
+
+    def dtype(self, name: str) -> torch.dtype:
+        source = self._source(name)
+        if source.kind == "zeros":
+            return torch.float32
+        code = self.folder.slice(source.names[0]).get_dtype()
+        if DTYPES.get(code) is None:
+            raise ConfigError(f"{self.folder.folder}: tensor '{source.names[0]}' has dtype {code}, not supported")
+        return DTYPES[code]
+
+    def read(self, name: str, box: tuple[slice, ...]) -> Tensor:
+        source = self._source(name)
+        box = box or tuple(slice(0, n) for n in self.shape(name))  # () is the whole tensor
+        if source.kind == "zeros":
+            return torch.zeros(box[0].stop - box[0].start)
+        if source.kind == "copy":
+            return self.folder.slice(source.names[0])[box]
+        experts, rows, cols = box  # our [E, in, out] box: HF's [out, in] matrices, transposed
+        return torch.stack([self.folder.slice(hf_name)[cols, rows].t() for hf_name in source.names[experts]])
+
+
+def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = None) -> RunConfig:
+    """``config`` with the model and router settings of an HF folder's config.json (they override).
+
+    The rest (data, training, layout, balancing coefficients, ``model.seq_len`` unless given) stays the
+    config's; our context must fit the model's ``max_position_embeddings`` and any sliding window.
+    """
+    with HFFolder(folder) as hf:
+        shape = family_of(hf.config).shape_from_hf(hf.config)
+    tree = config.to_dict()
+    tree["model"].update(shape.model)
+    tree["moe"].update(shape.moe)
+    if seq_len is not None:
+        tree["model"]["seq_len"] = seq_len
+    result = config_from_dict(tree)
+    check_context(shape, result.model.seq_len)
+    return result
+
+
+def split_init_from(init_from: str | None) -> Path | None:
+    """The folder of an ``hf:DIR`` ``--init-from``, else None."""
+    return Path(init_from[len(HF_PREFIX):]) if init_from and init_from.startswith(HF_PREFIX) else None
+
+
+def load_hf_weights(module: torch.nn.Module, folder: Path | str, config: RunConfig) -> int:
+    """Fill ``module``'s tensors (this rank's shards) from an HF folder, converting on the fly."""
+    with HFFolder(folder) as hf:
+        return load_weights(module, HFWeights.of_family(hf, config.model, config.moe), str(folder))
+
+
+def expected_tensors(model: ModelConfig, moe: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """Our state dict's names and shapes for a config, from a meta-device build (no memory)."""
+    with torch.device("meta"):
+        built = MoETransformer(model, moe)
+    return {name: tuple(value.shape) for name, value in built.state_dict().items()}
+
+
+def import_folder(folder: Path, out: Path, config: RunConfig, seq_len: int | None = None) -> RunConfig:
+    """Write an HF folder's model as our safetensors file (our names and layouts, source dtypes kept), with
+    our resolved config as the ``config.yaml`` metadata; returns that config."""
+    config = hf_run_config(config, folder, seq_len)
+    with HFFolder(folder) as hf:
+        weights = HFWeights.of_family(hf, config.model, config.moe)
+        entries = {}
+        for name, shape in expected_tensors(config.model, config.moe).items():
+            found = weights.shape(name)
+            if found != shape:
+                hf_name = weights.sources[name].names[0] if weights.sources[name].names else name
+                raise ConfigError(f"{folder}: tensor '{hf_name}' gives our '{name}' the shape {found}, the "
+                                  f"config.json's model needs {shape}")
+            entries[name] = (torch.Size(shape), weights.dtype(name))
+        metadata = {CONFIG_METADATA_KEY: yaml.safe_dump(config.to_dict(), sort_keys=False),
+                    "source": f"{HF_PREFIX}{folder}", "format": "pt"}
+        write_safetensors_streaming(out, entries, lambda name: weights.read(name, ()), metadata)
+    return config
+
+
+def export_family(model: ModelConfig, moe: MoEConfig, architecture: str | None = None) -> Family:
+    """The family to export our model as: ``architecture``, or the first of ``FAMILIES`` that can express it;
+    an error with each family's reason when none can."""
+    if architecture is not None:
+        if architecture not in FAMILIES:
+            raise ConfigError(f"--architecture {architecture}: supported are {', '.join(FAMILIES)}")
+        FAMILIES[architecture].hf_from_config(model, moe)  # its refusal, if any
+        return FAMILIES[architecture]
+    reasons = []
+    for family in FAMILIES.values():
+        try:
+            family.hf_from_config(model, moe)
+            return family
+        except ConfigError as exc:
+            reasons.append(str(exc))
+    raise ConfigError("no Hugging Face family expresses this model: " + "; ".join(reasons))
+
+
+def export_folder(source: Path, out: Path, architecture: str | None = None, dtype: str | None = None,
+                  max_shard_bytes: int | None = None) -> tuple[int, RunConfig]:
+    """Write our checkpoint (a step folder, a folder of them, or our safetensors file) as an HF folder of
+    ``architecture`` (by default the first family that expresses the model, see ``export_family``).
+
+    One of our tensors in memory at a time (an expert stack is split into its E transposed matrices). The
+    weights keep their dtype unless ``dtype`` (``EXPORT_DTYPES``) casts each as it is written; with
+    ``max_shard_bytes`` they go into shards of at most that size and an index (``interop/hf_shards.py``).
+    Returns the number of HF tensors written, and our config.
+    """
+    entries, read, config = model_tensors(source)
+    family = export_family(config.model, config.moe, architecture)
+    hf_config = family.hf_from_config(config.model, config.moe)
+    targets = hf_targets(family.hf_sources(config.model, config.moe))
+    for ours in {ours for ours, _ in targets.values()}:
+        if ours not in entries:
+            raise ConfigError(f"{source}: has no tensor '{ours}' that a {family.architecture} export needs")
+    cast = EXPORT_DTYPES[dtype] if dtype is not None else None
+    cache: dict[str, Tensor] = {}
+
+    def value(ours: str) -> Tensor:
+        if ours not in cache:
+            cache.clear()  # tensors are asked for in order: one of ours in memory at a time
+            cache[ours] = read(ours) if cast is None else read(ours).to(cast)
+        return cache[ours]
+
+    def hf_tensor(name: str) -> Tensor:
+        ours, expert = targets[name]
+        return value(ours) if expert is None else value(ours)[expert].t().contiguous()
+
+    hf_entries = {}
+    for name, (ours, expert) in targets.items():
+        shape, stored = entries[ours]
+        hf_entries[name] = (torch.Size(shape if expert is None else (shape[2], shape[1])), cast or stored)
+    hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")
+    out.mkdir(parents=True, exist_ok=True)
+    write_weights(out, hf_entries, hf_tensor, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    return len(hf_entries), config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = command_parser("moe-hf", __doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    imp = commands.add_parser("import", help="an HF model folder -> our safetensors file (with our config)")
+    imp.add_argument("folder", type=Path)
+    imp.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    add_config_arguments(imp, config_help="the config whose non-model keys the file records",
+                         set_help="override keys of that config, e.g. --set train.lr=1e-4")
+    imp.add_argument("--seq-len", type=int, default=None,
+                     help="model.seq_len to record (default: the folder's max_position_embeddings)")
+    exp = commands.add_parser("export", help="our checkpoint (or safetensors file) -> an HF model folder")
+    exp.add_argument("checkpoint", type=Path, help="a step_NNNNNNN folder, a folder of them, or our .safetensors")
+    exp.add_argument("--out", type=Path, required=True, help="the folder to write")
+    exp.add_argument("--architecture", choices=list(FAMILIES), default=None,
+                     help="the HF architecture to write (default: the first that expresses the model)")
+    exp.add_argument("--dtype", choices=list(EXPORT_DTYPES), default=None,
+                     help="cast the weights as they are written (default: the checkpoint's dtype)")
+    exp.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                     help="write shards of at most SIZE (5GB, 500MB, 2GiB) and model.safetensors.index.json "
+                          "(default: one model.safetensors)")
+    args = parser.parse_args(argv)
+
+    def convert() -> None:
+        if args.command == "import":
+            seq_len = args.seq_len
+            if seq_len is None:
+                with HFFolder(args.folder) as hf:
+                    seq_len = family_of(hf.config).shape_from_hf(hf.config).max_positions
+            import_folder(args.folder, args.out, load_config_from(args), seq_len)
+            print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)
+        else:
+            max_bytes = parse_size(args.max_shard_size) if args.max_shard_size is not None else None
+            count, config = export_folder(args.checkpoint, args.out, args.architecture, args.dtype, max_bytes)
+            print(f"wrote {count} tensors and config.json to {args.out}", file=sys.stderr)
+            if config.moe.capacity_factor is not None:
+                print(f"note: trained with moe.capacity_factor={config.moe.capacity_factor}; Hugging Face routes "
+                      "dropless, so its outputs equal ours with moe.capacity_factor=null", file=sys.stderr)
+
+    return run_command(convert)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

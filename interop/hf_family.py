@@ -1,0 +1,220 @@
+"""What every Hugging Face family shares: the family record, the config keys all decoders map alike, and the
+Llama-style tensor names of embedding, attention and norms.
+
+A family (``interop/hf_mixtral.py``, ``interop/hf_qwen3_moe.py``) is a ``Family``: its ``config.json``
+mapping onto our ``model``/``moe`` keys (every setting we do not implement an error naming it), the way back,
+and where each of our tensors comes from. ``interop/hf.py`` looks families up by the architecture that
+``config.json`` names (its ``FAMILIES``) and does the reading, writing and streaming for all of them.
+
+Both families, like Llama, keep attention and norms under the same names and layouts as ours: Linear weights
+[out, in], q/k heads as contiguous blocks of hd rows, RoPE rotating the pairs (i, i + hd/2) of each head
+(``moe.transformer.apply_rope``, HF's ``rotate_half``). Routed experts differ: ours are stacked and
+input-major (``w_gate``/``w_in`` [E, D, H], ``w_out`` [E, H, D]), HF keeps one [out, in] matrix per expert,
+so a stack is its E HF matrices transposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from config.errors import ConfigError
+from config.model import ModelConfig, MoEConfig
+
+# config.json keys that do not change the model's function (token ids, generation, bookkeeping) or are
+# training-only settings of HF's own trainer: read, and deliberately not mapped
+IGNORED_KEYS = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
+    "pad_token_id", "use_cache", "initializer_range", "output_router_logits", "router_aux_loss_coef",
+    "_name_or_path", "output_hidden_states", "output_attentions", "return_dict", "id2label", "label2id",
+    "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
+}
+# config.json keys every family here maps alike (``decoder_shape``)
+DECODER_KEYS = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "max_position_embeddings", "rope_theta", "rope_parameters", "rope_scaling",
+                "rms_norm_eps", "tie_word_embeddings", "sliding_window", "attention_dropout", "hidden_act",
+                "attention_bias"}
+
+
+@dataclass(frozen=True)
+class HFShape:
+    """What a config.json fixes of our config: ``model``/``moe`` keys, and the longest context."""
+
+    model: dict
+    moe: dict
+    max_positions: int
+    sliding_window: int | None
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where our tensor comes from: one HF tensor as it is (``kind`` "copy"), E stacked and transposed
+    ("stack_t": names[e] is expert e), or nothing (the router's zero balancing bias, "zeros")."""
+
+    kind: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF architecture: its config mapping both ways and its tensor names (the functions below, per family).
+
+    ``shape_from_hf(config.json) -> HFShape`` refuses what we do not implement; ``hf_from_config(model, moe)``
+    is our model's config.json, refusing what the architecture cannot express; ``hf_sources(model, moe)``
+    maps each of our state-dict names (our order) to its ``Source``.
+    """
+
+    architecture: str
+    model_type: str
+    shape_from_hf: Callable[[dict], HFShape]
+    hf_from_config: Callable[[ModelConfig, MoEConfig], dict]
+    hf_sources: Callable[[ModelConfig, MoEConfig], dict[str, Source]]
+
+
+def get_key(hf: dict, key: str, family: str, default=None, required: bool = True):
+    """``hf[key]``; absent, an error naming the key if ``required``, else ``default``."""
+    if key not in hf:
+        if required:
+            raise ConfigError(f"config.json has no '{key}', which a {family} config needs")
+        return default
+    return hf[key]
+
+
+def check_keys(hf: dict, handled: set[str], family: str) -> None:
+    """Every config.json key is mapped or ignored on purpose: an unknown one would be silently dropped."""
+    unknown = sorted(set(hf) - handled - IGNORED_KEYS)
+    if unknown:
+        raise ConfigError(f"config.json setting '{unknown[0]}'={hf[unknown[0]]!r} is not supported by the {family} "
+                          f"import (it would be silently dropped); unsupported keys: {', '.join(unknown)}")
+
+
+def check_requirements(hf: dict, requirements: dict[str, tuple[object, str]]) -> None:
+    """Each present key of ``requirements`` has its one supported value: key -> (value, why)."""
+    for key, (wanted, why) in requirements.items():
+        if key in hf and hf[key] != wanted:
+            raise ConfigError(f"config.json {key}={hf[key]!r} is not supported: {why}")
+
+
+def _rope_theta(hf: dict, default: float) -> float:
+    """rope_theta, from ``rope_parameters`` (transformers 5) or the top-level key (4.x; absent, the family's
+    ``default``); plain RoPE only."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        raise ConfigError(f"config.json rope_scaling={scaling!r} is not supported (plain RoPE only)")
+    if params is not None:
+        if params.get("rope_type", "default") != "default" or set(params) - {"rope_type", "rope_theta"}:
+            raise ConfigError(f"config.json rope_parameters={params!r} is not supported: only rope_type 'default' "
+                              "with rope_theta")
+        return float(params["rope_theta"])
+    return float(hf.get("rope_theta", default))
+
+
+def decoder_shape(hf: dict, family: str, rope_theta: float) -> dict:
+    """Our ``model`` keys from the config.json keys every family here shares (``DECODER_KEYS``), after
+    refusing their settings we do not implement (activation, dropout, biases, RoPE scaling); ``rope_theta``
+    is the family's default."""
+    check_requirements(hf, {"hidden_act": ("silu", "hidden_act must be 'silu' (SwiGLU)"),
+                            "attention_dropout": (0, "attention_dropout must be 0 (no attention dropout here)"),
+                            "attention_bias": (False, "attention_bias must be false (no biases here)")})
+    hidden, heads = get_key(hf, "hidden_size", family), get_key(hf, "num_attention_heads", family)
+    head_dim = hf.get("head_dim")
+    return {"vocab_size": get_key(hf, "vocab_size", family), "d_model": hidden,
+            "n_layers": get_key(hf, "num_hidden_layers", family), "n_heads": heads,
+            "n_kv_heads": get_key(hf, "num_key_value_heads", family, heads, required=False),
+            "head_dim": None if head_dim is None or head_dim * heads == hidden else head_dim,
+            "tie_embeddings": bool(get_key(hf, "tie_word_embeddings", family, False, required=False)),
+            "rope_theta": _rope_theta(hf, rope_theta),
+            "norm_eps": float(get_key(hf, "rms_norm_eps", family, 1e-5, required=False))}
+
+
+def decoder_config(model: ModelConfig) -> dict:
+    """The config.json keys of ``decoder_shape``, for our model (no sliding window: we attend fully)."""
+    return {"vocab_size": model.vocab_size, "hidden_size": model.d_model, "num_hidden_layers": model.n_layers,
+            "num_attention_heads": model.n_heads, "num_key_value_heads": model.kv_heads, "head_dim": model.head_size,
+            "max_position_embeddings": model.seq_len, "rope_theta": model.rope_theta, "rms_norm_eps": model.norm_eps,
+            "tie_word_embeddings": model.tie_embeddings, "sliding_window": None, "attention_dropout": 0.0,
+            "attention_bias": False, "hidden_act": "silu"}
+
+
+def refuse(architecture: str, refusals: list[tuple[bool, str]]) -> None:
+    """The first true refusal as an error: our model has a setting ``architecture`` cannot express."""
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"cannot export as {architecture}: {why}")
+
+
+def routed_moe(num_experts: int, top_k: int, expert_hidden: int, renormalize: bool) -> dict:
+    """Our ``moe`` keys for an HF softmax top-k router over SwiGLU experts: dropless, no jitter, no balancing bias,
+    no shared experts (what ``router_refusals`` refuses on the way back)."""
+    return {"num_experts": num_experts, "top_k": top_k, "expert_hidden": expert_hidden, "activation": "swiglu",
+            "score_func": "softmax", "renormalize": renormalize, "jitter_eps": 0.0, "capacity_factor": None,
+            "bias_update_rate": 0.0, "num_shared_experts": 0, "shared_expert_hidden": None, "force_balance": False}
+
+
+def router_refusals(moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
+    """What no HF softmax top-k router here expresses: other experts, other scores, balancing bias, debug routing."""
+    return [
+        (moe.activation != "swiglu", f"moe.activation={moe.activation!r}: {family} experts are SwiGLU"),
+        (moe.score_func != "softmax", f"moe.score_func={moe.score_func!r}: {family}'s router is a softmax"),
+        (moe.num_shared_experts != 0, f"moe.num_shared_experts={moe.num_shared_experts}: {family} has none"),
+        (moe.bias_update_rate != 0, f"moe.bias_update_rate={moe.bias_update_rate}: {family} has no balancing bias"),
+        (moe.force_balance, f"moe.force_balance=true: a debug routing {family} does not have"),
+        (moe.jitter_eps != 0, f"moe.jitter_eps={moe.jitter_eps}: {family} has no such noise"),
+    ]
+
+
+def check_context(shape: HFShape, seq_len: int) -> None:
+    """Our context must fit the model's positions, and a sliding window must not cut it (we attend fully)."""
+    if seq_len > shape.max_positions:
+        raise ConfigError(f"model.seq_len={seq_len} exceeds the folder's max_position_embeddings="
+                          f"{shape.max_positions}")
+    if shape.sliding_window is not None and shape.sliding_window < seq_len:
+        raise ConfigError(f"config.json sliding_window={shape.sliding_window} is below model.seq_len={seq_len}: "
+                          "sliding-window attention is not supported; use a seq_len within the window")
+
+
+# our per-layer names -> HF's, for the attention and norm tensors that copy as they are
+ATTENTION_COPIES = {"attn_norm.weight": "input_layernorm.weight", "attn.wq.weight": "self_attn.q_proj.weight",
+                    "attn.wk.weight": "self_attn.k_proj.weight", "attn.wv.weight": "self_attn.v_proj.weight",
+                    "attn.wo.weight": "self_attn.o_proj.weight", "attn.q_norm.weight": "self_attn.q_norm.weight",
+                    "attn.k_norm.weight": "self_attn.k_norm.weight",
+                    "ffn_norm.weight": "post_attention_layernorm.weight"}
+
+
+def decoder_sources(model: ModelConfig, layer_sources: Callable[[int, str, str], dict[str, Source]]
+                    ) -> dict[str, Source]:
+    """Each of our state-dict names (our model's order) and its HF source: embedding, then per layer the
+    attention and norms (q/k norms with ``model.qk_norm``) and ``layer_sources(i, ours, theirs)``'s feed-forward
+    tensors (prefixes ``layers.i.`` and ``model.layers.i.``), then the final norm and the head."""
+    out = {"tok_embeddings.weight": Source("copy", ("model.embed_tokens.weight",))}
+    for i in range(model.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for name, hf_name in ATTENTION_COPIES.items():
+            if model.qk_norm or name not in ("attn.q_norm.weight", "attn.k_norm.weight"):
+                out[ours + name] = Source("copy", (theirs + hf_name,))
+        out.update(layer_sources(i, ours, theirs))
+    out["norm.weight"] = Source("copy", ("model.norm.weight",))
+    # tied: the head is the embedding (HF's save_pretrained may leave lm_head out of the files)
+    out["output.weight"] = Source("copy", ("model.embed_tokens.weight" if model.tie_embeddings else "lm_head.weight",))
+    return out
+
+
+def expert_stacks(ours: str, experts: str, names: dict[str, str], num_experts: int) -> dict[str, Source]:
+    """Our stacked expert weights (``names``: ours -> HF's per-expert name) at ``ours``, each from the E HF
+    matrices ``{experts}.{e}.{name}``, transposed; and the router's balancing bias, zeros."""
+    out = {f"{ours}moe.router.expert_bias": Source("zeros", ())}
+    for name, per_expert in names.items():
+        out[ours + name] = Source("stack_t", tuple(f"{experts}.{e}.{per_expert}" for e in range(num_experts)))
+    return out
+
+
+def hf_targets(sources: dict[str, Source]) -> dict[str, tuple[str, int | None]]:
+    """Each HF tensor of an exported folder: (our name, expert index for a stacked weight, else None)."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for ours, source in sources.items():
+        if source.kind == "copy" and source.names[0] not in out:  # tied: the head is the embedding, once
+            out[source.names[0]] = (ours, None)
+        elif source.kind == "stack_t":
+            out.update({name: (ours, e) for e, name in enumerate(source.names)})
+    return out

@@ -1,0 +1,66 @@
+"""What the Hugging Face interop tests share: tiny random models saved as folders, our files read back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import safe_open
+
+from config.run import config_from_dict
+from interop.export import CONFIG_METADATA_KEY
+from moe.transformer import MoETransformer
+from parallel.materialize import load_weights_file
+
+
+def randomise_norms(model: torch.nn.Module) -> None:
+    """Norm weights away from 1 (q/k norms too), so a swapped or dropped norm shows in the logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+
+
+def save_random(model: torch.nn.Module, folder: Path, shard: bool = False) -> torch.nn.Module:
+    """``model`` (a transformers model, freshly built) with its norms randomised, saved to ``folder`` in 20 KB
+    shards or one file; returned in eval mode."""
+    randomise_norms(model)
+    model.save_pretrained(folder, max_shard_size="20KB" if shard else "5GB")
+    return model.eval()
+
+
+def our_model(file: Path) -> MoETransformer:
+    """Our model as one of our safetensors files holds it: its config from the metadata, then its weights."""
+    with safe_open(str(file), framework="pt") as handle:
+        config = config_from_dict(yaml.safe_load(handle.metadata()[CONFIG_METADATA_KEY]))
+    model = MoETransformer(config.model, config.moe).eval()
+    load_weights_file(model, file)
+    return model
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors files, by name."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            out.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return out
+
+
+def assert_same_tensors(original_folder: Path, returned_folder: Path, tied: bool) -> None:
+    """The folder an export wrote holds the original folder's tensors, bit for bit, and no others (a tied model's
+    ``lm_head.weight``, which an export leaves to the embedding, aside)."""
+    original, returned = hf_tensors(original_folder), hf_tensors(returned_folder)
+    if tied:
+        original.pop("lm_head.weight", None)
+    assert original.keys() == returned.keys()
+    for name, value in original.items():
+        assert torch.equal(value, returned[name]), name
+
+
+def edit_config(folder: Path, **changes) -> None:
+    """Set keys of a saved folder's config.json."""
+    path = folder / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))

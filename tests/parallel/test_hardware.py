@@ -1,0 +1,51 @@
+"""``keep_freed_memory``: freed memory is reused rather than faulted in again (a fresh process each case)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parallel.hardware import keep_freed_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Allocate and free twenty 3 MiB tensors twice; print the page faults of the second round.
+SCRIPT = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+from parallel.hardware import keep_freed_memory
+if {keep}:
+    assert keep_freed_memory("cpu")
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(2):
+    before = faults()
+    tensors = [torch.ones(768 * 1024) for _ in range(20)]
+    del tensors
+print(faults() - before)
+"""
+
+
+def second_round_faults(keep: bool) -> int:
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("MALLOC_") and name != "GLIBC_TUNABLES"}
+    run = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT), keep=keep)], capture_output=True,
+                         text=True, check=True, timeout=120, env=env)
+    return int(run.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings: Linux only")
+def test_freed_activations_are_reused_not_faulted_in_again():
+    pages = 20 * 3 * 2**20 // 4096
+    assert second_round_faults(keep=False) > pages // 2  # glibc's default hands the memory back: faults again
+    assert second_round_faults(keep=True) < pages // 10  # kept: the second round reuses the first's pages
+
+
+def test_an_allocator_setting_from_the_environment_wins(monkeypatch):
+    """``benchmarks/large_model.py`` runs train.py with ``MALLOC_MMAP_THRESHOLD_`` set; a GPU run needs nothing."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert not keep_freed_memory("cpu")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert not keep_freed_memory("cuda")
