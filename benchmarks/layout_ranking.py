@@ -31,7 +31,7 @@ Then every layout of ``LAYOUTS`` trains ``--config`` for ``--warmup`` + ``--step
 and its step time is the median of the measured steps (``perf/tokens_per_s`` at a log interval of 1: the
 step and its per-step logging). The table lists predicted against measured per layout, the error, and
 Spearman's rank correlation of the two orders per world size. A measurement, never a pass/fail test
-(tests/test_layout_ranking_benchmark.py checks its plumbing).
+(tests/benchmarks/test_layout_ranking.py checks its plumbing).
 
     python benchmarks/layout_ranking.py [--config moe-8x] [--set KEY=VALUE ...] [--worlds 4 8] [--steps 4]
                                         [--warmup 2] [--rounds 3] [--json PATH]

@@ -168,7 +168,7 @@ def load_tokenizer(spec: str, vocab_size: int | None = None, source: str = "stdl
         if not path.is_file():
             wanted = vocab_size or 8192
             raise ValueError(
-                f"data.tokenizer={spec!r}: no such file; train a BPE on this corpus with `python -m training."
+                f"data.tokenizer={spec!r}: no such file; train a BPE on this corpus with `python -m data."
                 f"tokenizer train --source {source} --vocab-size {wanted} --out {spec}`, give another tokenizer.json, "
                 "or use 'bytes'")
         try:

@@ -22,7 +22,7 @@ HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 # GPUs (substrings of ``torch.cuda.get_device_name``) on which ``benchmarks/moe_layer.py --device cuda`` measured
 # the megablocks backend faster than torch's for the layer: ``auto`` picks megablocks there. Empty until a GPU
-# run records such a result (none has yet, README "GPU"): ``auto`` is the torch backend everywhere today.
+# run records such a result (none has yet, docs/gpu.md): ``auto`` is the torch backend everywhere today.
 MEGABLOCKS_FASTER_ON: tuple[str, ...] = ()
 
 INSTALL_MEGABLOCKS = ("on a CUDA machine run `bash scripts/install_megablocks.sh` (it builds megablocks 0.10.0 and "
@@ -272,7 +272,7 @@ def row_multiple_on(device_type: str, dtype: torch.dtype) -> int:
     group size: it changes every step as the router learns, so nearly every call compiled a kernel (about
     400 per step of ``moe-8x``, each mapping fresh memory). Padded to blocks of 16 rows the shapes repeat and
     stay cached: in ``benchmarks/train_step.py`` the profiled expert GEMMs of a ``moe-8x`` step took half the
-    time and steps 0.254-0.270 s against 0.278-0.292 s in three alternating pairs (README, "GPU"), for at most
+    time and steps 0.254-0.270 s against 0.278-0.292 s in three alternating pairs (docs/performance.md), for at most
     15 rows of zeros per expert. fp32 and fp64 run through BLAS kernels that compile
     nothing, and CUDA's grouped GEMM takes the group offsets as data.
     """

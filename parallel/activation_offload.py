@@ -21,7 +21,7 @@ the step (``moe.experts.ComputeCopies``).
 GPU only (on a CPU activations are in host memory already: ``parallel.hardware.check_hardware`` refuses it),
 one micro-batch in flight at a time (no pipeline parallelism), and not combined with activation checkpointing
 (which keeps less, by recomputing) or ``train.compile``: ``RunConfig.validate`` refuses those. Its behaviour on
-a GPU (memory saved, time lost, overlap) is unmeasured so far (README "GPU").
+a GPU (memory saved, time lost, overlap) is unmeasured so far (docs/gpu.md).
 """
 
 from __future__ import annotations

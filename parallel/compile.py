@@ -11,7 +11,7 @@ grouped tensor, a data-dependent shape); dropless routing keeps every shape fixe
 break. Outside bf16, at each grouped GEMM (``moe.experts._eager_grouped_matmul``: torch's meta kernel of
 ``grouped_mm`` takes bf16 only). So bf16 dropless blocks compile whole; ``tests/parallel/test_compile.py`` holds
 both cases to eager and counts the breaks. The option is off by default: on CPU, compiling moe-8x's blocks
-takes minutes on a 2-core machine, and the GPU gain is unmeasured (README "GPU").
+takes minutes on a 2-core machine, and the GPU gain is unmeasured (docs/gpu.md).
 """
 
 from __future__ import annotations

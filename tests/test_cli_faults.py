@@ -238,7 +238,7 @@ def test_launch_py_keeps_a_user_errors_one_message_and_exit_2_where_torchrun_giv
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
     assert done.stderr.count("error:") == 1 and "the training split has 4,977 tokens" in done.stderr, done.stderr
-    # plain torchrun: the worker's message once, then torchrun's own report and exit 1 (README says so)
+    # plain torchrun: the worker's message once, then torchrun's own report and exit 1 (docs/configuration.md says so)
     done = torchrun(["-m", "torch.distributed.run"], "train.py", "--set", "train.steps=-3")
     assert done.returncode == 1 and done.stderr.count("error: train.steps must be >= 1, got -3") == 1, done.stderr
 

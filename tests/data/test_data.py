@@ -13,7 +13,7 @@ import pytest
 import torch
 from numpy.testing import assert_array_equal
 
-from data import cache
+from data import cache as token_cache
 from data.cache import load_tokens
 from data.sampler import TokenSampler, eval_batches, split_tokens
 
@@ -75,7 +75,7 @@ def test_stdlib_cache_is_reused_and_invalidated_by_a_changed_file(fake_stdlib, t
         raise AssertionError("the cached corpus was rebuilt")
 
     with monkeypatch.context() as patch:
-        patch.setattr(cache, "_write_tokens", must_not_rebuild)
+        patch.setattr(token_cache, "_write_tokens", must_not_rebuild)
         again = load_tokens("stdlib", cache)
     assert Path(again.filename) == cache_file and cache_file.stat().st_mtime_ns == mtime
     assert_array_equal(again, first)
@@ -118,7 +118,7 @@ def test_real_stdlib_corpus_counts_every_file_and_is_python(real_stdlib):
 def test_real_stdlib_second_call_maps_the_same_cache(real_stdlib, monkeypatch):
     tokens, cache = real_stdlib
     mtime = Path(tokens.filename).stat().st_mtime_ns
-    monkeypatch.setattr(cache, "_write_tokens", lambda *a, **k: pytest.fail("rebuilt the stdlib cache"))
+    monkeypatch.setattr(token_cache, "_write_tokens", lambda *a, **k: pytest.fail("rebuilt the stdlib cache"))
     again = load_tokens("stdlib", cache)
     assert again.filename == tokens.filename and Path(again.filename).stat().st_mtime_ns == mtime
     assert len(again) == len(tokens)
@@ -151,7 +151,7 @@ def test_single_text_file_and_an_unreadable_file_is_an_error_naming_it(tmp_path,
             raise PermissionError(13, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(cache, "open", open_or_deny, raising=False)
+    monkeypatch.setattr(token_cache, "open", open_or_deny, raising=False)
     with pytest.raises(ValueError, match=r"data\.source: cannot read .*secret\.txt \(Permission denied\)"):
         load_tokens(str(folder), tmp_path / "c2")
     assert [p.name for p in (tmp_path / "c2").iterdir()] == []  # no partial cache

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import train
 from config.errors import ConfigError
 from config.run import load_config
-from data import cache
+from data import cache as token_cache
 from data.cache import load_tokens
 from data.tokenizer import main as tokenizer_cli
 from training.metrics import read_metrics
@@ -75,12 +75,12 @@ def test_the_cache_holds_the_tokenizers_ids_and_decodes_back_to_the_text(bpe, co
 def test_the_stream_does_not_depend_on_how_files_are_read(bpe, corpus, tmp_path, monkeypatch):
     """Reads of 7 bytes split lines and multi-byte characters; pieces of 100 characters cut every document."""
     whole = load_tokens(str(corpus), tmp_path / "whole", tokenizer=str(bpe))
-    monkeypatch.setattr(cache, "CHUNK_BYTES", 7)
+    monkeypatch.setattr(token_cache, "CHUNK_BYTES", 7)
     assert_array_equal(load_tokens(str(corpus), tmp_path / "small-reads", tokenizer=str(bpe)), whole)
     monkeypatch.setattr("data.tokenizer.MAX_PIECE_CHARS", 100)
     monkeypatch.setattr("data.tokenizer.BATCH_CHARS", 1000)
     pieces = load_tokens(str(corpus), tmp_path / "pieces", tokenizer=str(bpe))
-    monkeypatch.setattr(cache, "CHUNK_BYTES", 13)
+    monkeypatch.setattr(token_cache, "CHUNK_BYTES", 13)
     assert_array_equal(load_tokens(str(corpus), tmp_path / "pieces-13", tokenizer=str(bpe)), pieces)
     # cut pieces tokenise differently at their cuts, but hold the same text
     tokenizer = Tokenizer.from_file(str(bpe))
@@ -97,7 +97,7 @@ def test_each_tokenizer_has_its_own_cache(bpe, corpus, tmp_path, monkeypatch):
     raw = b"".join(p.read_bytes() + b"\n\n" for p in sorted(corpus.iterdir()))
     assert_array_equal(streams["bytes"], np.frombuffer(raw, dtype=np.uint8))
     assert_array_equal(streams[str(other)], reference_stream(other, corpus))
-    monkeypatch.setattr(cache, "_write_tokens", lambda *a, **k: pytest.fail("rebuilt a cache"))
+    monkeypatch.setattr(token_cache, "_write_tokens", lambda *a, **k: pytest.fail("rebuilt a cache"))
     for spec, stream in streams.items():
         assert_array_equal(load_tokens(str(corpus), cache, tokenizer=spec), stream)
     # the same name with other content is another tokenizer

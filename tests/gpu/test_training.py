@@ -5,7 +5,7 @@ Tolerance of the curve: each logged interval's mean training loss (5 steps) on t
 CPU fp32 run's, over 40 steps of the same data and initial weights. bf16 rounding sends the two runs along
 slightly different paths (capacity drops flip, Adam amplifies small gradient differences), and the gap grows
 with the steps: on the CPU alone, bf16 autocast against fp32 differed by 0.0, 0.0, 0.1, 2.2, 0.2, 1.1, 2.2 and
-2.9% at steps 5 to 40 (README "GPU", measured with ``train.py --config moe-8x --set train.steps=40
+2.9% at steps 5 to 40 (docs/gpu.md, measured with ``train.py --config moe-8x --set train.steps=40
 logging.log_interval=5 train.eval_interval=0 train.precision=fp32|bf16``). 5% leaves the GPU's own rounding
 that margin again; a wrong gradient or a broken kernel moves the curve far more (the loss falls from 5.5 to 2.7).
 """

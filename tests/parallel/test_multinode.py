@@ -1,7 +1,7 @@
 """Two nodes on loopback: two torchrun invocations meeting through the c10d rendezvous, as on a cluster.
 
 Each "node" is its own ``torchrun --nnodes 2 --nproc-per-node 1`` process tree, exactly the command
-README gives for two machines, with 127.0.0.1 as the rendezvous host. The job trains with expert
+docs/parallelism.md gives for two machines, with 127.0.0.1 as the rendezvous host. The job trains with expert
 parallelism across the two nodes and must match the single-process run's numbers.
 """
 

@@ -1,6 +1,6 @@
 """What of ``scripts/gpu_check.sh`` and ``scripts/install_megablocks.sh`` a CPU machine can check: their usage,
 their refusals without a GPU or a CUDA torch, the CUDA 13 patch on megablocks' own text, and the summary table.
-The GPU run itself is README's "GPU" section's to report."""
+The GPU run itself is docs/gpu.md's to report."""
 
 import subprocess
 import sys
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import gpu_summary  # noqa: E402
 import patch_megablocks  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def script(*args, status):
