@@ -170,7 +170,13 @@ def _records_once_written(path: Path, kinds: tuple[str, ...], timeout: float = 3
     """
     deadline = time.monotonic() + timeout
     while True:
-        records = _read_transaction_log(path)
+        try:
+            records = _read_transaction_log(path)
+        except AssertionError:  # a chunk the service is still writing fails its checksum: read again, until timeout
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
         present = {record.WhichOneof("record_type") for record in records}
         if set(kinds) <= present or time.monotonic() > deadline:
             return records

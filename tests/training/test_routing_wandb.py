@@ -38,11 +38,18 @@ def _records(log: Path, timeout: float = 60.0) -> list:
     """The .wandb file's records once wandb has written its final "exit" record.
 
     ``run.finish()`` can return before wandb's writer has flushed the last records (seen on a loaded
-    machine), so wait for the record that closes the log rather than read a half-written one.
+    machine), so wait for the record that closes the log rather than read a half-written one: a chunk still
+    being written fails its checksum, and is read again until the timeout (then the failure stands).
     """
     deadline = time.monotonic() + timeout
     while True:
-        records = _read_transaction_log(log)
+        try:
+            records = _read_transaction_log(log)
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             return records
         time.sleep(0.5)
