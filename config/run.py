@@ -194,7 +194,11 @@ def config_from_dict(tree: dict) -> RunConfig:
 def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a named config or YAML path, apply overrides, build and validate the typed tree."""
     path = resolve_config_path(name_or_path)
-    tree = parse_yaml(path.read_text(), f"config file '{path}'") or {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {exc.start}): save it as UTF-8") from exc
+    tree = parse_yaml(text, f"config file '{path}'") or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of sections")
     tree = copy.deepcopy(tree)

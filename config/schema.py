@@ -22,6 +22,11 @@ import yaml
 
 from config.errors import ConfigError
 
+# Config integers are counts, sizes, intervals and seeds: none needs more than 2^31 - 1, and larger ones overflow
+# the 64-bit products the code forms of them (batch x sequence x vocabulary), torch's seeds, or make searches over
+# their divisors (the memory check, the planner) run for hours. Refused by name before any work.
+MAX_INT = 2**31 - 1
+
 
 def nearest(name: str, valid: typing.Iterable[str], prefix: str = "") -> str:
     """A 'did you mean' suffix naming the closest valid key, or the list of keys."""
@@ -40,7 +45,7 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors, own_type = [], []
         for arg in args:
             if arg is type(None):
                 continue
@@ -48,7 +53,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {args}")
+                if isinstance(arg, type) and isinstance(value, arg) and not isinstance(value, bool):
+                    own_type.append(str(exc))  # the value has this arm's type: its reason is the one to give
+        if len(errors) == 1 or own_type:
+            raise ConfigError((own_type or errors)[0])
+        raise ConfigError(f"{where}: {value!r} matches none of {args}")
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
@@ -66,6 +75,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if abs(value) > MAX_INT:
+            raise ConfigError(f"{where}: {value} is beyond {MAX_INT:,}, the largest integer a config key takes")
         return value
     if annotation is float:
         if isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-3 and 1.0e6 as strings
@@ -114,8 +125,9 @@ def require(condition: bool, message: str) -> None:
 
 
 class _NoAliasLoader(yaml.SafeLoader):
-    """Safe YAML without aliases: a config has no use for them, and nested aliases expand exponentially (a
-    few hundred bytes of "billion laughs" fill the memory of whatever prints or validates the value)."""
+    """Safe YAML without aliases or repeated keys. A config has no use for aliases, and nested ones expand
+    exponentially (a few hundred bytes of "billion laughs" fill the memory of whatever prints or validates the
+    value). A key given twice in one mapping is a mistake YAML itself lets pass (the last value wins, silently)."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -123,6 +135,16 @@ class _NoAliasLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(None, None, f"alias *{event.anchor}: configs may not use YAML aliases",
                                               event.start_mark)
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def parse_yaml(text: str, where: str):

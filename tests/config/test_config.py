@@ -112,3 +112,33 @@ def test_micro_batching_gives_each_pipeline_stage_a_micro_batch_by_default():
 def test_micro_batching_refuses_a_batch_that_does_not_split(overrides, dp, message):
     with pytest.raises(ConfigError, match=message):
         micro_batching(load_config("moe-8x", overrides), dp)
+
+
+@pytest.mark.parametrize("key", ["train.global_batch_size", "train.seed", "train.steps", "model.vocab_size",
+                                 "parallel.tp", "checkpoint.interval", "checkpoint.keep"])
+@pytest.mark.parametrize("value", [2**31, 2**63, -(2**63), 10**25])
+def test_integers_beyond_what_the_code_can_take_are_refused_by_name(key, value):
+    """No hang and no overflow deep in the code: an integer beyond 2^31 - 1 is refused when the config is typed."""
+    with pytest.raises(ConfigError, match=rf"^{key}: {value} is beyond 2,147,483,647"):
+        load_config("moe-8x", [f"{key}={value}"])
+
+
+def test_the_largest_integer_a_key_takes_is_accepted():
+    assert load_config("moe-8x", [f"train.steps={2**31 - 1}"]).train.steps == 2**31 - 1
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  steps: 3\n  lr: 0.001\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=r"key 'steps' is given twice in one mapping\s+in .*line 4"):
+        load_config(str(path))
+    path.write_text("train: {steps: 3}\ntrain: {lr: 0.1}\n")
+    with pytest.raises(ConfigError, match="key 'train' is given twice"):
+        load_config(str(path))
+
+
+def test_a_config_that_is_not_utf8_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"config file '{path}' is not UTF-8 text \(byte 9\)"):
+        load_config(str(path))
