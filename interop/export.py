@@ -37,6 +37,7 @@ from parallel.checkpoint import (
     CheckpointCorruptError,
     SafeFileSystemReader,
     TensorsOnlyLoadPlanner,
+    atomic_output,
     load_sharded,
     published_checkpoints,
     verify,
@@ -96,9 +97,8 @@ def write_safetensors_streaming(out: Path, entries: dict[str, tuple[torch.Size, 
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    partial = out.with_name(f".{out.name}.partial")
-    try:
-        with open(partial, "wb") as handle:
+    try:  # a reader, or a second export to the same path, never sees a half-written or mixed file
+        with atomic_output(out) as handle:
             handle.write(struct.pack("<Q", len(encoded)))
             handle.write(encoded)
             for name, (shape, dtype) in entries.items():
@@ -107,14 +107,9 @@ def write_safetensors_streaming(out: Path, entries: dict[str, tuple[torch.Size, 
                     raise ConfigError(f"tensor '{name}' read as {tuple(value.shape)} {value.dtype}, the checkpoint's "
                                       f"metadata says {tuple(shape)} {dtype}")
                 handle.write(value.contiguous().view(torch.uint8).numpy())  # its buffer, not a second copy
-            handle.flush()
-            os.fsync(handle.fileno())
-        partial.replace(out)  # a reader never sees a half-written file under the final name
     except OSError as exc:  # a folder that takes no files, a full disk: nothing half-written is left behind
         raise ExportWriteError(f"cannot write {out} ({exc.strerror or exc}); give a writable path with room for "
                                f"{(8 + len(encoded) + offset) / 1e6:.2f} MB") from exc
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple[torch.Size, torch.dtype]],

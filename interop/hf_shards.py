@@ -20,6 +20,7 @@ import torch
 
 from config.errors import ConfigError
 from interop.export import write_safetensors_streaming
+from parallel.checkpoint import write_text_atomic
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -82,7 +83,5 @@ def write_weights(out: Path, entries: dict[str, tuple[torch.Size, torch.dtype]],
         total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in entries.values())
         index = {"metadata": {"total_size": total},
                  "weight_map": {key: name for name, group in zip(names, groups, strict=True) for key in group}}
-        partial = out / f".{INDEX_FILE}.partial"
-        partial.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        partial.replace(out / INDEX_FILE)  # the shards are all there before the index names them
+        write_text_atomic(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")  # after every shard it names
     return names

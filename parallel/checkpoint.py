@@ -18,14 +18,17 @@ and only tensors are saved through DCP (non-tensor values would be unpickled fre
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
+import secrets
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -219,15 +222,33 @@ def publish(tmp_dir: Path, final_dir: Path) -> None:
     _fsync_dir(final_dir.parent)
 
 
+@contextlib.contextmanager
+def atomic_output(path: Path, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:
+    """A file to write ``path``'s new content into, published whole when the block ends without an error.
+
+    The content goes to a temporary file of its own beside ``path`` (a unique name: two writers of one path at
+    once never write into the same file) and is renamed over ``path`` once written and synced, so a reader
+    sees the old or the new content, never a mix, and of two concurrent writers the last to finish wins whole.
+    On an error (a full disk, an interrupt) the temporary file is removed and ``path`` is left as it was.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
+    try:
+        with os.fdopen(descriptor, mode, encoding=encoding) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so a reader sees the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_output(path, "w", encoding="utf-8") as handle:
         handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 # --- verifying and reading ---------------------------------------------------------------------------

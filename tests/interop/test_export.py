@@ -1,0 +1,46 @@
+"""Writing a safetensors file is all or nothing, also against a second writer of the same path and an interrupt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from interop.export import write_safetensors_streaming
+
+ENTRIES = {"a": (torch.Size([3]), torch.float32), "b": (torch.Size([2, 2]), torch.float32)}
+
+
+def _values(fill: float):
+    return lambda name: torch.full(ENTRIES[name][0], fill)
+
+
+def test_a_second_writer_of_the_same_path_never_mixes_with_the_first(tmp_path):
+    out = tmp_path / "model.safetensors"
+
+    def first(name):  # while the first writer is between its tensors, a second export to the same path runs whole
+        if name == "b":
+            write_safetensors_streaming(out, ENTRIES, _values(2.0), {"writer": "second"})
+            assert (load_file(out)["a"] == 2.0).all()
+        return _values(1.0)(name)
+
+    write_safetensors_streaming(out, ENTRIES, first, {"writer": "first"})
+    tensors = load_file(out)
+    assert all((tensor == 1.0).all() for tensor in tensors.values())  # the last to finish, whole; no mix
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no temporary file left behind
+
+
+def test_an_interrupted_write_leaves_the_earlier_file_as_it_was(tmp_path):
+    out = tmp_path / "model.safetensors"
+    write_safetensors_streaming(out, ENTRIES, _values(1.0), {})
+    before = out.read_bytes()
+
+    def interrupted(name):
+        if name == "b":
+            raise KeyboardInterrupt
+        return _values(3.0)(name)
+
+    with pytest.raises(KeyboardInterrupt):
+        write_safetensors_streaming(out, ENTRIES, interrupted, {})
+    assert out.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
