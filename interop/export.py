@@ -42,6 +42,7 @@ from parallel.checkpoint import (
     published_checkpoints,
     verify,
 )
+from parallel.materialize import checked_weight
 
 CONFIG_METADATA_KEY = "config.yaml"
 
@@ -103,6 +104,8 @@ def write_safetensors_streaming(out: Path, entries: dict[str, tuple[torch.Size, 
             handle.write(encoded)
             for name, (shape, dtype) in entries.items():
                 value = tensor(name)
+                if dtype.is_floating_point:  # integer entries (a step count) are not weights
+                    checked_weight(value, name, f"writing {out}")
                 if value.shape != shape or value.dtype != dtype:
                     raise ConfigError(f"tensor '{name}' read as {tuple(value.shape)} {value.dtype}, the checkpoint's "
                                       f"metadata says {tuple(shape)} {dtype}")

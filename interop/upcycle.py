@@ -38,6 +38,7 @@ and one of ours (an expert stack, E copies) is written at a time, so peak memory
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,8 +97,8 @@ def upcycle(source: DenseSource, config: RunConfig, out: Path, noise: float = 0.
     if dense_model.n_moe_layers:
         raise ConfigError(f"the source has {dense_model.n_moe_layers} MoE layers (model.moe_every="
                           f"{dense_model.moe_every}); upcycling starts from a dense model (model.moe_every: 0)")
-    if noise < 0:
-        raise ConfigError(f"--noise {noise}: must be >= 0 (a fraction of each dense matrix's std)")
+    if not 0 <= noise < math.inf:  # NaN fails this too
+        raise ConfigError(f"--noise {noise}: must be a finite number >= 0 (a fraction of each dense matrix's std)")
     for name, shape in expected_tensors(dense_model, source.config.moe).items():
         where = source.names.get(name, name)
         if name not in source.entries:

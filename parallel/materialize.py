@@ -118,8 +118,22 @@ def load_weights(module: nn.Module, source: WeightSource, where: str) -> int:
             raise ConfigError(f"{where}: tensor '{name}' has shape {shape}, this model needs "
                               f"{target.global_shape}; the file is of another model shape")
         box = tuple(slice(lo, lo + n) for lo, n in zip(target.offset, target.local.shape, strict=True))
-        target.local.copy_(source.read(name, box))
+        target.local.copy_(checked_weight(source.read(name, box), name, where))
     return len(targets)
+
+
+def checked_weight(value: Tensor, name: str, where: str) -> Tensor:
+    """``value``, refused (naming the tensor and ``where`` it came from) when it cannot be a weight: integers where a
+    float is wanted (the copy would cast them silently) or NaN/infinite entries (training would then stop at its
+    first step with advice about the learning rate that cannot help)."""
+    if not value.is_floating_point():
+        raise ConfigError(f"{where}: tensor '{name}' holds {value.dtype} values; a weight must be a floating-point "
+                          "tensor (the file is damaged or not a model's weights)")
+    if not torch.isfinite(value).all():
+        bad = int((~torch.isfinite(value)).sum())
+        raise ConfigError(f"{where}: tensor '{name}' holds {bad:,} NaN or infinite value(s); a model's weights must "
+                          "be finite (the file is damaged, or was saved from a diverged run)")
+    return value
 
 
 def load_weights_file(module: nn.Module, path: Path | str) -> int:

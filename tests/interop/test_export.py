@@ -44,3 +44,12 @@ def test_an_interrupted_write_leaves_the_earlier_file_as_it_was(tmp_path):
         write_safetensors_streaming(out, ENTRIES, interrupted, {})
     assert out.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+def test_a_non_finite_weight_is_refused_naming_it_and_nothing_is_written(tmp_path):
+    from config.errors import ConfigError
+
+    out = tmp_path / "model.safetensors"
+    with pytest.raises(ConfigError, match=r"writing .*model\.safetensors: tensor 'b' holds 4 NaN or infinite"):
+        write_safetensors_streaming(out, ENTRIES, lambda name: _values(1.0 if name == "a" else float("inf"))(name), {})
+    assert list(tmp_path.iterdir()) == []

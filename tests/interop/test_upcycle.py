@@ -152,6 +152,9 @@ def test_bad_sources_are_refused_before_anything_is_written(tmp_path, capsys):
     assert "moe.top_k=3 must be between 1 and moe.num_experts=2" in capsys.readouterr().err
     assert main([*up, "model.d_model=64"]) == 2
     assert "the model's shape is the dense model's" in capsys.readouterr().err
+    for noise in ("inf", "nan", "-0.1"):  # infinite weights would be written and trained on
+        assert main([*up[:7], "--noise", noise, *up[7:]]) == 2
+        assert f"--noise {float(noise)}: must be a finite number >= 0" in capsys.readouterr().err
     assert not out.exists() and not out.with_suffix(".yaml").exists()
 
     assert main(up) == 0  # an MoE model is not a dense source

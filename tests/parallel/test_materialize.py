@@ -126,3 +126,26 @@ def test_building_a_rank_costs_its_shards_not_the_model():
     buffer = 2 * moe.init.CHUNK_ELEMENTS * 4 + (16 << 20)  # a chunk and its copy, and allocator slack
     assert figures["model_bytes"] > 6 * figures["shard_bytes"]  # the check below can tell the two apart
     assert figures["shard_bytes"] <= figures["peak_bytes"] <= figures["shard_bytes"] + buffer, figures
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t.fill_(float("nan")), r"tensor '{name}' holds {count} NaN or infinite value\(s\)"),
+    (lambda t: t.view(-1).__setitem__(0, float("inf")), r"tensor '{name}' holds 1 NaN or infinite value\(s\)"),
+    (lambda t: t.round().to(torch.int32), r"tensor '{name}' holds torch.int32 values; a weight must be"),
+])
+def test_weights_that_cannot_be_right_are_refused_on_load_naming_the_tensor(damage, message, tmp_path):
+    from safetensors.torch import save_file
+
+    from config.errors import ConfigError
+    from parallel.materialize import load_weights_file
+
+    config = load_config("moe-8x", TINY)
+    model = MoETransformer(config.model, config.moe)
+    state = {key: value.clone().contiguous() for key, value in model.state_dict().items()}
+    name = next(iter(state))
+    damaged = damage(state[name])
+    state[name] = damaged if damaged is not None else state[name]
+    save_file(state, tmp_path / "weights.safetensors")
+    expected = message.format(name=name.replace(".", r"\."), count=f"{state[name].numel():,}")
+    with pytest.raises(ConfigError, match=expected):
+        load_weights_file(MoETransformer(config.model, config.moe), tmp_path / "weights.safetensors")
