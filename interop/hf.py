@@ -62,16 +62,21 @@ class HFFolder(contextlib.AbstractContextManager):
         config_path = self.folder / "config.json"
         if not config_path.is_file():
             raise ConfigError(f"{self.folder}: no config.json (not a Hugging Face model folder)")
-        try:
-            self.config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{config_path}: not valid JSON ({exc})") from exc
+        self.config = _json_file(config_path, dict, "a mapping of the model's settings")
         index = self.folder / INDEX_FILE
         if index.is_file():
-            self.files = dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+            weight_map = _json_file(index, dict, 'a mapping with a "weight_map"').get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ConfigError(f"{index}: has no \"weight_map\" of tensor names to shard files (a download cut "
+                                  "short? fetch the folder again)")
+            self.files = dict(weight_map)
         elif (self.folder / SINGLE_FILE).is_file():
-            with safe_open(str(self.folder / SINGLE_FILE), framework="pt") as handle:
-                self.files = dict.fromkeys(handle.keys(), SINGLE_FILE)
+            try:
+                with safe_open(str(self.folder / SINGLE_FILE), framework="pt") as handle:
+                    self.files = dict.fromkeys(handle.keys(), SINGLE_FILE)
+            except (OSError, SafetensorError) as exc:
+                raise ConfigError(f"{self.folder / SINGLE_FILE}: not a readable safetensors file ({exc}; a download "
+                                  "cut short? fetch it again)") from exc
         else:
             raise ConfigError(f"{self.folder}: neither {SINGLE_FILE} nor {INDEX_FILE} (safetensors weights only)")
         for file in sorted(set(self.files.values())):
@@ -94,6 +99,20 @@ class HFFolder(contextlib.AbstractContextManager):
             except (OSError, SafetensorError) as exc:
                 raise ConfigError(f"{self.folder / file}: not a readable safetensors file ({exc})") from exc
         return self._handles[file].get_slice(name)
+
+
+def _json_file(path: Path, kind: type, what: str):
+    """The JSON value of ``path``, which must be a ``kind`` (``what`` says what it should hold); a ConfigError
+    naming the file otherwise (not UTF-8, not JSON, cut short, or the wrong shape)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); it should hold JSON") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(value, kind):
+        raise ConfigError(f"{path}: holds a JSON {type(value).__name__}, not {what}")
+    return value
 
 
 def family_of(hf_config: dict) -> Family:
