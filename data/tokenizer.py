@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     def fit_bpe() -> None:
         if args.vocab_size < 256:
             raise ConfigError(f"--vocab-size {args.vocab_size}: a byte-level BPE needs at least the 256 byte symbols")
+        if not args.source.strip():  # an empty path would list the current directory
+            raise ConfigError("--source is empty; give 'stdlib', a text file or a folder")
         if args.source.endswith(".bin"):
             raise ConfigError(f"--source {args.source}: a .bin is already tokenised; give the text it came from")
         tokenizer = train_bpe(document_texts(list_corpus(args.source)), args.vocab_size)

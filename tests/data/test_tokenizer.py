@@ -147,6 +147,10 @@ def test_bad_tokenizers_fail_before_any_work_with_what_to_do(bpe, corpus, tmp_pa
     with pytest.raises(ConfigError, match=r"a .bin is already tokenised, so no tokenizer applies to it"):
         load_config("moe-8x", ["data.source=tokens.bin", f"data.tokenizer={bpe}"])
     assert tokenizer_cli(["train", "--vocab-size", "100", "--out", str(tmp_path / "t.json")]) == 2
+    for empty in ("", "  "):  # an empty path would train on the current directory
+        assert tokenizer_cli(["train", "--source", empty, "--vocab-size", "300", "--out", str(tmp_path / "t.json")]
+                             ) == 2
+        assert not (tmp_path / "t.json").exists()
 
 
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
