@@ -32,7 +32,7 @@ from interop.weights import initial_weights
 from parallel.groups import ParallelGroups
 from parallel.hardware import check_hardware, choose_precision, keep_freed_memory, planned_precision
 from parallel.layout import ResolvedLayout, resolve_layout
-from parallel.runtime import exit_process, init_runtime, local_device, shutdown_runtime
+from parallel.runtime import exit_process, init_runtime, launch_environment, local_device, shutdown_runtime
 from training.loop import train
 
 # How long a worker other than its node's first waits before exiting with an error that every rank found before the
@@ -61,13 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def planned_world_size(args: argparse.Namespace) -> int:
     """``--world-size`` (a --dry-run's), else torchrun's WORLD_SIZE, else 1."""
-    return args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    return args.world_size if args.world_size is not None else launch_environment().world_size
 
 
 def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunConfig, ResolvedLayout]:
     """The config and its layout on ``world_size`` ranks (default: ``--world-size``, WORLD_SIZE, or 1), after every
     check that needs no process; a ConfigError (or ValueError) otherwise. The layout is resolved here once and
     passed on whole. ``launch.py`` calls this before starting any worker."""
+    launch_environment()  # torchrun's variables, when set, are well formed
     config = load_config_from(args)
     hf_folder = split_init_from(args.init_from)
     if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         """Before the job is joined every rank of a node finds the same user error in the same inputs, and its
         first rank alone says it; the others wait a moment before exiting, because torchrun stops every worker as
         soon as one exits, and the first rank could be stopped unheard."""
-        if status == USER_ERROR and not joined and int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        node_peer = os.environ.get("LOCAL_WORLD_SIZE", "1") != "1" and os.environ.get("LOCAL_RANK", "0") != "0"
+        if status == USER_ERROR and not joined and node_peer:
             time.sleep(QUIET_RANK_GRACE_S)
         else:
             print_error(error, status)

@@ -12,8 +12,6 @@ allocator slack come on top, so passing it is necessary, not sufficient.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from analysis.memory import GIB, estimate
@@ -21,19 +19,20 @@ from analysis.planner import plan
 from config.errors import ConfigError
 from config.run import RunConfig
 from parallel.layout import ResolvedLayout
+from parallel.runtime import launch_environment
 
 
 def available_bytes_per_rank(device_type: str) -> int | None:
     """Memory one rank of this machine can use now, or None where it cannot be read."""
     if device_type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        local = launch_environment().local_rank % torch.cuda.device_count()
         return torch.cuda.mem_get_info(local)[0]
     try:
         with open("/proc/meminfo") as meminfo:
             kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return None
-    return kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return kib * 1024 // launch_environment().local_world_size
 
 
 def predicted_bytes(config: RunConfig, resolved: ResolvedLayout, precision: str, device_type: str = "cuda"

@@ -16,6 +16,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from config.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -42,23 +44,65 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """The process's place in the job as torchrun's environment variables give it (a world of one without them)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    launched: bool  # started by torchrun (RANK is set): the job's process group is to be joined
+
+
+def _environment_integer(name: str, default: int, least: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise ConfigError(f"environment variable {name}={raw!r} must be an integer >= {least} (torchrun sets it; "
+                          "unset it to run one process)")
+    return value
+
+
+def launch_environment() -> LaunchEnvironment:
+    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), checked
+    before any work: a ConfigError naming the variable when one is malformed or they disagree (a stray LOCAL_RANK
+    or RANK in a shell would otherwise fail deep inside torch.distributed)."""
+    world_size = _environment_integer("WORLD_SIZE", 1, 1)
+    rank = _environment_integer("RANK", 0, 0)
+    local_rank = _environment_integer("LOCAL_RANK", 0, 0)
+    local_world_size = _environment_integer("LOCAL_WORLD_SIZE", 1, 1)
+    if rank >= world_size:
+        raise ConfigError(f"environment variable RANK={rank} is not below WORLD_SIZE={world_size}")
+    launched = "RANK" in os.environ
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if launched and missing:
+        raise ConfigError(f"environment variable RANK is set but {' and '.join(missing)} not: start the job with "
+                          "torchrun (or python launch.py), which sets them all, or unset RANK to run one process")
+    return LaunchEnvironment(rank, world_size, local_rank, local_world_size, launched)
+
+
 def local_device() -> torch.device:
     """The device this process computes on: its node's GPU number LOCAL_RANK when torch sees GPUs, else the CPU
     (known before the job is joined, so ``train.py`` checks the config against it first)."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        return torch.device("cuda", launch_environment().local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
 def init_runtime() -> Runtime:
     """Join the job torchrun started (if any) and pick this process's device."""
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    env = launch_environment()
+    rank, world_size, local_rank = env.rank, env.world_size, env.local_rank
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if "RANK" in os.environ and not dist.is_initialized():
+    if env.launched and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, device_id=device
                                 if device.type == "cuda" else None)

@@ -291,3 +291,30 @@ def test_resuming_in_a_run_directory_with_damaged_logs_is_one_message_naming_the
     (run / "run.lock").unlink()
     damage(run)
     refused(capsys, ["--run-dir", str(run), "--set", *TINY, "train.steps=3", "checkpoint.interval=2"], message)
+
+
+# --- torchrun's environment variables, set by hand ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"LOCAL_RANK": "abc"}, "environment variable LOCAL_RANK='abc' must be an integer >= 0"),
+    ({"WORLD_SIZE": "0"}, "environment variable WORLD_SIZE='0' must be an integer >= 1"),
+    ({"RANK": "0"}, "environment variable RANK is set but MASTER_ADDR and MASTER_PORT not"),
+    ({"RANK": "4", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "environment variable RANK=4 is not below WORLD_SIZE=2"),
+])
+def test_stray_torchrun_variables_are_one_message_naming_them(tmp_path, capsys, monkeypatch, env, message):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    refused(capsys, ["--run-dir", str(tmp_path / "run"), "--set", *TINY], message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_user_error_is_said_by_a_process_with_a_stray_local_rank(tmp_path, capsys, monkeypatch):
+    """Only a node's later ranks of a torchrun job stay quiet (LOCAL_WORLD_SIZE > 1): a LOCAL_RANK left in a shell
+    must not silence the one process there is."""
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    refused(capsys, ["--run-dir", str(tmp_path / "run"), "--set", *TINY, "train.steps=0"], "train.steps must be >= 1")
