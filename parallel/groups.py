@@ -123,6 +123,26 @@ def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
     for key, ok, reason in checks:
         if not ok:
             raise _Invalid(key, reason)
+    _check_expert_sharding(d, model, moe)
+
+
+def _check_expert_sharding(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
+    """FSDP2 shards each expert stack [E/ep, ...] over the edp ranks on the experts dim when they split evenly,
+    else on a width dim (``parallel.sharding.expert_fsdp_dim``: d_model, or expert_hidden when etp leaves it
+    whole), and FSDP2 refuses an uneven split of any dim but the first. Experts in a unit of their own (ep, etp or
+    tp > 1) with edp > 1 must then have those widths divide by edp; raises _Invalid otherwise."""
+    edp = d["dp_shard"] * d["tp"] // (d["ep"] * d["etp"])
+    local = moe.num_experts // d["ep"]
+    spread = d["ep"] > 1 or d["etp"] > 1 or d["tp"] > 1
+    if model.n_moe_layers == 0 or not spread or edp == 1 or local % edp == 0:
+        return
+    widths = {"model.d_model": model.d_model, **({} if d["etp"] > 1 else {"moe.expert_hidden": moe.expert_hidden})}
+    uneven = [f"{key}={value}" for key, value in widths.items() if value % edp]
+    if uneven:
+        raise _Invalid("ep", f"the {local} experts per expert-parallel rank (moe.num_experts={moe.num_experts} / "
+                             f"parallel.ep={d['ep']}) do not split over the {edp} expert-data-parallel ranks, so FSDP "
+                             f"would shard each expert's width instead, and {' and '.join(uneven)} does not divide "
+                             f"by {edp}")
 
 
 # A caller's further checks of a layout (train.py's: the batch split, the pipeline schedule, tensor parallelism's

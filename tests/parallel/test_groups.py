@@ -119,12 +119,14 @@ MOE = MoEConfig(num_experts=8, expert_hidden=40)
 @pytest.mark.parametrize(
     ("world", "request_", "model", "moe", "message"),
     [
+        # ep=1 is not among them: 8 experts over edp=16 would be sharded on expert_hidden=40, unevenly
         (16, dict(tp=2, ep=16), MODEL, MOE,
-         "parallel.ep=16 does not divide moe.num_experts=8; valid ep for this world of 16 ranks with tp=2: 1, 2, 4, 8"),
+         "parallel.ep=16 does not divide moe.num_experts=8; valid ep for this world of 16 ranks with tp=2: 2, 4, 8"),
         (8, dict(pp=8), MODEL, MOE,
          "parallel.pp=8 is more pipeline stages than model.n_layers=4; valid pp for this world of 8 ranks: 1, 2, 4"),
+        # tp=2 is not among them: its 8 experts over edp=12 would be sharded on d_model=64, unevenly
         (12, dict(tp=3), MODEL, MOE,
-         "parallel.tp=3 does not divide model.n_heads=8; valid tp for this world of 12 ranks: 1, 2"),
+         "parallel.tp=3 does not divide model.n_heads=8; valid tp for this world of 12 ranks: 1"),
         (8, dict(tp=4), MODEL, MOE,
          "parallel.tp=4 does not divide the key/value heads model.n_kv_heads=2; "
          "valid tp for this world of 8 ranks: 1, 2"),
@@ -151,6 +153,16 @@ def test_model_limits_name_the_key_and_the_valid_values(world, request_, model, 
     assert str(info.value) == message
 
 
+def fsdp_can_shard_experts(dp_s: int, tp: int, ep: int, etp: int) -> bool:
+    """FSDP2 splits a dim other than the first only evenly: experts in their own unit (ep, etp or tp > 1) whose
+    E/ep do not split over edp are sharded on d_model (w_in, w_gate; and w_out under etp) or expert_hidden (w_out)."""
+    edp = dp_s * tp // (ep * etp)
+    if max(ep, etp, tp) == 1 or (MOE.num_experts // ep) % edp == 0:
+        return True
+    widths = [MODEL.d_model] + ([] if etp > 1 else [MOE.expert_hidden])
+    return all(width % edp == 0 for width in widths)
+
+
 def test_valid_layouts_are_exactly_those_the_rules_allow():
     # Brute force over every 6-tuple of divisors, with the rules written out independently.
     world = 24
@@ -166,7 +178,8 @@ def test_valid_layouts_are_exactly_those_the_rules_allow():
                                     and (dp_s * tp) % (ep * etp) == 0
                                     and MODEL.n_layers >= pp and MODEL.n_heads % tp == 0
                                     and MODEL.kv_heads % tp == 0 and MODEL.ffn_hidden % tp == 0
-                                    and MOE.num_experts % ep == 0 and MOE.expert_hidden % etp == 0):
+                                    and MOE.num_experts % ep == 0 and MOE.expert_hidden % etp == 0
+                                    and fsdp_can_shard_experts(dp_s, tp, ep, etp)):
                                 expected.add((pp, dp_r, dp_s, tp, ep, etp))
     found = [tuple(getattr(layout, k) for k in DEGREES) for layout in valid_layouts(world, MODEL, MOE)]
     assert len(found) == len(set(found)) and set(found) == expected
@@ -389,3 +402,18 @@ def _worker(rank: int, world: int, store_path: str) -> None:
 
 def test_real_groups_on_four_gloo_processes_match_the_arithmetic(tmp_path):
     mp.spawn(_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)
+
+
+def test_a_layout_fsdp_cannot_shard_the_experts_of_is_refused_before_anything_is_built():
+    """E/ep experts that do not split over edp are sharded on a width, which FSDP2 refuses to split unevenly
+    (NotImplementedError deep in fully_shard); the layout check refuses it first, naming the width."""
+    model = ModelConfig(n_layers=2, n_heads=4, d_model=72, ffn_hidden=128)
+    odd = MoEConfig(num_experts=6, expert_hidden=45)
+    with pytest.raises(ConfigError, match=r"the 3 experts per expert-parallel rank \(moe.num_experts=6 / "
+                                          r"parallel.ep=2\) do not split over the 2 expert-data-parallel ranks.*"
+                                          r"moe.expert_hidden=45 does not divide by 2"):
+        validate_for_model(Layout(4, dp_shard=4, ep=2), model, odd)
+    even = MoEConfig(num_experts=6, expert_hidden=90)  # the width splits: FSDP shards it (dry-run tested)
+    validate_for_model(Layout(4, dp_shard=4, ep=2), model, even)
+    validate_for_model(Layout(4, dp_shard=4, ep=2), model, MoEConfig(num_experts=8, expert_hidden=45))  # 4 per rank
+    assert all((layout.ep, layout.dp_shard) != (2, 4) for layout in valid_layouts(4, model, odd))
