@@ -33,11 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import Counter
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,14 +109,19 @@ def categorized(prof):
             yield event, node.name if node.name in CATEGORIES else forward_category.get(node.sequence_nr)
 
 
-def breakdown(prof, device: str) -> dict[str, float]:
-    """Seconds of self time per category in the profiled step (CPU time on a CPU, kernel time on a GPU)."""
-    totals = dict.fromkeys(CATEGORIES, 0.0)
+def breakdown(prof, device: str) -> tuple[dict[str, float], Counter]:
+    """Seconds of self time per category in the profiled step (CPU time on a CPU, kernel time on a GPU), and
+    per operator of the rest (where the step goes that no category names)."""
+    totals, rest = dict.fromkeys(CATEGORIES, 0.0), Counter()
     for event, part in categorized(prof):
+        if event.device_type != DeviceType.CPU:  # a kernel's time is already its launching operator's
+            continue
         own = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
         if own > 0 and event.name not in CATEGORIES:
             totals[part or "the rest"] += own / 1e6
-    return totals
+            if part is None:
+                rest[event.name] += own / 1e6
+    return totals, rest
 
 
 def build(config, device: torch.device):
@@ -124,18 +131,20 @@ def build(config, device: torch.device):
     return model, build_optimizer(model, config.train)
 
 
-def layers_that_fit(overrides: list[str], device: torch.device, largest: int = 32) -> int:
-    """The most layers of the slice whose training memory (the memory model's) fits the GPU's free memory,
-    with 10% left for the allocator."""
+def predicted_memory(config) -> int:
+    """The memory model's training peak for ``config`` on one GPU in bf16, in bytes."""
     from analysis.fit_check import predicted_bytes
     from parallel.layout import resolve_layout
 
-    def need(layers: int) -> int:
-        config = load_config("moe-8x", [*overrides, f"model.n_layers={layers}"])
-        return predicted_bytes(config, resolve_layout(config, 1), "bf16")[0]
+    return predicted_bytes(config, resolve_layout(config, 1), "bf16")[0]
 
+
+def layers_that_fit(overrides: list[str], device: torch.device, largest: int = 32) -> int:
+    """The most layers of the slice whose training memory (the memory model's) fits the GPU's free memory,
+    with 10% left for the allocator."""
     free = torch.cuda.mem_get_info(device)[0] * 0.9
-    fitting = [n for n in range(1, largest + 1) if need(n) <= free]
+    fitting = [n for n in range(1, largest + 1)
+               if predicted_memory(load_config("moe-8x", [*overrides, f"model.n_layers={n}"])) <= free]
     if not fitting:
         raise SystemExit("train_step: not even one layer of the slice fits this GPU's free memory")
     return fitting[-1]
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
-    parts = breakdown(prof, device.type)
+    parts, rest = breakdown(prof, device.type)
     total = sum(parts.values())
     step_s = statistics.median(seconds)
     tokens_per_s = batch * config.model.seq_len / step_s
@@ -200,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
               "layers": config.model.n_layers, "parameters": counts.total, "active": counts.active,
               "step_s": step_s, "tokens_per_s": tokens_per_s,
               **{f"share {part}": seconds_ / total for part, seconds_ in parts.items()},
-              "outside expert GEMMs and attention": 1 - (parts["expert GEMMs"] + parts["attention"]) / total}
+              "outside expert GEMMs and attention": 1 - (parts["expert GEMMs"] + parts["attention"]) / total,
+              "rest_heaviest": ", ".join(f"{op} {t:.3f} s" for op, t in rest.most_common(6))}
     if device.type == "cuda":
         peak = next((flops for key, flops in GPU_BF16_PEAK.items() if key in result["device"]), None)
         model_flops = training_flops_per_token(config.model, config.moe) * tokens_per_s
         result.update({"model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
-                       "memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30})
+                       "memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                       "memory_predicted_gib": predicted_memory(config) / 2**30})
 
     print(f"{name} on {result['device']} ({precision.precision}, torch {torch.__version__}): "
           f"{config.model.n_layers} layers, {counts.total / 1e6:,.1f}M parameters ({counts.active / 1e6:,.1f}M "
@@ -213,11 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step {step_s:.3f} s (median of {args.steps}), {tokens_per_s:,.0f} tokens/s")
     for part in CATEGORIES:
         print(f"  {part:<24} {parts[part]:8.3f} s  {parts[part] / total:6.1%}")
+    print(f"  the rest's heaviest operators: {result['rest_heaviest']}")
     print(f"outside expert GEMMs and attention: {result['outside expert GEMMs and attention']:.1%}")
     if device.type == "cuda":
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "unknown peak"
         print(f"model FLOPs {result['model_tflops']:.0f} TFLOP/s, MFU {mfu} of the datasheet's dense bf16 peak; "
-              f"peak memory {result['memory_peak_gib']:.1f} GiB")
+              f"peak memory {result['memory_peak_gib']:.1f} GiB (memory model: {result['memory_predicted_gib']:.1f} GiB)")
     if args.json:
         args.json.write_text(json.dumps([result], indent=1))
     return 0

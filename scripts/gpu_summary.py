@@ -3,7 +3,7 @@
     python scripts/gpu_summary.py OUT_DIR
 
 Reads what the check wrote into OUT_DIR: ``device.txt``, ``steps.tsv`` (step, exit status, seconds),
-``gpu_tests.xml`` (pytest's JUnit report) and the benchmarks' JSON. Exit status 1 when a step or a test failed.
+``gpu_tests.xml`` and ``megablocks_tests.xml`` (pytest's JUnit reports) and the benchmarks' JSON. Exit status 1 when a step or a test failed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 BENCHMARKS = ("train_step.json", "moe_layer.json")
+TEST_REPORTS = ("gpu_tests.xml", "megablocks_tests.xml")  # tests/gpu without, and with, megablocks built
 
 
 def steps(out: Path) -> list[tuple[str, int, int]]:
@@ -27,11 +28,10 @@ def steps(out: Path) -> list[tuple[str, int, int]]:
 
 def tests(out: Path) -> list[tuple[str, str, str]]:
     """(test, PASS|FAIL|SKIP, reason) from the JUnit report."""
-    path = out / "gpu_tests.xml"
-    if not path.is_file():
-        return []
     rows = []
-    for case in ElementTree.parse(path).iter("testcase"):
+    cases = [case for name in TEST_REPORTS if (out / name).is_file()
+             for case in ElementTree.parse(out / name).iter("testcase")]
+    for case in cases:
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         failed = case.find("failure") if case.find("failure") is not None else case.find("error")
         skipped = case.find("skipped")

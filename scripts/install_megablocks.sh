@@ -69,4 +69,6 @@ pip_build "$work"/megablocks-*/
 
 torch_after=$("$PYTHON" -c 'import torch; print(torch.__version__)')
 [[ "$torch_after" == "$torch_before" ]] || { echo "install_megablocks: torch changed ($torch_before -> $torch_after)" >&2; exit 1; }
-"$PYTHON" -c 'import grouped_gemm.ops, megablocks, megablocks_ops; print("install_megablocks: megablocks", megablocks.__version__, "and grouped_gemm import")'
+"$PYTHON" -c 'import grouped_gemm.ops, megablocks, megablocks_ops
+from importlib.metadata import version
+print("install_megablocks: megablocks", version("megablocks"), "and grouped_gemm", version("grouped_gemm"), "import")'

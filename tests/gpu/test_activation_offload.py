@@ -1,6 +1,6 @@
 """Activation offloading on a GPU: the gradients of offloaded blocks are those without offloading (the copies
-are exact: they differ no more than two runs without offloading differ from each other, CUDA's atomic adds
-in some backward kernels summing in varying order), and the device's peak memory falls.
+are exact: all gradients together differ no more than two runs without offloading differ from each other,
+CUDA's atomic adds in some backward kernels summing in varying order), and the device's peak memory falls.
 
 Step time and memory beside activation checkpointing's are printed (``-s``; scripts/gpu_check.sh keeps the log)
 rather than asserted: they are measurements, not pass/fail."""
@@ -46,14 +46,20 @@ def step(setting: str):
     return grads, torch.cuda.max_memory_allocated() - base, min(seconds), config
 
 
+def difference(tensors, others) -> float:
+    """The norm of the difference of two lists of tensors, as one vector."""
+    return torch.stack([(a.float() - b.float()).norm() for a, b in zip(tensors, others, strict=True)]).norm().item()
+
+
 @pytest.mark.parametrize("mode", ["blocks", "moe"])
 def test_offloading_keeps_gradients_and_lowers_peak_memory(mode):
     reference, peak, seconds, config = step("activation_offload=none")
     again, _, _, _ = step("activation_offload=none")
     grads, offloaded_peak, offloaded_seconds, offloaded_config = step(f"activation_offload={mode}")
-    for got, expected, repeat in zip(grads, reference, again, strict=True):
-        noise = (repeat - expected).norm()
-        assert (got - expected).norm() <= 2 * noise + 1e-6 * expected.norm()
+    # over all gradients at once: a per-tensor noise norm of a small tensor (a norm's weight) is too few samples
+    noise, error = difference(again, reference), difference(grads, reference)
+    assert error <= 2 * noise + 1e-6 * difference(reference, [torch.zeros_like(g) for g in reference]), \
+        f"offloaded gradients differ by {error:.3g}, two runs without offloading by {noise:.3g}"
     assert offloaded_peak < peak
     layout = resolve_layout(config, 1)[0]
     predicted_saving = (sum(micro_batch_activations(config, layout, 4, "bf16").values())

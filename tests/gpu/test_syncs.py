@@ -18,12 +18,6 @@ from training.loop import IntervalStats, train_step
 from training.optim import build_optimizer
 
 
-def forward_backward(model, inputs, targets):
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = lm_loss(model(inputs), targets)
-    loss.backward()
-
-
 CASES = {"dropless": (["moe.capacity_factor=null", "moe.backend=torch"], 0),
          "capacity": (["moe.backend=torch"], 1),
          "megablocks dropless": (["moe.capacity_factor=null", "moe.backend=megablocks"], 1)}
@@ -36,10 +30,21 @@ def test_syncs_per_moe_layer_in_forward_and_backward(case):
         pytest.skip(f"megablocks backend unavailable: {megablocks_unavailable('cuda')}")
     model, config = moe_8x("cuda", *overrides)
     inputs, targets = batch(config, "cuda")
-    forward_backward(model, inputs, targets)  # warm-up: first calls may load kernels and sync once
-    syncs = host_syncs(lambda: forward_backward(model, inputs, targets))
+    losses = []
+
+    def forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses.append(lm_loss(model(inputs), targets))
+
+    def backward():
+        losses.pop().backward()
+
+    forward()  # warm-up: first calls may load kernels and sync once
+    backward()
+    forward_syncs, backward_syncs = host_syncs(forward), host_syncs(backward)
     expected = per_layer * config.model.n_moe_layers
-    assert len(syncs) == expected, f"{len(syncs)} host syncs, expected {expected}: {syncs}"
+    assert (len(forward_syncs), len(backward_syncs)) == (expected, 0), \
+        f"host syncs: forward {forward_syncs}, backward {backward_syncs}; expected {expected} and none"
 
 
 def test_syncs_of_a_whole_training_step():
