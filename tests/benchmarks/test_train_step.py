@@ -5,6 +5,7 @@ import contextlib
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -32,5 +33,7 @@ def test_backward_operators_take_their_forward_modules_category():
     assert found["_WeightedCombineBackward"] == {"routing and permutation"}
     assert any(name.startswith("ScaledDotProduct") and parts == {"attention"} for name, parts in found.items())
     assert found["NllLossBackward0"] == {None}  # the loss is outside every module: "the rest"
-    totals = benchmark.breakdown(prof, "cpu")
+    totals, rest = benchmark.breakdown(prof, "cpu")
     assert all(totals[part] > 0 for part in benchmark.CATEGORIES), totals
+    assert sum(rest.values()) == pytest.approx(totals["the rest"])  # the rest, operator by operator
+    assert any("nll_loss" in name for name in rest), rest
