@@ -7,6 +7,7 @@ nothing published was lost or mixed.
 
 import contextlib
 import errno
+import fcntl
 import io
 import json
 import os
@@ -200,6 +201,47 @@ def test_a_used_run_directory_without_checkpoints_is_refused_or_moved_aside_neve
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2]
     assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2]
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 2
+
+
+def test_a_checkpoint_dir_outside_the_run_belongs_to_one_run(tmp_path, capsys):
+    shared = tmp_path / "shared-checkpoints"  # two experiments given one absolute checkpoint.dir
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(first, "train.steps=2", "checkpoint.interval=1", f"checkpoint.dir={shared}") == 0
+    assert (shared / "owner.txt").read_text().strip() == str(first.resolve())
+    saved = snapshot(shared)
+    capsys.readouterr()
+    for resume in (None, "none", str(shared)):  # the second never resumes, replaces or writes into the first's
+        assert main(second, "train.steps=3", "train.lr=5e-3", "checkpoint.interval=1", f"checkpoint.dir={shared}",
+                    resume=resume) == 2
+        err = capsys.readouterr().err
+        assert f"checkpoint.dir {shared} belongs to the run in {first.resolve()}" in err, err
+        assert "Traceback" not in err and not (second / "metrics.jsonl").exists()
+    assert snapshot(shared) == saved
+    assert main(first, "train.steps=3", "checkpoint.interval=1", f"checkpoint.dir={shared}") == 0  # its owner goes on
+    assert [r["step"] for r in read_metrics(first / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3]
+
+    unowned = tmp_path / "unowned"  # checkpoints of a run from before owners were recorded
+    unowned.mkdir()
+    for name in saved:
+        (unowned / name).parent.mkdir(parents=True, exist_ok=True)
+        (unowned / name).write_bytes(saved[name])
+    (unowned / "owner.txt").unlink()
+    assert main(second, "train.steps=1", f"checkpoint.dir={unowned}") == 2
+    assert "of a run that named no owner" in capsys.readouterr().err
+    (unowned / "owner.txt").write_text(f"{second.resolve()}\n")  # the way out the message gives
+    assert main(second, "train.steps=3", f"checkpoint.dir={unowned}") == 0
+
+
+def test_a_checkpoint_dir_in_use_by_a_live_run_is_refused(tmp_path, capsys):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with open(shared / "run.lock", "a+") as held:  # another live run holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 1 on host elsewhere\n")
+        held.flush()
+        assert main(tmp_path / "run", "train.steps=1", "checkpoint.interval=1", f"checkpoint.dir={shared}") == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.dir {shared} is in use by another run (pid 1 on host elsewhere)" in err, err
 
 
 def test_a_resumed_run_rewinds_its_routing_rows_with_its_metrics(tmp_path, monkeypatch):
