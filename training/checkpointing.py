@@ -69,6 +69,8 @@ from training.resume import (
     rewind_logs,
     rng_state,
     set_rng,
+    tokenizer_change,
+    tokenizer_fingerprint,
     verified,
 )
 from training.run_dir import rank0_verdict
@@ -188,8 +190,9 @@ class Checkpointer:
         started = time.perf_counter()
         saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
         check_fits(path, model, saved_config, self.config)
-        load_sharded(model, optimizer, path)
         state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
+        tokenizer = tokenizer_change(path, state, saved_config, self.config)
+        load_sharded(model, optimizer, path)
         sampler.load_state_dict(state["sampler"])
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
         self.last_saved_step = self.resumed_step = self.step
@@ -203,7 +206,7 @@ class Checkpointer:
         error = None
         if self.runtime.is_main:  # rank 0 alone touches the run's logs; every rank learns if that failed
             try:
-                record_changes(self.run_dir, path, self.step, saved_config, self.config)
+                record_changes(self.run_dir, path, self.step, saved_config, self.config, tokenizer)
                 rewind_logs(self.run_dir, self.step)
             except ConfigError as exc:
                 error = exc
@@ -328,7 +331,8 @@ class Checkpointer:
             (tmp / "rng").mkdir(parents=True)
             trainer_state = {"step": step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
                              "sampler": sampler.state_dict(), "world_size": self.runtime.world_size,
-                             "layout": self.config.parallel.degrees(), "reason": reason}
+                             "layout": self.config.parallel.degrees(), "reason": reason,
+                             "tokenizer": tokenizer_fingerprint(self.config.data.tokenizer)}
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
             (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False), encoding="utf-8")
 

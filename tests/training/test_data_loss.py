@@ -244,6 +244,35 @@ def test_a_checkpoint_dir_in_use_by_a_live_run_is_refused(tmp_path, capsys):
     assert f"checkpoint.dir {shared} is in use by another run (pid 1 on host elsewhere)" in err, err
 
 
+def test_a_tokenizer_changed_under_a_run_is_refused_and_a_new_one_given_deliberately_is_recorded(tmp_path, capsys):
+    from data.tokenizer import main as tokenizer_cli
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("textwrap.py", "string.py", "shlex.py"):  # ~60 KB of text from the standard library
+        (corpus / name).write_bytes((Path(os.__file__).parent / name).read_bytes())
+    tokenizer, run = tmp_path / "mytok.json", tmp_path / "run"
+    data = [f"data.source={corpus}", f"data.tokenizer={tokenizer}", "model.vocab_size=512", "checkpoint.interval=1"]
+    assert tokenizer_cli(["train", "--source", str(corpus), "--vocab-size", "512", "--out", str(tokenizer)]) == 0
+    assert main(run, "train.steps=2", *data) == 0
+    saved = snapshot(run / "checkpoints")
+    capsys.readouterr()
+
+    assert tokenizer_cli(["train", "--source", str(corpus / "shlex.py"), "--vocab-size", "300", "--out",
+                          str(tokenizer)]) == 0  # retrained in place: same path, other ids
+    assert main(run, "train.steps=3", *data) == 2
+    err = capsys.readouterr().err
+    assert f"data.tokenizer {tokenizer} changed since" in err and "Traceback" not in err, err
+    assert snapshot(run / "checkpoints") == saved and not (run / "resume_changes.yaml").exists()
+
+    other = tmp_path / "other-tok.json"  # the new tokenizer under a path of its own: deliberate, and recorded
+    other.write_bytes(tokenizer.read_bytes())
+    assert main(run, "train.steps=3", *data[:1], f"data.tokenizer={other}", *data[2:]) == 0
+    [entry] = yaml.safe_load((run / "resume_changes.yaml").read_text())
+    assert entry["changes"]["data.tokenizer"]["now"] == str(other)
+    assert entry["changes"]["data.tokenizer (content)"]["saved"].startswith("sha256:")
+
+
 def test_a_resumed_run_rewinds_its_routing_rows_with_its_metrics(tmp_path, monkeypatch):
     original = Checkpointer.after_step
 
