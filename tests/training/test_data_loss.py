@@ -26,6 +26,7 @@ from numpy.testing import assert_array_equal
 
 import train
 import training.loop
+import training.metrics
 from data import cache as token_cache
 from data.cache import load_tokens
 from parallel.checkpoint import published_checkpoints
@@ -401,6 +402,53 @@ def test_a_full_disk_during_a_save_loses_nothing_and_says_what_to_do(tmp_path, m
     monkeypatch.undo()
     assert main(tmp_path, "train.steps=4", "checkpoint.interval=1") == 0  # space freed: it resumes step 2
     assert steps(tmp_path) == [4, 3, 2]
+
+
+class FillsUp:
+    """A log file on a disk that fills up at the record of ``step``: the line is cut short, then ENOSPC."""
+
+    def __init__(self, handle, step):
+        self.handle, self.marker = handle, f'{{"step": {step},'
+
+    def write(self, text):
+        if text.startswith(self.marker):
+            self.handle.write(text[:len(text) // 2])
+            self.handle.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.handle.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+def test_a_full_disk_while_logging_metrics_stops_with_one_message_and_the_run_resumes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(training.metrics, "open", lambda *a, **k: FillsUp(open(*a, **k), 3), raising=False)
+    assert main(tmp_path, "train.steps=4", "checkpoint.interval=1") == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'metrics.jsonl'} at step 3 (No space left on device)" in err, err
+    assert "resumes from the newest checkpoint" in err and "Traceback" not in err
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2]
+    monkeypatch.undo()  # space freed: the same command resumes, and the cut line is gone
+    assert main(tmp_path, "train.steps=4", "checkpoint.interval=1") == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
+    assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_a_full_disk_while_creating_a_routing_file_leaves_no_half_file(tmp_path, monkeypatch, capsys):
+    real_save = np.save
+
+    def save(file, array, *args, **kwargs):  # the disk fills up while the first routing file is written
+        file.write(b"\x93NUMPY")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", save)
+    assert main(tmp_path, "train.steps=2", "checkpoint.interval=1") == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'routing'}" in err and "at step 1 (No space left on device)" in err, err
+    assert "Traceback" not in err and list((tmp_path / "routing").iterdir()) == []  # no half-written file
+    monkeypatch.setattr(np, "save", real_save)
+    assert main(tmp_path, "train.steps=2", "checkpoint.interval=1", resume="none") == 0
+    assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2]
 
 
 def test_a_run_directory_that_cannot_be_created_is_refused(capsys):
