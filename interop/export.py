@@ -26,10 +26,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from config.cli import command_parser, run_command
-from config.errors import ConfigError
+from config.errors import ConfigError, UserError
 from config.run import RunConfig, config_from_dict
 from moe.transformer import MoETransformer
 from parallel.checkpoint import (
@@ -132,8 +133,16 @@ def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple[torch.Size, to
     def read(name: str) -> torch.Tensor:
         shape, dtype = entries[name]
         value = torch.empty(shape, dtype=dtype)
-        dcp.load({"model": {name: value}}, storage_reader=SafeFileSystemReader(checkpoint),
-                 planner=TensorsOnlyLoadPlanner(allow_partial_load=True))
+        try:
+            dcp.load({"model": {name: value}}, storage_reader=SafeFileSystemReader(checkpoint),
+                     planner=TensorsOnlyLoadPlanner(allow_partial_load=True))
+        except CheckpointException as exc:  # a BaseException: nothing else would stop its traceback
+            if not checkpoint.is_dir():
+                raise UserError(f"{checkpoint} disappeared while it was read (a running job's checkpoint.keep "
+                                "pruned it?); export again (its newest checkpoint is then a later one), or copy the "
+                                "checkpoint out of the job's folder first") from None
+            raise CheckpointCorruptError(f"{checkpoint}: tensor '{name}' cannot be read "
+                                         f"({str(exc).splitlines()[0][:200]})") from None
         return value
 
     return entries, read, config_text

@@ -215,6 +215,28 @@ def test_an_export_to_a_path_that_cannot_be_written_is_one_message_and_leaves_no
     assert not list(tmp_path.glob(".*partial"))
 
 
+def test_exporting_a_checkpoint_that_a_running_job_prunes_is_one_message(trained_run, tmp_path, capsys,
+                                                                         monkeypatch):
+    import shutil
+
+    import interop.export
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(trained_run / "checkpoints", checkpoints)
+    real_load, reads = interop.export.dcp.load, []
+
+    def load(*args, **kwargs):  # the job prunes the checkpoint after the export read its first tensor
+        reads.append(1)
+        if len(reads) == 2:
+            shutil.rmtree(checkpoints / "step_0000002")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(interop.export.dcp, "load", load)
+    out = tmp_path / "model.safetensors"
+    cli_refused(capsys, interop.export.main, [str(checkpoints), str(out)],
+                f"{checkpoints / 'step_0000002'} disappeared while it was read")
+    assert not out.exists() and not list(tmp_path.glob(".*partial"))
+
+
 # --- under torchrun ----------------------------------------------------------------------------------------------
 
 
