@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from config.cli import command_parser, run_command
+from config.cli import add_overwrite, check_outputs, command_parser, run_command
 from config.errors import ConfigError
 
 BYTES = "bytes"
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     fit = commands.add_parser("train", help="fit a byte-level BPE on a corpus and write its tokenizer.json")
     fit.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary (at least 256)")
     fit.add_argument("--out", type=Path, required=True, help="the tokenizer.json to write")
+    add_overwrite(fit)
     fit.add_argument("--source", default="stdlib", help="the corpus, as data.source: 'stdlib', a text file or folder")
     args = parser.parse_args(argv)
 
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--source is empty; give 'stdlib', a text file or a folder")
         if args.source.endswith(".bin"):
             raise ConfigError(f"--source {args.source}: a .bin is already tokenised; give the text it came from")
+        check_outputs([args.out], [] if args.source == "stdlib" else [Path(args.source)], args.overwrite)
         tokenizer = train_bpe(document_texts(list_corpus(args.source)), args.vocab_size)
         write_tokenizer(tokenizer, args.out)
         print(f"wrote {args.out} ({tokenizer.get_vocab_size()} ids, trained on {args.source})", file=sys.stderr)

@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from config.cli import command_parser, run_command
+from config.cli import add_overwrite, check_outputs, command_parser, run_command
 from config.errors import ConfigError, UserError
 from config.run import RunConfig, config_from_dict
 from moe.transformer import MoETransformer
@@ -190,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = command_parser("moe-export", __doc__)
     parser.add_argument("checkpoint", type=Path, help="a step_NNNNNNN checkpoint folder, or a folder of them")
     parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    add_overwrite(parser)
     args = parser.parse_args(argv)
 
     def export() -> None:
         if args.out.is_dir():
             raise ConfigError(f"{args.out} is a folder; give the path of the .safetensors file to write")
+        check_outputs([args.out], [args.checkpoint], args.overwrite)
         if not args.out.parent.is_dir():
             raise ConfigError(f"cannot write {args.out}: its folder {args.out.parent} does not exist")
         if not os.access(args.out.parent, os.W_OK | os.X_OK):

@@ -26,7 +26,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from config.cli import add_config_arguments, command_parser, load_config_from, run_command
+from config.cli import add_config_arguments, add_overwrite, check_outputs, command_parser, load_config_from, run_command
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     imp = commands.add_parser("import", help="an HF model folder -> our safetensors file (with our config)")
     imp.add_argument("folder", type=Path)
     imp.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    add_overwrite(imp)
     add_config_arguments(imp, config_help="the config whose non-model keys the file records",
                          set_help="override keys of that config, e.g. --set train.lr=1e-4")
     imp.add_argument("--seq-len", type=int, default=None,
@@ -319,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     exp = commands.add_parser("export", help="our checkpoint (or safetensors file) -> an HF model folder")
     exp.add_argument("checkpoint", type=Path, help="a step_NNNNNNN folder, a folder of them, or our .safetensors")
     exp.add_argument("--out", type=Path, required=True, help="the folder to write")
+    add_overwrite(exp)
     exp.add_argument("--architecture", choices=list(FAMILIES), default=None,
                      help="the HF architecture to write (default: the first that expresses the model)")
     exp.add_argument("--dtype", choices=list(EXPORT_DTYPES), default=None,
@@ -329,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def convert() -> None:
+        check_outputs([args.out], [args.folder if args.command == "import" else args.checkpoint], args.overwrite)
         if args.command == "import":
             seq_len = args.seq_len
             if seq_len is None:

@@ -237,6 +237,46 @@ def test_exporting_a_checkpoint_that_a_running_job_prunes_is_one_message(trained
     assert not out.exists() and not list(tmp_path.glob(".*partial"))
 
 
+def test_outputs_are_replaced_only_when_asked_and_never_over_the_commands_input(trained_run, tmp_path, capsys):
+    from data.tokenizer import main as tokenizer_cli
+    from interop.export import main as export_cli
+    from interop.hf import main as hf_cli
+    from interop.upcycle import main as upcycle_cli
+
+    checkpoints, out = str(trained_run / "checkpoints"), tmp_path / "model.safetensors"
+    assert export_cli([checkpoints, str(out)]) == 0
+    first = out.read_bytes()
+    cli_refused(capsys, export_cli, [checkpoints, str(out)], f"{out} exists; pass --overwrite to replace it")
+    assert out.read_bytes() == first
+    assert export_cli([checkpoints, str(out), "--overwrite"]) == 0
+    capsys.readouterr()
+    cli_refused(capsys, export_cli, [checkpoints, str(trained_run / "checkpoints" / "latest"), "--overwrite"],
+                "would replace a file of the input")
+
+    hf = tmp_path / "hf"  # import --out over the folder's own weights: refused even with --overwrite
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"the original weights")
+    for extra in ([], ["--overwrite"]):
+        cli_refused(capsys, hf_cli, ["import", str(hf), "--out", str(hf / "model.safetensors"), *extra],
+                    f"would replace a file of the input {hf.resolve()}")
+    assert (hf / "model.safetensors").read_bytes() == b"the original weights"
+    exported = tmp_path / "exported"  # an HF export into a folder that holds files
+    exported.mkdir()
+    (exported / "notes.txt").write_text("mine")
+    cli_refused(capsys, hf_cli, ["export", checkpoints, "--out", str(exported)], f"{exported} exists")
+
+    mine = tmp_path / "mine.yaml"  # upcycling's --out mine.safetensors also writes mine.yaml
+    mine.write_text("my own config\n")
+    cli_refused(capsys, upcycle_cli, [checkpoints, "--experts", "4", "--top-k", "2", "--out",
+                                      str(tmp_path / "mine.safetensors")], f"{mine} exists")
+    assert mine.read_text() == "my own config\n" and not (tmp_path / "mine.safetensors").exists()
+
+    tokenizer = tmp_path / "tok.json"
+    tokenizer.write_text("{}")
+    cli_refused(capsys, tokenizer_cli, ["train", "--vocab-size", "300", "--out", str(tokenizer)], f"{tokenizer} exists")
+    assert tokenizer.read_text() == "{}"
+
+
 # --- under torchrun ----------------------------------------------------------------------------------------------
 
 

@@ -219,7 +219,7 @@ def test_export_in_bf16_shards_loads_into_transformers(tmp_path, capsys):
     fp32 = hf_tensors(tmp_path / "fp32")
     assert all(torch.equal(value, fp32[name]) for name, value in original.items())
     capsys.readouterr()
-    assert main(["export", str(ours), "--out", str(tmp_path / "bf16")]) == 2
+    assert main(["export", str(ours), "--out", str(tmp_path / "bf16"), "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert f"already holds {shards[0].name}, " in err and "model.safetensors.index.json, which this export" in err
     assert main(["export", str(ours), "--out", str(tmp_path / "x"), "--max-shard-size", "5 bananas"]) == 2

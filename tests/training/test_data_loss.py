@@ -259,8 +259,8 @@ def test_a_tokenizer_changed_under_a_run_is_refused_and_a_new_one_given_delibera
     saved = snapshot(run / "checkpoints")
     capsys.readouterr()
 
-    assert tokenizer_cli(["train", "--source", str(corpus / "shlex.py"), "--vocab-size", "300", "--out",
-                          str(tokenizer)]) == 0  # retrained in place: same path, other ids
+    assert tokenizer_cli(["train", "--source", str(corpus / "shlex.py"), "--vocab-size", "300", "--overwrite",
+                          "--out", str(tokenizer)]) == 0  # retrained in place: same path, other ids
     assert main(run, "train.steps=3", *data) == 2
     err = capsys.readouterr().err
     assert f"data.tokenizer {tokenizer} changed since" in err and "Traceback" not in err, err
