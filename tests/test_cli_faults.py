@@ -115,7 +115,7 @@ def test_the_memory_tool_refuses_bad_flags_naming_them(capsys, argv, message):
     # not "add GPUs": the batch of 16 splits over no data-parallel degree of 9 GPUs but 1, and tp=9 cannot
     # split the sequence of 256
     (["--world-size", "9"], "no layout of 9 GPUs passes train.py's checks for this config, e.g. "
-                            "parallel.sequence_parallel=true splits model.seq_len=256 over parallel.tp=3 ranks"),
+                            "train.global_batch_size=16 must be divisible by the 9 data-parallel ranks"),
     # a fixed degree no layout has: the values it could take
     (["--world-size", "8", "--set", "parallel.tp=3"], "parallel.tp=3: no valid layout of 8 GPUs for this model has "
                                                       "that degree; valid: parallel.tp in [1, 2]"),
