@@ -33,8 +33,6 @@ from moe.transformer import MoETransformer
 from parallel.checkpoint import CONFIG_FILE, CheckpointCorruptError, published_checkpoints
 from parallel.materialize import allocate, load_weights
 
-HF_TOKENIZER_FILE = "tokenizer.json"
-
 
 @dataclass
 class LoadedModel:
@@ -103,9 +101,7 @@ def load_model(source: str | Path, device: torch.device | str = "cpu", dtype: to
     resolved = resolve_source(source)
     hf_folder = split_init_from(resolved) if isinstance(resolved, str) else None
     if hf_folder is not None:
-        config = hf_run_config(load_config(base_config), hf_folder, seq_len)
-        if tokenizer is None and (hf_folder / HF_TOKENIZER_FILE).is_file():
-            tokenizer = str(hf_folder / HF_TOKENIZER_FILE)
+        config = hf_run_config(load_config(base_config), hf_folder, seq_len)  # with the folder's tokenizer.json
         fill = lambda model: load_hf_weights(model, hf_folder, config)  # noqa: E731
     else:
         try:
