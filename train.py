@@ -28,6 +28,7 @@ from config.errors import USER_ERROR, ConfigError
 from config.run import RunConfig
 from data.cache import check_tokenizer
 from interop.hf import hf_run_config, split_init_from
+from interop.hf_tokenizer import check_vocabularies
 from interop.weights import initial_weights
 from parallel.groups import ParallelGroups
 from parallel.hardware import check_hardware, choose_precision, keep_freed_memory, planned_precision
@@ -72,7 +73,8 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     config = load_config_from(args)
     hf_folder = split_init_from(args.init_from)
     if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
-        config = hf_run_config(config, hf_folder)
+        config = hf_run_config(config, hf_folder)  # and the folder's tokenizer.json for the data
+        check_vocabularies(config, hf_folder)
     elif args.init_from is not None and not Path(args.init_from).is_file():
         raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
                           "interop.export writes, or hf:DIR for a Hugging Face folder)")

@@ -112,18 +112,28 @@ DEFAULT_MTBF_HOURS = 3.0
 class CheckpointConfig:
     """When and how checkpoints are saved (``training/checkpointing.py``) into ``run_dir/dir``."""
 
-    # steps between saves, "auto" (Young/Daly optimum from the measured save time and mtbf_hours), or null
-    interval: int | Literal["auto"] | None = None
+    # steps between saves, "auto" (Young/Daly optimum from the measured save time and mtbf_hours), or null (no
+    # periodic saves). auto by default because it is right at every scale from the same setting: a fixed step count
+    # is too often for a laptop run (saves dominate) or too rare for a cluster job (hours lost per failure).
+    interval: int | Literal["auto"] | None = "auto"
     interval_minutes: float | None = None  # wall-clock minutes between saves (with or instead of interval)
     keep: int = 3  # complete checkpoints kept; older ones are deleted after each save
     async_save: bool = False  # write in a background thread while training goes on (torch DCP async_save)
     mtbf_hours: float = DEFAULT_MTBF_HOURS  # mean time between failures of the job, for interval: auto
     dir: str = "checkpoints"  # relative to the run directory, or absolute
+    # save the state after the last step, whatever the interval: every finished run leaves a model to export,
+    # sample, evaluate or continue (false only for throwaway runs, e.g. benchmarks)
+    final: bool = True
+
+    @property
+    def periodic(self) -> bool:
+        """Whether the run saves during training (``interval`` or ``interval_minutes``)."""
+        return self.interval is not None or self.interval_minutes is not None
 
     @property
     def enabled(self) -> bool:
-        """Whether the run saves periodically (a final checkpoint is then saved too)."""
-        return self.interval is not None or self.interval_minutes is not None
+        """Whether the run saves at all: periodically, at its end, or both."""
+        return self.periodic or self.final
 
     def validate(self) -> None:
         require(self.interval is None or self.interval == "auto" or (isinstance(self.interval, int)

@@ -39,6 +39,7 @@ from interop.export import (
 )
 from interop.hf_family import Family, Source, check_context, hf_targets
 from interop.hf_shards import INDEX_FILE, SINGLE_FILE, parse_size, write_weights
+from interop.hf_tokenizer import folder_tokenizer, write_tokenizer_files
 from moe.transformer import MoETransformer
 from parallel.materialize import load_weights
 
@@ -192,7 +193,8 @@ class HFWeights:
 
 
 def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = None) -> RunConfig:
-    """``config`` with the model and router settings of an HF folder's config.json (they override).
+    """``config`` with the model and router settings of an HF folder's config.json (they override), and the
+    folder's ``tokenizer.json`` for its data (``interop.hf_tokenizer.folder_tokenizer``).
 
     The rest (data, training, layout, balancing coefficients, ``model.seq_len`` unless given) stays the
     config's; our context must fit the model's ``max_position_embeddings`` and any sliding window.
@@ -202,6 +204,7 @@ def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = N
     tree = config.to_dict()
     tree["model"].update(shape.model)
     tree["moe"].update(shape.moe)
+    folder_tokenizer(tree["data"], Path(folder))  # the model's own tokenizer reads the run's data
     if seq_len is not None:
         tree["model"]["seq_len"] = seq_len
     result = config_from_dict(tree)
@@ -303,6 +306,7 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
     out.mkdir(parents=True, exist_ok=True)
     write_weights(out, hf_entries, hf_tensor, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    print(write_tokenizer_files(config, out), file=sys.stderr)
     return len(hf_entries), config
 
 

@@ -34,6 +34,46 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rotated.to(x.dtype)
 
 
+class LayerCache:
+    """One attention layer's keys and values of the positions seen so far, [B, nkv, S_seen, hd] (after RoPE).
+
+    Generation appends one position at a time and attends to everything kept, so each new token costs one
+    position's projections instead of the whole prefix's (the key-value cache of Pope et al. 2022, "Efficiently
+    Scaling Transformer Inference", sec. 2). Keys are stored rotated: RoPE depends only on a key's own position.
+    """
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Add the new positions' [B, nkv, S_new, hd] keys and values; returns all kept so far."""
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys, self.values = torch.cat((self.keys, keys), dim=2), torch.cat((self.values, values), dim=2)
+        return self.keys, self.values
+
+
+class KVCache:
+    """The key-value cache of a whole model: one ``LayerCache`` per attention layer, by layer index."""
+
+    def __init__(self) -> None:
+        self.layers: dict[str, LayerCache] = {}
+
+    def layer(self, name: str) -> LayerCache:
+        return self.layers.setdefault(name, LayerCache())
+
+    @property
+    def length(self) -> int:
+        """Positions already in the cache: the position the next token takes."""
+        return next(iter(self.layers.values())).length if self.layers else 0
+
+
 class Attention(nn.Module):
     """Causal multi-head (or grouped-query) attention with rotary positions, on SDPA.
 
@@ -53,10 +93,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x: [B, S, D]; cos, sin: the rotary tables of at least S positions, of which the first S are used."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None) -> Tensor:
+        """x: [B, S, D]; cos, sin: the rotary tables of at least S positions, of which the first S are used.
+
+        With ``cache`` (generation) x holds the S positions after the cached ones: they take the rotary angles of
+        their own positions, and attend to the cached keys and to themselves causally.
+        """
         batch, seq, _ = x.shape
-        cos, sin = cos[:seq], sin[:seq]
+        start = 0 if cache is None else cache.length
+        cos, sin = cos[start:start + seq], sin[start:start + seq]
         q = self.wq(x).view(batch, seq, -1, self.head_dim)  # [B, S, nh, hd]
         k = self.wk(x).view(batch, seq, -1, self.head_dim)  # [B, S, nkv, hd]
         if self.q_norm is not None:
@@ -64,7 +109,18 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        mask, causal = None, True
+        if cache is not None and start > 0:
+            k, v = cache.append(k, v)
+            # SDPA's is_causal aligns the mask to the top left, wrong once keys outnumber queries: query i (position
+            # start + i) sees keys 0 .. start + i. One new token sees every key: no mask at all.
+            causal = False
+            if seq > 1:
+                mask = torch.ones(seq, start + seq, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        elif cache is not None:
+            cache.append(k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -83,8 +139,10 @@ class Block(nn.Module):
     def feed_forward(self) -> nn.Module:
         return self.moe if self.moe is not None else self.ffn
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = _residual(x, self.attn(self.attn_norm(x), cos, sin))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None) -> Tensor:
+        normed = self.attn_norm(x)
+        # the cache is passed only when there is one: tensor parallelism's input hooks count the arguments
+        x = _residual(x, self.attn(normed, cos, sin) if cache is None else self.attn(normed, cos, sin, cache))
         return _residual(x, self.feed_forward(self.ffn_norm(x)))
 
 
@@ -145,16 +203,21 @@ class MoETransformer(nn.Module):
         for layer in self.moe_layers().values():
             layer.router.expert_bias.zero_()
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """tokens: [B, S] int64 -> logits [B, S, V] (fp32 under autocast too)."""
-        seq = tokens.shape[1]
+    def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
+        """tokens: [B, S] int64 -> logits [B, S, V] (fp32 under autocast too).
+
+        With ``cache`` (generation: ``inference/generate.py``) the tokens continue the cached positions, and their
+        keys and values are added to it; the logits are those of the new positions only.
+        """
+        seq = tokens.shape[1] + (0 if cache is None else cache.length)
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.rope_cos.shape[0]}")
         # attention takes the positions it needs from the full tables: under sequence parallelism the blocks
         # pass sequence shards between them and attention alone sees the whole sequence
         x = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+        for name, block in self.layers.items():
+            x = block(x, self.rope_cos, self.rope_sin) if cache is None else block(x, self.rope_cos, self.rope_sin,
+                                                                                    cache.layer(name))
         return self.output(self.norm(x)).float()
 
     def moe_layers(self) -> dict[int, MoELayer]:

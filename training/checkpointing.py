@@ -298,7 +298,7 @@ class Checkpointer:
     def after_step(self, step: int, model, optimizer, sampler: TokenSampler) -> None:
         """Save if the policy says so, and the step was good (a skipped step leaves weights that gave non-finite
         values: not a state to save). The save is published once the next step's loss is finite."""
-        if (self.policy.enabled and step != self.config.train.steps and self.bad_in_a_row == 0
+        if (self.policy.periodic and step != self.config.train.steps and self.bad_in_a_row == 0
                 and self._due(step)):
             self.save(step, model, optimizer, sampler)
 
@@ -309,7 +309,7 @@ class Checkpointer:
             why = (f"the last {self.bad_in_a_row} step(s) were non-finite and skipped" if self.bad_in_a_row else
                    f"the final weights give a non-finite validation loss ({val_loss})")
             return f"step {step}: {why}; the final state is not saved. {self._advice()}"
-        if self.policy.enabled and self.last_saved_step != step:
+        if self.policy.final and self.last_saved_step != step:
             self.save(step, model, optimizer, sampler, reason="final")
         self._judge_pending(step, good=True)
         self._finalize_pending()

@@ -174,6 +174,16 @@ class RunResult:
     optimizer: torch.optim.Optimizer | None = None  # its optimizer, with the state a checkpoint would hold
 
 
+def finished_run_note(config: RunConfig, run_dir: Path, checkpoint_folder: Path, step: int) -> str:
+    """What a run started again after it finished says instead of training: nothing is left to do, so it is not
+    an error (``make train`` twice succeeds), but the person learns how to train on, start over, or use the model."""
+    return (f"run '{config.name}' in {run_dir} is complete: its checkpoint in {checkpoint_folder} is at step {step} "
+            f"of train.steps={config.train.steps}, so there is nothing to train. To train on, run the same command "
+            f"with --set train.steps=N (N > {step}; the learning-rate schedule is stretched to N); to start over, "
+            f"use another --run-dir (or move {checkpoint_folder} away). The model: moe-generate {run_dir} "
+            f"--prompt TEXT, moe-evaluate {run_dir} --source FILE, moe-export {checkpoint_folder} model.safetensors")
+
+
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups, resume: str = "auto",
           init_weights: InitialWeights | None = None, resolved: ResolvedLayout | None = None,
           precision: PrecisionChoice | None = None) -> RunResult:
@@ -222,6 +232,9 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     optimizer = build_optimizer(model, config.train)
     checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_weights)
     first_step = checkpoints.restore(model, optimizer, sampler) + 1
+    if first_step > config.train.steps:  # the same command again after the run finished: say what would go on
+        checkpoints.say(finished_run_note(config, run_dir, checkpoints.root, first_step - 1))
+        return RunResult({"steps": first_step - 1, "trained_steps": 0}, model, optimizer)
     counts = parameter_counts(config.model, config.moe)
     flops_per_token = training_flops_per_token(config.model, config.moe)
     tokens_per_step = config.train.global_batch_size * config.model.seq_len

@@ -179,24 +179,25 @@ def snapshot(run_dir):
 
 
 def test_a_used_run_directory_without_checkpoints_is_refused_or_moved_aside_never_mixed(tmp_path, capsys):
-    assert main(tmp_path, "train.steps=3") == 0
+    no_saves = ("checkpoint.interval=null", "checkpoint.final=false")  # (a default run saves: see the next test)
+    assert main(tmp_path, "train.steps=3", *no_saves) == 0
     first = snapshot(tmp_path)
     capsys.readouterr()
 
-    assert main(tmp_path, "train.steps=2") == 2  # the same command again: nothing to continue from
+    assert main(tmp_path, "train.steps=2", *no_saves) == 2  # the same command again: nothing to continue from
     err = capsys.readouterr().err
     assert "holds a run (config.yaml, metrics.jsonl, summary.json, routing) without a checkpoint" in err
     assert "--resume none" in err and "Traceback" not in err
     assert snapshot(tmp_path) == first
     other = tmp_path.parent / f"{tmp_path.name}-other"
     assert main(other, "train.steps=1", "checkpoint.interval=1") == 0
-    assert main(tmp_path, "train.steps=2", resume=str(other / "checkpoints")) == 2  # another run's checkpoint
+    assert main(tmp_path, "train.steps=2", *no_saves, resume=str(other / "checkpoints")) == 2  # another run's
     assert "in a new --run-dir" in capsys.readouterr().err and snapshot(tmp_path) == first
     new = tmp_path.parent / f"{tmp_path.name}-new"  # where it belongs, with a changed key recorded
     assert main(new, "train.steps=2", "train.lr=5e-3", resume=str(other / "checkpoints")) == 0
     assert yaml.safe_load((new / "resume_changes.yaml").read_text())[0]["changes"]["train.lr"]["now"] == 5e-3
 
-    assert main(tmp_path, "train.steps=2", resume="none") == 0  # start over: the old run moves aside, whole
+    assert main(tmp_path, "train.steps=2", *no_saves, resume="none") == 0  # start over: the old run moves aside
     [aside] = (tmp_path / "replaced").iterdir()
     assert snapshot(aside) == first
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2]
@@ -272,6 +273,21 @@ def test_a_tokenizer_changed_under_a_run_is_refused_and_a_new_one_given_delibera
     [entry] = yaml.safe_load((run / "resume_changes.yaml").read_text())
     assert entry["changes"]["data.tokenizer"]["now"] == str(other)
     assert entry["changes"]["data.tokenizer (content)"]["saved"].startswith("sha256:")
+def test_a_default_run_leaves_a_checkpoint_and_the_same_command_again_says_it_is_done(tmp_path, capsys):
+    """``make train`` twice: the first run saves (after step 1, as checkpoint.interval=auto does before it has
+    measured a save, and at the end), the second changes nothing and says how to go on; a longer run continues."""
+    assert main(tmp_path, "train.steps=3") == 0
+    assert steps(tmp_path) == [3, 1]
+    first = snapshot(tmp_path)
+    capsys.readouterr()
+    assert main(tmp_path, "train.steps=3") == 0
+    err = capsys.readouterr().err
+    assert "is complete" in err and "at step 3 of train.steps=3" in err and "--set train.steps=N" in err
+    assert snapshot(tmp_path) == first  # nothing trained, logged or saved again
+    assert main(tmp_path, "train.steps=4") == 0
+    assert "resumed from" in capsys.readouterr().err
+    assert steps(tmp_path)[0] == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
 
 
 def test_a_resumed_run_rewinds_its_routing_rows_with_its_metrics(tmp_path, monkeypatch):
