@@ -26,7 +26,7 @@ from analysis.dry_run import dry_run, format_dry_run
 from config.cli import add_config_arguments, add_world_size, command_parser, load_config_from, print_error, run_command
 from config.errors import USER_ERROR, ConfigError
 from config.run import RunConfig
-from data.cache import check_tokenizer
+from data.cache import check_source
 from interop.hf import hf_run_config, split_init_from
 from interop.weights import initial_weights
 from parallel.groups import ParallelGroups
@@ -83,7 +83,10 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
     resolved = resolve_layout(config, world_size)
     if not args.dry_run:  # a dry run reads no data and plans for any hardware
-        check_tokenizer(config.data.source, config.data.tokenizer, config.model.vocab_size)
+        skipped = check_source(config.data.source, config.data.tokenizer, config.model.vocab_size,
+                               config.data.text_key, config.data.skip)
+        if skipped and os.environ.get("RANK", "0") == "0":
+            print(skipped, file=sys.stderr)
         check_hardware(config, local_device().type)
     if args.resume not in ("auto", "none") and not Path(args.resume).exists():
         raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "

@@ -25,8 +25,14 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 class DataConfig:
     """Where the training text comes from and how it is split."""
 
-    # "stdlib" (the running Python's standard-library sources), a text file or folder, or a uint16 .bin
+    # "stdlib" (the running Python's standard-library sources); a file or folder of plain text, .jsonl, .json,
+    # .parquet or datasets .arrow files, each optionally .gz or .zst (docs/data.md); or a pre-tokenised .bin
     source: str = "stdlib"
+    text_key: str = "text"  # the field (jsonl, json) or column (parquet, arrow) that holds each record's text
+    # glob patterns (matched against a file's path in the folder and its name) of files to leave out, listed at start;
+    # any other file in no format taken is an error
+    skip: list[str] = field(default_factory=list)
+    token_dtype: Literal["uint16", "uint32"] | None = None  # the ids' dtype of a .bin source: stated, never guessed
     val_fraction: float = 0.005  # held-out tail of the token stream used for validation
     cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
     # "bytes" (one token per byte, vocab 256) or the path of a Hugging Face tokenizer.json (data/tokenizer.py)
@@ -34,9 +40,14 @@ class DataConfig:
 
     def validate(self) -> None:
         require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        require(bool(self.source.strip()), "data.source is empty; use 'stdlib', a text file or folder, or a "
-                                            "uint16 .bin file")
+        require(bool(self.source.strip()), "data.source is empty; use 'stdlib', a file or folder of text, "
+                                            "jsonl, json, parquet or arrow files, or a .bin file")
         require(bool(self.tokenizer.strip()), "data.tokenizer is empty; use 'bytes' or a tokenizer.json path")
+        require(bool(self.text_key), "data.text_key is empty; name the field or column that holds the text")
+        require(all(isinstance(p, str) and p for p in self.skip), "data.skip: each pattern must be a non-empty glob")
+        require((self.token_dtype is not None) == self.source.endswith(".bin"),
+                 f"data.token_dtype={self.token_dtype!r} with data.source={self.source!r}: a pre-tokenised .bin source "
+                 "needs its dtype stated (uint16 or uint32), and only a .bin takes one")
         require(self.tokenizer == "bytes" or not self.source.endswith(".bin"),
                  f"data.tokenizer={self.tokenizer!r} with data.source={self.source!r}: a .bin is already tokenised, "
                  "so no tokenizer applies to it; give the text it came from, or leave data.tokenizer as 'bytes'")

@@ -145,7 +145,7 @@ def test_bad_tokenizers_fail_before_any_work_with_what_to_do(bpe, corpus, tmp_pa
         load_tokens(str(corpus), cache, 512, str(corrupt))
     assert not cache.exists()  # nothing was tokenised
     with pytest.raises(ConfigError, match=r"a .bin is already tokenised, so no tokenizer applies to it"):
-        load_config("moe-8x", ["data.source=tokens.bin", f"data.tokenizer={bpe}"])
+        load_config("moe-8x", ["data.source=tokens.bin", "data.token_dtype=uint16", f"data.tokenizer={bpe}"])
     assert tokenizer_cli(["train", "--vocab-size", "100", "--out", str(tmp_path / "t.json")]) == 2
     for empty in ("", "  "):  # an empty path would train on the current directory
         assert tokenizer_cli(["train", "--source", empty, "--vocab-size", "300", "--out", str(tmp_path / "t.json")]
