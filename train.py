@@ -83,8 +83,9 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
     resolved = resolve_layout(config, world_size)
     if not args.dry_run:  # a dry run reads no data and plans for any hardware
-        skipped = check_source(config.data.source, config.data.tokenizer, config.model.vocab_size,
-                               config.data.text_key, config.data.skip)
+        skipped, config.data.document_end = check_source(config.data.source, config.data.tokenizer,
+                                                         config.model.vocab_size, config.data.text_key,
+                                                         config.data.skip, config.data.document_end)
         if skipped and os.environ.get("RANK", "0") == "0":
             print(skipped, file=sys.stderr)
         check_hardware(config, local_device().type)

@@ -37,6 +37,9 @@ class DataConfig:
     cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
     # "bytes" (one token per byte, vocab 256) or the path of a Hugging Face tokenizer.json (data/tokenizer.py)
     tokenizer: str = "bytes"
+    # what ends each document: "auto" (the tokenizer.json's end-of-text token, e.g. <|endoftext|>; "\n\n" as text
+    # for bytes or a tokenizer without one), an added token's content, or a text; the run's config holds it resolved
+    document_end: str = "auto"
 
     def validate(self) -> None:
         require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
@@ -44,6 +47,8 @@ class DataConfig:
                                             "jsonl, json, parquet or arrow files, or a .bin file")
         require(bool(self.tokenizer.strip()), "data.tokenizer is empty; use 'bytes' or a tokenizer.json path")
         require(bool(self.text_key), "data.text_key is empty; name the field or column that holds the text")
+        require(bool(self.document_end), "data.document_end is empty; use 'auto', a token such as '<|endoftext|>', or "
+                                         "a text such as '\\n\\n' (documents need a boundary)")
         require(all(isinstance(p, str) and p for p in self.skip), "data.skip: each pattern must be a non-empty glob")
         require((self.token_dtype is not None) == self.source.endswith(".bin"),
                  f"data.token_dtype={self.token_dtype!r} with data.source={self.source!r}: a pre-tokenised .bin source "

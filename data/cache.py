@@ -22,7 +22,7 @@ import numpy as np
 
 from data.corpus import VALID_SOURCES, Document, list_corpus, signature, skipped_message, unreadable
 from data.formats import CHUNK_BYTES, read_documents
-from data.tokenizer import BYTES, Tokenizer, load_tokenizer
+from data.tokenizer import AUTO, BYTES, DocumentEnd, Tokenizer, document_end, load_tokenizer
 
 TOKEN_DTYPES = ("uint16", "uint32")
 
@@ -32,7 +32,7 @@ RACY_SECONDS = 2.0
 
 def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = None, tokenizer: str = BYTES,
                 text_key: str = "text", skip: tuple[str, ...] | list[str] = (),
-                token_dtype: str | None = None) -> np.memmap:
+                token_dtype: str | None = None, document_end_spec: str = AUTO) -> np.memmap:
     """The whole token stream of ``data.source`` as a read-only memmap, shape ``[tokens]``.
 
     ``"stdlib"`` and text files/folders are tokenised once with ``tokenizer`` (``data.tokenizer``: ``bytes``
@@ -43,6 +43,8 @@ def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = Non
     added or removed file gives a new key and the corpus is re-tokenised rather than served stale. A file that
     cannot be read is an error naming it, never a silent gap. Files are read in the format their names say
     (``data/formats.py``), records giving their ``text_key`` field; ``skip`` are ``data.skip``'s glob patterns.
+    Each document ends with ``document_end_spec`` (``data.document_end``, resolved by ``data.tokenizer.document_end``),
+    which is part of the cache's key unless it is the ``"\\n\\n"`` text every older cache ends documents with.
     A ``.bin`` is taken as already tokenised, in ``token_dtype`` (``data.token_dtype``: uint16 or uint32, stated
     because a file's bytes cannot say which), and mapped as is; given ``vocab_size``, its largest token id is
     checked against it when it is opened (an id ``>= vocab_size`` would otherwise be an ``IndexError`` at
@@ -64,26 +66,29 @@ def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = Non
                 )
         return tokens
     encoder = load_tokenizer(tokenizer, vocab_size, source)
+    end = document_end(encoder, document_end_spec)
     corpus = list_corpus(source, text_key, skip)
     label = f"{corpus.label}-{encoder.label}" if encoder.label else corpus.label
-    return _cached_tokens(corpus.documents, label, [encoder.identity, *corpus.key], cache_dir, source,
-                          text_key, encoder)
+    key = [encoder.identity, *corpus.key] + ([] if end.legacy else [["document-end", end.spec, end.token_id]])
+    return _cached_tokens(corpus.documents, label, key, cache_dir, source, text_key, encoder, end)
 
 
 def check_source(source: str, tokenizer: str, vocab_size: int, text_key: str = "text",
-                 skip: tuple[str, ...] | list[str] = ()) -> str | None:
+                 skip: tuple[str, ...] | list[str] = (), document_end_spec: str = AUTO) -> tuple[str | None, str]:
     """``load_tokens``' first checks, for ``train.py`` to make before any process starts: the tokenizer of a text
     source exists, reads, and its vocabulary fits ``model.vocab_size``; every file of the source is in a format
-    taken here (or skipped by ``data.skip``). Returns the line listing what ``data.skip`` left out, if anything.
-    A ``.bin`` is checked when it is opened; records are checked as they are tokenised, before training starts."""
+    taken here (or skipped by ``data.skip``). Returns the line listing what ``data.skip`` left out (or None), and
+    ``data.document_end`` resolved (``auto`` made the token or text it means, for the run's config). A ``.bin`` is
+    checked when it is opened; records are checked as they are tokenised, before training starts."""
     if source.endswith(".bin"):
-        return None
-    load_tokenizer(tokenizer, vocab_size, source)
-    return skipped_message(source, list_corpus(source, text_key, skip))
+        return None, document_end_spec
+    encoder = load_tokenizer(tokenizer, vocab_size, source)
+    note = skipped_message(source, list_corpus(source, text_key, skip))
+    return note, document_end(encoder, document_end_spec).spec
 
 
 def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str | Path, source: str,
-                   text_key: str, tokenizer: Tokenizer) -> np.memmap:
+                   text_key: str, tokenizer: Tokenizer, end: DocumentEnd) -> np.memmap:
     """Map the cached tokens for ``key``, tokenising ``docs`` first if no cache exists yet (or if a file that was
     racy when it was built has changed since: see ``_write_tokens``)."""
     cache_dir = Path(cache_dir)
@@ -96,7 +101,7 @@ def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str |
             raise ValueError(
                 f"data.cache_dir={str(cache_dir)!r}: cannot create it ({error}); use a writable folder"
             ) from error
-        if _write_tokens(cache_file, docs, text_key, tokenizer) == 0:
+        if _write_tokens(cache_file, docs, text_key, tokenizer, end) == 0:
             raise ValueError(
                 f"data.source={source!r}: no text in its {len(docs)} file(s) (empty files or no records); "
                 f"{VALID_SOURCES}"
@@ -104,7 +109,7 @@ def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str |
     return _map_tokens(cache_file, source, tokenizer.dtype)
 
 
-def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: Tokenizer) -> int:
+def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: Tokenizer, end: DocumentEnd) -> int:
     """Tokenise the documents of ``docs`` (each file with its stat when listed) with ``tokenizer`` into ``dest``
     atomically; return the token count (0: nothing written).
 
@@ -129,7 +134,7 @@ def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: To
                          "writable folder") from error
     os.fchmod(fd, 0o644)  # mkstemp makes it private; a shared cache must be readable by every user's ranks
     tokens = 0
-    stream = tokenizer.stream()
+    stream = tokenizer.stream(end)
     try:
         with os.fdopen(fd, "wb") as out:
             for doc in docs:

@@ -207,7 +207,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     failure = None  # every rank meets the same data: one says what is wrong with it
     try:
         tokens = load_tokens(config.data.source, config.data.cache_dir, config.model.vocab_size,
-                             config.data.tokenizer, config.data.text_key, config.data.skip, config.data.token_dtype)
+                             config.data.tokenizer, config.data.text_key, config.data.skip, config.data.token_dtype,
+                             config.data.document_end)
         train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction, config.model.seq_len)
         sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
     except ValueError as exc:

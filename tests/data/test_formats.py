@@ -156,8 +156,9 @@ def test_unrecognised_files_are_refused_together_unless_skipped_and_the_skip_is_
     message = str(error.value)
     assert "5 file(s) in no format taken here: a.zip; b.tar; c.xz; img/x.png; tokens.bin (a pre-tokenised" in message
     assert ".jsonl" in message and ".parquet" in message and "data.skip" in message
-    note = check_source(str(folder), "bytes", 256, skip=["*.zip", "*.tar", "*.xz", "img/*", "tokens.bin"])
+    note, end = check_source(str(folder), "bytes", 256, skip=["*.zip", "*.tar", "*.xz", "img/*", "tokens.bin"])
     assert note == f"data.skip: left out 5 file(s) of {folder}: a.zip, b.tar, c.xz, img/x.png, tokens.bin"
+    assert end == "\n\n"
     tokens = load_tokens(str(folder), tmp_path / "cache", skip=["*.zip", "*.tar", "*.xz", "*.png", "*.bin"])
     assert_array_equal(tokens, stream_of([RECORDS[0]["text"]]))
 
