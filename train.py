@@ -26,7 +26,7 @@ from analysis.dry_run import dry_run, format_dry_run
 from config.cli import add_config_arguments, add_world_size, command_parser, load_config_from, print_error, run_command
 from config.errors import USER_ERROR, ConfigError
 from config.run import RunConfig
-from data.cache import check_tokenizer
+from data.cache import check_source
 from interop.hf import hf_run_config, split_init_from
 from interop.hf_tokenizer import check_vocabularies
 from interop.weights import initial_weights
@@ -85,7 +85,14 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
     resolved = resolve_layout(config, world_size)
     if not args.dry_run:  # a dry run reads no data and plans for any hardware
-        check_tokenizer(config.data.source, config.data.tokenizer, config.model.vocab_size)
+        resolved_end = config.data.document_end  # "auto" resolved against the tokenizer (a .bin has none)
+        for corpus in config.data.corpora():
+            skipped, end = check_source(corpus.path, config.data.tokenizer, config.model.vocab_size,
+                                        corpus.text_key, config.data.skip, config.data.document_end)
+            resolved_end = resolved_end if corpus.path.endswith(".bin") else end
+            if skipped and os.environ.get("RANK", "0") == "0":
+                print(skipped, file=sys.stderr)
+        config.data.document_end = resolved_end
         check_hardware(config, local_device().type)
     if args.resume not in ("auto", "none") and not Path(args.resume).exists():
         raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "

@@ -70,7 +70,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_file_id_and_vocab_an
     ids[7777] = 4321
     source = tmp_path / "tokens.bin"
     ids.tofile(source)
-    argv = ["--run-dir", str(tmp_path / "r"), "--set", *TINY, f"data.source={source}",
+    argv = ["--run-dir", str(tmp_path / "r"), "--set", *TINY, f"data.source={source}", "data.token_dtype=uint16",
             f"data.cache_dir={tmp_path / 'cache'}"]
     message = f"{source} holds token id 4321, outside model.vocab_size=256"
     refused(capsys, argv, message)

@@ -103,7 +103,9 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
     device = next(model.parameters()).device
     chunks = [(inputs[m:m + micro].to(device), targets[m:m + micro].to(device))
               for inputs, targets in eval_batches(val_tokens, config.model.seq_len, config.train.global_batch_size,
-                                                  config.train.eval_batches, dp_rank, dp_size)
+                                                  config.train.eval_batches, dp_rank, dp_size,
+                                                  [c.weight for c in config.data.corpora()]
+                                                  if config.data.sources else None)
               for m in range(0, inputs.shape[0], micro)]
     if isinstance(model, PipelineModel):  # forward only, through the pipeline schedule
         total = model.eval_losses(chunks).sum()
@@ -114,6 +116,16 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
                 total += lm_loss(model(inputs), targets).double().cpu()
     model.train()
     return float(all_reduce(total, dp_group)) / (len(chunks) * dp_size)
+
+
+def describe_sources(config: RunConfig, sampler: TokenSampler) -> str:
+    """The source, or each source of a mixture with its weight and the share the schedule realises for it."""
+    if not sampler.mixture:
+        return config.data.source
+    total = sum(sampler.weights)
+    return "mixture of " + ", ".join(
+        f"{name} (weight {weight / total:.4f}, realised {share:.4f})"
+        for name, weight, share in zip(sampler.names, sampler.weights, sampler.schedule.proportions, strict=True))
 
 
 def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
@@ -216,10 +228,18 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     # seq_len (the validation split would otherwise fail only at the first evaluation)
     failure = None  # every rank meets the same data: one says what is wrong with it
     try:
-        tokens = load_tokens(config.data.source, config.data.cache_dir, config.model.vocab_size,
-                             config.data.tokenizer)
-        train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction, config.model.seq_len)
-        sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
+        corpora = config.data.corpora()
+        splits = [split_tokens(load_tokens(c.path, config.data.cache_dir, config.model.vocab_size,
+                                           config.data.tokenizer, c.text_key, config.data.skip, c.token_dtype,
+                                           config.data.document_end),
+                               config.data.val_fraction, config.model.seq_len) for c in corpora]
+        if config.data.sources:  # a mixture: each source's own split, drawn by weight
+            train_tokens, val_tokens = [train for train, _ in splits], [val for _, val in splits]
+            sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size,
+                                   weights=[c.weight for c in corpora], names=[c.name for c in corpora])
+        else:
+            train_tokens, val_tokens = splits[0]
+            sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
     except ValueError as exc:
         failure = exc
     first_failure_verdict(runtime, failure)
@@ -256,8 +276,9 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     say = (lambda text: print(text, file=sys.stderr)) if runtime.is_main else (lambda text: None)
     say(f"run '{config.name}' in {run_dir}: {counts.total / 1e6:.2f}M parameters, {counts.active / 1e6:.2f}M active; "
         f"{config.model.n_moe_layers} MoE layers of {config.moe.num_experts} experts, top-{config.moe.top_k}")
-    say(f"data: {config.data.source}, tokenizer {config.data.tokenizer} ({len(train_tokens):,} train / "
-        f"{len(val_tokens):,} val tokens); "
+    val_sizes = [len(v) for v in (val_tokens if sampler.mixture else [val_tokens])]
+    say(f"data: {describe_sources(config, sampler)}, tokenizer {config.data.tokenizer} "
+        f"({sum(map(len, sampler.sources)):,} train / {sum(val_sizes):,} val tokens); "
         f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {dp_size} rank(s) x "
         f"{accumulation} micro-batch(es) of {micro}")
     say(f"precision: {precision.precision} on {device} ({precision.reason})")
@@ -291,6 +312,9 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
             record.update({"train/lr": lr, "train/grad_norm": grad_norm,
                            "perf/mfu": record["perf/tokens_per_s"] * flops_per_token / precision.peak_flops,
                            "perf/memory_peak_gib": max(memory_per_rank(device)) / 2**30})
+            if sampler.mixture:  # the realised mixture: each source's share of the samples drawn so far
+                record.update({f"data/share/{name}": count / sampler.samples_seen
+                               for name, count in sampler.source_counts().items()})
             logger.log(step, record)
             routing_log.append(step, interval.routing_result, last=step == config.train.steps)
             progress.update(step, record)
