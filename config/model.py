@@ -103,6 +103,12 @@ class MoEConfig:
     aux_loss_scope: Literal["batch", "sequence"] = "batch"  # balance per micro-batch or per sequence
     z_loss_coef: float = 0.001  # ST-MoE router z-loss weight (ST-MoE: 1e-3)
     bias_update_rate: float = 0.0  # > 0 enables aux-loss-free balancing (DeepSeek-V3: 1e-3)
+    # group-limited routing (DeepSeek-V3 sec. 2.1.2, "node-limited"): the experts form n_group equal groups of
+    # consecutive ids; a token picks its top_k only among the topk_group groups whose two best biased scores sum
+    # highest. 1 group = plain top-k; topk_group null = every group
+    n_group: int = 1
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0  # the routed experts' combine weights are multiplied by it (DeepSeek-V3: 2.5)
     num_shared_experts: int = 0  # DeepSeek-style experts that see every token
     shared_expert_hidden: int | None = None  # None = expert_hidden * num_shared_experts
     force_balance: bool = False  # DEBUG/BENCHMARK ONLY: round-robin assignment ignoring the router
@@ -113,6 +119,16 @@ class MoEConfig:
     @property
     def shared_hidden(self) -> int:
         return self.shared_expert_hidden or self.expert_hidden * self.num_shared_experts
+
+    @property
+    def groups_per_token(self) -> int:
+        """The groups a token may route to: ``topk_group``, or all ``n_group``."""
+        return self.topk_group or self.n_group
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether group limiting can exclude any expert (some groups are left out of each token's choice)."""
+        return self.groups_per_token < self.n_group
 
     def validate(self) -> None:
         require(self.num_experts >= 1, f"moe.num_experts must be >= 1, got {self.num_experts}")
@@ -133,4 +149,18 @@ class MoEConfig:
             self.shared_expert_hidden is None or self.shared_expert_hidden > 0,
             "moe.shared_expert_hidden must be positive or null",
         )
+        divisors = [g for g in range(1, self.num_experts + 1) if self.num_experts % g == 0]
+        require(self.n_group >= 1 and self.num_experts % self.n_group == 0,
+                f"moe.n_group={self.n_group} must divide moe.num_experts={self.num_experts} into equal groups; "
+                f"valid: {divisors}")
+        require(self.topk_group is None or 1 <= self.topk_group <= self.n_group,
+                f"moe.topk_group={self.topk_group} must be between 1 and moe.n_group={self.n_group}, or null "
+                f"(every group)")
+        reachable = self.groups_per_token * (self.num_experts // self.n_group)
+        require(self.top_k <= reachable,
+                f"moe.top_k={self.top_k} is more experts than moe.topk_group={self.groups_per_token} groups of "
+                f"{self.num_experts // self.n_group} hold ({reachable}); valid: top_k <= {reachable}, or raise "
+                f"moe.topk_group to at least {-(-self.top_k // (self.num_experts // self.n_group))}")
+        require(self.routed_scaling_factor > 0,
+                f"moe.routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
 
