@@ -29,6 +29,25 @@ class ModelConfig:
     first_moe_layer: int = 0  # layers before it are dense (DeepSeek-V3 keeps its first 3 dense)
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): "none", or "yarn" to stretch the rotary
+    # frequencies of a model pretrained on rope_original_seq_len positions by rope_factor (DeepSeek-V3: 40 x 4096)
+    rope_scaling: Literal["none", "yarn"] = "none"
+    rope_factor: float = 1.0
+    rope_original_seq_len: int | None = None
+    yarn_beta_fast: float = 32.0  # rotations per context below which a frequency is interpolated (YaRN's alpha/beta)
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float | None = None  # with yarn_mscale_all_dim: the rotary tables' scale is their ratio of mscales
+    yarn_mscale_all_dim: float | None = None  # latent attention's softmax scale times mscale(factor, this)^2
+    yarn_attention_factor: float | None = None  # the tables' scale given outright (None: from the mscales)
+    # multi-head latent attention (DeepSeek-V2 sec. 2.1, V3 sec. 2.1.1), on when kv_lora_rank is set: keys and
+    # values come from one compressed latent of kv_lora_rank (RMS-normalised) per token, queries through an optional
+    # q_lora_rank bottleneck (null: a full projection); RoPE acts on a decoupled qk_rope_head_dim part (one rotary
+    # key shared by the heads), the other qk_nope_head_dim per head carry no position; values are v_head_dim wide
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
 
@@ -46,6 +65,16 @@ class ModelConfig:
         """n_heads · hd: the width of the queries and of the attention output (d_model unless ``head_dim`` is set)."""
         return self.n_heads * self.head_size
 
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels of a query or key head that RoPE rotates: MLA's ``qk_rope_head_dim``, else hd."""
+        return self.qk_rope_head_dim if self.latent_attention else self.head_size
+
     def is_moe_layer(self, index: int) -> bool:
         if self.moe_every == 0 or index < self.first_moe_layer:
             return False
@@ -62,7 +91,9 @@ class ModelConfig:
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "ffn_hidden"):
             require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        if self.head_dim is None:
+        if self.latent_attention:
+            pass  # heads of their own widths (``_validate_latent_attention``)
+        elif self.head_dim is None:
             require(
                 self.d_model % self.n_heads == 0,
                 f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
@@ -84,6 +115,48 @@ class ModelConfig:
         )
         require(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0,
                  "model.rope_theta, model.norm_eps and model.init_std must be positive")
+        self._validate_rope_scaling()
+        self._validate_latent_attention()
+
+    def _validate_rope_scaling(self) -> None:
+        yarn_keys = ("rope_original_seq_len", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor")
+        if self.rope_scaling == "none":
+            require(self.rope_factor == 1.0, f"model.rope_factor={self.rope_factor} needs model.rope_scaling: yarn "
+                                             "(the only scaling implemented); or leave it at 1.0")
+            given = [key for key in yarn_keys if getattr(self, key) is not None]
+            require(not given, f"model.{given[0] if given else ''} is a YaRN setting: set model.rope_scaling: yarn "
+                               "or leave it null")
+            return
+        require(self.rope_factor > 0, f"model.rope_factor must be positive for YaRN, got {self.rope_factor}")
+        require(self.rope_original_seq_len is not None and self.rope_original_seq_len > 0,
+                f"model.rope_original_seq_len={self.rope_original_seq_len}: YaRN needs the pretraining context "
+                "length (a positive integer; Hugging Face's original_max_position_embeddings)")
+        require(self.yarn_beta_fast > 0 and self.yarn_beta_slow > 0,
+                f"model.yarn_beta_fast={self.yarn_beta_fast} and model.yarn_beta_slow={self.yarn_beta_slow} "
+                "must be positive")
+        require(self.yarn_attention_factor is None or self.yarn_attention_factor > 0,
+                f"model.yarn_attention_factor={self.yarn_attention_factor} must be positive or null")
+
+    def _validate_latent_attention(self) -> None:
+        mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.latent_attention:
+            given = [key for key in mla_keys if getattr(self, key) is not None]
+            require(not given, f"model.{given[0] if given else ''} is a latent-attention setting: it needs "
+                               "model.kv_lora_rank (null: grouped-query attention)")
+            return
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, key)
+            require(value is not None and value > 0,
+                    f"model.{key}={value}: latent attention (model.kv_lora_rank set) needs a positive integer")
+        require(self.q_lora_rank is None or self.q_lora_rank > 0,
+                f"model.q_lora_rank={self.q_lora_rank} must be positive, or null for a full query projection")
+        require(self.qk_rope_head_dim % 2 == 0,
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        for key in ("n_kv_heads", "head_dim"):
+            require(getattr(self, key) is None, f"model.{key}={getattr(self, key)} does not apply to latent "
+                                                "attention (every head has its keys and values): leave it null")
+        require(not self.qk_norm, "model.qk_norm=true does not apply to latent attention (its latents are "
+                                  "normalised instead): set it false")
 
 
 @dataclass

@@ -8,7 +8,7 @@ and where each of our tensors comes from. ``interop/hf.py`` looks families up by
 
 Both families, like Llama, keep attention and norms under the same names and layouts as ours: Linear weights
 [out, in], q/k heads as contiguous blocks of hd rows, RoPE rotating the pairs (i, i + hd/2) of each head
-(``moe.transformer.apply_rope``, HF's ``rotate_half``). Routed experts differ: ours are stacked and
+(``moe.rope.apply_rope``, HF's ``rotate_half``). Routed experts differ: ours are stacked and
 input-major (``w_gate``/``w_in`` [E, D, H], ``w_out`` [E, H, D]), HF keeps one [out, in] matrix per expert,
 so a stack is its E HF matrices transposed.
 """

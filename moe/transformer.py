@@ -1,4 +1,4 @@
-"""The decoder-only MoE language model: RMSNorm, RoPE attention, dense and MoE blocks.
+"""The decoder-only MoE language model: RMSNorm, RoPE attention (or latent attention), dense and MoE blocks.
 
 Shapes: B sequences, S positions, D = d_model, nh / nkv query / key-value heads, hd = head dim, V vocab.
 """
@@ -16,22 +16,10 @@ from torch.distributed.tensor import DTensor
 from config.model import ModelConfig, MoEConfig
 from moe.experts import FeedForward
 from moe.init import Slice, initialize, whole
+from moe.latent_attention import LatentAttention
 from moe.layer import MoELayer, RoutingStats
 from moe.norm import RMSNorm
-
-
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin of the rotary angles, [max_len, hd/2] (Su et al. 2021, RoFormer eq. 34)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate channel pairs (i, i + hd/2) of x: [B, heads, S, hd] by the position's angles."""
-    first, second = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
-    return rotated.to(x.dtype)
+from moe.rope import apply_rope, rope_tables
 
 
 class Attention(nn.Module):
@@ -74,7 +62,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, moe_config: MoEConfig, is_moe: bool):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = LatentAttention(config) if config.latent_attention else Attention(config)
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.moe = MoELayer(config.d_model, moe_config) if is_moe else None
         self.ffn = None if is_moe else FeedForward(config.d_model, config.ffn_hidden)
@@ -120,7 +108,7 @@ class MoETransformer(nn.Module):
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(config.head_size, config.seq_len, config.rope_theta)
+        cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.tok_embeddings.weight.device.type != "meta":
@@ -139,7 +127,7 @@ class MoETransformer(nn.Module):
 
         Needed after ``to_empty`` (materialising a meta model), which leaves buffers uninitialised.
         """
-        cos, sin = rope_tables(self.config.head_size, self.config.seq_len, self.config.rope_theta)
+        cos, sin = rope_tables(self.config)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for layer in self.moe_layers().values():

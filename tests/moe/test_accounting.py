@@ -16,6 +16,13 @@ SMALL = [
     # Qwen3-MoE's attention: per-head q/k norms, heads wider than d_model / n_heads
     (ModelConfig(d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True, seq_len=16,
                  ffn_hidden=48, first_moe_layer=1), MoEConfig(expert_hidden=24, renormalize=False)),
+    # DeepSeek-V3's: latent attention with and without the query bottleneck, dense first layers, a shared expert
+    (ModelConfig(d_model=32, n_layers=3, n_heads=4, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                 v_head_dim=5, seq_len=16, ffn_hidden=48, first_moe_layer=1),
+     MoEConfig(expert_hidden=24, num_shared_experts=1, score_func="sigmoid", n_group=4, topk_group=2)),
+    (ModelConfig(d_model=32, n_layers=2, n_heads=3, q_lora_rank=10, kv_lora_rank=12, qk_nope_head_dim=6,
+                 qk_rope_head_dim=4, v_head_dim=5, seq_len=16, ffn_hidden=48),
+     MoEConfig(expert_hidden=24)),
 ]
 
 
@@ -52,6 +59,14 @@ def test_flops_of_wide_heads_count_their_width():
     model_config, moe_config = SMALL[3]
     counts = parameter_counts(model_config, moe_config)
     expected = 6 * (counts.active - 256 * 32) + 12 * 3 * (4 * 12) * 16
+    assert training_flops_per_token(model_config, moe_config) == expected
+
+
+def test_flops_of_latent_attention_count_its_widths():
+    """Scores over n + r channels, values v wide: 6 · S · nh · (n + r + v) per layer."""
+    model_config, moe_config = SMALL[5]
+    counts = parameter_counts(model_config, moe_config)
+    expected = 6 * (counts.active - 256 * 32) + 2 * 6 * 16 * 3 * (6 + 4 + 5)
     assert training_flops_per_token(model_config, moe_config) == expected
 
 
