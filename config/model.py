@@ -23,6 +23,8 @@ class ModelConfig:
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
     head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
+    qkv_bias: bool = False  # biases on the query, key and value projections (GLM-4.5, Qwen2); none on the output
+    rotary_dim: int | None = None  # RoPE rotates the first rotary_dim channels of each head; None = all (GLM-4.5: half)
     seq_len: int = 256  # training context length
     ffn_hidden: int = 512  # hidden size of the dense SwiGLU FFN blocks
     moe_every: int = 1  # every moe_every-th layer (from first_moe_layer on) is MoE; 0 = no MoE layer
@@ -72,8 +74,11 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """The channels of a query or key head that RoPE rotates: MLA's ``qk_rope_head_dim``, else hd."""
-        return self.qk_rope_head_dim if self.latent_attention else self.head_size
+        """The channels of a query or key head that RoPE rotates: MLA's ``qk_rope_head_dim``, else ``rotary_dim``
+        (partial rotary: the first ones), else hd."""
+        if self.latent_attention:
+            return self.qk_rope_head_dim
+        return self.rotary_dim or self.head_size
 
     def is_moe_layer(self, index: int) -> bool:
         if self.moe_every == 0 or index < self.first_moe_layer:
@@ -115,6 +120,9 @@ class ModelConfig:
         )
         require(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0,
                  "model.rope_theta, model.norm_eps and model.init_std must be positive")
+        require(self.rotary_dim is None or (0 < self.rotary_dim <= self.head_size and self.rotary_dim % 2 == 0),
+                f"model.rotary_dim={self.rotary_dim} must be a positive even number up to the head width "
+                f"{self.head_size}, or null (all channels)")
         self._validate_rope_scaling()
         self._validate_latent_attention()
 
@@ -152,11 +160,12 @@ class ModelConfig:
                 f"model.q_lora_rank={self.q_lora_rank} must be positive, or null for a full query projection")
         require(self.qk_rope_head_dim % 2 == 0,
                 f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
-        for key in ("n_kv_heads", "head_dim"):
+        for key in ("n_kv_heads", "head_dim", "rotary_dim"):
             require(getattr(self, key) is None, f"model.{key}={getattr(self, key)} does not apply to latent "
                                                 "attention (every head has its keys and values): leave it null")
         require(not self.qk_norm, "model.qk_norm=true does not apply to latent attention (its latents are "
                                   "normalised instead): set it false")
+        require(not self.qkv_bias, "model.qkv_bias=true does not apply to latent attention: set it false")
 
 
 @dataclass

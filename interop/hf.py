@@ -6,12 +6,12 @@
     python train.py --config moe-8x --init-from hf:HF_DIR
 
 Families (``FAMILIES``, by the architecture config.json names): Mixtral (``interop/hf_mixtral.py``), Qwen3-MoE
-(``interop/hf_qwen3_moe.py``) and DeepSeek-V3 (``interop/hf_deepseek_v3.py``), each a config mapping and its tensor
-names over the pieces they share (``interop/hf_family.py``). A folder is ``config.json`` plus ``model.safetensors``,
-or shards named in ``model.safetensors.index.json``. Everything streams: import reads one HF tensor at a time (an
-expert stack, one of our tensors, needs its E experts), export one of our tensors at a time, and ``--init-from
-hf:DIR`` converts on the fly, each rank reading just its box of each tensor (see ``HFWeights``). ``transformers`` is
-not needed (nor imported): only tests use it, as the oracle.
+(``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``) and GLM-4.5 (``interop/hf_glm4_moe.py``),
+each a config mapping and its tensor names over the pieces they share (``interop/hf_family.py``). A folder is
+``config.json`` plus ``model.safetensors``, or shards named in ``model.safetensors.index.json``. Everything streams:
+import reads one HF tensor at a time (an expert stack, one of our tensors, needs its E experts), export one of our
+tensors at a time, and ``--init-from hf:DIR`` converts on the fly, each rank reading just its box of each tensor
+(see ``HFWeights``). ``transformers`` is not needed (nor imported): only tests use it, as the oracle.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from config.cli import add_config_arguments, command_parser, load_config_from, r
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
-from interop import hf_deepseek_v3, hf_mixtral, hf_qwen3_moe
+from interop import hf_deepseek_v3, hf_glm4_moe, hf_mixtral, hf_qwen3_moe
 from interop.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
@@ -44,7 +44,7 @@ from parallel.materialize import load_weights
 
 # the families we convert, by the architecture config.json names; export tries them in this order
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY,
-                                                                          hf_deepseek_v3.FAMILY)}
+                                                                          hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY)}
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

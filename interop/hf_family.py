@@ -169,13 +169,18 @@ def rope_config(model: ModelConfig) -> dict:
     return {"rope_parameters": params}
 
 
-def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False) -> dict:
+def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False, qkv_bias: bool = False,
+                  partial_rotary: bool = False) -> dict:
     """Our ``model`` keys from the config.json keys every family here shares (``DECODER_KEYS``), after
-    refusing their settings we do not implement (activation, dropout, biases, RoPE scaling but YaRN where the
-    family allows it: ``yarn``); ``rope_theta`` is the family's default."""
-    check_requirements(hf, {"hidden_act": ("silu", "hidden_act must be 'silu' (SwiGLU)"),
-                            "attention_dropout": (0, "attention_dropout must be 0 (no attention dropout here)"),
-                            "attention_bias": (False, "attention_bias must be false (no biases here)")})
+    refusing their settings we do not implement (activation, dropout, biases unless the family has q/k/v biases:
+    ``qkv_bias``, RoPE scaling but YaRN where the family allows it: ``yarn``, and a ``partial_rotary_factor`` in
+    ``rope_parameters`` unless ``partial_rotary``, the family then reading it); ``rope_theta`` is the family's
+    default."""
+    requirements = {"hidden_act": ("silu", "hidden_act must be 'silu' (SwiGLU)"),
+                    "attention_dropout": (0, "attention_dropout must be 0 (no attention dropout here)")}
+    if not qkv_bias:
+        requirements["attention_bias"] = (False, "attention_bias must be false (no biases here)")
+    check_requirements(hf, requirements)
     hidden, heads = get_key(hf, "hidden_size", family), get_key(hf, "num_attention_heads", family)
     head_dim = hf.get("head_dim")
     return {"vocab_size": get_key(hf, "vocab_size", family), "d_model": hidden,
@@ -183,7 +188,8 @@ def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False) 
             "n_kv_heads": get_key(hf, "num_key_value_heads", family, heads, required=False),
             "head_dim": None if head_dim is None or head_dim * heads == hidden else head_dim,
             "tie_embeddings": bool(get_key(hf, "tie_word_embeddings", family, False, required=False)),
-            **rope_keys(hf, rope_theta, yarn),
+            **rope_keys(hf, rope_theta, yarn, partial_rotary), "rotary_dim": None,
+            "qkv_bias": bool(hf.get("attention_bias", False)) if qkv_bias else False,
             # grouped-query attention unless the family says otherwise (the base config's latent keys would stay)
             "q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None,
             "v_head_dim": None,
@@ -234,6 +240,8 @@ def router_refusals(moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
 def attention_refusals(model: ModelConfig, family: str) -> list[tuple[bool, str]]:
     """What a plain-RoPE grouped-query attention family cannot express: latent attention, YaRN."""
     return [(model.latent_attention, f"model.kv_lora_rank={model.kv_lora_rank}: {family} has no latent attention"),
+            (model.qkv_bias, f"model.qkv_bias=true: {family} has no attention biases"),
+            (model.rotary_dim is not None, f"model.rotary_dim={model.rotary_dim}: {family} rotates whole heads"),
             (model.rope_scaling != "none", f"model.rope_scaling={model.rope_scaling!r}: {family}'s import here "
                                            "takes plain RoPE only")]
 
@@ -257,9 +265,13 @@ ATTENTION_COPIES = {"attn_norm.weight": "input_layernorm.weight", "attn.wq.weigh
 
 
 def llama_attention(model: ModelConfig, ours: str, theirs: str) -> dict[str, Source]:
-    """A layer's attention and norm tensors under Llama's names (q/k norms with ``model.qk_norm``)."""
-    return {ours + name: Source("copy", (theirs + hf_name,)) for name, hf_name in ATTENTION_COPIES.items()
-            if model.qk_norm or name not in ("attn.q_norm.weight", "attn.k_norm.weight")}
+    """A layer's attention and norm tensors under Llama's names (q/k norms with ``model.qk_norm``, q/k/v biases
+    with ``model.qkv_bias``)."""
+    out = {ours + name: Source("copy", (theirs + hf_name,)) for name, hf_name in ATTENTION_COPIES.items()
+           if model.qk_norm or name not in ("attn.q_norm.weight", "attn.k_norm.weight")}
+    if model.qkv_bias:
+        out |= {f"{ours}attn.w{x}.bias": Source("copy", (f"{theirs}self_attn.{x}_proj.bias",)) for x in "qkv"}
+    return out
 
 
 def decoder_sources(model: ModelConfig, layer_sources: Callable[[int, str, str], dict[str, Source]],

@@ -25,6 +25,8 @@ from moe.rope import apply_rope, rope_tables
 class Attention(nn.Module):
     """Causal multi-head (or grouped-query) attention with rotary positions, on SDPA.
 
+    With ``qkv_bias`` the query, key and value projections add biases (GLM-4.5); with ``rotary_dim`` RoPE turns
+    only the first channels of each head and the others carry content alone (GLM's partial rotary).
     With ``qk_norm`` each query and key head is RMS-normalised over its hd channels (one weight [hd] shared
     by the heads) before RoPE, as Qwen3 does: it keeps the attention logits from growing without bound
     ("QK normalization", Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters",
@@ -34,9 +36,10 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_size
-        self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.rotary_dim = config.rope_dim
+        self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
@@ -51,9 +54,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE on the first ``rotary_dim`` channels of each head, the rest as they are (partial rotary, GLM)."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, cos, sin)
+        rotated, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((apply_rope(rotated, cos, sin), kept), dim=-1)
 
 
 class Block(nn.Module):

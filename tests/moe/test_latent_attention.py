@@ -102,3 +102,36 @@ def test_latent_attention_matches_transformers(settings):
 def test_impossible_attention_settings_are_refused_by_name(settings, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**settings).validate()
+
+
+@pytest.mark.parametrize("settings", [dict(rotary_dim=4, qkv_bias=True, qk_norm=True), dict(rotary_dim=8),
+                                      dict(qkv_bias=True, n_kv_heads=2, rotary_dim=6)],
+                         ids=["half-rotary-bias-qk-norm", "full-rotary", "gqa-bias-three-quarters"])
+def test_partial_rotary_and_biases_match_transformers_glm(settings):
+    """GLM-4.5's attention: RoPE on the first rotary_dim channels of each head, biases on q/k/v, q/k norms."""
+    from moe.transformer import Attention
+    from transformers.models.glm4_moe import modeling_glm4_moe as hf_glm
+
+    torch.manual_seed(0)
+    model = ModelConfig(d_model=32, n_heads=4, seq_len=16, rope_theta=500.0, **settings)
+    model.validate()
+    ours = Attention(model)
+    for name, param in ours.named_parameters():
+        with torch.no_grad():
+            param.copy_(1 + 0.2 * torch.randn_like(param) if "norm" in name else torch.randn_like(param) * 0.3)
+    config = transformers.Glm4MoeConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=model.kv_heads, head_dim=8,
+        attention_bias=model.qkv_bias, use_qk_norm=model.qk_norm, rms_norm_eps=model.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": model.rope_dim / 8},
+        max_position_embeddings=64, vocab_size=16, num_hidden_layers=1)
+    config._attn_implementation = "eager"
+    theirs = hf_glm.Glm4MoeAttention(config, layer_idx=0).eval()
+    names = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"}
+    theirs.load_state_dict({names[key.split(".")[0]] + "." + key.split(".", 1)[1]: value
+                            for key, value in ours.state_dict().items()})
+    x = torch.randn(2, model.seq_len, model.d_model)
+    positions = torch.arange(model.seq_len)[None].expand(2, -1)
+    mask = torch.full((model.seq_len, model.seq_len), float("-inf")).triu(1)[None, None]
+    expected, _ = theirs(x, hf_glm.Glm4MoeRotaryEmbedding(config)(x, positions), mask)
+    cos, sin = rope_tables(model)
+    torch.testing.assert_close(ours(x, cos, sin), expected, rtol=0, atol=1e-5)
