@@ -91,7 +91,8 @@ def test_bad_input_is_named(tmp_path):
     out, base = tmp_path / "ours.safetensors", load_config("moe-8x")
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     cases = [
-        (dict(rope_parameters=rope | {"partial_rotary_factor": 0.375}), "partial_rotary_factor=0.375 is not supported: it rotates 3"),
+        (dict(rope_parameters=rope | {"partial_rotary_factor": 0.375}),
+         "partial_rotary_factor=0.375 is not supported: it rotates 3"),
         (dict(partial_rotary_factor=0.25), r"partial_rotary_factor twice, differently: \[0.25, 0.5\]"),
         (dict(rope_parameters=rope | {"rope_type": "yarn", "factor": 2.0}), "rope_parameters=.* is not supported"),
         (dict(n_group=3), "moe.n_group=3 must divide moe.num_experts=8"),

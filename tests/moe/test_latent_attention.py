@@ -109,8 +109,9 @@ def test_impossible_attention_settings_are_refused_by_name(settings, message):
                          ids=["half-rotary-bias-qk-norm", "full-rotary", "gqa-bias-three-quarters"])
 def test_partial_rotary_and_biases_match_transformers_glm(settings):
     """GLM-4.5's attention: RoPE on the first rotary_dim channels of each head, biases on q/k/v, q/k norms."""
-    from moe.transformer import Attention
     from transformers.models.glm4_moe import modeling_glm4_moe as hf_glm
+
+    from moe.transformer import Attention
 
     torch.manual_seed(0)
     model = ModelConfig(d_model=32, n_heads=4, seq_len=16, rope_theta=500.0, **settings)
