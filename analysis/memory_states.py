@@ -129,6 +129,10 @@ def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
                 ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
                 ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
                 ParamTensor("attention", i, (d, model.n_heads * hd), 1)]
+        if model.qkv_bias:  # column-parallel with their projections
+            out += [ParamTensor("attention", i, (model.n_heads * hd,), 0),
+                    ParamTensor("attention", i, (model.kv_heads * hd,), 0),
+                    ParamTensor("attention", i, (model.kv_heads * hd,), 0)]
         if model.qk_norm:  # per-head query and key norms, whole on every tp rank
             out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
         hidden = model.ffn_hidden

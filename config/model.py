@@ -23,12 +23,33 @@ class ModelConfig:
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
     head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
+    qkv_bias: bool = False  # biases on the query, key and value projections (GLM-4.5, Qwen2); none on the output
+    rotary_dim: int | None = None  # RoPE rotates the first rotary_dim channels of each head; None = all (GLM-4.5: half)
     seq_len: int = 256  # training context length
     ffn_hidden: int = 512  # hidden size of the dense SwiGLU FFN blocks
     moe_every: int = 1  # every moe_every-th layer (from first_moe_layer on) is MoE; 0 = no MoE layer
     first_moe_layer: int = 0  # layers before it are dense (DeepSeek-V3 keeps its first 3 dense)
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): "none", or "yarn" to stretch the rotary
+    # frequencies of a model pretrained on rope_original_seq_len positions by rope_factor (DeepSeek-V3: 40 x 4096)
+    rope_scaling: Literal["none", "yarn"] = "none"
+    rope_factor: float = 1.0
+    rope_original_seq_len: int | None = None
+    yarn_beta_fast: float = 32.0  # rotations per context below which a frequency is interpolated (YaRN's alpha/beta)
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float | None = None  # with yarn_mscale_all_dim: the rotary tables' scale is their ratio of mscales
+    yarn_mscale_all_dim: float | None = None  # latent attention's softmax scale times mscale(factor, this)^2
+    yarn_attention_factor: float | None = None  # the tables' scale given outright (None: from the mscales)
+    # multi-head latent attention (DeepSeek-V2 sec. 2.1, V3 sec. 2.1.1), on when kv_lora_rank is set: keys and
+    # values come from one compressed latent of kv_lora_rank (RMS-normalised) per token, queries through an optional
+    # q_lora_rank bottleneck (null: a full projection); RoPE acts on a decoupled qk_rope_head_dim part (one rotary
+    # key shared by the heads), the other qk_nope_head_dim per head carry no position; values are v_head_dim wide
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
 
@@ -46,6 +67,19 @@ class ModelConfig:
         """n_heads · hd: the width of the queries and of the attention output (d_model unless ``head_dim`` is set)."""
         return self.n_heads * self.head_size
 
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels of a query or key head that RoPE rotates: MLA's ``qk_rope_head_dim``, else ``rotary_dim``
+        (partial rotary: the first ones), else hd."""
+        if self.latent_attention:
+            return self.qk_rope_head_dim
+        return self.rotary_dim or self.head_size
+
     def is_moe_layer(self, index: int) -> bool:
         if self.moe_every == 0 or index < self.first_moe_layer:
             return False
@@ -62,7 +96,9 @@ class ModelConfig:
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "ffn_hidden"):
             require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
-        if self.head_dim is None:
+        if self.latent_attention:
+            pass  # heads of their own widths (``_validate_latent_attention``)
+        elif self.head_dim is None:
             require(
                 self.d_model % self.n_heads == 0,
                 f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
@@ -84,6 +120,52 @@ class ModelConfig:
         )
         require(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0,
                  "model.rope_theta, model.norm_eps and model.init_std must be positive")
+        require(self.rotary_dim is None or (0 < self.rotary_dim <= self.head_size and self.rotary_dim % 2 == 0),
+                f"model.rotary_dim={self.rotary_dim} must be a positive even number up to the head width "
+                f"{self.head_size}, or null (all channels)")
+        self._validate_rope_scaling()
+        self._validate_latent_attention()
+
+    def _validate_rope_scaling(self) -> None:
+        yarn_keys = ("rope_original_seq_len", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor")
+        if self.rope_scaling == "none":
+            require(self.rope_factor == 1.0, f"model.rope_factor={self.rope_factor} needs model.rope_scaling: yarn "
+                                             "(the only scaling implemented); or leave it at 1.0")
+            given = [key for key in yarn_keys if getattr(self, key) is not None]
+            require(not given, f"model.{given[0] if given else ''} is a YaRN setting: set model.rope_scaling: yarn "
+                               "or leave it null")
+            return
+        require(self.rope_factor > 0, f"model.rope_factor must be positive for YaRN, got {self.rope_factor}")
+        require(self.rope_original_seq_len is not None and self.rope_original_seq_len > 0,
+                f"model.rope_original_seq_len={self.rope_original_seq_len}: YaRN needs the pretraining context "
+                "length (a positive integer; Hugging Face's original_max_position_embeddings)")
+        require(self.yarn_beta_fast > 0 and self.yarn_beta_slow > 0,
+                f"model.yarn_beta_fast={self.yarn_beta_fast} and model.yarn_beta_slow={self.yarn_beta_slow} "
+                "must be positive")
+        require(self.yarn_attention_factor is None or self.yarn_attention_factor > 0,
+                f"model.yarn_attention_factor={self.yarn_attention_factor} must be positive or null")
+
+    def _validate_latent_attention(self) -> None:
+        mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.latent_attention:
+            given = [key for key in mla_keys if getattr(self, key) is not None]
+            require(not given, f"model.{given[0] if given else ''} is a latent-attention setting: it needs "
+                               "model.kv_lora_rank (null: grouped-query attention)")
+            return
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, key)
+            require(value is not None and value > 0,
+                    f"model.{key}={value}: latent attention (model.kv_lora_rank set) needs a positive integer")
+        require(self.q_lora_rank is None or self.q_lora_rank > 0,
+                f"model.q_lora_rank={self.q_lora_rank} must be positive, or null for a full query projection")
+        require(self.qk_rope_head_dim % 2 == 0,
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        for key in ("n_kv_heads", "head_dim", "rotary_dim"):
+            require(getattr(self, key) is None, f"model.{key}={getattr(self, key)} does not apply to latent "
+                                                "attention (every head has its keys and values): leave it null")
+        require(not self.qk_norm, "model.qk_norm=true does not apply to latent attention (its latents are "
+                                  "normalised instead): set it false")
+        require(not self.qkv_bias, "model.qkv_bias=true does not apply to latent attention: set it false")
 
 
 @dataclass
@@ -103,6 +185,12 @@ class MoEConfig:
     aux_loss_scope: Literal["batch", "sequence"] = "batch"  # balance per micro-batch or per sequence
     z_loss_coef: float = 0.001  # ST-MoE router z-loss weight (ST-MoE: 1e-3)
     bias_update_rate: float = 0.0  # > 0 enables aux-loss-free balancing (DeepSeek-V3: 1e-3)
+    # group-limited routing (DeepSeek-V3 sec. 2.1.2, "node-limited"): the experts form n_group equal groups of
+    # consecutive ids; a token picks its top_k only among the topk_group groups whose two best biased scores sum
+    # highest. 1 group = plain top-k; topk_group null = every group
+    n_group: int = 1
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0  # the routed experts' combine weights are multiplied by it (DeepSeek-V3: 2.5)
     num_shared_experts: int = 0  # DeepSeek-style experts that see every token
     shared_expert_hidden: int | None = None  # None = expert_hidden * num_shared_experts
     force_balance: bool = False  # DEBUG/BENCHMARK ONLY: round-robin assignment ignoring the router
@@ -113,6 +201,16 @@ class MoEConfig:
     @property
     def shared_hidden(self) -> int:
         return self.shared_expert_hidden or self.expert_hidden * self.num_shared_experts
+
+    @property
+    def groups_per_token(self) -> int:
+        """The groups a token may route to: ``topk_group``, or all ``n_group``."""
+        return self.topk_group or self.n_group
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether group limiting can exclude any expert (some groups are left out of each token's choice)."""
+        return self.groups_per_token < self.n_group
 
     def validate(self) -> None:
         require(self.num_experts >= 1, f"moe.num_experts must be >= 1, got {self.num_experts}")
@@ -133,4 +231,18 @@ class MoEConfig:
             self.shared_expert_hidden is None or self.shared_expert_hidden > 0,
             "moe.shared_expert_hidden must be positive or null",
         )
+        divisors = [g for g in range(1, self.num_experts + 1) if self.num_experts % g == 0]
+        require(self.n_group >= 1 and self.num_experts % self.n_group == 0,
+                f"moe.n_group={self.n_group} must divide moe.num_experts={self.num_experts} into equal groups; "
+                f"valid: {divisors}")
+        require(self.topk_group is None or 1 <= self.topk_group <= self.n_group,
+                f"moe.topk_group={self.topk_group} must be between 1 and moe.n_group={self.n_group}, or null "
+                f"(every group)")
+        reachable = self.groups_per_token * (self.num_experts // self.n_group)
+        require(self.top_k <= reachable,
+                f"moe.top_k={self.top_k} is more experts than moe.topk_group={self.groups_per_token} groups of "
+                f"{self.num_experts // self.n_group} hold ({reachable}); valid: top_k <= {reachable}, or raise "
+                f"moe.topk_group to at least {-(-self.top_k // (self.num_experts // self.n_group))}")
+        require(self.routed_scaling_factor > 0,
+                f"moe.routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
 

@@ -5,13 +5,13 @@
         [--dtype bf16|fp32] [--max-shard-size 5GB]
     python train.py --config moe-8x --init-from hf:HF_DIR
 
-Families (``FAMILIES``, by the architecture config.json names): Mixtral (``interop/hf_mixtral.py``) and
-Qwen3-MoE (``interop/hf_qwen3_moe.py``), each a config mapping and its tensor names over the pieces they
-share (``interop/hf_family.py``). A folder is ``config.json`` plus ``model.safetensors``, or shards named in
-``model.safetensors.index.json``. Everything streams: import reads one HF tensor at a time (an expert stack,
-one of our tensors, needs its E experts), export one of our tensors at a time, and ``--init-from hf:DIR``
-converts on the fly, each rank reading just its box of each tensor (see ``HFWeights``). ``transformers`` is
-not needed (nor imported): only tests use it, as the oracle.
+Families (``FAMILIES``, by the architecture config.json names): Mixtral (``interop/hf_mixtral.py``), Qwen3-MoE
+(``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``) and GLM-4.5 (``interop/hf_glm4_moe.py``),
+each a config mapping and its tensor names over the pieces they share (``interop/hf_family.py``). A folder is
+``config.json`` plus ``model.safetensors``, or shards named in ``model.safetensors.index.json``. Everything streams:
+import reads one HF tensor at a time (an expert stack, one of our tensors, needs its E experts), export one of our
+tensors at a time, and ``--init-from hf:DIR`` converts on the fly, each rank reading just its box of each tensor
+(see ``HFWeights``). ``transformers`` is not needed (nor imported): only tests use it, as the oracle.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from config.cli import add_config_arguments, add_overwrite, check_outputs, comma
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
-from interop import hf_mixtral, hf_qwen3_moe
+from interop import hf_deepseek_v3, hf_glm4_moe, hf_mixtral, hf_qwen3_moe
 from interop.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
@@ -44,7 +44,8 @@ from moe.transformer import MoETransformer
 from parallel.materialize import load_weights
 
 # the families we convert, by the architecture config.json names; export tries them in this order
-FAMILIES: dict[str, Family] = {family.architecture: family for family in (hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY)}
+FAMILIES: dict[str, Family] = {family.architecture: family for family in (hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY,
+                                                                          hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY)}
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -186,8 +187,13 @@ class HFWeights:
         box = box or tuple(slice(0, n) for n in self.shape(name))  # () is the whole tensor
         if source.kind == "zeros":
             return torch.zeros(box[0].stop - box[0].start)
-        if source.kind == "copy":
+        if source.kind == "copy" and source.rows is None:
             return self.folder.slice(source.names[0])[box]
+        if source.kind == "copy":  # our rows [r0:r1] are HF rows rows[r0:r1]: read their span, then pick
+            wanted = source.rows[box[0]]
+            low = min(wanted)
+            span = self.folder.slice(source.names[0])[(slice(low, max(wanted) + 1), *box[1:])]
+            return span[torch.tensor(wanted) - low]
         experts, rows, cols = box  # our [E, in, out] box: HF's [out, in] matrices, transposed
         return torch.stack([self.folder.slice(hf_name)[cols, rows].t() for hf_name in source.names[experts]])
 
@@ -282,7 +288,7 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
     family = export_family(config.model, config.moe, architecture)
     hf_config = family.hf_from_config(config.model, config.moe)
     targets = hf_targets(family.hf_sources(config.model, config.moe))
-    for ours in {ours for ours, _ in targets.values()}:
+    for ours in {ours for ours, _, _ in targets.values()}:
         if ours not in entries:
             raise ConfigError(f"{source}: has no tensor '{ours}' that a {family.architecture} export needs")
     cast = EXPORT_DTYPES[dtype] if dtype is not None else None
@@ -295,11 +301,13 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
         return cache[ours]
 
     def hf_tensor(name: str) -> Tensor:
-        ours, expert = targets[name]
+        ours, expert, rows = targets[name]
+        if rows is not None:
+            return value(ours)[list(rows)]
         return value(ours) if expert is None else value(ours)[expert].t().contiguous()
 
     hf_entries = {}
-    for name, (ours, expert) in targets.items():
+    for name, (ours, expert, _) in targets.items():
         shape, stored = entries[ours]
         hf_entries[name] = (torch.Size(shape if expert is None else (shape[2], shape[1])), cast or stored)
     hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")

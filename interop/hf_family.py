@@ -8,7 +8,7 @@ and where each of our tensors comes from. ``interop/hf.py`` looks families up by
 
 Both families, like Llama, keep attention and norms under the same names and layouts as ours: Linear weights
 [out, in], q/k heads as contiguous blocks of hd rows, RoPE rotating the pairs (i, i + hd/2) of each head
-(``moe.transformer.apply_rope``, HF's ``rotate_half``). Routed experts differ: ours are stacked and
+(``moe.rope.apply_rope``, HF's ``rotate_half``). Routed experts differ: ours are stacked and
 input-major (``w_gate``/``w_in`` [E, D, H], ``w_out`` [E, H, D]), HF keeps one [out, in] matrix per expert,
 so a stack is its E HF matrices transposed.
 """
@@ -49,10 +49,15 @@ class HFShape:
 @dataclass(frozen=True)
 class Source:
     """Where our tensor comes from: one HF tensor as it is (``kind`` "copy"), E stacked and transposed
-    ("stack_t": names[e] is expert e), or nothing (the router's zero balancing bias, "zeros")."""
+    ("stack_t": names[e] is expert e), or nothing (the router's zero balancing bias, "zeros").
+
+    ``rows`` (copies only): our row i is the HF tensor's row ``rows[i]``, for a family that lays out the rotary
+    channels of a head in another order than ours (DeepSeek's interleaved pairs); None: rows as they are.
+    """
 
     kind: str
     names: tuple[str, ...]
+    rows: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,28 +100,87 @@ def check_requirements(hf: dict, requirements: dict[str, tuple[object, str]]) ->
             raise ConfigError(f"config.json {key}={hf[key]!r} is not supported: {why}")
 
 
-def _rope_theta(hf: dict, default: float) -> float:
-    """rope_theta, from ``rope_parameters`` (transformers 5) or the top-level key (4.x; absent, the family's
-    ``default``); plain RoPE only."""
+def _yarn_keys(params: dict, hf: dict) -> dict:
+    """Our YaRN keys (``model.rope_scaling: yarn``) from a yarn rope dict, either transformers 5's
+    ``rope_parameters`` or 4.x's ``rope_scaling``; a key we do not implement, by name."""
+    known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigError(f"config.json rope setting '{unknown[0]}'={params[unknown[0]]!r} is not supported by our "
+                          f"YaRN (it takes {', '.join(sorted(known))})")
+    if params.get("truncate", True) is not True:
+        raise ConfigError("config.json rope truncate=false is not supported: our YaRN rounds its ramp's bounds "
+                          "outward (truncate=true), as DeepSeek-V3 and the YaRN paper's code do")
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise ConfigError("config.json's yarn rope settings have no 'original_max_position_embeddings', which "
+                          "YaRN needs")
+    factor = params.get("factor")
+    if factor is None:  # transformers' rule: the ratio of the extended to the original context
+        factor = get_key(hf, "max_position_embeddings", "YaRN") / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    return {"rope_scaling": "yarn", "rope_factor": float(factor), "rope_original_seq_len": int(original),
+            "yarn_beta_fast": float(params.get("beta_fast") or 32.0),
+            "yarn_beta_slow": float(params.get("beta_slow") or 1.0),
+            "yarn_mscale": None if mscale is None else float(mscale),
+            "yarn_mscale_all_dim": None if mscale_all_dim is None else float(mscale_all_dim),
+            "yarn_attention_factor": None if attention_factor is None else float(attention_factor)}
+
+
+def rope_keys(hf: dict, default_theta: float, yarn: bool = False, partial: bool = False) -> dict:
+    """Our rope keys: ``rope_theta`` from ``rope_parameters`` (transformers 5) or the top-level key (4.x; absent,
+    the family's ``default_theta``); plain RoPE, or YaRN (``rope_type``/``type`` yarn) where the family's
+    ``yarn`` allows it; ``partial_rotary_factor`` is left in place for a family that reads it (``partial``)."""
     params = hf.get("rope_parameters")
     scaling = hf.get("rope_scaling")
-    if scaling is not None:
-        raise ConfigError(f"config.json rope_scaling={scaling!r} is not supported (plain RoPE only)")
+    theta = float(hf.get("rope_theta", default_theta))
     if params is not None:
-        if params.get("rope_type", "default") != "default" or set(params) - {"rope_type", "rope_theta"}:
-            raise ConfigError(f"config.json rope_parameters={params!r} is not supported: only rope_type 'default' "
-                              "with rope_theta")
-        return float(params["rope_theta"])
-    return float(hf.get("rope_theta", default))
+        theta = float(params.get("rope_theta", theta))
+    rope = scaling if scaling is not None else params
+    kind = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+    if kind == "yarn" and yarn:
+        return {"rope_theta": theta} | _yarn_keys(rope, hf)
+    plain_rope = {"rope_theta": theta, "rope_scaling": "none", "rope_factor": 1.0, "rope_original_seq_len": None,
+                  "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": None, "yarn_mscale_all_dim": None,
+                  "yarn_attention_factor": None}
+    plain = {"rope_type", "type", "rope_theta"} | ({"partial_rotary_factor"} if partial else set())
+    if scaling is not None and (kind != "default" or set(scaling) - plain):
+        raise ConfigError(f"config.json rope_scaling={scaling!r} is not supported "
+                          f"({'plain RoPE or YaRN' if yarn else 'plain RoPE only'})")
+    if params is not None and (kind != "default" or set(params) - plain):
+        raise ConfigError(f"config.json rope_parameters={params!r} is not supported: only rope_type 'default' "
+                          f"with rope_theta{' or yarn' if yarn else ''}")
+    return plain_rope
 
 
-def decoder_shape(hf: dict, family: str, rope_theta: float) -> dict:
+def rope_config(model: ModelConfig) -> dict:
+    """The config.json rope keys of our model (transformers 5's ``rope_parameters``), YaRN's included."""
+    params: dict = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling == "yarn":
+        params |= {"rope_type": "yarn", "factor": model.rope_factor,
+                   "original_max_position_embeddings": model.rope_original_seq_len,
+                   "beta_fast": model.yarn_beta_fast, "beta_slow": model.yarn_beta_slow}
+        params |= {key: value for key, value in (("mscale", model.yarn_mscale),
+                                                 ("mscale_all_dim", model.yarn_mscale_all_dim),
+                                                 ("attention_factor", model.yarn_attention_factor))
+                   if value is not None}
+    return {"rope_parameters": params}
+
+
+def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False, qkv_bias: bool = False,
+                  partial_rotary: bool = False) -> dict:
     """Our ``model`` keys from the config.json keys every family here shares (``DECODER_KEYS``), after
-    refusing their settings we do not implement (activation, dropout, biases, RoPE scaling); ``rope_theta``
-    is the family's default."""
-    check_requirements(hf, {"hidden_act": ("silu", "hidden_act must be 'silu' (SwiGLU)"),
-                            "attention_dropout": (0, "attention_dropout must be 0 (no attention dropout here)"),
-                            "attention_bias": (False, "attention_bias must be false (no biases here)")})
+    refusing their settings we do not implement (activation, dropout, biases unless the family has q/k/v biases:
+    ``qkv_bias``, RoPE scaling but YaRN where the family allows it: ``yarn``, and a ``partial_rotary_factor`` in
+    ``rope_parameters`` unless ``partial_rotary``, the family then reading it); ``rope_theta`` is the family's
+    default."""
+    requirements = {"hidden_act": ("silu", "hidden_act must be 'silu' (SwiGLU)"),
+                    "attention_dropout": (0, "attention_dropout must be 0 (no attention dropout here)")}
+    if not qkv_bias:
+        requirements["attention_bias"] = (False, "attention_bias must be false (no biases here)")
+    check_requirements(hf, requirements)
     hidden, heads = get_key(hf, "hidden_size", family), get_key(hf, "num_attention_heads", family)
     head_dim = hf.get("head_dim")
     return {"vocab_size": get_key(hf, "vocab_size", family), "d_model": hidden,
@@ -124,7 +188,11 @@ def decoder_shape(hf: dict, family: str, rope_theta: float) -> dict:
             "n_kv_heads": get_key(hf, "num_key_value_heads", family, heads, required=False),
             "head_dim": None if head_dim is None or head_dim * heads == hidden else head_dim,
             "tie_embeddings": bool(get_key(hf, "tie_word_embeddings", family, False, required=False)),
-            "rope_theta": _rope_theta(hf, rope_theta),
+            **rope_keys(hf, rope_theta, yarn, partial_rotary), "rotary_dim": None,
+            "qkv_bias": bool(hf.get("attention_bias", False)) if qkv_bias else False,
+            # grouped-query attention unless the family says otherwise (the base config's latent keys would stay)
+            "q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None,
+            "v_head_dim": None,
             "norm_eps": float(get_key(hf, "rms_norm_eps", family, 1e-5, required=False))}
 
 
@@ -149,7 +217,8 @@ def routed_moe(num_experts: int, top_k: int, expert_hidden: int, renormalize: bo
     no shared experts (what ``router_refusals`` refuses on the way back)."""
     return {"num_experts": num_experts, "top_k": top_k, "expert_hidden": expert_hidden, "activation": "swiglu",
             "score_func": "softmax", "renormalize": renormalize, "jitter_eps": 0.0, "capacity_factor": None,
-            "bias_update_rate": 0.0, "num_shared_experts": 0, "shared_expert_hidden": None, "force_balance": False}
+            "bias_update_rate": 0.0, "num_shared_experts": 0, "shared_expert_hidden": None, "force_balance": False,
+            "n_group": 1, "topk_group": None, "routed_scaling_factor": 1.0}
 
 
 def router_refusals(moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
@@ -161,7 +230,20 @@ def router_refusals(moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
         (moe.bias_update_rate != 0, f"moe.bias_update_rate={moe.bias_update_rate}: {family} has no balancing bias"),
         (moe.force_balance, f"moe.force_balance=true: a debug routing {family} does not have"),
         (moe.jitter_eps != 0, f"moe.jitter_eps={moe.jitter_eps}: {family} has no such noise"),
+        (moe.group_limited, f"moe.topk_group={moe.topk_group} of moe.n_group={moe.n_group}: {family} routes over "
+                            "every expert"),
+        (moe.routed_scaling_factor != 1, f"moe.routed_scaling_factor={moe.routed_scaling_factor}: {family} does "
+                                         "not scale the routed weights"),
     ]
+
+
+def attention_refusals(model: ModelConfig, family: str) -> list[tuple[bool, str]]:
+    """What a plain-RoPE grouped-query attention family cannot express: latent attention, YaRN."""
+    return [(model.latent_attention, f"model.kv_lora_rank={model.kv_lora_rank}: {family} has no latent attention"),
+            (model.qkv_bias, f"model.qkv_bias=true: {family} has no attention biases"),
+            (model.rotary_dim is not None, f"model.rotary_dim={model.rotary_dim}: {family} rotates whole heads"),
+            (model.rope_scaling != "none", f"model.rope_scaling={model.rope_scaling!r}: {family}'s import here "
+                                           "takes plain RoPE only")]
 
 
 def check_context(shape: HFShape, seq_len: int) -> None:
@@ -182,17 +264,27 @@ ATTENTION_COPIES = {"attn_norm.weight": "input_layernorm.weight", "attn.wq.weigh
                     "ffn_norm.weight": "post_attention_layernorm.weight"}
 
 
-def decoder_sources(model: ModelConfig, layer_sources: Callable[[int, str, str], dict[str, Source]]
+def llama_attention(model: ModelConfig, ours: str, theirs: str) -> dict[str, Source]:
+    """A layer's attention and norm tensors under Llama's names (q/k norms with ``model.qk_norm``, q/k/v biases
+    with ``model.qkv_bias``)."""
+    out = {ours + name: Source("copy", (theirs + hf_name,)) for name, hf_name in ATTENTION_COPIES.items()
+           if model.qk_norm or name not in ("attn.q_norm.weight", "attn.k_norm.weight")}
+    if model.qkv_bias:
+        out |= {f"{ours}attn.w{x}.bias": Source("copy", (f"{theirs}self_attn.{x}_proj.bias",)) for x in "qkv"}
+    return out
+
+
+def decoder_sources(model: ModelConfig, layer_sources: Callable[[int, str, str], dict[str, Source]],
+                    attention: Callable[[ModelConfig, str, str], dict[str, Source]] = llama_attention
                     ) -> dict[str, Source]:
     """Each of our state-dict names (our model's order) and its HF source: embedding, then per layer the
-    attention and norms (q/k norms with ``model.qk_norm``) and ``layer_sources(i, ours, theirs)``'s feed-forward
-    tensors (prefixes ``layers.i.`` and ``model.layers.i.``), then the final norm and the head."""
+    attention and norms (``attention(model, ours, theirs)``, Llama's by default) and ``layer_sources(i, ours,
+    theirs)``'s feed-forward tensors (prefixes ``layers.i.`` and ``model.layers.i.``), then the final norm and
+    the head."""
     out = {"tok_embeddings.weight": Source("copy", ("model.embed_tokens.weight",))}
     for i in range(model.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for name, hf_name in ATTENTION_COPIES.items():
-            if model.qk_norm or name not in ("attn.q_norm.weight", "attn.k_norm.weight"):
-                out[ours + name] = Source("copy", (theirs + hf_name,))
+        out.update(attention(model, ours, theirs))
         out.update(layer_sources(i, ours, theirs))
     out["norm.weight"] = Source("copy", ("model.norm.weight",))
     # tied: the head is the embedding (HF's save_pretrained may leave lm_head out of the files)
@@ -209,12 +301,16 @@ def expert_stacks(ours: str, experts: str, names: dict[str, str], num_experts: i
     return out
 
 
-def hf_targets(sources: dict[str, Source]) -> dict[str, tuple[str, int | None]]:
-    """Each HF tensor of an exported folder: (our name, expert index for a stacked weight, else None)."""
-    out: dict[str, tuple[str, int | None]] = {}
+def hf_targets(sources: dict[str, Source]) -> dict[str, tuple[str, int | None, tuple[int, ...] | None]]:
+    """Each HF tensor of an exported folder: (our name, expert index for a stacked weight, else None, our row
+    order: HF row j is our row ``rows[j]``, else None)."""
+    out: dict[str, tuple[str, int | None, tuple[int, ...] | None]] = {}
     for ours, source in sources.items():
         if source.kind == "copy" and source.names[0] not in out:  # tied: the head is the embedding, once
-            out[source.names[0]] = (ours, None)
+            rows = None
+            if source.rows is not None:  # the inverse of the import's order
+                rows = tuple(sorted(range(len(source.rows)), key=source.rows.__getitem__))
+            out[source.names[0]] = (ours, None, rows)
         elif source.kind == "stack_t":
-            out.update({name: (ours, e) for e, name in enumerate(source.names)})
+            out.update({name: (ours, e, None) for e, name in enumerate(source.names)})
     return out

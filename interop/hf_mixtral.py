@@ -16,6 +16,7 @@ from interop.hf_family import (
     Family,
     HFShape,
     Source,
+    attention_refusals,
     check_keys,
     check_requirements,
     decoder_config,
@@ -51,7 +52,7 @@ def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
                                                              "model.first_moe_layer=0)"),
         (model.qk_norm, "model.qk_norm=true: Mixtral has no query/key norms"),
         (not moe.renormalize, "moe.renormalize=false: Mixtral renormalises the top-k weights"),
-        *router_refusals(moe, "Mixtral")])
+        *router_refusals(moe, "Mixtral"), *attention_refusals(model, "Mixtral")])
     return {"architectures": [ARCHITECTURE], "model_type": "mixtral", **decoder_config(model),
             "intermediate_size": moe.expert_hidden, "num_local_experts": moe.num_experts,
             "num_experts_per_tok": moe.top_k, "router_jitter_noise": 0.0}

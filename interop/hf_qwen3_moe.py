@@ -23,6 +23,7 @@ from interop.hf_family import (
     Family,
     HFShape,
     Source,
+    attention_refusals,
     check_keys,
     check_requirements,
     decoder_config,
@@ -102,7 +103,7 @@ def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
     Our dense layers are written as ``mlp_only_layers`` (with ``decoder_sparse_step`` 1), which names any layout.
     """
     refuse(ARCHITECTURE, [(not model.qk_norm, "model.qk_norm=false: Qwen3-MoE normalises every query and key head"),
-                          *router_refusals(moe, FAMILY_NAME)])
+                          *router_refusals(moe, FAMILY_NAME), *attention_refusals(model, FAMILY_NAME)])
     dense = [i for i in range(model.n_layers) if not model.is_moe_layer(i)]
     return {"architectures": [ARCHITECTURE], "model_type": "qwen3_moe", **decoder_config(model),
             "use_sliding_window": False, "intermediate_size": model.ffn_hidden,

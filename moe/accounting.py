@@ -42,10 +42,42 @@ class ParameterCounts:
         return self.total - self.routed_experts
 
 
+def attention_parameters(model: ModelConfig) -> int:
+    """One block's attention weights, its norms included (``moe/transformer.py``, ``moe/latent_attention.py``).
+
+    Grouped-query: wq, wo (nh·hd wide), wk, wv (nkv·hd), their biases with ``qkv_bias``, and hd-wide q/k norms
+    with ``qk_norm``. Latent:
+    the query projection (full, or c' -rank with its norm), wkv_a into c + r, the c-wide latent norm, wkv_b out
+    to nh·(n + v), and wo from nh·v.
+    """
+    d, heads = model.d_model, model.n_heads
+    if not model.latent_attention:
+        hd = model.head_size
+        biases = (heads + 2 * model.kv_heads) * hd if model.qkv_bias else 0
+        return d * heads * hd * 2 + d * model.kv_heads * hd * 2 + (2 * hd if model.qk_norm else 0) + biases
+    qk, rank = model.qk_nope_head_dim + model.qk_rope_head_dim, model.q_lora_rank
+    query = d * heads * qk if rank is None else d * rank + rank + rank * heads * qk
+    latent = d * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
+    return query + latent + model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim) \
+        + heads * model.v_head_dim * d
+
+
+def attention_flops_per_token(model: ModelConfig) -> float:
+    """Training FLOPs of one token's attention scores and weighted values in one block (the projections are
+    counted with the parameters): 6 · S · nh · (qk width + v width), which is PaLM's 12 · S · nh · hd
+    (Chowdhery et al. 2022, appendix B) when queries, keys and values are hd wide. Latent attention's are
+    n + r and v."""
+    if model.latent_attention:
+        width = model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim
+    else:
+        width = 2 * model.head_size
+    return 6.0 * model.n_heads * width * model.seq_len
+
+
 def parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
-    d, hd = model.d_model, model.head_size
-    attention = d * model.n_heads * hd * 2 + d * model.kv_heads * hd * 2  # wq, wo, wk, wv
-    norms = 2 * d + (2 * hd if model.qk_norm else 0)
+    d = model.d_model
+    attention = attention_parameters(model)
+    norms = 2 * d
     dense_ffn = 3 * d * model.ffn_hidden
     matrices_per_expert = 3 if moe.activation == "swiglu" else 2
     one_expert = matrices_per_expert * d * moe.expert_hidden
@@ -73,34 +105,33 @@ def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
 
     ``6 * N_active`` for the weight matmuls (2 forward, 4 backward per parameter;
     Kaplan et al. 2020 sec. 2.1) over the active parameters that do matmuls (the
-    embedding lookup does none; a tied head still does), plus ``12 * L * n_heads * hd * S``
-    for attention scores and values (PaLM, Chowdhery et al. 2022, appendix B, where n_heads · hd = d_model;
-    Qwen3's explicit ``head_dim`` makes it wider).
+    embedding lookup does none; a tied head still does), plus ``attention_flops_per_token`` per layer
+    for attention scores and values.
     """
     counts = parameter_counts(model, moe)
     matmul_params = counts.active - counts.embedding
     if model.tie_embeddings:
         matmul_params += model.vocab_size * model.d_model
-    return 6.0 * matmul_params + 12.0 * model.n_layers * model.attention_width * model.seq_len
+    return 6.0 * matmul_params + model.n_layers * attention_flops_per_token(model)
 
 
 def block_flops_per_token(model: ModelConfig, moe: MoEConfig, is_moe: bool) -> float:
     """Training FLOPs of one token through one transformer block, on the terms of ``training_flops_per_token``.
 
     ``6 *`` the block's active matmul parameters (attention, its two norms, and the dense FFN or
-    the router, shared experts and top_k routed experts) ``+ 12 * n_heads * hd * S`` for attention.
+    the router, shared experts and top_k routed experts) ``+ attention_flops_per_token``.
     A MoE block with top_k experts of the dense FFN's size costs more than a dense block; the
     pipeline split (``parallel/pipeline.py``) balances stages by these numbers.
     """
-    d, hd = model.d_model, model.head_size
-    params = d * model.n_heads * hd * 2 + d * model.kv_heads * hd * 2 + 2 * d + (2 * hd if model.qk_norm else 0)
+    d = model.d_model
+    params = attention_parameters(model) + 2 * d
     if is_moe:
         matrices_per_expert = 3 if moe.activation == "swiglu" else 2
         params += d * moe.num_experts + moe.top_k * matrices_per_expert * d * moe.expert_hidden
         params += 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
     else:
         params += 3 * d * model.ffn_hidden
-    return 6.0 * params + 12.0 * model.attention_width * model.seq_len
+    return 6.0 * params + attention_flops_per_token(model)
 
 
 def head_flops_per_token(model: ModelConfig) -> float:

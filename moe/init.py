@@ -21,6 +21,7 @@ The rules (which distribution each parameter gets) live here, by name, in one pl
 - projections that write into the residual stream (attention ``wo``, FFN and expert ``w_out``):
   N(0, init_std / sqrt(2 · n_layers)), so the residual's variance does not grow with depth (GPT-2,
   Radford et al. 2019 sec. 2.3; Megatron-LM's scaled init);
+- biases (``wq``/``wk``/``wv`` with ``model.qkv_bias``): zeros, so a new model starts as one without them;
 - every other weight (embedding, LM head, ``wq``/``wk``/``wv``, ``w_in``/``w_gate``, router gate):
   N(0, init_std).
 """
@@ -54,8 +55,11 @@ def whole(param: Tensor) -> Slice:
 
 
 def init_std_for(name: str, std: float, out_std: float) -> float | None:
-    """The standard deviation of parameter ``name``'s normal init, or None for a norm's weight (ones)."""
+    """The standard deviation of parameter ``name``'s normal init: None for a norm's weight (ones), 0 for a bias
+    (zeros)."""
     parts = name.split(".")
+    if parts[-1] == "bias":
+        return 0.0
     leaf = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]
     if leaf.endswith("norm"):
         return None
@@ -136,5 +140,7 @@ def initialize(module: nn.Module, seed: int, std: float, out_std: float,
         param_std = init_std_for(name, std, out_std)
         if param_std is None:
             target.local.fill_(1.0)
+        elif param_std == 0.0:
+            target.local.zero_()
         else:
             fill_normal_(target, name, seed, param_std)

@@ -31,10 +31,22 @@ class TopKRouter(nn.Module):
     "selective precision", sec. 2.4). Its weight stays replicated under tensor
     parallelism for the same reason: every rank must route identically.
 
-    ``expert_bias`` implements auxiliary-loss-free balancing (DeepSeek-V3, sec. 2.1.2):
-    it is added to the scores for *selection only*; the combine weights use the raw
-    scores. It is a buffer, not a parameter: ``update_bias`` nudges it after each
-    optimizer step from the load the trainer measured.
+    ``expert_bias`` is DeepSeek-V3's correction bias b_i (sec. 2.1.2, eq. 16): it is added
+    to the scores for *selection only*; the combine weights use the raw scores. It is a
+    buffer, not a parameter: with aux-loss-free balancing (``bias_update_rate`` > 0)
+    ``update_bias`` nudges it after each optimizer step from the load the trainer
+    measured; without, it stays as initialised (zero) or as imported (a DeepSeek-V3
+    checkpoint's ``e_score_correction_bias``), and selection always uses it: one bias,
+    whether trained here or loaded.
+
+    Group-limited routing (``n_group`` > 1 with ``topk_group`` < ``n_group``; DeepSeek-V3's
+    node-limited routing, sec. 2.1.2, and its released ``noaux_tc`` gate): experts form
+    ``n_group`` groups of consecutive ids, each token keeps the ``topk_group`` groups whose
+    two best biased scores sum highest and picks its k among their experts only. Placing
+    a group's experts on one device bounds how many devices a token's copies reach.
+    The chosen weights (raw scores, renormalised if asked) are multiplied by
+    ``routed_scaling_factor``: with sigmoid scores renormalised to sum to one, DeepSeek-V3
+    scales the routed experts' sum against the shared expert's by 2.5.
     """
 
     def __init__(self, d_model: int, config: MoEConfig):
@@ -46,6 +58,8 @@ class TopKRouter(nn.Module):
         self.jitter_eps = config.jitter_eps
         self.force_balance = config.force_balance
         self.bias_update_rate = config.bias_update_rate
+        self.n_group, self.groups_per_token = config.n_group, config.groups_per_token
+        self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = nn.Parameter(torch.empty(config.num_experts, d_model))
         self.register_buffer("expert_bias", torch.zeros(config.num_experts), persistent=True)
 
@@ -65,14 +79,34 @@ class TopKRouter(nn.Module):
 
         if self.force_balance:
             expert_ids = self._round_robin(x.shape[0], x.device)
-        elif self.bias_update_rate > 0:
-            expert_ids = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         else:
-            expert_ids = torch.topk(scores, self.top_k, dim=-1).indices
+            expert_ids = self.select(scores)
         weights = scores.gather(1, expert_ids)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return RouterOutput(expert_ids=expert_ids, weights=weights, probs=probs, logits=logits)
+
+    @torch.no_grad()
+    def select(self, scores: Tensor) -> Tensor:
+        """The k experts of each token, best first: top-k of the biased scores within the token's best groups.
+
+        scores: [T, E] -> [T, k] int64. Selection is not differentiable (the gradient reaches the gate through
+        the gathered weights), so nothing here is kept for backward. A group's score is the sum of its two best
+        biased scores (one, for groups of one expert): DeepSeek-V3's released gate, which ranks groups by
+        more than their single best expert without letting a group's many weak experts outweigh a strong one.
+        """
+        biased = scores + self.expert_bias  # [T, E]
+        if self.groups_per_token < self.n_group:
+            tokens, num_experts = biased.shape
+            per_group = num_experts // self.n_group
+            grouped = biased.view(tokens, self.n_group, per_group)
+            group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, n_group]
+            best_groups = group_scores.topk(self.groups_per_token, dim=-1).indices  # [T, topk_group]
+            allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+            biased = biased.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+        return torch.topk(biased, self.top_k, dim=-1).indices
 
     def _round_robin(self, num_tokens: int, device: torch.device) -> Tensor:
         """DEBUG/BENCHMARK ONLY: assignment j of token t goes to expert (t*k + j) mod E.

@@ -1,4 +1,4 @@
-"""The decoder-only MoE language model: RMSNorm, RoPE attention, dense and MoE blocks.
+"""The decoder-only MoE language model: RMSNorm, RoPE attention (or latent attention), dense and MoE blocks.
 
 Shapes: B sequences, S positions, D = d_model, nh / nkv query / key-value heads, hd = head dim, V vocab.
 """
@@ -16,22 +16,10 @@ from torch.distributed.tensor import DTensor
 from config.model import ModelConfig, MoEConfig
 from moe.experts import FeedForward
 from moe.init import Slice, initialize, whole
+from moe.latent_attention import LatentAttention
 from moe.layer import MoELayer, RoutingStats
 from moe.norm import RMSNorm
-
-
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin of the rotary angles, [max_len, hd/2] (Su et al. 2021, RoFormer eq. 34)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate channel pairs (i, i + hd/2) of x: [B, heads, S, hd] by the position's angles."""
-    first, second = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
-    return rotated.to(x.dtype)
+from moe.rope import apply_rope, rope_tables
 
 
 class LayerCache:
@@ -77,6 +65,8 @@ class KVCache:
 class Attention(nn.Module):
     """Causal multi-head (or grouped-query) attention with rotary positions, on SDPA.
 
+    With ``qkv_bias`` the query, key and value projections add biases (GLM-4.5); with ``rotary_dim`` RoPE turns
+    only the first channels of each head and the others carry content alone (GLM's partial rotary).
     With ``qk_norm`` each query and key head is RMS-normalised over its hd channels (one weight [hd] shared
     by the heads) before RoPE, as Qwen3 does: it keeps the attention logits from growing without bound
     ("QK normalization", Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters",
@@ -86,9 +76,10 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_size
-        self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.rotary_dim = config.rope_dim
+        self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
@@ -108,7 +99,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         mask, causal = None, True
         if cache is not None and start > 0:
             k, v = cache.append(k, v)
@@ -124,13 +115,21 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE on the first ``rotary_dim`` channels of each head, the rest as they are (partial rotary, GLM)."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, cos, sin)
+        rotated, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((apply_rope(rotated, cos, sin), kept), dim=-1)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x)); ffn dense or MoE."""
 
     def __init__(self, config: ModelConfig, moe_config: MoEConfig, is_moe: bool):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = LatentAttention(config) if config.latent_attention else Attention(config)
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.moe = MoELayer(config.d_model, moe_config) if is_moe else None
         self.ffn = None if is_moe else FeedForward(config.d_model, config.ffn_hidden)
@@ -178,7 +177,7 @@ class MoETransformer(nn.Module):
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(config.head_size, config.seq_len, config.rope_theta)
+        cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.tok_embeddings.weight.device.type != "meta":
@@ -197,7 +196,7 @@ class MoETransformer(nn.Module):
 
         Needed after ``to_empty`` (materialising a meta model), which leaves buffers uninitialised.
         """
-        cos, sin = rope_tables(self.config.head_size, self.config.seq_len, self.config.rope_theta)
+        cos, sin = rope_tables(self.config)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for layer in self.moe_layers().values():

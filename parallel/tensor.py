@@ -70,6 +70,9 @@ from moe.transformer import Block, MoETransformer
 
 def check_tensor_parallel(tp: int, model: ModelConfig, sequence_parallel: bool, vocab_parallel: bool) -> None:
     """Refuse, before anything is built, an option tensor parallelism cannot apply; ConfigError names the fix."""
+    if tp > 1 and model.latent_attention:  # its plan (heads of wq/wq_b, wkv_b and wo split) is not written yet
+        raise ConfigError(f"latent attention (model.kv_lora_rank={model.kv_lora_rank}) has no tensor-parallel plan "
+                          f"yet: parallel.tp={tp} must be 1 with it")
     for key, enabled, size, what in (("sequence_parallel", sequence_parallel, model.seq_len, "model.seq_len"),
                                      ("vocab_parallel", vocab_parallel, model.vocab_size, "model.vocab_size")):
         if not enabled:

@@ -1,6 +1,7 @@
 """Parameter counts from the config equal the built model's; published shapes come out at their published sizes."""
 
 import pytest
+import torch
 
 from config.model import ModelConfig, MoEConfig
 from config.run import load_config
@@ -16,6 +17,17 @@ SMALL = [
     # Qwen3-MoE's attention: per-head q/k norms, heads wider than d_model / n_heads
     (ModelConfig(d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True, seq_len=16,
                  ffn_hidden=48, first_moe_layer=1), MoEConfig(expert_hidden=24, renormalize=False)),
+    # DeepSeek-V3's: latent attention with and without the query bottleneck, dense first layers, a shared expert
+    (ModelConfig(d_model=32, n_layers=3, n_heads=4, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                 v_head_dim=5, seq_len=16, ffn_hidden=48, first_moe_layer=1),
+     MoEConfig(expert_hidden=24, num_shared_experts=1, score_func="sigmoid", n_group=4, topk_group=2)),
+    # GLM-4.5's: q/k/v biases, half-rotary heads, q/k norms, grouped-query
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, qkv_bias=True, rotary_dim=4, qk_norm=True,
+                 seq_len=16, ffn_hidden=48, first_moe_layer=1),
+     MoEConfig(expert_hidden=24, num_shared_experts=1, score_func="sigmoid")),
+    (ModelConfig(d_model=32, n_layers=2, n_heads=3, q_lora_rank=10, kv_lora_rank=12, qk_nope_head_dim=6,
+                 qk_rope_head_dim=4, v_head_dim=5, seq_len=16, ffn_hidden=48),
+     MoEConfig(expert_hidden=24)),
 ]
 
 
@@ -31,6 +43,13 @@ def test_counts_match_the_built_model(model_config, moe_config):
     per_expert = routed // max(1, len(model.moe_layers()) * moe_config.num_experts)
     inactive = len(model.moe_layers()) * (moe_config.num_experts - moe_config.top_k) * per_expert
     assert counts.active == counts.total - inactive
+
+
+def test_biases_start_at_zero():
+    """q/k/v biases are initialised to zeros (``moe/init.py``): a new model starts as one without them."""
+    model = MoETransformer(*SMALL[5])
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    assert len(biases) == 3 * 2 and all(torch.equal(b, torch.zeros_like(b)) for b in biases)
 
 
 def test_mixtral_shape_has_its_published_size():
@@ -52,6 +71,14 @@ def test_flops_of_wide_heads_count_their_width():
     model_config, moe_config = SMALL[3]
     counts = parameter_counts(model_config, moe_config)
     expected = 6 * (counts.active - 256 * 32) + 12 * 3 * (4 * 12) * 16
+    assert training_flops_per_token(model_config, moe_config) == expected
+
+
+def test_flops_of_latent_attention_count_its_widths():
+    """Scores over n + r channels, values v wide: 6 · S · nh · (n + r + v) per layer."""
+    model_config, moe_config = SMALL[6]
+    counts = parameter_counts(model_config, moe_config)
+    expected = 6 * (counts.active - 256 * 32) + 2 * 6 * 16 * 3 * (6 + 4 + 5)
     assert training_flops_per_token(model_config, moe_config) == expected
 
 

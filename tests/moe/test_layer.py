@@ -31,10 +31,18 @@ def naive_moe(layer: MoELayer, x, params):
     for t in range(tokens.shape[0]):
         logits = tokens[t] @ params["gate"].t()
         scores = torch.softmax(logits, -1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
-        ids = torch.topk(scores, cfg.top_k).indices
+        if cfg.groups_per_token < cfg.n_group:  # only the experts of the best groups (two best scores each)
+            per_group = cfg.num_experts // cfg.n_group
+            groups = scores.view(cfg.n_group, per_group)
+            best = groups.topk(2, -1).values.sum(-1).topk(cfg.groups_per_token).indices
+            candidates = torch.cat([torch.arange(g * per_group, (g + 1) * per_group) for g in best.tolist()])
+            ids = candidates[torch.topk(scores[candidates], cfg.top_k).indices]
+        else:
+            ids = torch.topk(scores, cfg.top_k).indices
         w = scores[ids]
         if cfg.renormalize:
             w = w / w.sum()
+        w = w * cfg.routed_scaling_factor
         y = sum(
             w[j] * naive_expert(tokens[t], params["w_in"][e], params.get("w_gate", [None] * 99)[e],
                                 params["w_out"][e], cfg.activation)
@@ -69,6 +77,8 @@ CASES = [
     dict(activation="gelu", top_k=1),
     dict(activation="swiglu", top_k=3, score_func="sigmoid"),
     dict(activation="swiglu", top_k=2, num_shared_experts=1, renormalize=False),
+    dict(activation="swiglu", top_k=2, score_func="sigmoid", n_group=3, topk_group=1, routed_scaling_factor=2.5,
+         num_shared_experts=1, shared_expert_hidden=8),
 ]
 
 

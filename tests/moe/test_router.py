@@ -140,3 +140,71 @@ def test_balancing_gradients_reach_the_gate_without_the_caller():
     expected_loss = 0.5 * load_balancing_loss(probs, ids, 4) + 0.1 * torch.logsumexp(logits, -1).square().mean()
     expected_loss.backward()
     torch.testing.assert_close(layer.router.gate.grad, gate.grad)
+
+
+def reference_group_limited(scores, bias, n_group, topk_group, top_k):
+    """Per token, written from DeepSeek-V3's description: rank groups by the sum of their two best biased
+    scores, keep the topk_group best, then the top_k biased scores among the kept groups' experts."""
+    chosen = []
+    per_group = scores.shape[1] // n_group
+    for row in (scores + bias).tolist():
+        groups = [row[g * per_group:(g + 1) * per_group] for g in range(n_group)]
+        group_score = [sum(sorted(g, reverse=True)[:2]) for g in groups]
+        kept = sorted(range(n_group), key=lambda g: -group_score[g])[:topk_group]
+        candidates = [e for g in kept for e in range(g * per_group, (g + 1) * per_group)]
+        chosen.append(sorted(sorted(candidates, key=lambda e: -row[e])[:top_k]))
+    return chosen
+
+
+@pytest.mark.parametrize("n_group, topk_group, top_k", [(4, 2, 3), (4, 1, 2), (2, 1, 3), (4, 3, 3), (8, 3, 3)])
+def test_group_limited_selection_matches_a_per_token_reference(n_group, topk_group, top_k):
+    router = make_router(num_experts=8, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                         score_func="sigmoid", routed_scaling_factor=2.5)
+    router.expert_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    x = torch.randn(64, 3)
+    out = router(x)
+    scores = torch.sigmoid(x @ router.gate.detach().t())
+    expected = reference_group_limited(scores, router.expert_bias, n_group, topk_group, top_k)
+    assert out.expert_ids.sort(-1).values.tolist() == expected
+    # the limit excludes experts: plain top-k of the biased scores would have chosen others for some tokens;
+    # except with groups of one expert, where the best topk_group groups hold the plain top-k (top_k <= topk_group)
+    plain = (scores + router.expert_bias).topk(top_k, -1).indices.sort(-1).values.tolist()
+    assert (plain == expected) == (n_group == 8)
+    # weights: the unbiased scores of the chosen, renormalised, times the routed scaling factor
+    chosen = scores.gather(1, out.expert_ids)
+    torch.testing.assert_close(out.weights, 2.5 * chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_the_correction_bias_selects_without_bias_updates():
+    """An imported bias (DeepSeek-V3's e_score_correction_bias) steers selection even with balancing off."""
+    router = make_router(score_func="sigmoid")
+    assert router.bias_update_rate == 0
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))
+    assert (router(torch.randn(6, 3)).expert_ids == 3).any(dim=1).all()
+
+
+def test_group_limited_routing_stays_unbiased_in_its_gradient():
+    """The gate's gradient flows only through the chosen raw scores: the same as routing on fixed ids."""
+    router = make_router(num_experts=8, top_k=2, n_group=4, topk_group=2, score_func="sigmoid",
+                         routed_scaling_factor=2.0)
+    x = torch.randn(16, 3)
+    out = router(x)
+    out.weights.square().sum().backward()
+    gate = router.gate.detach().clone().requires_grad_(True)
+    chosen = torch.sigmoid(x @ gate.t()).gather(1, out.expert_ids)
+    (2.0 * chosen / chosen.sum(-1, keepdim=True)).square().sum().backward()
+    torch.testing.assert_close(router.gate.grad, gate.grad)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(n_group=3), r"moe.n_group=3 must divide moe.num_experts=8 into equal groups; valid: \[1, 2, 4, 8\]"),
+    (dict(n_group=4, topk_group=5), r"moe.topk_group=5 must be between 1 and moe.n_group=4"),
+    (dict(n_group=4, topk_group=1, top_k=3), r"moe.top_k=3 is more experts than moe.topk_group=1 groups of 2 "
+                                             r"hold \(2\); valid: top_k <= 2, or raise moe.topk_group to at least 2"),
+    (dict(routed_scaling_factor=0.0), r"moe.routed_scaling_factor must be positive, got 0.0"),
+])
+def test_impossible_group_routing_is_refused_by_name(settings, message):
+    from config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        MoEConfig(**{"num_experts": 8, "top_k": 2, **settings}).validate()

@@ -20,6 +20,13 @@ from tests.parallel.parity import run
 from training.metrics import read_metrics
 
 STEPS = 5
+# DeepSeek-V3's architecture at toy size: latent attention with a query bottleneck behind a dense first layer, then
+# sigmoid scores routed within the best 1 of 2 groups (each token's 2 experts come from one group), scaled by 2.5,
+# a shared expert, and the correction bias trained by aux-loss-free balancing (the load summed over ranks)
+DEEPSEEK_V3 = ["model.kv_lora_rank=16", "model.q_lora_rank=12", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4",
+               "model.v_head_dim=8", "model.first_moe_layer=1", "moe.score_func=sigmoid", "moe.n_group=2",
+               "moe.topk_group=1", "moe.routed_scaling_factor=2.5", "moe.num_shared_experts=1",
+               "moe.bias_update_rate=0.01"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -60,6 +67,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
                   "model.qk_norm=true", "model.head_dim=16", "model.first_moe_layer=1", "moe.renormalize=false"],
                  4, "null", id="dp_shard=2xtp=2xep=2-qwen3"),
+    # group-limited routing with the experts of a group on one ep rank (2 groups, ep=2), latent attention replicated
+    # over data parallelism; and the same model in two pipeline stages (the dense block, then the MoE block)
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3], 2, "null", id="ep=2-deepseek-v3"),
+    pytest.param(["parallel.pp=2", *DEEPSEEK_V3], 2, "1.25", id="pp=2-deepseek-v3"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
     pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),
@@ -152,6 +163,34 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
     assert state.keys() == ref_state.keys()
     for name in ref_state:
         assert_parameter_close(state[name], ref_state[name], name)
+
+
+def test_group_limited_routing_of_the_parity_rows_excludes_experts(references):
+    """The ep=2 DeepSeek-V3 row checks group-limited routing only if the limit changes choices: with the
+    reference's final weights, some tokens' plain top-2 of the biased scores would span both groups, while every
+    routed token's two experts lie in one group (so each token reaches one ep rank)."""
+    from config.run import load_config
+    from moe.transformer import MoETransformer
+    from tests.parallel.parity import TINY
+
+    settings = [f"train.steps={STEPS}", "moe.capacity_factor=null", "train.micro_batch_size=4", *DEEPSEEK_V3]
+    _, ref_state, _ = references(settings)
+    config = load_config("moe-8x", [*TINY, *settings])
+    model = MoETransformer(config.model, config.moe)
+    model.load_state_dict(ref_state)
+    router = model.moe_layers()[1].router
+    assert router.expert_bias.abs().sum() > 0  # the bias was trained, and steers the choice
+    seen = []
+    router.register_forward_hook(lambda module, args, out: seen.append((args[0], out)))
+    with torch.no_grad():
+        model(torch.randint(0, config.model.vocab_size, (4, config.model.seq_len),
+                            generator=torch.Generator().manual_seed(0)))
+    tokens, routed = seen[0]
+    groups = routed.expert_ids // 2  # experts 0, 1 form group 0; 2, 3 group 1
+    assert (groups[:, 0] == groups[:, 1]).all()  # one group per token
+    biased = torch.sigmoid(tokens.float() @ router.gate.t()) + router.expert_bias
+    plain_groups = biased.topk(2, dim=-1).indices // 2
+    assert (plain_groups[:, 0] != plain_groups[:, 1]).any()  # the limit excluded experts plain top-k would take
 
 
 def assert_parameter_close(got: torch.Tensor, ref: torch.Tensor, name: str) -> None:

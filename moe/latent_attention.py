@@ -1,0 +1,82 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2 sec. 2.1, DeepSeek-V3 sec. 2.1.1).
+
+Shapes: B sequences, S positions, D = d_model, nh heads, c = kv_lora_rank, c' = q_lora_rank,
+n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from config.model import ModelConfig
+from moe.norm import RMSNorm
+from moe.rope import apply_rope, yarn_mscale
+
+# The latent norms' epsilon: DeepSeek's reference code and its released checkpoints build them with their
+# default 1e-6 whatever the model's norm epsilon, so a checkpoint's numbers depend on this value, not on ours.
+LATENT_NORM_EPS = 1e-6
+
+
+def latent_softmax_scale(config: ModelConfig) -> float:
+    """1/sqrt(n + r), times mscale(s, yarn_mscale_all_dim)² under YaRN with ``yarn_mscale_all_dim`` set.
+
+    DeepSeek-V3 puts YaRN's temperature (Peng et al. 2023, eq. 22) on the softmax rather than the rotary
+    tables: on every channel of q·k, not only the rotated ones.
+    """
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    if config.rope_scaling == "yarn" and config.yarn_mscale_all_dim:
+        scale *= yarn_mscale(config.rope_factor, config.yarn_mscale_all_dim) ** 2
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """Causal MLA on SDPA.
+
+    Keys and values of all heads are up-projected (``wkv_b``) from one RMS-normalised latent of c channels per
+    token (``wkv_a`` makes it, beside the r-channel rotary key): what an inference cache keeps is c + r numbers
+    per token instead of 2·nh·hd. Queries go through a c'-rank bottleneck with its own norm when ``q_lora_rank``
+    is set (``wq_a``, ``q_latent_norm``, ``wq_b``), else one projection (``wq``). Position is decoupled: RoPE
+    rotates only the r-channel part of each query and the one r-channel key the heads share (a rotation between
+    the latent and the up-projection would stop the up-projection from being absorbed into the query at
+    inference); the n other channels of each head carry content alone. Values are v wide.
+
+    Under tensor parallelism the per-head projections (``wq``/``wq_b``, ``wkv_b``, ``wo``) split by heads; the
+    latent projections and norms are small and every head needs their whole output, so they stay replicated.
+    The head count is read from the projections' width, so the same code runs on a rank's heads.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, heads = config.d_model, config.n_heads
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_rank = config.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        rank = config.q_lora_rank
+        self.wq = nn.Linear(d, heads * qk_dim, bias=False) if rank is None else None
+        self.wq_a = nn.Linear(d, rank, bias=False) if rank else None
+        self.q_latent_norm = RMSNorm(rank, eps=LATENT_NORM_EPS) if rank else None
+        self.wq_b = nn.Linear(rank, heads * qk_dim, bias=False) if rank else None
+        self.wkv_a = nn.Linear(d, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_latent_norm = RMSNorm(self.kv_rank, eps=LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(self.kv_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = nn.Linear(heads * self.v_dim, d, bias=False)
+        self.softmax_scale = latent_softmax_scale(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x: [B, S, D]; cos, sin: rotary tables [>= S, r/2], of which the first S are used -> [B, S, D]."""
+        batch, seq, _ = x.shape
+        cos, sin = cos[:seq], sin[:seq]
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_latent_norm(self.wq_a(x)))
+        q = q.view(batch, seq, -1, self.nope_dim + self.rope_dim).transpose(1, 2)  # [B, nh, S, n + r]
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)  # [B, S, c], [B, S, r]
+        kv = self.wkv_b(self.kv_latent_norm(latent)).view(batch, seq, -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)  # [B, nh, S, n], [B, nh, S, v]
+        heads = q.shape[1]
+        q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(-1, heads, -1, -1)  # one rotary key, every head
+        k = torch.cat((k_nope, k_rope), dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)  # [B, nh, S, v]
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -1,0 +1,166 @@
+"""DeepSeek-V3 interop against the oracle: ``transformers``' own DeepseekV3ForCausalLM, built locally from tiny
+random configs (no download), saved with ``save_pretrained``, imported by us, exported back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from config.errors import ConfigError
+from config.run import load_config
+from interop.hf import export_family, export_folder, import_folder
+from tests.interop.hf_models import assert_same_tensors, edit_config, our_model, save_random
+from tests.interop.test_hf import tokens
+
+transformers = pytest.importorskip("transformers")
+SEQ = 16
+
+
+def make_deepseek(folder: Path, seed: int = 0, shard: bool = False, **overrides) -> torch.nn.Module:
+    """A random tiny DeepSeek-V3 saved to ``folder``: norms randomised, and correction biases drawn so that they
+    change which experts are chosen (transformers initialises them to zero)."""
+    settings = dict(vocab_size=256, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                    n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                    q_lora_rank=10, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                    routed_scaling_factor=2.5, max_position_embeddings=32, rms_norm_eps=1e-6,
+                    initializer_range=0.2, tie_word_embeddings=False)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**settings))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)
+    return save_random(model, folder, shard)
+
+
+def as_published(folder: Path) -> None:
+    """Rewrite a saved config.json as DeepSeek-V3's published one has it (transformers 4.x era): YaRN under a
+    top-level ``rope_scaling`` with ``type``, ``rope_theta`` apart, no ``rope_interleave``, and the keys of
+    DeepSeek's own code (scoring_func, topk_method, moe_layer_freq, aux_loss_alpha, seq_aux, ep_size)."""
+    data = json.loads((folder / "config.json").read_text())
+    data["rope_theta"] = data.pop("rope_parameters")["rope_theta"]
+    data.pop("rope_interleave")
+    data |= {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+             "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "aux_loss_alpha": 0.001,
+             "seq_aux": True, "ep_size": 1, "torch_dtype": data.pop("dtype"), "transformers_version": "4.33.1"}
+    (folder / "config.json").write_text(json.dumps(data))
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}
+SHAPES = {
+    "query-lora-groups-dense-first-yarn": dict(rope_parameters=YARN),
+    "full-query-one-group-all-moe-tied": dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0,
+                                              tie_word_embeddings=True, num_hidden_layers=2),
+    "two-shared-two-groups-sharded": dict(n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=2,
+                                             norm_topk_prob=False, routed_scaling_factor=1.0, shard=True),
+    "as-published-4.x-config": dict(published=True),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_import_export_match_transformers(tmp_path, shape):
+    settings = dict(SHAPES[shape])
+    published = settings.pop("published", False)
+    hf = make_deepseek(tmp_path / "hf", **settings)
+    if published:  # transformers reads the rewritten config as it reads DeepSeek's: reload it so
+        as_published(tmp_path / "hf")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    config = import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+    assert config.model.latent_attention and config.moe.score_func == "sigmoid"
+    assert config.model.first_moe_layer == settings.get("first_k_dense_replace", 1)
+    assert (config.moe.n_group, config.moe.groups_per_token) == (settings.get("n_group", 4),
+                                                                 settings.get("topk_group", 2))
+    assert config.model.rope_scaling == ("yarn" if published or "rope_parameters" in settings else "none")
+    ours = our_model(tmp_path / "ours.safetensors")
+    assert any(layer.router.expert_bias.abs().sum() > 0 for layer in ours.moe_layers().values())
+    x = tokens()
+    with torch.no_grad():
+        expected = hf(x).logits
+        torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-5)
+
+    # our file -> an HF folder that transformers loads and runs to the same logits; every tensor bit-exact
+    export_folder(tmp_path / "ours.safetensors", tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back).__name__ == "DeepseekV3ForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, expected, rtol=0, atol=1e-5)
+    assert_same_tensors(tmp_path / "hf", tmp_path / "back", tied=settings.get("tie_word_embeddings", False))
+
+
+def test_the_rotary_reordering_is_needed(tmp_path):
+    """Read without reordering DeepSeek's interleaved rotary rows, the logits differ: the oracle sees the layout."""
+    hf = make_deepseek(tmp_path / "hf")
+    import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+    ours = our_model(tmp_path / "ours.safetensors")
+    with torch.no_grad():
+        for block in ours.layers.values():
+            block.attn.wkv_a.weight.copy_(hf.state_dict()[
+                f"model.layers.{block_index(ours, block)}.self_attn.kv_a_proj_with_mqa.weight"])
+        x = tokens()
+        assert (ours(x) - hf(x).logits).abs().max() > 1e-3
+
+
+def block_index(model, block) -> int:
+    return next(int(i) for i, b in model.layers.items() if b is block)
+
+
+def test_bad_input_is_named(tmp_path):
+    make_deepseek(tmp_path / "hf")
+    out, base = tmp_path / "ours.safetensors", load_config("moe-8x")
+    cases = [
+        (dict(scoring_func="softmax"), "scoring_func must be 'sigmoid'"),
+        (dict(topk_method="greedy"), "topk_method must be 'noaux_tc'"),
+        (dict(moe_layer_freq=2), "moe_layer_freq must be 1"),
+        (dict(rope_interleave=False), "rope_interleave must be true"),
+        (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+         "quantization_config=.* dequantise them to bf16 first"),
+        (dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported: latent attention"),
+        (dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
+        (dict(n_group=3), r"moe.n_group=3 must divide moe.num_experts=8"),
+        (dict(topk_group=5), r"moe.topk_group=5 must be between 1 and moe.n_group=4"),
+        (dict(topk_group=1, num_experts_per_tok=3), r"moe.top_k=3 is more experts than moe.topk_group=1 groups"),
+        (dict(rope_parameters=YARN | {"truncate": False}), "truncate=false is not supported"),
+        (dict(rope_parameters=YARN | {"rope_type": "longrope"}), "rope_parameters=.* is not supported"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(first_k_dense_replace=2), "has no tensor 'model.layers.1.mlp.up_proj.weight'"),
+    ]
+    original = (tmp_path / "hf" / "config.json").read_text()
+    for changes, message in cases:
+        (tmp_path / "hf" / "config.json").write_text(original)
+        edit_config(tmp_path / "hf", **changes)
+        with pytest.raises(ConfigError, match=message):
+            import_folder(tmp_path / "hf", out, base, seq_len=SEQ)
+
+
+def test_export_refuses_what_deepseek_v3_cannot_express():
+    """The latent-attention, sigmoid-routed model goes to DeepSeek-V3 and to no other family; what DeepSeek-V3
+    lacks is named."""
+    mla = ["model.kv_lora_rank=8", "model.qk_nope_head_dim=4", "model.qk_rope_head_dim=4", "model.v_head_dim=4",
+           "moe.score_func=sigmoid", "moe.num_shared_experts=1", "model.first_moe_layer=1"]
+
+    def family(*overrides: str) -> str:
+        config = load_config("moe-8x", [*mla, *overrides])
+        return export_family(config.model, config.moe).architecture
+
+    assert family() == "DeepseekV3ForCausalLM"
+    for overrides, message in [(["moe.score_func=softmax"], "score_func='softmax'"),
+                               (["moe.num_shared_experts=0"], "shared experts of width 0"),
+                               (["moe.shared_expert_hidden=7"], "shared experts of width 7"),
+                               (["model.moe_every=2"], "model.moe_every=2"),
+                               (["moe.n_group=8", "moe.top_k=2"], "groups of one expert")]:
+        with pytest.raises(ConfigError, match=message):
+            family(*overrides)
+    config = load_config("moe-8x", ["moe.score_func=sigmoid", "moe.num_shared_experts=1"])
+    with pytest.raises(ConfigError, match="DeepSeek-V3 attends with latent attention"):
+        export_family(config.model, config.moe, "DeepseekV3ForCausalLM")
+    config = load_config("moe-8x", mla)
+    for architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        with pytest.raises(ConfigError, match="cannot export as"):
+            export_family(config.model, config.moe, architecture)
