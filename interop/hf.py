@@ -17,6 +17,7 @@ tensors at a time, and ``--init-from hf:DIR`` converts on the fly, each rank rea
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import sys
 from pathlib import Path
@@ -39,8 +40,15 @@ from interop.export import (
 )
 from interop.hf_family import Family, Source, check_context, hf_targets
 from interop.hf_shards import INDEX_FILE, SINGLE_FILE, parse_size, write_weights
-from interop.hf_tokenizer import folder_tokenizer, write_tokenizer_files
+from interop.hf_tokenizer import (
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    folder_tokenizer,
+    write_tokenizer_files,
+)
 from moe.transformer import MoETransformer
+from parallel.checkpoint import atomic_folder
 from parallel.materialize import load_weights
 
 # the families we convert, by the architecture config.json names; export tries them in this order
@@ -311,11 +319,22 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
         shape, stored = entries[ours]
         hf_entries[name] = (torch.Size(shape if expert is None else (shape[2], shape[1])), cast or stored)
     hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")
-    out.mkdir(parents=True, exist_ok=True)
-    write_weights(out, hf_entries, hf_tensor, max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
-    print(write_tokenizer_files(config, out), file=sys.stderr)
+    foreign = sorted(path.name for path in out.iterdir() if not is_export_file(path.name)) if out.is_dir() else []
+    if foreign:  # the folder is replaced whole: never what this command did not write
+        raise ConfigError(f"{out} holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which an export "
+                          "does not write; an export replaces its folder whole, so give another --out")
+    with atomic_folder(out) as folder:  # whole or not at all: never a mix of this export and an earlier one
+        write_weights(folder, hf_entries, hf_tensor, max_shard_bytes)
+        (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+        said = write_tokenizer_files(config, folder).replace(str(folder), str(out))
+    print(said, file=sys.stderr)
     return len(hf_entries), config
+
+
+def is_export_file(name: str) -> bool:
+    """Whether ``export_folder`` writes files of this name (an earlier export's, which a new one may replace)."""
+    return name in ("config.json", INDEX_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE) \
+        or fnmatch.fnmatch(name, "model*.safetensors")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,6 @@ import torch
 from config.errors import ConfigError
 from inference import load_model
 from interop.export import consolidated_state, export_checkpoint
-from moe.transformer import rope_tables
 from parallel.checkpoint import CheckpointCorruptError
 
 
@@ -30,8 +29,10 @@ def test_a_run_directory_a_checkpoint_and_an_export_load_the_same_tensors(traine
 
 
 def expected_rope(loaded):
+    """cos of RoFormer's angles (eq. 34) written out: position p, channel pair i turns by p / theta^(2i / d)."""
     config = loaded.config.model
-    return rope_tables(config.head_size, config.seq_len, config.rope_theta)[0]
+    pairs = torch.arange(0, config.head_size, 2, dtype=torch.float32) / config.head_size
+    return torch.outer(torch.arange(config.seq_len, dtype=torch.float32), 1.0 / config.rope_theta ** pairs).cos()
 
 
 def test_dtype_casts_the_weights_and_keeps_the_tables(trained_run):
