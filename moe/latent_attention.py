@@ -44,7 +44,9 @@ class LatentAttention(nn.Module):
 
     Under tensor parallelism the per-head projections (``wq``/``wq_b``, ``wkv_b``, ``wo``) split by heads; the
     latent projections and norms are small and every head needs their whole output, so they stay replicated.
-    The head count is read from the projections' width, so the same code runs on a rank's heads.
+    The head count is read from the projections' width, so the same code runs on a rank's heads. The one
+    rotary key is shared by all heads, so a rank's heads give only part of its gradient: ``shared_rope_key``
+    (an identity here) is where ``parallel/tensor.py`` sums that gradient over the tensor-parallel ranks.
     """
 
     def __init__(self, config: ModelConfig):
@@ -62,6 +64,7 @@ class LatentAttention(nn.Module):
         self.kv_latent_norm = RMSNorm(self.kv_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, d, bias=False)
+        self.shared_rope_key = nn.Identity()
         self.softmax_scale = latent_softmax_scale(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -76,7 +79,8 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)  # [B, nh, S, n], [B, nh, S, v]
         heads = q.shape[1]
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(-1, heads, -1, -1)  # one rotary key, every head
+        k_rope = self.shared_rope_key(apply_rope(k_rope.unsqueeze(1), cos, sin))  # [B, 1, S, r]
+        k_rope = k_rope.expand(-1, heads, -1, -1)  # one rotary key, every head
         k = torch.cat((k_nope, k_rope), dim=-1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)  # [B, nh, S, v]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
