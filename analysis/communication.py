@@ -359,8 +359,24 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
         else:
             _add(out, "tp", "all_reduce", f"{what} output (forward)", n_layers * m * (1 + recompute_out),
                  full * act, group)
+        if what == "attention" and model.latent_attention:
+            latent_gradients(len(step.layers))
+            return
         _add(out, "tp", "reduce_scatter" if sp else "all_reduce", f"{what} input gradient (backward)",
              n_layers * m, full * fp32, group)
+
+    def latent_gradients(n_layers: int) -> None:
+        """Latent attention's input gradient (``parallel/tensor.py``): whole on every rank, so no collective at
+        the block's input; instead the inputs each rank's heads use in part have their gradients summed: the
+        query's (the latent [T, c'], or the block input [T, D] without a bottleneck), the key/value latent's
+        [T, c] and the shared rotary key's [T, r], all in the activations' dtype (counted: under bf16 autocast the
+        column-parallel projections reduce their input's gradient before it is cast back to fp32, and RoPE
+        returns its input's dtype)."""
+        query = model.q_lora_rank or model.d_model
+        for name, width in (("query latent", query), ("key/value latent", model.kv_lora_rank),
+                            ("shared rotary key", model.qk_rope_head_dim)):
+            _add(out, "tp", "all_reduce", f"attention {name} gradient (backward)", n_layers * m,
+                 step.tokens * width * act, group)
 
     pair("attention", len(step.layers), full_recompute)
     pair("dense FFN", len(dense_layers), 0)  # early-stopping recompute ends before the FFN's output

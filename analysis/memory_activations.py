@@ -82,6 +82,34 @@ def _attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
     return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32 + qk_norms
 
 
+def _latent_attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
+    """Latent attention (``moe/latent_attention.py``) on this rank's nh/tp heads.
+
+    Saved: the block's input (read by ``wq`` or ``wq_a``, and ``wkv_a``); with a query bottleneck its norm's input
+    and rstd and ``wq_b``'s input; in fp32 ``wkv_a``'s whole [T, c + r] output, which the latent norm saves (its
+    input is a view of it), with rstd (under bf16 autocast the norm's fp32 upcast and output instead); ``wkv_b``'s
+    input; SDPA's q, k, v, output and logsumexp, heads w = max(n + r, v) wide (the narrower side zero-padded), where
+    v is a view of ``wkv_b``'s [T, nh·(n + v)] output, whose storage it keeps, unless padded (a new tensor);
+    ``wo``'s input (a copy, but of one unpadded head).
+    """
+    heads, nope, rope, v = model.n_heads // tp, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+    t, latent, a = mb.tokens, model.kv_lora_rank, mb.compute
+    width = max(nope + rope, v)
+    total = _linear_inputs(mb, model.d_model, 2)
+    if model.q_lora_rank is not None:
+        rank = model.q_lora_rank
+        total += _norm(t, rank, fused=not mb.bf16) + t * rank * a
+    if mb.bf16:  # the norm's bf16 input upcast: saved as a new fp32 tensor, with the normalised one (decomposed)
+        total += _norm(t, latent, fused=False)
+    else:  # fused: its input, a view of wkv_a's fp32 [T, c + r] output, keeps that storage; rstd
+        total += t * (latent + rope) * FP32 + t * FP32
+    total += t * latent * a  # wkv_b's input
+    values = width if v < width else nope + v  # padded, or the up-projection's output it is a view of
+    total += t * heads * (3 * width + values) * a + t * heads * FP32  # q, k, out; v; logsumexp
+    wo_input = 0 if heads == 1 and v == width else t * heads * v * a
+    return total + wo_input
+
+
 def _feed_forward(mb: MicroBatch, d: int, hidden: int, input_saved: bool = True) -> int:
     """SwiGLU: its input, then the gate pre-activation, silu(gate), the up projection and their product."""
     return _linear_inputs(mb, d, 2, input_saved) + 4 * mb.tokens * hidden * mb.compute
@@ -232,7 +260,8 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
         if par.activation_checkpointing == "full":
             add("block inputs (recompute)", count * stream * d * FP32)
             continue
-        block = {"norms": 2 * _norm(stream, d, fused_norms), "attention": _attention(model, layout.tp, mb)}
+        attention = (_latent_attention if model.latent_attention else _attention)(model, layout.tp, mb)
+        block = {"norms": 2 * _norm(stream, d, fused_norms), "attention": attention}
         if not is_moe:
             block["dense FFN"] = _feed_forward(mb, d, model.ffn_hidden // layout.tp)
         elif par.activation_checkpointing == "moe":

@@ -121,20 +121,36 @@ _BLOCKS: dict = {}
 _ROOTS: dict = {}
 
 
+def _attention_tensors(model: ModelConfig, i: int) -> list[ParamTensor]:
+    """Block i's attention weights and how tp cuts them (``parallel/tensor.py``): grouped-query projections
+    column- (wq, wk, wv, their biases) and row-parallel (wo), q/k norms whole; or latent attention's per-head
+    projections column- (wq or wq_b, wkv_b) and row-parallel (wo), its latent projections and norms whole."""
+    d, heads = model.d_model, model.n_heads
+    if model.latent_attention:
+        qk, rank = model.qk_nope_head_dim + model.qk_rope_head_dim, model.q_lora_rank
+        query = [ParamTensor("attention", i, (heads * qk, d), 0)] if rank is None else [
+            ParamTensor("attention", i, (rank, d)), ParamTensor("norm", i, (rank,)),
+            ParamTensor("attention", i, (heads * qk, rank), 0)]
+        latent = model.kv_lora_rank
+        return [*query, ParamTensor("attention", i, (latent + model.qk_rope_head_dim, d)),
+                ParamTensor("norm", i, (latent,)),
+                ParamTensor("attention", i, (heads * (model.qk_nope_head_dim + model.v_head_dim), latent), 0),
+                ParamTensor("attention", i, (d, heads * model.v_head_dim), 1)]
+    hd = model.head_size
+    out = [ParamTensor("attention", i, (heads * hd, d), 0), ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
+           ParamTensor("attention", i, (model.kv_heads * hd, d), 0), ParamTensor("attention", i, (d, heads * hd), 1)]
+    if model.qkv_bias:  # column-parallel with their projections
+        out += [ParamTensor("attention", i, (heads * hd,), 0), ParamTensor("attention", i, (model.kv_heads * hd,), 0),
+                ParamTensor("attention", i, (model.kv_heads * hd,), 0)]
+    if model.qk_norm:  # per-head query and key norms, whole on every tp rank
+        out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
+    return out
+
+
 def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
-    d, hd, out = model.d_model, model.head_size, []
+    d, out = model.d_model, []
     for i in range(model.n_layers):
-        out += [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)),
-                ParamTensor("attention", i, (model.n_heads * hd, d), 0),
-                ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
-                ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
-                ParamTensor("attention", i, (d, model.n_heads * hd), 1)]
-        if model.qkv_bias:  # column-parallel with their projections
-            out += [ParamTensor("attention", i, (model.n_heads * hd,), 0),
-                    ParamTensor("attention", i, (model.kv_heads * hd,), 0),
-                    ParamTensor("attention", i, (model.kv_heads * hd,), 0)]
-        if model.qk_norm:  # per-head query and key norms, whole on every tp rank
-            out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
+        out += [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)), *_attention_tensors(model, i)]
         hidden = model.ffn_hidden
         if model.is_moe_layer(i):
             e, h = moe.num_experts, moe.expert_hidden

@@ -73,6 +73,7 @@ from config.cli import (
     world_size_of,
 )
 from config.errors import ConfigError
+from config.model import ModelConfig
 from config.run import RunConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts, per_model
 from parallel.groups import Layout, valid_layouts
@@ -185,6 +186,21 @@ def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tupl
     return ranks
 
 
+def _attention_gemms(model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
+    """Attention's projections on one rank (``parallel/tensor.py``): grouped-query wq, wk, wv split by heads and wo
+    by its input; latent attention's per-head projections split so, its latent projections (``wq_a``, ``wkv_a``)
+    whole on every rank."""
+    d, heads = model.d_model, model.n_heads // tp
+    if not model.latent_attention:
+        hd = model.head_size
+        return [(1, tokens, d, heads * hd), (2, tokens, d, model.kv_heads * hd // tp), (1, tokens, heads * hd, d)]
+    qk, rank, latent = model.qk_nope_head_dim + model.qk_rope_head_dim, model.q_lora_rank, model.kv_lora_rank
+    query = [(1, tokens, d, heads * qk)] if rank is None else [(1, tokens, d, rank), (1, tokens, rank, heads * qk)]
+    return [*query, (1, tokens, d, latent + model.qk_rope_head_dim),
+            (1, tokens, latent, heads * (model.qk_nope_head_dim + model.v_head_dim)),
+            (1, tokens, heads * model.v_head_dim, d)]
+
+
 def block_gemms(config: RunConfig, layout: Layout, tokens: int, is_moe: bool) -> list[tuple[float, int, int, int]]:
     """The matmuls one rank runs in one block's forward on ``tokens`` tokens: (count, M, K, N).
 
@@ -192,9 +208,8 @@ def block_gemms(config: RunConfig, layout: Layout, tokens: int, is_moe: bool) ->
     routing), E/ep experts per rank, rows split over tp/etp and the hidden dim over etp (``parallel/expert.py``).
     """
     model, moe, tp = config.model, config.moe, layout.tp
-    d, hd = model.d_model, model.head_size
-    out = [(1, tokens, d, model.n_heads * hd // tp), (2, tokens, d, model.kv_heads * hd // tp),
-           (1, tokens, model.n_heads * hd // tp, d)]
+    d = model.d_model
+    out = _attention_gemms(model, tp, tokens)
     hidden = model.ffn_hidden
     if is_moe:
         rows = tokens * moe.top_k * layout.ep / moe.num_experts / (tp // layout.etp)

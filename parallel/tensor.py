@@ -9,7 +9,9 @@ column-parallel input).
   ``Attention.forward`` reshapes with ``-1`` heads, so it runs on its nh / tp local heads unchanged);
   ``wo`` row-parallel. The per-head query/key norms (``model.qk_norm``) stay whole on every rank and run on
   its local heads: DTensor's ``SequenceParallel`` style over the heads dim, so their weights' gradients,
-  each rank's sum over its own heads, are summed over tp like the sequence-parallel norms'.
+  each rank's sum over its own heads, are summed over tp like the sequence-parallel norms'. Latent attention
+  (``moe/latent_attention.py``) splits its per-head projections the same way and keeps its latent projections
+  whole (``_latent_attention_plan``).
 - dense SwiGLU FFN and the MoE layer's shared experts: ``w_in`` and ``w_gate`` column-parallel (split on
   the hidden dim), ``w_out`` row-parallel.
 - the router stays whole on every tp rank: it must see the full hidden vector in fp32 so every tp rank
@@ -51,9 +53,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
@@ -65,14 +68,12 @@ from torch.distributed.tensor.parallel import (
 
 from config.errors import ConfigError
 from config.model import ModelConfig
+from moe.latent_attention import LatentAttention
 from moe.transformer import Block, MoETransformer
 
 
 def check_tensor_parallel(tp: int, model: ModelConfig, sequence_parallel: bool, vocab_parallel: bool) -> None:
     """Refuse, before anything is built, an option tensor parallelism cannot apply; ConfigError names the fix."""
-    if tp > 1 and model.latent_attention:  # its plan (heads of wq/wq_b, wkv_b and wo split) is not written yet
-        raise ConfigError(f"latent attention (model.kv_lora_rank={model.kv_lora_rank}) has no tensor-parallel plan "
-                          f"yet: parallel.tp={tp} must be 1 with it")
     for key, enabled, size, what in (("sequence_parallel", sequence_parallel, model.seq_len, "model.seq_len"),
                                      ("vocab_parallel", vocab_parallel, model.vocab_size, "model.vocab_size")):
         if not enabled:
@@ -104,14 +105,51 @@ def _shared_input(stream: Placement, num_inputs: int = 1) -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=(stream, *rest), desired_input_layouts=(Replicate(), *rest))
 
 
+class _SumGradient(ParallelStyle):
+    """The module's output as it is in forward; in backward its gradient summed over the tp ranks (Megatron's
+    "f" operator, Shoeybi et al. 2019, fig. 3): for a replicated value that each rank uses only in part."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_module, _inputs, output: Tensor) -> Tensor:
+            # a gradient declared Partial, redistributed to the Replicate the value came as: an all-reduce
+            replicated = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return replicated.to_local(grad_placements=[Partial()])
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def _latent_attention_plan(block: Block, stream: Placement) -> dict:
+    """Latent attention split by heads: ``wq``/``wq_b`` and ``wkv_b`` column-, ``wo`` row-parallel.
+
+    The latent projections (``wq_a``, ``wkv_a``) and their norms stay whole: every head reads their whole
+    output, and they are small (c' + c + r rows against nh·(n + r) and nh·(n + v)). The block's input reaches
+    them as a plain tensor, whole on every rank (gathered first under sequence parallelism); its gradient is
+    whole there too because each input a rank uses in part has its gradient summed over tp on the way back:
+    the two latents' at the column-parallel ``wq_b``/``wkv_b`` inputs, the shared rotary key's by
+    ``shared_rope_key``. So three small all-reduces ([T, c'], [T, c], [T, r]) replace the one of [T, D] at the
+    input of grouped-query attention; the replicated weights' gradients are then whole on every rank.
+    """
+    gathered = PrepareModuleInput(input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None),
+                                  use_local_output=True)
+    plan = {"attn": gathered, "attn.wkv_b": ColwiseParallel(), "attn.shared_rope_key": _SumGradient(),
+            "attn.wo": RowwiseParallel(output_layouts=stream)}
+    plan["attn.wq" if block.attn.wq is not None else "attn.wq_b"] = ColwiseParallel()
+    return plan
+
+
 def _block_plan(block: Block, sequence_parallel: bool) -> dict:
     """How one block's modules are split; ``sequence_parallel``: the residual stream is a sequence slice."""
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout over tp
-    plan = {"attn": _shared_input(stream, num_inputs=3), "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(output_layouts=stream)}
-    if block.attn.q_norm is not None:  # [B, S, heads, hd]: this rank's heads are a shard of dim 2
-        plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                     "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+    if isinstance(block.attn, LatentAttention):
+        plan = _latent_attention_plan(block, stream)
+    else:
+        plan = {"attn": _shared_input(stream, num_inputs=3), "attn.wq": ColwiseParallel(),
+                "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+                "attn.wo": RowwiseParallel(output_layouts=stream)}
+        if block.attn.q_norm is not None:  # [B, S, heads, hd]: this rank's heads are a shard of dim 2
+            plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                         "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
     if block.ffn is not None:
         plan.update(_feed_forward_plan("ffn", stream))
     elif block.moe.shared_experts is not None:  # inside the MoE layer, which sees the whole sequence

@@ -36,6 +36,7 @@ from tests.spawn import spawn
 
 BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
 DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
+LATENT = ["model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=8"]
 CASES_2 = {  # name -> overrides, on 2 ranks
     "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
     "fsdp, 2 micro-batches, reduce-scatter per micro-batch": ["parallel.dp_shard=2", "train.micro_batch_size=2",
@@ -54,6 +55,12 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     "ep=2 over tp=2": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"],
     "pp=2, 1f1b": ["parallel.dp_shard=1", "parallel.pp=2"],
     "tp=2, 3 experts over edp=2 (FSDP shards dim 1)": ["parallel.dp_shard=1", "parallel.tp=2", "moe.num_experts=3"],
+    # latent attention: three small gradient all-reduces in place of the block input's
+    "tp=2, latent attention, sequence parallel, bf16": [
+        "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+        *LATENT, "model.q_lora_rank=12", *DENSE_FIRST],
+    "tp=2, latent attention, full query, full recompute": [
+        "parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpointing=full", *LATENT],
 }
 HSDP_2MB = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]
 EDP_2MB = ["parallel.dp_shard=4", "parallel.ep=2", "train.micro_batch_size=1"]

@@ -39,6 +39,10 @@ TINY = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_la
         "model.ffn_hidden=48", "moe.num_experts=4", "moe.expert_hidden=24", "train.global_batch_size=2"]
 
 
+MLA = ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6", "model.qk_rope_head_dim=4",
+       "model.v_head_dim=5"]
+
+
 def _tiny(*overrides: str):
     return load_config("moe-8x", [*TINY, *overrides])
 
@@ -57,7 +61,7 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
 
 
 @pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape",
-                                  "qwen3-30b-a3b"])
+                                  "qwen3-30b-a3b", "deepseek-v3", "kimi-k2", "glm-4.5"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_parameter_tensors_add_up_to_the_accounting(name, tie):
     config = load_config(name, [f"model.tie_embeddings={str(tie).lower()}"])
@@ -69,7 +73,12 @@ def test_parameter_tensors_add_up_to_the_accounting(name, tie):
 
 @pytest.mark.parametrize("overrides", [
     [], ["moe.activation=gelu", "moe.num_shared_experts=2", "model.first_moe_layer=1"],
-    ["model.tie_embeddings=true", "model.moe_every=0"], ["model.qk_norm=true", "model.head_dim=12"]])
+    ["model.tie_embeddings=true", "model.moe_every=0"], ["model.qk_norm=true", "model.head_dim=12"],
+    ["model.qkv_bias=true", "model.rotary_dim=4", "model.qk_norm=true"],
+    ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6", "model.qk_rope_head_dim=4",
+     "model.v_head_dim=5"],
+    ["model.n_kv_heads=null", "model.q_lora_rank=10", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6",
+     "model.qk_rope_head_dim=4", "model.v_head_dim=5"]])
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
@@ -111,6 +120,13 @@ SINGLE = {
     "bf16, Qwen3 attention": ("bf16", ["model.qk_norm=true", "model.head_dim=16", "moe.force_balance=true"]),
     "bf16, recompute moe": ("bf16", ["parallel.activation_checkpointing=moe", "moe.num_shared_experts=1",
                                      "moe.force_balance=true"]),
+    "latent attention": ("fp32", [*MLA, "moe.force_balance=true"]),
+    "latent attention, query bottleneck, dense first": ("fp32", [*MLA, "model.q_lora_rank=10",
+                                                                 "model.first_moe_layer=1", "moe.force_balance=true"]),
+    "latent attention, values wider than keys": ("fp32", [*MLA, "model.v_head_dim=14", "moe.force_balance=true"]),
+    "bf16, latent attention, query bottleneck": ("bf16", [*MLA, "model.q_lora_rank=10", "moe.force_balance=true"]),
+    "GLM attention: biases, half rotary, q/k norms": ("fp32", ["model.qkv_bias=true", "model.rotary_dim=4",
+                                                               "model.qk_norm=true", "moe.force_balance=true"]),
 }
 
 
@@ -229,6 +245,9 @@ SPAWNED = [
     # Qwen3's attention: q/k norms whole on each tp rank, on its heads; under FSDP's bf16 weights
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "model.qk_norm=true", "model.head_dim=16"]),
     ("bf16", ["parallel.dp_shard=2", "model.qk_norm=true", "model.head_dim=16"]),
+    # latent attention: per-head projections split over tp, the latent ones and their norms whole; under FSDP's bf16
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", *MLA, "model.q_lora_rank=10"]),
+    ("bf16", ["parallel.dp_shard=2", *MLA]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

@@ -395,3 +395,24 @@ def test_exposed_communication_is_the_busiest_stages_traffic_though_alike_stages
             totals.append(sum(communication.seconds(i, H100, 2) for i in items))
         exposed = planner.exposed_communication(planned, layout, 0.0, H100, 2, microbatches=8)
         assert sum(exposed.values()) == pytest.approx(max(totals), rel=1e-12)
+
+
+@pytest.mark.parametrize("query_rank", [None, 10])
+def test_latent_attention_gemms_are_its_projections(query_rank):
+    """A block's attention matmuls do 2·T FLOPs per weight of its projections (the accounting's count, less the
+    latent norms); under tp=2 the per-head projections halve and the latent ones stay whole on each rank."""
+    from analysis.planner import block_gemms
+    from moe.accounting import attention_parameters
+
+    config = load_config("moe-8x", ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=null",
+                                    f"model.q_lora_rank={query_rank or 'null'}", "model.kv_lora_rank=12",
+                                    "model.qk_nope_head_dim=6", "model.qk_rope_head_dim=4", "model.v_head_dim=5",
+                                    "model.moe_every=0", "model.ffn_hidden=48"])
+    tokens, model = 64, config.model
+    attention = block_gemms(config, Layout.resolve(1), tokens, False)[:-2]  # the dense FFN's two entries last
+    weights = attention_parameters(model) - (query_rank or 0) - model.kv_lora_rank
+    assert sum(c * 2 * m * k * n for c, m, k, n in attention) == 2 * tokens * weights
+    split = block_gemms(config, Layout.resolve(2, tp=2), tokens, False)[:-2]
+    latent = 32 * (query_rank or 0) + 32 * 16
+    per_head = weights - latent
+    assert sum(c * 2 * m * k * n for c, m, k, n in split) == 2 * tokens * (latent + per_head // 2)

@@ -107,3 +107,24 @@ def test_block_and_head_flops_add_up_to_the_model(model_config, moe_config):
     if model_config.n_moe_layers and model_config.n_moe_layers < model_config.n_layers:
         assert block_flops_per_token(model_config, moe_config, True) != block_flops_per_token(
             model_config, moe_config, False)
+
+
+@pytest.mark.parametrize("name, total, active", [("deepseek-v3", 671e9, 37e9), ("kimi-k2", 1e12, 32e9)])
+def test_deepseek_v3_family_has_its_published_size(name, total, active):
+    """DeepSeek-V3 ("671B total, 37B activated", without its multi-token-prediction module) and Kimi K2 ("1T total,
+    32B activated"): published figures are rounded, to the billion for DeepSeek-V3 and for the activated ones
+    (which count without the embedding lookup), to the trillion for K2's total; ours round to them."""
+    config = load_config(name)
+    counts = parameter_counts(config.model, config.moe)
+    digits = 9 if total < 1e12 else 12
+    assert round(counts.total / 10**digits) * 10**digits == total
+    assert round((counts.active - counts.embedding) / 1e9) * 1e9 == active
+
+
+def test_glm_4_5_is_within_one_percent_of_its_published_size():
+    """GLM-4.5: "355B total, 32B active". Ours, without its multi-token-prediction layer: 352.8B (0.6% under;
+    with a layer of its MoE block's size and the projection, 356.8B) and 32.9B active besides the embedding."""
+    config = load_config("glm-4.5")
+    counts = parameter_counts(config.model, config.moe)
+    assert counts.total == pytest.approx(355e9, rel=0.01)
+    assert counts.active - counts.embedding == pytest.approx(32e9, rel=0.03)

@@ -71,6 +71,11 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # over data parallelism; and the same model in two pipeline stages (the dense block, then the MoE block)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3], 2, "null", id="ep=2-deepseek-v3"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3], 2, "1.25", id="pp=2-deepseek-v3"),
+    # latent attention split by heads (the latent projections whole, the shared rotary key's gradient summed over
+    # tp), with a full query projection; and with the query bottleneck under sequence parallelism, folded with ep
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V3, "model.q_lora_rank=null"], 2, "null", id="tp=2-deepseek-v3"),
+    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+                  *DEEPSEEK_V3], 4, "1.25", id="dp_shard=2xtp=2xep=2-sequence_parallel-deepseek-v3"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
     pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),
