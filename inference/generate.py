@@ -4,7 +4,7 @@
     moe-generate runs/moe-8x --prompt "import " --greedy
 
 The model (``inference.load_model``: a run directory, a checkpoint, an export or ``hf:DIR``) reads the prompt
-once and then one token per step through its key-value cache (``moe.transformer.KVCache``), so a step costs one
+once and then one token per step through its key-value cache (``moe.kv_cache.KVCache``), so a step costs one
 position, not the whole prefix. Prompt plus new tokens must fit the model's context (``model.seq_len``; the
 rotary tables end there): a longer request is refused before any work, naming both lengths.
 """
@@ -20,7 +20,8 @@ from torch import Tensor
 from config.cli import command_parser, run_command
 from config.errors import ConfigError
 from inference.load import load_model
-from moe.transformer import KVCache, MoETransformer
+from moe.kv_cache import KVCache
+from moe.transformer import MoETransformer
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:

@@ -16,50 +16,11 @@ from torch.distributed.tensor import DTensor
 from config.model import ModelConfig, MoEConfig
 from moe.experts import FeedForward
 from moe.init import Slice, initialize, whole
+from moe.kv_cache import KVCache, LayerCache
 from moe.latent_attention import LatentAttention
 from moe.layer import MoELayer, RoutingStats
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, rope_tables
-
-
-class LayerCache:
-    """One attention layer's keys and values of the positions seen so far, [B, nkv, S_seen, hd] (after RoPE).
-
-    Generation appends one position at a time and attends to everything kept, so each new token costs one
-    position's projections instead of the whole prefix's (the key-value cache of Pope et al. 2022, "Efficiently
-    Scaling Transformer Inference", sec. 2). Keys are stored rotated: RoPE depends only on a key's own position.
-    """
-
-    def __init__(self) -> None:
-        self.keys: Tensor | None = None
-        self.values: Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """Add the new positions' [B, nkv, S_new, hd] keys and values; returns all kept so far."""
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys, self.values = torch.cat((self.keys, keys), dim=2), torch.cat((self.values, values), dim=2)
-        return self.keys, self.values
-
-
-class KVCache:
-    """The key-value cache of a whole model: one ``LayerCache`` per attention layer, by layer index."""
-
-    def __init__(self) -> None:
-        self.layers: dict[str, LayerCache] = {}
-
-    def layer(self, name: str) -> LayerCache:
-        return self.layers.setdefault(name, LayerCache())
-
-    @property
-    def length(self) -> int:
-        """Positions already in the cache: the position the next token takes."""
-        return next(iter(self.layers.values())).length if self.layers else 0
 
 
 class Attention(nn.Module):
@@ -100,17 +61,8 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        mask, causal = None, True
-        if cache is not None and start > 0:
-            k, v = cache.append(k, v)
-            # SDPA's is_causal aligns the mask to the top left, wrong once keys outnumber queries: query i (position
-            # start + i) sees keys 0 .. start + i. One new token sees every key: no mask at all.
-            causal = False
-            if seq > 1:
-                mask = torch.ones(seq, start + seq, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        elif cache is not None:
-            cache.append(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+        k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
                                              enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

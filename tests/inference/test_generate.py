@@ -11,7 +11,7 @@ import torch
 
 from inference import load_model
 from inference.generate import filter_logits, generate, main, next_token
-from moe.transformer import KVCache
+from moe.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,31 @@ def test_cached_logits_equal_uncached_ones_one_token_and_a_chunk_at_a_time(train
         pieces += [model(tokens[:, i:i + 1], cache) for i in range(7, 25)]
         pieces.append(model(tokens[:, 25:], cache))
     assert cache.length == 30
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=2e-5)
+
+
+ATTENTION_KINDS = {  # each with YaRN's scaled tables, whose positions the cache must offset too
+    "latent": ["model.kv_lora_rank=12", "model.qk_nope_head_dim=6", "model.qk_rope_head_dim=4", "model.v_head_dim=5"],
+    "latent, query bottleneck": ["model.kv_lora_rank=12", "model.q_lora_rank=10", "model.qk_nope_head_dim=6",
+                                 "model.qk_rope_head_dim=4", "model.v_head_dim=8"],
+    "partial rotary, qk-norm, GQA": ["model.rotary_dim=4", "model.qk_norm=true", "model.n_kv_heads=2"]}
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+def test_every_attention_kind_gives_the_uncached_logits_through_the_cache(kind):
+    from config.run import load_config
+    from moe.transformer import MoETransformer
+    config = load_config("moe-8x", ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.seq_len=32",
+                                    "model.ffn_hidden=48", "moe.num_experts=4", "moe.expert_hidden=16",
+                                    "moe.capacity_factor=null", "model.rope_scaling=yarn", "model.rope_factor=4.0",
+                                    "model.rope_original_seq_len=8", *ATTENTION_KINDS[kind]])
+    model = MoETransformer(config.model, config.moe, seed=0).eval()
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache()
+        pieces = [model(tokens[:, :6], cache), *(model(tokens[:, i:i + 1], cache) for i in range(6, 15)),
+                  model(tokens[:, 15:], cache)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=2e-5)
 
 
