@@ -181,7 +181,7 @@ def finished_run_note(config: RunConfig, run_dir: Path, checkpoint_folder: Path,
             f"of train.steps={config.train.steps}, so there is nothing to train. To train on, run the same command "
             f"with --set train.steps=N (N > {step}; the learning-rate schedule is stretched to N); to start over, "
             f"use another --run-dir (or move {checkpoint_folder} away). The model: moe-generate {run_dir} "
-            f"--prompt TEXT, moe-evaluate {run_dir} --source FILE, moe-export {checkpoint_folder} model.safetensors")
+            f"--prompt TEXT, moe-evaluate {run_dir} --text FILE, moe-export {checkpoint_folder} model.safetensors")
 
 
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups, resume: str = "auto",
