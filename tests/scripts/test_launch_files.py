@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from torch.distributed.run import get_args_parser
 
 import train
@@ -102,3 +103,28 @@ def test_the_multinode_script_passes_its_arguments_and_refuses_bad_ones(tmp_path
     no_gpu = subprocess.run(["bash", str(MULTINODE), "1", "h"], env={"PATH": "/usr/bin:/bin", "PYTHON": str(recorder)},
                             capture_output=True, text=True, timeout=60)
     assert no_gpu.returncode == 2 and "no GPU found by nvidia-smi; set GPUS_PER_NODE" in no_gpu.stderr
+
+
+def test_the_pytorchjob_runs_launch_py_with_the_operators_variables_and_a_shared_run_directory(monkeypatch):
+    job = yaml.safe_load((ROOT / "scripts" / "launch" / "pytorchjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    nodes = sum(spec["replicas"] for spec in specs.values())
+    per_node = job["spec"]["nprocPerNode"]
+    for spec in specs.values():
+        [container] = spec["template"]["spec"]["containers"]
+        assert container["name"] == "pytorch" and container["resources"]["limits"]["nvidia.com/gpu"] == int(per_node)
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        command = container["command"]
+        assert command[:2] == ["python", "launch.py"]
+        # what the operator sets in each pod; torchrun's parser (launch.py's) reads its options from them
+        for name, value in dict(PET_NNODES=str(nodes), PET_NPROC_PER_NODE=per_node, PET_NODE_RANK="1",
+                                PET_MASTER_ADDR="moe-train-master-0", PET_MASTER_PORT="23456").items():
+            monkeypatch.setenv(name, value)
+        launcher = get_args_parser().parse_args(command[2:])
+        assert (launcher.nnodes, launcher.nproc_per_node, launcher.node_rank) == (str(nodes), per_node, 1)
+        args = train.parse_args(launcher.training_script_args)
+        cache = next(o.split("=", 1)[1] for o in args.overrides if o.startswith("data.cache_dir="))
+        assert str(args.run_dir).startswith(mounts["shared"]) and cache.startswith(mounts["shared"])
+        _, resolved = train.check(args, world_size=nodes * int(per_node))
+        assert resolved.layout.world_size == 16
