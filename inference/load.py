@@ -30,7 +30,7 @@ from data.tokenizer import Tokenizer, load_tokenizer
 from interop.export import model_tensors
 from interop.hf import hf_run_config, load_hf_weights, split_init_from
 from moe.transformer import MoETransformer
-from parallel.checkpoint import CONFIG_FILE, CheckpointCorruptError, published_checkpoints
+from parallel.checkpoint import CONFIG_FILE, MANIFEST, CheckpointCorruptError, published_checkpoints
 from parallel.materialize import allocate, load_weights
 
 
@@ -67,7 +67,9 @@ def resolve_source(source: str | Path) -> str | Path:
     if not path.exists():
         raise ConfigError(f"{path}: no such file or folder (give a run directory, a checkpoint folder, a "
                           ".safetensors file or hf:DIR)")
-    if path.is_dir() and (path / CONFIG_FILE).is_file() and not (path / "manifest.json").is_file():
+    # a checkpoint folder holds a config.yaml too, and its shards (a partial one may lack its manifest)
+    is_checkpoint = (path / MANIFEST).is_file() or any(path.glob("*.distcp"))
+    if path.is_dir() and (path / CONFIG_FILE).is_file() and not is_checkpoint:
         run_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8")) or {}
         folder = path / (run_config.get("checkpoint") or {}).get("dir", "checkpoints")
         if not published_checkpoints(folder):

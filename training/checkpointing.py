@@ -60,6 +60,7 @@ from parallel.groups import ParallelGroups
 from parallel.materialize import InitialWeights
 from parallel.runtime import Runtime
 from training.checkpoint_interval import AutoInterval
+from training.optim import restretch_note
 from training.resume import (
     TRAINER_STATE,
     candidates,
@@ -203,6 +204,9 @@ class Checkpointer:
                  f"{time.perf_counter() - started:.2f} s"
                  + ("" if same_world else f"; saved on {state['world_size']} ranks, now {self.runtime.world_size}: "
                     "resharded, and random generators keep this run's seeding"))
+        note = restretch_note(saved_config.get("train") or {}, self.config.train, self.step)
+        if note:
+            self.say(note)
         error = None
         if self.runtime.is_main:  # rank 0 alone touches the run's logs; every rank learns if that failed
             try:

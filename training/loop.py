@@ -39,7 +39,7 @@ from parallel.runtime import Runtime
 from parallel.tensor import lm_loss, loss_context
 from training.checkpointing import Checkpointer
 from training.metrics import MetricsLogger
-from training.optim import build_optimizer, learning_rate
+from training.optim import build_optimizer, learning_rate, warmup_note
 from training.progress import Progress
 from training.resume import checkpoint_root
 from training.routing_log import RoutingLog
@@ -193,7 +193,7 @@ def finished_run_note(config: RunConfig, run_dir: Path, checkpoint_folder: Path,
             f"of train.steps={config.train.steps}, so there is nothing to train. To train on, run the same command "
             f"with --set train.steps=N (N > {step}; the learning-rate schedule is stretched to N); to start over, "
             f"use another --run-dir (or move {checkpoint_folder} away). The model: moe-generate {run_dir} "
-            f"--prompt TEXT, moe-evaluate {run_dir} --source FILE, moe-export {checkpoint_folder} model.safetensors")
+            f"--prompt TEXT, moe-evaluate {run_dir} --text FILE, moe-export {checkpoint_folder} model.safetensors")
 
 
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups, resume: str = "auto",
@@ -282,6 +282,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {dp_size} rank(s) x "
         f"{accumulation} micro-batch(es) of {micro}")
     say(f"precision: {precision.precision} on {device} ({precision.reason})")
+    if (note := warmup_note(config.train)) is not None:
+        say(note)
     if isinstance(model, PipelineModel):
         say(model.describe())
 

@@ -2,6 +2,7 @@
 (no cache), the cache gives the uncached logits, sampling follows the softmax and its filters as worked out by
 hand, and greedy tokens equal ``transformers``' ``generate`` on the same Hugging Face model."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from inference import load_model
+from inference.evaluate import main as evaluate_main
 from inference.generate import filter_logits, generate, main, next_token
 from moe.kv_cache import KVCache
 
@@ -135,6 +137,22 @@ def test_the_command_writes_text_and_refuses_bad_requests_with_status_2(trained_
         assert message in err and "Traceback" not in err, (extra, err)
     assert main([str(trained_run.parent / "nowhere"), "--prompt", "x"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_a_damaged_or_partial_checkpoint_is_named_with_status_2(trained_run, tmp_path, capsys):
+    damaged = tmp_path / "step_0000003"
+    shutil.copytree(trained_run / "checkpoints" / "step_0000003", damaged)
+    shard = next(damaged.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])  # a partial copy
+    partial = tmp_path / "partial"
+    shutil.copytree(trained_run / "checkpoints" / "step_0000003", partial)
+    (partial / "manifest.json").unlink()  # a save that never finished
+    for folder, message in [(damaged, shard.name), (partial, "manifest.json")]:
+        for command in (main, evaluate_main):
+            extra = ["--prompt", "x"] if command is main else ["--text", str(ROOT / "README.md")]
+            assert command([str(folder), *extra]) == 2
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err, err
 
 
 def test_the_console_script_runs_through_python_m(trained_run):

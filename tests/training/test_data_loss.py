@@ -285,7 +285,8 @@ def test_a_default_run_leaves_a_checkpoint_and_the_same_command_again_says_it_is
     assert "is complete" in err and "at step 3 of train.steps=3" in err and "--set train.steps=N" in err
     assert snapshot(tmp_path) == first  # nothing trained, logged or saved again
     assert main(tmp_path, "train.steps=4") == 0
-    assert "resumed from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "schedule redrawn at resume (train.steps 3 -> 4)" in err
     assert steps(tmp_path)[0] == 4
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
 
