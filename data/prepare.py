@@ -3,9 +3,10 @@
     python -m data.prepare --config moe-8x-bpe --set data.source=/data/shards
     moe-prepare --config my-run            # the same, as a console script
 
-It does what a run's start does with its data (``data/cache.py``: list, check formats, tokenise into
-``data.cache_dir``, check token ids against ``model.vocab_size`` and each split against ``model.seq_len``), and
-nothing else: a run on the same config then maps the caches at once. An interrupted preparation resumes where it
+It does what a run's start does with its data, the training sources and ``data.validation``'s sets
+(``data/cache.py``: list, check formats, tokenise into ``data.cache_dir``, check token ids against
+``model.vocab_size`` and each split against ``model.seq_len``), and nothing else: a run on the same config then
+maps the caches at once. An interrupted preparation resumes where it
 left off (from its last checkpoint); several at once build each cache once (``data/build.py``).
 """
 
@@ -27,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     def prepare() -> None:
         config = load_config_from(args)
         data = config.data
-        for corpus in data.corpora():
+        training = data.corpora()
+        for corpus in training + data.validation_sets():
             skipped, end = check_source(corpus.path, data.tokenizer, config.model.vocab_size, corpus.text_key,
                                         data.skip, data.document_end)
             if skipped:
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             tokens = load_tokens(corpus.path, data.cache_dir, config.model.vocab_size, data.tokenizer,
                                  corpus.text_key, data.skip, corpus.token_dtype, end)
-            split_tokens(tokens, data.val_fraction, config.model.seq_len)
+            if corpus in training:  # a named validation set is used whole
+                split_tokens(tokens, data.val_fraction, config.model.seq_len)
             print(f"{corpus.name}: {len(tokens):,} tokens ({tokens.dtype}) in {tokens.filename} "
                   f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
 

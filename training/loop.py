@@ -93,11 +93,13 @@ class IntervalStats:
 
 @torch.no_grad()
 def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfig, micro: int, autocast,
-             dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None) -> float:
+             dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None,
+             mixture: bool = True) -> float:
     """Mean LM loss over the fixed validation set: ``train.eval_batches`` global batches.
 
     Each global batch (``train.global_batch_size`` sequences) is split over the data-parallel ranks
-    and run in micro-batches, as in training, so every layout evaluates the same sequences.
+    and run in micro-batches, as in training, so every layout evaluates the same sequences. ``val_tokens`` is the
+    split's tail, each source's of a mixture (drawn by weight), or a named validation set (``mixture=False``).
     """
     model.eval()
     device = next(model.parameters()).device
@@ -105,7 +107,7 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
               for inputs, targets in eval_batches(val_tokens, config.model.seq_len, config.train.global_batch_size,
                                                   config.train.eval_batches, dp_rank, dp_size,
                                                   [c.weight for c in config.data.corpora()]
-                                                  if config.data.sources else None)
+                                                  if config.data.sources and mixture else None)
               for m in range(0, inputs.shape[0], micro)]
     if isinstance(model, PipelineModel):  # forward only, through the pipeline schedule
         total = model.eval_losses(chunks).sum()
@@ -230,6 +232,13 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         else:
             train_tokens, val_tokens = splits[0]
             sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
+        named_val = {}  # data.validation: whole corpora, evaluated beside the split and logged as val/<name>
+        for v in config.data.validation_sets():
+            named_val[v.name] = load_tokens(v.path, config.data.cache_dir, config.model.vocab_size,
+                                            config.data.tokenizer, v.text_key, config.data.skip, v.token_dtype,
+                                            config.data.document_end)
+            eval_batches(named_val[v.name], config.model.seq_len, config.train.global_batch_size,
+                         config.train.eval_batches, dp_rank, dp_size)  # its size checked now, not at the first eval
     except ValueError as exc:
         failure = exc
     first_failure_verdict(runtime, failure)
@@ -309,18 +318,23 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
             interval = IntervalStats()
         if config.train.eval_interval and step % config.train.eval_interval == 0 and step != config.train.steps:
             val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
-            logger.log(step, {"val/loss": val})
-            progress.message(f"step {step}: val loss {val:.4f}")
+            named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group,
+                                             mixture=False) for name, tokens in named_val.items()}
+            logger.log(step, {"val/loss": val, **named})
+            progress.message(f"step {step}: val loss {val:.4f}"
+                             + "".join(f", {key[4:]} {value:.4f}" for key, value in named.items()))
         checkpoints.after_step(step, model, optimizer, sampler)
     val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
-    logger.log(config.train.steps, {"val/loss": val})
+    named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group, mixture=False)
+             for name, tokens in named_val.items()}
+    logger.log(config.train.steps, {"val/loss": val, **named})
     stop = checkpoints.finish(config.train.steps, model, optimizer, sampler, val)  # saved only if val is finite
     if stop:
         logger.close()
         raise NonFiniteLossError(stop)
     elapsed = time.perf_counter() - start
     peaks = [peak / 2**30 for peak in memory_per_rank(device)]
-    summary.update({"val/loss": val, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,
+    summary.update({"val/loss": val, **named, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,
                     "steps": config.train.steps, "precision": precision.precision,
                     "perf/memory_peak_gib": max(peaks), "perf/memory_peak_gib_per_rank": peaks,
                     "perf/memory_before_model_gib_per_rank": [held / 2**30 for held in before_model]})
