@@ -168,6 +168,9 @@ def test_a_run_trains_on_a_mixture_and_logs_the_realised_shares(tmp_path, capsys
     assert "data: mixture of code (weight 0.7500, realised 0.7500), chat (weight 0.2500, realised 0.2500)" in err
     records = [r for r in read_metrics(run / "metrics.jsonl") if "data/share/code" in r]
     assert [(r["data/share/code"], r["data/share/chat"]) for r in records] == [(0.75, 0.25), (0.75, 0.25)]
+    for r in records:  # each source's loss over its rows; weighted by its rows (3:1 here) they give the whole loss
+        assert r["train/loss/code"] != r["train/loss/chat"]
+        assert 0.75 * r["train/loss/code"] + 0.25 * r["train/loss/chat"] == pytest.approx(r["train/loss"], rel=1e-6)
     final = [r for r in read_metrics(run / "metrics.jsonl") if "val/loss" in r]
     assert len(final) == 1 and {"val/held", "val/chat.jsonl"} <= set(final[0])  # each named set, by its name
     assert final[0]["val/held"] != final[0]["val/chat.jsonl"]

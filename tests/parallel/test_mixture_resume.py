@@ -10,6 +10,7 @@ import json
 import pytest
 
 from tests.parallel.test_checkpoint import launch, resumable, train_losses
+from training.metrics import read_metrics
 
 
 def test_a_mixture_resumed_from_two_ranks_on_one_process_continues_the_same_samples(tmp_path):
@@ -28,3 +29,7 @@ def test_a_mixture_resumed_from_two_ranks_on_one_process_continues_the_same_samp
     assert sorted(got) == [4, 5, 6]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-4), step
+    # per-source losses summed over both ranks' rows: 6 of each 8 samples from code, 2 from chat
+    for record in (r for r in read_metrics(source / "metrics.jsonl") if "train/loss" in r):
+        whole = 0.75 * record["train/loss/code"] + 0.25 * record["train/loss/chat.jsonl"]
+        assert whole == pytest.approx(record["train/loss"], rel=1e-5)
