@@ -1,12 +1,13 @@
 """Token-cache preparation speed and memory: a generated jsonl.zst corpus tokenised with bytes and with a BPE.
 
 A corpus of ``--mb`` MiB of jsonl (records cut from the running Python's standard-library sources, so it is
-real text, with no download), in 64 MiB shards, zstd-compressed, is tokenised into a fresh cache by a fresh
+real text, with no download), in 16 MiB shards, zstd-compressed, is tokenised into a fresh cache by a fresh
 process for each row (``data.cache.load_tokens``, as a run or ``python -m data.prepare`` does), and each row
 reports tokens/s, input MiB/s and the process's peak resident memory (VmHWM, which starts afresh at exec).
-Rows: bytes; a byte-level BPE (``--tokenizer``; default: one of 8,192 ids trained here on the standard library)
-with the ``tokenizers`` library's thread pool at 1 and at 2 threads (``RAYON_NUM_THREADS``): its batch encoder is
-where the build spends its time. A measurement, never a pass/fail test.
+Rows: bytes, and a byte-level BPE (``--tokenizer``; default: one of 8,192 ids trained here on the standard library),
+each with ``data.workers`` 1 and 2 (processes tokenising shards in parallel, ``data/workers.py``); the ``tokenizers``
+library's own thread pool is held to one thread (``RAYON_NUM_THREADS=1``) so the rows compare processes alone.
+A measurement, never a pass/fail test.
 
     python benchmarks/prepare.py [--mb 256] [--tokenizer PATH] [--dir PATH]
 """
@@ -30,12 +31,12 @@ import zstandard  # noqa: E402
 
 from data.tokenizer import main as tokenizer_cli  # noqa: E402
 
-SHARD_BYTES = 64 << 20
+SHARD_BYTES = 16 << 20
 CHILD = """
 import sys, time
 from data.cache import load_tokens
 start = time.perf_counter()
-tokens = load_tokens(sys.argv[1], sys.argv[2], tokenizer=sys.argv[3])
+tokens = load_tokens(sys.argv[1], sys.argv[2], tokenizer=sys.argv[3], workers=int(sys.argv[4]))
 elapsed = time.perf_counter() - start
 peak = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
 print(len(tokens), elapsed, peak)
@@ -81,12 +82,12 @@ def main() -> int:
     print(f"corpus: {size / 2**20:,.0f} MiB of jsonl in {len(list(corpus.iterdir()))} zstd shards "
           f"({sum(p.stat().st_size for p in corpus.iterdir()) / 2**20:,.0f} MiB on disk)")
     print(f"{'tokenizer':<28} {'tokens':>14} {'s':>8} {'tokens/s':>12} {'MiB/s':>8} {'peak MiB':>9}")
-    for label, spec, threads in (("bytes", "bytes", None), ("BPE 8192, 1 thread", str(tokenizer), "1"),
-                                 ("BPE 8192, 2 threads", str(tokenizer), "2")):
-        env = dict(os.environ, **({"RAYON_NUM_THREADS": threads} if threads else {}))
+    for label, spec, workers in (("bytes, 1 worker", "bytes", 1), ("bytes, 2 workers", "bytes", 2),
+                                 ("BPE 8192, 1 worker", str(tokenizer), 1), ("BPE 8192, 2 workers", str(tokenizer), 2)):
+        env = dict(os.environ, RAYON_NUM_THREADS="1")
         cache = work / f"cache-{time.monotonic_ns()}"
-        out = subprocess.run([sys.executable, "-c", CHILD, str(corpus), str(cache), spec], cwd=ROOT, env=env,
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", CHILD, str(corpus), str(cache), spec, str(workers)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, check=True)
         tokens, elapsed, peak = out.stdout.split()
         tokens, elapsed = int(tokens), float(elapsed)
         print(f"{label:<28} {tokens:>14,} {elapsed:>8.1f} {tokens / elapsed:>12,.0f} "

@@ -53,6 +53,7 @@ class DataConfig:
     # named validation sets, each a whole corpus evaluated beside the split's and logged as val/<name>:
     # [{name: wiki, path: ...}, ...] (weight does not apply)
     validation: list[SourceConfig] = field(default_factory=list)
+    workers: int = 1  # processes tokenising files in parallel when a cache is built (the same tokens whatever it is)
     val_fraction: float = 0.005  # held-out tail of the token stream used for validation
     cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
     # "bytes" (one token per byte, vocab 256) or the path of a Hugging Face tokenizer.json (data/tokenizer.py)
@@ -103,6 +104,7 @@ class DataConfig:
             require(self.tokenizer == "bytes" or not source.path.endswith(".bin"),
                      f"{where}: a .bin is already tokenised, so data.tokenizer={self.tokenizer!r} does not apply to it")
             require(source.text_key is None or bool(source.text_key), f"{where}.text_key is empty")
+        require(1 <= self.workers <= 256, f"data.workers={self.workers}: must be in [1, 256]")
         names = [v.label for v in self.validation]
         require(len(set(names)) == len(names) and "loss" not in names,
                  f"data.validation: names {names} must differ, and none may be 'loss' (val/loss is the split's)")

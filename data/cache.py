@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from data.build import Progress, build_lock
 from data.corpus import VALID_SOURCES, Document, list_corpus, signature, skipped_message, unreadable
 from data.formats import CHUNK_BYTES, read_documents
 from data.tokenizer import AUTO, BYTES, DocumentEnd, Tokenizer, document_end, load_tokenizer
+from data.workers import in_workers as _in_workers
 
 TOKEN_DTYPES = ("uint16", "uint32")
 
@@ -36,7 +38,7 @@ CHECKPOINT_SECONDS = 30.0
 
 def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = None, tokenizer: str = BYTES,
                 text_key: str = "text", skip: tuple[str, ...] | list[str] = (),
-                token_dtype: str | None = None, document_end_spec: str = AUTO) -> np.memmap:
+                token_dtype: str | None = None, document_end_spec: str = AUTO, workers: int = 1) -> np.memmap:
     """The whole token stream of ``data.source`` as a read-only memmap, shape ``[tokens]``.
 
     ``"stdlib"`` and text files/folders are tokenised once with ``tokenizer`` (``data.tokenizer``: ``bytes``
@@ -47,6 +49,7 @@ def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = Non
     added or removed file gives a new key and the corpus is re-tokenised rather than served stale. A file that
     cannot be read is an error naming it, never a silent gap. Files are read in the format their names say
     (``data/formats.py``), records giving their ``text_key`` field; ``skip`` are ``data.skip``'s glob patterns.
+    ``workers``: processes that tokenise files in parallel (``data.workers``; the same stream).
     Each document ends with ``document_end_spec`` (``data.document_end``, resolved by ``data.tokenizer.document_end``),
     which is part of the cache's key unless it is the ``"\\n\\n"`` text every older cache ends documents with.
     A ``.bin`` is taken as already tokenised, in ``token_dtype`` (``data.token_dtype``: uint16 or uint32, stated
@@ -74,7 +77,7 @@ def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = Non
     corpus = list_corpus(source, text_key, skip)
     label = f"{corpus.label}-{encoder.label}" if encoder.label else corpus.label
     key = [encoder.identity, *corpus.key] + ([] if end.legacy else [["document-end", end.spec, end.token_id]])
-    return _cached_tokens(corpus.documents, label, key, cache_dir, source, text_key, encoder, end)
+    return _cached_tokens(corpus.documents, label, key, cache_dir, source, text_key, encoder, end, workers)
 
 
 def check_source(source: str, tokenizer: str, vocab_size: int, text_key: str = "text",
@@ -92,7 +95,7 @@ def check_source(source: str, tokenizer: str, vocab_size: int, text_key: str = "
 
 
 def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str | Path, source: str,
-                   text_key: str, tokenizer: Tokenizer, end: DocumentEnd) -> np.memmap:
+                   text_key: str, tokenizer: Tokenizer, end: DocumentEnd, workers: int = 1) -> np.memmap:
     """Map the cached tokens for ``key``, tokenising ``docs`` first if no cache exists yet (or if a file that was
     racy when it was built has changed since: see ``_write_tokens``)."""
     cache_dir = Path(cache_dir)
@@ -108,7 +111,7 @@ def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str |
         with build_lock(cache_dir, f"the tokens of {source}") as exclusive:
             # another process may have built it while this one waited
             if not (cache_file.exists() and _racy_files_unchanged(cache_file)) and \
-                    _write_tokens(cache_file, docs, text_key, tokenizer, end, source, exclusive) == 0:
+                    _write_tokens(cache_file, docs, text_key, tokenizer, end, source, exclusive, workers) == 0:
                 raise ValueError(
                     f"data.source={source!r}: no text in its {len(docs)} file(s) (empty files or no records); "
                     f"{VALID_SOURCES}"
@@ -117,7 +120,7 @@ def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str |
 
 
 def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: Tokenizer, end: DocumentEnd,
-                  source: str = "", resumable: bool = True) -> int:
+                  source: str = "", resumable: bool = True, workers: int = 1) -> int:
     """Tokenise the documents of ``docs`` (each file with its stat when listed) with ``tokenizer`` into ``dest``
     atomically; return the token count (0: nothing written).
 
@@ -129,7 +132,9 @@ def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: To
     full disk) keeps it: every ``CHECKPOINT_SECONDS`` at a file boundary the partial file is fsynced and
     ``<partial>.progress.json`` records how many files and bytes it holds, and the next build (``resumable``: this
     process holds the build lock, ``data/build.py``) truncates the partial file to that and carries on from the
-    next file. The partial file's name holds the cache's key, so only the same corpus resumes it.
+    next file. The partial file's name holds the cache's key, so only the same corpus resumes it. ``workers`` > 1
+    tokenise files in that many processes (``data/workers.py``), each file into its own temporary file appended
+    in corpus order, so the stream is the same as one process's.
 
     File times have a coarse grain (a clock tick, up to a second on some network filesystems), so a file
     changed within ``RACY_SECONDS`` before the build could change again without its times moving (git's
@@ -166,13 +171,13 @@ def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: To
     read_bytes, checkpointed, discard = report.start_bytes, time.monotonic(), False
     try:
         with os.fdopen(fd, "wb") as out:
-            for number in range(done["files"], len(docs)):
+            if workers > 1 and len(docs) - done["files"] > 1:
+                files = _in_workers(_tokenise_file, docs, done["files"], text_key, tokenizer, end, out, digests,
+                                    racy_after, workers, dest.parent / f".{dest.name}.file-")
+            else:
+                files = _in_process(docs, done["files"], text_key, stream, out, digests, racy_after)
+            for number in _discarding_bad_input(files, lambda: done.update(discard=True)):
                 doc = docs[number]
-                try:
-                    _tokenise_file(doc, text_key, stream, out, digests, racy_after)
-                except ValueError:
-                    discard = True  # bad input: fixing it renames the cache, so the partial work is of no use
-                    raise
                 read_bytes += doc.stat.st_size
                 report.update(number + 1, read_bytes, out.tell() // tokenizer.dtype.itemsize)
                 if resumable and time.monotonic() - checkpointed >= CHECKPOINT_SECONDS:
@@ -197,10 +202,30 @@ def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: To
         raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write the token cache there "
                          f"({error.strerror}); free space or use another folder (the work so far is kept)") from error
     finally:
-        if discard or not resumable:
+        if discard or done.get("discard") or not resumable:
             partial.unlink(missing_ok=True)
             progress_file.unlink(missing_ok=True)
     return tokens
+
+
+def _in_process(docs: list[Document], start: int, text_key: str, stream, out, digests: dict[str, str],
+                racy_after: int) -> Iterator[int]:
+    """Tokenise files ``start..`` into ``out`` here, yielding each one's number once it is written."""
+    for number in range(start, len(docs)):
+        _tokenise_file(docs[number], text_key, stream, out, digests, racy_after)
+        yield number
+
+
+def _discarding_bad_input(files: Iterator[int], on_bad_input) -> Iterator[int]:
+    """``files``, calling ``on_bad_input`` before a ValueError (bad input: fixing it renames the cache, so the partial
+    work is of no use) passes on; closed when the caller stops, so workers are shut down."""
+    try:
+        yield from files
+    except ValueError:
+        on_bad_input()
+        raise
+    finally:
+        files.close()
 
 
 def _tokenise_file(doc: Document, text_key: str, stream, out, digests: dict[str, str], racy_after: int) -> None:

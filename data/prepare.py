@@ -1,6 +1,6 @@
 """Prepare a run's token caches ahead of it, on a CPU box: every source of the config, tokenised and checked.
 
-    python -m data.prepare --config moe-8x-bpe --set data.source=/data/shards
+    python -m data.prepare --config moe-8x-bpe --set data.source=/data/shards data.workers=8
     moe-prepare --config my-run            # the same, as a console script
 
 It does what a run's start does with its data, the training sources and ``data.validation``'s sets
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(skipped, file=sys.stderr)
             start = time.perf_counter()
             tokens = load_tokens(corpus.path, data.cache_dir, config.model.vocab_size, data.tokenizer,
-                                 corpus.text_key, data.skip, corpus.token_dtype, end)
+                                 corpus.text_key, data.skip, corpus.token_dtype, end, data.workers)
             if corpus in training:  # a named validation set is used whole
                 split_tokens(tokens, data.val_fraction, config.model.seq_len)
             print(f"{corpus.name}: {len(tokens):,} tokens ({tokens.dtype}) in {tokens.filename} "

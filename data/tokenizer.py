@@ -123,6 +123,7 @@ class HFTokenizer:
         import tokenizers  # noqa: PLC0415 - only runs that name a tokenizer.json need the package loaded
 
         self.spec = str(path)
+        self.content = content  # what workers rebuild it from (data/workers.py)
         try:
             self.tokenizer = tokenizers.Tokenizer.from_str(content.decode("utf-8"))
         except Exception as exc:  # the library raises bare Exceptions for any malformed file

@@ -265,7 +265,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         corpora = config.data.corpora()
         splits = [split_tokens(load_tokens(c.path, config.data.cache_dir, config.model.vocab_size,
                                            config.data.tokenizer, c.text_key, config.data.skip, c.token_dtype,
-                                           config.data.document_end),
+                                           config.data.document_end, config.data.workers),
                                config.data.val_fraction, config.model.seq_len) for c in corpora]
         if config.data.sources:  # a mixture: each source's own split, drawn by weight
             train_tokens, val_tokens = [train for train, _ in splits], [val for _, val in splits]
@@ -278,7 +278,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         for v in config.data.validation_sets():
             named_val[v.name] = load_tokens(v.path, config.data.cache_dir, config.model.vocab_size,
                                             config.data.tokenizer, v.text_key, config.data.skip, v.token_dtype,
-                                            config.data.document_end)
+                                            config.data.document_end, config.data.workers)
             eval_batches(named_val[v.name], config.model.seq_len, config.train.global_batch_size,
                          config.train.eval_batches, dp_rank, dp_size)  # its size checked now, not at the first eval
     except ValueError as exc:
