@@ -182,3 +182,19 @@ def test_config_states_a_bin_dtype_and_refuses_it_elsewhere():
     with pytest.raises(ConfigError, match=r"only a \.bin takes one"):
         load_config("moe-8x", ["data.token_dtype=uint16"])
     assert load_config("moe-8x", ["data.text_key=body", "data.skip=['*.png']"]).data.skip == ["*.png"]
+
+
+def test_the_tokenizer_trainer_reads_records_not_their_json(tmp_path):
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import main as tokenizer_cli
+
+    path = tmp_path / "r.jsonl.gz"
+    # the key is far more frequent than any text: read as raw JSON, "qq" would be the first merge
+    path.write_bytes(gzip.compress(b"".join(json.dumps({"qqqqqqqqqqqqqqqq": "zyzzyva"}).encode() + b"\n"
+                                            for _ in range(200))))
+    out = tmp_path / "bpe.json"
+    assert tokenizer_cli(["train", "--source", str(path), "--text-key", "qqqqqqqqqqqqqqqq", "--vocab-size", "300",
+                          "--out", str(out)]) == 0
+    merged = [token for token in Tokenizer.from_file(str(out)).get_vocab() if len(token) > 1]
+    assert "zyzzyva" in merged and not any("q" in token for token in merged)
