@@ -110,7 +110,7 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     resolved = resolve_layout(config, world_size)
     if not args.dry_run:  # a dry run reads no data and plans for any hardware
         resolved_end = config.data.document_end  # "auto" resolved against the tokenizer (a .bin has none)
-        for corpus in config.data.corpora():
+        for corpus in config.data.corpora() + config.data.validation_sets():
             skipped, end = check_source(corpus.path, config.data.tokenizer, config.model.vocab_size,
                                         corpus.text_key, config.data.skip, config.data.document_end)
             resolved_end = resolved_end if corpus.path.endswith(".bin") else end

@@ -50,6 +50,10 @@ class DataConfig:
     token_dtype: Literal["uint16", "uint32"] | None = None  # the ids' dtype of a .bin source: stated, never guessed
     # a weighted mixture instead of data.source: [{path: ..., weight: ...}, ...] (docs/data.md)
     sources: list[SourceConfig] = field(default_factory=list)
+    # named validation sets, each a whole corpus evaluated beside the split's and logged as val/<name>:
+    # [{name: wiki, path: ...}, ...] (weight does not apply)
+    validation: list[SourceConfig] = field(default_factory=list)
+    workers: int = 1  # processes tokenising files in parallel when a cache is built (the same tokens whatever it is)
     val_fraction: float = 0.005  # held-out tail of the token stream used for validation
     cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
     # "bytes" (one token per byte, vocab 256) or the path of a Hugging Face tokenizer.json (data/tokenizer.py)
@@ -65,6 +69,11 @@ class DataConfig:
             return [SourceConfig(self.source, 1.0, self.source, self.text_key, self.token_dtype)]
         return [SourceConfig(s.path, s.weight, s.label, s.text_key or self.text_key, s.token_dtype)
                 for s in self.sources]
+
+    def validation_sets(self) -> list[SourceConfig]:
+        """The named validation sets, each with its name, text key and dtype resolved."""
+        return [SourceConfig(v.path, 1.0, v.label, v.text_key or self.text_key, v.token_dtype)
+                for v in self.validation]
 
     def validate(self) -> None:
         require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
@@ -95,6 +104,18 @@ class DataConfig:
             require(self.tokenizer == "bytes" or not source.path.endswith(".bin"),
                      f"{where}: a .bin is already tokenised, so data.tokenizer={self.tokenizer!r} does not apply to it")
             require(source.text_key is None or bool(source.text_key), f"{where}.text_key is empty")
+        require(1 <= self.workers <= 256, f"data.workers={self.workers}: must be in [1, 256]")
+        names = [v.label for v in self.validation]
+        require(len(set(names)) == len(names) and "loss" not in names,
+                 f"data.validation: names {names} must differ, and none may be 'loss' (val/loss is the split's)")
+        for validation in self.validation:
+            where = f"data.validation[{validation.label}]"
+            require(bool(validation.path.strip()), f"{where}.path is empty; give a corpus as data.source takes it")
+            require(validation.weight == 1.0, f"{where}.weight={validation.weight}: a validation set has no weight; "
+                                              "leave it out")
+            require((validation.token_dtype is not None) == validation.path.endswith(".bin"),
+                     f"{where}.token_dtype={validation.token_dtype!r} with path {validation.path!r}: a .bin needs its "
+                     "dtype stated (uint16 or uint32), and only a .bin takes one")
         require(self.tokenizer == "bytes" or not self.source.endswith(".bin"),
                  f"data.tokenizer={self.tokenizer!r} with data.source={self.source!r}: a .bin is already tokenised, "
                  "so no tokenizer applies to it; give the text it came from, or leave data.tokenizer as 'bytes'")

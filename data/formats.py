@@ -34,7 +34,7 @@ COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
 STRUCTURED = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 # Names that say "not text" and are not a format taken here: refused by name rather than read as text.
 UNSUPPORTED = (".bz2", ".xz", ".lz4", ".lzma", ".zip", ".tar", ".tgz", ".7z", ".rar", ".npy", ".npz", ".pt", ".pkl",
-               ".safetensors", ".feather", ".orc", ".avro", ".csv.gz")
+               ".safetensors", ".feather", ".orc", ".avro")
 FORMATS_TAKEN = ("plain text, .jsonl/.ndjson (data.text_key of each record), .json (an array of records), .parquet "
                  "(the data.text_key column), a datasets save_to_disk folder (.arrow), each optionally .gz or .zst; "
                  "a pre-tokenised .bin with data.token_dtype, as a source of its own")
@@ -202,9 +202,16 @@ def _arrow(path: Path, stream: BinaryIO, text_key: str) -> Iterator[Iterator[byt
 
     try:
         reader = pa.ipc.open_stream(pa.PythonFile(stream, mode="r"))
-    except Exception as exc:  # ArrowInvalid: not an Arrow IPC stream
-        raise ValueError(f"data.source: {path}: not an Arrow stream file (what datasets' save_to_disk writes) "
-                         f"({exc})") from exc
+    except Exception as stream_error:  # ArrowInvalid: not an Arrow IPC stream; maybe the random-access file format
+        try:
+            stream.seek(0)
+            file_reader = pa.ipc.open_file(pa.PythonFile(stream, mode="r"))
+        except Exception as exc:
+            raise ValueError(f"data.source: {path}: not an Arrow IPC stream (what datasets' save_to_disk writes) "
+                             f"or file ({stream_error})") from exc
+        batches = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
+        yield from _column_texts(path, batches, text_key, file_reader.schema.names)
+        return
     yield from _column_texts(path, reader, text_key, reader.schema.names)
 
 

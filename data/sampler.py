@@ -75,6 +75,7 @@ class TokenSampler:
                         for t, name in zip(self.sources, self.names, strict=True)]
         self.num_windows = self.windows[0]
         self.samples_seen = 0
+        self.last_sources: np.ndarray | None = None  # a mixture's source of each row of the last batch
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
 
     def next_batch(self, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +91,7 @@ class TokenSampler:
         if not self.mixture:
             return _gather(self.tokens, self._window_indices(0, samples), self.seq_len)
         source, index = self.schedule.locate(samples)
+        self.last_sources = source
         inputs = torch.empty(local, self.seq_len, dtype=torch.int64)
         targets = torch.empty_like(inputs)
         for i in np.unique(source):

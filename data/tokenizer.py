@@ -123,6 +123,7 @@ class HFTokenizer:
         import tokenizers  # noqa: PLC0415 - only runs that name a tokenizer.json need the package loaded
 
         self.spec = str(path)
+        self.content = content  # what workers rebuild it from (data/workers.py)
         try:
             self.tokenizer = tokenizers.Tokenizer.from_str(content.decode("utf-8"))
         except Exception as exc:  # the library raises bare Exceptions for any malformed file
@@ -267,7 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     fit.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary (at least 256)")
     fit.add_argument("--out", type=Path, required=True, help="the tokenizer.json to write")
     add_overwrite(fit)
-    fit.add_argument("--source", default="stdlib", help="the corpus, as data.source: 'stdlib', a text file or folder")
+    fit.add_argument("--source", default="stdlib",
+                     help="the corpus, as data.source: 'stdlib', a file or folder of text, jsonl, json, parquet or "
+                          "arrow files (.gz, .zst too)")
+    fit.add_argument("--text-key", default="text", help="the field or column of records that holds the text, as "
+                                                        "data.text_key")
+    fit.add_argument("--skip", nargs="+", default=[], metavar="GLOB", help="files to leave out, as data.skip")
     args = parser.parse_args(argv)
 
     def fit_bpe() -> None:
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.source.endswith(".bin"):
             raise ConfigError(f"--source {args.source}: a .bin is already tokenised; give the text it came from")
         check_outputs([args.out], [] if args.source == "stdlib" else [Path(args.source)], args.overwrite)
-        tokenizer = train_bpe(document_texts(list_corpus(args.source)), args.vocab_size)
+        tokenizer = train_bpe(document_texts(list_corpus(args.source, args.text_key, args.skip)), args.vocab_size)
         write_tokenizer(tokenizer, args.out)
         print(f"wrote {args.out} ({tokenizer.get_vocab_size()} ids, trained on {args.source})", file=sys.stderr)
 

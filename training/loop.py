@@ -16,9 +16,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.tensor import DTensor
 
 from config.errors import ConfigError, DivergedError
 from config.run import RunConfig
@@ -68,13 +70,21 @@ class IntervalStats:
     started: float = field(default_factory=time.perf_counter)
     routing: RoutingAccumulator = field(default_factory=RoutingAccumulator)
     routing_result: IntervalRouting | None = None  # set by record(): the interval's routing, for RoutingLog
+    # a mixture's per-source LM loss: source -> (sum of its rows' mean losses, rows), on the device until record()
+    source_loss: dict[int, list] = field(default_factory=dict)
+
+    def add_source_loss(self, source: int, row_loss_sum: torch.Tensor, rows: int) -> None:
+        entry = self.source_loss.setdefault(source, [0.0, 0])
+        entry[0] = entry[0] + row_loss_sum
+        entry[1] += rows
 
     def add_routing(self, stats: dict[int, RoutingStats]) -> None:
         """Accumulate one micro-batch's routing statistics (``model.routing_stats()`` after it ran; no host sync)."""
         self.routing.add(stats)
 
     def record(self, dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
-               biases: dict[int, torch.Tensor] | None = None) -> dict[str, float | list[float]]:
+               biases: dict[int, torch.Tensor] | None = None,
+               source_names: list[str] | None = None) -> dict[str, float | list[float]]:
         """Interval means: losses per step, routing over the interval's tokens, router load as fractions.
 
         Routing figures are gathered over the pipeline stages (each holds some layers) and summed
@@ -88,16 +98,31 @@ class IntervalStats:
             "train/lm_loss": self.lm_loss / self.steps,
             "perf/tokens_per_s": self.tokens / elapsed,
             **routing_metrics(self.routing_result),
+            **self._source_losses(source_names, dp_group),
         }
+
+    def _source_losses(self, names: list[str] | None, dp_group: dist.ProcessGroup | None) -> dict[str, float]:
+        """``train/loss/<source>``: each source's mean LM loss over its rows of the interval, all ranks' rows."""
+        if not names:
+            return {}
+        totals = torch.zeros(2, len(names), dtype=torch.float64)
+        for source, (loss_sum, rows) in self.source_loss.items():
+            totals[0, source] += float(loss_sum)
+            totals[1, source] += rows
+        all_reduce(totals, dp_group)
+        return {f"train/loss/{name}": float(totals[0, i] / totals[1, i])
+                for i, name in enumerate(names) if totals[1, i] > 0}
 
 
 @torch.no_grad()
 def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfig, micro: int, autocast,
-             dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None) -> float:
+             dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None,
+             mixture: bool = True) -> float:
     """Mean LM loss over the fixed validation set: ``train.eval_batches`` global batches.
 
     Each global batch (``train.global_batch_size`` sequences) is split over the data-parallel ranks
-    and run in micro-batches, as in training, so every layout evaluates the same sequences.
+    and run in micro-batches, as in training, so every layout evaluates the same sequences. ``val_tokens`` is the
+    split's tail, each source's of a mixture (drawn by weight), or a named validation set (``mixture=False``).
     """
     model.eval()
     device = next(model.parameters()).device
@@ -105,7 +130,7 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
               for inputs, targets in eval_batches(val_tokens, config.model.seq_len, config.train.global_batch_size,
                                                   config.train.eval_batches, dp_rank, dp_size,
                                                   [c.weight for c in config.data.corpora()]
-                                                  if config.data.sources else None)
+                                                  if config.data.sources and mixture else None)
               for m in range(0, inputs.shape[0], micro)]
     if isinstance(model, PipelineModel):  # forward only, through the pipeline schedule
         total = model.eval_losses(chunks).sum()
@@ -131,7 +156,8 @@ def describe_sources(config: RunConfig, sampler: TokenSampler) -> str:
 def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, micro: int, grad_clip: float, autocast, interval: IntervalStats,
                dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
-               vocab_parallel: bool = False, grad_reduce: str = "step") -> tuple[float, float]:
+               vocab_parallel: bool = False, grad_reduce: str = "step",
+               sources: np.ndarray | None = None) -> tuple[float, float]:
     """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
 
     ``vocab_parallel``: the model's logits are sharded over the vocabulary (``parallel/tensor.py``).
@@ -141,6 +167,10 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     The step is skipped (no update) when the loss or gradient norm is not finite, so
     bad values never reach the weights; every rank sees the same reduced values and so
     takes the same decision. The caller decides what to do about it.
+
+    ``sources`` (a mixture's source of each row, from ``TokenSampler.last_sources``): each source's loss over its
+    rows is added to ``interval`` too, computed again from the same logits with no gradient (plain logits only: a
+    vocabulary- or sequence-sharded DTensor, and the pipeline schedule, report the overall loss alone).
     """
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
@@ -154,7 +184,10 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
             set_gradient_sync(model, grad_reduce, last=m == accumulation - 1)
             with loss_context(vocab_parallel):
                 with autocast():
-                    loss = lm_loss(model(x), y)
+                    logits = model(x)
+                    loss = lm_loss(logits, y)
+                    if sources is not None and not isinstance(logits, DTensor):
+                        _add_source_losses(interval, logits, y, sources[m * micro:(m + 1) * micro])
                 (loss / accumulation).backward()
             step_loss += loss.detach().double().cpu() / accumulation
             routing.append(model.routing_stats())
@@ -177,6 +210,17 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
                 layer.router.update_bias(load)
     optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
+
+
+@torch.no_grad()
+def _add_source_losses(interval: IntervalStats, logits: torch.Tensor, targets: torch.Tensor,
+                       sources: np.ndarray) -> None:
+    """Each source's summed row losses of one micro-batch (every row has seq_len tokens, so row means weigh
+    alike), kept on the device: no host sync until the interval is recorded."""
+    for source in np.unique(sources):
+        rows = torch.from_numpy(np.flatnonzero(sources == source)).to(logits.device)
+        loss = lm_loss(logits.index_select(0, rows), targets.index_select(0, rows))
+        interval.add_source_loss(int(source), loss.detach().double() * len(rows), len(rows))
 
 
 @dataclass
@@ -231,7 +275,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         corpora = config.data.corpora()
         splits = [split_tokens(load_tokens(c.path, config.data.cache_dir, config.model.vocab_size,
                                            config.data.tokenizer, c.text_key, config.data.skip, c.token_dtype,
-                                           config.data.document_end),
+                                           config.data.document_end, config.data.workers),
                                config.data.val_fraction, config.model.seq_len) for c in corpora]
         if config.data.sources:  # a mixture: each source's own split, drawn by weight
             train_tokens, val_tokens = [train for train, _ in splits], [val for _, val in splits]
@@ -240,6 +284,13 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         else:
             train_tokens, val_tokens = splits[0]
             sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
+        named_val = {}  # data.validation: whole corpora, evaluated beside the split and logged as val/<name>
+        for v in config.data.validation_sets():
+            named_val[v.name] = load_tokens(v.path, config.data.cache_dir, config.model.vocab_size,
+                                            config.data.tokenizer, v.text_key, config.data.skip, v.token_dtype,
+                                            config.data.document_end, config.data.workers)
+            eval_batches(named_val[v.name], config.model.seq_len, config.train.global_batch_size,
+                         config.train.eval_batches, dp_rank, dp_size)  # its size checked now, not at the first eval
     except ValueError as exc:
         failure = exc
     first_failure_verdict(runtime, failure)
@@ -298,7 +349,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
                                           autocast, interval, dp_group, pp_group, config.parallel.vocab_parallel,
-                                          config.parallel.grad_reduce)
+                                          config.parallel.grad_reduce, sampler.last_sources)
         stop = checkpoints.check_finite(step, step_loss, grad_norm, model, optimizer, sampler)
         if stop:
             logger.close()
@@ -310,7 +361,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         total_tokens += tokens_per_step
         progress.tick(step)
         if step % config.logging.log_interval == 0 or step == config.train.steps:
-            record = interval.record(dp_group, pp_group, balancing_biases(model))
+            record = interval.record(dp_group, pp_group, balancing_biases(model),
+                                     sampler.names if sampler.mixture else None)
             record.update({"train/lr": lr, "train/grad_norm": grad_norm,
                            "perf/mfu": record["perf/tokens_per_s"] * flops_per_token / precision.peak_flops,
                            "perf/memory_peak_gib": max(memory_per_rank(device)) / 2**30})
@@ -324,18 +376,23 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
             interval = IntervalStats()
         if config.train.eval_interval and step % config.train.eval_interval == 0 and step != config.train.steps:
             val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
-            logger.log(step, {"val/loss": val})
-            progress.message(f"step {step}: val loss {val:.4f}")
+            named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group,
+                                             mixture=False) for name, tokens in named_val.items()}
+            logger.log(step, {"val/loss": val, **named})
+            progress.message(f"step {step}: val loss {val:.4f}"
+                             + "".join(f", {key[4:]} {value:.4f}" for key, value in named.items()))
         checkpoints.after_step(step, model, optimizer, sampler)
     val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
-    logger.log(config.train.steps, {"val/loss": val})
+    named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group, mixture=False)
+             for name, tokens in named_val.items()}
+    logger.log(config.train.steps, {"val/loss": val, **named})
     stop = checkpoints.finish(config.train.steps, model, optimizer, sampler, val)  # saved only if val is finite
     if stop:
         logger.close()
         raise NonFiniteLossError(stop)
     elapsed = time.perf_counter() - start
     peaks = [peak / 2**30 for peak in memory_per_rank(device)]
-    summary.update({"val/loss": val, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,
+    summary.update({"val/loss": val, **named, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,
                     "steps": config.train.steps, "precision": precision.precision,
                     "perf/memory_peak_gib": max(peaks), "perf/memory_peak_gib_per_rank": peaks,
                     "perf/memory_before_model_gib_per_rank": [held / 2**30 for held in before_model]})

@@ -102,6 +102,16 @@ def test_datasets_save_to_disk_folder_reads_its_arrow_files_in_order(tmp_path):
         load_tokens(str(tmp_path / "dd"), tmp_path / "cache")
 
 
+def test_an_arrow_ipc_file_and_compressed_csv_read_too(tmp_path):
+    table = pa.table({"text": ["alpha", "beta", "gamma"]})
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=2)  # the random-access format (Feather v2), not the stream
+    assert_array_equal(load_tokens(str(tmp_path / "t.arrow"), tmp_path / "cache"),
+                       stream_of(pa.ipc.open_file(str(tmp_path / "t.arrow")).read_all().column("text").to_pylist()))
+    (tmp_path / "rows.csv.gz").write_bytes(gzip.compress(b"a,b\n1,2\n"))  # text, compressed
+    assert_array_equal(load_tokens(str(tmp_path / "rows.csv.gz"), tmp_path / "cache"), stream_of(["a,b\n1,2\n"]))
+
+
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
 def test_bin_is_read_in_its_stated_dtype(tmp_path, dtype):
     values = (np.arange(999) * 7919 % 70_000).astype(dtype)
@@ -172,3 +182,19 @@ def test_config_states_a_bin_dtype_and_refuses_it_elsewhere():
     with pytest.raises(ConfigError, match=r"only a \.bin takes one"):
         load_config("moe-8x", ["data.token_dtype=uint16"])
     assert load_config("moe-8x", ["data.text_key=body", "data.skip=['*.png']"]).data.skip == ["*.png"]
+
+
+def test_the_tokenizer_trainer_reads_records_not_their_json(tmp_path):
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import main as tokenizer_cli
+
+    path = tmp_path / "r.jsonl.gz"
+    # the key is far more frequent than any text: read as raw JSON, "qq" would be the first merge
+    path.write_bytes(gzip.compress(b"".join(json.dumps({"qqqqqqqqqqqqqqqq": "zyzzyva"}).encode() + b"\n"
+                                            for _ in range(200))))
+    out = tmp_path / "bpe.json"
+    assert tokenizer_cli(["train", "--source", str(path), "--text-key", "qqqqqqqqqqqqqqqq", "--vocab-size", "300",
+                          "--out", str(out)]) == 0
+    merged = [token for token in Tokenizer.from_file(str(out)).get_vocab() if len(token) > 1]
+    assert "zyzzyva" in merged and not any("q" in token for token in merged)

@@ -130,6 +130,17 @@ def test_bad_sources_are_refused_by_the_config(sources, message):
         load_config("moe-8x", [f"data.sources={sources}"])
 
 
+@pytest.mark.parametrize(("validation", "message"), [
+    ("[{path: a, name: loss}]", r"none may be 'loss'"),
+    ("[{path: x/a}, {path: y/a}]", r"names \['a', 'a'\] must differ"),
+    ("[{path: a, weight: 2}]", r"data\.validation\[a\]\.weight=2\.0: a validation set has no weight"),
+    ("[{path: v.bin}]", r"data\.validation\[v\.bin\]\.token_dtype=None"),
+])
+def test_bad_validation_sets_are_refused_by_the_config(validation, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("moe-8x", [f"data.validation={validation}"])
+
+
 def test_a_mixture_and_data_source_together_are_refused():
     with pytest.raises(ConfigError, match=r"data\.source='x' and data\.sources: a mixture names every corpus"):
         load_config("moe-8x", ["data.source=x", "data.sources=[{path: a}]"])
@@ -148,12 +159,20 @@ def test_a_run_trains_on_a_mixture_and_logs_the_realised_shares(tmp_path, capsys
         for i in range(60):
             out.write(json.dumps({"text": f"record {i}: " + "lorem ipsum " * 5}) + "\n")
     sources = f"[{{path: {tmp_path / 'code'}, weight: 3}}, {{path: {tmp_path / 'chat.jsonl'}, weight: 1, name: chat}}]"
+    (tmp_path / "held.txt").write_text("held out text, never trained on. " * 40)
+    validation = f"[{{path: {tmp_path / 'held.txt'}, name: held}}, {{path: {tmp_path / 'chat.jsonl'}}}]"
     run = tmp_path / "run"
     assert train.main(["--run-dir", str(run), "--set", *TINY, f"data.sources={sources}",
-                       f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+                       f"data.validation={validation}", f"data.cache_dir={tmp_path / 'cache'}"]) == 0
     err = capsys.readouterr().err
     assert "data: mixture of code (weight 0.7500, realised 0.7500), chat (weight 0.2500, realised 0.2500)" in err
     records = [r for r in read_metrics(run / "metrics.jsonl") if "data/share/code" in r]
     assert [(r["data/share/code"], r["data/share/chat"]) for r in records] == [(0.75, 0.25), (0.75, 0.25)]
+    for r in records:  # each source's loss over its rows; weighted by its rows (3:1 here) they give the whole loss
+        assert r["train/loss/code"] != r["train/loss/chat"]
+        assert 0.75 * r["train/loss/code"] + 0.25 * r["train/loss/chat"] == pytest.approx(r["train/loss"], rel=1e-6)
+    final = [r for r in read_metrics(run / "metrics.jsonl") if "val/loss" in r]
+    assert len(final) == 1 and {"val/held", "val/chat.jsonl"} <= set(final[0])  # each named set, by its name
+    assert final[0]["val/held"] != final[0]["val/chat.jsonl"]
     saved = yaml.safe_load((run / "config.yaml").read_text())["data"]
     assert [s["weight"] for s in saved["sources"]] == [3.0, 1.0] and saved["document_end"] == "\n\n"

@@ -227,3 +227,31 @@ def test_the_run_config_holds_the_resolved_document_end(bpe_with_eos, bpe, corpu
     assert resolved(f"data.tokenizer={bpe_with_eos}", "model.vocab_size=600", "data.document_end=<|pad|>") == "<|pad|>"
     with pytest.raises(ConfigError, match="data.document_end is empty"):
         load_config("moe-8x", ["data.document_end="])
+
+
+# --- several workers (issue 25 §4) ----------------------------------------------------------------------------------
+
+
+def test_two_workers_write_the_stream_one_process_writes_and_a_bad_record_names_its_file(bpe_with_eos, corpus,
+                                                                                          tmp_path):
+    mixed = tmp_path / "mixed"
+    shutil.copytree(corpus, mixed)
+    records = [{"text": f"record {i}: caf\u00e9 " * (i + 1)} for i in range(30)]
+    (mixed / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    one = load_tokens(str(mixed), tmp_path / "one", 600, str(bpe_with_eos))
+    two = load_tokens(str(mixed), tmp_path / "two", 600, str(bpe_with_eos), workers=2)
+    assert_array_equal(two, one)
+    # and the reference: the tokenizers library on each document (files by name, records in order), end token after
+    tokenizer = Tokenizer.from_file(str(bpe_with_eos))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    texts = []
+    for path in sorted(mixed.iterdir()):
+        texts += [r["text"] for r in records] if path.suffix == ".jsonl" else [path.read_text(encoding="utf-8")]
+    want = [i for text in texts for i in tokenizer.encode(text, add_special_tokens=False).ids + [eos]]
+    assert_array_equal(two, want)
+    assert sorted(p.name for p in (tmp_path / "two").iterdir() if p.name.startswith(".")) == []  # no parts left
+
+    (mixed / "records.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    with pytest.raises(ValueError, match=r"records\.jsonl, line 2: no 'text' field"):
+        load_tokens(str(mixed), tmp_path / "bad", 600, str(bpe_with_eos), workers=2)
+    assert list((tmp_path / "bad").iterdir()) == []
