@@ -11,6 +11,7 @@ rotary tables end there): a longer request is refused before any work, naming bo
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +23,8 @@ from config.errors import ConfigError
 from inference.load import load_model
 from moe.kv_cache import KVCache
 from moe.transformer import MoETransformer
+
+MAX_SEED = 2**63 - 1
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -99,9 +102,11 @@ def check_lengths(prompt: int, max_new_tokens: int, context: int) -> None:
                           + (f"ask for at most {room} new tokens" if room > 0 else "shorten the prompt"))
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {temperature}")
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int | None = None) -> None:
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"--seed must be in [0, {MAX_SEED:,}] (what torch's generator takes), got {seed}")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         temperature = 0.0 if args.greedy else args.temperature
-        check_sampling(temperature, args.top_k, args.top_p)
+        check_sampling(temperature, args.top_k, args.top_p, args.seed)
         if args.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         loaded = load_model(args.model, args.device, tokenizer=args.tokenizer)

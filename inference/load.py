@@ -32,6 +32,7 @@ from interop.hf import hf_run_config, load_hf_weights, split_init_from
 from moe.transformer import MoETransformer
 from parallel.checkpoint import CONFIG_FILE, MANIFEST, CheckpointCorruptError, published_checkpoints
 from parallel.materialize import allocate, load_weights
+from parallel.runtime import requested_device
 
 
 @dataclass
@@ -100,6 +101,7 @@ def load_model(source: str | Path, device: torch.device | str = "cpu", dtype: to
     ``data.tokenizer`` (a ``tokenizer.json`` path, or ``bytes``); ``seq_len`` the context length (the rotary
     tables' size; a model trained at one length may be run at another, at its own risk).
     """
+    device = requested_device(device)  # before any reading: a GPU asked for where there is none is refused at once
     resolved = resolve_source(source)
     hf_folder = split_init_from(resolved) if isinstance(resolved, str) else None
     if hf_folder is not None:

@@ -95,6 +95,24 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def requested_device(spec: str | torch.device) -> torch.device:
+    """The device a single-process command was asked to use (``--device``), refused before any work where it
+    cannot be: a malformed name, CUDA where torch sees no GPU, a GPU number beyond those present."""
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"--device {spec!r}: not a device name (give cpu, cuda or cuda:N)") from exc
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device {spec}: torch sees no CUDA GPU here ({torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"--device {spec}: this machine has {count} GPU(s), numbered 0 to {count - 1}")
+    elif device.type != "cpu":
+        raise ConfigError(f"--device {spec}: only cpu and cuda are supported")
+    return device
+
+
 def init_runtime() -> Runtime:
     """Join the job torchrun started (if any) and pick this process's device."""
     env = launch_environment()

@@ -127,10 +127,15 @@ def test_the_command_writes_text_and_refuses_bad_requests_with_status_2(trained_
     assert out == bytes(list(b"def ") + written).decode("utf-8", errors="replace") + "\n"
     assert "5 tokens from" in err
     cases = [(["--prompt", "x" * 30, "--max-new-tokens", "5"], "35 tokens, more than the model's context of 32"),
-             (["--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+             (["--prompt", "x", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+             (["--prompt", "x", "--temperature", "nan"], "(0 is greedy), got nan"),
+             (["--prompt", "x", "--seed", str(2**64)], "--seed must be in [0, 9,223,372,036,854,775,807]"),
+             (["--prompt", "x", "--device", "banana"], "--device 'banana': not a device name"),
              (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
              (["--prompt", "", "--max-new-tokens", "5"], "the prompt is empty"),
              (["--prompt", "x", "--tokenizer", "missing.json"], "missing.json")]
+    if not torch.cuda.is_available():
+        cases.append((["--prompt", "x", "--device", "cuda"], "--device cuda: torch sees no CUDA GPU here"))
     for extra, message in cases:
         assert main([str(trained_run), *extra]) == 2
         err = capsys.readouterr().err
