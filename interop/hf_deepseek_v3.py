@@ -19,14 +19,16 @@ are dot products, so the same function is the same weights with the rotary rows 
 head) and ``kv_a_proj_with_mqa`` reordered evens first, then odds (``Source.rows``); export writes them back
 interleaved, DeepSeek's layout, which every DeepSeek-V3 consumer expects.
 
-Not read: the multi-token-prediction layer published checkpoints store after the last
-(``num_nextn_predict_layers``; no MTP here yet) and FP8 weights (``quantization_config`` is refused by name).
+Published checkpoints store their linear weights in fp8 with block scales: dequantised to bf16 as they are read
+(``interop/fp8.py``). Not read: the multi-token-prediction layer published checkpoints store after the last
+(``num_nextn_predict_layers``; no MTP here yet).
 """
 
 from __future__ import annotations
 
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
+from interop.fp8 import block_size
 from interop.hf_family import (
     DECODER_KEYS,
     Family,
@@ -129,10 +131,7 @@ def shape_from_hf(hf: dict) -> HFShape:
     check_keys(hf, DECODER_KEYS | SIGMOID_MOE_KEYS | _LATENT | _IGNORED
                | {"scoring_func", "topk_method", "moe_layer_freq", "rope_interleave", "quantization_config"},
                FAMILY_NAME)
-    if "quantization_config" in hf:
-        raise ConfigError(f"config.json quantization_config={hf['quantization_config']!r} is not supported: the "
-                          "weights are quantised (DeepSeek-V3 publishes FP8 with block scales); dequantise them "
-                          "to bf16 first")
+    block_size(hf)  # fp8 with block scales is dequantised as it is read (``interop/fp8.py``); others refused
     check_requirements(hf, {
         "scoring_func": ("sigmoid", "scoring_func must be 'sigmoid' (DeepSeek-V3's router)"),
         "topk_method": ("noaux_tc", "topk_method must be 'noaux_tc' (group-limited top-k on the biased scores)"),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from config.errors import ConfigError
 from config.run import load_config
@@ -119,8 +120,6 @@ def test_bad_input_is_named(tmp_path):
         (dict(topk_method="greedy"), "topk_method must be 'noaux_tc'"),
         (dict(moe_layer_freq=2), "moe_layer_freq must be 1"),
         (dict(rope_interleave=False), "rope_interleave must be true"),
-        (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
-         "quantization_config=.* dequantise them to bf16 first"),
         (dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported: latent attention"),
         (dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
         (dict(n_group=3), r"moe.n_group=3 must divide moe.num_experts=8"),
@@ -164,3 +163,93 @@ def test_export_refuses_what_deepseek_v3_cannot_express():
     for architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         with pytest.raises(ConfigError, match="cannot export as"):
             export_family(config.model, config.moe, architecture)
+
+
+BLOCK = (16, 8)  # scale blocks smaller than DeepSeek's 128 x 128, so the tiny matrices have several, some partial
+
+
+def quantize_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """Rewrite a saved folder as DeepSeek publishes its weights: every linear weight but the router's, the embedding
+    and the head in fp8 e4m3 with one fp32 ``weight_scale_inv`` per block; returns each such weight dequantised by
+    a reference written out block by block."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    reference = {}
+    for name in [n for n in tensors if n.endswith("proj.weight") or n.endswith("kv_a_proj_with_mqa.weight")]:
+        weight = tensors[name]
+        rows, cols = weight.shape
+        blocks = (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
+        scales, values, dequantized = torch.empty(blocks), torch.empty_like(weight), torch.empty_like(weight)
+        for i in range(blocks[0]):
+            for j in range(blocks[1]):
+                part = (slice(i * BLOCK[0], (i + 1) * BLOCK[0]), slice(j * BLOCK[1], (j + 1) * BLOCK[1]))
+                scales[i, j] = weight[part].abs().max() / 448.0  # e4m3's largest finite value
+                values[part] = weight[part] / scales[i, j]
+        quantized = values.to(torch.float8_e4m3fn)
+        for i in range(blocks[0]):
+            for j in range(blocks[1]):
+                part = (slice(i * BLOCK[0], (i + 1) * BLOCK[0]), slice(j * BLOCK[1], (j + 1) * BLOCK[1]))
+                dequantized[part] = quantized[part].float() * scales[i, j]
+        tensors[name], tensors[name + "_scale_inv"] = quantized, scales
+        reference[name] = dequantized.to(torch.bfloat16)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    edit_config(folder, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                             "weight_block_size": list(BLOCK)})
+    return reference
+
+
+def test_fp8_weights_are_dequantized_as_read(tmp_path):
+    """Each fp8 weight imports as the reference dequantisation, bit for bit in bf16 (the rotary rows reordered
+    as ever), whether its blocks are whole or cut by the matrix's edge; the rest as stored."""
+    hf = make_deepseek(tmp_path / "hf", q_lora_rank=None)
+    reference = quantize_folder(tmp_path / "hf")
+    assert len(reference) == 3 * 4 + 3 + 2 * 3 * (1 + 8)  # 3 layers' attention, a dense FFN, 2 MoE layers' experts
+    import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+    with safe_open(str(tmp_path / "ours.safetensors"), framework="pt") as handle:
+        state = {name: handle.get_tensor(name) for name in handle.keys()}
+    assert state["layers.0.attn.wkv_b.weight"].dtype == torch.bfloat16
+    assert torch.equal(state["layers.0.attn.wkv_b.weight"], reference["model.layers.0.self_attn.kv_b_proj.weight"])
+    assert torch.equal(state["layers.2.moe.experts.w_out"][5],
+                       reference["model.layers.2.mlp.experts.5.down_proj.weight"].t())
+    assert torch.equal(state["layers.0.ffn.w_gate.weight"], reference["model.layers.0.mlp.gate_proj.weight"])
+    rows = torch.tensor(hf_deepseek_rows())
+    assert torch.equal(state["layers.1.attn.wkv_a.weight"],
+                       reference["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"][rows])
+    assert state["layers.1.moe.router.gate"].dtype == torch.float32  # not quantised: as stored
+    # fp8 moved the weights (so the checks above could fail), by about its precision (3 mantissa bits)
+    original = hf.state_dict()["model.layers.0.self_attn.kv_b_proj.weight"]
+    error = (reference["model.layers.0.self_attn.kv_b_proj.weight"].float() - original).abs()
+    assert 0 < error.max() <= original.abs().max() / 8
+
+
+def hf_deepseek_rows() -> list[int]:
+    """Our rows of kv_a_proj_with_mqa (12 latent + 4 rotary, interleaved pairs) in terms of DeepSeek's."""
+    from interop.hf_deepseek_v3 import interleaved_rows
+
+    return list(interleaved_rows(12 + 4, 4, 1))
+
+
+def test_fp8_settings_we_do_not_dequantize_are_refused(tmp_path):
+    make_deepseek(tmp_path / "hf")
+    for settings, message in [({"quant_method": "awq"}, "only block-scaled fp8"),
+                              ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "e4m3"),
+                              ({"quant_method": "fp8", "weight_block_size": [128]}, "two positive integers")]:
+        edit_config(tmp_path / "hf", quantization_config=settings)
+        with pytest.raises(ConfigError, match=message):
+            import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+
+
+def test_a_box_of_an_fp8_weight_is_that_box_of_the_whole():
+    """What a rank of ``--init-from hf:DIR`` reads: any box, with only the scale blocks over it, dequantises to the
+    same numbers as the whole matrix's box (blocks cut by the box's edges included)."""
+    from interop.fp8 import dequantize, scale_box
+
+    values = torch.randn(40, 20).to(torch.float8_e4m3fn)
+    scales = torch.rand(3, 3) + 0.5  # blocks of 16 x 8: the last ones partial
+    whole = dequantize(values, scales, slice(0, 40), slice(0, 20), BLOCK)
+    for rows, cols in [(slice(5, 23), slice(3, 11)), (slice(32, 40), slice(16, 20)), (slice(0, 1), slice(7, 9))]:
+        part = dequantize(values[rows, cols], scales[scale_box(rows, cols, BLOCK)], rows, cols, BLOCK)
+        assert torch.equal(part, whole[rows, cols])
+    # and the whole is the block-by-block product
+    assert whole[17, 9] == (values[17, 9].float() * scales[1, 1]).to(torch.bfloat16)
