@@ -123,13 +123,13 @@ def family_of(hf_config: dict) -> Family:
     model_type = hf_config.get("model_type")
     if len(architectures) == 1 and architectures[0] in FAMILIES:
         family = FAMILIES[architectures[0]]
-        if model_type not in (None, family.model_type):
+        if model_type is not None and not family.has_model_type(model_type):
             raise ConfigError(f"config.json names architecture {family.architecture} with model_type "
                               f"{model_type!r}, not its '{family.model_type}'")
         return family
     if not architectures:
         for family in FAMILIES.values():
-            if family.model_type == model_type:
+            if family.has_model_type(model_type):
                 return family
     what = ", ".join(architectures) or f"model_type {model_type!r}"
     supported = ", ".join(f"{name} (model_type '{family.model_type}')" for name, family in FAMILIES.items())

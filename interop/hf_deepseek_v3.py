@@ -1,5 +1,5 @@
-"""The DeepSeek-V3 family (Hugging Face ``DeepseekV3ForCausalLM``: DeepSeek-V3/V3.1, Kimi K2's architecture) in
-our terms: config mapping and tensor names.
+"""The DeepSeek-V3 family (Hugging Face ``DeepseekV3ForCausalLM``: DeepSeek-V3/V3.1, and Kimi K2, whose config.json
+names this architecture with ``model_type: kimi_k2``) in our terms: config mapping and tensor names.
 
 DeepSeek-V3 is our model with latent attention (``model.kv_lora_rank`` ...; ``moe/latent_attention.py``), YaRN
 where ``rope_scaling`` says so, its first ``first_k_dense_replace`` layers dense (``model.first_moe_layer``,
@@ -202,4 +202,5 @@ def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
                            latent_attention)
 
 
-FAMILY = Family(ARCHITECTURE, "deepseek_v3", shape_from_hf, hf_from_config, hf_sources)
+# Kimi K2's config.json names this architecture with model_type kimi_k2 (and its own remote code): the same model
+FAMILY = Family(ARCHITECTURE, "deepseek_v3", shape_from_hf, hf_from_config, hf_sources, ("kimi_k2",))

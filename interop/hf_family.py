@@ -74,6 +74,11 @@ class Family:
     shape_from_hf: Callable[[dict], HFShape]
     hf_from_config: Callable[[ModelConfig, MoEConfig], dict]
     hf_sources: Callable[[ModelConfig, MoEConfig], dict[str, Source]]
+    # other model types that name this architecture (Kimi K2's kimi_k2 is DeepSeek-V3's); export writes model_type
+    other_model_types: tuple[str, ...] = ()
+
+    def has_model_type(self, model_type: str | None) -> bool:
+        return model_type in (self.model_type, *self.other_model_types)
 
 
 def get_key(hf: dict, key: str, family: str, default=None, required: bool = True):

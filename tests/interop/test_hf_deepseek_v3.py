@@ -62,14 +62,18 @@ SHAPES = {
     "two-shared-two-groups-sharded": dict(n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=2,
                                              norm_topk_prob=False, routed_scaling_factor=1.0, shard=True),
     "as-published-4.x-config": dict(published=True),
+    "kimi-k2-model-type-one-group-yarn": dict(kimi=True, n_group=1, topk_group=1, rope_parameters=YARN
+                                              | {"beta_fast": 1.0, "beta_slow": 1.0}, routed_scaling_factor=2.827),
 }
 
 
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_import_export_match_transformers(tmp_path, shape):
     settings = dict(SHAPES[shape])
-    published = settings.pop("published", False)
+    published, kimi = settings.pop("published", False), settings.pop("kimi", False)
     hf = make_deepseek(tmp_path / "hf", **settings)
+    if kimi:  # Kimi K2's config.json: this architecture under its own model_type (transformers does not know it)
+        edit_config(tmp_path / "hf", model_type="kimi_k2")
     if published:  # transformers reads the rewritten config as it reads DeepSeek's: reload it so
         as_published(tmp_path / "hf")
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -79,6 +83,7 @@ def test_import_export_match_transformers(tmp_path, shape):
     assert (config.moe.n_group, config.moe.groups_per_token) == (settings.get("n_group", 4),
                                                                  settings.get("topk_group", 2))
     assert config.model.rope_scaling == ("yarn" if published or "rope_parameters" in settings else "none")
+    assert config.moe.routed_scaling_factor == settings.get("routed_scaling_factor", 2.5)
     ours = our_model(tmp_path / "ours.safetensors")
     assert any(layer.router.expert_bias.abs().sum() > 0 for layer in ours.moe_layers().values())
     x = tokens()
@@ -253,3 +258,41 @@ def test_a_box_of_an_fp8_weight_is_that_box_of_the_whole():
         assert torch.equal(part, whole[rows, cols])
     # and the whole is the block-by-block product
     assert whole[17, 9] == (values[17, 9].float() * scales[1, 1]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("world, layout, quantized", [
+    (2, ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"], True),
+    (4, ["parallel.dp_shard=2", "parallel.pp=2", "parallel.ep=2"], False)], ids=["tp=2xep=2-fp8", "pp=2xep=2"])
+def test_init_from_deepseek_under_parallel_layouts(tmp_path, world, layout, quantized):
+    """``--init-from hf:DIR`` of a DeepSeek-V3 folder, each rank reading its boxes (split heads' rotary rows
+    reordered, fp8 boxes with their scale blocks): the first step's loss is one process's, and with a tiny learning
+    rate every weight is still what one process read."""
+    from config.run import load_config as load
+    from interop.hf import hf_run_config
+    from interop.weights import initial_weights
+    from parallel.groups import Layout, ParallelGroups
+    from parallel.runtime import Runtime
+    from tests.interop.test_hf import TINY_RUN, _hf_run
+    from tests.parallel.parity import full_state
+    from tests.spawn import spawn
+    from training.loop import train
+    from training.metrics import read_metrics
+
+    make_deepseek(tmp_path / "hf", num_hidden_layers=2, first_k_dense_replace=1)
+    if quantized:
+        quantize_folder(tmp_path / "hf")
+    run = [*TINY_RUN, "train.steps=2", "train.lr=1e-9", "checkpoint.interval=null", "moe.capacity_factor=null"]
+    config = hf_run_config(load("moe-8x", run), tmp_path / "hf")
+    groups = ParallelGroups.build(Layout.resolve(1, **config.parallel.degrees()), "cpu")
+    result = train(config, tmp_path / "run1", Runtime(0, 1, 0, torch.device("cpu")), groups,
+                   init_weights=initial_weights(f"hf:{tmp_path / 'hf'}", config))
+    reference = full_state(result.model)
+    spawn(_hf_run, world, world, [*run, *layout], str(tmp_path / "hf"), str(tmp_path / "run2"),
+          str(tmp_path / "state2.pt"))
+    losses = {w: [r["train/loss"] for r in read_metrics(tmp_path / f"run{w}" / "metrics.jsonl") if "train/loss" in r]
+              for w in (1, 2)}
+    assert losses[2][0] == pytest.approx(losses[1][0], abs=1e-5)
+    state = torch.load(tmp_path / "state2.pt", weights_only=True)  # rank 0's: under pp, its stage's
+    assert "layers.0.attn.wkv_a.weight" in state and state.keys() <= reference.keys()
+    for name, value in state.items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-6, msg=name)
