@@ -20,11 +20,15 @@ head) and ``kv_a_proj_with_mqa`` reordered evens first, then odds (``Source.rows
 interleaved, DeepSeek's layout, which every DeepSeek-V3 consumer expects.
 
 Published checkpoints store their linear weights in fp8 with block scales: dequantised to bf16 as they are read
-(``interop/fp8.py``). Not read: the multi-token-prediction layer published checkpoints store after the last
-(``num_nextn_predict_layers``; no MTP here yet).
+(``interop/fp8.py``). The multi-token-prediction layer they store after the last (``num_nextn_predict_layers``)
+is read into our MTP modules when the run asks for them (``model.mtp_depth``; ``mtp_sources``): config.json's
+count is not enough to go by, since ``transformers`` writes ``num_nextn_predict_layers: 1`` into folders it saves
+without that layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
@@ -110,7 +114,7 @@ def sigmoid_moe_config(model: ModelConfig, moe: MoEConfig) -> dict:
             "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "n_shared_experts": moe.shared_hidden // moe.expert_hidden, "n_group": moe.n_group,
             "topk_group": moe.groups_per_token, "routed_scaling_factor": moe.routed_scaling_factor,
-            "norm_topk_prob": moe.renormalize, "num_nextn_predict_layers": 0,
+            "norm_topk_prob": moe.renormalize, "num_nextn_predict_layers": model.mtp_depth,
             "first_k_dense_replace": model.first_moe_layer if model.moe_every else model.n_layers}
 
 
@@ -123,6 +127,24 @@ def sigmoid_moe_sources(model: ModelConfig, moe: MoEConfig, i: int, ours: str, t
     out[f"{ours}moe.router.expert_bias"] = Source("copy", (f"{theirs}mlp.gate.e_score_correction_bias",))
     out.update({f"{ours}moe.shared_experts.{name}": Source("copy", (f"{theirs}mlp.shared_experts.{hf_name}",))
                 for name, hf_name in MLP.items()})
+    return out
+
+
+def mtp_sources(model: ModelConfig, moe: MoEConfig,
+                attention: Callable[[ModelConfig, str, str], dict[str, Source]]) -> dict[str, Source]:
+    """The multi-token-prediction modules' tensors (``model.mtp_depth``; ``moe/mtp.py``): module k is the layer
+    after the last plus k, as DeepSeek-V3 and GLM-4.5 store it: ``enorm``, ``hnorm``, ``eh_proj`` (its input the
+    normalised embedding, then the normalised states: ours), ``shared_head.norm``, and a decoder layer's own
+    tensors. The copies of the embedding and head stored beside them are not read (ours are shared) nor written."""
+    out = {}
+    for k in range(model.mtp_depth):
+        index = model.n_layers + k
+        ours, theirs = f"mtp.{k}.", f"model.layers.{index}."
+        out |= {ours + name: Source("copy", (theirs + hf_name,)) for name, hf_name in (
+            ("embed_norm.weight", "enorm.weight"), ("hidden_norm.weight", "hnorm.weight"),
+            ("proj.weight", "eh_proj.weight"), ("norm.weight", "shared_head.norm.weight"))}
+        out |= attention(model, ours + "block.", theirs)
+        out |= sigmoid_moe_sources(model, moe, index, ours + "block.", theirs)
     return out
 
 
@@ -199,7 +221,7 @@ def latent_attention(model: ModelConfig, ours: str, theirs: str) -> dict[str, So
 def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
     """Each of our state-dict names (our model's order) and its HF source."""
     return decoder_sources(model, lambda i, ours, theirs: sigmoid_moe_sources(model, moe, i, ours, theirs),
-                           latent_attention)
+                           latent_attention) | mtp_sources(model, moe, latent_attention)
 
 
 # Kimi K2's config.json names this architecture with model_type kimi_k2 (and its own remote code): the same model

@@ -243,9 +243,11 @@ def router_refusals(moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
 
 
 def attention_refusals(model: ModelConfig, family: str) -> list[tuple[bool, str]]:
-    """What a plain-RoPE grouped-query attention family cannot express: latent attention, YaRN."""
+    """What a plain-RoPE grouped-query attention family cannot express: latent attention, biases, partial rotary,
+    YaRN, multi-token prediction."""
     return [(model.latent_attention, f"model.kv_lora_rank={model.kv_lora_rank}: {family} has no latent attention"),
             (model.qkv_bias, f"model.qkv_bias=true: {family} has no attention biases"),
+            (model.mtp_depth > 0, f"model.mtp_depth={model.mtp_depth}: {family} has no multi-token prediction"),
             (model.rotary_dim is not None, f"model.rotary_dim={model.rotary_dim}: {family} rotates whole heads"),
             (model.rope_scaling != "none", f"model.rope_scaling={model.rope_scaling!r}: {family}'s import here "
                                            "takes plain RoPE only")]

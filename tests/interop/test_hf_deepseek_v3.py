@@ -13,7 +13,7 @@ from safetensors import safe_open
 from config.errors import ConfigError
 from config.run import load_config
 from interop.hf import export_family, export_folder, import_folder
-from tests.interop.hf_models import assert_same_tensors, edit_config, our_model, save_random
+from tests.interop.hf_models import assert_same_tensors, edit_config, hf_tensors, our_model, save_random
 from tests.interop.test_hf import tokens
 
 transformers = pytest.importorskip("transformers")
@@ -296,3 +296,57 @@ def test_init_from_deepseek_under_parallel_layouts(tmp_path, world, layout, quan
     assert "layers.0.attn.wkv_a.weight" in state and state.keys() <= reference.keys()
     for name, value in state.items():
         torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+def add_mtp_layer(folder: Path, n_layers: int) -> dict[str, torch.Tensor]:
+    """Store a multi-token-prediction layer after the last as DeepSeek-V3 does (layer n_layers: a decoder layer's
+    tensors, drawn anew, with enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and head)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    last, mtp = f"model.layers.{n_layers - 1}.", f"model.layers.{n_layers}."
+    added = {mtp + name[len(last):]: torch.randn_like(value) for name, value in tensors.items()
+             if name.startswith(last)}
+    d = tensors["model.norm.weight"].shape[0]
+    added |= {mtp + "enorm.weight": torch.rand(d) + 0.5, mtp + "hnorm.weight": torch.rand(d) + 0.5,
+              mtp + "eh_proj.weight": torch.randn(d, 2 * d), mtp + "shared_head.norm.weight": torch.rand(d) + 0.5,
+              mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+              mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    save_file(tensors | added, folder / "model.safetensors", metadata={"format": "pt"})
+    return added
+
+
+def test_the_mtp_layer_imports_into_our_modules_and_exports_back(tmp_path):
+    """With model.mtp_depth=1 the stored layer after the last fills our MTP module (rotary rows reordered, experts
+    stacked); the main model still gives transformers' logits; export writes the layer back bit for bit (but the
+    embedding and head copies, which ours share) and transformers, which has no MTP, loads the folder."""
+    hf = make_deepseek(tmp_path / "hf")
+    added = add_mtp_layer(tmp_path / "hf", 3)
+    config = import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x", ["model.mtp_depth=1"]),
+                           seq_len=SEQ)
+    assert config.model.mtp_depth == 1
+    with safe_open(str(tmp_path / "ours.safetensors"), framework="pt") as handle:
+        state = {name: handle.get_tensor(name) for name in handle.keys()}
+    assert torch.equal(state["mtp.0.proj.weight"], added["model.layers.3.eh_proj.weight"])
+    assert torch.equal(state["mtp.0.embed_norm.weight"], added["model.layers.3.enorm.weight"])
+    assert torch.equal(state["mtp.0.block.moe.experts.w_in"][2],
+                       added["model.layers.3.mlp.experts.2.up_proj.weight"].t())
+    assert torch.equal(state["mtp.0.block.attn.wkv_a.weight"],
+                       added["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"][torch.tensor(hf_deepseek_rows())])
+    ours = our_model(tmp_path / "ours.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens()), hf(tokens()).logits, rtol=0, atol=1e-5)  # eval: no MTP
+    export_folder(tmp_path / "ours.safetensors", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    original = {n: v for n, v in hf_tensors(tmp_path / "hf").items()
+                if not n.endswith(("layers.3.embed_tokens.weight", "layers.3.shared_head.head.weight"))}
+    assert_same_tensors_dict(original, hf_tensors(tmp_path / "back"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens()).logits, hf(tokens()).logits, rtol=0, atol=1e-5)
+
+
+def assert_same_tensors_dict(original: dict[str, torch.Tensor], returned: dict[str, torch.Tensor]) -> None:
+    assert original.keys() == returned.keys()
+    for name, value in original.items():
+        assert torch.equal(value, returned[name]), name
