@@ -22,12 +22,15 @@ import time
 from pathlib import Path
 
 from analysis import fit_check
+from analysis.communication import HARDWARE, Hardware, hardware_with
 from analysis.dry_run import dry_run, format_dry_run
+from analysis.memory import DEFAULT_HEADROOM, usable_bytes
 from config.cli import add_config_arguments, add_world_size, command_parser, load_config_from, print_error, run_command
 from config.errors import USER_ERROR, ConfigError
 from config.run import RunConfig
-from data.cache import check_tokenizer
+from data.cache import check_source
 from interop.hf import hf_run_config, split_init_from
+from interop.hf_tokenizer import check_vocabularies
 from interop.weights import initial_weights
 from parallel.groups import ParallelGroups
 from parallel.hardware import check_hardware, choose_precision, keep_freed_memory, planned_precision
@@ -53,15 +56,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the model shape")
     parser.add_argument("--dry-run", action="store_true",
                         help="build every rank's model on the meta device under a fake process group, print each "
-                             "rank's model-state bytes beside the memory model's prediction, and exit: no training, "
+                             "rank's model-state bytes beside the memory model's prediction and a verdict on "
+                             "whether the busiest rank fits --gpu's memory less --headroom, and exit: no training, "
                              "nothing allocated, any world size on one machine")
     add_world_size(parser, help="with --dry-run: the number of ranks to plan for (default: WORLD_SIZE, or 1)")
+    parser.add_argument("--gpu", default=None, choices=list(HARDWARE),
+                        help="with --dry-run: the GPU whose memory the verdict is against (default h100)")
+    parser.add_argument("--device-memory", type=float, default=None, metavar="GiB",
+                        help="with --dry-run: GiB per GPU for the verdict (default: the --gpu preset's)")
+    parser.add_argument("--headroom", type=float, default=None,
+                        help=f"with --dry-run: the fraction of that memory kept free (default {DEFAULT_HEADROOM}: "
+                             "CUDA context, NCCL, allocator fragmentation)")
     return parser.parse_args(argv)
 
 
 def planned_world_size(args: argparse.Namespace) -> int:
     """``--world-size`` (a --dry-run's), else torchrun's WORLD_SIZE, else 1."""
     return args.world_size if args.world_size is not None else launch_environment().world_size
+
+
+def verdict_gpu(args: argparse.Namespace) -> Hardware:
+    """The GPU a --dry-run's verdict is against: ``--gpu`` (default H100), with ``--device-memory`` if given."""
+    return hardware_with(args.gpu or "h100", memory_gib=args.device_memory)
+
+
+def verdict_headroom(args: argparse.Namespace) -> float:
+    return DEFAULT_HEADROOM if args.headroom is None else args.headroom
 
 
 def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunConfig, ResolvedLayout]:
@@ -72,18 +92,31 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     config = load_config_from(args)
     hf_folder = split_init_from(args.init_from)
     if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
-        config = hf_run_config(config, hf_folder)
+        config = hf_run_config(config, hf_folder)  # and the folder's tokenizer.json for the data
+        check_vocabularies(config, hf_folder)
     elif args.init_from is not None and not Path(args.init_from).is_file():
         raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
                           "interop.export writes, or hf:DIR for a Hugging Face folder)")
     if args.world_size is not None and not args.dry_run:
         raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
+    for flag, value in (("--gpu", args.gpu), ("--device-memory", args.device_memory), ("--headroom", args.headroom)):
+        if value is not None and not args.dry_run:
+            raise ConfigError(f"{flag} sets the --dry-run's memory verdict; a real run checks its own device's memory")
+    if args.dry_run:  # the verdict's figures, checked with the rest
+        usable_bytes(verdict_gpu(args).memory_gib, verdict_headroom(args))
     world_size = world_size or planned_world_size(args)
     if world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
     resolved = resolve_layout(config, world_size)
     if not args.dry_run:  # a dry run reads no data and plans for any hardware
-        check_tokenizer(config.data.source, config.data.tokenizer, config.model.vocab_size)
+        resolved_end = config.data.document_end  # "auto" resolved against the tokenizer (a .bin has none)
+        for corpus in config.data.corpora() + config.data.validation_sets():
+            skipped, end = check_source(corpus.path, config.data.tokenizer, config.model.vocab_size,
+                                        corpus.text_key, config.data.skip, config.data.document_end)
+            resolved_end = resolved_end if corpus.path.endswith(".bin") else end
+            if skipped and os.environ.get("RANK", "0") == "0":
+                print(skipped, file=sys.stderr)
+        config.data.document_end = resolved_end
         check_hardware(config, local_device().type)
     if args.resume not in ("auto", "none") and not Path(args.resume).exists():
         raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
@@ -111,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         # resolved once here, and the memory check and the run take them as they are
         config, resolved = check(args)
         if args.dry_run:
+            gpu, headroom = verdict_gpu(args), verdict_headroom(args)
             built, estimates = dry_run(config, resolved, planned_precision(config.train.precision))
-            print(format_dry_run(config, built, estimates, None))
+            print(format_dry_run(config, built, estimates, gpu.memory_gib, headroom,
+                                 gpu.name if args.device_memory is None else ""))
             return 0
         device = local_device()
         keep_freed_memory(device.type)

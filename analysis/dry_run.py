@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from analysis.memory import GIB, MemoryEstimate, estimate
+from analysis.memory import DEFAULT_HEADROOM, GIB, MemoryEstimate, estimate, usable_bytes
 from analysis.memory_states import ModelStates
 from config.run import RunConfig
 from parallel.build import build_model
@@ -96,8 +96,10 @@ def dry_run(config: RunConfig, resolved: ResolvedLayout, precision: str,
 
 
 def format_dry_run(config: RunConfig, built: list[RankStates], estimates: list[MemoryEstimate],
-                   device_gib: float | None) -> str:
-    """One line per group of ranks with the same figures: built model states beside the prediction."""
+                   device_gib: float | None, headroom: float = DEFAULT_HEADROOM, device: str = "") -> str:
+    """One line per group of ranks with the same figures: built model states beside the prediction; with
+    ``device_gib`` (the GPU's memory; ``device`` names it) a verdict on whether the busiest rank fits in it less
+    ``headroom`` (``analysis.memory.DEFAULT_HEADROOM``), and where to look when it does not."""
     lines = [f"dry run of '{config.name}': the model of ranks {_ranks([s.rank for s in built])} built on the meta "
              "device under a fake process group, nothing allocated (each stage's first and last rank bound the "
              "others' shards)",
@@ -117,8 +119,14 @@ def format_dry_run(config: RunConfig, built: list[RankStates], estimates: list[M
                  "model states: the memory model's prediction differs from the largest built rank (a bug: report it)")
     if device_gib is not None:
         worst = max(e.total for e in estimates)
-        verdict = "fits" if worst <= device_gib * GIB else "does NOT fit"
-        lines.append(f"largest predicted step total {worst / GIB:.2f} GiB: {verdict} in {device_gib:g} GiB")
+        usable = usable_bytes(device_gib * GIB, headroom)
+        where = (f"the {usable / GIB:.1f} GiB usable of {device_gib:g} GiB{' (' + device + ')' if device else ''}, "
+                 f"{headroom:.0%} kept free for the CUDA context, NCCL and allocator fragmentation")
+        world_size = max(s.rank for s in built) + 1  # the last stage's last rank is always built
+        lines.append(f"verdict: the busiest rank's predicted step total, {worst / GIB:.2f} GiB, "
+                     + (f"fits in {where}" if worst <= usable else
+                        f"does NOT fit in {where}; python -m analysis.planner --config {config.name} --world-size "
+                        f"{world_size} lists the layouts that do"))
     return "\n".join(lines)
 
 

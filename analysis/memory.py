@@ -87,6 +87,18 @@ from parallel.layout import resolve_layout
 from parallel.tensor import lm_loss, loss_context
 
 GIB, MIB = 2**30, 2**20
+# The share of a device's memory a plan leaves free: what this model does not count but a real run holds. The
+# CUDA context and NCCL's communicator buffers (about 1-2 GiB outside PyTorch's allocator) and the caching
+# allocator's fragmentation (memory reserved beyond allocated, commonly 5-10% of it in training loops). A rule
+# of thumb, not measured here: the planner and the dry run's verdict apply it, and say so (--headroom).
+DEFAULT_HEADROOM = 0.10
+
+
+def usable_bytes(device_bytes: float, headroom: float = DEFAULT_HEADROOM) -> float:
+    """What a plan may use of ``device_bytes``: all but ``headroom`` (a fraction in [0, 1))."""
+    if not 0 <= headroom < 1:  # NaN fails this too
+        raise ConfigError(f"--headroom must be a fraction in [0, 1), got {headroom}")
+    return device_bytes * (1 - headroom)
 
 
 # ---------------------------------------------------------------------------

@@ -2,7 +2,11 @@
 
     python -m analysis.planner --config mixtral-8x7b --world-size 64 [--gpu h100] [--gpus-per-node 8]
                                [--device-memory GiB] [--nvlink-gbps N] [--network-gbps N] [--peak-tflops N]
-                               [--set parallel.tp=2 ...] [--top 10] [--efficiency F]
+                               [--set parallel.tp=2 ...] [--top 10] [--efficiency F] [--headroom 0.1]
+
+Each plan is printed with the command that runs it (torchrun ... train.py --config ... --set ...; ``train.py
+--dry-run --world-size N`` takes its train.py part unchanged), and must fit the GPU's memory less a headroom
+(``analysis.memory.DEFAULT_HEADROOM``, 10%: what the memory model does not count).
 
 Candidates: every layout of the world size that the model allows (``parallel.groups.valid_layouts``: pp,
 dp_replicate, dp_shard, tp, ep, etp; the degrees a ``--set`` names are fixed), each with activation
@@ -59,7 +63,9 @@ import functools
 import heapq
 import itertools
 import math
+import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from analysis import communication, memory
@@ -77,6 +83,7 @@ from config.model import ModelConfig
 from config.run import RunConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts, per_model
 from parallel.groups import Layout, valid_layouts
+from parallel.hardware import planned_precision
 from parallel.layout import micro_batching, resolve_layout
 from parallel.pipeline import stage_layers
 from parallel.sharding import GRAD_REDUCE
@@ -114,6 +121,48 @@ class Plan:
         if par.grad_reduce == "microbatch":
             extra.append("rs/mb")  # gradients reduce-scattered per micro-batch
         return " ".join([degrees or "one rank", *extra])
+
+
+DEGREE_KEYS = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp")
+
+
+def plan_overrides(plan: Plan, base: RunConfig) -> list[str]:
+    """The ``--set`` overrides that make ``train.py`` run ``plan`` from the config ``base`` it was planned from:
+    each key the plan set (degrees, recompute, sequence parallelism, gradient reduction, pipeline schedule,
+    micro-batch size) whose value differs from ``base``'s. ``plan.config`` is ``base`` with exactly those keys
+    changed (``with_layout``), so these overrides rebuild it."""
+    keys = [f"parallel.{key}" for key in (*DEGREE_KEYS, "activation_checkpointing", "sequence_parallel",
+                                           "grad_reduce", "pp_schedule", "pp_virtual_stages")]
+    out = []
+    for key in [*keys, "train.micro_batch_size"]:
+        section, name = key.split(".")
+        value = getattr(getattr(plan.config, section), name)
+        if value != getattr(getattr(base, section), name):
+            out.append(f"{key}={'null' if value is None else str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
+def node_shape(world_size: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, processes per node) for ``world_size`` ranks on nodes of ``gpus_per_node`` GPUs: full nodes where
+    they divide the world, else the most processes per node that do."""
+    per_node = max(n for n in range(1, min(world_size, gpus_per_node) + 1) if world_size % n == 0)
+    return world_size // per_node, per_node
+
+
+def launch_command(plan: Plan, base: RunConfig, config_name: str, overrides: list[str], gpus_per_node: int) -> str:
+    """The command that trains ``plan``: torchrun (standalone on one node; on several, run on each node with
+    HOST, the first node's address) of ``train.py --config config_name --set ...``: the planner's own
+    ``overrides`` (its ``--set``, which made ``base``) with the plan's in place of any key they share.
+    ``train.py --dry-run --world-size N`` takes the part after torchrun's options unchanged."""
+    chosen = plan_overrides(plan, base)
+    keys = {item.partition("=")[0] for item in chosen}
+    kept = [item for item in overrides if item.partition("=")[0] not in keys]
+    nodes, per_node = node_shape(plan.layout.world_size, gpus_per_node)
+    launcher = (["torchrun", "--standalone", f"--nproc-per-node={per_node}"] if nodes == 1 else
+                ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=HOST:29500"])
+    settings = [*kept, *chosen]
+    return shlex.join([*launcher, "train.py", "--config", config_name, *(["--set", *settings] if settings else [])])
 
 
 def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: str = "step",
@@ -369,7 +418,9 @@ def memory_bytes(config: RunConfig, layout: Layout,
                  resolved: tuple[Layout, int, int] | None = None) -> tuple[int, int]:
     """The busiest pipeline rank's bytes (``analysis.memory``) and the micro-batches per step (``resolved``:
     ``resolve_layout``'s answer for the config, when at hand)."""
-    estimates = [memory.estimate(config, layout.world_size, "bf16", pp_rank, resolved) for pp_rank in range(layout.pp)]
+    precision = planned_precision(config.train.precision)  # the run's own rule (bf16 on a GPU for auto)
+    estimates = [memory.estimate(config, layout.world_size, precision, pp_rank, resolved)
+                 for pp_rank in range(layout.pp)]
     return max(e.total for e in estimates), estimates[0].microbatches
 
 
@@ -576,13 +627,19 @@ def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node
 
 
 def format_plans(config: RunConfig, found: Search, world_size: int, device_memory: float,
-                 hardware: communication.Hardware, efficiency: float, top: int) -> str:
+                 hardware: communication.Hardware, efficiency: float, top: int, usable: float | None = None,
+                 command: Callable[[Plan], str] | None = None) -> str:
+    """The ranking as text: a header, the table, and with ``command`` the command that runs each row. ``usable``
+    is what the search allowed of ``device_memory`` (after the headroom; the whole device when None)."""
     tokens = config.train.global_batch_size * config.model.seq_len
     params = parameter_counts(config.model, config.moe)
     plans = found.plans
+    limit = device_memory if usable is None else usable
+    room = "" if usable is None else (f" ({usable / GIB:.1f} usable: {1 - usable / device_memory:.0%} headroom for "
+                                      "the CUDA context, NCCL and allocator fragmentation, --headroom)")
     lines = [f"{config.name}: {params.total / 1e9:.2f}B parameters ({params.active / 1e9:.2f}B active), "
-             f"{tokens:,} tokens per step, on {world_size} × {hardware.name}, {device_memory / GIB:.0f} GiB each, "
-             f"matmuls at {efficiency:.0%} of the bf16 peak",
+             f"{tokens:,} tokens per step, on {world_size} × {hardware.name}, {device_memory / GIB:.0f} GiB each"
+             f"{room}, matmuls at {efficiency:.0%} of the bf16 peak",
              f"{found.considered:,} candidate settings; {found.evaluated:,} estimated in full, the rest bounded "
              f"slower than #{top} by their compute and bubble alone" if not found.complete else
              f"{found.considered:,} candidate settings, {len(plans):,} fit"]
@@ -591,8 +648,10 @@ def format_plans(config: RunConfig, found: Search, world_size: int, device_memor
             candidate, need = found.closest
             plan_text = evaluate(candidate.config, candidate.layout, hardware, hardware.gpus_per_node, efficiency,
                                  need).describe()
+            than = (f"{device_memory / GIB:.0f} GiB" if usable is None else
+                    f"the {usable / GIB:.1f} GiB usable of {device_memory / GIB:.0f} GiB")
             lines.append(f"none fits: the closest, {plan_text}, needs {need / GIB:.1f} GiB per GPU, "
-                         f"{(need - device_memory) / GIB:.1f} GiB more than {device_memory / GIB:.0f} GiB; add GPUs, "
+                         f"{(need - limit) / GIB:.1f} GiB more than {than}; add GPUs, "
                          "use larger devices, or a smaller model")
         return "\n".join(lines)
     lines.append("milliseconds per optimizer step: the total, then compute, pipeline bubble and the exposed "
@@ -604,6 +663,9 @@ def format_plans(config: RunConfig, found: Search, world_size: int, device_memor
         lines.append(f"{rank:>3} {p.describe():<52} {p.memory / GIB:>6.1f} {p.step * 1e3:>9.2f} "
                      f"{p.compute * 1e3:>9.2f} {p.bubble * 1e3:>8.2f} {ms['tp']:>8.2f} {ms['ep']:>8.2f} "
                      f"{ms['pp']:>7.2f} {ms['fsdp']:>8.2f} {tokens / p.step / world_size:>10,.0f}")
+    if command is not None:
+        lines.append("to run a plan (add --dry-run --world-size N to train.py's part to check it first):")
+        lines += [f"{rank:>3} {command(p)}" for rank, p in enumerate(plans[:top], 1)]
     return "\n".join(lines)
 
 
@@ -630,6 +692,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fraction of the bf16 peak the matmuls reach (default {EFFICIENCY:.3f}, calibrated: "
                              "planner.calibrated_efficiency)")
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--headroom", type=float, default=memory.DEFAULT_HEADROOM,
+                        help=f"fraction of each GPU's memory a plan leaves free (default {memory.DEFAULT_HEADROOM}: "
+                             "the CUDA context, NCCL buffers and allocator fragmentation, which the memory model "
+                             "does not count)")
     args = parser.parse_args(argv)
 
     def plan_layouts() -> None:
@@ -640,10 +706,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--top must be at least 1, got {args.top}")
         config = load_config_from(args)
         hardware = communication.hardware_from_args(args, args.device_memory)
-        found = search(config, world_size, hardware.memory_gib * GIB, hardware.gpus_per_node, hardware,
+        usable = memory.usable_bytes(hardware.memory_gib * GIB, args.headroom)
+        found = search(config, world_size, usable, hardware.gpus_per_node, hardware,
                        args.efficiency, args.top, fixed=fixed_degrees(args.overrides))
+        command = lambda p: launch_command(p, config, args.config, args.overrides, hardware.gpus_per_node)  # noqa: E731
         print(format_plans(config, found, world_size, hardware.memory_gib * GIB, hardware, args.efficiency,
-                           args.top))
+                           args.top, usable, command))
 
     return run_command(plan_layouts)
 

@@ -225,8 +225,12 @@ def check_state_dict(state: dict, expected: dict[str, torch.Tensor]) -> None:
 
 
 def heldout_tokens(config: RunConfig, count: int) -> np.ndarray:
-    """The first ``count`` tokens of the run's validation split: text the model never trained on."""
-    tokens = load_tokens(config.data.source, config.data.cache_dir, tokenizer=config.data.tokenizer)
+    """The first ``count`` tokens of the run's validation split: text the model never trained on (of a mixture,
+    its first source's)."""
+    corpus = config.data.corpora()[0]
+    tokens = load_tokens(corpus.path, config.data.cache_dir, tokenizer=config.data.tokenizer, text_key=corpus.text_key,
+                         skip=config.data.skip, token_dtype=corpus.token_dtype,
+                         document_end_spec=config.data.document_end)
     _, val = split_tokens(tokens, config.data.val_fraction)
     if len(val) < config.model.seq_len:
         raise ValueError(f"the validation split has {len(val)} tokens, fewer than model.seq_len")

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from moe.transformer import MoETransformer
+from parallel.checkpoint import atomic_output
 
 CATEGORIES = ("letter", "digit", "whitespace", "punctuation", "keyword", "other")
 _KEYWORD_PATTERN = re.compile(r"\b(?:" + "|".join(sorted(keyword.kwlist, key=len, reverse=True)) + r")\b")
@@ -80,7 +81,8 @@ class ProbeResult:
         for layer in self.layers:
             arrays[f"expert_ids_{layer}"] = self.expert_ids[layer]
             arrays[f"weights_{layer}"] = self.weights[layer]
-        np.savez_compressed(path, **arrays)
+        with atomic_output(Path(path)) as handle:  # whole or not at all, as every output
+            np.savez_compressed(handle, **arrays)
 
     @classmethod
     def load(cls, path: Path | str) -> ProbeResult:

@@ -38,8 +38,10 @@ from parallel.hardware import planned_precision  # noqa: E402
 
 def train(config: str, overrides: list[str], nproc: int, run_dir: Path) -> dict:
     """Run ``train.py`` (under torchrun when ``nproc > 1``) and return its summary.json."""
+    # no checkpoints: a save's staging and time are not what this measures (the default saves after step 1 and at
+    # the end)
     args = ["train.py", "--config", config, "--run-dir", str(run_dir), "--resume", "none",
-            *(["--set", *overrides] if overrides else [])]
+            "--set", "checkpoint.interval=null", "checkpoint.final=false", *overrides]
     command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
                if nproc > 1 else [sys.executable, *args])
     # glibc keeps freed heap memory (and raises its mmap threshold as large blocks come and go), so without this

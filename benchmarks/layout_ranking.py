@@ -322,7 +322,8 @@ def train_command(config_name: str, overrides: list[str], world: int, steps: int
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
     return [sys.executable, *launcher, "train.py", "--config", config_name, "--run-dir", str(run_dir),
             "--resume", "none", "--set", *overrides, f"train.steps={steps}", "logging.log_interval=1",
-            "logging.wandb=disabled", "train.eval_batches=1", "train.eval_interval=0"]
+            "logging.wandb=disabled", "train.eval_batches=1", "train.eval_interval=0",
+            "checkpoint.interval=null", "checkpoint.final=false"]  # a save's time is not a step's
 
 
 def logged_step_times(config_name: str, overrides: list[str], run_dir: Path) -> list[float]:

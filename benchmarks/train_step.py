@@ -33,9 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections import Counter
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "unknown peak"
         print(f"model FLOPs {result['model_tflops']:.0f} TFLOP/s, MFU {mfu} of the datasheet's dense bf16 peak; "
-              f"peak memory {result['memory_peak_gib']:.1f} GiB (memory model: {result['memory_predicted_gib']:.1f} GiB)")
+              f"peak memory {result['memory_peak_gib']:.1f} GiB "
+              f"(memory model: {result['memory_predicted_gib']:.1f} GiB)")
     if args.json:
         args.json.write_text(json.dumps([result], indent=1))
     return 0

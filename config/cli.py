@@ -6,7 +6,8 @@ scripts in ``pyproject.toml``, and each still runs as ``python -m ...``) takes i
 ``add_world_size``, ``load_config_from``) and ends the same way (``run_command``): success is exit status 0;
 every error the project names, and bad input met in a file, is one line on stderr (``error: ...``) and the
 status ``config/errors.py`` gives it (2 a user error, 3 a diverged run, 130 interrupted); a bug keeps its
-traceback.
+traceback. A command that writes files checks them first (``add_overwrite``, ``check_outputs``): an existing
+output is replaced only with ``--overwrite``, and never one of the command's own inputs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from config.errors import INTERRUPTED, ConfigError, describe, exit_status
 from config.run import RunConfig, load_config
@@ -44,6 +46,27 @@ def world_size_of(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
     return args.world_size
+
+
+def add_overwrite(parser: argparse.ArgumentParser) -> None:
+    """``--overwrite``: a command replaces an existing output only when asked; ``check_outputs`` applies it."""
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace outputs that already exist (never the command's own inputs)")
+
+
+def check_outputs(outputs: list[Path], inputs: list[Path], overwrite: bool) -> None:
+    """Refuse, before any work, an output that would replace a file the command reads (one of ``inputs``, or a
+    file inside an input folder: even with ``--overwrite``, as the output is written while the input is read), or
+    one that exists when ``overwrite`` is off. An existing folder counts as existing only when it holds files."""
+    for out in outputs:
+        target = out.resolve()
+        for source in inputs:
+            source = source.resolve()
+            if target == source or (source.is_dir() and target.is_relative_to(source) and out.exists()):
+                raise ConfigError(f"{out} would replace {'a file of ' if target != source else ''}the input "
+                                  f"{source}, which this command reads; write it elsewhere")
+        if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"{out} exists; pass --overwrite to replace it, or write elsewhere")
 
 
 def load_config_from(args: argparse.Namespace, extra: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -22,21 +22,100 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 @dataclass
+class SourceConfig:
+    """One source of a weighted mixture (``data.sources``): a corpus as ``data.source`` takes it, and its weight."""
+
+    path: str = ""  # as data.source: "stdlib", a file or folder in any format taken, or a .bin
+    weight: float = 1.0  # relative share of training samples (normalised over the sources)
+    name: str = ""  # how logs and the realised mixture name it; default: the path's last component
+    text_key: str | None = None  # this source's field or column; default data.text_key
+    token_dtype: Literal["uint16", "uint32"] | None = None  # for a .bin path: its ids' dtype
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path.rstrip("/")).name or self.path
+
+
+@dataclass
 class DataConfig:
     """Where the training text comes from and how it is split."""
 
-    # "stdlib" (the running Python's standard-library sources), a text file or folder, or a uint16 .bin
+    # "stdlib" (the running Python's standard-library sources); a file or folder of plain text, .jsonl, .json,
+    # .parquet or datasets .arrow files, each optionally .gz or .zst (docs/data.md); or a pre-tokenised .bin
     source: str = "stdlib"
+    text_key: str = "text"  # the field (jsonl, json) or column (parquet, arrow) that holds each record's text
+    # glob patterns (matched against a file's path in the folder and its name) of files to leave out, listed at start;
+    # any other file in no format taken is an error
+    skip: list[str] = field(default_factory=list)
+    token_dtype: Literal["uint16", "uint32"] | None = None  # the ids' dtype of a .bin source: stated, never guessed
+    # a weighted mixture instead of data.source: [{path: ..., weight: ...}, ...] (docs/data.md)
+    sources: list[SourceConfig] = field(default_factory=list)
+    # named validation sets, each a whole corpus evaluated beside the split's and logged as val/<name>:
+    # [{name: wiki, path: ...}, ...] (weight does not apply)
+    validation: list[SourceConfig] = field(default_factory=list)
+    workers: int = 1  # processes tokenising files in parallel when a cache is built (the same tokens whatever it is)
     val_fraction: float = 0.005  # held-out tail of the token stream used for validation
     cache_dir: str = ".cache/data"  # where tokenised corpora are memory-mapped from
     # "bytes" (one token per byte, vocab 256) or the path of a Hugging Face tokenizer.json (data/tokenizer.py)
     tokenizer: str = "bytes"
+    # what ends each document: "auto" (the tokenizer.json's end-of-text token, e.g. <|endoftext|>; "\n\n" as text
+    # for bytes or a tokenizer without one), an added token's content, or a text; the run's config holds it resolved
+    document_end: str = "auto"
+
+    def corpora(self) -> list[SourceConfig]:
+        """Every corpus the run reads, each with its own text key and dtype resolved: the sources of a mixture,
+        or data.source as the one source of weight 1."""
+        if not self.sources:
+            return [SourceConfig(self.source, 1.0, self.source, self.text_key, self.token_dtype)]
+        return [SourceConfig(s.path, s.weight, s.label, s.text_key or self.text_key, s.token_dtype)
+                for s in self.sources]
+
+    def validation_sets(self) -> list[SourceConfig]:
+        """The named validation sets, each with its name, text key and dtype resolved."""
+        return [SourceConfig(v.path, 1.0, v.label, v.text_key or self.text_key, v.token_dtype)
+                for v in self.validation]
 
     def validate(self) -> None:
         require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        require(bool(self.source.strip()), "data.source is empty; use 'stdlib', a text file or folder, or a "
-                                            "uint16 .bin file")
+        require(bool(self.source.strip()), "data.source is empty; use 'stdlib', a file or folder of text, "
+                                            "jsonl, json, parquet or arrow files, or a .bin file")
         require(bool(self.tokenizer.strip()), "data.tokenizer is empty; use 'bytes' or a tokenizer.json path")
+        require(bool(self.text_key), "data.text_key is empty; name the field or column that holds the text")
+        require(bool(self.document_end), "data.document_end is empty; use 'auto', a token such as '<|endoftext|>', or "
+                                         "a text such as '\\n\\n' (documents need a boundary)")
+        require(all(isinstance(p, str) and p for p in self.skip), "data.skip: each pattern must be a non-empty glob")
+        require((self.token_dtype is not None) == self.source.endswith(".bin"),
+                 f"data.token_dtype={self.token_dtype!r} with data.source={self.source!r}: a pre-tokenised .bin source "
+                 "needs its dtype stated (uint16 or uint32), and only a .bin takes one")
+        require(not self.sources or self.source == "stdlib",
+                 f"data.source={self.source!r} and data.sources: a mixture names every corpus in data.sources; leave "
+                 "data.source out (or make it one of the sources)")
+        labels = [source.label for source in self.sources]
+        require(len(set(labels)) == len(labels),
+                 f"data.sources: names {labels} repeat; give each source a distinct data.sources[].name")
+        for source in self.sources:
+            where = f"data.sources[{source.label}]"
+            require(bool(source.path.strip()), f"{where}.path is empty; give a corpus as data.source takes it")
+            require(source.weight > 0, f"{where}.weight={source.weight}: must be positive (leave out a source you "
+                                       "do not want)")
+            require((source.token_dtype is not None) == source.path.endswith(".bin"),
+                     f"{where}.token_dtype={source.token_dtype!r} with path {source.path!r}: a .bin needs its dtype "
+                     "stated (uint16 or uint32), and only a .bin takes one")
+            require(self.tokenizer == "bytes" or not source.path.endswith(".bin"),
+                     f"{where}: a .bin is already tokenised, so data.tokenizer={self.tokenizer!r} does not apply to it")
+            require(source.text_key is None or bool(source.text_key), f"{where}.text_key is empty")
+        require(1 <= self.workers <= 256, f"data.workers={self.workers}: must be in [1, 256]")
+        names = [v.label for v in self.validation]
+        require(len(set(names)) == len(names) and "loss" not in names,
+                 f"data.validation: names {names} must differ, and none may be 'loss' (val/loss is the split's)")
+        for validation in self.validation:
+            where = f"data.validation[{validation.label}]"
+            require(bool(validation.path.strip()), f"{where}.path is empty; give a corpus as data.source takes it")
+            require(validation.weight == 1.0, f"{where}.weight={validation.weight}: a validation set has no weight; "
+                                              "leave it out")
+            require((validation.token_dtype is not None) == validation.path.endswith(".bin"),
+                     f"{where}.token_dtype={validation.token_dtype!r} with path {validation.path!r}: a .bin needs its "
+                     "dtype stated (uint16 or uint32), and only a .bin takes one")
         require(self.tokenizer == "bytes" or not self.source.endswith(".bin"),
                  f"data.tokenizer={self.tokenizer!r} with data.source={self.source!r}: a .bin is already tokenised, "
                  "so no tokenizer applies to it; give the text it came from, or leave data.tokenizer as 'bytes'")
@@ -112,18 +191,28 @@ DEFAULT_MTBF_HOURS = 3.0
 class CheckpointConfig:
     """When and how checkpoints are saved (``training/checkpointing.py``) into ``run_dir/dir``."""
 
-    # steps between saves, "auto" (Young/Daly optimum from the measured save time and mtbf_hours), or null
-    interval: int | Literal["auto"] | None = None
+    # steps between saves, "auto" (Young/Daly optimum from the measured save time and mtbf_hours), or null (no
+    # periodic saves). auto by default because it is right at every scale from the same setting: a fixed step count
+    # is too often for a laptop run (saves dominate) or too rare for a cluster job (hours lost per failure).
+    interval: int | Literal["auto"] | None = "auto"
     interval_minutes: float | None = None  # wall-clock minutes between saves (with or instead of interval)
     keep: int = 3  # complete checkpoints kept; older ones are deleted after each save
     async_save: bool = False  # write in a background thread while training goes on (torch DCP async_save)
     mtbf_hours: float = DEFAULT_MTBF_HOURS  # mean time between failures of the job, for interval: auto
     dir: str = "checkpoints"  # relative to the run directory, or absolute
+    # save the state after the last step, whatever the interval: every finished run leaves a model to export,
+    # sample, evaluate or continue (false only for throwaway runs, e.g. benchmarks)
+    final: bool = True
+
+    @property
+    def periodic(self) -> bool:
+        """Whether the run saves during training (``interval`` or ``interval_minutes``)."""
+        return self.interval is not None or self.interval_minutes is not None
 
     @property
     def enabled(self) -> bool:
-        """Whether the run saves periodically (a final checkpoint is then saved too)."""
-        return self.interval is not None or self.interval_minutes is not None
+        """Whether the run saves at all: periodically, at its end, or both."""
+        return self.periodic or self.final
 
     def validate(self) -> None:
         require(self.interval is None or self.interval == "auto" or (isinstance(self.interval, int)
@@ -153,7 +242,8 @@ class RunConfig:
         for section in (self.model, self.moe, self.parallel, self.data, self.train, self.logging, self.checkpoint):
             section.validate()
         require(
-            self.model.vocab_size >= 256 or self.data.source.endswith(".bin") or self.data.tokenizer != "bytes",
+            self.model.vocab_size >= 256 or self.data.tokenizer != "bytes"
+            or all(c.path.endswith(".bin") for c in self.data.corpora()),
             f"model.vocab_size={self.model.vocab_size} is below 256, too small for byte-level text",
         )
         require(not (self.train.compile and self.parallel.activation_offload != "none"),

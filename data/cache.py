@@ -14,21 +14,31 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from data.corpus import CHUNK_BYTES, VALID_SOURCES, Document, list_corpus, looks_binary, signature, unreadable
-from data.tokenizer import BYTES, Tokenizer, load_tokenizer
+from data.build import Progress, build_lock
+from data.corpus import VALID_SOURCES, Document, list_corpus, signature, skipped_message, unreadable
+from data.formats import CHUNK_BYTES, read_documents
+from data.tokenizer import AUTO, BYTES, DocumentEnd, Tokenizer, document_end, load_tokenizer
+from data.workers import in_workers as _in_workers
+
+TOKEN_DTYPES = ("uint16", "uint32")
 
 # Files changed this recently before a cache build are re-hashed on later starts (see _write_tokens).
 RACY_SECONDS = 2.0
+# An interrupted build resumes from its last checkpoint, taken at a file boundary at most this often.
+CHECKPOINT_SECONDS = 30.0
 
 
-def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = None,
-                tokenizer: str = BYTES) -> np.memmap:
+def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = None, tokenizer: str = BYTES,
+                text_key: str = "text", skip: tuple[str, ...] | list[str] = (),
+                token_dtype: str | None = None, document_end_spec: str = AUTO, workers: int = 1) -> np.memmap:
     """The whole token stream of ``data.source`` as a read-only memmap, shape ``[tokens]``.
 
     ``"stdlib"`` and text files/folders are tokenised once with ``tokenizer`` (``data.tokenizer``: ``bytes``
@@ -37,14 +47,22 @@ def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = Non
     relative path, size, modification and status-change times. Writing a file always moves its status-change
     time (``st_ctime``, which no tool can set back, unlike the modification time), so an edited, replaced,
     added or removed file gives a new key and the corpus is re-tokenised rather than served stale. A file that
-    cannot be read is an error naming it, never a silent gap. A ``.bin`` is taken as already tokenised (uint16)
-    and mapped as is; given ``vocab_size``, its largest token id is checked against it when it is opened (an id
-    ``>= vocab_size`` would otherwise be an ``IndexError`` at whichever step first samples it), scanning the
-    file once: the largest id is cached in ``cache_dir`` under the file's identity (path, size, modification
-    and status-change times).
+    cannot be read is an error naming it, never a silent gap. Files are read in the format their names say
+    (``data/formats.py``), records giving their ``text_key`` field; ``skip`` are ``data.skip``'s glob patterns.
+    ``workers``: processes that tokenise files in parallel (``data.workers``; the same stream).
+    Each document ends with ``document_end_spec`` (``data.document_end``, resolved by ``data.tokenizer.document_end``),
+    which is part of the cache's key unless it is the ``"\\n\\n"`` text every older cache ends documents with.
+    A ``.bin`` is taken as already tokenised, in ``token_dtype`` (``data.token_dtype``: uint16 or uint32, stated
+    because a file's bytes cannot say which), and mapped as is; given ``vocab_size``, its largest token id is
+    checked against it when it is opened (an id ``>= vocab_size`` would otherwise be an ``IndexError`` at
+    whichever step first samples it), scanning the file once: the largest id is cached in ``cache_dir`` under
+    the file's identity (path, size, modification and status-change times).
     """
     if source.endswith(".bin"):
-        tokens = _map_tokens(Path(source), source, np.dtype(np.uint16))
+        if token_dtype not in TOKEN_DTYPES:
+            raise ValueError(f"data.source={source!r} is pre-tokenised, but data.token_dtype={token_dtype!r}; state "
+                             f"the dtype its ids were written in: {' or '.join(TOKEN_DTYPES)}")
+        tokens = _map_tokens(Path(source), source, np.dtype(token_dtype))
         if vocab_size is not None:
             largest = _largest_token_id(Path(source), tokens, Path(cache_dir))
             if largest >= vocab_size:
@@ -55,21 +73,29 @@ def load_tokens(source: str, cache_dir: str | Path, vocab_size: int | None = Non
                 )
         return tokens
     encoder = load_tokenizer(tokenizer, vocab_size, source)
-    corpus = list_corpus(source)
+    end = document_end(encoder, document_end_spec)
+    corpus = list_corpus(source, text_key, skip)
     label = f"{corpus.label}-{encoder.label}" if encoder.label else corpus.label
-    return _cached_tokens(corpus.documents, label, [encoder.identity, *corpus.key], cache_dir, source,
-                          corpus.skip_binary, encoder)
+    key = [encoder.identity, *corpus.key] + ([] if end.legacy else [["document-end", end.spec, end.token_id]])
+    return _cached_tokens(corpus.documents, label, key, cache_dir, source, text_key, encoder, end, workers)
 
 
-def check_tokenizer(source: str, tokenizer: str, vocab_size: int) -> None:
-    """``load_tokens``' first check, for ``train.py`` to make before any process starts: the tokenizer of a text
-    source exists, reads, and its vocabulary fits ``model.vocab_size`` (a ``.bin`` is checked when it is opened)."""
-    if not source.endswith(".bin"):
-        load_tokenizer(tokenizer, vocab_size, source)
+def check_source(source: str, tokenizer: str, vocab_size: int, text_key: str = "text",
+                 skip: tuple[str, ...] | list[str] = (), document_end_spec: str = AUTO) -> tuple[str | None, str]:
+    """``load_tokens``' first checks, for ``train.py`` to make before any process starts: the tokenizer of a text
+    source exists, reads, and its vocabulary fits ``model.vocab_size``; every file of the source is in a format
+    taken here (or skipped by ``data.skip``). Returns the line listing what ``data.skip`` left out (or None), and
+    ``data.document_end`` resolved (``auto`` made the token or text it means, for the run's config). A ``.bin`` is
+    checked when it is opened; records are checked as they are tokenised, before training starts."""
+    if source.endswith(".bin"):
+        return None, document_end_spec
+    encoder = load_tokenizer(tokenizer, vocab_size, source)
+    note = skipped_message(source, list_corpus(source, text_key, skip))
+    return note, document_end(encoder, document_end_spec).spec
 
 
 def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str | Path, source: str,
-                   skip_binary: bool, tokenizer: Tokenizer) -> np.memmap:
+                   text_key: str, tokenizer: Tokenizer, end: DocumentEnd, workers: int = 1) -> np.memmap:
     """Map the cached tokens for ``key``, tokenising ``docs`` first if no cache exists yet (or if a file that was
     racy when it was built has changed since: see ``_write_tokens``)."""
     cache_dir = Path(cache_dir)
@@ -82,61 +108,84 @@ def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str |
             raise ValueError(
                 f"data.cache_dir={str(cache_dir)!r}: cannot create it ({error}); use a writable folder"
             ) from error
-        if _write_tokens(cache_file, [(path, st) for _, path, st in docs], skip_binary, tokenizer) == 0:
-            raise ValueError(
-                f"data.source={source!r}: no readable text in {len(docs)} candidate files; {VALID_SOURCES}"
-            )
+        with build_lock(cache_dir, f"the tokens of {source}") as exclusive:
+            # another process may have built it while this one waited
+            if not (cache_file.exists() and _racy_files_unchanged(cache_file)) and \
+                    _write_tokens(cache_file, docs, text_key, tokenizer, end, source, exclusive, workers) == 0:
+                raise ValueError(
+                    f"data.source={source!r}: no text in its {len(docs)} file(s) (empty files or no records); "
+                    f"{VALID_SOURCES}"
+                )
     return _map_tokens(cache_file, source, tokenizer.dtype)
 
 
-def _write_tokens(dest: Path, files: list[tuple[Path, os.stat_result]], skip_binary: bool,
-                  tokenizer: Tokenizer) -> int:
-    """Tokenise ``files`` (each with its stat when listed) with ``tokenizer`` into ``dest`` atomically; return the
-    token count (0: nothing written).
+def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: Tokenizer, end: DocumentEnd,
+                  source: str = "", resumable: bool = True, workers: int = 1) -> int:
+    """Tokenise the documents of ``docs`` (each file with its stat when listed) with ``tokenizer`` into ``dest``
+    atomically; return the token count (0: nothing written).
 
-    Writing a temp file in the same folder, fsyncing it and renaming it over ``dest`` means a crash
-    never leaves a half-written cache, and ranks building the same cache at once cannot corrupt it.
-    Files are streamed in chunks so a corpus larger than memory still tokenises. A file that cannot be
-    read, or changed since it was listed (the cache's name describes the listed state), is an error.
+    Tokens go to a partial file beside ``dest``, fsynced and renamed over it at the end, so a crash never leaves
+    a half-written cache and nothing half-written is ever served. Files are streamed (``data/formats.py``), so
+    memory stays bounded whatever the corpus's size. A file that cannot be read, holds a malformed record, or
+    changed since it was listed (the cache's name describes the listed state), is an error, and the partial work is
+    discarded (the fix changes the files, and so the cache's name). Any other interruption (Ctrl-C, a killed job, a
+    full disk) keeps it: every ``CHECKPOINT_SECONDS`` at a file boundary the partial file is fsynced and
+    ``<partial>.progress.json`` records how many files and bytes it holds, and the next build (``resumable``: this
+    process holds the build lock, ``data/build.py``) truncates the partial file to that and carries on from the
+    next file. The partial file's name holds the cache's key, so only the same corpus resumes it. ``workers`` > 1
+    tokenise files in that many processes (``data/workers.py``), each file into its own temporary file appended
+    in corpus order, so the stream is the same as one process's.
 
     File times have a coarse grain (a clock tick, up to a second on some network filesystems), so a file
     changed within ``RACY_SECONDS`` before the build could change again without its times moving (git's
-    "racy clean" case). The SHA-256 of what was read from each such file goes to ``<cache>.racy.json``,
-    written before the cache; a later start re-hashes just those files and rebuilds if one differs.
+    "racy clean" case). The SHA-256 of each such file, read again once it is tokenised (its signature checked
+    unchanged after), goes to ``<cache>.racy.json``, written before the cache; a later start re-hashes just those
+    files and rebuilds if one differs.
     """
     racy_after = time.time_ns() - int(RACY_SECONDS * 1e9)
-    digests: dict[str, str] = {}
+    partial = dest.parent / f".{dest.name}.partial"
+    progress_file = dest.parent / f".{dest.name}.progress.json"
+    done = _resume_point(partial, progress_file) if resumable else None
     try:
-        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        if done is None:
+            progress_file.unlink(missing_ok=True)
+            if resumable:
+                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            else:
+                fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+                partial = Path(name)
+            done = {"files": 0, "bytes": 0, "digests": {}}
+        else:
+            fd = os.open(partial, os.O_WRONLY)
+            os.ftruncate(fd, done["bytes"])
+            os.lseek(fd, done["bytes"], os.SEEK_SET)
+            print(f"resuming the token cache of {source} after {done['files']} of {len(docs)} files", file=sys.stderr)
+        os.fchmod(fd, 0o644)  # a shared cache must be readable by every user's ranks
     except OSError as error:
         raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write there ({error.strerror}); use a "
                          "writable folder") from error
-    os.fchmod(fd, 0o644)  # mkstemp makes it private; a shared cache must be readable by every user's ranks
-    tokens = 0
-    stream = tokenizer.stream()
+    digests: dict[str, str] = dict(done["digests"])
+    stream = tokenizer.stream(end)
+    report = Progress(source, len(docs), sum(doc.stat.st_size for doc in docs),
+                      sum(doc.stat.st_size for doc in docs[:done["files"]]))
+    read_bytes, checkpointed, discard = report.start_bytes, time.monotonic(), False
     try:
         with os.fdopen(fd, "wb") as out:
-            for path, listed in files:
-                hasher = hashlib.sha256() if max(listed.st_mtime_ns, listed.st_ctime_ns) >= racy_after else None
-                try:
-                    with open(path, "rb") as doc:
-                        if signature(os.fstat(doc.fileno())) != signature(listed):
-                            raise ValueError(f"data.source: {path} changed while the corpus was being read; "
-                                             "run again once it is written")
-                        chunk = doc.read(CHUNK_BYTES)
-                        binary = skip_binary and looks_binary(chunk)
-                        while chunk and not (binary and hasher is None):
-                            if hasher is not None:
-                                hasher.update(chunk)
-                            if not binary:
-                                out.write(stream.feed(chunk))
-                            chunk = doc.read(CHUNK_BYTES)
-                except OSError as error:
-                    raise unreadable(path, error) from error
-                if hasher is not None:
-                    digests[str(path)] = hasher.hexdigest()
-                if not binary:
-                    out.write(stream.end_document())
+            if workers > 1 and len(docs) - done["files"] > 1:
+                files = _in_workers(_tokenise_file, docs, done["files"], text_key, tokenizer, end, out, digests,
+                                    racy_after, workers, dest.parent / f".{dest.name}.file-")
+            else:
+                files = _in_process(docs, done["files"], text_key, stream, out, digests, racy_after)
+            for number in _discarding_bad_input(files, lambda: done.update(discard=True)):
+                doc = docs[number]
+                read_bytes += doc.stat.st_size
+                report.update(number + 1, read_bytes, out.tell() // tokenizer.dtype.itemsize)
+                if resumable and time.monotonic() - checkpointed >= CHECKPOINT_SECONDS:
+                    out.write(stream.finish())  # pieces are encoded one by one: draining here changes no token
+                    out.flush()
+                    os.fsync(out.fileno())
+                    _write_json_atomic(progress_file, {"files": number + 1, "bytes": out.tell(), "digests": digests})
+                    checkpointed = time.monotonic()
             out.write(stream.finish())
             tokens = out.tell() // tokenizer.dtype.itemsize
             out.flush()
@@ -147,14 +196,76 @@ def _write_tokens(dest: Path, files: list[tuple[Path, os.stat_result]], skip_bin
                 _write_json_atomic(racy, digests)
             else:
                 racy.unlink(missing_ok=True)
-            os.replace(tmp_name, dest)
+            os.replace(partial, dest)
+        discard = True
     except OSError as error:  # writing (reading errors are ValueErrors by now): a full disk, say
         raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write the token cache there "
-                         f"({error.strerror}); free space or use another folder") from error
+                         f"({error.strerror}); free space or use another folder (the work so far is kept)") from error
     finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+        if discard or done.get("discard") or not resumable:
+            partial.unlink(missing_ok=True)
+            progress_file.unlink(missing_ok=True)
     return tokens
+
+
+def _in_process(docs: list[Document], start: int, text_key: str, stream, out, digests: dict[str, str],
+                racy_after: int) -> Iterator[int]:
+    """Tokenise files ``start..`` into ``out`` here, yielding each one's number once it is written."""
+    for number in range(start, len(docs)):
+        _tokenise_file(docs[number], text_key, stream, out, digests, racy_after)
+        yield number
+
+
+def _discarding_bad_input(files: Iterator[int], on_bad_input) -> Iterator[int]:
+    """``files``, calling ``on_bad_input`` before a ValueError (bad input: fixing it renames the cache, so the partial
+    work is of no use) passes on; closed when the caller stops, so workers are shut down."""
+    try:
+        yield from files
+    except ValueError:
+        on_bad_input()
+        raise
+    finally:
+        files.close()
+
+
+def _tokenise_file(doc: Document, text_key: str, stream, out, digests: dict[str, str], racy_after: int) -> None:
+    """Append one file's documents, each with its end, to ``out``; hash it after if it was racy."""
+    changed = ValueError(f"data.source: {doc.path} changed while the corpus was being read; run again once it is "
+                         "written")
+    try:
+        with open(doc.path, "rb") as raw:
+            if signature(os.fstat(raw.fileno())) != signature(doc.stat):
+                raise changed
+            for chunks in read_documents(doc.path, doc.kind, doc.compression, text_key, raw):
+                for chunk in chunks:
+                    out.write(stream.feed(chunk))
+                out.write(stream.end_document())
+        if max(doc.stat.st_mtime_ns, doc.stat.st_ctime_ns) >= racy_after:
+            digests[str(doc.path)] = _file_digest(doc.path)
+            if signature(doc.path.stat()) != signature(doc.stat):
+                raise changed
+    except OSError as error:
+        raise unreadable(doc.path, error) from error
+
+
+def _resume_point(partial: Path, progress_file: Path) -> dict | None:
+    """What an interrupted build of this cache finished (files, bytes, racy digests), or None to start afresh."""
+    try:
+        done = json.loads(progress_file.read_text(encoding="utf-8"))
+        if partial.stat().st_size >= int(done["bytes"]) and int(done["files"]) >= 0 and \
+                isinstance(done["digests"], dict):
+            return done
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _file_digest(path: Path | str) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as doc:
+        while chunk := doc.read(CHUNK_BYTES):
+            hasher.update(chunk)
+    return hasher.hexdigest()
 
 
 def _racy_record(cache_file: Path) -> Path:
@@ -183,15 +294,11 @@ def _racy_files_unchanged(cache_file: Path) -> bool:
     except (OSError, ValueError, TypeError):
         return False  # a damaged record: rebuild, which rewrites it
     for name, digest in digests.items():
-        hasher = hashlib.sha256()
         try:
-            with open(name, "rb") as doc:
-                while chunk := doc.read(CHUNK_BYTES):
-                    hasher.update(chunk)
+            if _file_digest(name) != digest:
+                return False
         except OSError:
             return False  # rebuilding names the error
-        if hasher.hexdigest() != digest:
-            return False
     return True
 
 

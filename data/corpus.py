@@ -1,7 +1,9 @@
 """A text corpus: which documents ``data.source`` names, in an order every machine agrees on.
 
 ``"stdlib"`` is the running Python's standard-library ``.py`` sources; a folder is every non-hidden regular
-file under it; a file is itself. The listing carries what identifies it (the root and every file's relative
+file under it; a file is itself. Each file is read in the format its name says (``data/formats.py``: text, jsonl,
+json, parquet, arrow, each optionally gzip or zstd); one in no format taken is an error unless ``data.skip``
+names it. The listing carries what identifies it (the root and every file's relative
 path and stat signature), which ``data/cache.py`` hashes into the name of the token cache. Both the token
 cache and the tokenizer trainer (``data/tokenizer.py``) read the documents from here, so they see the
 same text in the same order.
@@ -10,23 +12,34 @@ same text in the same order.
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import os
 import re
 import stat
 import sys
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-# A file with a NUL byte this early is almost surely not text (the heuristic git and grep use).
-BINARY_SNIFF_BYTES = 8192
-CHUNK_BYTES = 1 << 24
+from data.formats import FORMATS_TAKEN, format_of, read_documents, sniff_text
 
-VALID_SOURCES = "use 'stdlib', a text file or folder, or a uint16 .bin file"
+VALID_SOURCES = "use 'stdlib', a file or folder of text, jsonl, json, parquet or arrow files, or a .bin file"
+# A folder ``save_to_disk`` wrote holds these beside its .arrow files: the dataset's metadata, not documents.
+DATASETS_METADATA = ("state.json", "dataset_info.json")
+# Listed at most this many names in one message; the count says how many more.
+NAMES_SHOWN = 10
 
-# (relative posix path, absolute path, stat) of one corpus document.
-Document = tuple[str, Path, os.stat_result]
+
+class Document(NamedTuple):
+    """One corpus file: its relative posix path, absolute path, stat when listed, format and compression."""
+
+    rel: str
+    path: Path
+    stat: os.stat_result
+    kind: str = "text"  # data/formats.py: text, jsonl, json, parquet, arrow
+    compression: str | None = None
 
 
 @dataclass(frozen=True)
@@ -35,12 +48,19 @@ class Corpus:
 
     documents: list[Document]
     label: str  # a readable prefix for cache file names
-    key: list  # JSON-serialisable: the root and every document's (path, size, mtime, ctime)
-    skip_binary: bool  # whether files that look binary are left out (a folder may hold images; stdlib has none)
+    key: list  # JSON-serialisable: the root and every document's (path, size, mtime, ctime), how records are read
+    text_key: str = "text"  # the field or column records give their text from
+    skipped: tuple[str, ...] = ()  # relative paths data.skip left out
 
 
-def list_corpus(source: str) -> Corpus:
-    """The documents of ``source`` ("stdlib", a text file or a folder); a ValueError naming it otherwise."""
+def list_corpus(source: str, text_key: str = "text", skip: Sequence[str] = ()) -> Corpus:
+    """The documents of ``source`` ("stdlib", a file or a folder); a ValueError naming it otherwise.
+
+    Each file's format comes from its name (``data/formats.py``). A file that is in no format taken here, or
+    that is named as text but holds binary data, is an error naming it (every such file, up to ten, and the
+    count), unless it matches one of the ``skip`` glob patterns (``data.skip``, matched against the relative
+    path and the file name), which lists it in ``Corpus.skipped`` instead.
+    """
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         # Third-party packages installed into the interpreter are not the standard library, and
@@ -50,44 +70,68 @@ def list_corpus(source: str) -> Corpus:
             keep=lambda name: name.endswith(".py"),
             prune=lambda name: name in ("site-packages", "dist-packages"),
         )
-        key = [sys.version, str(root), [(rel, *signature(st)) for rel, _, st in docs]]
-        return Corpus(docs, "stdlib", key, skip_binary=False)
+        key = [sys.version, str(root), [(doc.rel, *signature(doc.stat)) for doc in docs]]
+        return Corpus(docs, "stdlib", key)
     path = Path(source).resolve()
     if path.is_dir():
+        _refuse_dataset_dict(path, source)
         # Hidden entries (.git, .cache, editor files) are not corpus text; skipping them also keeps
         # a cache_dir inside the folder from changing the folder's own hash on every call.
-        docs = _walk(path, keep=lambda name: not _is_hidden(name), prune=_is_hidden)
+        found = _walk(path, keep=lambda name: not _is_hidden(name), prune=_is_hidden)
     elif path.is_file():
-        docs = [(path.name, path, path.stat())]
+        found = [Document(path.name, path, path.stat())]
     else:
         raise ValueError(f"data.source={source!r}: no such file or folder; {VALID_SOURCES}")
-    key = [str(path), [(rel, *signature(st)) for rel, _, st in docs]]
+    docs, skipped, refused = [], [], []
+    for doc in found:
+        if any(fnmatch.fnmatch(doc.rel, pattern) or fnmatch.fnmatch(doc.path.name, pattern) for pattern in skip):
+            skipped.append(doc.rel)
+            continue
+        if doc.path.name in DATASETS_METADATA and (doc.path.parent / "state.json").is_file():
+            continue
+        kind, compression = format_of(doc.path.name)
+        try:
+            binary = kind == "text" and not sniff_text(doc.path, compression)
+        except OSError as error:
+            raise unreadable(doc.path, error) from error
+        if kind in ("unsupported", "bin") or binary:
+            refused.append(doc.rel + (" (a pre-tokenised .bin is a source of its own)" if kind == "bin" else ""))
+            continue
+        docs.append(doc._replace(kind=kind, compression=compression))
+    if refused:
+        shown = "; ".join(refused[:NAMES_SHOWN]) + (f"; and {len(refused) - NAMES_SHOWN} more"
+                                                     if len(refused) > NAMES_SHOWN else "")
+        raise ValueError(f"data.source={source!r}: {len(refused)} file(s) in no format taken here: {shown}. "
+                         f"Formats taken: {FORMATS_TAKEN}. Convert or move them, or leave them out with data.skip "
+                         "(glob patterns, e.g. ['*.png'])")
+    key: list = [str(path), [(doc.rel, *signature(doc.stat)) for doc in docs]]
+    if any(doc.kind != "text" or doc.compression for doc in docs):
+        key.append(["formats-v1", text_key])  # plain-text corpora keep the caches they have always had
     label = "text-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name)[:40]
-    return Corpus(docs, label, key, skip_binary=True)
+    return Corpus(docs, label, key, text_key, tuple(skipped))
 
 
-def looks_binary(first_chunk: bytes) -> bool:
-    """A NUL byte in the first ``BINARY_SNIFF_BYTES``: almost surely not text."""
-    return b"\0" in first_chunk[:BINARY_SNIFF_BYTES]
+def skipped_message(source: str, corpus: Corpus) -> str | None:
+    """The line a run prints at start when ``data.skip`` left files out, or None."""
+    if not corpus.skipped:
+        return None
+    shown = ", ".join(corpus.skipped[:NAMES_SHOWN]) + (", ..." if len(corpus.skipped) > NAMES_SHOWN else "")
+    return f"data.skip: left out {len(corpus.skipped)} file(s) of {source}: {shown}"
 
 
 def document_texts(corpus: Corpus) -> Iterator[str]:
-    """Each text document's content as ``str`` (UTF-8, undecodable bytes replaced), in corpus order, read in
-    chunks; binary files are skipped where the corpus says so. For the tokenizer trainer; the token cache
-    reads the files itself (``data/cache.py``), checking each against its listed signature."""
-    for _, path, _ in corpus.documents:
+    """Each document's content as ``str`` (UTF-8, undecodable bytes of text files replaced), in corpus order, read
+    in chunks. For the tokenizer trainer; the token cache reads the files itself (``data/cache.py``), checking
+    each against its listed signature."""
+    for doc in corpus.documents:
         try:
-            with open(path, "rb") as doc:
-                chunk = doc.read(CHUNK_BYTES)
-                if corpus.skip_binary and looks_binary(chunk):
-                    continue
+            for chunks in read_documents(doc.path, doc.kind, doc.compression, corpus.text_key):
                 decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-                while chunk:
+                for chunk in chunks:
                     yield decoder.decode(chunk)
-                    chunk = doc.read(CHUNK_BYTES)
                 yield decoder.decode(b"", final=True)
         except OSError as error:
-            raise unreadable(path, error) from error
+            raise unreadable(doc.path, error) from error
 
 
 def signature(st: os.stat_result) -> tuple[int, int, int]:
@@ -102,6 +146,15 @@ def unreadable(path: Path | str, error: OSError) -> ValueError:
 
 def _is_hidden(name: str) -> bool:
     return name.startswith(".")
+
+
+def _refuse_dataset_dict(path: Path, source: str) -> None:
+    """A ``DatasetDict`` folder holds several splits (train, test...): training on all of them at once would train
+    on the test split, so one must be named."""
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise ValueError(f"data.source={source!r}: a datasets DatasetDict with splits {', '.join(splits) or 'none'}; "
+                         f"name one split's folder, e.g. data.source={str(path / (splits[0] if splits else 'train'))}")
 
 
 def _walk(root: Path, keep: Callable[[str], bool], prune: Callable[[str], bool]) -> list[Document]:
@@ -127,5 +180,5 @@ def _walk(root: Path, keep: Callable[[str], bool], prune: Callable[[str], bool])
             except OSError as error:
                 raise unreadable(path, error) from error
             if stat.S_ISREG(st.st_mode):
-                found.append((path.relative_to(root).as_posix(), path, st))
-    return sorted(found, key=lambda doc: doc[0])
+                found.append(Document(path.relative_to(root).as_posix(), path, st))
+    return sorted(found, key=lambda doc: doc.rel)

@@ -14,8 +14,12 @@ merges) on a corpus, the standard-library sources by default: about 10 s for 32 
 file every time from the same corpus (read in a fixed order; a test trains twice and compares). Byte-level means
 every text encodes with no unknown token, and decoding gives the text back.
 
-Documents are separated by the text ``"\\n\\n"`` whatever the tokenizer (as the byte stream is), not by a
-special token: a ``tokenizer.json`` need not define one, and the separator then means the same in every cache.
+Each document ends with ``data.document_end`` (``document_end``): by default (``auto``) a ``tokenizer.json``'s
+end-of-text token (the first of ``EOS_TOKENS`` among its special added tokens: ``<|endoftext|>`` for GPT-2, Qwen and
+GPT-OSS, ``</s>`` for Mistral and Llama 2, ``<|end_of_text|>`` for Llama 3 ...), as the model it came with was
+trained; a tokenizer without one, and the byte tokenizer, end documents with the text ``"\\n\\n"``. Any other value
+is the content of one of the tokenizer's added tokens (its id is appended) or else a text (encoded and appended).
+``train.py`` writes the resolved value into the run's config.
 """
 
 from __future__ import annotations
@@ -24,15 +28,44 @@ import codecs
 import hashlib
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from config.cli import command_parser, run_command
+from config.cli import add_overwrite, check_outputs, command_parser, run_command
 from config.errors import ConfigError
 
 BYTES = "bytes"
-DOCUMENT_SEPARATOR = "\n\n"
+DOCUMENT_SEPARATOR = "\n\n"  # the text that ends a document when the tokenizer has no end-of-text token
+AUTO = "auto"
+# End-of-text tokens of published tokenizers, in the order they are looked for among a tokenizer's special tokens.
+EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]",
+              "<\uff5cend\u2581of\u2581sentence\uff5c>")  # the last: DeepSeek-V3's
+
+
+@dataclass(frozen=True)
+class DocumentEnd:
+    """What ends each document in the token stream: one token's id, or a text encoded after the document."""
+
+    spec: str  # the resolved data.document_end: the token's content, or the text
+    token_id: int | None = None  # the token's id; None: ``spec`` is text
+
+    @property
+    def legacy(self) -> bool:
+        """The "\\n\\n" text every cache was built with before this was configurable (their names stay)."""
+        return self.token_id is None and self.spec == DOCUMENT_SEPARATOR
+
+
+def document_end(tokenizer: Tokenizer, spec: str = AUTO) -> DocumentEnd:
+    """Resolve ``data.document_end`` against ``tokenizer`` (see the module docstring)."""
+    added = tokenizer.added_tokens()
+    if spec == AUTO:
+        found = next((name for name in EOS_TOKENS if added.get(name, (None, False))[1]), None)
+        return DocumentEnd(found, added[found][0]) if found else DocumentEnd(DOCUMENT_SEPARATOR)
+    if spec in added:
+        return DocumentEnd(spec, added[spec][0])
+    return DocumentEnd(spec)
 # the largest vocabulary a uint16 cache holds (ids 0..65535)
 UINT16_VOCAB = 1 << 16
 # A document is encoded whole up to this many characters; a longer one is cut into pieces of at most this
@@ -58,18 +91,24 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(np.asarray(ids, dtype=np.uint8)).decode("utf-8", errors="replace")
 
-    def stream(self) -> ByteStream:
-        return ByteStream()
+    def added_tokens(self) -> dict[str, tuple[int, bool]]:
+        return {}  # bytes only: every document end is text
+
+    def stream(self, end: DocumentEnd = DocumentEnd(DOCUMENT_SEPARATOR)) -> ByteStream:
+        return ByteStream(end)
 
 
 class ByteStream:
     """Tokenises a corpus chunk by chunk: bytes in, tokens out at once (see ``HFStream`` for the protocol)."""
 
+    def __init__(self, end: DocumentEnd):
+        self.end = end.spec.encode("utf-8")
+
     def feed(self, chunk: bytes) -> np.ndarray:
         return np.frombuffer(chunk, dtype=np.uint8).astype(np.uint16)
 
     def end_document(self) -> np.ndarray:
-        return self.feed(DOCUMENT_SEPARATOR.encode())
+        return self.feed(self.end)
 
     def finish(self) -> np.ndarray:
         return np.empty(0, dtype=np.uint16)
@@ -84,6 +123,7 @@ class HFTokenizer:
         import tokenizers  # noqa: PLC0415 - only runs that name a tokenizer.json need the package loaded
 
         self.spec = str(path)
+        self.content = content  # what workers rebuild it from (data/workers.py)
         try:
             self.tokenizer = tokenizers.Tokenizer.from_str(content.decode("utf-8"))
         except Exception as exc:  # the library raises bare Exceptions for any malformed file
@@ -99,30 +139,33 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=self.dtype)
 
-    def encode_batch(self, texts: list[str]) -> np.ndarray:
-        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
-        return np.fromiter((i for item in encoded for i in item.ids), dtype=self.dtype)
-
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def stream(self) -> HFStream:
-        return HFStream(self)
+    def added_tokens(self) -> dict[str, tuple[int, bool]]:
+        """Each added token's content -> (id, whether it is special)."""
+        return {token.content: (token_id, token.special)
+                for token_id, token in self.tokenizer.get_added_tokens_decoder().items()}
+
+    def stream(self, end: DocumentEnd = DocumentEnd(DOCUMENT_SEPARATOR)) -> HFStream:
+        return HFStream(self, end)
 
 
 class HFStream:
     """Tokenises a corpus chunk by chunk with a ``tokenizer.json``.
 
-    ``feed`` takes a document's next bytes and ``end_document`` closes it (adding the separator); each returns
+    ``feed`` takes a document's next bytes and ``end_document`` closes it (adding its end: a text end is encoded
+    with the document's last piece, as it always was; a token's id follows the piece); each returns
     the tokens that are ready, possibly none; ``finish`` returns the rest. Bytes are decoded as UTF-8 (an
     undecodable byte becomes U+FFFD, as for the trainer) and cut as ``MAX_PIECE_CHARS`` says.
     """
 
-    def __init__(self, tokenizer: HFTokenizer):
+    def __init__(self, tokenizer: HFTokenizer, end: DocumentEnd):
         self.tokenizer = tokenizer
+        self.end = end
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.pending = ""  # the open document's text after its last cut
-        self.pieces: list[str] = []  # cut pieces waiting for a batch
+        self.pieces: list[str | int] = []  # cut pieces waiting for a batch, and document-end token ids among them
         self.batched = 0  # characters in pieces
 
     def feed(self, chunk: bytes) -> np.ndarray:
@@ -134,7 +177,13 @@ class HFStream:
         return self._encode() if self.batched >= BATCH_CHARS else self._empty()
 
     def end_document(self) -> np.ndarray:
-        self._add(self.pending + self.decoder.decode(b"", final=True) + DOCUMENT_SEPARATOR)
+        tail = self.pending + self.decoder.decode(b"", final=True)
+        if self.end.token_id is None:
+            self._add(tail + self.end.spec)
+        else:
+            if tail:
+                self._add(tail)
+            self.pieces.append(self.end.token_id)
         self.pending = ""
         self.decoder.reset()
         return self._encode() if self.batched >= BATCH_CHARS else self._empty()
@@ -147,7 +196,10 @@ class HFStream:
         self.batched += len(piece)
 
     def _encode(self) -> np.ndarray:
-        tokens = self.tokenizer.encode_batch(self.pieces) if self.pieces else self._empty()
+        texts = [piece for piece in self.pieces if isinstance(piece, str)]
+        encoded = iter(self.tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else ())
+        ids = (i for piece in self.pieces for i in ((piece,) if isinstance(piece, int) else next(encoded).ids))
+        tokens = np.fromiter(ids, dtype=self.tokenizer.dtype)
         self.pieces, self.batched = [], 0
         return tokens
 
@@ -215,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     fit = commands.add_parser("train", help="fit a byte-level BPE on a corpus and write its tokenizer.json")
     fit.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary (at least 256)")
     fit.add_argument("--out", type=Path, required=True, help="the tokenizer.json to write")
-    fit.add_argument("--source", default="stdlib", help="the corpus, as data.source: 'stdlib', a text file or folder")
+    add_overwrite(fit)
+    fit.add_argument("--source", default="stdlib",
+                     help="the corpus, as data.source: 'stdlib', a file or folder of text, jsonl, json, parquet or "
+                          "arrow files (.gz, .zst too)")
+    fit.add_argument("--text-key", default="text", help="the field or column of records that holds the text, as "
+                                                        "data.text_key")
+    fit.add_argument("--skip", nargs="+", default=[], metavar="GLOB", help="files to leave out, as data.skip")
     args = parser.parse_args(argv)
 
     def fit_bpe() -> None:
@@ -225,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--source is empty; give 'stdlib', a text file or a folder")
         if args.source.endswith(".bin"):
             raise ConfigError(f"--source {args.source}: a .bin is already tokenised; give the text it came from")
-        tokenizer = train_bpe(document_texts(list_corpus(args.source)), args.vocab_size)
+        check_outputs([args.out], [] if args.source == "stdlib" else [Path(args.source)], args.overwrite)
+        tokenizer = train_bpe(document_texts(list_corpus(args.source, args.text_key, args.skip)), args.vocab_size)
         write_tokenizer(tokenizer, args.out)
         print(f"wrote {args.out} ({tokenizer.get_vocab_size()} ids, trained on {args.source})", file=sys.stderr)
 

@@ -26,10 +26,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from config.cli import command_parser, run_command
-from config.errors import ConfigError
+from config.cli import add_overwrite, check_outputs, command_parser, run_command
+from config.errors import ConfigError, UserError
 from config.run import RunConfig, config_from_dict
 from moe.transformer import MoETransformer
 from parallel.checkpoint import (
@@ -132,8 +133,16 @@ def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple[torch.Size, to
     def read(name: str) -> torch.Tensor:
         shape, dtype = entries[name]
         value = torch.empty(shape, dtype=dtype)
-        dcp.load({"model": {name: value}}, storage_reader=SafeFileSystemReader(checkpoint),
-                 planner=TensorsOnlyLoadPlanner(allow_partial_load=True))
+        try:
+            dcp.load({"model": {name: value}}, storage_reader=SafeFileSystemReader(checkpoint),
+                     planner=TensorsOnlyLoadPlanner(allow_partial_load=True))
+        except CheckpointException as exc:  # a BaseException: nothing else would stop its traceback
+            if not checkpoint.is_dir():
+                raise UserError(f"{checkpoint} disappeared while it was read (a running job's checkpoint.keep "
+                                "pruned it?); export again (its newest checkpoint is then a later one), or copy the "
+                                "checkpoint out of the job's folder first") from None
+            raise CheckpointCorruptError(f"{checkpoint}: tensor '{name}' cannot be read "
+                                         f"({str(exc).splitlines()[0][:200]})") from None
         return value
 
     return entries, read, config_text
@@ -181,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = command_parser("moe-export", __doc__)
     parser.add_argument("checkpoint", type=Path, help="a step_NNNNNNN checkpoint folder, or a folder of them")
     parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    add_overwrite(parser)
     args = parser.parse_args(argv)
 
     def export() -> None:
         if args.out.is_dir():
             raise ConfigError(f"{args.out} is a folder; give the path of the .safetensors file to write")
+        check_outputs([args.out], [args.checkpoint], args.overwrite)
         if not args.out.parent.is_dir():
             raise ConfigError(f"cannot write {args.out}: its folder {args.out.parent} does not exist")
         if not os.access(args.out.parent, os.W_OK | os.X_OK):

@@ -17,6 +17,7 @@ tensors at a time, and ``--init-from hf:DIR`` converts on the fly, each rank rea
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from config.cli import add_config_arguments, command_parser, load_config_from, run_command
+from config.cli import add_config_arguments, add_overwrite, check_outputs, command_parser, load_config_from, run_command
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
@@ -39,7 +40,15 @@ from interop.export import (
 )
 from interop.hf_family import Family, Source, check_context, hf_targets
 from interop.hf_shards import INDEX_FILE, SINGLE_FILE, parse_size, write_weights
+from interop.hf_tokenizer import (
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    folder_tokenizer,
+    write_tokenizer_files,
+)
 from moe.transformer import MoETransformer
+from parallel.checkpoint import atomic_folder
 from parallel.materialize import load_weights
 
 # the families we convert, by the architecture config.json names; export tries them in this order
@@ -214,7 +223,8 @@ class HFWeights:
 
 
 def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = None) -> RunConfig:
-    """``config`` with the model and router settings of an HF folder's config.json (they override).
+    """``config`` with the model and router settings of an HF folder's config.json (they override), and the
+    folder's ``tokenizer.json`` for its data (``interop.hf_tokenizer.folder_tokenizer``).
 
     The rest (data, training, layout, balancing coefficients, ``model.seq_len`` unless given) stays the
     config's; our context must fit the model's ``max_position_embeddings`` and any sliding window.
@@ -224,6 +234,7 @@ def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = N
     tree = config.to_dict()
     tree["model"].update(shape.model)
     tree["moe"].update(shape.moe)
+    folder_tokenizer(tree["data"], Path(folder))  # the model's own tokenizer reads the run's data
     if seq_len is not None:
         tree["model"]["seq_len"] = seq_len
     result = config_from_dict(tree)
@@ -324,10 +335,22 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
         shape, stored = entries[ours]
         hf_entries[name] = (torch.Size(shape if expert is None else (shape[2], shape[1])), cast or stored)
     hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")
-    out.mkdir(parents=True, exist_ok=True)
-    write_weights(out, hf_entries, hf_tensor, max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    foreign = sorted(path.name for path in out.iterdir() if not is_export_file(path.name)) if out.is_dir() else []
+    if foreign:  # the folder is replaced whole: never what this command did not write
+        raise ConfigError(f"{out} holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which an export "
+                          "does not write; an export replaces its folder whole, so give another --out")
+    with atomic_folder(out) as folder:  # whole or not at all: never a mix of this export and an earlier one
+        write_weights(folder, hf_entries, hf_tensor, max_shard_bytes)
+        (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+        said = write_tokenizer_files(config, folder).replace(str(folder), str(out))
+    print(said, file=sys.stderr)
     return len(hf_entries), config
+
+
+def is_export_file(name: str) -> bool:
+    """Whether ``export_folder`` writes files of this name (an earlier export's, which a new one may replace)."""
+    return name in ("config.json", INDEX_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE) \
+        or fnmatch.fnmatch(name, "model*.safetensors")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     imp = commands.add_parser("import", help="an HF model folder -> our safetensors file (with our config)")
     imp.add_argument("folder", type=Path)
     imp.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    add_overwrite(imp)
     add_config_arguments(imp, config_help="the config whose non-model keys the file records",
                          set_help="override keys of that config, e.g. --set train.lr=1e-4")
     imp.add_argument("--seq-len", type=int, default=None,
@@ -343,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     exp = commands.add_parser("export", help="our checkpoint (or safetensors file) -> an HF model folder")
     exp.add_argument("checkpoint", type=Path, help="a step_NNNNNNN folder, a folder of them, or our .safetensors")
     exp.add_argument("--out", type=Path, required=True, help="the folder to write")
+    add_overwrite(exp)
     exp.add_argument("--architecture", choices=list(FAMILIES), default=None,
                      help="the HF architecture to write (default: the first that expresses the model)")
     exp.add_argument("--dtype", choices=list(EXPORT_DTYPES), default=None,
@@ -353,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def convert() -> None:
+        check_outputs([args.out], [args.folder if args.command == "import" else args.checkpoint], args.overwrite)
         if args.command == "import":
             seq_len = args.seq_len
             if seq_len is None:

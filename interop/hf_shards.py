@@ -63,20 +63,11 @@ def file_names(count: int) -> list[str]:
 
 def write_weights(out: Path, entries: dict[str, tuple[torch.Size, torch.dtype]],
                   tensor: Callable[[str], torch.Tensor], max_bytes: int | None = None) -> list[str]:
-    """Write ``entries`` (name: shape, dtype; each value from ``tensor(name)``) into folder ``out`` as one file
-    or shards with an index; returns the files written.
-
-    Weight files in ``out`` that this export would not overwrite are refused before anything is written:
-    ``transformers`` would read the index and ignore them, or read a stale ``model.safetensors``.
-    """
+    """Write ``entries`` (name: shape, dtype; each value from ``tensor(name)``) into the new, empty folder ``out``
+    (``export_folder`` publishes it whole, so no earlier export's shards can mix in) as one file or shards with an
+    index; returns the files written."""
     groups = shard_groups(entries, max_bytes)
     names = file_names(len(groups))
-    written = set(names) | ({INDEX_FILE} if len(names) > 1 else set())
-    stale = sorted(path.name for pattern in ("model*.safetensors", INDEX_FILE) for path in out.glob(pattern)
-                   if path.name not in written)
-    if stale:
-        raise ConfigError(f"{out} already holds {', '.join(stale)}, which this export would not replace; "
-                          "remove them or give another --out")
     for name, group in zip(names, groups, strict=True):
         write_safetensors_streaming(out / name, {key: entries[key] for key in group}, tensor, {"format": "pt"})
     if len(names) > 1:

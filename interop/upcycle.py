@@ -48,7 +48,7 @@ import torch
 import yaml
 from torch import Tensor
 
-from config.cli import add_config_arguments, command_parser, run_command
+from config.cli import add_config_arguments, add_overwrite, check_outputs, command_parser, run_command
 from config.errors import ConfigError
 from config.run import RunConfig, config_from_dict, load_config
 from config.schema import apply_override, to_dict
@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", type=float, default=0.0,
                         help="std of the noise added to each expert copy, as a fraction of the dense matrix's std")
     parser.add_argument("--seed", type=int, default=0, help="seeds the router and the noise")
+    add_overwrite(parser)
     add_config_arguments(parser, default=None,
                          config_help="config whose data, training and balancing keys the MoE run takes (default: "
                                      "the dense run's own; moe-8x for an HF folder)",
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--out {args.out}: give a .safetensors path (its config goes beside it as .yaml)")
         if not args.out.parent.is_dir():
             raise ConfigError(f"--out {args.out}: its folder {args.out.parent} does not exist")
+        check_outputs([args.out, args.out.with_suffix(".yaml")],
+                      [args.dense] + ([Path(args.config)] if args.config and args.config.endswith(".yaml") else []),
+                      args.overwrite)
         with open_dense(args.dense, args.config, args.overrides) as (source, base):
             config = upcycled_config(source.config, base, args.experts, args.top_k, args.moe_every,
                                      args.first_moe_layer, name=args.out.stem)

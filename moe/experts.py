@@ -21,8 +21,9 @@ from config.errors import ConfigError
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 # GPUs (substrings of ``torch.cuda.get_device_name``) on which ``benchmarks/moe_layer.py --device cuda`` measured
-# the megablocks backend faster than torch's for the layer: ``auto`` picks megablocks there. Empty until a GPU
-# run records such a result (none has yet, docs/gpu.md): ``auto`` is the torch backend everywhere today.
+# the megablocks backend faster than torch's for the layer: ``auto`` picks megablocks there. The H200 (2026-11-26,
+# docs/gpu.md) is not one: megablocks was 4% faster at Mixtral's shape and 25% slower at the standard one, so
+# ``auto`` is the torch backend everywhere measured so far.
 MEGABLOCKS_FASTER_ON: tuple[str, ...] = ()
 
 INSTALL_MEGABLOCKS = ("on a CUDA machine run `bash scripts/install_megablocks.sh` (it builds megablocks 0.10.0 and "

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from config.model import ModelConfig
+from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, yarn_mscale
 
@@ -67,10 +68,13 @@ class LatentAttention(nn.Module):
         self.shared_rope_key = nn.Identity()
         self.softmax_scale = latent_softmax_scale(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x: [B, S, D]; cos, sin: rotary tables [>= S, r/2], of which the first S are used -> [B, S, D]."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None) -> Tensor:
+        """x: [B, S, D]; cos, sin: rotary tables [>= S, r/2], of which the first S are used -> [B, S, D].
+
+        With ``cache`` (generation) x holds the S positions after the cached ones, as in ``Attention``."""
         batch, seq, _ = x.shape
-        cos, sin = cos[:seq], sin[:seq]
+        start = 0 if cache is None else cache.length
+        cos, sin = cos[start:start + seq], sin[start:start + seq]
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_latent_norm(self.wq_a(x)))
         q = q.view(batch, seq, -1, self.nope_dim + self.rope_dim).transpose(1, 2)  # [B, nh, S, n + r]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -82,20 +86,22 @@ class LatentAttention(nn.Module):
         k_rope = self.shared_rope_key(apply_rope(k_rope.unsqueeze(1), cos, sin))  # [B, 1, S, r]
         k_rope = k_rope.expand(-1, heads, -1, -1)  # one rotary key, every head
         k = torch.cat((k_nope, k_rope), dim=-1)
-        out = _attend(q, k, v, self.softmax_scale)  # [B, nh, S, v]
+        k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
+        out = _attend(q, k, v, self.softmax_scale, mask, causal=mask is None and start == 0)  # [B, nh, S, v]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Causal SDPA whose keys and values differ in width (n + r against v): the narrower side is padded with
-    zeros to the wider, which changes no score (a zero channel adds nothing to q·k) and no output channel that is
-    kept (a zero value channel averages to zero, and is cut off). SDPA's flash kernels need one head width for
-    q, k and v; without them it falls back to the math path, which keeps the [S, S] attention weights of every
-    head for backward (measured on CPU: 8 KiB per head per 16-token sequence, 8.6 GB per 4,096-token sequence
-    and layer at DeepSeek-V3's 128 heads)."""
+def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None,
+            causal: bool = True) -> Tensor:
+    """SDPA (causal, or with generation's ``mask`` from ``LayerCache.extend``) whose keys and values differ in width
+    (n + r against v): the narrower side is padded with zeros to the wider, which changes no score (a zero channel
+    adds nothing to q·k) and no output channel that is kept (a zero value channel averages to zero, and is cut off).
+    SDPA's flash kernels need one head width for q, k and v; without them it falls back to the math path, which
+    keeps the [S, S] attention weights of every head for backward (measured on CPU: 8 KiB per head per 16-token
+    sequence, 8.6 GB per 4,096-token sequence and layer at DeepSeek-V3's 128 heads)."""
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
     if v_dim < qk_dim:
         v = F.pad(v, (0, qk_dim - v_dim))
     elif qk_dim < v_dim:
         q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :v_dim]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)[..., :v_dim]

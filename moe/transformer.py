@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from config.model import ModelConfig, MoEConfig
 from moe.experts import FeedForward
 from moe.init import Slice, initialize, whole
+from moe.kv_cache import KVCache, LayerCache
 from moe.latent_attention import LatentAttention
 from moe.layer import MoELayer, RoutingStats
 from moe.losses import attach_loss
@@ -46,10 +47,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x: [B, S, D]; cos, sin: the rotary tables of at least S positions, of which the first S are used."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None) -> Tensor:
+        """x: [B, S, D]; cos, sin: the rotary tables of at least S positions, of which the first S are used.
+
+        With ``cache`` (generation) x holds the S positions after the cached ones: they take the rotary angles of
+        their own positions, and attend to the cached keys and to themselves causally.
+        """
         batch, seq, _ = x.shape
-        cos, sin = cos[:seq], sin[:seq]
+        start = 0 if cache is None else cache.length
+        cos, sin = cos[start:start + seq], sin[start:start + seq]
         q = self.wq(x).view(batch, seq, -1, self.head_dim)  # [B, S, nh, hd]
         k = self.wk(x).view(batch, seq, -1, self.head_dim)  # [B, S, nkv, hd]
         if self.q_norm is not None:
@@ -57,7 +63,9 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -84,8 +92,10 @@ class Block(nn.Module):
     def feed_forward(self) -> nn.Module:
         return self.moe if self.moe is not None else self.ffn
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = _residual(x, self.attn(self.attn_norm(x), cos, sin))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None) -> Tensor:
+        normed = self.attn_norm(x)
+        # the cache is passed only when there is one: tensor parallelism's input hooks count the arguments
+        x = _residual(x, self.attn(normed, cos, sin) if cache is None else self.attn(normed, cos, sin, cache))
         return _residual(x, self.feed_forward(self.ffn_norm(x)))
 
 
@@ -153,18 +163,23 @@ class MoETransformer(nn.Module):
         for layer in self.moe_layers().values():
             layer.router.expert_bias.zero_()
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """tokens: [B, S] int64 -> logits [B, S, V] (fp32 under autocast too)."""
-        seq = tokens.shape[1]
+    def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
+        """tokens: [B, S] int64 -> logits [B, S, V] (fp32 under autocast too).
+
+        With ``cache`` (generation: ``inference/generate.py``) the tokens continue the cached positions, and their
+        keys and values are added to it; the logits are those of the new positions only.
+        """
+        seq = tokens.shape[1] + (0 if cache is None else cache.length)
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.rope_cos.shape[0]}")
         # attention takes the positions it needs from the full tables: under sequence parallelism the blocks
         # pass sequence shards between them and attention alone sees the whole sequence
         embedded = x = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+        for name, block in self.layers.items():
+            x = block(x, self.rope_cos, self.rope_sin) if cache is None else block(x, self.rope_cos, self.rope_sin,
+                                                                                    cache.layer(name))
         logits = self.output(self.norm(x)).float()
-        if self.mtp is not None and self.training:
+        if self.mtp is not None and self.training and cache is None:
             # the modules' mean loss, weighted, reaches backward through the logits (as the balancing losses do)
             losses = prediction_losses(self.mtp, x, embedded, tokens, self.output, self.rope_cos, self.rope_sin)
             self.last_mtp_losses = losses.detach()

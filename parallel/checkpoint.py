@@ -245,6 +245,34 @@ def atomic_output(path: Path, mode: str = "wb", encoding: str | None = None) -> 
     _fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def atomic_folder(path: Path) -> Iterator[Path]:
+    """A folder to write ``path``'s new content into, published whole when the block ends without an error: the
+    folder ``atomic_output`` is for a file. An existing ``path`` is renamed aside, the new folder renamed into
+    place, then the old one removed: a reader finds the old folder, the new one or (for that instant) none, never
+    a mix of two exports; of two concurrent writers the last to publish wins whole. On an error (a full disk, an
+    interrupt) the new folder is removed and ``path`` is left as it was."""
+    tag = f"{os.getpid()}.{secrets.token_hex(4)}"
+    tmp, old = path.with_name(f".{path.name}.{tag}.partial"), path.with_name(f".{path.name}.{tag}.replaced")
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        if path.exists():
+            os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            if old.exists():
+                os.replace(old, path)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(path.parent)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so a reader sees the old or the new content, never a mix."""
     with atomic_output(path, "w", encoding="utf-8") as handle:

@@ -53,13 +53,20 @@ def materialize(model: MoETransformer, device: torch.device, seed: int) -> None:
     (they move with its data), which is why the experts' gradient division lives in their module
     (``ExpertParallelExperts.grad_scale``).
     """
+    allocate(model, device)
+    model.init_weights(seed, locate)
+
+
+def allocate(model: nn.Module, device: torch.device | str) -> None:
+    """Give ``model``'s meta tensors uninitialised storage on ``device``, keeping the parameter objects (and so
+    the embedding's tie to the LM head: see ``materialize``). For a caller that fills every tensor itself
+    (loading a trained model), which then skips the initialisation ``materialize`` would waste."""
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         model.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
-    model.init_weights(seed, locate)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("config", "moe", "parallel", "data", "interop", "training", "analysis")
+PACKAGES = ("config", "moe", "parallel", "data", "interop", "training", "analysis", "inference")
 TOP = ("train", "launch")  # the scripts at the top, which may import everything
 # analysis/ has two halves: planning (imports config, moe, parallel only) and router analysis (reads run directories)
 ROUTER_ANALYSIS = {"analysis.router", "analysis.router_probe", "analysis.router_plots"}
@@ -26,6 +26,7 @@ ALLOWED = {
     "interop": {"config", "moe", "parallel"},
     "training": {"config", "moe", "parallel", "data"},
     "analysis": {"config", "moe", "parallel"},
+    "inference": {"config", "moe", "parallel", "data", "interop"},
     "analysis/router": {"config", "moe", "parallel", "data", "interop", "training"},
 }
 

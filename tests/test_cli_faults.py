@@ -70,7 +70,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_file_id_and_vocab_an
     ids[7777] = 4321
     source = tmp_path / "tokens.bin"
     ids.tofile(source)
-    argv = ["--run-dir", str(tmp_path / "r"), "--set", *TINY, f"data.source={source}",
+    argv = ["--run-dir", str(tmp_path / "r"), "--set", *TINY, f"data.source={source}", "data.token_dtype=uint16",
             f"data.cache_dir={tmp_path / 'cache'}"]
     message = f"{source} holds token id 4321, outside model.vocab_size=256"
     refused(capsys, argv, message)
@@ -115,7 +115,7 @@ def test_the_memory_tool_refuses_bad_flags_naming_them(capsys, argv, message):
     # not "add GPUs": the batch of 16 splits over no data-parallel degree of 9 GPUs but 1, and tp=9 cannot
     # split the sequence of 256
     (["--world-size", "9"], "no layout of 9 GPUs passes train.py's checks for this config, e.g. "
-                            "parallel.sequence_parallel=true splits model.seq_len=256 over parallel.tp=3 ranks"),
+                            "train.global_batch_size=16 must be divisible by the 9 data-parallel ranks"),
     # a fixed degree no layout has: the values it could take
     (["--world-size", "8", "--set", "parallel.tp=3"], "parallel.tp=3: no valid layout of 8 GPUs for this model has "
                                                       "that degree; valid: parallel.tp in [1, 2]"),
@@ -213,6 +213,68 @@ def test_an_export_to_a_path_that_cannot_be_written_is_one_message_and_leaves_no
                          (str(tmp_path), "is a folder")]:
         run_cli("-m", "interop.export", checkpoints, out, message=message)
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_exporting_a_checkpoint_that_a_running_job_prunes_is_one_message(trained_run, tmp_path, capsys,
+                                                                         monkeypatch):
+    import shutil
+
+    import interop.export
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(trained_run / "checkpoints", checkpoints)
+    real_load, reads = interop.export.dcp.load, []
+
+    def load(*args, **kwargs):  # the job prunes the checkpoint after the export read its first tensor
+        reads.append(1)
+        if len(reads) == 2:
+            shutil.rmtree(checkpoints / "step_0000002")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(interop.export.dcp, "load", load)
+    out = tmp_path / "model.safetensors"
+    cli_refused(capsys, interop.export.main, [str(checkpoints), str(out)],
+                f"{checkpoints / 'step_0000002'} disappeared while it was read")
+    assert not out.exists() and not list(tmp_path.glob(".*partial"))
+
+
+def test_outputs_are_replaced_only_when_asked_and_never_over_the_commands_input(trained_run, tmp_path, capsys):
+    from data.tokenizer import main as tokenizer_cli
+    from interop.export import main as export_cli
+    from interop.hf import main as hf_cli
+    from interop.upcycle import main as upcycle_cli
+
+    checkpoints, out = str(trained_run / "checkpoints"), tmp_path / "model.safetensors"
+    assert export_cli([checkpoints, str(out)]) == 0
+    first = out.read_bytes()
+    cli_refused(capsys, export_cli, [checkpoints, str(out)], f"{out} exists; pass --overwrite to replace it")
+    assert out.read_bytes() == first
+    assert export_cli([checkpoints, str(out), "--overwrite"]) == 0
+    capsys.readouterr()
+    cli_refused(capsys, export_cli, [checkpoints, str(trained_run / "checkpoints" / "latest"), "--overwrite"],
+                "would replace a file of the input")
+
+    hf = tmp_path / "hf"  # import --out over the folder's own weights: refused even with --overwrite
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"the original weights")
+    for extra in ([], ["--overwrite"]):
+        cli_refused(capsys, hf_cli, ["import", str(hf), "--out", str(hf / "model.safetensors"), *extra],
+                    f"would replace a file of the input {hf.resolve()}")
+    assert (hf / "model.safetensors").read_bytes() == b"the original weights"
+    exported = tmp_path / "exported"  # an HF export into a folder that holds files
+    exported.mkdir()
+    (exported / "notes.txt").write_text("mine")
+    cli_refused(capsys, hf_cli, ["export", checkpoints, "--out", str(exported)], f"{exported} exists")
+
+    mine = tmp_path / "mine.yaml"  # upcycling's --out mine.safetensors also writes mine.yaml
+    mine.write_text("my own config\n")
+    cli_refused(capsys, upcycle_cli, [checkpoints, "--experts", "4", "--top-k", "2", "--out",
+                                      str(tmp_path / "mine.safetensors")], f"{mine} exists")
+    assert mine.read_text() == "my own config\n" and not (tmp_path / "mine.safetensors").exists()
+
+    tokenizer = tmp_path / "tok.json"
+    tokenizer.write_text("{}")
+    cli_refused(capsys, tokenizer_cli, ["train", "--vocab-size", "300", "--out", str(tokenizer)], f"{tokenizer} exists")
+    assert tokenizer.read_text() == "{}"
 
 
 # --- under torchrun ----------------------------------------------------------------------------------------------

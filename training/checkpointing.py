@@ -60,6 +60,7 @@ from parallel.groups import ParallelGroups
 from parallel.materialize import InitialWeights
 from parallel.runtime import Runtime
 from training.checkpoint_interval import AutoInterval
+from training.optim import restretch_note
 from training.resume import (
     TRAINER_STATE,
     candidates,
@@ -69,6 +70,8 @@ from training.resume import (
     rewind_logs,
     rng_state,
     set_rng,
+    tokenizer_change,
+    tokenizer_fingerprint,
     verified,
 )
 from training.run_dir import rank0_verdict
@@ -188,8 +191,9 @@ class Checkpointer:
         started = time.perf_counter()
         saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
         check_fits(path, model, saved_config, self.config)
-        load_sharded(model, optimizer, path)
         state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
+        tokenizer = tokenizer_change(path, state, saved_config, self.config)
+        load_sharded(model, optimizer, path)
         sampler.load_state_dict(state["sampler"])
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
         self.last_saved_step = self.resumed_step = self.step
@@ -200,10 +204,13 @@ class Checkpointer:
                  f"{time.perf_counter() - started:.2f} s"
                  + ("" if same_world else f"; saved on {state['world_size']} ranks, now {self.runtime.world_size}: "
                     "resharded, and random generators keep this run's seeding"))
+        note = restretch_note(saved_config.get("train") or {}, self.config.train, self.step)
+        if note:
+            self.say(note)
         error = None
         if self.runtime.is_main:  # rank 0 alone touches the run's logs; every rank learns if that failed
             try:
-                record_changes(self.run_dir, path, self.step, saved_config, self.config)
+                record_changes(self.run_dir, path, self.step, saved_config, self.config, tokenizer)
                 rewind_logs(self.run_dir, self.step)
             except ConfigError as exc:
                 error = exc
@@ -295,7 +302,7 @@ class Checkpointer:
     def after_step(self, step: int, model, optimizer, sampler: TokenSampler) -> None:
         """Save if the policy says so, and the step was good (a skipped step leaves weights that gave non-finite
         values: not a state to save). The save is published once the next step's loss is finite."""
-        if (self.policy.enabled and step != self.config.train.steps and self.bad_in_a_row == 0
+        if (self.policy.periodic and step != self.config.train.steps and self.bad_in_a_row == 0
                 and self._due(step)):
             self.save(step, model, optimizer, sampler)
 
@@ -306,7 +313,7 @@ class Checkpointer:
             why = (f"the last {self.bad_in_a_row} step(s) were non-finite and skipped" if self.bad_in_a_row else
                    f"the final weights give a non-finite validation loss ({val_loss})")
             return f"step {step}: {why}; the final state is not saved. {self._advice()}"
-        if self.policy.enabled and self.last_saved_step != step:
+        if self.policy.final and self.last_saved_step != step:
             self.save(step, model, optimizer, sampler, reason="final")
         self._judge_pending(step, good=True)
         self._finalize_pending()
@@ -328,7 +335,8 @@ class Checkpointer:
             (tmp / "rng").mkdir(parents=True)
             trainer_state = {"step": step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
                              "sampler": sampler.state_dict(), "world_size": self.runtime.world_size,
-                             "layout": self.config.parallel.degrees(), "reason": reason}
+                             "layout": self.config.parallel.degrees(), "reason": reason,
+                             "tokenizer": tokenizer_fingerprint(self.config.data.tokenizer)}
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
             (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False), encoding="utf-8")
 

@@ -16,9 +16,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.tensor import DTensor
 
 from config.errors import ConfigError, DivergedError
 from config.run import RunConfig
@@ -39,7 +41,7 @@ from parallel.runtime import Runtime
 from parallel.tensor import lm_loss, loss_context
 from training.checkpointing import Checkpointer
 from training.metrics import MetricsLogger
-from training.optim import build_optimizer, learning_rate
+from training.optim import build_optimizer, learning_rate, warmup_note
 from training.progress import Progress
 from training.resume import checkpoint_root
 from training.routing_log import RoutingLog
@@ -69,13 +71,21 @@ class IntervalStats:
     started: float = field(default_factory=time.perf_counter)
     routing: RoutingAccumulator = field(default_factory=RoutingAccumulator)
     routing_result: IntervalRouting | None = None  # set by record(): the interval's routing, for RoutingLog
+    # a mixture's per-source LM loss: source -> (sum of its rows' mean losses, rows), on the device until record()
+    source_loss: dict[int, list] = field(default_factory=dict)
+
+    def add_source_loss(self, source: int, row_loss_sum: torch.Tensor, rows: int) -> None:
+        entry = self.source_loss.setdefault(source, [0.0, 0])
+        entry[0] = entry[0] + row_loss_sum
+        entry[1] += rows
 
     def add_routing(self, stats: dict[int, RoutingStats]) -> None:
         """Accumulate one micro-batch's routing statistics (``model.routing_stats()`` after it ran; no host sync)."""
         self.routing.add(stats)
 
     def record(self, dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
-               biases: dict[int, torch.Tensor] | None = None) -> dict[str, float | list[float]]:
+               biases: dict[int, torch.Tensor] | None = None,
+               source_names: list[str] | None = None) -> dict[str, float | list[float]]:
         """Interval means: losses per step, routing over the interval's tokens, router load as fractions.
 
         Routing figures are gathered over the pipeline stages (each holds some layers) and summed
@@ -91,22 +101,39 @@ class IntervalStats:
             **mtp,
             "perf/tokens_per_s": self.tokens / elapsed,
             **routing_metrics(self.routing_result),
+            **self._source_losses(source_names, dp_group),
         }
+
+    def _source_losses(self, names: list[str] | None, dp_group: dist.ProcessGroup | None) -> dict[str, float]:
+        """``train/loss/<source>``: each source's mean LM loss over its rows of the interval, all ranks' rows."""
+        if not names:
+            return {}
+        totals = torch.zeros(2, len(names), dtype=torch.float64)
+        for source, (loss_sum, rows) in self.source_loss.items():
+            totals[0, source] += float(loss_sum)
+            totals[1, source] += rows
+        all_reduce(totals, dp_group)
+        return {f"train/loss/{name}": float(totals[0, i] / totals[1, i])
+                for i, name in enumerate(names) if totals[1, i] > 0}
 
 
 @torch.no_grad()
 def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfig, micro: int, autocast,
-             dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None) -> float:
+             dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None,
+             mixture: bool = True) -> float:
     """Mean LM loss over the fixed validation set: ``train.eval_batches`` global batches.
 
     Each global batch (``train.global_batch_size`` sequences) is split over the data-parallel ranks
-    and run in micro-batches, as in training, so every layout evaluates the same sequences.
+    and run in micro-batches, as in training, so every layout evaluates the same sequences. ``val_tokens`` is the
+    split's tail, each source's of a mixture (drawn by weight), or a named validation set (``mixture=False``).
     """
     model.eval()
     device = next(model.parameters()).device
     chunks = [(inputs[m:m + micro].to(device), targets[m:m + micro].to(device))
               for inputs, targets in eval_batches(val_tokens, config.model.seq_len, config.train.global_batch_size,
-                                                  config.train.eval_batches, dp_rank, dp_size)
+                                                  config.train.eval_batches, dp_rank, dp_size,
+                                                  [c.weight for c in config.data.corpora()]
+                                                  if config.data.sources and mixture else None)
               for m in range(0, inputs.shape[0], micro)]
     if isinstance(model, PipelineModel):  # forward only, through the pipeline schedule
         total = model.eval_losses(chunks).sum()
@@ -119,10 +146,21 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
     return float(all_reduce(total, dp_group)) / (len(chunks) * dp_size)
 
 
+def describe_sources(config: RunConfig, sampler: TokenSampler) -> str:
+    """The source, or each source of a mixture with its weight and the share the schedule realises for it."""
+    if not sampler.mixture:
+        return config.data.source
+    total = sum(sampler.weights)
+    return "mixture of " + ", ".join(
+        f"{name} (weight {weight / total:.4f}, realised {share:.4f})"
+        for name, weight, share in zip(sampler.names, sampler.weights, sampler.schedule.proportions, strict=True))
+
+
 def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, micro: int, grad_clip: float, autocast, interval: IntervalStats,
                dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
-               vocab_parallel: bool = False, grad_reduce: str = "step") -> tuple[float, float]:
+               vocab_parallel: bool = False, grad_reduce: str = "step",
+               sources: np.ndarray | None = None) -> tuple[float, float]:
     """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
 
     ``vocab_parallel``: the model's logits are sharded over the vocabulary (``parallel/tensor.py``).
@@ -132,6 +170,10 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     The step is skipped (no update) when the loss or gradient norm is not finite, so
     bad values never reach the weights; every rank sees the same reduced values and so
     takes the same decision. The caller decides what to do about it.
+
+    ``sources`` (a mixture's source of each row, from ``TokenSampler.last_sources``): each source's loss over its
+    rows is added to ``interval`` too, computed again from the same logits with no gradient (plain logits only: a
+    vocabulary- or sequence-sharded DTensor, and the pipeline schedule, report the overall loss alone).
     """
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
@@ -145,7 +187,10 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
             set_gradient_sync(model, grad_reduce, last=m == accumulation - 1)
             with loss_context(vocab_parallel):
                 with autocast():
-                    loss = lm_loss(model(x), y)
+                    logits = model(x)
+                    loss = lm_loss(logits, y)
+                    if sources is not None and not isinstance(logits, DTensor):
+                        _add_source_losses(interval, logits, y, sources[m * micro:(m + 1) * micro])
                 (loss / accumulation).backward()
             step_loss += loss.detach().double().cpu() / accumulation
             routing.append(model.routing_stats())
@@ -173,11 +218,32 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     return step_loss, grad_norm
 
 
+@torch.no_grad()
+def _add_source_losses(interval: IntervalStats, logits: torch.Tensor, targets: torch.Tensor,
+                       sources: np.ndarray) -> None:
+    """Each source's summed row losses of one micro-batch (every row has seq_len tokens, so row means weigh
+    alike), kept on the device: no host sync until the interval is recorded."""
+    for source in np.unique(sources):
+        rows = torch.from_numpy(np.flatnonzero(sources == source)).to(logits.device)
+        loss = lm_loss(logits.index_select(0, rows), targets.index_select(0, rows))
+        interval.add_source_loss(int(source), loss.detach().double() * len(rows), len(rows))
+
+
 @dataclass
 class RunResult:
     summary: dict[str, float]
     model: MoETransformer | PipelineModel  # the trained model, parallelized as it was trained (this rank's stages)
     optimizer: torch.optim.Optimizer | None = None  # its optimizer, with the state a checkpoint would hold
+
+
+def finished_run_note(config: RunConfig, run_dir: Path, checkpoint_folder: Path, step: int) -> str:
+    """What a run started again after it finished says instead of training: nothing is left to do, so it is not
+    an error (``make train`` twice succeeds), but the person learns how to train on, start over, or use the model."""
+    return (f"run '{config.name}' in {run_dir} is complete: its checkpoint in {checkpoint_folder} is at step {step} "
+            f"of train.steps={config.train.steps}, so there is nothing to train. To train on, run the same command "
+            f"with --set train.steps=N (N > {step}; the learning-rate schedule is stretched to N); to start over, "
+            f"use another --run-dir (or move {checkpoint_folder} away). The model: moe-generate {run_dir} "
+            f"--prompt TEXT, moe-evaluate {run_dir} --text FILE, moe-export {checkpoint_folder} model.safetensors")
 
 
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups, resume: str = "auto",
@@ -212,10 +278,25 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     # seq_len (the validation split would otherwise fail only at the first evaluation)
     failure = None  # every rank meets the same data: one says what is wrong with it
     try:
-        tokens = load_tokens(config.data.source, config.data.cache_dir, config.model.vocab_size,
-                             config.data.tokenizer)
-        train_tokens, val_tokens = split_tokens(tokens, config.data.val_fraction, config.model.seq_len)
-        sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
+        corpora = config.data.corpora()
+        splits = [split_tokens(load_tokens(c.path, config.data.cache_dir, config.model.vocab_size,
+                                           config.data.tokenizer, c.text_key, config.data.skip, c.token_dtype,
+                                           config.data.document_end, config.data.workers),
+                               config.data.val_fraction, config.model.seq_len) for c in corpora]
+        if config.data.sources:  # a mixture: each source's own split, drawn by weight
+            train_tokens, val_tokens = [train for train, _ in splits], [val for _, val in splits]
+            sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size,
+                                   weights=[c.weight for c in corpora], names=[c.name for c in corpora])
+        else:
+            train_tokens, val_tokens = splits[0]
+            sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size)
+        named_val = {}  # data.validation: whole corpora, evaluated beside the split and logged as val/<name>
+        for v in config.data.validation_sets():
+            named_val[v.name] = load_tokens(v.path, config.data.cache_dir, config.model.vocab_size,
+                                            config.data.tokenizer, v.text_key, config.data.skip, v.token_dtype,
+                                            config.data.document_end, config.data.workers)
+            eval_batches(named_val[v.name], config.model.seq_len, config.train.global_batch_size,
+                         config.train.eval_batches, dp_rank, dp_size)  # its size checked now, not at the first eval
     except ValueError as exc:
         failure = exc
     first_failure_verdict(runtime, failure)
@@ -228,6 +309,9 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     optimizer = build_optimizer(model, config.train)
     checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_weights)
     first_step = checkpoints.restore(model, optimizer, sampler) + 1
+    if first_step > config.train.steps:  # the same command again after the run finished: say what would go on
+        checkpoints.say(finished_run_note(config, run_dir, checkpoints.root, first_step - 1))
+        return RunResult({"steps": first_step - 1, "trained_steps": 0}, model, optimizer)
     counts = parameter_counts(config.model, config.moe)
     flops_per_token = training_flops_per_token(config.model, config.moe)
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
@@ -249,11 +333,14 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     say = (lambda text: print(text, file=sys.stderr)) if runtime.is_main else (lambda text: None)
     say(f"run '{config.name}' in {run_dir}: {counts.total / 1e6:.2f}M parameters, {counts.active / 1e6:.2f}M active; "
         f"{config.model.n_moe_layers} MoE layers of {config.moe.num_experts} experts, top-{config.moe.top_k}")
-    say(f"data: {config.data.source}, tokenizer {config.data.tokenizer} ({len(train_tokens):,} train / "
-        f"{len(val_tokens):,} val tokens); "
+    val_sizes = [len(v) for v in (val_tokens if sampler.mixture else [val_tokens])]
+    say(f"data: {describe_sources(config, sampler)}, tokenizer {config.data.tokenizer} "
+        f"({sum(map(len, sampler.sources)):,} train / {sum(val_sizes):,} val tokens); "
         f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {dp_size} rank(s) x "
         f"{accumulation} micro-batch(es) of {micro}")
     say(f"precision: {precision.precision} on {device} ({precision.reason})")
+    if (note := warmup_note(config.train)) is not None:
+        say(note)
     if isinstance(model, PipelineModel):
         say(model.describe())
 
@@ -268,7 +355,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
                                           autocast, interval, dp_group, pp_group, config.parallel.vocab_parallel,
-                                          config.parallel.grad_reduce)
+                                          config.parallel.grad_reduce, sampler.last_sources)
         stop = checkpoints.check_finite(step, step_loss, grad_norm, model, optimizer, sampler)
         if stop:
             logger.close()
@@ -280,10 +367,14 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         total_tokens += tokens_per_step
         progress.tick(step)
         if step % config.logging.log_interval == 0 or step == config.train.steps:
-            record = interval.record(dp_group, pp_group, balancing_biases(model))
+            record = interval.record(dp_group, pp_group, balancing_biases(model),
+                                     sampler.names if sampler.mixture else None)
             record.update({"train/lr": lr, "train/grad_norm": grad_norm,
                            "perf/mfu": record["perf/tokens_per_s"] * flops_per_token / precision.peak_flops,
                            "perf/memory_peak_gib": max(memory_per_rank(device)) / 2**30})
+            if sampler.mixture:  # the realised mixture: each source's share of the samples drawn so far
+                record.update({f"data/share/{name}": count / sampler.samples_seen
+                               for name, count in sampler.source_counts().items()})
             logger.log(step, record)
             routing_log.append(step, interval.routing_result, last=step == config.train.steps)
             progress.update(step, record)
@@ -291,18 +382,23 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
             interval = IntervalStats()
         if config.train.eval_interval and step % config.train.eval_interval == 0 and step != config.train.steps:
             val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
-            logger.log(step, {"val/loss": val})
-            progress.message(f"step {step}: val loss {val:.4f}")
+            named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group,
+                                             mixture=False) for name, tokens in named_val.items()}
+            logger.log(step, {"val/loss": val, **named})
+            progress.message(f"step {step}: val loss {val:.4f}"
+                             + "".join(f", {key[4:]} {value:.4f}" for key, value in named.items()))
         checkpoints.after_step(step, model, optimizer, sampler)
     val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
-    logger.log(config.train.steps, {"val/loss": val})
+    named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group, mixture=False)
+             for name, tokens in named_val.items()}
+    logger.log(config.train.steps, {"val/loss": val, **named})
     stop = checkpoints.finish(config.train.steps, model, optimizer, sampler, val)  # saved only if val is finite
     if stop:
         logger.close()
         raise NonFiniteLossError(stop)
     elapsed = time.perf_counter() - start
     peaks = [peak / 2**30 for peak in memory_per_rank(device)]
-    summary.update({"val/loss": val, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,
+    summary.update({"val/loss": val, **named, "perf/tokens_per_s": total_tokens / elapsed, "time_s": elapsed,
                     "steps": config.train.steps, "precision": precision.precision,
                     "perf/memory_peak_gib": max(peaks), "perf/memory_peak_gib_per_rank": peaks,
                     "perf/memory_before_model_gib_per_rank": [held / 2**30 for held in before_model]})

@@ -30,7 +30,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from config.errors import ConfigError
+from config.errors import ConfigError, UserError
+
+
+class LogWriteError(UserError):
+    """A run's log file could not be written (a full disk, say): the run stops, and says where and what to do."""
+
+    def __init__(self, path: Path, step: int, error: OSError):
+        super().__init__(f"cannot write {path} at step {step} ({error.strerror or error}); the run stopped. Free "
+                         "space there and start the same command again: it resumes from the newest checkpoint and "
+                         "rewinds the logs to it (without checkpoints, start over with --resume none)")
 
 WANDB_MODES = ("offline", "online", "disabled")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -137,8 +146,11 @@ class MetricsLogger:
             raise RuntimeError(f"MetricsLogger.log(step={step}) after close() of {self.run_dir}")
         plain = {key: _plain(value) for key, value in metrics.items()}
         record = {"step": int(step), **plain}
-        self._file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a line cut short is skipped by read_metrics and dropped by the rewind at resume
+            raise LogWriteError(self.run_dir / "metrics.jsonl", step, exc) from exc
         if self._run is not None:
             self._run.log(_wandb_scalars(plain), step=int(step))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -51,3 +52,35 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     floor = config.lr * config.min_lr_ratio
     return floor + (config.lr - floor) * cosine
+
+
+SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
+
+
+def warmup_note(config: TrainConfig) -> str | None:
+    """What a run whose warmup is longer than the run does, said at its start (``learning_rate`` warms it up
+    over all its steps: it never reaches ``train.lr`` until its last step, and never decays)."""
+    if config.warmup_steps <= config.steps:
+        return None
+    return (f"schedule: train.warmup_steps={config.warmup_steps} is longer than train.steps={config.steps}, so "
+            f"the whole run warms up: lr {learning_rate(1, config):.3g} at step 1 rising to {config.lr:.3g} at step "
+            f"{config.steps}, with no decay; set train.warmup_steps below {config.steps} for a cosine decay")
+
+
+def restretch_note(saved: dict, config: TrainConfig, step: int) -> str | None:
+    """What changes in the learning-rate curve when a run resumed after ``step`` has other schedule settings than
+    its checkpoint (``saved``, the checkpoint's ``train`` section): the schedule is a function of the step and
+    these settings, so the curve is redrawn from the next step on. Its key points, before and after: the next
+    step's lr, where warmup ends, and where and at what lr the decay ends. None when nothing changed."""
+    old = dataclasses.replace(config, **{key: saved[key] for key in SCHEDULE_KEYS if key in saved})
+    if all(getattr(old, key) == getattr(config, key) for key in SCHEDULE_KEYS):
+        return None
+
+    def points(train: TrainConfig) -> str:
+        warmup = min(train.warmup_steps, train.steps)
+        return (f"lr {learning_rate(step + 1, train):.3g} at step {step + 1}, warmup ending at step {warmup}, "
+                f"decay ending at step {train.steps} at lr {learning_rate(train.steps, train):.3g}")
+
+    changed = ", ".join(f"train.{key} {getattr(old, key)} -> {getattr(config, key)}" for key in SCHEDULE_KEYS
+                        if getattr(old, key) != getattr(config, key))
+    return f"schedule redrawn at resume ({changed}): was {points(old)}; now {points(config)}"

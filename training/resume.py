@@ -7,6 +7,7 @@ are written and verified by ``parallel/checkpoint.py``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -39,6 +40,29 @@ def checkpoint_root(config: RunConfig, run_dir: Path) -> Path:
     """The folder a run's checkpoints go to: ``checkpoint.dir``, under the run directory unless absolute."""
     folder = Path(config.checkpoint.dir)
     return folder if folder.is_absolute() else Path(run_dir) / folder
+
+
+def tokenizer_fingerprint(spec: str) -> str:
+    """What a token id means, recorded in each checkpoint: ``bytes``, or the SHA-256 of the tokenizer.json's content
+    (its path alone does not say: a tokenizer retrained in place keeps its path and changes every id)."""
+    return spec if spec == "bytes" else "sha256:" + hashlib.sha256(Path(spec).read_bytes()).hexdigest()
+
+
+def tokenizer_change(path: Path, trainer_state: dict, saved_config: dict, config: RunConfig) -> dict[str, dict]:
+    """The tokenizer's change since the checkpoint at ``path``, as a change to record with the config's ({} when
+    none, or when the checkpoint predates fingerprints). Refused when the content changed under the same
+    ``data.tokenizer``: the model learned the old ids, and nothing asked for new ones. Given under another path
+    the change is deliberate, and recorded."""
+    saved = trainer_state.get("tokenizer")
+    now = tokenizer_fingerprint(config.data.tokenizer)
+    if saved is None or saved == now:
+        return {}
+    if saved_config.get("data", {}).get("tokenizer") == config.data.tokenizer:
+        raise ConfigError(f"data.tokenizer {config.data.tokenizer} changed since {path} was saved ({saved} -> {now}): "
+                          "the model learned the old token ids. Put the old file back to resume; or, to go on with "
+                          "the new tokenizer deliberately, give it under another path (--set data.tokenizer=NEW), "
+                          f"which is recorded in {RESUME_CHANGES}")
+    return {"data.tokenizer (content)": {"saved": saved, "now": now}}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -123,9 +147,11 @@ def check_fits(path: Path, model, saved_config: dict, config: RunConfig) -> None
                       + "; resume it with its own model settings, or start a new run in another --run-dir")
 
 
-def record_changes(run_dir: Path, path: Path, step: int, saved_config: dict, config: RunConfig) -> None:
-    """Print and append to ``resume_changes.yaml`` every config key that differs from the checkpoint's (rank 0)."""
-    changes = config_changes(saved_config, config.to_dict())
+def record_changes(run_dir: Path, path: Path, step: int, saved_config: dict, config: RunConfig,
+                   more: dict[str, dict] | None = None) -> None:
+    """Print and append to ``resume_changes.yaml`` every config key that differs from the checkpoint's, and the
+    ``more`` changes found otherwise (the tokenizer's content), on rank 0."""
+    changes = config_changes(saved_config, config.to_dict()) | (more or {})
     if not changes:
         return
     for key, change in changes.items():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.metrics import MetricsLogger
+from training.metrics import LogWriteError, MetricsLogger
 from training.routing_stats import ROUTING_DIR, IntervalRouting, append_rows, routing_rows
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -93,7 +93,10 @@ class RoutingLog:
         if not self.logger.enabled or routing is None:
             return
         for name, values in routing_rows(step, routing).items():
-            append_rows(self.folder / f"{name}.npy", values)
+            try:
+                append_rows(self.folder / f"{name}.npy", values)
+            except OSError as exc:
+                raise LogWriteError(self.folder / f"{name}.npy", step, exc) from exc
         if self.charts_every and (self.intervals % self.charts_every == 0 or last):
             log_routing_charts(self.logger, step, routing)
         self.intervals += 1

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from numpy.lib import format as npy
 
 from moe.layer import RoutingStats
+from parallel.checkpoint import atomic_output
 
 ROUTING_DIR = "routing"
 # order of the scalars packed after tokens_per_expert: dropped, tokens, sum of entropy, sum of top1_prob,
@@ -207,8 +208,9 @@ def append_rows(path: Path, rows: np.ndarray) -> None:
     still describes the rows before, which ``numpy.load`` reads (it ignores bytes past the shape).
     """
     rows = np.ascontiguousarray(rows)
-    if not path.exists():
-        np.save(path, rows)
+    if not path.exists():  # whole or not at all: a half-written header would stop every later append and read
+        with atomic_output(path) as handle:
+            np.save(handle, rows)
         return
     with open(path, "r+b") as handle:
         version = npy.read_magic(handle)

@@ -11,6 +11,12 @@ from its own checkpoints (``--resume auto``): the checkpoint rewinds the logs to
 one run. Without a checkpoint there is nothing to continue from and a new run would mix its records with the
 old ones: ``--resume auto`` (or a checkpoint of another run) is refused, and ``--resume none`` moves the old run's
 files aside into ``<run_dir>/replaced/<time>/`` (nothing is deleted) and starts fresh.
+
+A ``checkpoint.dir`` outside the run directory (an absolute path, say a shared disk) belongs to one run too: it
+is locked with the run (its own ``run.lock``) and names its run directory in ``owner.txt``. A run whose directory
+is not the one named there is refused, whatever ``--resume`` says: else two experiments given one
+``checkpoint.dir`` would continue each other's checkpoints (the second resuming the first's last step, training
+nothing, and reporting its validation loss as its own).
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 from config.errors import ConfigError
-from parallel.checkpoint import published_checkpoints
+from parallel.checkpoint import published_checkpoints, write_text_atomic
 from parallel.runtime import Runtime
 
 LOCK = "run.lock"
+OWNER = "owner.txt"  # in a checkpoint.dir outside its run directory: that run directory's resolved path
 # What a run writes into its directory besides its checkpoints (training/loop.py, metrics.py, routing_stats.py).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "resume_changes.yaml", "routing", "wandb")
 REPLACED = "replaced"
@@ -60,22 +67,27 @@ def hold_run_dir(run_dir: Path, runtime: Runtime, checkpoint_root: Path, resume:
     raises ``RunDirError`` on every rank. The lock is released when the block ends, or by the OS if the process dies.
     """
     run_dir = Path(run_dir)
-    lock, error = None, None
+    locks, error = [], None
     if runtime.is_main:
         try:
-            lock = _lock(run_dir)
+            locks.append(_lock(run_dir, f"--run-dir {run_dir}"))
             claim_run_dir(run_dir, checkpoint_root, resume)
             if saves:
                 _check_writable(checkpoint_root)
+            if not checkpoint_root.resolve().is_relative_to(run_dir.resolve()) and checkpoint_root.is_dir():
+                locks.append(_lock(checkpoint_root, f"checkpoint.dir {checkpoint_root}"))
+                claim_checkpoint_dir(checkpoint_root, run_dir, saves)
         except (RunDirError, OSError) as exc:  # every rank waits for the verdict: never leave without one
             error = str(exc) if isinstance(exc, RunDirError) else f"--run-dir {run_dir}: {exc}"
-            _release(lock)
-            lock = None
+            for lock in locks:
+                _release(lock)
+            locks = []
     rank0_verdict(runtime, None if error is None else RunDirError(error))
     try:
         yield
     finally:
-        _release(lock)
+        for lock in locks:
+            _release(lock)
 
 
 def rank0_verdict(runtime: Runtime, error: ConfigError | None) -> None:
@@ -109,25 +121,26 @@ def first_failure_verdict(runtime: Runtime, error: Exception | None) -> None:
     raise error
 
 
-def _lock(run_dir: Path) -> IO[str] | None:
-    """Create ``run_dir`` and take its lock; the open lock file (None where the filesystem has no locks)."""
+def _lock(folder: Path, named: str) -> IO[str] | None:
+    """Create ``folder`` (the run directory, or a checkpoint.dir outside it, as the user ``named`` it) and take its
+    lock; the open lock file (None where the filesystem has no locks)."""
+    option = named.split()[0]
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(run_dir / LOCK, "a+", encoding="utf-8", errors="replace")  # noqa: SIM115 - held until _release
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / LOCK, "a+", encoding="utf-8", errors="replace")  # noqa: SIM115 - held until _release
     except OSError as exc:
-        raise RunDirError(f"--run-dir {run_dir}: cannot create {run_dir / LOCK} ({exc.strerror}); "
-                          "use a writable --run-dir") from exc
+        raise RunDirError(f"{named}: cannot create {folder / LOCK} ({exc.strerror}); use a writable {option}") from exc
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip() or "a process that has not written its name yet"
         handle.close()
-        raise RunDirError(f"--run-dir {run_dir} is in use by another run ({holder}); wait for it to end or "
-                          "stop it, or use another --run-dir") from None
+        raise RunDirError(f"{named} is in use by another run ({holder}); wait for it to end or stop it, or use "
+                          f"another {option}") from None
     except OSError as exc:  # a filesystem without locks (some network mounts): run, but say what is not guarded
         handle.close()
-        print(f"warning: cannot lock {run_dir / LOCK} ({exc.strerror}): a second run in this directory at the same "
+        print(f"warning: cannot lock {folder / LOCK} ({exc.strerror}): a second run using {named} at the same "
               "time would not be refused", file=sys.stderr)
         return None
     handle.seek(0)
@@ -178,6 +191,24 @@ def claim_run_dir(run_dir: Path, checkpoint_root: Path, resume: str) -> None:
                           "--run-dir")
     raise RunDirError(f"--resume {resume}: --run-dir {run_dir} holds another run ({', '.join(found)}); start from "
                       f"{resume} in a new --run-dir")
+
+
+def claim_checkpoint_dir(checkpoint_root: Path, run_dir: Path, saves: bool) -> None:
+    """Refuse a ``checkpoint.dir`` outside ``run_dir`` that belongs to another run; record this run as its owner
+    where none is recorded, it holds no checkpoints and this run ``saves`` there (see the module docstring)."""
+    owner_file, mine = checkpoint_root / OWNER, str(run_dir.resolve())
+    recorded = owner_file.read_text(encoding="utf-8", errors="replace").strip() if owner_file.is_file() else None
+    if recorded == mine:
+        return
+    if recorded is not None:
+        raise RunDirError(f"checkpoint.dir {checkpoint_root} belongs to the run in {recorded} (its {OWNER}); give "
+                          f"this run a checkpoint.dir of its own, or continue that run with --run-dir {recorded}")
+    if published := published_checkpoints(checkpoint_root):
+        raise RunDirError(f"checkpoint.dir {checkpoint_root} holds checkpoints (newest {published[0][1].name}) of a "
+                          f"run that named no owner; give this run a checkpoint.dir of its own, or, if they are this "
+                          f"run's, write its directory ({mine}) into {owner_file}")
+    if saves:
+        write_text_atomic(owner_file, mine + "\n")
 
 
 def _move_aside(run_dir: Path, names: list[str]) -> None:

@@ -90,3 +90,26 @@ def test_the_planners_top_layouts_build_and_match_the_memory_model():
         built, estimates = dry_run(candidate.config, resolve_layout(candidate.config, 8), "bf16")
         for predicted in estimates:
             assert max(s.total for s in built if s.pp_rank == predicted.pp_rank) == predicted.states.total
+
+
+def test_the_dry_run_ends_with_a_verdict_against_a_gpu_and_its_headroom(capsys):
+    layout = [*MODEL, "parallel.dp_shard=4", "parallel.ep=2"]
+    assert train.main(["--dry-run", "--world-size", "4", "--set", *layout]) == 0
+    out = capsys.readouterr().out
+    worst = max(e.total for e in dry_run(load_config("moe-8x", layout), resolve_layout(load_config("moe-8x", layout),
+                                                                                     4), "bf16")[1])
+    assert (f"verdict: the busiest rank's predicted step total, {worst / GIB:.2f} GiB, fits in the 72.0 GiB usable "
+            "of 80 GiB (H100 SXM5") in out
+    tiny = 0.9 * worst / GIB  # fits the device, not the device less 10%
+    assert train.main(["--dry-run", "--world-size", "4", "--device-memory", str(tiny), "--set", *layout]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit in the" in out and "python -m analysis.planner --config moe-8x --world-size 4" in out
+    assert train.main(["--dry-run", "--world-size", "4", "--gpu", "a100-40gb", "--set", *layout]) == 0
+    assert "36.0 GiB usable of 40 GiB (A100 SXM4 40GB" in capsys.readouterr().out
+    for argv, message in [(["--gpu", "h100"], "--gpu sets the --dry-run's memory verdict"),
+                          (["--dry-run", "--world-size", "4", "--headroom", "-0.1"],
+                           "--headroom must be a fraction in [0, 1)"),
+                          (["--dry-run", "--world-size", "4", "--device-memory", "0"],
+                           "--device-memory must be a positive number")]:
+        assert train.main([*argv, "--set", *layout]) == 2
+        assert message in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -41,3 +42,23 @@ def test_train_refuses_before_any_work_and_says_when_no_layout_fits(monkeypatch,
     err = capsys.readouterr().err
     assert err.startswith("error: not enough memory: every rank") and "no layout of 1 rank(s) fits" in err
     assert not run_dir.exists()  # nothing was started or written
+
+
+@pytest.mark.parametrize("requested", ["auto", "bf16"])
+def test_the_banners_memory_prediction_uses_the_precision_the_run_trains_in(tmp_path, capsys, requested):
+    """One rule (parallel.hardware.auto_precision): the banner's prediction, the precision line and the summary
+    name the same precision, and the prediction is the memory model's for it on this device."""
+    settings = [*MODEL, f"train.precision={requested}", "train.steps=1", "train.eval_batches=1",
+                "train.eval_interval=0", "logging.wandb=disabled", "logging.progress=lines", "checkpoint.final=false",
+                "checkpoint.interval=null"]
+    assert train.main(["--run-dir", str(tmp_path), "--set", *settings]) == 0
+    err = capsys.readouterr().err
+    predicted, banner = re.search(r"memory model: ([0-9.]+) GiB per rank \((\w+);", err).groups()
+    trained = re.search(r"precision: (\w+) on cpu", err).group(1)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert banner == trained == summary["precision"]
+    if requested == "bf16":
+        assert trained == "bf16"
+    config = load_config("moe-8x", settings)
+    assert float(predicted) == pytest.approx(predicted_bytes(config, resolve_layout(config, 1), trained, "cpu")[0]
+                                             / GIB, abs=0.006)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 import pytest
 
+import train
 from analysis import communication, memory, planner
 from config.errors import ConfigError
 from config.run import load_config
@@ -416,3 +418,50 @@ def test_latent_attention_gemms_are_its_projections(query_rank):
     latent = 32 * (query_rank or 0) + 32 * 16
     per_head = weights - latent
     assert sum(c * 2 * m * k * n for c, m, k, n in split) == 2 * tokens * (latent + per_head // 2)
+
+
+def test_each_printed_command_dry_runs_unchanged_to_its_plans_layout_and_memory(capsys):
+    """The planner's commands are the plans: train.py's part of each, given to --dry-run as printed, resolves the
+    plan's layout and predicts the plan's memory; every plan leaves the default 10% of the GPU free."""
+    args = ["--config", "moe-8x", "--world-size", "8", "--top", "4", "--set", *SMALL, "train.seed=3"]
+    assert planner.main(args) == 0
+    out = capsys.readouterr().out
+    assert "80 GiB each (72.0 usable: 10% headroom" in out
+    config = load_config("moe-8x", [*SMALL, "train.seed=3"])
+    found = planner.search(config, 8, 0.9 * 80 * planner.GIB, top=4)
+    commands = [line.split(maxsplit=1)[1] for line in out.splitlines()[-4:]]
+    assert len(found.plans) == 4 and all(p.memory <= 0.9 * 80 * planner.GIB for p in found.plans)
+    for plan, command in zip(found.plans, commands, strict=True):
+        assert command == planner.launch_command(plan, config, "moe-8x", [*SMALL, "train.seed=3"], 8)
+        words = shlex.split(command)
+        assert words[:3] == ["torchrun", "--standalone", "--nproc-per-node=8"] and "train.seed=3" in words
+        assert train.main([*words[words.index("train.py") + 1:], "--dry-run", "--world-size", "8"]) == 0
+        dry = capsys.readouterr().out
+        assert f"predicted step total, {plan.memory / planner.GIB:.2f} GiB, fits in the 72.0 GiB usable" in dry
+        resolved = resolve_layout(load_config("moe-8x", words[words.index("--set") + 1:]), 8)
+        assert resolved.layout == plan.layout
+
+
+def test_overrides_name_only_what_the_plan_changed_and_nodes_split_the_world():
+    config = load_config("moe-8x", SMALL)
+    plan = planner.evaluate(planner.with_layout(config, Layout.resolve(8, pp=2, dp_shard=2, tp=2, ep=2), "moe",
+                                                "microbatch", ("interleaved_1f1b", 2), 2),
+                            Layout.resolve(8, pp=2, dp_shard=2, tp=2, ep=2), H100, 8)
+    assert planner.plan_overrides(plan, config) == [
+        "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2",
+        "parallel.activation_checkpointing=moe", "parallel.sequence_parallel=true", "parallel.grad_reduce=microbatch",
+        "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2", "train.micro_batch_size=2"]
+    assert [planner.node_shape(w, 8) for w in (8, 64, 4, 12, 7)] == [(1, 8), (8, 8), (1, 4), (2, 6), (1, 7)]
+
+
+def test_headroom_is_applied_shown_and_checked(capsys):
+    args = ["--config", "moe-8x", "--world-size", "8", "--set", *SMALL, "--top", "1"]
+    assert planner.main([*args, "--headroom", "0.5"]) == 0
+    assert "80 GiB each (40.0 usable: 50% headroom" in capsys.readouterr().out
+    assert planner.main([*args, "--headroom", "1"]) == 2
+    assert "--headroom must be a fraction in [0, 1), got 1.0" in capsys.readouterr().err
+    mixtral = load_config("mixtral-8x7b", ["train.micro_batch_size=1"])
+    found = planner.search(mixtral, 8, 0.9 * 80 * planner.GIB)
+    text = planner.format_plans(mixtral, found, 8, 80 * planner.GIB, H100, 0.5, 10, usable=0.9 * 80 * planner.GIB)
+    _, need = found.closest
+    assert f"{need / planner.GIB - 72:.1f} GiB more than the 72.0 GiB usable of 80 GiB" in text

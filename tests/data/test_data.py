@@ -89,7 +89,7 @@ def test_stdlib_cache_is_reused_and_invalidated_by_a_changed_file(fake_stdlib, t
 def test_empty_stdlib_raises_naming_data_source(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     fake_stdlib_path(monkeypatch, tmp_path / "empty")
-    with pytest.raises(ValueError, match=r"data\.source='stdlib': no readable text"):
+    with pytest.raises(ValueError, match=r"data\.source='stdlib': no text in its 0 file"):
         load_tokens("stdlib", tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []
 
@@ -124,7 +124,7 @@ def test_real_stdlib_second_call_maps_the_same_cache(real_stdlib, monkeypatch):
     assert len(again) == len(tokens)
 
 
-def test_text_folder_skips_binary_and_hidden_files(tmp_path):
+def test_text_folder_refuses_binary_files_unless_skipped_and_leaves_hidden_files_out(tmp_path):
     folder = tmp_path / "corpus"
     write(folder / "b.txt", b"second file")
     write(folder / "a" / "z.md", "first file, caf\u00e9".encode())
@@ -132,7 +132,10 @@ def test_text_folder_skips_binary_and_hidden_files(tmp_path):
     write(folder / "late_nul.txt", b"x" * 9000 + b"\x00tail")  # NUL past the 8 KiB sniff: kept as text
     write(folder / ".git" / "config", b"[core]")
     write(folder / ".notes", b"hidden")
-    tokens = load_tokens(str(folder), tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"1 file\(s\) in no format taken here: image\.png\. Formats taken: .*skip"):
+        load_tokens(str(folder), tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()  # refused before any work
+    tokens = load_tokens(str(folder), tmp_path / "cache", skip=["*.png"])
     assert_array_equal(tokens, expected_stream(folder, ["a/z.md", "b.txt", "late_nul.txt"]))
 
 
@@ -157,17 +160,22 @@ def test_single_text_file_and_an_unreadable_file_is_an_error_naming_it(tmp_path,
     assert [p.name for p in (tmp_path / "c2").iterdir()] == []  # no partial cache
 
 
-def test_folder_of_only_binary_files_is_an_empty_corpus(tmp_path):
+def test_folder_of_only_binary_or_empty_files_is_refused_naming_them(tmp_path):
     write(tmp_path / "corpus" / "blob", b"\x00\x01\x02")
-    with pytest.raises(ValueError, match=r"data\.source='.*corpus': no readable text"):
+    with pytest.raises(ValueError, match=r"data\.source='.*corpus': 1 file\(s\) in no format taken here: blob"):
         load_tokens(str(tmp_path / "corpus"), tmp_path / "cache")
+    write(tmp_path / "empty" / "a.jsonl", b"\n\n")  # no record at all
+    with pytest.raises(ValueError, match=r"data\.source='.*empty': no text in its 1 file\(s\)"):
+        load_tokens(str(tmp_path / "empty"), tmp_path / "cache")
 
 
 def test_bin_is_memory_mapped_in_place(tmp_path):
     path = tmp_path / "tokens.bin"
     values = (np.arange(1000) * 37 % 50_000).astype(np.uint16)
     values.tofile(path)
-    tokens = load_tokens(str(path), tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"pre-tokenised, but data\.token_dtype=None; state the dtype"):
+        load_tokens(str(path), tmp_path / "cache")
+    tokens = load_tokens(str(path), tmp_path / "cache", token_dtype="uint16")
     assert isinstance(tokens, np.memmap) and Path(tokens.filename) == path
     assert_array_equal(tokens, values)
     assert not (tmp_path / "cache").exists()  # nothing copied or cached
@@ -178,14 +186,14 @@ def test_bin_with_impossible_size_raises(tmp_path, content):
     path = tmp_path / "bad.bin"
     path.write_bytes(content)
     with pytest.raises(ValueError, match=rf"data\.source='{path}': .*{len(content)} bytes.*uint16"):
-        load_tokens(str(path), tmp_path / "cache")
+        load_tokens(str(path), tmp_path / "cache", token_dtype="uint16")
 
 
 @pytest.mark.parametrize("name", ["missing", "missing.bin"])
 def test_missing_source_names_data_source_and_valid_choices(tmp_path, name):
     source = str(tmp_path / name)
     with pytest.raises(ValueError) as error:
-        load_tokens(source, tmp_path / "cache")
+        load_tokens(source, tmp_path / "cache", token_dtype="uint16")
     message = str(error.value)
     assert f"data.source='{source}': no such file or folder" in message
     assert "'stdlib'" in message and ".bin" in message

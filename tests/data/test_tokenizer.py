@@ -145,7 +145,7 @@ def test_bad_tokenizers_fail_before_any_work_with_what_to_do(bpe, corpus, tmp_pa
         load_tokens(str(corpus), cache, 512, str(corrupt))
     assert not cache.exists()  # nothing was tokenised
     with pytest.raises(ConfigError, match=r"a .bin is already tokenised, so no tokenizer applies to it"):
-        load_config("moe-8x", ["data.source=tokens.bin", f"data.tokenizer={bpe}"])
+        load_config("moe-8x", ["data.source=tokens.bin", "data.token_dtype=uint16", f"data.tokenizer={bpe}"])
     assert tokenizer_cli(["train", "--vocab-size", "100", "--out", str(tmp_path / "t.json")]) == 2
     for empty in ("", "  "):  # an empty path would train on the current directory
         assert tokenizer_cli(["train", "--source", empty, "--vocab-size", "300", "--out", str(tmp_path / "t.json")]
@@ -171,3 +171,87 @@ def test_a_run_trains_on_a_bpe_vocabulary_and_refuses_one_too_large(bpe, corpus,
     assert train.main([*common, "model.vocab_size=500", "--run-dir", str(tmp_path / "small")]) == 2
     assert "has a vocabulary of 512 ids, more than model.vocab_size=500" in capsys.readouterr().err
     assert not (tmp_path / "small").exists()
+
+
+# --- document ends (issue 25 §2) ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe_with_eos(tmp_path_factory, bpe) -> Path:
+    """The corpus BPE plus the special tokens a published tokenizer has: an end-of-text token and another."""
+    tokenizer = Tokenizer.from_file(str(bpe))
+    tokenizer.add_special_tokens(["<|pad|>", "<|endoftext|>"])
+    out = tmp_path_factory.mktemp("tok") / "bpe-eos.json"
+    tokenizer.save(str(out))
+    return out
+
+
+def reference_with_token(tokenizer_file: Path, folder: Path, end: str) -> np.ndarray:
+    """Each document's ids from the tokenizers library, then the id it gives the end token, concatenated."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    end_id = tokenizer.token_to_id(end)
+    ids = []
+    for path in sorted(folder.iterdir()):
+        ids += tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False).ids + [end_id]
+    return np.array(ids)
+
+
+def test_documents_end_with_the_tokenizers_end_of_text_token_by_default(bpe_with_eos, corpus, tmp_path):
+    tokens = load_tokens(str(corpus), tmp_path / "cache", 600, str(bpe_with_eos))
+    assert_array_equal(tokens, reference_with_token(bpe_with_eos, corpus, "<|endoftext|>"))
+    eos = Tokenizer.from_file(str(bpe_with_eos)).token_to_id("<|endoftext|>")
+    assert int((np.asarray(tokens) == eos).sum()) == len(list(corpus.iterdir()))  # one per document, no more
+    # another added token named explicitly; a text that is no token is encoded, as "\n\n" always was
+    ending = lambda end: load_tokens(str(corpus), tmp_path / "cache", 600, str(bpe_with_eos),  # noqa: E731
+                                     document_end_spec=end)
+    assert_array_equal(ending("<|pad|>"), reference_with_token(bpe_with_eos, corpus, "<|pad|>"))
+    assert_array_equal(ending("\n\n"), reference_stream(bpe_with_eos, corpus))
+    assert len(list((tmp_path / "cache").glob("*.bin"))) == 3  # each end its own cache
+
+
+def test_bytes_and_a_tokenizer_without_one_end_with_the_text_separator_or_the_text_asked_for(bpe, corpus, tmp_path):
+    assert_array_equal(load_tokens(str(corpus), tmp_path / "cache", 512, str(bpe)), reference_stream(bpe, corpus))
+    texts = b"".join(p.read_bytes() + b"<END>" for p in sorted(corpus.iterdir()))
+    assert_array_equal(load_tokens(str(corpus), tmp_path / "cache", document_end_spec="<END>"),
+                       np.frombuffer(texts, dtype=np.uint8))
+
+
+def test_the_run_config_holds_the_resolved_document_end(bpe_with_eos, bpe, corpus):
+    def resolved(*settings: str) -> str:
+        args = train.parse_args(["--config", "moe-8x-bpe", "--set", f"data.source={corpus}", *settings])
+        return train.check(args)[0].data.document_end
+
+    assert resolved(f"data.tokenizer={bpe_with_eos}", "model.vocab_size=600") == "<|endoftext|>"
+    assert resolved(f"data.tokenizer={bpe}", "model.vocab_size=512") == "\n\n"
+    assert resolved("data.tokenizer=bytes", "model.vocab_size=512") == "\n\n"
+    assert resolved(f"data.tokenizer={bpe_with_eos}", "model.vocab_size=600", "data.document_end=<|pad|>") == "<|pad|>"
+    with pytest.raises(ConfigError, match="data.document_end is empty"):
+        load_config("moe-8x", ["data.document_end="])
+
+
+# --- several workers (issue 25 §4) ----------------------------------------------------------------------------------
+
+
+def test_two_workers_write_the_stream_one_process_writes_and_a_bad_record_names_its_file(bpe_with_eos, corpus,
+                                                                                          tmp_path):
+    mixed = tmp_path / "mixed"
+    shutil.copytree(corpus, mixed)
+    records = [{"text": f"record {i}: caf\u00e9 " * (i + 1)} for i in range(30)]
+    (mixed / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    one = load_tokens(str(mixed), tmp_path / "one", 600, str(bpe_with_eos))
+    two = load_tokens(str(mixed), tmp_path / "two", 600, str(bpe_with_eos), workers=2)
+    assert_array_equal(two, one)
+    # and the reference: the tokenizers library on each document (files by name, records in order), end token after
+    tokenizer = Tokenizer.from_file(str(bpe_with_eos))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    texts = []
+    for path in sorted(mixed.iterdir()):
+        texts += [r["text"] for r in records] if path.suffix == ".jsonl" else [path.read_text(encoding="utf-8")]
+    want = [i for text in texts for i in tokenizer.encode(text, add_special_tokens=False).ids + [eos]]
+    assert_array_equal(two, want)
+    assert sorted(p.name for p in (tmp_path / "two").iterdir() if p.name.startswith(".")) == []  # no parts left
+
+    (mixed / "records.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    with pytest.raises(ValueError, match=r"records\.jsonl, line 2: no 'text' field"):
+        load_tokens(str(mixed), tmp_path / "bad", 600, str(bpe_with_eos), workers=2)
+    assert list((tmp_path / "bad").iterdir()) == []

@@ -17,7 +17,6 @@ from tests.gpu.helpers import batch, host_syncs, moe_8x
 from training.loop import IntervalStats, train_step
 from training.optim import build_optimizer
 
-
 CASES = {"dropless": (["moe.capacity_factor=null", "moe.backend=torch"], 0),
          "capacity": (["moe.backend=torch"], 1),
          "megablocks dropless": (["moe.capacity_factor=null", "moe.backend=megablocks"], 1)}

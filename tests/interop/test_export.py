@@ -53,3 +53,36 @@ def test_a_non_finite_weight_is_refused_naming_it_and_nothing_is_written(tmp_pat
     with pytest.raises(ConfigError, match=r"writing .*model\.safetensors: tensor 'b' holds 4 NaN or infinite"):
         write_safetensors_streaming(out, ENTRIES, lambda name: _values(1.0 if name == "a" else float("inf"))(name), {})
     assert list(tmp_path.iterdir()) == []
+
+
+def folder_bytes(folder):
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_a_folder_export_interrupted_leaves_the_earlier_folder_whole(tmp_path):
+    from parallel.checkpoint import atomic_folder
+
+    out = tmp_path / "hf"
+    with atomic_folder(out) as folder:  # an earlier export: two shards and an index
+        for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "index.json"):
+            (folder / name).write_text(f"old {name}")
+    before = folder_bytes(out)
+    with pytest.raises(KeyboardInterrupt), atomic_folder(out) as folder:  # Ctrl-C mid re-export
+        (folder / "model-00001-of-00003.safetensors").write_text("new")
+        raise KeyboardInterrupt
+    assert folder_bytes(out) == before and [p.name for p in tmp_path.iterdir()] == ["hf"]
+
+
+def test_two_folder_exports_at_once_never_mix_and_the_last_to_publish_wins_whole(tmp_path):
+    from parallel.checkpoint import atomic_folder
+
+    out = tmp_path / "hf"
+    with atomic_folder(out) as first:
+        (first / "model-00001-of-00002.safetensors").write_text("first")
+        with atomic_folder(out) as second:  # a second export to the same folder runs whole meanwhile
+            (second / "model.safetensors").write_text("second")
+        assert folder_bytes(out) == {"model.safetensors": b"second"}
+        (first / "model-00002-of-00002.safetensors").write_text("first")
+    assert folder_bytes(out) == {"model-00001-of-00002.safetensors": b"first",
+                                 "model-00002-of-00002.safetensors": b"first"}
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # nothing temporary or replaced left behind

@@ -186,7 +186,8 @@ def test_init_from_qwen3_under_tensor_and_expert_parallelism(tmp_path):
 def test_export_in_bf16_shards_loads_into_transformers(tmp_path, capsys):
     """``export --dtype bf16 --max-shard-size 20KB``: shards within the size (a larger tensor alone) and an index
     that transformers loads, every tensor the original rounded to bf16; an fp32 sharded export is the original bit
-    for bit; an export that would leave those shards beside a new model.safetensors is refused, naming them."""
+    for bit; a one-file export over those shards replaces the folder whole (none is left beside it), and a folder
+    holding a file no export writes is refused, naming it."""
     hf = make_qwen3(tmp_path / "hf", num_hidden_layers=3, mlp_only_layers=[0], head_dim=16)
     ours = tmp_path / "ours.safetensors"
     assert main(["import", str(tmp_path / "hf"), "--out", str(ours), "--seq-len", str(SEQ)]) == 0
@@ -218,9 +219,14 @@ def test_export_in_bf16_shards_loads_into_transformers(tmp_path, capsys):
     assert (tmp_path / "fp32" / "model.safetensors.index.json").is_file()
     fp32 = hf_tensors(tmp_path / "fp32")
     assert all(torch.equal(value, fp32[name]) for name, value in original.items())
-    capsys.readouterr()
-    assert main(["export", str(ours), "--out", str(tmp_path / "bf16")]) == 2
-    err = capsys.readouterr().err
-    assert f"already holds {shards[0].name}, " in err and "model.safetensors.index.json, which this export" in err
+    capsys.readouterr()  # one file over the bf16 shards: the folder is replaced whole, no shard of them is left
+    assert main(["export", str(ours), "--out", str(tmp_path / "bf16"), "--overwrite"]) == 0
+    assert sorted(path.name for path in (tmp_path / "bf16").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert all(torch.equal(value, hf_tensors(tmp_path / "bf16")[name]) for name, value in original.items())
+    (tmp_path / "bf16" / "notes.txt").write_text("mine")  # a file no export writes: never replaced with the folder
+    assert main(["export", str(ours), "--out", str(tmp_path / "bf16"), "--overwrite"]) == 2
+    assert "holds notes.txt, which an export does not write" in capsys.readouterr().err
+    assert (tmp_path / "bf16" / "notes.txt").read_text() == "mine"
     assert main(["export", str(ours), "--out", str(tmp_path / "x"), "--max-shard-size", "5 bananas"]) == 2
     assert "--max-shard-size '5 bananas': give a size such as 5GB" in capsys.readouterr().err

@@ -72,7 +72,7 @@ def test_our_dense_model_upcycled_gives_its_logits(tmp_path, shape):
         safe_open(str(out), framework="pt").metadata()[CONFIG_METADATA_KEY])
 
     # the check can fail: noise on the copies makes the experts differ, and the logits with them
-    assert main([str(tmp_path / "dense.safetensors"), *flags, "--noise", "0.5", "--out", str(out)]) == 0
+    assert main([str(tmp_path / "dense.safetensors"), *flags, "--noise", "0.5", "--out", str(out), "--overwrite"]) == 0
     with torch.no_grad():
         assert (our_model(out)(x) - dense(x)).abs().max() > 1e-3
 

@@ -288,7 +288,7 @@ def test_export_to_safetensors_and_start_a_run_from_it(uninterrupted, tmp_path, 
 
 
 def test_wall_clock_interval(tmp_path, monkeypatch):
-    config = load_config("moe-8x", [*TINY, "checkpoint.interval_minutes=2"])
+    config = load_config("moe-8x", [*TINY, "checkpoint.interval=null", "checkpoint.interval_minutes=2"])
     groups = ParallelGroups.build(Layout.resolve(1), "cpu")
     clock = {"now": 1000.0}
     monkeypatch.setattr("training.checkpointing.time.monotonic", lambda: clock["now"])

@@ -7,6 +7,7 @@ nothing published was lost or mixed.
 
 import contextlib
 import errno
+import fcntl
 import io
 import json
 import os
@@ -25,6 +26,7 @@ from numpy.testing import assert_array_equal
 
 import train
 import training.loop
+import training.metrics
 from data import cache as token_cache
 from data.cache import load_tokens
 from parallel.checkpoint import published_checkpoints
@@ -177,29 +179,116 @@ def snapshot(run_dir):
 
 
 def test_a_used_run_directory_without_checkpoints_is_refused_or_moved_aside_never_mixed(tmp_path, capsys):
-    assert main(tmp_path, "train.steps=3") == 0
+    no_saves = ("checkpoint.interval=null", "checkpoint.final=false")  # (a default run saves: see the next test)
+    assert main(tmp_path, "train.steps=3", *no_saves) == 0
     first = snapshot(tmp_path)
     capsys.readouterr()
 
-    assert main(tmp_path, "train.steps=2") == 2  # the same command again: nothing to continue from
+    assert main(tmp_path, "train.steps=2", *no_saves) == 2  # the same command again: nothing to continue from
     err = capsys.readouterr().err
     assert "holds a run (config.yaml, metrics.jsonl, summary.json, routing) without a checkpoint" in err
     assert "--resume none" in err and "Traceback" not in err
     assert snapshot(tmp_path) == first
     other = tmp_path.parent / f"{tmp_path.name}-other"
     assert main(other, "train.steps=1", "checkpoint.interval=1") == 0
-    assert main(tmp_path, "train.steps=2", resume=str(other / "checkpoints")) == 2  # another run's checkpoint
+    assert main(tmp_path, "train.steps=2", *no_saves, resume=str(other / "checkpoints")) == 2  # another run's
     assert "in a new --run-dir" in capsys.readouterr().err and snapshot(tmp_path) == first
     new = tmp_path.parent / f"{tmp_path.name}-new"  # where it belongs, with a changed key recorded
     assert main(new, "train.steps=2", "train.lr=5e-3", resume=str(other / "checkpoints")) == 0
     assert yaml.safe_load((new / "resume_changes.yaml").read_text())[0]["changes"]["train.lr"]["now"] == 5e-3
 
-    assert main(tmp_path, "train.steps=2", resume="none") == 0  # start over: the old run moves aside, whole
+    assert main(tmp_path, "train.steps=2", *no_saves, resume="none") == 0  # start over: the old run moves aside
     [aside] = (tmp_path / "replaced").iterdir()
     assert snapshot(aside) == first
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2]
     assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2]
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 2
+
+
+def test_a_checkpoint_dir_outside_the_run_belongs_to_one_run(tmp_path, capsys):
+    shared = tmp_path / "shared-checkpoints"  # two experiments given one absolute checkpoint.dir
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(first, "train.steps=2", "checkpoint.interval=1", f"checkpoint.dir={shared}") == 0
+    assert (shared / "owner.txt").read_text().strip() == str(first.resolve())
+    saved = snapshot(shared)
+    capsys.readouterr()
+    for resume in (None, "none", str(shared)):  # the second never resumes, replaces or writes into the first's
+        assert main(second, "train.steps=3", "train.lr=5e-3", "checkpoint.interval=1", f"checkpoint.dir={shared}",
+                    resume=resume) == 2
+        err = capsys.readouterr().err
+        assert f"checkpoint.dir {shared} belongs to the run in {first.resolve()}" in err, err
+        assert "Traceback" not in err and not (second / "metrics.jsonl").exists()
+    assert snapshot(shared) == saved
+    assert main(first, "train.steps=3", "checkpoint.interval=1", f"checkpoint.dir={shared}") == 0  # its owner goes on
+    assert [r["step"] for r in read_metrics(first / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3]
+
+    unowned = tmp_path / "unowned"  # checkpoints of a run from before owners were recorded
+    unowned.mkdir()
+    for name in saved:
+        (unowned / name).parent.mkdir(parents=True, exist_ok=True)
+        (unowned / name).write_bytes(saved[name])
+    (unowned / "owner.txt").unlink()
+    assert main(second, "train.steps=1", f"checkpoint.dir={unowned}") == 2
+    assert "of a run that named no owner" in capsys.readouterr().err
+    (unowned / "owner.txt").write_text(f"{second.resolve()}\n")  # the way out the message gives
+    assert main(second, "train.steps=3", f"checkpoint.dir={unowned}") == 0
+
+
+def test_a_checkpoint_dir_in_use_by_a_live_run_is_refused(tmp_path, capsys):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with open(shared / "run.lock", "a+") as held:  # another live run holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 1 on host elsewhere\n")
+        held.flush()
+        assert main(tmp_path / "run", "train.steps=1", "checkpoint.interval=1", f"checkpoint.dir={shared}") == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.dir {shared} is in use by another run (pid 1 on host elsewhere)" in err, err
+
+
+def test_a_tokenizer_changed_under_a_run_is_refused_and_a_new_one_given_deliberately_is_recorded(tmp_path, capsys):
+    from data.tokenizer import main as tokenizer_cli
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("textwrap.py", "string.py", "shlex.py"):  # ~60 KB of text from the standard library
+        (corpus / name).write_bytes((Path(os.__file__).parent / name).read_bytes())
+    tokenizer, run = tmp_path / "mytok.json", tmp_path / "run"
+    data = [f"data.source={corpus}", f"data.tokenizer={tokenizer}", "model.vocab_size=512", "checkpoint.interval=1"]
+    assert tokenizer_cli(["train", "--source", str(corpus), "--vocab-size", "512", "--out", str(tokenizer)]) == 0
+    assert main(run, "train.steps=2", *data) == 0
+    saved = snapshot(run / "checkpoints")
+    capsys.readouterr()
+
+    assert tokenizer_cli(["train", "--source", str(corpus / "shlex.py"), "--vocab-size", "300", "--overwrite",
+                          "--out", str(tokenizer)]) == 0  # retrained in place: same path, other ids
+    assert main(run, "train.steps=3", *data) == 2
+    err = capsys.readouterr().err
+    assert f"data.tokenizer {tokenizer} changed since" in err and "Traceback" not in err, err
+    assert snapshot(run / "checkpoints") == saved and not (run / "resume_changes.yaml").exists()
+
+    other = tmp_path / "other-tok.json"  # the new tokenizer under a path of its own: deliberate, and recorded
+    other.write_bytes(tokenizer.read_bytes())
+    assert main(run, "train.steps=3", *data[:1], f"data.tokenizer={other}", *data[2:]) == 0
+    [entry] = yaml.safe_load((run / "resume_changes.yaml").read_text())
+    assert entry["changes"]["data.tokenizer"]["now"] == str(other)
+    assert entry["changes"]["data.tokenizer (content)"]["saved"].startswith("sha256:")
+def test_a_default_run_leaves_a_checkpoint_and_the_same_command_again_says_it_is_done(tmp_path, capsys):
+    """``make train`` twice: the first run saves (after step 1, as checkpoint.interval=auto does before it has
+    measured a save, and at the end), the second changes nothing and says how to go on; a longer run continues."""
+    assert main(tmp_path, "train.steps=3") == 0
+    assert steps(tmp_path) == [3, 1]
+    first = snapshot(tmp_path)
+    capsys.readouterr()
+    assert main(tmp_path, "train.steps=3") == 0
+    err = capsys.readouterr().err
+    assert "is complete" in err and "at step 3 of train.steps=3" in err and "--set train.steps=N" in err
+    assert snapshot(tmp_path) == first  # nothing trained, logged or saved again
+    assert main(tmp_path, "train.steps=4") == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "schedule redrawn at resume (train.steps 3 -> 4)" in err
+    assert steps(tmp_path)[0] == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
 
 
 def test_a_resumed_run_rewinds_its_routing_rows_with_its_metrics(tmp_path, monkeypatch):
@@ -330,6 +419,53 @@ def test_a_full_disk_during_a_save_loses_nothing_and_says_what_to_do(tmp_path, m
     monkeypatch.undo()
     assert main(tmp_path, "train.steps=4", "checkpoint.interval=1") == 0  # space freed: it resumes step 2
     assert steps(tmp_path) == [4, 3, 2]
+
+
+class FillsUp:
+    """A log file on a disk that fills up at the record of ``step``: the line is cut short, then ENOSPC."""
+
+    def __init__(self, handle, step):
+        self.handle, self.marker = handle, f'{{"step": {step},'
+
+    def write(self, text):
+        if text.startswith(self.marker):
+            self.handle.write(text[:len(text) // 2])
+            self.handle.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.handle.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+def test_a_full_disk_while_logging_metrics_stops_with_one_message_and_the_run_resumes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(training.metrics, "open", lambda *a, **k: FillsUp(open(*a, **k), 3), raising=False)
+    assert main(tmp_path, "train.steps=4", "checkpoint.interval=1") == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'metrics.jsonl'} at step 3 (No space left on device)" in err, err
+    assert "resumes from the newest checkpoint" in err and "Traceback" not in err
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2]
+    monkeypatch.undo()  # space freed: the same command resumes, and the cut line is gone
+    assert main(tmp_path, "train.steps=4", "checkpoint.interval=1") == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
+    assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_a_full_disk_while_creating_a_routing_file_leaves_no_half_file(tmp_path, monkeypatch, capsys):
+    real_save = np.save
+
+    def save(file, array, *args, **kwargs):  # the disk fills up while the first routing file is written
+        file.write(b"\x93NUMPY")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", save)
+    assert main(tmp_path, "train.steps=2", "checkpoint.interval=1") == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'routing'}" in err and "at step 1 (No space left on device)" in err, err
+    assert "Traceback" not in err and list((tmp_path / "routing").iterdir()) == []  # no half-written file
+    monkeypatch.setattr(np, "save", real_save)
+    assert main(tmp_path, "train.steps=2", "checkpoint.interval=1", resume="none") == 0
+    assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2]
 
 
 def test_a_run_directory_that_cannot_be_created_is_refused(capsys):

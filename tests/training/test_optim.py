@@ -7,7 +7,7 @@ import pytest
 from config.model import ModelConfig, MoEConfig
 from config.run import TrainConfig
 from moe.transformer import MoETransformer
-from training.optim import build_optimizer, learning_rate
+from training.optim import build_optimizer, learning_rate, restretch_note, warmup_note
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -31,3 +31,24 @@ def test_only_matrices_are_decayed():
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
     assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_a_warmup_longer_than_the_run_is_said_with_its_curve():
+    assert warmup_note(TrainConfig(steps=100, warmup_steps=30)) is None
+    note = warmup_note(TrainConfig(steps=20, warmup_steps=30, lr=1e-3))
+    # the whole run warms up over its 20 steps: 1e-3 / 20 at step 1
+    assert note == ("schedule: train.warmup_steps=30 is longer than train.steps=20, so the whole run warms up: lr "
+                    "5e-05 at step 1 rising to 0.001 at step 20, with no decay; set train.warmup_steps below 20 for a "
+                    "cosine decay")
+
+
+def test_a_schedule_changed_at_resume_is_said_with_the_old_and_new_key_points():
+    config = TrainConfig(steps=200, warmup_steps=10, lr=1.0, min_lr_ratio=0.0)
+    saved = {"steps": 100, "warmup_steps": 10, "lr": 1.0, "min_lr_ratio": 0.0, "seed": 5}
+    assert restretch_note({**saved, "steps": 200}, config, 50) is None
+    note = restretch_note(saved, config, 50)
+    # by hand: cosine from the end of warmup (step 10) to the last step, at step 51
+    old, new = 0.5 * (1 + math.cos(math.pi * 41 / 90)), 0.5 * (1 + math.cos(math.pi * 41 / 190))
+    assert note == (f"schedule redrawn at resume (train.steps 100 -> 200): was lr {old:.3g} at step 51, warmup "
+                    f"ending at step 10, decay ending at step 100 at lr 0; now lr {new:.3g} at step 51, warmup ending "
+                    "at step 10, decay ending at step 200 at lr 0")

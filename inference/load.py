@@ -1,0 +1,135 @@
+"""Load a trained model in one call, whatever holds it: a run directory, a checkpoint, an export or an HF folder.
+
+    loaded = load_model("runs/moe-8x", device="cuda")
+    loaded.model, loaded.config, loaded.tokenizer
+
+The model is built on the meta device (no memory, no initialisation) and then given storage and filled tensor
+by tensor from the source (``parallel.materialize.load_weights``): a checkpoint is reassembled one tensor at a
+time by DCP whatever layout saved it, a safetensors file and an HF folder are read in place. So the peak is the
+model plus one tensor, never two copies of the model.
+
+The model is made for inference: ``eval()`` (no router jitter), and dropless (``moe.capacity_factor`` null). A
+capacity limit is a training device for throughput; at inference it would make a token's output depend on the
+other tokens in its batch (the experts they fill), so a cached token-by-token generation, a whole-sequence
+forward and a batched evaluation could all disagree. Hugging Face's Mixtral and Qwen3-MoE are dropless too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch import Tensor
+
+from config.errors import ConfigError
+from config.run import RunConfig, config_from_dict, load_config
+from data.tokenizer import Tokenizer, load_tokenizer
+from interop.export import model_tensors
+from interop.hf import hf_run_config, load_hf_weights, split_init_from
+from moe.transformer import MoETransformer
+from parallel.checkpoint import CONFIG_FILE, MANIFEST, CheckpointCorruptError, published_checkpoints
+from parallel.materialize import allocate, load_weights
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference, the config it was trained with, and its tokenizer (None when the config's
+    ``data.tokenizer`` file is not where the run found it: pass ``tokenizer=`` to ``load_model``)."""
+
+    model: MoETransformer
+    config: RunConfig
+    tokenizer: Tokenizer | None
+    source: str  # what was loaded, for messages: the checkpoint folder, the file or hf:DIR
+
+
+class _WholeTensors:
+    """A ``WeightSource`` over a reader of whole tensors (a checkpoint: DCP assembles one tensor at a time)."""
+
+    def __init__(self, entries: dict[str, tuple[torch.Size, torch.dtype]], read: Callable[[str], Tensor]):
+        self.entries, self.read_whole = entries, read
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return tuple(self.entries[name][0]) if name in self.entries else None
+
+    def read(self, name: str, box: tuple[slice, ...]) -> Tensor:
+        return self.read_whole(name)[box]
+
+
+def resolve_source(source: str | Path) -> str | Path:
+    """``source`` as ``model_tensors`` takes it: a run directory becomes its checkpoint folder (``checkpoint.dir``
+    of the run's ``config.yaml``); a checkpoint folder, a folder of them, a file or ``hf:DIR`` stay as they are."""
+    if isinstance(source, str) and split_init_from(source) is not None:
+        return source
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file or folder (give a run directory, a checkpoint folder, a "
+                          ".safetensors file or hf:DIR)")
+    # a checkpoint folder holds a config.yaml too, and its shards (a partial one may lack its manifest)
+    is_checkpoint = (path / MANIFEST).is_file() or any(path.glob("*.distcp"))
+    if path.is_dir() and (path / CONFIG_FILE).is_file() and not is_checkpoint:
+        run_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8")) or {}
+        folder = path / (run_config.get("checkpoint") or {}).get("dir", "checkpoints")
+        if not published_checkpoints(folder):
+            raise ConfigError(f"{path}: a run directory without a checkpoint in {folder} (it was run with "
+                              "checkpoint.final=false and checkpoint.interval=null, or stopped before its first "
+                              "save); run it again to finish it, then load it")
+        return folder
+    return path
+
+
+def inference_config(config: RunConfig, seq_len: int | None = None) -> RunConfig:
+    """``config`` for inference: dropless (see the module docstring), and ``seq_len`` as the context if given."""
+    tree = config.to_dict()
+    tree["moe"]["capacity_factor"] = None
+    if seq_len is not None:
+        tree["model"]["seq_len"] = seq_len
+    return config_from_dict(tree)
+
+
+def load_model(source: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+               tokenizer: str | None = None, seq_len: int | None = None, base_config: str = "moe-8x") -> LoadedModel:
+    """The model in ``source``, on ``device``, in eval mode and dropless, with its config and tokenizer.
+
+    ``source``: a run directory (its newest checkpoint), a ``step_NNNNNNN`` checkpoint folder or a folder of them,
+    a safetensors file this toolkit wrote (``moe-export``, ``moe-hf import``), or ``hf:DIR`` (a Hugging Face
+    Mixtral or Qwen3-MoE folder; the rest of its config is ``base_config``'s, and its tokenizer the folder's
+    ``tokenizer.json``). ``dtype`` casts the weights (default: as stored). ``tokenizer`` overrides the config's
+    ``data.tokenizer`` (a ``tokenizer.json`` path, or ``bytes``); ``seq_len`` the context length (the rotary
+    tables' size; a model trained at one length may be run at another, at its own risk).
+    """
+    resolved = resolve_source(source)
+    hf_folder = split_init_from(resolved) if isinstance(resolved, str) else None
+    if hf_folder is not None:
+        config = hf_run_config(load_config(base_config), hf_folder, seq_len)  # with the folder's tokenizer.json
+        fill = lambda model: load_hf_weights(model, hf_folder, config)  # noqa: E731
+    else:
+        try:
+            entries, read, config = model_tensors(Path(resolved))
+        except RuntimeError as exc:  # DCP's reader on a checkpoint it cannot read
+            raise CheckpointCorruptError(f"{resolved}: {exc}") from exc
+        fill = lambda model: load_weights(model, _WholeTensors(entries, read), str(resolved))  # noqa: E731
+    config = inference_config(config, seq_len)
+    with torch.device("meta"):
+        model = MoETransformer(config.model, config.moe)
+    allocate(model, device)
+    model.reset_buffers()  # the rotary tables (not stored); the balancing biases are then loaded
+    try:
+        fill(model)
+    except RuntimeError as exc:
+        if isinstance(exc, CheckpointCorruptError):
+            raise
+        raise CheckpointCorruptError(f"{resolved}: cannot read its tensors ({exc})") from exc
+    if dtype is not None:  # the weights only: the rotary tables and balancing biases keep fp32
+        for parameter in model.parameters():  # the same objects, so the embedding stays tied to the LM head
+            parameter.data = parameter.data.to(dtype)
+    model.eval()
+    # a tokenizer asked for must load (and fit the model's vocabulary); the config's may be missing here (the run
+    # was elsewhere), and the model is still usable on token ids
+    spec = tokenizer or config.data.tokenizer
+    found = None
+    if tokenizer is not None or spec == "bytes" or Path(spec).is_file():
+        found = load_tokenizer(spec, config.model.vocab_size)
+    return LoadedModel(model, config, found, str(resolved))
