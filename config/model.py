@@ -30,6 +30,11 @@ class ModelConfig:
     moe_every: int = 1  # every moe_every-th layer (from first_moe_layer on) is MoE; 0 = no MoE layer
     first_moe_layer: int = 0  # layers before it are dense (DeepSeek-V3 keeps its first 3 dense)
     tie_embeddings: bool = False
+    # multi-token prediction (DeepSeek-V3 sec. 2.2): mtp_depth modules, module k predicting the token k+1 ahead from
+    # the previous module's states and the embedding of token i+k, each through one block of the kind layer
+    # n_layers + k - 1 would be; their mean cross-entropy weighted by mtp_loss_weight (DeepSeek-V3: 1 module, 0.3)
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     rope_theta: float = 10000.0
     # YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): "none", or "yarn" to stretch the rotary
     # frequencies of a model pretrained on rope_original_seq_len positions by rope_factor (DeepSeek-V3: 40 x 4096)
@@ -118,6 +123,9 @@ class ModelConfig:
             0 <= self.first_moe_layer < self.n_layers or self.moe_every == 0,
             f"model.first_moe_layer={self.first_moe_layer} must be in [0, n_layers={self.n_layers})",
         )
+        require(0 <= self.mtp_depth < self.seq_len - 1,
+                f"model.mtp_depth={self.mtp_depth} must be between 0 (off) and model.seq_len - 2={self.seq_len - 2}")
+        require(self.mtp_loss_weight >= 0, f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
         require(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0,
                  "model.rope_theta, model.norm_eps and model.init_std must be positive")
         require(self.rotary_dim is None or (0 < self.rotary_dim <= self.head_size and self.rotary_dim % 2 == 0),

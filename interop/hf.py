@@ -31,7 +31,7 @@ from config.cli import add_config_arguments, add_overwrite, check_outputs, comma
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
-from interop import hf_deepseek_v3, hf_glm4_moe, hf_mixtral, hf_qwen3_moe
+from interop import fp8, hf_deepseek_v3, hf_glm4_moe, hf_mixtral, hf_qwen3_moe
 from interop.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
@@ -132,13 +132,13 @@ def family_of(hf_config: dict) -> Family:
     model_type = hf_config.get("model_type")
     if len(architectures) == 1 and architectures[0] in FAMILIES:
         family = FAMILIES[architectures[0]]
-        if model_type not in (None, family.model_type):
+        if model_type is not None and not family.has_model_type(model_type):
             raise ConfigError(f"config.json names architecture {family.architecture} with model_type "
                               f"{model_type!r}, not its '{family.model_type}'")
         return family
     if not architectures:
         for family in FAMILIES.values():
-            if family.model_type == model_type:
+            if family.has_model_type(model_type):
                 return family
     what = ", ".join(architectures) or f"model_type {model_type!r}"
     supported = ", ".join(f"{name} (model_type '{family.model_type}')" for name, family in FAMILIES.items())
@@ -155,6 +155,19 @@ class HFWeights:
 
     def __init__(self, folder: HFFolder, sources: dict[str, Source], num_experts: int, architecture: str):
         self.folder, self.sources, self.num_experts, self.architecture = folder, sources, num_experts, architecture
+        self.block = fp8.block_size(folder.config)  # fp8 weights' scale blocks (``interop/fp8.py``), if any
+
+    def _hf_box(self, hf_name: str, box: tuple[slice, ...]) -> Tensor:
+        """The box of HF tensor ``hf_name``, dequantised to bf16 if it is an fp8 weight with block scales."""
+        values = self.folder.slice(hf_name)[box]
+        if values.dtype != torch.float8_e4m3fn:
+            return values
+        if values.dim() != 2:
+            raise ConfigError(f"{self.folder.folder}: fp8 tensor '{hf_name}' is not a matrix: only matrices with "
+                              "block scales are dequantised")
+        rows, cols = box
+        scales = self.folder.slice(hf_name + fp8.SCALE_SUFFIX)[fp8.scale_box(rows, cols, self.block)]
+        return fp8.dequantize(values, scales, rows, cols, self.block)
 
     @classmethod
     def of_family(cls, folder: HFFolder, model: ModelConfig, moe: MoEConfig) -> HFWeights:
@@ -186,8 +199,11 @@ class HFWeights:
         if source.kind == "zeros":
             return torch.float32
         code = self.folder.slice(source.names[0]).get_dtype()
+        if code in fp8.FP8_CODES and self.block is not None and source.names[0] + fp8.SCALE_SUFFIX in self.folder.files:
+            return torch.bfloat16  # dequantised as read
         if DTYPES.get(code) is None:
-            raise ConfigError(f"{self.folder.folder}: tensor '{source.names[0]}' has dtype {code}, not supported")
+            raise ConfigError(f"{self.folder.folder}: tensor '{source.names[0]}' has dtype {code}, not supported"
+                              + (" without its block scales and quantization_config" if code in fp8.FP8_CODES else ""))
         return DTYPES[code]
 
     def read(self, name: str, box: tuple[slice, ...]) -> Tensor:
@@ -196,14 +212,14 @@ class HFWeights:
         if source.kind == "zeros":
             return torch.zeros(box[0].stop - box[0].start)
         if source.kind == "copy" and source.rows is None:
-            return self.folder.slice(source.names[0])[box]
+            return self._hf_box(source.names[0], box)
         if source.kind == "copy":  # our rows [r0:r1] are HF rows rows[r0:r1]: read their span, then pick
             wanted = source.rows[box[0]]
             low = min(wanted)
-            span = self.folder.slice(source.names[0])[(slice(low, max(wanted) + 1), *box[1:])]
+            span = self._hf_box(source.names[0], (slice(low, max(wanted) + 1), *box[1:]))
             return span[torch.tensor(wanted) - low]
         experts, rows, cols = box  # our [E, in, out] box: HF's [out, in] matrices, transposed
-        return torch.stack([self.folder.slice(hf_name)[cols, rows].t() for hf_name in source.names[experts]])
+        return torch.stack([self._hf_box(hf_name, (cols, rows)).t() for hf_name in source.names[experts]])
 
 
 def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = None) -> RunConfig:

@@ -1,5 +1,5 @@
-"""The DeepSeek-V3 family (Hugging Face ``DeepseekV3ForCausalLM``: DeepSeek-V3/V3.1, Kimi K2's architecture) in
-our terms: config mapping and tensor names.
+"""The DeepSeek-V3 family (Hugging Face ``DeepseekV3ForCausalLM``: DeepSeek-V3/V3.1, and Kimi K2, whose config.json
+names this architecture with ``model_type: kimi_k2``) in our terms: config mapping and tensor names.
 
 DeepSeek-V3 is our model with latent attention (``model.kv_lora_rank`` ...; ``moe/latent_attention.py``), YaRN
 where ``rope_scaling`` says so, its first ``first_k_dense_replace`` layers dense (``model.first_moe_layer``,
@@ -19,14 +19,20 @@ are dot products, so the same function is the same weights with the rotary rows 
 head) and ``kv_a_proj_with_mqa`` reordered evens first, then odds (``Source.rows``); export writes them back
 interleaved, DeepSeek's layout, which every DeepSeek-V3 consumer expects.
 
-Not read: the multi-token-prediction layer published checkpoints store after the last
-(``num_nextn_predict_layers``; no MTP here yet) and FP8 weights (``quantization_config`` is refused by name).
+Published checkpoints store their linear weights in fp8 with block scales: dequantised to bf16 as they are read
+(``interop/fp8.py``). The multi-token-prediction layer they store after the last (``num_nextn_predict_layers``)
+is read into our MTP modules when the run asks for them (``model.mtp_depth``; ``mtp_sources``): config.json's
+count is not enough to go by, since ``transformers`` writes ``num_nextn_predict_layers: 1`` into folders it saves
+without that layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
+from interop.fp8 import block_size
 from interop.hf_family import (
     DECODER_KEYS,
     Family,
@@ -108,7 +114,7 @@ def sigmoid_moe_config(model: ModelConfig, moe: MoEConfig) -> dict:
             "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "n_shared_experts": moe.shared_hidden // moe.expert_hidden, "n_group": moe.n_group,
             "topk_group": moe.groups_per_token, "routed_scaling_factor": moe.routed_scaling_factor,
-            "norm_topk_prob": moe.renormalize, "num_nextn_predict_layers": 0,
+            "norm_topk_prob": moe.renormalize, "num_nextn_predict_layers": model.mtp_depth,
             "first_k_dense_replace": model.first_moe_layer if model.moe_every else model.n_layers}
 
 
@@ -124,15 +130,30 @@ def sigmoid_moe_sources(model: ModelConfig, moe: MoEConfig, i: int, ours: str, t
     return out
 
 
+def mtp_sources(model: ModelConfig, moe: MoEConfig,
+                attention: Callable[[ModelConfig, str, str], dict[str, Source]]) -> dict[str, Source]:
+    """The multi-token-prediction modules' tensors (``model.mtp_depth``; ``moe/mtp.py``): module k is the layer
+    after the last plus k, as DeepSeek-V3 and GLM-4.5 store it: ``enorm``, ``hnorm``, ``eh_proj`` (its input the
+    normalised embedding, then the normalised states: ours), ``shared_head.norm``, and a decoder layer's own
+    tensors. The copies of the embedding and head stored beside them are not read (ours are shared) nor written."""
+    out = {}
+    for k in range(model.mtp_depth):
+        index = model.n_layers + k
+        ours, theirs = f"mtp.{k}.", f"model.layers.{index}."
+        out |= {ours + name: Source("copy", (theirs + hf_name,)) for name, hf_name in (
+            ("embed_norm.weight", "enorm.weight"), ("hidden_norm.weight", "hnorm.weight"),
+            ("proj.weight", "eh_proj.weight"), ("norm.weight", "shared_head.norm.weight"))}
+        out |= attention(model, ours + "block.", theirs)
+        out |= sigmoid_moe_sources(model, moe, index, ours + "block.", theirs)
+    return out
+
+
 def shape_from_hf(hf: dict) -> HFShape:
     """Map a DeepSeek-V3 config.json onto our ``model``/``moe`` keys; any setting we do not implement is an error."""
     check_keys(hf, DECODER_KEYS | SIGMOID_MOE_KEYS | _LATENT | _IGNORED
                | {"scoring_func", "topk_method", "moe_layer_freq", "rope_interleave", "quantization_config"},
                FAMILY_NAME)
-    if "quantization_config" in hf:
-        raise ConfigError(f"config.json quantization_config={hf['quantization_config']!r} is not supported: the "
-                          "weights are quantised (DeepSeek-V3 publishes FP8 with block scales); dequantise them "
-                          "to bf16 first")
+    block_size(hf)  # fp8 with block scales is dequantised as it is read (``interop/fp8.py``); others refused
     check_requirements(hf, {
         "scoring_func": ("sigmoid", "scoring_func must be 'sigmoid' (DeepSeek-V3's router)"),
         "topk_method": ("noaux_tc", "topk_method must be 'noaux_tc' (group-limited top-k on the biased scores)"),
@@ -200,7 +221,8 @@ def latent_attention(model: ModelConfig, ours: str, theirs: str) -> dict[str, So
 def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
     """Each of our state-dict names (our model's order) and its HF source."""
     return decoder_sources(model, lambda i, ours, theirs: sigmoid_moe_sources(model, moe, i, ours, theirs),
-                           latent_attention)
+                           latent_attention) | mtp_sources(model, moe, latent_attention)
 
 
-FAMILY = Family(ARCHITECTURE, "deepseek_v3", shape_from_hf, hf_from_config, hf_sources)
+# Kimi K2's config.json names this architecture with model_type kimi_k2 (and its own remote code): the same model
+FAMILY = Family(ARCHITECTURE, "deepseek_v3", shape_from_hf, hf_from_config, hf_sources, ("kimi_k2",))

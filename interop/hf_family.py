@@ -74,6 +74,11 @@ class Family:
     shape_from_hf: Callable[[dict], HFShape]
     hf_from_config: Callable[[ModelConfig, MoEConfig], dict]
     hf_sources: Callable[[ModelConfig, MoEConfig], dict[str, Source]]
+    # other model types that name this architecture (Kimi K2's kimi_k2 is DeepSeek-V3's); export writes model_type
+    other_model_types: tuple[str, ...] = ()
+
+    def has_model_type(self, model_type: str | None) -> bool:
+        return model_type in (self.model_type, *self.other_model_types)
 
 
 def get_key(hf: dict, key: str, family: str, default=None, required: bool = True):
@@ -238,9 +243,11 @@ def router_refusals(moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
 
 
 def attention_refusals(model: ModelConfig, family: str) -> list[tuple[bool, str]]:
-    """What a plain-RoPE grouped-query attention family cannot express: latent attention, YaRN."""
+    """What a plain-RoPE grouped-query attention family cannot express: latent attention, biases, partial rotary,
+    YaRN, multi-token prediction."""
     return [(model.latent_attention, f"model.kv_lora_rank={model.kv_lora_rank}: {family} has no latent attention"),
             (model.qkv_bias, f"model.qkv_bias=true: {family} has no attention biases"),
+            (model.mtp_depth > 0, f"model.mtp_depth={model.mtp_depth}: {family} has no multi-token prediction"),
             (model.rotary_dim is not None, f"model.rotary_dim={model.rotary_dim}: {family} rotates whole heads"),
             (model.rope_scaling != "none", f"model.rope_scaling={model.rope_scaling!r}: {family}'s import here "
                                            "takes plain RoPE only")]

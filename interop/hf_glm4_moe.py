@@ -9,7 +9,8 @@ of each head's channels (``model.rotary_dim`` = head_dim · factor; GLM-4.5: hal
 Its ``partial_rotary_factor`` sits at the top level in the published config.json (transformers 4.x) and in
 ``rope_parameters`` in 5.x; both are read.
 
-Not read: the multi-token-prediction layer (``num_nextn_predict_layers``), as for DeepSeek-V3.
+Its multi-token-prediction layer is read into our MTP modules when the run asks for them (``model.mtp_depth``),
+as for DeepSeek-V3.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from interop.hf_deepseek_v3 import (
     SIGMOID_MOE_KEYS,
+    mtp_sources,
     sigmoid_moe_config,
     sigmoid_moe_refusals,
     sigmoid_moe_shape,
@@ -33,6 +35,7 @@ from interop.hf_family import (
     decoder_shape,
     decoder_sources,
     get_key,
+    llama_attention,
     refuse,
     rope_config,
 )
@@ -87,7 +90,8 @@ def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
 
 def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
     """Each of our state-dict names (our model's order) and its HF source."""
-    return decoder_sources(model, lambda i, ours, theirs: sigmoid_moe_sources(model, moe, i, ours, theirs))
+    return decoder_sources(model, lambda i, ours, theirs: sigmoid_moe_sources(model, moe, i, ours, theirs)) \
+        | mtp_sources(model, moe, llama_attention)
 
 
 FAMILY = Family(ARCHITECTURE, "glm4_moe", shape_from_hf, hf_from_config, hf_sources)

@@ -84,11 +84,16 @@ def parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
     shared = 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
     router = d * moe.num_experts
 
-    n_moe = model.n_moe_layers
-    n_dense = model.n_layers - n_moe
+    # multi-token prediction: each module a block (of the kind layer n_layers + k would be), the 2d -> d projection
+    # and three norms (``moe/mtp.py``); the embedding and head are the main model's
+    mtp_moe = sum(model.is_moe_layer(model.n_layers + k) for k in range(model.mtp_depth))
+    n_moe = model.n_moe_layers + mtp_moe
+    n_blocks = model.n_layers + model.mtp_depth
+    n_dense = n_blocks - n_moe
     embedding = model.vocab_size * d
     head = 0 if model.tie_embeddings else model.vocab_size * d
-    common = embedding + head + d + model.n_layers * (attention + norms) + n_dense * dense_ffn
+    common = embedding + head + d + n_blocks * (attention + norms) + n_dense * dense_ffn
+    common += model.mtp_depth * (2 * d * d + 3 * d)
     common += n_moe * (router + shared)
     routed_total = n_moe * moe.num_experts * one_expert
     routed_active = n_moe * moe.top_k * one_expert
@@ -106,13 +111,15 @@ def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
     ``6 * N_active`` for the weight matmuls (2 forward, 4 backward per parameter;
     Kaplan et al. 2020 sec. 2.1) over the active parameters that do matmuls (the
     embedding lookup does none; a tied head still does), plus ``attention_flops_per_token`` per layer
-    for attention scores and values.
+    for attention scores and values; multi-token prediction's modules count as blocks, with the shared head once
+    more each (their shorter sequences, S - k, are not discounted).
     """
     counts = parameter_counts(model, moe)
     matmul_params = counts.active - counts.embedding
     if model.tie_embeddings:
         matmul_params += model.vocab_size * model.d_model
-    return 6.0 * matmul_params + model.n_layers * attention_flops_per_token(model)
+    matmul_params += model.mtp_depth * model.vocab_size * model.d_model  # the shared head, once per MTP module
+    return 6.0 * matmul_params + (model.n_layers + model.mtp_depth) * attention_flops_per_token(model)
 
 
 def block_flops_per_token(model: ModelConfig, moe: MoEConfig, is_moe: bool) -> float:

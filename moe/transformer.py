@@ -19,6 +19,8 @@ from moe.init import Slice, initialize, whole
 from moe.kv_cache import KVCache, LayerCache
 from moe.latent_attention import LatentAttention
 from moe.layer import MoELayer, RoutingStats
+from moe.losses import attach_loss
+from moe.mtp import PredictionModule, prediction_losses
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, rope_tables
 
@@ -110,6 +112,8 @@ class MoETransformer(nn.Module):
 
     ``layers`` is a ModuleDict keyed by the layer index as a string, so parameter
     names stay the same when pipeline parallelism keeps only some of the layers.
+    With ``model.mtp_depth`` the multi-token-prediction modules (``moe/mtp.py``) run in training after the
+    head, and their weighted loss is attached to the logits; ``last_mtp_losses`` holds each module's loss.
 
     Initialisation (``init_weights``) follows ``moe/init.py``: each element is drawn from a generator
     seeded by (seed, parameter name, chunk), so a rank that holds a slice of a parameter can draw just
@@ -127,6 +131,11 @@ class MoETransformer(nn.Module):
         )
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # multi-token prediction: its blocks are of the kind the layers after the last would be
+        self.mtp = nn.ModuleList(
+            PredictionModule(config, moe_config, Block(config, moe_config, config.is_moe_layer(config.n_layers + k)))
+            for k in range(config.mtp_depth)) if config.mtp_depth else None
+        self.last_mtp_losses: Tensor | None = None
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(config)
@@ -165,15 +174,25 @@ class MoETransformer(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.rope_cos.shape[0]}")
         # attention takes the positions it needs from the full tables: under sequence parallelism the blocks
         # pass sequence shards between them and attention alone sees the whole sequence
-        x = self.tok_embeddings(tokens)
+        embedded = x = self.tok_embeddings(tokens)
         for name, block in self.layers.items():
             x = block(x, self.rope_cos, self.rope_sin) if cache is None else block(x, self.rope_cos, self.rope_sin,
                                                                                     cache.layer(name))
-        return self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x)).float()
+        if self.mtp is not None and self.training and cache is None:
+            # the modules' mean loss, weighted, reaches backward through the logits (as the balancing losses do)
+            losses = prediction_losses(self.mtp, x, embedded, tokens, self.output, self.rope_cos, self.rope_sin)
+            self.last_mtp_losses = losses.detach()
+            logits = attach_loss(logits, losses.mean(), self.config.mtp_loss_weight)
+        return logits
 
     def moe_layers(self) -> dict[int, MoELayer]:
-        """The MoE layers by layer index."""
-        return {int(i): block.moe for i, block in self.layers.items() if block.moe is not None}
+        """The MoE layers by layer index; the multi-token-prediction modules' follow, as layers n_layers + k."""
+        layers = {int(i): block.moe for i, block in self.layers.items() if block.moe is not None}
+        for k, module in enumerate(self.mtp or []):
+            if module.block.moe is not None:
+                layers[self.config.n_layers + k] = module.block.moe
+        return layers
 
     def routing_stats(self) -> dict[int, RoutingStats]:
         """Each MoE layer's statistics from the latest forward pass."""

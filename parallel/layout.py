@@ -68,6 +68,10 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
                        microbatches)
         check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel,
                               config.parallel.vocab_parallel)
+        if config.model.mtp_depth and layout.world_size > 1:
+            # its blocks sit outside model.layers, where the layouts' plans (tp, ep, FSDP units, stages) look
+            raise ConfigError(f"model.mtp_depth={config.model.mtp_depth}: multi-token prediction runs in one process "
+                              f"only so far; set model.mtp_depth=0 for a layout of {layout.world_size} ranks")
         return micro, microbatches
 
     def refusal(layout: Layout) -> str | None:  # a layout a refusal suggests must pass every check here

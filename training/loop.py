@@ -67,6 +67,7 @@ class IntervalStats:
     steps: int = 0
     tokens: int = 0
     lm_loss: float = 0.0
+    mtp_loss: torch.Tensor | None = None  # multi-token prediction's mean module loss, summed over the steps
     started: float = field(default_factory=time.perf_counter)
     routing: RoutingAccumulator = field(default_factory=RoutingAccumulator)
     routing_result: IntervalRouting | None = None  # set by record(): the interval's routing, for RoutingLog
@@ -93,9 +94,11 @@ class IntervalStats:
         """
         elapsed = time.perf_counter() - self.started
         self.routing_result = self.routing.reduce(dp_group, pp_group, biases)
+        mtp = {} if self.mtp_loss is None else {"train/mtp_loss": float(self.mtp_loss) / self.steps}
         return {
             "train/loss": self.lm_loss / self.steps,
             "train/lm_loss": self.lm_loss / self.steps,
+            **mtp,
             "perf/tokens_per_s": self.tokens / elapsed,
             **routing_metrics(self.routing_result),
             **self._source_losses(source_names, dp_group),
@@ -191,6 +194,9 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
                 (loss / accumulation).backward()
             step_loss += loss.detach().double().cpu() / accumulation
             routing.append(model.routing_stats())
+            if model.last_mtp_losses is not None:  # logged apart from the LM loss (one process: no reduction)
+                mtp = model.last_mtp_losses.mean() / accumulation
+                interval.mtp_loss = mtp if interval.mtp_loss is None else interval.mtp_loss + mtp
     for stats in routing:
         interval.add_routing(stats)
         for i, layer_stats in stats.items():

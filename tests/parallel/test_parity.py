@@ -76,6 +76,11 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.tp=2", *DEEPSEEK_V3, "model.q_lora_rank=null"], 2, "null", id="tp=2-deepseek-v3"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
                   *DEEPSEEK_V3], 4, "1.25", id="dp_shard=2xtp=2xep=2-sequence_parallel-deepseek-v3"),
+    # GLM-4.5's attention split by heads: q/k/v biases split with their projections, RoPE on half of each head,
+    # q/k norms on each rank's heads; its sigmoid routing with a shared expert behind a dense first layer
+    pytest.param(["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", "model.qkv_bias=true",
+                  "model.rotary_dim=4", "model.qk_norm=true", "model.first_moe_layer=1", "moe.score_func=sigmoid",
+                  "moe.num_shared_experts=1", "moe.routed_scaling_factor=2.5"], 2, "1.25", id="tp=2xep=2-glm-4.5"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
     pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),

@@ -139,3 +139,18 @@ def test_torchrun_single_process(tmp_path):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "train/loss" in r] == [3]
+
+
+def test_training_with_multi_token_prediction_logs_its_loss_apart(tmp_path):
+    """DeepSeek-V3's architecture at toy size with one MTP module trains through train.py: the MTP loss is logged
+    beside the LM loss (``train/loss`` stays the LM loss), and both fall."""
+    settings = ["model.mtp_depth=1", "model.mtp_loss_weight=0.3", "model.first_moe_layer=1", "model.n_kv_heads=null",
+                "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=8",
+                "moe.score_func=sigmoid", "moe.n_group=2", "moe.topk_group=1", "moe.routed_scaling_factor=2.5",
+                "moe.num_shared_experts=1", "moe.bias_update_rate=0.001"]
+    assert train.main(["--run-dir", str(tmp_path / "r"), "--set", *TINY, "train.steps=6", "train.eval_interval=0",
+                       "logging.log_interval=1", *settings]) == 0
+    records = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "train/loss" in r]
+    assert all("train/mtp_loss" in r and r["train/loss"] == r["train/lm_loss"] for r in records)
+    assert records[-1]["train/mtp_loss"] < records[0]["train/mtp_loss"]
+    assert records[-1]["train/loss"] < records[0]["train/loss"]

@@ -1,0 +1,50 @@
+"""Multi-token prediction (DeepSeek-V3, arXiv:2412.19437, sec. 2.2): D more tokens predicted, each by a module.
+
+Shapes: B sequences, S positions, D = d_model, V vocab; module k (1-based) works on the first S - k positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from config.model import ModelConfig, MoEConfig
+from moe.norm import RMSNorm
+
+
+class PredictionModule(nn.Module):
+    """MTP module k: h'_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})] (eq. 21; the embedding first, as
+    DeepSeek-V3's released weights order ``eh_proj``'s input), then one transformer block TRM_k (eq. 22), then its
+    own final norm before the shared output head (eq. 23). The embedding and the head are the main model's."""
+
+    def __init__(self, config: ModelConfig, moe_config: MoEConfig, block: nn.Module):
+        super().__init__()
+        d = config.d_model
+        self.embed_norm = RMSNorm(d, eps=config.norm_eps)
+        self.hidden_norm = RMSNorm(d, eps=config.norm_eps)
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        self.block = block
+        self.norm = RMSNorm(d, eps=config.norm_eps)
+
+    def forward(self, hidden: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """hidden: h^{k-1} of positions 0..S-k-1; embedded: Emb(t_{i+k}) of the same positions -> h^k [B, S-k, D]."""
+        combined = self.proj(torch.cat((self.embed_norm(embedded), self.hidden_norm(hidden)), dim=-1))
+        return self.block(combined, cos, sin)
+
+
+def prediction_losses(modules: nn.ModuleList, hidden: Tensor, embedded: Tensor, tokens: Tensor, head: nn.Module,
+                      cos: Tensor, sin: Tensor) -> Tensor:
+    """L^k_MTP for k = 1..len(modules) (eq. 24): [len(modules)] fp32.
+
+    hidden: the main model's last hidden states h^0 [B, S, D] (before its final norm); embedded: Emb(t) [B, S, D];
+    tokens: the input t [B, S]. Module k predicts t_{i+k+1} at position i; within the input that is known for
+    i <= S-k-2, so each module's loss is over S-k-1 positions (the paper also uses t_{S+1}, the target after the
+    input: one position more per sequence).
+    """
+    seq, losses = tokens.shape[1], []
+    for k, module in enumerate(modules, start=1):
+        hidden = module(hidden[:, :seq - k], embedded[:, k:], cos, sin)  # [B, S-k, D]
+        logits = head(module.norm(hidden[:, :seq - k - 1])).float()  # [B, S-k-1, V]
+        losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1:].flatten()))
+    return torch.stack(losses)
