@@ -175,7 +175,13 @@ class MoEConfig:
     num_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 512  # hidden size of one routed expert
-    activation: Literal["swiglu", "gelu"] = "swiglu"
+    # the routed experts' activation: SwiGLU (Shazeer 2020), GELU, or GPT-OSS's clamped SwiGLU:
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, swiglu_limit)
+    activation: Literal["swiglu", "gelu", "clamped_swiglu"] = "swiglu"
+    swiglu_alpha: float = 1.702  # clamped_swiglu only: the sigmoid's slope (GPT-OSS: 1.702, GELU's sigmoid fit)
+    swiglu_limit: float = 7.0  # clamped_swiglu only: where the gate is capped and the up projection clipped
+    router_bias: bool = False  # a learned bias on the router's logits (GPT-OSS)
+    expert_proj_bias: bool = False  # learned biases on every routed expert's gate, up and down projections
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     renormalize: bool = True  # rescale the k selected weights to sum to 1
     jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps) in training (Switch Transformer)
@@ -199,6 +205,11 @@ class MoEConfig:
     backend: Literal["torch", "megablocks", "auto"] = "auto"
 
     @property
+    def gated(self) -> bool:
+        """Whether the routed experts have a gate projection besides up and down (both SwiGLUs do)."""
+        return self.activation in ("swiglu", "clamped_swiglu")
+
+    @property
     def shared_hidden(self) -> int:
         return self.shared_expert_hidden or self.expert_hidden * self.num_shared_experts
 
@@ -219,6 +230,11 @@ class MoEConfig:
             f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}",
         )
         require(self.expert_hidden > 0, f"moe.expert_hidden must be positive, got {self.expert_hidden}")
+        require(self.swiglu_limit > 0 and math.isfinite(self.swiglu_limit),
+                f"moe.swiglu_limit={self.swiglu_limit} must be a positive finite number (GPT-OSS: 7.0): the clamped "
+                "SwiGLU caps its gate at it and clips its up projection to [-limit, limit]")
+        require(self.swiglu_alpha > 0 and math.isfinite(self.swiglu_alpha),
+                f"moe.swiglu_alpha={self.swiglu_alpha} must be a positive finite number (GPT-OSS: 1.702)")
         require(
             self.capacity_factor is None or (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)),
             f"moe.capacity_factor={self.capacity_factor} must be a positive number, or null for dropless",

@@ -74,15 +74,27 @@ def attention_flops_per_token(model: ModelConfig) -> float:
     return 6.0 * model.n_heads * width * model.seq_len
 
 
+def expert_parameters(d_model: int, moe: MoEConfig) -> int:
+    """One routed expert's weights: gate (gated activations only), up and down; with ``moe.expert_proj_bias`` a
+    bias per hidden unit of gate and up and per output of down."""
+    matrices = 3 if moe.gated else 2
+    biases = (matrices - 1) * moe.expert_hidden + d_model if moe.expert_proj_bias else 0
+    return matrices * d_model * moe.expert_hidden + biases
+
+
+def router_parameters(d_model: int, moe: MoEConfig) -> int:
+    """The router's gate [E, D] and, with ``moe.router_bias``, its logit bias [E]."""
+    return (d_model + (1 if moe.router_bias else 0)) * moe.num_experts
+
+
 def parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
     d = model.d_model
     attention = attention_parameters(model)
     norms = 2 * d
     dense_ffn = 3 * d * model.ffn_hidden
-    matrices_per_expert = 3 if moe.activation == "swiglu" else 2
-    one_expert = matrices_per_expert * d * moe.expert_hidden
+    one_expert = expert_parameters(d, moe)
     shared = 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
-    router = d * moe.num_experts
+    router = router_parameters(d, moe)
 
     n_moe = model.n_moe_layers
     n_dense = model.n_layers - n_moe
@@ -126,8 +138,7 @@ def block_flops_per_token(model: ModelConfig, moe: MoEConfig, is_moe: bool) -> f
     d = model.d_model
     params = attention_parameters(model) + 2 * d
     if is_moe:
-        matrices_per_expert = 3 if moe.activation == "swiglu" else 2
-        params += d * moe.num_experts + moe.top_k * matrices_per_expert * d * moe.expert_hidden
+        params += router_parameters(d, moe) + moe.top_k * expert_parameters(d, moe)
         params += 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
     else:
         params += 3 * d * model.ffn_hidden
