@@ -142,6 +142,10 @@ def _attention_tensors(model: ModelConfig, i: int) -> list[ParamTensor]:
     if model.qkv_bias:  # column-parallel with their projections
         out += [ParamTensor("attention", i, (heads * hd,), 0), ParamTensor("attention", i, (model.kv_heads * hd,), 0),
                 ParamTensor("attention", i, (model.kv_heads * hd,), 0)]
+    if model.attn_output_bias:  # added after wo's row-parallel sum: whole on every tp rank
+        out.append(ParamTensor("attention", i, (d,)))
+    if model.attention_sinks:  # one per query head: split with the heads
+        out.append(ParamTensor("attention", i, (heads,), 0))
     if model.qk_norm:  # per-head query and key norms, whole on every tp rank
         out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
     return out

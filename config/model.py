@@ -24,6 +24,15 @@ class ModelConfig:
     head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
     qkv_bias: bool = False  # biases on the query, key and value projections (GLM-4.5, Qwen2); none on the output
+    attn_output_bias: bool = False  # a bias on the attention output projection wo (GPT-OSS, with qkv_bias)
+    # GPT-OSS's attention sinks: one learned logit per head that joins each softmax's denominator, with no value
+    # (a query may attend to "nothing"; Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks")
+    attention_sinks: bool = False
+    # sliding-window attention: in a "sliding_attention" layer a query sees itself and the sliding_window - 1
+    # positions before it. layer_types gives each layer's kind ("full_attention" or "sliding_attention", GPT-OSS:
+    # alternating from a sliding first layer); null with a sliding_window = every layer slides
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     rotary_dim: int | None = None  # RoPE rotates the first rotary_dim channels of each head; None = all (GLM-4.5: half)
     seq_len: int = 256  # training context length
     ffn_hidden: int = 512  # hidden size of the dense SwiGLU FFN blocks
@@ -80,6 +89,14 @@ class ModelConfig:
             return self.qk_rope_head_dim
         return self.rotary_dim or self.head_size
 
+    def attention_window(self, index: int) -> int | None:
+        """Layer ``index``'s sliding window, or None for full causal attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[index] == "sliding_attention":
+            return self.sliding_window
+        return None
+
     def is_moe_layer(self, index: int) -> bool:
         if self.moe_every == 0 or index < self.first_moe_layer:
             return False
@@ -125,6 +142,23 @@ class ModelConfig:
                 f"{self.head_size}, or null (all channels)")
         self._validate_rope_scaling()
         self._validate_latent_attention()
+        self._validate_sliding_window()
+
+    def _validate_sliding_window(self) -> None:
+        kinds = ("full_attention", "sliding_attention")
+        if self.sliding_window is not None:
+            require(0 < self.sliding_window <= self.seq_len,
+                    f"model.sliding_window={self.sliding_window} must be between 1 and model.seq_len={self.seq_len} "
+                    "(a window of the whole sequence is full attention: leave it null)")
+        if self.layer_types is None:
+            return
+        require(len(self.layer_types) == self.n_layers,
+                f"model.layer_types has {len(self.layer_types)} entries; it needs one per layer "
+                f"(model.n_layers={self.n_layers})")
+        for index, kind in enumerate(self.layer_types):
+            require(kind in kinds, f"model.layer_types[{index}]={kind!r} is not a layer type; valid: {list(kinds)}")
+        require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
+                "model.layer_types has sliding_attention layers: set model.sliding_window (GPT-OSS: 128)")
 
     def _validate_rope_scaling(self) -> None:
         yarn_keys = ("rope_original_seq_len", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor")
@@ -166,6 +200,10 @@ class ModelConfig:
         require(not self.qk_norm, "model.qk_norm=true does not apply to latent attention (its latents are "
                                   "normalised instead): set it false")
         require(not self.qkv_bias, "model.qkv_bias=true does not apply to latent attention: set it false")
+        for key in ("attn_output_bias", "attention_sinks"):
+            require(not getattr(self, key), f"model.{key}=true is not implemented for latent attention: set it false")
+        require(self.sliding_window is None, f"model.sliding_window={self.sliding_window} is not implemented for "
+                                             "latent attention: leave it null")
 
 
 @dataclass

@@ -45,8 +45,8 @@ class ParameterCounts:
 def attention_parameters(model: ModelConfig) -> int:
     """One block's attention weights, its norms included (``moe/transformer.py``, ``moe/latent_attention.py``).
 
-    Grouped-query: wq, wo (nh·hd wide), wk, wv (nkv·hd), their biases with ``qkv_bias``, and hd-wide q/k norms
-    with ``qk_norm``. Latent:
+    Grouped-query: wq, wo (nh·hd wide), wk, wv (nkv·hd), their biases with ``qkv_bias``, wo's with
+    ``attn_output_bias``, one sink per head with ``attention_sinks``, and hd-wide q/k norms with ``qk_norm``. Latent:
     the query projection (full, or c' -rank with its norm), wkv_a into c + r, the c-wide latent norm, wkv_b out
     to nh·(n + v), and wo from nh·v.
     """
@@ -54,7 +54,9 @@ def attention_parameters(model: ModelConfig) -> int:
     if not model.latent_attention:
         hd = model.head_size
         biases = (heads + 2 * model.kv_heads) * hd if model.qkv_bias else 0
-        return d * heads * hd * 2 + d * model.kv_heads * hd * 2 + (2 * hd if model.qk_norm else 0) + biases
+        biases += d if model.attn_output_bias else 0
+        sinks = heads if model.attention_sinks else 0
+        return d * heads * hd * 2 + d * model.kv_heads * hd * 2 + (2 * hd if model.qk_norm else 0) + biases + sinks
     qk, rank = model.qk_nope_head_dim + model.qk_rope_head_dim, model.q_lora_rank
     query = d * heads * qk if rank is None else d * rank + rank + rank * heads * qk
     latent = d * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank

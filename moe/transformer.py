@@ -22,6 +22,8 @@ from moe.layer import MoELayer, RoutingStats
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, rope_tables
 
+SINK_CHANNELS = 8  # channels added to queries and keys to carry the attention sink's logit (``_masked_attention``)
+
 
 class Attention(nn.Module):
     """Causal multi-head (or grouped-query) attention with rotary positions, on SDPA.
@@ -32,16 +34,23 @@ class Attention(nn.Module):
     by the heads) before RoPE, as Qwen3 does: it keeps the attention logits from growing without bound
     ("QK normalization", Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters",
     sec. 3). Per head, so it runs unchanged on the heads a tensor-parallel rank holds.
+
+    GPT-OSS's options: ``attn_output_bias`` (a bias on ``wo`` too), ``attention_sinks`` (``sinks`` [nh], one
+    logit per head in every softmax's denominator with no value: ``softmax_j(l_j)`` becomes
+    ``exp(l_j) / (exp(s_h) + sum_i exp(l_i))``) and ``window`` (this layer's sliding window: a query sees itself
+    and the window - 1 positions before it). Both run on SDPA (``_masked_attention``).
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_size
         self.rotary_dim = config.rope_dim
+        self.window = window
         self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=config.qkv_bias)
         self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=config.attn_output_bias)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if config.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
@@ -62,9 +71,45 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        if self.sinks is None and self.window is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads)
+        else:
+            out = self._masked_attention(q, k, v, start)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _masked_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """Causal attention with this layer's window and sinks: q [B, nh, S, hd] at positions start.., k and v
+        [B, nkv, start + S, hd] (the cache's and the new ones) -> [B, nh, S, hd].
+
+        The window is a boolean mask over (query, key) positions, shared by heads and sequences. The sink joins
+        SDPA as one extra key with a zero value: its logit must be s_h for every query of head h, so each query
+        head gets ``SINK_CHANNELS`` extra channels holding (s_h · sqrt(hd), 0, ...) and that key has (1, 0, ...)
+        there while the real keys have zeros, which leaves their logits as they were. With the scale fixed at
+        1/sqrt(hd) the sink's logit is exactly s_h and its gradient reaches ``sinks`` through the query
+        channel; one extra key and a few channels, and no [nh, S, S] additive mask per head. Extra channels
+        a multiple of 8 keep the head width aligned for the fused kernels.
+        """
+        seq, keys = q.shape[2], k.shape[2]
+        query_pos = torch.arange(start, start + seq, device=q.device)[:, None]
+        key_pos = torch.arange(keys, device=q.device)[None, :]
+        allowed = key_pos <= query_pos  # [S, K]
+        if self.window is not None:
+            allowed &= key_pos > query_pos - self.window
+        scale = self.head_dim ** -0.5
+        if self.sinks is not None:  # heads counted from the tensors: a tp rank holds only its share
+            batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+            sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks  # [heads] here
+            sink_query = q.new_zeros(batch, heads, seq, SINK_CHANNELS)
+            sink_query[..., 0] = (sinks * self.head_dim ** 0.5).to(q.dtype)[None, :, None]
+            q = torch.cat((q, sink_query), dim=-1)
+            sink_key = k.new_zeros(batch, kv_heads, 1, self.head_dim + SINK_CHANNELS)
+            sink_key[..., self.head_dim] = 1.0
+            k = torch.cat((sink_key, F.pad(k, (0, SINK_CHANNELS))), dim=2)
+            v = torch.cat((v.new_zeros(batch, kv_heads, 1, self.head_dim), v), dim=2)
+            allowed = torch.cat((allowed.new_ones(seq, 1), allowed), dim=1)  # every query sees its sink
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                              enable_gqa=self.n_kv_heads != self.n_heads)
 
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -78,10 +123,10 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x)); ffn dense or MoE."""
 
-    def __init__(self, config: ModelConfig, moe_config: MoEConfig, is_moe: bool):
+    def __init__(self, config: ModelConfig, moe_config: MoEConfig, is_moe: bool, window: int | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = LatentAttention(config) if config.latent_attention else Attention(config)
+        self.attn = LatentAttention(config) if config.latent_attention else Attention(config, window)
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.moe = MoELayer(config.d_model, moe_config) if is_moe else None
         self.ffn = None if is_moe else FeedForward(config.d_model, config.ffn_hidden)
@@ -123,7 +168,8 @@ class MoETransformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleDict(
-            {str(i): Block(config, moe_config, config.is_moe_layer(i)) for i in range(config.n_layers)}
+            {str(i): Block(config, moe_config, config.is_moe_layer(i), config.attention_window(i))
+             for i in range(config.n_layers)}
         )
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)

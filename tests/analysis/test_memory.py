@@ -73,9 +73,12 @@ def test_parameter_tensors_add_up_to_the_accounting(name, tie):
 
 @pytest.mark.parametrize("overrides", [["moe.activation=clamped_swiglu", "moe.router_bias=true",
                                         "moe.expert_proj_bias=true"],
-                                       ["moe.activation=gelu", "moe.expert_proj_bias=true"]])
+                                       ["moe.activation=gelu", "moe.expert_proj_bias=true"],
+                                       ["model.qkv_bias=true", "model.attn_output_bias=true",
+                                        "model.attention_sinks=true"]])
 def test_parameter_tensors_count_router_and_expert_biases(overrides):
-    """GPT-OSS's biases (router logits, experts' projections) are in the memory model's tensors, as many as the
+    """GPT-OSS's biases (router logits, experts' projections, attention output) and sinks are in the memory
+    model's tensors, as many as the
     accounting (itself checked against built models) counts, the experts' among the routed experts."""
     config = load_config("moe-8x", overrides)
     tensors = parameter_tensors(config.model, config.moe)

@@ -33,6 +33,11 @@ SMALL = [
      MoEConfig(expert_hidden=24, activation="clamped_swiglu", router_bias=True, expert_proj_bias=True)),
     (ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=48),
      MoEConfig(expert_hidden=24, activation="gelu", expert_proj_bias=True)),
+    # GPT-OSS's attention: q/k/v/o biases, sinks, alternating sliding windows
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, qkv_bias=True, attn_output_bias=True,
+                 attention_sinks=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                 seq_len=16, ffn_hidden=48),
+     MoEConfig(expert_hidden=24, activation="clamped_swiglu", router_bias=True, expert_proj_bias=True)),
 ]
 
 
