@@ -31,7 +31,7 @@ def oracle_mask(seq: int, window: int | None) -> torch.Tensor:
     return mask
 
 
-def pair(n_heads: int, n_kv_heads: int, head_dim: int, window: int | None, seed: int = 0):
+def pair(n_heads: int, n_kv_heads: int, head_dim: int, window: int | None, seq: int = SEQ, seed: int = 0):
     """Their GptOssAttention (one layer of the given kind, every weight random) and ours with its weights."""
     torch.manual_seed(seed)
     config = GptOssConfig(hidden_size=D, num_attention_heads=n_heads, num_key_value_heads=n_kv_heads,
@@ -44,7 +44,7 @@ def pair(n_heads: int, n_kv_heads: int, head_dim: int, window: int | None, seed:
             param.copy_(torch.randn_like(param) * 0.3)
         theirs.sinks.mul_(10)  # logits of a few units: sinks that take a real share of the softmax
     ours_config = ModelConfig(d_model=D, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, n_layers=1,
-                              seq_len=SEQ, qkv_bias=True, attn_output_bias=True, attention_sinks=True,
+                              seq_len=seq, qkv_bias=True, attn_output_bias=True, attention_sinks=True,
                               sliding_window=window, layer_types=["sliding_attention" if window else "full_attention"])
     ours_config.validate()
     ours = Attention(ours_config, ours_config.attention_window(0))
@@ -57,20 +57,22 @@ def pair(n_heads: int, n_kv_heads: int, head_dim: int, window: int | None, seed:
     return theirs, ours, ours_config
 
 
-CASES = [(4, 2, 8, 5), (4, 2, 8, None), (2, 2, 16, 3), (4, 1, 8, 1)]  # heads, kv heads, head width, window
+# heads, kv heads, head width, window, sequence: windows of 5 on 12 positions take the masked SDPA, 1 and 3 the
+# blocked one (sequences at least 4 windows long), 4 on 23 the blocked one with the sequence padded to whole blocks
+CASES = [(4, 2, 8, 5, SEQ), (4, 2, 8, None, SEQ), (2, 2, 16, 3, SEQ), (4, 1, 8, 1, SEQ), (4, 2, 8, 4, 23)]
 
 
-@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, window", CASES)
-def test_attention_matches_transformers_gpt_oss_attention(n_heads, n_kv_heads, head_dim, window):
+@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, window, seq", CASES)
+def test_attention_matches_transformers_gpt_oss_attention(n_heads, n_kv_heads, head_dim, window, seq):
     """fp32 outputs within 1e-5, and the gradients of the input and of every weight, bias and sink, for sliding
     layers with windows shorter than the sequence (so the window matters) and a full layer."""
-    theirs, ours, config = pair(n_heads, n_kv_heads, head_dim, window)
+    theirs, ours, config = pair(n_heads, n_kv_heads, head_dim, window, seq)
     cos, sin = rope_tables(config)
-    x = torch.randn(2, SEQ, D)
-    grad_out = torch.randn(2, SEQ, D)
+    x = torch.randn(2, seq, D)
+    grad_out = torch.randn(2, seq, D)
 
     x_theirs = x.clone().requires_grad_(True)
-    expected, _ = theirs(x_theirs, (cos[None, :SEQ], sin[None, :SEQ]), oracle_mask(SEQ, window))
+    expected, _ = theirs(x_theirs, (cos[None, :seq], sin[None, :seq]), oracle_mask(seq, window))
     (expected * grad_out).sum().backward()
     x_ours = x.clone().requires_grad_(True)
     got = ours(x_ours, cos, sin)
