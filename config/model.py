@@ -50,6 +50,9 @@ class ModelConfig:
     yarn_mscale: float | None = None  # with yarn_mscale_all_dim: the rotary tables' scale is their ratio of mscales
     yarn_mscale_all_dim: float | None = None  # latent attention's softmax scale times mscale(factor, this)^2
     yarn_attention_factor: float | None = None  # the tables' scale given outright (None: from the mscales)
+    # round the ramp's pair bounds outward to whole pairs (YaRN's and DeepSeek-V3's code); false keeps them
+    # fractional (GPT-OSS, Hugging Face's rope_parameters "truncate": false)
+    yarn_truncate: bool = True
     # multi-head latent attention (DeepSeek-V2 sec. 2.1, V3 sec. 2.1.1), on when kv_lora_rank is set: keys and
     # values come from one compressed latent of kv_lora_rank (RMS-normalised) per token, queries through an optional
     # q_lora_rank bottleneck (null: a full projection); RoPE acts on a decoupled qk_rope_head_dim part (one rotary
@@ -168,6 +171,8 @@ class ModelConfig:
             given = [key for key in yarn_keys if getattr(self, key) is not None]
             require(not given, f"model.{given[0] if given else ''} is a YaRN setting: set model.rope_scaling: yarn "
                                "or leave it null")
+            require(self.yarn_truncate, "model.yarn_truncate=false is a YaRN setting: set model.rope_scaling: yarn "
+                                        "or leave it true")
             return
         require(self.rope_factor > 0, f"model.rope_factor must be positive for YaRN, got {self.rope_factor}")
         require(self.rope_original_seq_len is not None and self.rope_original_seq_len > 0,

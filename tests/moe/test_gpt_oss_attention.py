@@ -12,7 +12,7 @@ import torch
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from moe.kv_cache import LayerCache
-from moe.rope import rope_tables
+from moe.rope import rope_tables, yarn_attention_factor, yarn_inverse_frequencies
 from moe.transformer import Attention, MoETransformer
 
 gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
@@ -154,3 +154,25 @@ def test_bf16_autocast_close_to_fp32(window, seq):
             low = ours(x, cos, sin)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), reference, rtol=0, atol=3e-2 * float(reference.abs().max()))
+
+
+def test_gpt_oss_yarn_frequencies_match_transformers():
+    """GPT-OSS's YaRN (factor 32 over 4,096 positions, beta 32 and 1, theta 150,000, 64-wide heads) keeps the
+    ramp's bounds fractional ("truncate": false): ours with ``yarn_truncate`` false gives transformers'
+    frequencies and table scale; rounding the bounds (the default) would give others."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = dict(rope_theta=150000.0, rope_scaling="yarn", rope_factor=32.0, rope_original_seq_len=4096,
+                yarn_beta_fast=32.0, yarn_beta_slow=1.0)
+    ours = ModelConfig(d_model=D, n_heads=4, head_dim=64, seq_len=SEQ, yarn_truncate=False, **rope)
+    ours.validate()
+    hf = GptOssConfig(hidden_size=D, num_attention_heads=4, head_dim=64, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096, "truncate": False})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    torch.testing.assert_close(yarn_inverse_frequencies(ours), inv_freq, rtol=1e-6, atol=0)
+    assert yarn_attention_factor(ours) == pytest.approx(attention_factor, rel=1e-12)
+    truncated = yarn_inverse_frequencies(ModelConfig(d_model=D, n_heads=4, head_dim=64, seq_len=SEQ, **rope))
+    assert not torch.allclose(truncated, inv_freq, rtol=1e-3)
+    with pytest.raises(ConfigError, match="model.yarn_truncate=false is a YaRN setting"):
+        ModelConfig(d_model=D, n_heads=4, seq_len=SEQ, yarn_truncate=False).validate()
