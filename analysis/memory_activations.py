@@ -149,7 +149,7 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     kept = kept_assignments(mb.tokens, moe)
     rows = largest_chunk(kept, layout.tp // layout.etp)  # this rank's share (the largest)
     hidden = moe.expert_hidden // layout.etp
-    swiglu = moe.activation == "swiglu"
+    swiglu = moe.gated
     local_experts = moe.num_experts // layout.ep
     experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
     if layout.ep > 1:  # received rows' reorder index and its inverse

@@ -142,6 +142,10 @@ def _attention_tensors(model: ModelConfig, i: int) -> list[ParamTensor]:
     if model.qkv_bias:  # column-parallel with their projections
         out += [ParamTensor("attention", i, (heads * hd,), 0), ParamTensor("attention", i, (model.kv_heads * hd,), 0),
                 ParamTensor("attention", i, (model.kv_heads * hd,), 0)]
+    if model.attn_output_bias:  # added after wo's row-parallel sum: whole on every tp rank
+        out.append(ParamTensor("attention", i, (d,)))
+    if model.attention_sinks:  # one per query head: split with the heads
+        out.append(ParamTensor("attention", i, (heads,), 0))
     if model.qk_norm:  # per-head query and key norms, whole on every tp rank
         out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
     return out
@@ -157,8 +161,13 @@ def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
             out += [ParamTensor("router", i, (e, d)),
                     ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2),
                     ParamTensor("experts", i, (e, h, d), expert_hidden_dim=1)]
-            if moe.activation == "swiglu":
+            if moe.gated:
                 out.append(ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2))
+            if moe.router_bias:
+                out.append(ParamTensor("router", i, (e,)))
+            if moe.expert_proj_bias:  # up (and gate) biases split over etp with their hidden units; down's not
+                out += [ParamTensor("experts", i, (e, h), expert_hidden_dim=1) for _ in range(1 + moe.gated)]
+                out.append(ParamTensor("experts", i, (e, d)))
             hidden = moe.shared_hidden if moe.num_shared_experts else 0
         if hidden:
             out += [ParamTensor("ffn", i, (hidden, d), 0), ParamTensor("ffn", i, (hidden, d), 0),

@@ -24,6 +24,15 @@ class ModelConfig:
     head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
     qkv_bias: bool = False  # biases on the query, key and value projections (GLM-4.5, Qwen2); none on the output
+    attn_output_bias: bool = False  # a bias on the attention output projection wo (GPT-OSS, with qkv_bias)
+    # GPT-OSS's attention sinks: one learned logit per head that joins each softmax's denominator, with no value
+    # (a query may attend to "nothing"; Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks")
+    attention_sinks: bool = False
+    # sliding-window attention: in a "sliding_attention" layer a query sees itself and the sliding_window - 1
+    # positions before it. layer_types gives each layer's kind ("full_attention" or "sliding_attention", GPT-OSS:
+    # alternating from a sliding first layer); null with a sliding_window = every layer slides
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     rotary_dim: int | None = None  # RoPE rotates the first rotary_dim channels of each head; None = all (GLM-4.5: half)
     seq_len: int = 256  # training context length
     ffn_hidden: int = 512  # hidden size of the dense SwiGLU FFN blocks
@@ -46,6 +55,9 @@ class ModelConfig:
     yarn_mscale: float | None = None  # with yarn_mscale_all_dim: the rotary tables' scale is their ratio of mscales
     yarn_mscale_all_dim: float | None = None  # latent attention's softmax scale times mscale(factor, this)^2
     yarn_attention_factor: float | None = None  # the tables' scale given outright (None: from the mscales)
+    # round the ramp's pair bounds outward to whole pairs (YaRN's and DeepSeek-V3's code); false keeps them
+    # fractional (GPT-OSS, Hugging Face's rope_parameters "truncate": false)
+    yarn_truncate: bool = True
     # multi-head latent attention (DeepSeek-V2 sec. 2.1, V3 sec. 2.1.1), on when kv_lora_rank is set: keys and
     # values come from one compressed latent of kv_lora_rank (RMS-normalised) per token, queries through an optional
     # q_lora_rank bottleneck (null: a full projection); RoPE acts on a decoupled qk_rope_head_dim part (one rotary
@@ -84,6 +96,14 @@ class ModelConfig:
         if self.latent_attention:
             return self.qk_rope_head_dim
         return self.rotary_dim or self.head_size
+
+    def attention_window(self, index: int) -> int | None:
+        """Layer ``index``'s sliding window, or None for full causal attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[index] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def is_moe_layer(self, index: int) -> bool:
         if self.moe_every == 0 or index < self.first_moe_layer:
@@ -133,6 +153,23 @@ class ModelConfig:
                 f"{self.head_size}, or null (all channels)")
         self._validate_rope_scaling()
         self._validate_latent_attention()
+        self._validate_sliding_window()
+
+    def _validate_sliding_window(self) -> None:
+        kinds = ("full_attention", "sliding_attention")
+        if self.sliding_window is not None:
+            require(0 < self.sliding_window <= self.seq_len,
+                    f"model.sliding_window={self.sliding_window} must be between 1 and model.seq_len={self.seq_len} "
+                    "(a window of the whole sequence is full attention: leave it null)")
+        if self.layer_types is None:
+            return
+        require(len(self.layer_types) == self.n_layers,
+                f"model.layer_types has {len(self.layer_types)} entries; it needs one per layer "
+                f"(model.n_layers={self.n_layers})")
+        for index, kind in enumerate(self.layer_types):
+            require(kind in kinds, f"model.layer_types[{index}]={kind!r} is not a layer type; valid: {list(kinds)}")
+        require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
+                "model.layer_types has sliding_attention layers: set model.sliding_window (GPT-OSS: 128)")
 
     def _validate_rope_scaling(self) -> None:
         yarn_keys = ("rope_original_seq_len", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor")
@@ -142,6 +179,8 @@ class ModelConfig:
             given = [key for key in yarn_keys if getattr(self, key) is not None]
             require(not given, f"model.{given[0] if given else ''} is a YaRN setting: set model.rope_scaling: yarn "
                                "or leave it null")
+            require(self.yarn_truncate, "model.yarn_truncate=false is a YaRN setting: set model.rope_scaling: yarn "
+                                        "or leave it true")
             return
         require(self.rope_factor > 0, f"model.rope_factor must be positive for YaRN, got {self.rope_factor}")
         require(self.rope_original_seq_len is not None and self.rope_original_seq_len > 0,
@@ -174,6 +213,10 @@ class ModelConfig:
         require(not self.qk_norm, "model.qk_norm=true does not apply to latent attention (its latents are "
                                   "normalised instead): set it false")
         require(not self.qkv_bias, "model.qkv_bias=true does not apply to latent attention: set it false")
+        for key in ("attn_output_bias", "attention_sinks"):
+            require(not getattr(self, key), f"model.{key}=true is not implemented for latent attention: set it false")
+        require(self.sliding_window is None, f"model.sliding_window={self.sliding_window} is not implemented for "
+                                             "latent attention: leave it null")
 
 
 @dataclass
@@ -183,7 +226,13 @@ class MoEConfig:
     num_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 512  # hidden size of one routed expert
-    activation: Literal["swiglu", "gelu"] = "swiglu"
+    # the routed experts' activation: SwiGLU (Shazeer 2020), GELU, or GPT-OSS's clamped SwiGLU:
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, swiglu_limit)
+    activation: Literal["swiglu", "gelu", "clamped_swiglu"] = "swiglu"
+    swiglu_alpha: float = 1.702  # clamped_swiglu only: the sigmoid's slope (GPT-OSS: 1.702, GELU's sigmoid fit)
+    swiglu_limit: float = 7.0  # clamped_swiglu only: where the gate is capped and the up projection clipped
+    router_bias: bool = False  # a learned bias on the router's logits (GPT-OSS)
+    expert_proj_bias: bool = False  # learned biases on every routed expert's gate, up and down projections
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     renormalize: bool = True  # rescale the k selected weights to sum to 1
     jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps) in training (Switch Transformer)
@@ -207,6 +256,11 @@ class MoEConfig:
     backend: Literal["torch", "megablocks", "auto"] = "auto"
 
     @property
+    def gated(self) -> bool:
+        """Whether the routed experts have a gate projection besides up and down (both SwiGLUs do)."""
+        return self.activation in ("swiglu", "clamped_swiglu")
+
+    @property
     def shared_hidden(self) -> int:
         return self.shared_expert_hidden or self.expert_hidden * self.num_shared_experts
 
@@ -227,6 +281,11 @@ class MoEConfig:
             f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}",
         )
         require(self.expert_hidden > 0, f"moe.expert_hidden must be positive, got {self.expert_hidden}")
+        require(self.swiglu_limit > 0 and math.isfinite(self.swiglu_limit),
+                f"moe.swiglu_limit={self.swiglu_limit} must be a positive finite number (GPT-OSS: 7.0): the clamped "
+                "SwiGLU caps its gate at it and clips its up projection to [-limit, limit]")
+        require(self.swiglu_alpha > 0 and math.isfinite(self.swiglu_alpha),
+                f"moe.swiglu_alpha={self.swiglu_alpha} must be a positive finite number (GPT-OSS: 1.702)")
         require(
             self.capacity_factor is None or (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)),
             f"moe.capacity_factor={self.capacity_factor} must be a positive number, or null for dropless",

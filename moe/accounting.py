@@ -45,8 +45,8 @@ class ParameterCounts:
 def attention_parameters(model: ModelConfig) -> int:
     """One block's attention weights, its norms included (``moe/transformer.py``, ``moe/latent_attention.py``).
 
-    Grouped-query: wq, wo (nh·hd wide), wk, wv (nkv·hd), their biases with ``qkv_bias``, and hd-wide q/k norms
-    with ``qk_norm``. Latent:
+    Grouped-query: wq, wo (nh·hd wide), wk, wv (nkv·hd), their biases with ``qkv_bias``, wo's with
+    ``attn_output_bias``, one sink per head with ``attention_sinks``, and hd-wide q/k norms with ``qk_norm``. Latent:
     the query projection (full, or c' -rank with its norm), wkv_a into c + r, the c-wide latent norm, wkv_b out
     to nh·(n + v), and wo from nh·v.
     """
@@ -54,7 +54,9 @@ def attention_parameters(model: ModelConfig) -> int:
     if not model.latent_attention:
         hd = model.head_size
         biases = (heads + 2 * model.kv_heads) * hd if model.qkv_bias else 0
-        return d * heads * hd * 2 + d * model.kv_heads * hd * 2 + (2 * hd if model.qk_norm else 0) + biases
+        biases += d if model.attn_output_bias else 0
+        sinks = heads if model.attention_sinks else 0
+        return d * heads * hd * 2 + d * model.kv_heads * hd * 2 + (2 * hd if model.qk_norm else 0) + biases + sinks
     qk, rank = model.qk_nope_head_dim + model.qk_rope_head_dim, model.q_lora_rank
     query = d * heads * qk if rank is None else d * rank + rank + rank * heads * qk
     latent = d * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
@@ -74,15 +76,27 @@ def attention_flops_per_token(model: ModelConfig) -> float:
     return 6.0 * model.n_heads * width * model.seq_len
 
 
+def expert_parameters(d_model: int, moe: MoEConfig) -> int:
+    """One routed expert's weights: gate (gated activations only), up and down; with ``moe.expert_proj_bias`` a
+    bias per hidden unit of gate and up and per output of down."""
+    matrices = 3 if moe.gated else 2
+    biases = (matrices - 1) * moe.expert_hidden + d_model if moe.expert_proj_bias else 0
+    return matrices * d_model * moe.expert_hidden + biases
+
+
+def router_parameters(d_model: int, moe: MoEConfig) -> int:
+    """The router's gate [E, D] and, with ``moe.router_bias``, its logit bias [E]."""
+    return (d_model + (1 if moe.router_bias else 0)) * moe.num_experts
+
+
 def parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
     d = model.d_model
     attention = attention_parameters(model)
     norms = 2 * d
     dense_ffn = 3 * d * model.ffn_hidden
-    matrices_per_expert = 3 if moe.activation == "swiglu" else 2
-    one_expert = matrices_per_expert * d * moe.expert_hidden
+    one_expert = expert_parameters(d, moe)
     shared = 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
-    router = d * moe.num_experts
+    router = router_parameters(d, moe)
 
     # multi-token prediction: each module a block (of the kind layer n_layers + k would be), the 2d -> d projection
     # and three norms (``moe/mtp.py``); the embedding and head are the main model's
@@ -133,8 +147,7 @@ def block_flops_per_token(model: ModelConfig, moe: MoEConfig, is_moe: bool) -> f
     d = model.d_model
     params = attention_parameters(model) + 2 * d
     if is_moe:
-        matrices_per_expert = 3 if moe.activation == "swiglu" else 2
-        params += d * moe.num_experts + moe.top_k * matrices_per_expert * d * moe.expert_hidden
+        params += router_parameters(d, moe) + moe.top_k * expert_parameters(d, moe)
         params += 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
     else:
         params += 3 * d * model.ffn_hidden

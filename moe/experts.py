@@ -11,6 +11,7 @@ copies them. ``auto`` picks megablocks only on GPUs where a benchmark measured i
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -190,7 +191,7 @@ def _eager_grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) 
 
 
 class GroupedExperts(nn.Module):
-    """E feed-forward experts with stacked weights, SwiGLU or GELU.
+    """E feed-forward experts with stacked weights: SwiGLU, GELU or GPT-OSS's clamped SwiGLU.
 
     ``forward(x, tokens_per_expert)`` takes tokens already grouped by expert and the
     group sizes, and returns outputs in the same order. This narrow signature is the
@@ -201,35 +202,78 @@ class GroupedExperts(nn.Module):
     Weights are stored input-major (``w_in: [E, D, H]``, ``w_out: [E, H, D]``) so the
     grouped GEMM reads them without transposes. SwiGLU (Shazeer 2020) keeps its gate
     and up projections separate (``w_gate``, ``w_in``) so tensor parallelism can split
-    both on H without reshuffling.
+    both on H without reshuffling (GPT-OSS interleaves them in one matrix: an import
+    de-interleaves). With ``bias`` (``moe.expert_proj_bias``, GPT-OSS) each projection
+    has a bias per expert, stacked like the weights (``in_bias``/``gate_bias`` [E, H],
+    ``out_bias`` [E, D]) so expert parallelism shards them on dim 0 with their experts.
     """
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, activation: str = "swiglu",
-                 backend: str = "torch"):
+                 backend: str = "torch", bias: bool = False, swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0):
         super().__init__()
         self.num_experts = num_experts
         self.activation = activation
         self.backend = backend  # moe.backend: torch, megablocks or auto
+        gated = activation in ("swiglu", "clamped_swiglu")
+        self.clamp = (swiglu_alpha, swiglu_limit) if activation == "clamped_swiglu" else None
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
-        self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if activation == "swiglu" else None
+        self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if gated else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.in_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.gate_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias and gated else None
+        self.out_bias = nn.Parameter(torch.empty(num_experts, d_model)) if bias else None
         self.compute_copies = ComputeCopies()
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x: [N, D] grouped by expert; tokens_per_expert: [E] -> [N, D] in the compute dtype."""
+        biases = None
+        if self.in_bias is not None:
+            biases = ExpertBiases(self.in_bias, self.gate_bias, self.out_bias)
         return expert_ffn(x, tokens_per_expert, self.w_in, self.w_gate, self.w_out, self.compute_copies,
-                          self.backend)
+                          self.backend, biases=biases, clamp=self.clamp)
+
+
+class ExpertBiases(NamedTuple):
+    """The stacked biases of the experts' projections (``moe.expert_proj_bias``): [E, H], [E, H] or None, [E, D]."""
+
+    in_bias: Tensor
+    gate_bias: Tensor | None
+    out_bias: Tensor
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    """GPT-OSS's gated activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate,
+    limit)``.
+
+    ``g * sigmoid(1.702 g)`` is the sigmoid approximation of GELU (Hendrycks and Gimpel 2016, sec. 2); the clamps
+    bound the activation so a few outlier tokens cannot blow up an expert's output (OpenAI's gpt-oss model card),
+    and the ``+ 1`` lets the up projection scale around one rather than zero. Only the gate's upper side is capped:
+    its negative side is already squashed by the sigmoid.
+    """
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+def _add_row_bias(rows: Tensor, bias: Tensor, row_expert: Tensor) -> Tensor:
+    """Each grouped row plus its expert's bias: [N, F] + bias[row_expert] ([E, F] gathered per row)."""
+    return rows + bias.index_select(0, row_expert)
 
 
 def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tensor | None, w_out: Tensor,
-               copies: ComputeCopies, backend: str = "torch") -> Tensor:
+               copies: ComputeCopies, backend: str = "torch", *, biases: ExpertBiases | None = None,
+               clamp: tuple[float, float] | None = None) -> Tensor:
     """The experts' feed-forward on grouped rows, given their stacked weights (SwiGLU when ``w_gate`` is set).
 
     A function of the weights, not of the module, so ``parallel/expert.py`` runs the same math on the
     local slice of an ep-sharded stack. ``copies`` holds the weights' compute-dtype copies between calls.
     ``backend``: ``moe.backend`` (``auto`` is decided once per device). The megablocks backend reads the
     group sizes on the host: one device-to-host copy per layer and pass. Where oneDNN runs the GEMMs
-    (``row_multiple_on``) the groups are padded to whole blocks of rows around them.
+    (``row_multiple_on``) the groups are padded to whole blocks of rows around them. ``biases`` (the local
+    experts' slices) are added to each row from its expert's; ``clamp`` = (swiglu_alpha, swiglu_limit) makes
+    the gated activation GPT-OSS's ``clamped_swiglu``. The bias adds are one elementwise pass each over the
+    rows, not fused into the GEMM (neither grouped GEMM backend takes a per-group bias).
     """
     if backend == "auto":
         backend = _auto_backend(x.device)
@@ -241,12 +285,24 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
     if multiple > 1 and not torch.compiler.is_compiling():  # CPU only, where the backend is torch's
         padding = GroupPadding(tokens_per_expert, multiple)
         x, tokens_per_expert = padding.pad(x), padding.padded_counts
-    hidden = grouped_matmul(x, copies.get("w_in", w_in, dtype), tokens_per_expert, backend)
+    row_expert = None
+    if biases is not None:  # output_size given: no host sync to size the result
+        experts = torch.arange(w_in.shape[0], device=x.device)
+        row_expert = torch.repeat_interleave(experts, tokens_per_expert.to(x.device), output_size=x.shape[0])
+
+    def project(rows: Tensor, name: str, weight: Tensor, bias: Tensor | None) -> Tensor:
+        out = grouped_matmul(rows, copies.get(name, weight, dtype), tokens_per_expert, backend)
+        if bias is None:
+            return out
+        return _add_row_bias(out, copies.get(name.replace("w_", "") + "_bias", bias, dtype), row_expert)
+
+    hidden = project(x, "w_in", w_in, biases.in_bias if biases else None)
     if w_gate is not None:
-        hidden = F.silu(grouped_matmul(x, copies.get("w_gate", w_gate, dtype), tokens_per_expert, backend)) * hidden
+        gate = project(x, "w_gate", w_gate, biases.gate_bias if biases else None)
+        hidden = F.silu(gate) * hidden if clamp is None else clamped_swiglu(gate, hidden, *clamp)
     else:
         hidden = F.gelu(hidden)
-    out = grouped_matmul(hidden, copies.get("w_out", w_out, dtype), tokens_per_expert, backend)
+    out = project(hidden, "w_out", w_out, biases.out_bias if biases else None)
     return out if padding is None else padding.unpad(out)
 
 

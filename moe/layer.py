@@ -62,7 +62,8 @@ class MoELayer(nn.Module):
         self.config = config
         self.router = TopKRouter(d_model, config)
         self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden, config.activation,
-                                      config.backend)
+                                      config.backend, bias=config.expert_proj_bias,
+                                      swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
         self.shared_experts = FeedForward(d_model, config.shared_hidden) if config.num_shared_experts else None
         self.aux_loss_scale = 1.0
         self.last_stats: RoutingStats | None = None

@@ -41,7 +41,8 @@ def yarn_inverse_frequencies(config: ModelConfig) -> Tensor:
     ``yarn_beta_fast`` times keep their frequency (extrapolation is safe: they have seen every phase), pairs that
     turn fewer than ``yarn_beta_slow`` times are interpolated (frequency / s), and those between blend linearly.
     The pair index where a pair turns b times is r·ln(L / (2πb)) / (2·ln θ); the bounds are rounded outward
-    (floor, ceil) and clamped to the pairs, as the released YaRN and DeepSeek-V3 code do.
+    (floor, ceil) and clamped to the pairs, as the released YaRN and DeepSeek-V3 code do, or with
+    ``yarn_truncate`` false (GPT-OSS) kept fractional and only clamped, so the ramp starts and ends between pairs.
     """
     dim, base, factor = config.rope_dim, config.rope_theta, config.rope_factor
     original = config.rope_original_seq_len
@@ -49,8 +50,10 @@ def yarn_inverse_frequencies(config: ModelConfig) -> Tensor:
     def pair_turning(turns: float) -> float:
         return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(pair_turning(config.yarn_beta_fast)), 0)
-    high = min(math.ceil(pair_turning(config.yarn_beta_slow)), dim - 1)
+    low, high = pair_turning(config.yarn_beta_fast), pair_turning(config.yarn_beta_slow)
+    if config.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a one-pair ramp: keep the division finite
     extrapolated = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)

@@ -47,6 +47,12 @@ class TopKRouter(nn.Module):
     The chosen weights (raw scores, renormalised if asked) are multiplied by
     ``routed_scaling_factor``: with sigmoid scores renormalised to sum to one, DeepSeek-V3
     scales the routed experts' sum against the shared expert's by 2.5.
+
+    GPT-OSS routes by top-k of the logits, then a softmax over the k chosen logits. That is this router's
+    ``softmax`` with ``renormalize``: the softmax is monotonic, so the top-k of the probabilities are the top-k
+    of the logits, and ``exp(l_i) / sum_{j in top-k} exp(l_j)`` is the full softmax's p_i divided by the sum of
+    the chosen p_j (the full softmax's denominator cancels). So the family needs no routing of its own, only
+    the logit bias ``gate_bias`` (``moe.router_bias``); the full-softmax ``probs`` still feed the balancing loss.
     """
 
     def __init__(self, d_model: int, config: MoEConfig):
@@ -61,6 +67,9 @@ class TopKRouter(nn.Module):
         self.n_group, self.groups_per_token = config.n_group, config.groups_per_token
         self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = nn.Parameter(torch.empty(config.num_experts, d_model))
+        # GPT-OSS's learned logit bias (``moe.router_bias``): unlike ``expert_bias`` it is trained by the loss and
+        # shifts the combine weights too, not only the selection
+        self.gate_bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts), persistent=True)
 
     def forward(self, x: Tensor) -> RouterOutput:
@@ -71,6 +80,8 @@ class TopKRouter(nn.Module):
             x = x * noise
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = x @ self.gate.float().t()  # [T, E]
+            if self.gate_bias is not None:
+                logits = logits + self.gate_bias.float()
         if self.score_func == "softmax":
             scores = probs = torch.softmax(logits, dim=-1)
         else:

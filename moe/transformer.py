@@ -24,6 +24,8 @@ from moe.mtp import PredictionModule, prediction_losses
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, rope_tables
 
+SINK_CHANNELS = 8  # channels added to queries and keys to carry the attention sink's logit (``_fold_in_sink``)
+
 
 class Attention(nn.Module):
     """Causal multi-head (or grouped-query) attention with rotary positions, on SDPA.
@@ -34,16 +36,24 @@ class Attention(nn.Module):
     by the heads) before RoPE, as Qwen3 does: it keeps the attention logits from growing without bound
     ("QK normalization", Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters",
     sec. 3). Per head, so it runs unchanged on the heads a tensor-parallel rank holds.
+
+    GPT-OSS's options: ``attn_output_bias`` (a bias on ``wo`` too), ``attention_sinks`` (``sinks`` [nh], one
+    logit per head in every softmax's denominator with no value: ``softmax_j(l_j)`` becomes
+    ``exp(l_j) / (exp(s_h) + sum_i exp(l_i))``) and ``window`` (this layer's sliding window: a query sees itself
+    and the window - 1 positions before it). Both run on SDPA (``_masked_attention``); a whole sequence at
+    least four windows long computes only the scores inside the window (``_blocked_window_attention``).
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_size
         self.rotary_dim = config.rope_dim
+        self.window = window
         self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=config.qkv_bias)
         self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=config.attn_output_bias)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if config.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
@@ -64,10 +74,90 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        if self.sinks is None and self.window is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads)
+        else:
+            out = self._masked_attention(q, k, v, start)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
+    def _masked_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """Causal attention with this layer's window and sinks: q [B, nh, S, hd] at positions start.., k and v
+        [B, nkv, start + S, hd] (the cache's and the new ones) -> [B, nh, S, hd].
+
+        A whole sequence much longer than its window goes through ``_blocked_window_attention``, which
+        computes only the scores near the diagonal. Otherwise one SDPA with a boolean mask over (query, key)
+        positions (causal, and the window), shared by heads and sequences; the sink as in ``_fold_in_sink``.
+        """
+        seq, keys = q.shape[2], k.shape[2]
+        if self.window is not None and start == 0 and seq >= 4 * self.window:
+            return self._blocked_window_attention(q, k, v)
+        query_pos = torch.arange(start, start + seq, device=q.device)[:, None]
+        key_pos = torch.arange(keys, device=q.device)[None, :]
+        allowed = key_pos <= query_pos  # [S, K]
+        if self.window is not None:
+            allowed &= key_pos > query_pos - self.window
+        q, k, v, allowed = self._fold_in_sink(q, k, v, allowed)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.head_dim ** -0.5,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+    def _blocked_window_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Sliding-window attention that costs O(S · 2W) scores, not the O(S²/2) of a masked causal SDPA.
+
+        The queries are cut into blocks of W (the window); the keys any query of block b can see lie in the
+        2W positions [(b - 1)W, (b + 1)W), so each block attends to those alone, all blocks in one SDPA call
+        with the blocks folded into the batch. One [W, 2W] mask pattern serves every block but the first,
+        whose first W keys lie before position 0 (zero padding, masked). The sequence is padded to whole
+        blocks; padded queries are dropped, and no real query sees a padded key (they come after it).
+        q [B, nh, S, hd], k and v [B, nkv, S, hd] -> [B, nh, S, hd].
+        """
+        batch, heads, seq, hd = q.shape
+        kv_heads, window = k.shape[1], self.window
+        blocks = -(-seq // window)
+        pad = blocks * window - seq
+
+        def key_blocks(x: Tensor) -> Tensor:  # [B, nkv, S, hd] -> [B·nb, nkv, 2W, hd]
+            padded = F.pad(x, (0, 0, window, pad))  # W zero positions before, the tail to whole blocks after
+            windows = padded.unfold(2, 2 * window, window)  # [B, nkv, nb, hd, 2W]
+            return windows.permute(0, 2, 1, 4, 3).reshape(batch * blocks, kv_heads, 2 * window, hd)
+
+        q_blocks = F.pad(q, (0, 0, 0, pad)).view(batch, heads, blocks, window, hd).transpose(1, 2)
+        q_blocks = q_blocks.reshape(batch * blocks, heads, window, hd)
+        i = torch.arange(window, device=q.device)[:, None]  # query i of a block: position b·W + i
+        j = torch.arange(2 * window, device=q.device)[None, :]  # key j of its block: position (b - 1)·W + j
+        pattern = (j <= i + window) & (j > i)  # causal and within the window: 0 <= query - key < W
+        first = pattern & (j >= window)  # block 0: keys j < W are the padding before position 0
+        allowed = torch.stack([first] + [pattern] * (blocks - 1)).repeat(batch, 1, 1)[:, None]  # [B·nb, 1, W, 2W]
+        q_blocks, k_blocks, v_blocks, allowed = self._fold_in_sink(q_blocks, key_blocks(k), key_blocks(v), allowed)
+        out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=allowed,
+                                             scale=self.head_dim ** -0.5, enable_gqa=heads != kv_heads)
+        out = out.view(batch, blocks, heads, window, hd).transpose(1, 2).reshape(batch, heads, blocks * window, hd)
+        return out[:, :, :seq]
+
+    def _fold_in_sink(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The attention sink as one more key with a zero value, seen by every query: q [..., h, Sq, hd], k and
+        v [..., hkv, K, hd], ``allowed`` [..., Sq, K] -> the same with hd + ``SINK_CHANNELS`` wide queries and keys
+        and K + 1 keys (the sink first). Unchanged without sinks.
+
+        The sink's logit must be s_h for every query of head h. Each query head gets ``SINK_CHANNELS`` extra
+        channels holding (s_h · sqrt(hd), 0, ...); the sink key has (1, 0, ...) there and the real keys zeros,
+        which leaves their logits as they were. With SDPA's scale fixed at 1/sqrt(hd) the sink's logit is
+        exactly s_h and its gradient reaches ``sinks`` through the query channel: one extra key and a few
+        channels, and no additive [nh, S, K] mask per head. A multiple of 8 channels keeps the head width
+        aligned for the fused kernels. Heads are counted from the tensors: a tp rank holds only its share.
+        """
+        if self.sinks is None:
+            return q, k, v, allowed
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks  # [h] here
+        sink_query = q.new_zeros(*q.shape[:-1], SINK_CHANNELS)
+        sink_query[..., 0] = (sinks * self.head_dim ** 0.5).to(q.dtype)[:, None]
+        q = torch.cat((q, sink_query), dim=-1)
+        sink_key = k.new_zeros(*k.shape[:-2], 1, self.head_dim + SINK_CHANNELS)
+        sink_key[..., self.head_dim] = 1.0
+        k = torch.cat((sink_key, F.pad(k, (0, SINK_CHANNELS))), dim=-2)
+        v = torch.cat((v.new_zeros(*v.shape[:-2], 1, self.head_dim), v), dim=-2)
+        allowed = torch.cat((allowed.new_ones(*allowed.shape[:-1], 1), allowed), dim=-1)
+        return q, k, v, allowed
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """RoPE on the first ``rotary_dim`` channels of each head, the rest as they are (partial rotary, GLM)."""
@@ -80,10 +170,10 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x)); ffn dense or MoE."""
 
-    def __init__(self, config: ModelConfig, moe_config: MoEConfig, is_moe: bool):
+    def __init__(self, config: ModelConfig, moe_config: MoEConfig, is_moe: bool, window: int | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = LatentAttention(config) if config.latent_attention else Attention(config)
+        self.attn = LatentAttention(config) if config.latent_attention else Attention(config, window)
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.moe = MoELayer(config.d_model, moe_config) if is_moe else None
         self.ffn = None if is_moe else FeedForward(config.d_model, config.ffn_hidden)
@@ -127,7 +217,8 @@ class MoETransformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleDict(
-            {str(i): Block(config, moe_config, config.is_moe_layer(i)) for i in range(config.n_layers)}
+            {str(i): Block(config, moe_config, config.is_moe_layer(i), config.attention_window(i))
+             for i in range(config.n_layers)}
         )
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from moe.experts import ComputeCopies, GroupedExperts, expert_ffn
+from moe.experts import ComputeCopies, ExpertBiases, GroupedExperts, expert_ffn
 from moe.transformer import MoETransformer
 from parallel.tensor import gather_rows, scatter_rows
 
@@ -139,7 +139,8 @@ class ExpertParallelExperts(nn.Module):
     applied to this rank's local tensors (``DTensor.to_local``, differentiable).
     """
 
-    HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1}  # where H sits in each stacked weight
+    # where H sits in each stacked weight and bias (``out_bias`` [E, D] has none: see ``__init__``)
+    HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1, "in_bias": 1, "gate_bias": 1}
 
     def __init__(self, experts: GroupedExperts, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None):
         super().__init__()
@@ -159,6 +160,10 @@ class ExpertParallelExperts(nn.Module):
         self.ep_mesh = ep_mesh
         self.group = ep_mesh.get_group()
         self.tp_mesh = tp_mesh  # tokens replicated over it: each tp rank sends only its share of the rows
+        if self.etp > 1 and experts.out_bias is not None:
+            # the etp ranks' partial outputs of a row are added over tp: each would add the down projection's bias
+            raise ValueError(f"parallel.etp={self.etp} with moe.expert_proj_bias: the experts' down-projection "
+                             "bias cannot be split over the hidden dim; use etp=1 (expert parallelism alone)")
         first = ep_mesh.get_local_rank() * self.num_local_experts
         etp_rank = etp_mesh.get_local_rank() if etp_mesh is not None else 0
         for name, param in experts.named_parameters():  # [E, ...], identical on every rank (same seed)
@@ -176,6 +181,8 @@ class ExpertParallelExperts(nn.Module):
             sharded = DTensor.from_local(local.clone(), expert_mesh, placements, run_check=False)
             self.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         self.has_gate = experts.w_gate is not None
+        self.has_bias = experts.in_bias is not None
+        self.clamp = experts.clamp
         self.backend = experts.backend
         # multiplies the weights' gradients: ``parallel.sharding.shard_experts`` sets it where no FSDP unit
         # reduces (and so averages) them. A property of the module, not a hook on the parameters, so it
@@ -196,8 +203,12 @@ class ExpertParallelExperts(nn.Module):
             return _ScaleGradient.apply(tensor, self.grad_scale) if self.grad_scale != 1.0 else tensor
 
         w_gate = local(self.w_gate) if self.has_gate else None
+        biases = None
+        if self.has_bias:
+            biases = ExpertBiases(local(self.in_bias), local(self.gate_bias) if self.has_gate else None,
+                                  local(self.out_bias))
         return expert_ffn(x, tokens_per_local_expert, local(self.w_in), w_gate, local(self.w_out),
-                          self.compute_copies, self.backend)
+                          self.compute_copies, self.backend, biases=biases, clamp=self.clamp)
 
     def _exchange_and_compute(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         if self.ep_mesh.size() == 1:  # expert tensor parallelism alone: every expert is here, nothing to send

@@ -7,9 +7,12 @@ column-parallel input).
 
 - attention: ``wq``, ``wk``, ``wv`` column-parallel, i.e. split by heads (tp divides both head counts;
   ``Attention.forward`` reshapes with ``-1`` heads, so it runs on its nh / tp local heads unchanged);
-  ``wo`` row-parallel. The per-head query/key norms (``model.qk_norm``) stay whole on every rank and run on
-  its local heads: DTensor's ``SequenceParallel`` style over the heads dim, so their weights' gradients,
-  each rank's sum over its own heads, are summed over tp like the sequence-parallel norms'. Latent attention
+  ``wo`` row-parallel (its bias, ``model.attn_output_bias``, whole and added once after the sum, as
+  ``RowwiseParallel`` does). GPT-OSS's attention sinks (one per query head) are split with their heads
+  (``Shard(0)``); the sliding window needs nothing: every rank sees the whole sequence. The per-head
+  query/key norms (``model.qk_norm``) stay whole on every rank and run on its local heads: DTensor's
+  ``SequenceParallel`` style over the heads dim, so their weights' gradients, each rank's sum over its own
+  heads, are summed over tp like the sequence-parallel norms'. Latent attention
   (``moe/latent_attention.py``) splits its per-head projections the same way and keeps its latent projections
   whole (``_latent_attention_plan``).
 - dense SwiGLU FFN and the MoE layer's shared experts: ``w_in`` and ``w_gate`` column-parallel (split on
@@ -53,7 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -198,6 +201,8 @@ def apply_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh, sequence_p
     """
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+        if getattr(block.attn, "sinks", None) is not None:  # one per query head: split with the heads
+            block.attn.sinks = nn.Parameter(distribute_tensor(block.attn.sinks.data, tp_mesh, [Shard(0)]))
     ends = _ends_plan(model, sequence_parallel, vocab_parallel)
     if ends:
         parallelize_module(model, tp_mesh, ends)

@@ -71,6 +71,22 @@ def test_parameter_tensors_add_up_to_the_accounting(name, tie):
     assert sum(torch.Size(p.shape).numel() for p in tensors if p.expert) == counts.routed_experts
 
 
+@pytest.mark.parametrize("overrides", [["moe.activation=clamped_swiglu", "moe.router_bias=true",
+                                        "moe.expert_proj_bias=true"],
+                                       ["moe.activation=gelu", "moe.expert_proj_bias=true"],
+                                       ["model.qkv_bias=true", "model.attn_output_bias=true",
+                                        "model.attention_sinks=true"]])
+def test_parameter_tensors_count_router_and_expert_biases(overrides):
+    """GPT-OSS's biases (router logits, experts' projections, attention output) and sinks are in the memory
+    model's tensors, as many as the
+    accounting (itself checked against built models) counts, the experts' among the routed experts."""
+    config = load_config("moe-8x", overrides)
+    tensors = parameter_tensors(config.model, config.moe)
+    counts = parameter_counts(config.model, config.moe)
+    assert sum(torch.Size(p.shape).numel() for p in tensors) == counts.total
+    assert sum(torch.Size(p.shape).numel() for p in tensors if p.expert) == counts.routed_experts
+
+
 @pytest.mark.parametrize("overrides", [
     [], ["moe.activation=gelu", "moe.num_shared_experts=2", "model.first_moe_layer=1"],
     ["model.tie_embeddings=true", "model.moe_every=0"], ["model.qk_norm=true", "model.head_dim=12"],

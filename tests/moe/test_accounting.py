@@ -28,6 +28,16 @@ SMALL = [
     (ModelConfig(d_model=32, n_layers=2, n_heads=3, q_lora_rank=10, kv_lora_rank=12, qk_nope_head_dim=6,
                  qk_rope_head_dim=4, v_head_dim=5, seq_len=16, ffn_hidden=48),
      MoEConfig(expert_hidden=24)),
+    # GPT-OSS's MoE side: biased router and experts, clamped SwiGLU
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=48),
+     MoEConfig(expert_hidden=24, activation="clamped_swiglu", router_bias=True, expert_proj_bias=True)),
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=48),
+     MoEConfig(expert_hidden=24, activation="gelu", expert_proj_bias=True)),
+    # GPT-OSS's attention: q/k/v/o biases, sinks, alternating sliding windows
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, qkv_bias=True, attn_output_bias=True,
+                 attention_sinks=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                 seq_len=16, ffn_hidden=48),
+     MoEConfig(expert_hidden=24, activation="clamped_swiglu", router_bias=True, expert_proj_bias=True)),
 ]
 
 
@@ -36,9 +46,7 @@ def test_counts_match_the_built_model(model_config, moe_config):
     model = MoETransformer(model_config, moe_config)
     counts = parameter_counts(model_config, moe_config)
     assert counts.total == sum(p.numel() for p in model.parameters())
-    routed = sum(layer.experts.w_in.numel() + layer.experts.w_out.numel()
-                 + (layer.experts.w_gate.numel() if layer.experts.w_gate is not None else 0)
-                 for layer in model.moe_layers().values())
+    routed = sum(p.numel() for layer in model.moe_layers().values() for p in layer.experts.parameters())
     assert counts.routed_experts == routed
     per_expert = routed // max(1, len(model.moe_layers()) * moe_config.num_experts)
     inactive = len(model.moe_layers()) * (moe_config.num_experts - moe_config.top_k) * per_expert
@@ -50,6 +58,16 @@ def test_biases_start_at_zero():
     model = MoETransformer(*SMALL[5])
     biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
     assert len(biases) == 3 * 2 and all(torch.equal(b, torch.zeros_like(b)) for b in biases)
+
+
+def test_router_and_expert_biases_start_at_zero():
+    """The router's and the experts' biases (``moe.router_bias``, ``moe.expert_proj_bias``) start at zero
+    (``moe/init.py``): a new model routes and computes as one without them."""
+    model = MoETransformer(ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=48),
+                           MoEConfig(expert_hidden=24, activation="clamped_swiglu", router_bias=True,
+                                     expert_proj_bias=True))
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    assert len(biases) == 2 * 4 and all(torch.equal(b, torch.zeros_like(b)) for b in biases)
 
 
 def test_mixtral_shape_has_its_published_size():

@@ -15,11 +15,19 @@ from moe.layer import MoELayer
 D = 16
 
 
-def naive_expert(x, w_in, w_gate, w_out, activation):
-    """One expert on one token, written out: [D] -> [D]."""
+def naive_expert(x, w_in, w_gate, w_out, activation, biases=None, alpha=1.702, limit=7.0):
+    """One expert on one token, written out: [D] -> [D]. ``biases``: (up, gate, down) of this expert, or None."""
+    b_in, b_gate, b_out = biases if biases is not None else (0.0, 0.0, 0.0)
+    up = x @ w_in + b_in
     if activation == "swiglu":
-        return (F.silu(x @ w_gate) * (x @ w_in)) @ w_out
-    return F.gelu(x @ w_in) @ w_out
+        hidden = F.silu(x @ w_gate + b_gate) * up
+    elif activation == "clamped_swiglu":  # GPT-OSS, written out with min/max rather than clamp
+        gate = torch.minimum(x @ w_gate + b_gate, torch.tensor(limit))
+        up = torch.maximum(torch.minimum(up, torch.tensor(limit)), torch.tensor(-limit))
+        hidden = (up + 1) * gate / (1 + torch.exp(-alpha * gate))
+    else:
+        hidden = F.gelu(up)
+    return hidden @ w_out + b_out
 
 
 def naive_moe(layer: MoELayer, x, params):
@@ -29,7 +37,7 @@ def naive_moe(layer: MoELayer, x, params):
     outputs = []
     lb_probs, lb_ids, lses = [], [], []
     for t in range(tokens.shape[0]):
-        logits = tokens[t] @ params["gate"].t()
+        logits = tokens[t] @ params["gate"].t() + params.get("gate_bias", 0.0)
         scores = torch.softmax(logits, -1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
         if cfg.groups_per_token < cfg.n_group:  # only the experts of the best groups (two best scores each)
             per_group = cfg.num_experts // cfg.n_group
@@ -45,7 +53,9 @@ def naive_moe(layer: MoELayer, x, params):
         w = w * cfg.routed_scaling_factor
         y = sum(
             w[j] * naive_expert(tokens[t], params["w_in"][e], params.get("w_gate", [None] * 99)[e],
-                                params["w_out"][e], cfg.activation)
+                                params["w_out"][e], cfg.activation,
+                                _expert_biases(params.get("biases_by_name", {}), e),
+                                cfg.swiglu_alpha, cfg.swiglu_limit)
             for j, e in enumerate(ids.tolist())
         )
         if layer.shared_experts is not None:
@@ -66,6 +76,10 @@ def layer_params(layer):
     params = {"gate": layer.router.gate, "w_in": layer.experts.w_in, "w_out": layer.experts.w_out}
     if layer.experts.w_gate is not None:
         params["w_gate"] = layer.experts.w_gate
+    if layer.router.gate_bias is not None:
+        params["gate_bias"] = layer.router.gate_bias
+    if layer.experts.in_bias is not None:
+        params["biases_by_name"] = {name: p for name, p in layer.experts.named_parameters() if name.endswith("bias")}
     if layer.shared_experts is not None:
         s = layer.shared_experts
         params["shared"] = (s.w_in.weight, s.w_gate.weight, s.w_out.weight)
@@ -79,6 +93,9 @@ CASES = [
     dict(activation="swiglu", top_k=2, num_shared_experts=1, renormalize=False),
     dict(activation="swiglu", top_k=2, score_func="sigmoid", n_group=3, topk_group=1, routed_scaling_factor=2.5,
          num_shared_experts=1, shared_expert_hidden=8),
+    # GPT-OSS: biased router and experts, clamped SwiGLU (a low limit, so the clamps act at init std 0.3)
+    dict(activation="clamped_swiglu", top_k=2, router_bias=True, expert_proj_bias=True, swiglu_limit=0.5),
+    dict(activation="gelu", top_k=2, expert_proj_bias=True),
 ]
 
 
@@ -89,6 +106,10 @@ def test_dropless_layer_matches_naive_reference(case):
                        z_loss_coef=0.01, **case)
     layer = MoELayer(D, config)
     initialize(layer, 0, 0.3, 0.3)
+    with torch.no_grad():  # biases start at zero: draw them, so the test sees whether each is added
+        for name, param in layer.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.3)
     x = torch.randn(2, 7, D, requires_grad=True)
     grad_out = torch.randn(2, 7, D)
 
@@ -125,14 +146,34 @@ def test_fully_dropped_tokens_get_a_zero_routed_output():
     assert int(layer.last_stats.num_dropped) == 16 - kept_rows
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+EXPERT_VARIANTS = [("swiglu", False), ("gelu", False), ("clamped_swiglu", True), ("gelu", True)]
+LIMIT = 0.5  # the clamped SwiGLU's limit in these tests: low enough that the clamps act at init std 0.3
+
+
+def _draw_biases(experts):
+    """Biases start at zero: draw them, so a test sees whether each is added to its own expert's rows."""
+    with torch.no_grad():
+        for name, param in experts.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.3)
+
+
+def _expert_biases(weights, e):
+    """Expert ``e``'s (up, gate, down) biases from a name -> stacked tensor map, or None without biases."""
+    if "in_bias" not in weights:
+        return None
+    return weights["in_bias"][e], weights["gate_bias"][e] if "gate_bias" in weights else 0.0, weights["out_bias"][e]
+
+
+@pytest.mark.parametrize("activation, bias", EXPERT_VARIANTS)
 @pytest.mark.parametrize("use_grouped_mm", [True, False])
-def test_grouped_experts_equal_a_per_expert_loop(activation, use_grouped_mm, monkeypatch):
+def test_grouped_experts_equal_a_per_expert_loop(activation, bias, use_grouped_mm, monkeypatch):
     if not use_grouped_mm:
         monkeypatch.setattr(experts_module, "HAS_GROUPED_MM", False)  # the padded-bmm fallback
     torch.manual_seed(0)
-    experts = GroupedExperts(5, D, 12, activation)
+    experts = GroupedExperts(5, D, 12, activation, bias=bias, swiglu_limit=LIMIT)
     initialize(experts, 0, 0.3, 0.3)
+    _draw_biases(experts)
     counts = torch.tensor([3, 0, 7, 1, 5])  # an empty group included
     x = torch.randn(int(counts.sum()), D, requires_grad=True)
     grad = torch.randn(int(counts.sum()), D)
@@ -145,7 +186,9 @@ def test_grouped_experts_equal_a_per_expert_loop(activation, use_grouped_mm, mon
     pieces, start = [], 0
     for e, n in enumerate(counts.tolist()):
         w_gate = experts.w_gate[e] if experts.w_gate is not None else None
-        pieces.append(torch.stack([naive_expert(x_ref[i], experts.w_in[e], w_gate, experts.w_out[e], activation)
+        biases = _expert_biases(dict(experts.named_parameters()), e)
+        pieces.append(torch.stack([naive_expert(x_ref[i], experts.w_in[e], w_gate, experts.w_out[e], activation,
+                                                biases, limit=LIMIT)
                                    for i in range(start, start + n)]) if n else x_ref[:0])
         start += n
     ref = torch.cat(pieces)
@@ -233,12 +276,13 @@ def test_groups_padded_for_reduced_precision_on_cpu_only():
     assert experts_module.padded_rows([19, 0, 3, 21], 16) == 32 + 0 + 16 + 32
 
 
-def _bf16_experts_grads(activation, counts, monkeypatch, multiple):
+def _bf16_experts_grads(activation, bias, counts, monkeypatch, multiple):
     """Output and gradients (input's, then the weights') of bf16 experts with groups padded to ``multiple``."""
     monkeypatch.setattr(experts_module, "ONEDNN_GROUP_ROWS", multiple)
     torch.manual_seed(0)
-    experts = GroupedExperts(len(counts), D, 12, activation)
+    experts = GroupedExperts(len(counts), D, 12, activation, bias=bias, swiglu_limit=LIMIT)
     initialize(experts, 0, 0.3, 0.3)
+    _draw_biases(experts)
     x = torch.randn(int(counts.sum()), D).bfloat16().requires_grad_(True)
     grad = torch.randn(int(counts.sum()), D).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -247,14 +291,14 @@ def _bf16_experts_grads(activation, counts, monkeypatch, multiple):
     return experts, x, grad, [out.float(), x.grad.float()] + [p.grad for p in experts.parameters()]
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_padded_bf16_experts_equal_unpadded_and_a_per_expert_loop(activation, monkeypatch):
+@pytest.mark.parametrize("activation, bias", EXPERT_VARIANTS)
+def test_padded_bf16_experts_equal_unpadded_and_a_per_expert_loop(activation, bias, monkeypatch):
     """bf16 on CPU pads the groups (``row_multiple_on``). Padding changes no result: outputs and every gradient
     equal the unpadded grouped GEMM's, and the per-expert loop's on the same bf16 values computed in fp32 (within
     the bf16 rounding of the experts' hidden activations, relative to each tensor's largest value)."""
     counts = torch.tensor([19, 0, 3, 21])  # none a multiple of 16, an empty group included
-    experts, x, grad, got = _bf16_experts_grads(activation, counts, monkeypatch, 16)
-    unpadded = _bf16_experts_grads(activation, counts, monkeypatch, 1)[3]
+    experts, x, grad, got = _bf16_experts_grads(activation, bias, counts, monkeypatch, 16)
+    unpadded = _bf16_experts_grads(activation, bias, counts, monkeypatch, 1)[3]
     for g, u in zip(got, unpadded, strict=True):
         torch.testing.assert_close(g, u, rtol=1e-3, atol=1e-3 * float(u.detach().abs().max()))
 
@@ -263,7 +307,8 @@ def test_padded_bf16_experts_equal_unpadded_and_a_per_expert_loop(activation, mo
     pieces, start = [], 0
     for e, n in enumerate(counts.tolist()):
         w_gate = weights["w_gate"][e] if "w_gate" in weights else None
-        pieces.append(torch.stack([naive_expert(x_ref[i], weights["w_in"][e], w_gate, weights["w_out"][e], activation)
+        pieces.append(torch.stack([naive_expert(x_ref[i], weights["w_in"][e], w_gate, weights["w_out"][e], activation,
+                                                _expert_biases(weights, e), limit=LIMIT)
                                    for i in range(start, start + n)]) if n else x_ref[:0])
         start += n
     ref = torch.cat(pieces)

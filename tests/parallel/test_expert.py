@@ -51,19 +51,26 @@ def test_expert_major_index(counts, expected):
 # ---------------------------------------------------------------------------
 
 D, HIDDEN, WORLD = 16, 24, 2
-CASES = [  # (capacity factor, autocast dtype); capacity 1.0 drops some assignments
-    (None, None),
-    (1.0, None),
-    (None, torch.bfloat16),
+CASES = [  # (capacity factor, autocast dtype, GPT-OSS's MoE); capacity 1.0 drops some assignments
+    (None, None, False),
+    (1.0, None, False),
+    (None, torch.bfloat16, False),
+    (1.0, None, True),  # biased router and experts (the biases sharded with their experts), clamped SwiGLU
 ]
 
 
-def _layer(capacity_factor: float | None) -> MoELayer:
+def _layer(capacity_factor: float | None, gpt_oss: bool = False) -> MoELayer:
+    gpt_oss_options = dict(activation="clamped_swiglu", swiglu_limit=0.1, router_bias=True, expert_proj_bias=True)
     config = MoEConfig(num_experts=4, top_k=2, expert_hidden=HIDDEN, capacity_factor=capacity_factor,
-                       num_shared_experts=1, aux_loss_coef=0.01, z_loss_coef=0.001)
+                       num_shared_experts=1, aux_loss_coef=0.01, z_loss_coef=0.001,
+                       **(gpt_oss_options if gpt_oss else {}))
     torch.manual_seed(0)  # every rank builds the same weights
     layer = MoELayer(D, config)
     initialize(layer, 0, 0.1, 0.05)
+    with torch.no_grad():  # biases start at zero: draw them (same seed on every rank) so each one counts
+        for name, param in layer.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
     return layer
 
 
@@ -86,8 +93,9 @@ def _full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in module.named_parameters()}
 
 
-def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None, dtype: torch.dtype | None):
-    reference = _layer(capacity_factor)
+def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None, dtype: torch.dtype | None,
+                gpt_oss: bool):
+    reference = _layer(capacity_factor, gpt_oss)
     ep_layer = copy.deepcopy(reference)
     ep_layer.experts = ExpertParallelExperts(ep_layer.experts, groups.mesh("ep"))
     assert ep_layer.experts.state_dict().keys() == reference.experts.state_dict().keys()
@@ -155,8 +163,8 @@ def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None
 
 def _worker(rank: int) -> None:
     groups = ParallelGroups.build(Layout(WORLD, dp_shard=WORLD, ep=WORLD), "cpu")
-    for capacity_factor, dtype in CASES:
-        _check_case(rank, groups, capacity_factor, dtype)
+    for capacity_factor, dtype, gpt_oss in CASES:
+        _check_case(rank, groups, capacity_factor, dtype, gpt_oss)
 
 
 def test_expert_parallel_layer_matches_single_process():

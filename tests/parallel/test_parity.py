@@ -27,6 +27,12 @@ DEEPSEEK_V3 = ["model.kv_lora_rank=16", "model.q_lora_rank=12", "model.qk_nope_h
                "model.v_head_dim=8", "model.first_moe_layer=1", "moe.score_func=sigmoid", "moe.n_group=2",
                "moe.topk_group=1", "moe.routed_scaling_factor=2.5", "moe.num_shared_experts=1",
                "moe.bias_update_rate=0.01"]
+# GPT-OSS's architecture at toy size: q/k/v/o biases, attention sinks, a sliding window of 4 on the first layer
+# (the blocked path: 32 positions), a biased router and biased experts with the clamped SwiGLU
+GPT_OSS = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
+           "model.sliding_window=4", "model.layer_types=[sliding_attention, full_attention]",
+           "moe.activation=clamped_swiglu", "moe.swiglu_limit=0.5", "moe.router_bias=true",
+           "moe.expert_proj_bias=true"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -81,6 +87,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", "model.qkv_bias=true",
                   "model.rotary_dim=4", "model.qk_norm=true", "model.first_moe_layer=1", "moe.score_func=sigmoid",
                   "moe.num_shared_experts=1", "moe.routed_scaling_factor=2.5"], 2, "1.25", id="tp=2xep=2-glm-4.5"),
+    # GPT-OSS: the biases and sinks FSDP-sharded, the experts' biases with their experts under ep; and in two
+    # pipeline stages (a sliding layer, then a full one)
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *GPT_OSS], 2, "1.25", id="ep=2-gpt-oss"),
+    pytest.param(["parallel.pp=2", *GPT_OSS], 2, "null", id="pp=2-gpt-oss"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
     pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),

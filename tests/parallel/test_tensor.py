@@ -91,18 +91,28 @@ MODEL = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads
                     first_moe_layer=1)
 
 
-def _model(capacity_factor: float | None, tie_embeddings: bool = False, qk_norm: bool = False) -> MoETransformer:
+GPT_OSS_ATTENTION = dict(qkv_bias=True, attn_output_bias=True, attention_sinks=True, sliding_window=2,
+                         layer_types=["sliding_attention", "full_attention"])
+GPT_OSS_MOE = dict(activation="clamped_swiglu", swiglu_limit=0.05, router_bias=True, expert_proj_bias=True)
+
+
+def _model(capacity_factor: float | None, tie_embeddings: bool = False, qk_norm: bool = False,
+           gpt_oss: bool = False) -> MoETransformer:
     """The test model; ``qk_norm``: Qwen3's attention (per-head q/k norms, randomised so a wrong reduction shows,
-    and heads wider than d_model / n_heads)."""
+    and heads wider than d_model / n_heads); ``gpt_oss``: GPT-OSS's attention (q/k/v/o biases, sinks, a window
+    of 2 on the first layer: the blocked path) and MoE (biases, clamped SwiGLU), biases and sinks randomised."""
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=12, capacity_factor=capacity_factor, num_shared_experts=1,
-                    aux_loss_coef=0.01, z_loss_coef=0.001)
+                    aux_loss_coef=0.01, z_loss_coef=0.001, **(GPT_OSS_MOE if gpt_oss else {}))
     torch.manual_seed(0)  # every rank builds the same weights
     shape = dict(qk_norm=True, head_dim=6) if qk_norm else {}
+    shape |= GPT_OSS_ATTENTION if gpt_oss else {}
     model = MoETransformer(dataclasses.replace(MODEL, tie_embeddings=tie_embeddings, **shape), moe)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "q_norm" in name or "k_norm" in name:
                 param.copy_(1 + 0.5 * torch.randn_like(param))
+            if name.endswith(("bias", "sinks")):
+                param.copy_(0.5 * torch.randn_like(param))
     return model
 
 
@@ -122,8 +132,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str = "none",
            dtype: torch.dtype | None = None, sequence_parallel: bool = False, vocab_parallel: bool = False,
-           tie_embeddings: bool = False, qk_norm: bool = False) -> None:
-    reference = _model(capacity_factor, tie_embeddings, qk_norm)
+           tie_embeddings: bool = False, qk_norm: bool = False, gpt_oss: bool = False) -> None:
+    reference = _model(capacity_factor, tie_embeddings, qk_norm, gpt_oss)
     options = ParallelConfig(activation_checkpointing=recompute, sequence_parallel=sequence_parallel,
                              vocab_parallel=vocab_parallel)
     model = parallelize(copy.deepcopy(reference), groups, options)
@@ -131,6 +141,8 @@ def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str
     head_dim = reference.config.head_size
     assert isinstance(attn.wq.weight, DTensor) and attn.wq.weight.to_local().shape == (2 * head_dim, 16)  # 2 of 4 heads
     assert isinstance(attn.q_norm.weight, DTensor) if qk_norm else attn.q_norm is None  # replicated over tp
+    if gpt_oss:  # the sinks split with their heads
+        assert attn.sinks.to_local().shape == (2,) and attn.window == 2
     assert not isinstance(model.layers["1"].moe.router.gate, DTensor)  # the router stays whole
     if groups.layout.etp > 1:  # each rank holds half of every expert's hidden dim
         assert model.layers["1"].moe.experts.w_out.to_local().shape == (4, 6, 16)
@@ -149,9 +161,9 @@ def _check(groups: ParallelGroups, capacity_factor: float | None, recompute: str
         sent.append(x.shape[0])
         return original(x, output_split_sizes, input_split_sizes, group, tag)
 
-    def counting_ffn(x, *args):
+    def counting_ffn(x, *args, **kwargs):
         computed.append(x.shape[0])
-        return original_ffn(x, *args)
+        return original_ffn(x, *args, **kwargs)
 
     original, funcol.all_to_all_single = funcol.all_to_all_single, counting_all_to_all
     original_ffn, expert.expert_ffn = expert.expert_ffn, counting_ffn
@@ -215,6 +227,9 @@ def _worker(rank: int) -> None:
         # Qwen3's per-head q/k norms on each rank's heads (their weights' gradients summed over tp)
         _check(groups, None, qk_norm=True)
         _check(groups, 1.0, "full", sequence_parallel=True, qk_norm=True)
+        if layout.etp == 1:  # GPT-OSS's attention and MoE (expert biases refuse etp > 1)
+            _check(groups, 1.0, gpt_oss=True)
+            _check(groups, None, "full", sequence_parallel=True, gpt_oss=True)
 
 
 def test_tensor_parallel_model_matches_single_process():

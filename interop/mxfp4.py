@@ -1,0 +1,65 @@
+"""MXFP4 dequantisation: GPT-OSS's published checkpoints store their expert weights so (``*_blocks``, ``*_scales``).
+
+The format (OCP Microscaling Formats (MX) v1.0, sec. 5.3 and 6.3): values come in blocks of 32 that share one
+scale. Each value is an E2M1 float (FP4: 1 sign bit, 2 exponent bits with bias 1, 1 mantissa bit; so 0, 0.5,
+1, 1.5, 2, 3, 4, 6 and their negatives), packed two to a byte, the element with the lower index in the low
+nibble; the block's scale is an E8M0 byte, the power of two 2^(byte - 127) (255 is NaN). A checkpoint's
+``blocks`` tensor is [..., G, 16] bytes (G blocks of 32 values per row) and ``scales`` [..., G].
+
+Dequantised here from that definition (the E2M1 fields decoded arithmetically, the scale applied with
+``ldexp``), a chunk of rows at a time so a large expert stack needs only its output and one chunk's
+temporaries. An import calls this one tensor at a time as it streams a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+VALUES_PER_BLOCK = 32  # MX block size: values sharing one scale
+BYTES_PER_BLOCK = VALUES_PER_BLOCK // 2  # two E2M1 values per byte
+E8M0_BIAS = 127
+E8M0_NAN = 255
+
+
+def decode_e2m1(codes: Tensor) -> Tensor:
+    """4-bit E2M1 codes (integers 0..15) -> their fp32 values: sign bit 3, exponent bits 2..1, mantissa bit 0.
+
+    Exponent 0 is subnormal: 0.5 · mantissa (0 or 0.5); otherwise 2^(exponent - 1) · (1 + mantissa / 2).
+    """
+    codes = codes.to(torch.int32)
+    sign = 1.0 - 2.0 * ((codes >> 3) & 1).float()
+    exponent = (codes >> 1) & 3
+    mantissa = (codes & 1).float()
+    normal = torch.ldexp(1.0 + mantissa / 2, (exponent - 1).float())
+    return sign * torch.where(exponent == 0, mantissa / 2, normal)
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16, name: str = "blocks",
+                     rows_per_chunk: int = 1 << 16) -> Tensor:
+    """[..., G, 16] packed E2M1 bytes and [..., G] E8M0 scales -> [..., G · 32] values in ``dtype``.
+
+    Exact in bf16 and fp32 wherever the value is representable (each is an FP4 value times a power of two).
+    ``name``: the tensor's name, for the error a mismatched pair raises before any work.
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales are uint8 bytes, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() < 2 or blocks.shape[-1] != BYTES_PER_BLOCK or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"{name}: MXFP4 blocks of shape {tuple(blocks.shape)} do not match scales of shape "
+                         f"{tuple(scales.shape)}: blocks must be [..., G, {BYTES_PER_BLOCK}] (32 values, two per "
+                         f"byte, per scale) with scales [..., G]")
+    *prefix, groups, _ = blocks.shape
+    rows = math.prod(prefix) * groups
+    packed = blocks.reshape(rows, BYTES_PER_BLOCK)
+    exponents = scales.reshape(rows, 1).to(torch.int32)
+    out = torch.empty(rows, VALUES_PER_BLOCK, dtype=dtype, device=blocks.device)
+    for start in range(0, rows, rows_per_chunk):
+        chunk = slice(start, start + rows_per_chunk)
+        pairs = torch.stack((packed[chunk] & 0x0F, packed[chunk] >> 4), dim=-1)  # low nibble first
+        values = decode_e2m1(pairs).reshape(-1, VALUES_PER_BLOCK)
+        scaled = torch.ldexp(values, (exponents[chunk] - E8M0_BIAS).float())
+        scaled = torch.where(exponents[chunk] == E8M0_NAN, torch.nan, scaled)
+        out[chunk] = scaled.to(dtype)
+    return out.reshape(*prefix, groups * VALUES_PER_BLOCK)
