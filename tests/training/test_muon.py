@@ -191,3 +191,14 @@ def test_muon_and_adamw_differ_so_the_run_really_used_muon():
     config = load_config("moe-8x", [*PARITY_TINY, *MUON])
     assert isinstance(build_optimizer(MoETransformer(config.model, config.moe), config.train), Muon)
     assert not isinstance(build_optimizer(MoETransformer(config.model, config.moe), TrainConfig()), Muon)
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_both_and_the_fresh_start(tmp_path):
+    """AdamW's checkpoint resumed under Muon: a ConfigError before any tensor is loaded (DCP's own answer was a
+    missing-key traceback), which names both optimizers and how to start Muon fresh from the weights."""
+    run(["train.steps=2", "checkpoint.interval=2"], 1, tmp_path)
+    with pytest.raises(ConfigError) as raised:
+        run([*MUON, "train.steps=4", "checkpoint.interval=2"], 1, tmp_path)
+    message = str(raised.value)
+    assert "was saved with train.optimizer=adamw, but this run has train.optimizer=muon" in message
+    assert "--set train.optimizer=adamw" in message and "--init-from FILE --resume none" in message
