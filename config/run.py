@@ -9,6 +9,7 @@ builds the typed tree and validates it, all before any process group or tensor e
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -123,7 +124,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation: steps, batch, AdamW with warmup + cosine decay, precision, evaluation."""
+    """Optimisation: steps, batch, the optimizer (AdamW or Muon) with warmup + cosine decay, precision, evaluation."""
 
     steps: int = 300
     seed: int = 0
@@ -132,9 +133,18 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 30  # linear warmup; runs shorter than this warm up for all their steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
+    weight_decay: float = 0.1  # decoupled (lr * weight_decay per step), on matrices only, under either optimizer
+    # adamw, or muon: orthogonalised updates for hidden matrices and each routed expert, AdamW for embeddings,
+    # output head, router, norms (docs/optimizers.md)
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    beta1: float = 0.9  # AdamW's (under muon, for the parameters AdamW keeps)
     beta2: float = 0.95
+    muon_momentum: float = 0.95  # Muon's momentum (an average: buf = m * buf + (1 - m) * grad)
+    muon_nesterov: bool = True  # orthogonalise Nesterov's look-ahead (1 - m) * grad + m * buf rather than buf
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalisation
+    # RMS of each matrix's update per unit lr: the update is scaled by muon_update_rms * sqrt(max(A, B)); 0.2
+    # matches AdamW's, so AdamW's lr and weight decay carry over (Liu et al. 2025, "Muon is Scalable for LLM Training")
+    muon_update_rms: float = 0.2
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # where the run must compute: auto (a GPU when torch sees one, else the CPU) or cuda (a GPU config: refused
@@ -160,6 +170,12 @@ class TrainConfig:
         require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
         require(self.weight_decay >= 0 and self.grad_clip >= 0, "train.weight_decay and train.grad_clip must be >= 0")
+        require(0 <= self.muon_momentum < 1, f"train.muon_momentum={self.muon_momentum} must be in [0, 1)")
+        require(1 <= self.muon_ns_steps <= 99, f"train.muon_ns_steps={self.muon_ns_steps} must be in [1, 99] "
+                                                "(5 is Muon's usual count)")
+        require(math.isfinite(self.muon_update_rms) and self.muon_update_rms > 0,
+                 f"train.muon_update_rms={self.muon_update_rms} must be a positive finite number (0.2 matches "
+                 "AdamW's update RMS)")
         require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
         require(self.eval_interval >= 0 and self.eval_batches >= 1,
                  "train.eval_interval must be >= 0 and train.eval_batches >= 1")

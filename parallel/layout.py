@@ -84,4 +84,20 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
     layout = Layout.resolve(world_size, **config.parallel.degrees(), model=config.model, moe=config.moe,
                             accept=refusal)
     validate_for_model(layout, config.model, config.moe, accept=refusal)
+    check_optimizer_layout(config, layout)
     return ResolvedLayout(layout, *rest(layout))
+
+
+def check_optimizer_layout(config: RunConfig, layout: Layout) -> None:
+    """Refuse Muon on more than one rank, before any work.
+
+    Newton–Schulz orthogonalises whole matrices; a shard (FSDP over dp_shard, tensor or expert tensor
+    parallelism) or a stage's share of the model would get another update than one process computes, and no
+    layout has a parity test with Muon yet. A silently different update is worse than a refusal.
+    """
+    if config.train.optimizer != "muon" or layout.world_size == 1:
+        return
+    degrees = ", ".join(f"parallel.{name}={getattr(layout, name)}"
+                        for name in ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp") if getattr(layout, name) > 1)
+    raise ConfigError(f"train.optimizer=muon under {degrees} ({layout.world_size} ranks) is not supported yet: it "
+                      "runs in one process only so far; use train.optimizer=adamw for this layout, or one process")

@@ -191,6 +191,7 @@ class Checkpointer:
         started = time.perf_counter()
         saved_config = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
         check_fits(path, model, saved_config, self.config)
+        check_same_optimizer(path, saved_config, self.config)
         state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
         tokenizer = tokenizer_change(path, state, saved_config, self.config)
         load_sharded(model, optimizer, path)
@@ -438,3 +439,18 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
         for stale in self.root.glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_same_optimizer(path: Path, saved_config: dict, config: RunConfig) -> None:
+    """Refuse, before any tensor is read, a checkpoint whose optimizer is not this run's: AdamW's moments and Muon's
+    momentum buffers are different state, and DCP would fail with a bare missing-key traceback. Starting the other
+    optimizer fresh from the weights is an explicit choice, so the message says how. A checkpoint from before
+    ``train.optimizer`` existed was saved with AdamW."""
+    saved = (saved_config.get("train") or {}).get("optimizer", "adamw")
+    wanted = config.train.optimizer
+    if saved != wanted:
+        raise ConfigError(
+            f"checkpoint {path} was saved with train.optimizer={saved}, but this run has train.optimizer={wanted}: "
+            f"its optimizer state does not fit {wanted}'s. Resume with --set train.optimizer={saved}, or start "
+            f"{wanted} with fresh optimizer state from these weights: python -m interop.export {path} FILE, then "
+            "train.py --init-from FILE --resume none (in a new run directory)")

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine learning-rate schedule."""
+"""The optimizer (AdamW with decoupled weight decay on matrices only, or Muon: ``training/muon.py``) and a
+warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from torch.distributed.tensor import DTensor
 
 from config.run import TrainConfig
 from moe.experts import release_compute_copies
+from training.muon import Muon, adamw_parameters
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW: matrices (and expert stacks) decay, vectors (norm gains) do not.
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """``train.optimizer``'s optimizer for ``model``: AdamW (below) or Muon (``build_muon``).
+
+    AdamW: matrices (and expert stacks) decay, vectors (norm gains) do not.
 
     Decaying norm gains pulls them toward zero, which only fights the normalisation
     (the convention of GPT-3 and nanoGPT). ``fused`` runs the whole update of a tensor in one
@@ -27,6 +31,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     version counters, so the experts' bf16 copies are dropped by a hook before each step
     rather than noticed as stale afterwards.
     """
+    if config.optimizer == "muon":
+        return build_muon(model, config)
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for param in model.parameters():
         if param.requires_grad:
@@ -36,6 +42,36 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
          for (decay, _), params in sorted(groups.items(), key=lambda item: item[0], reverse=True)],
         lr=config.lr, betas=(config.beta1, config.beta2), fused=True)
     # the experts' bf16 copies go stale with the step; dropping them first also keeps them out of its peak
+    optimizer.register_step_pre_hook(lambda *_: release_compute_copies(model))
+    return optimizer
+
+
+def build_muon(model: nn.Module, config: TrainConfig) -> Muon:
+    """Muon for the hidden matrices (attention projections, dense and shared-expert FFNs, each routed expert's
+    matrices one expert at a time), AdamW for what ``adamw_parameters`` lists (embeddings, output head, router,
+    norms and biases); only matrices decay, as under AdamW.
+
+    Refused for a sharded parameter (a DTensor: FSDP, tensor or expert parallelism): Newton–Schulz needs each
+    whole matrix, and on a shard it would compute another update; ``parallel.layout.resolve_layout`` refuses
+    such a layout before any work, and this is the guard for a caller that built the model itself.
+    """
+    sharded = [name for name, param in model.named_parameters() if isinstance(param, DTensor)]
+    if sharded:
+        raise ValueError(f"train.optimizer=muon needs whole matrices, but {sharded[0]} is sharded (a DTensor); "
+                         "Muon under a parallel layout is not supported yet: use train.optimizer=adamw")
+    for_adamw = adamw_parameters(model)
+    groups = {"muon": [], "adamw_decay": [], "adamw_plain": []}
+    for param in model.parameters():
+        if param.requires_grad:
+            kind = ("adamw_plain" if param.dim() < 2 else "adamw_decay") if id(param) in for_adamw else "muon"
+            groups[kind].append(param)
+    optimizer = Muon(
+        [{"params": groups["muon"], "use_muon": True, "weight_decay": config.weight_decay},
+         {"params": groups["adamw_decay"], "use_muon": False, "weight_decay": config.weight_decay},
+         {"params": groups["adamw_plain"], "use_muon": False, "weight_decay": 0.0}],
+        lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
+        nesterov=config.muon_nesterov, ns_steps=config.muon_ns_steps, update_rms=config.muon_update_rms,
+        betas=(config.beta1, config.beta2))
     optimizer.register_step_pre_hook(lambda *_: release_compute_copies(model))
     return optimizer
 
