@@ -29,7 +29,10 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_le
 def stand_ins(folder: Path, srun_body: str) -> dict[str, str]:
     """A PATH whose ``scontrol`` lists the allocation's hosts and whose ``srun`` runs ``srun_body``."""
     folder.mkdir()
-    (folder / "scontrol").write_text('#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && echo node-a && echo node-b\n')
+    # the second host comes a moment after the first, as from a real scontrol with a long host list: a script that
+    # stops reading after the first line (| head -n 1) then fails with SIGPIPE under pipefail, every time
+    (folder / "scontrol").write_text('#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && echo node-a && sleep 0.3 '
+                                     '&& echo node-b\n')
     (folder / "srun").write_text("#!/bin/bash\n" + srun_body)
     for tool in ("scontrol", "srun"):
         (folder / tool).chmod(0o755)
