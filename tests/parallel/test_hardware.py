@@ -40,7 +40,10 @@ def second_round_faults(keep: bool) -> int:
 def test_freed_activations_are_reused_not_faulted_in_again():
     pages = 20 * 3 * 2**20 // 4096
     assert second_round_faults(keep=False) > pages // 2  # glibc's default hands the memory back: faults again
-    assert second_round_faults(keep=True) < pages // 10  # kept: the second round reuses the first's pages
+    # kept: the second round reuses the first's pages. Now and then a whole tensor (768 pages) lands in fresh
+    # memory all the same: 0, 1 or 2 of the 20 were seen on this machine (1,536 pages, exactly the old bound of a
+    # tenth, failed once), so the bound is a quarter, still far from the 15,360 of the default
+    assert second_round_faults(keep=True) < pages // 4
 
 
 def test_an_allocator_setting_from_the_environment_wins(monkeypatch):
