@@ -35,6 +35,7 @@ from config.model import ModelConfig, MoEConfig
 from interop.fp8 import block_size
 from interop.hf_family import (
     DECODER_KEYS,
+    GATED_EXPERTS,
     Family,
     HFShape,
     Source,
@@ -51,8 +52,6 @@ from interop.hf_family import (
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 FAMILY_NAME = "DeepSeek-V3"
-EXPERTS = {"moe.experts.w_in": "up_proj.weight", "moe.experts.w_gate": "gate_proj.weight",
-           "moe.experts.w_out": "down_proj.weight"}
 MLP = {"w_in.weight": "up_proj.weight", "w_gate.weight": "gate_proj.weight", "w_out.weight": "down_proj.weight"}
 # config.json keys of the sigmoid group-limited MoE that DeepSeek-V3 and GLM-4.5 share (``sigmoid_moe_shape``)
 SIGMOID_MOE_KEYS = {"intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
@@ -123,7 +122,7 @@ def sigmoid_moe_sources(model: ModelConfig, moe: MoEConfig, i: int, ours: str, t
     if not model.is_moe_layer(i):
         return {f"{ours}ffn.{name}": Source("copy", (f"{theirs}mlp.{hf_name}",)) for name, hf_name in MLP.items()}
     out = {f"{ours}moe.router.gate": Source("copy", (f"{theirs}mlp.gate.weight",)),
-           **expert_stacks(ours, f"{theirs}mlp.experts", EXPERTS, moe.num_experts)}
+           **expert_stacks(ours, f"{theirs}mlp.experts", GATED_EXPERTS, moe.num_experts)}
     out[f"{ours}moe.router.expert_bias"] = Source("copy", (f"{theirs}mlp.gate.e_score_correction_bias",))
     out.update({f"{ours}moe.shared_experts.{name}": Source("copy", (f"{theirs}mlp.shared_experts.{hf_name}",))
                 for name, hf_name in MLP.items()})

@@ -20,6 +20,7 @@ from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from interop.hf_family import (
     DECODER_KEYS,
+    GATED_EXPERTS,
     Family,
     HFShape,
     Source,
@@ -38,8 +39,6 @@ from interop.hf_family import (
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 FAMILY_NAME = "Qwen3-MoE"
-_EXPERTS = {"moe.experts.w_in": "up_proj.weight", "moe.experts.w_gate": "gate_proj.weight",
-            "moe.experts.w_out": "down_proj.weight"}
 _DENSE = {"ffn.w_in.weight": "up_proj.weight", "ffn.w_gate.weight": "gate_proj.weight",
           "ffn.w_out.weight": "down_proj.weight"}
 
@@ -118,7 +117,7 @@ def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
         if not model.is_moe_layer(i):
             return {ours + name: Source("copy", (f"{theirs}mlp.{hf_name}",)) for name, hf_name in _DENSE.items()}
         return {f"{ours}moe.router.gate": Source("copy", (f"{theirs}mlp.gate.weight",)),
-                **expert_stacks(ours, f"{theirs}mlp.experts", _EXPERTS, moe.num_experts)}
+                **expert_stacks(ours, f"{theirs}mlp.experts", GATED_EXPERTS, moe.num_experts)}
     return decoder_sources(model, layer)
 
 

@@ -138,6 +138,8 @@ class Checkpointer:
         self.policy = config.checkpoint
         self.run_dir = Path(run_dir)
         self.root = checkpoint_root(config, self.run_dir)
+        # what the run's token ids mean, read once: recorded in every save, compared at a resume
+        self.tokenizer = tokenizer_fingerprint(config.data.tokenizer)
         self.tokens_per_step = config.train.global_batch_size * config.model.seq_len
         self.step, self.tokens_seen, self.skipped_steps, self.bad_in_a_row = 0, 0, 0, 0
         self.auto = AutoInterval(self.policy.mtbf_hours * 3600.0) if self.policy.interval == "auto" else None
@@ -193,7 +195,7 @@ class Checkpointer:
         check_fits(path, model, saved_config, self.config)
         check_same_optimizer(path, saved_config, self.config)
         state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
-        tokenizer = tokenizer_change(path, state, saved_config, self.config)
+        tokenizer = tokenizer_change(path, state, saved_config, self.config, self.tokenizer)
         load_sharded(model, optimizer, path)
         sampler.load_state_dict(state["sampler"])
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
@@ -337,7 +339,7 @@ class Checkpointer:
             trainer_state = {"step": step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
                              "sampler": sampler.state_dict(), "world_size": self.runtime.world_size,
                              "layout": self.config.parallel.degrees(), "reason": reason,
-                             "tokenizer": tokenizer_fingerprint(self.config.data.tokenizer)}
+                             "tokenizer": self.tokenizer}
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
             (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False), encoding="utf-8")
 

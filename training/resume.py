@@ -48,13 +48,13 @@ def tokenizer_fingerprint(spec: str) -> str:
     return spec if spec == "bytes" else "sha256:" + hashlib.sha256(Path(spec).read_bytes()).hexdigest()
 
 
-def tokenizer_change(path: Path, trainer_state: dict, saved_config: dict, config: RunConfig) -> dict[str, dict]:
-    """The tokenizer's change since the checkpoint at ``path``, as a change to record with the config's ({} when
-    none, or when the checkpoint predates fingerprints). Refused when the content changed under the same
-    ``data.tokenizer``: the model learned the old ids, and nothing asked for new ones. Given under another path
-    the change is deliberate, and recorded."""
+def tokenizer_change(path: Path, trainer_state: dict, saved_config: dict, config: RunConfig,
+                     now: str) -> dict[str, dict]:
+    """The tokenizer's change since the checkpoint at ``path`` (``now``: this run's ``tokenizer_fingerprint``), as a
+    change to record with the config's ({} when none, or when the checkpoint predates fingerprints). Refused when
+    the content changed under the same ``data.tokenizer``: the model learned the old ids, and nothing asked for new
+    ones. Given under another path the change is deliberate, and recorded."""
     saved = trainer_state.get("tokenizer")
-    now = tokenizer_fingerprint(config.data.tokenizer)
     if saved is None or saved == now:
         return {}
     if saved_config.get("data", {}).get("tokenizer") == config.data.tokenizer:
