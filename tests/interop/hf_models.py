@@ -60,6 +60,26 @@ def assert_same_tensors(original_folder: Path, returned_folder: Path, tied: bool
         assert torch.equal(value, returned[name]), name
 
 
+def assert_oracle_and_export_back(folder: Path, hf, ours: MoETransformer, x: torch.Tensor, architecture: str,
+                                  tied: bool) -> None:
+    """``ours`` (imported from ``folder``/hf as ``folder``/ours.safetensors) gives the oracle ``hf``'s logits on ``x``;
+    our file exported to ``folder``/back is an ``architecture`` folder that transformers loads and runs to the same
+    logits, every tensor bit-exact with the original folder's."""
+    import transformers
+
+    from interop.hf import export_folder
+
+    with torch.no_grad():
+        expected = hf(x).logits
+        torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-5)
+    export_folder(folder / "ours.safetensors", folder / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder / "back").eval()
+    assert type(back).__name__ == architecture
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, expected, rtol=0, atol=1e-5)
+    assert_same_tensors(folder / "hf", folder / "back", tied=tied)
+
+
 def edit_config(folder: Path, **changes) -> None:
     """Set keys of a saved folder's config.json."""
     path = folder / "config.json"

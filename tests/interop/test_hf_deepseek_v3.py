@@ -13,7 +13,13 @@ from safetensors import safe_open
 from config.errors import ConfigError
 from config.run import load_config
 from interop.hf import export_family, export_folder, import_folder
-from tests.interop.hf_models import assert_same_tensors, edit_config, hf_tensors, our_model, save_random
+from tests.interop.hf_models import (
+    assert_oracle_and_export_back,
+    edit_config,
+    hf_tensors,
+    our_model,
+    save_random,
+)
 from tests.interop.test_hf import tokens
 
 transformers = pytest.importorskip("transformers")
@@ -86,18 +92,8 @@ def test_import_export_match_transformers(tmp_path, shape):
     assert config.moe.routed_scaling_factor == settings.get("routed_scaling_factor", 2.5)
     ours = our_model(tmp_path / "ours.safetensors")
     assert any(layer.router.expert_bias.abs().sum() > 0 for layer in ours.moe_layers().values())
-    x = tokens()
-    with torch.no_grad():
-        expected = hf(x).logits
-        torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-5)
-
-    # our file -> an HF folder that transformers loads and runs to the same logits; every tensor bit-exact
-    export_folder(tmp_path / "ours.safetensors", tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(back).__name__ == "DeepseekV3ForCausalLM"
-    with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, expected, rtol=0, atol=1e-5)
-    assert_same_tensors(tmp_path / "hf", tmp_path / "back", tied=settings.get("tie_word_embeddings", False))
+    assert_oracle_and_export_back(tmp_path, hf, ours, tokens(), "DeepseekV3ForCausalLM",
+                                  tied=settings.get("tie_word_embeddings", False))
 
 
 def test_the_rotary_reordering_is_needed(tmp_path):

@@ -11,8 +11,13 @@ import torch
 
 from config.errors import ConfigError
 from config.run import load_config
-from interop.hf import export_family, export_folder, import_folder
-from tests.interop.hf_models import assert_same_tensors, edit_config, our_model, save_random
+from interop.hf import export_family, import_folder
+from tests.interop.hf_models import (
+    assert_oracle_and_export_back,
+    edit_config,
+    our_model,
+    save_random,
+)
 from tests.interop.test_hf import tokens
 
 transformers = pytest.importorskip("transformers")
@@ -73,17 +78,8 @@ def test_import_export_match_transformers(tmp_path, shape):
     assert config.model.qkv_bias == settings.get("attention_bias", True)
     assert config.model.qk_norm == settings.get("use_qk_norm", True) and config.moe.score_func == "sigmoid"
     ours = our_model(tmp_path / "ours.safetensors")
-    x = tokens()
-    with torch.no_grad():
-        expected = hf(x).logits
-        torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-5)
-
-    export_folder(tmp_path / "ours.safetensors", tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(back).__name__ == "Glm4MoeForCausalLM"
-    with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, expected, rtol=0, atol=1e-5)
-    assert_same_tensors(tmp_path / "hf", tmp_path / "back", tied=settings.get("tie_word_embeddings", False))
+    assert_oracle_and_export_back(tmp_path, hf, ours, tokens(), "Glm4MoeForCausalLM",
+                                  tied=settings.get("tie_word_embeddings", False))
 
 
 def test_bad_input_is_named(tmp_path):

@@ -20,7 +20,13 @@ from interop.hf import export_family, export_folder, hf_run_config, import_folde
 from interop.weights import initial_weights
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime
-from tests.interop.hf_models import assert_same_tensors, edit_config, hf_tensors, our_model, save_random
+from tests.interop.hf_models import (
+    assert_oracle_and_export_back,
+    edit_config,
+    hf_tensors,
+    our_model,
+    save_random,
+)
 from tests.interop.test_hf import TINY_RUN, _hf_run, tokens
 from tests.parallel.parity import full_state
 from tests.spawn import spawn
@@ -78,18 +84,8 @@ def test_import_export_match_transformers(tmp_path, shape):
     assert (config.model.moe_every, config.model.first_moe_layer) == (moe_every, first_moe_layer)
     assert config.moe.renormalize == settings.get("norm_topk_prob", True) and config.moe.capacity_factor is None
     ours = our_model(tmp_path / "ours.safetensors")
-    x = tokens()
-    with torch.no_grad():
-        expected = hf(x).logits
-        torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-5)
-
-    # our file -> an HF folder that transformers loads and runs to the same logits; every tensor bit-exact
-    export_folder(tmp_path / "ours.safetensors", tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(back).__name__ == "Qwen3MoeForCausalLM"
-    with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, expected, rtol=0, atol=1e-5)
-    assert_same_tensors(tmp_path / "hf", tmp_path / "back", tied=settings.get("tie_word_embeddings", False))
+    assert_oracle_and_export_back(tmp_path, hf, ours, tokens(), "Qwen3MoeForCausalLM",
+                                  tied=settings.get("tie_word_embeddings", False))
 
 
 def test_bad_input_is_named(tmp_path):
