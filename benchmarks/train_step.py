@@ -24,8 +24,11 @@ active parameters (as ``perf/mfu`` counts them, ``moe.accounting.training_flops_
 second, over the GPU's dense bf16 datasheet peak (``parallel.hardware.GPU_BF16_PEAK``). A measurement, never a
 pass/fail test; the profiler adds its own overhead to the profiled step (the timed steps run without it).
 
+``--compile`` then compiles the blocks as ``train.compile`` does (``parallel/compile.py``) and times the same
+steps again in the same process: the first compiled step's time (compilation included) and the median after.
+
     python benchmarks/train_step.py [--device cpu|cuda] [--config NAME] [--set key=value ...] [--steps N]
-                                    [--json PATH]
+                                    [--compile] [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from moe.accounting import parameter_counts, training_flops_per_token  # noqa: E
 from moe.experts import GroupedExperts  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 from moe.transformer import Attention, MoETransformer  # noqa: E402
+from parallel.compile import apply_compile  # noqa: E402
 from parallel.expert import ExpertParallelExperts  # noqa: E402
 from parallel.hardware import GPU_BF16_PEAK, choose_precision, keep_freed_memory  # noqa: E402
 from training.loop import IntervalStats, train_step  # noqa: E402
@@ -62,12 +66,15 @@ MIXTRAL_SLICE = ["model.vocab_size=32000", "model.d_model=4096", "model.n_heads=
                  "train.precision=bf16", "train.global_batch_size=8", "train.micro_batch_size=1"]
 
 
-def label_modules(model: MoETransformer) -> None:
-    """Open a ``record_function`` range named after each module's category around its forward."""
+def label_modules(model: MoETransformer) -> list:
+    """Open a ``record_function`` range named after each module's category around its forward; returns the
+    hooks' handles (``--compile`` removes them before compiling: Dynamo would trace them into the blocks)."""
+    handles = []
+
     def label(module, name):
         ranges = []
-        module.register_forward_pre_hook(lambda *_: ranges.append(record_function(name).__enter__()))
-        module.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None))
+        handles.append(module.register_forward_pre_hook(lambda *_: ranges.append(record_function(name).__enter__())))
+        handles.append(module.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None)))
 
     for module in model.modules():
         if isinstance(module, Attention):
@@ -76,6 +83,7 @@ def label_modules(model: MoETransformer) -> None:
             label(module, "expert GEMMs")
         elif isinstance(module, MoELayer):
             label(module, "routing and permutation")
+    return handles
 
 
 def label_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -156,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="moe-8x", help="on CPU (default moe-8x); on CUDA the Mixtral slice")
     parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     parser.add_argument("--steps", type=int, default=5, help="timed steps after 2 warm-up steps")
+    parser.add_argument("--compile", action="store_true",
+                        help="then compile the blocks (train.compile, TorchInductor) and time the same steps again")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -177,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = precision.precision == "bf16"
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
     model, optimizer = build(config, device)
-    label_modules(model)
+    labels = label_modules(model)
     label_optimizer(optimizer)
     generator = torch.Generator().manual_seed(0)
     batch = config.train.global_batch_size
@@ -190,12 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    seconds = []
-    for index in range(2 + args.steps):
-        began = time.perf_counter()
-        step()
-        if index >= 2:
+    def timed() -> list[float]:
+        """Seconds of each step: 2 warm-up steps, then ``--steps``."""
+        seconds = []
+        for _ in range(2 + args.steps):
+            began = time.perf_counter()
+            step()
             seconds.append(time.perf_counter() - began)
+        return seconds
+
+    seconds = timed()[2:]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
@@ -231,6 +245,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model FLOPs {result['model_tflops']:.0f} TFLOP/s, MFU {mfu} of the datasheet's dense bf16 peak; "
               f"peak memory {result['memory_peak_gib']:.1f} GiB "
               f"(memory model: {result['memory_predicted_gib']:.1f} GiB)")
+    if args.compile:
+        for handle in labels:
+            handle.remove()
+        apply_compile(model)
+        compiled = timed()
+        result.update({"compiled_first_step_s": compiled[0], "compiled_step_s": statistics.median(compiled[2:]),
+                       "compile_speedup": step_s / statistics.median(compiled[2:])})
+        print(f"compiled blocks (TorchInductor): first step {compiled[0]:.1f} s (compiling), then "
+              f"{result['compiled_step_s']:.3f} s per step: {result['compile_speedup']:.2f}x eager's")
     if args.json:
         args.json.write_text(json.dumps([result], indent=1))
     return 0

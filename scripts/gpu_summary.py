@@ -3,7 +3,7 @@
     python scripts/gpu_summary.py OUT_DIR
 
 Reads what the check wrote into OUT_DIR: ``device.txt``, ``steps.tsv`` (step, exit status, seconds),
-``gpu_tests.xml`` and ``megablocks_tests.xml`` (pytest's JUnit reports) and the benchmarks' JSON. Exit status 1
+``gpu_tests.xml``, ``megablocks_tests.xml`` and ``compile_tests.xml`` (pytest's JUnit reports) and the benchmarks' JSON. Exit status 1
 when a step or a test failed.
 """
 
@@ -14,8 +14,9 @@ import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-BENCHMARKS = ("train_step.json", "moe_layer.json")
-TEST_REPORTS = ("gpu_tests.xml", "megablocks_tests.xml")  # tests/gpu without, and with, megablocks built
+BENCHMARKS = ("train_step.json", "moe_layer.json", "compile_bench.json")
+TEST_REPORTS = ("gpu_tests.xml", "megablocks_tests.xml", "compile_tests.xml")  # tests/gpu: without megablocks, with
+# it built, and compiled with Inductor
 
 
 def steps(out: Path) -> list[tuple[str, int, int]]:

@@ -12,6 +12,7 @@ that margin again; a wrong gradient or a broken kernel moves the curve far more 
 
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 import sys
 from pathlib import Path
 
@@ -36,8 +37,10 @@ def train(run_dir: Path, *overrides: str, cpu: bool = False, config: str = "moe-
 
 
 def test_gpu_bf16_follows_the_cpu_fp32_loss_curve(tmp_path):
-    _, reference = train(tmp_path / "cpu", *CURVE, "train.precision=fp32", cpu=True)
-    log, gpu = train(tmp_path / "gpu", *CURVE, "train.precision=bf16")
+    with ThreadPoolExecutor(2) as runs:  # the CPU reference and the GPU run side by side: the check's time is short
+        cpu_run = runs.submit(train, tmp_path / "cpu", *CURVE, "train.precision=fp32", cpu=True)
+        gpu_run = runs.submit(train, tmp_path / "gpu", *CURVE, "train.precision=bf16")
+        (_, reference), (log, gpu) = cpu_run.result(), gpu_run.result()
     assert "precision: bf16 on cuda" in log, log
     assert [r["step"] for r in gpu] == [r["step"] for r in reference]
     for cpu_record, gpu_record in zip(reference, gpu, strict=True):
@@ -48,7 +51,7 @@ def test_gpu_bf16_follows_the_cpu_fp32_loss_curve(tmp_path):
 
 
 def test_torchrun_trains_the_gpu_config(tmp_path):
-    log, records = train(tmp_path / "run", "train.steps=20", "logging.log_interval=10", "train.eval_interval=0",
+    log, records = train(tmp_path / "run", "train.steps=10", "logging.log_interval=5", "train.eval_interval=0",
                          "logging.wandb=disabled", "logging.progress=lines", config="moe-8x-gpu", torchrun=True)
     assert "precision: bf16 on cuda" in log, log
     assert records[-1]["train/loss"] < records[0]["train/loss"]

@@ -27,7 +27,8 @@ def test_both_scripts_print_their_usage():
     assert "--prepare DIR" in script("scripts/gpu_check.sh", "--help", status=0)
     assert "--from DIR" in script("scripts/install_megablocks.sh", "--help", status=0)
     assert "unknown argument '--bogus'" in script("scripts/gpu_check.sh", "--bogus", status=2)
-    assert "--wheels needs a folder" in script("scripts/gpu_check.sh", "--wheels", status=2)
+    assert "--wheels needs a value" in script("scripts/gpu_check.sh", "--wheels", status=2)
+    assert "--only: no step 'compile'" in script("scripts/gpu_check.sh", "--only", "gpu_tests,compile", status=2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
