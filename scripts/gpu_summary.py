@@ -3,8 +3,8 @@
     python scripts/gpu_summary.py OUT_DIR
 
 Reads what the check wrote into OUT_DIR: ``device.txt``, ``steps.tsv`` (step, exit status, seconds),
-``gpu_tests.xml``, ``megablocks_tests.xml`` and ``compile_tests.xml`` (pytest's JUnit reports) and the benchmarks' JSON. Exit status 1
-when a step or a test failed.
+``gpu_tests.xml``, ``megablocks_tests.xml`` and ``compile_tests.xml`` (pytest's JUnit reports) and the
+benchmarks' JSON. Exit status 1 when a step or a test failed.
 """
 
 from __future__ import annotations

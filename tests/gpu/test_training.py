@@ -12,8 +12,8 @@ that margin again; a wrong gradient or a broken kernel moves the curve far more 
 
 import os
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from training.metrics import read_metrics
