@@ -145,6 +145,9 @@ class TrainConfig:
     # RMS of each matrix's update per unit lr: the update is scaled by muon_update_rms * sqrt(max(A, B)); 0.2
     # matches AdamW's, so AdamW's lr and weight decay carry over (Liu et al. 2025, "Muon is Scalable for LLM Training")
     muon_update_rms: float = 0.2
+    # the dtype Newton-Schulz iterates in: bf16 as torch.optim.Muon and Jordan et al. (fast on GPUs), or fp32 (as
+    # exact as the layout's arithmetic: the parity tests prove the distributed Muon with it, docs/optimizers.md)
+    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # where the run must compute: auto (a GPU when torch sees one, else the CPU) or cuda (a GPU config: refused

@@ -89,15 +89,16 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
 
 
 def check_optimizer_layout(config: RunConfig, layout: Layout) -> None:
-    """Refuse Muon on more than one rank, before any work.
+    """Refuse Muon where FSDP shards tensor-parallel weights (dp_shard and tp together), before any work.
 
-    Newton–Schulz orthogonalises whole matrices; a shard (FSDP over dp_shard, tensor or expert tensor
-    parallelism) or a stage's share of the model would get another update than one process computes, and no
-    layout has a parity test with Muon yet. A silently different update is worse than a refusal.
+    Muon puts each sharded matrix back together for its orthogonalisation (``training.muon.orthogonalised``),
+    proved equal to one process under dp_shard, dp_replicate, tp with sequence parallelism, ep, etp and pp
+    (``tests/parallel/test_parity.py``). With dp_shard and tp together FSDP shards an already tp-sharded weight
+    along the same dimension (a strided shard), and gathering such a gradient failed inside DTensor on torch
+    2.13 (``_maybe_unpad_tensor``); a refusal is better than an update that cannot be computed.
     """
-    if config.train.optimizer != "muon" or layout.world_size == 1:
+    if config.train.optimizer != "muon" or layout.dp_shard == 1 or layout.tp == 1:
         return
-    degrees = ", ".join(f"parallel.{name}={getattr(layout, name)}"
-                        for name in ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp") if getattr(layout, name) > 1)
-    raise ConfigError(f"train.optimizer=muon under {degrees} ({layout.world_size} ranks) is not supported yet: it "
-                      "runs in one process only so far; use train.optimizer=adamw for this layout, or one process")
+    raise ConfigError(f"train.optimizer=muon with parallel.dp_shard={layout.dp_shard} and parallel.tp={layout.tp} "
+                      "together is not supported yet (FSDP's shards of tensor-parallel weights cannot be gathered "
+                      "for Newton-Schulz on this torch); use one of the two, or train.optimizer=adamw")

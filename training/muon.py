@@ -24,6 +24,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.adam import adam
 
 from moe.router import TopKRouter
@@ -33,16 +34,21 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7  # the floor of the Frobenius norm the matrix is divided by (torch.optim.Muon's eps)
 
 
-def newton_schulz(update: torch.Tensor, steps: int) -> torch.Tensor:
+def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The approximate orthogonalisation ``U S' V^T`` of each matrix in ``update`` ``[..., A, B]`` (``U S V^T``
-    its SVD, ``S'`` near 1), returned in bf16 with the same shape.
+    its SVD, ``S'`` near 1), iterated and returned in ``dtype`` with the same shape.
+
+    bf16 is torch.optim.Muon's choice; it also makes the result chaotic in the last bits: a change of one unit
+    in the 7th digit of one gradient element (another reduction order) flips some bf16 roundings, and five
+    iterations spread them, so two layouts' updates part by bf16's resolution (measured: final weights 9e-4
+    apart after 5 steps at lr 1e-2, where fp32 iterations keep them within 1.2e-7).
 
     Leading dimensions are a batch (the experts of a stack): each matrix is normalised by its own Frobenius norm
     and iterated alone, so a batch gives what each matrix would give by itself.
     """
     a, b, c = NS_COEFFICIENTS
     rows, cols = update.shape[-2:]
-    x = update.reshape(-1, rows, cols).bfloat16()
+    x = update.reshape(-1, rows, cols).to(dtype)
     tall = rows > cols
     if tall:  # iterate on the wide orientation: the Gram matrix X X^T is then the smaller one
         x = x.transpose(-2, -1)
@@ -54,6 +60,43 @@ def newton_schulz(update: torch.Tensor, steps: int) -> torch.Tensor:
     if tall:
         x = x.transpose(-2, -1)
     return x.reshape(update.shape)
+
+
+def orthogonalised(update: torch.Tensor, steps: int, index: int, dtype: torch.dtype) -> torch.Tensor:
+    """``newton_schulz`` of ``update``, which may be a shard (a DTensor), returned with ``update``'s dtype and
+    placements; ``index`` is the matrix's position in the optimizer's order (the same on every rank); ``dtype``
+    Newton–Schulz's.
+
+    Newton–Schulz needs each whole matrix: on a shard it would compute another update. So the mesh dimensions
+    that cut a matrix's last two dimensions (FSDP's dp_shard, tensor and expert tensor parallelism) are
+    all-gathered; one rank of them, chosen by ``index`` round the ranks, orthogonalises it, and the others pass
+    zeros; a reduce-scatter back to the update's placements then sums each shard of the result from one nonzero
+    term, exactly (Liu et al. 2025's distributed Muon assembles the matrix on the data-parallel ranks alike; the
+    orthogonalisation's work is spread as Dion and Megatron-Core's distributed Muon spread it, one matrix per
+    rank). A dimension that splits only the experts of a stack (expert parallelism) leaves each local matrix
+    whole: those are orthogonalised in place, with no communication.
+    """
+    if not isinstance(update, DTensor):
+        return newton_schulz(update, steps, dtype).to(update.dtype)
+    mesh, placements = update.device_mesh, update.placements
+    matrix_dims = {update.dim() - 2, update.dim() - 1}
+    cutting = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim % update.dim() in matrix_dims]
+    if not cutting:
+        local = newton_schulz(update.to_local(), steps, dtype).to(update.dtype)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=update.shape,
+                                  stride=update.stride())
+    whole = update.redistribute(mesh, [Replicate() if i in cutting else p for i, p in enumerate(placements)])
+    coordinate = mesh.get_coordinate()
+    position = 0
+    for i in cutting:  # this rank's place among the ranks that hold pieces of the same matrices
+        position = position * mesh.size(i) + coordinate[i]
+    ranks = math.prod(mesh.size(i) for i in cutting)
+    local = whole.to_local()
+    mine = index % ranks == position
+    result = newton_schulz(local, steps, dtype).to(update.dtype) if mine else torch.zeros_like(local)
+    summed = DTensor.from_local(result, mesh, [Partial() if i in cutting else p for i, p in enumerate(placements)],
+                                run_check=False, shape=update.shape, stride=update.stride())
+    return summed.redistribute(mesh, placements)
 
 
 def update_scale(shape: torch.Size, update_rms: float) -> float:
@@ -69,15 +112,16 @@ class Muon(torch.optim.Optimizer):
     """One optimizer for a whole model: groups with ``use_muon`` True take Muon's update (a parameter's last two
     dimensions are the matrix, any leading ones a batch of matrices), the others AdamW's.
 
-    ``momentum``, ``nesterov``, ``ns_steps`` and ``update_rms`` are Muon's; ``betas`` and ``eps`` AdamW's; ``lr``
-    and ``weight_decay`` both's (decoupled: ``param *= 1 - lr * weight_decay``).
+    ``momentum``, ``nesterov``, ``ns_steps``, ``update_rms`` and ``ns_dtype`` are Muon's; ``betas`` and ``eps``
+    AdamW's; ``lr`` and ``weight_decay`` both's (decoupled: ``param *= 1 - lr * weight_decay``).
     """
 
     def __init__(self, params, lr: float, weight_decay: float, momentum: float = 0.95, nesterov: bool = True,
-                 ns_steps: int = 5, update_rms: float = 0.2, betas: tuple[float, float] = (0.9, 0.95),
+                 ns_steps: int = 5, update_rms: float = 0.2, ns_dtype: torch.dtype = torch.bfloat16,
+                 betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        update_rms=update_rms, betas=betas, eps=eps, use_muon=False)
+                        update_rms=update_rms, ns_dtype=ns_dtype, betas=betas, eps=eps, use_muon=False)
         super().__init__(params, defaults)
         for group in self.param_groups:
             for param in group["params"]:
@@ -101,7 +145,7 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, group: dict, params: list[torch.Tensor]) -> None:
         lr, momentum = group["lr"], group["momentum"]
-        for param in params:
+        for index, param in enumerate(params):
             grad = param.grad
             state = self.state[param]
             if "momentum_buffer" not in state:
@@ -109,9 +153,9 @@ class Muon(torch.optim.Optimizer):
             buffer = state["momentum_buffer"]
             buffer.lerp_(grad, 1 - momentum)
             update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-            orthogonal = newton_schulz(update, group["ns_steps"])
+            orthogonal = orthogonalised(update, group["ns_steps"], index, group["ns_dtype"])
             param.mul_(1 - lr * group["weight_decay"])
-            param.add_(orthogonal.to(param.dtype), alpha=-lr * update_scale(param.shape, group["update_rms"]))
+            param.add_(orthogonal, alpha=-lr * update_scale(param.shape, group["update_rms"]))
 
     def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
@@ -139,13 +183,16 @@ def adamw_parameters(model: nn.Module) -> set[int]:
     - The router's gate ``[experts, d_model]``: each row scores one expert; orthogonalising would make every
       expert's score move by the same amount whatever its gradient, fighting the load-balancing signal, and it
       is the choice of Moonlight and Megatron-Core's Muon.
-    - Every tensor of fewer than two dimensions (norm gains, biases): no matrix to orthogonalise.
+    - Every tensor of fewer than two dimensions (norm gains, biases): no matrix to orthogonalise; and every bias
+      of more (the routed experts' ``[experts, width]`` biases, GPT-OSS): a vector per expert, not a matrix.
     """
-    output = getattr(model, "output", None)
+    # the head of each model this rank holds: the whole model's, or under pipeline parallelism each local stage's
+    # (a ``parallel.pipeline.PipelineModel`` is not a module; its ``stages`` are)
+    outputs = {id(getattr(stage, "output", None)) for stage in getattr(model, "stages", [model])} - {id(None)}
     chosen: set[int] = set()
     for module in model.modules():
-        whole = isinstance(module, nn.Embedding) or module is output or isinstance(module, TopKRouter)
-        for param in module.parameters(recurse=False):
-            if whole or param.dim() < 2:
+        whole = isinstance(module, nn.Embedding) or id(module) in outputs or isinstance(module, TopKRouter)
+        for name, param in module.named_parameters(recurse=False):
+            if whole or param.dim() < 2 or name.endswith("bias"):
                 chosen.add(id(param))
     return chosen

@@ -18,7 +18,7 @@ from training.muon import Muon, adamw_parameters
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """``train.optimizer``'s optimizer for ``model``: AdamW (below) or Muon (``build_muon``).
 
-    AdamW: matrices (and expert stacks) decay, vectors (norm gains) do not.
+    AdamW: matrices (and expert stacks) decay, vectors (norm gains, biases) do not (``decays``).
 
     Decaying norm gains pulls them toward zero, which only fights the normalisation
     (the convention of GPT-3 and nanoGPT). ``fused`` runs the whole update of a tensor in one
@@ -34,9 +34,9 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     if config.optimizer == "muon":
         return build_muon(model, config)
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            groups.setdefault((param.dim() >= 2, isinstance(param, DTensor)), []).append(param)
+            groups.setdefault((decays(name, param), isinstance(param, DTensor)), []).append(param)
     optimizer = torch.optim.AdamW(
         [{"params": params, "weight_decay": config.weight_decay if decay else 0.0}
          for (decay, _), params in sorted(groups.items(), key=lambda item: item[0], reverse=True)],
@@ -46,24 +46,25 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     return optimizer
 
 
+def decays(name: str, param: nn.Parameter) -> bool:
+    """Whether weight decay applies to ``param``: matrices and expert stacks, not norm gains or biases (the
+    routed experts' biases are ``[experts, width]``, a vector per expert, and decay no more than other biases)."""
+    return param.dim() >= 2 and not name.endswith("bias")
+
+
 def build_muon(model: nn.Module, config: TrainConfig) -> Muon:
     """Muon for the hidden matrices (attention projections, dense and shared-expert FFNs, each routed expert's
     matrices one expert at a time), AdamW for what ``adamw_parameters`` lists (embeddings, output head, router,
     norms and biases); only matrices decay, as under AdamW.
 
-    Refused for a sharded parameter (a DTensor: FSDP, tensor or expert parallelism): Newton–Schulz needs each
-    whole matrix, and on a shard it would compute another update; ``parallel.layout.resolve_layout`` refuses
-    such a layout before any work, and this is the guard for a caller that built the model itself.
+    Sharded matrices (DTensors: FSDP, tensor and expert tensor parallelism) are put back together for their
+    orthogonalisation, once per step, by ``training.muon.orthogonalised``.
     """
-    sharded = [name for name, param in model.named_parameters() if isinstance(param, DTensor)]
-    if sharded:
-        raise ValueError(f"train.optimizer=muon needs whole matrices, but {sharded[0]} is sharded (a DTensor); "
-                         "Muon under a parallel layout is not supported yet: use train.optimizer=adamw")
     for_adamw = adamw_parameters(model)
     groups = {"muon": [], "adamw_decay": [], "adamw_plain": []}
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            kind = ("adamw_plain" if param.dim() < 2 else "adamw_decay") if id(param) in for_adamw else "muon"
+            kind = ("adamw_decay" if decays(name, param) else "adamw_plain") if id(param) in for_adamw else "muon"
             groups[kind].append(param)
     optimizer = Muon(
         [{"params": groups["muon"], "use_muon": True, "weight_decay": config.weight_decay},
@@ -71,6 +72,7 @@ def build_muon(model: nn.Module, config: TrainConfig) -> Muon:
          {"params": groups["adamw_plain"], "use_muon": False, "weight_decay": 0.0}],
         lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
         nesterov=config.muon_nesterov, ns_steps=config.muon_ns_steps, update_rms=config.muon_update_rms,
+        ns_dtype=torch.float32 if config.muon_ns_dtype == "fp32" else torch.bfloat16,
         betas=(config.beta1, config.beta2))
     optimizer.register_step_pre_hook(lambda *_: release_compute_copies(model))
     return optimizer

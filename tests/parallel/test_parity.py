@@ -33,6 +33,12 @@ GPT_OSS = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attentio
            "model.sliding_window=4", "model.layer_types=[sliding_attention, full_attention]",
            "moe.activation=clamped_swiglu", "moe.swiglu_limit=0.5", "moe.router_bias=true",
            "moe.expert_proj_bias=true"]
+# Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
+# weights of the ep=2 row), from tp (with sequence parallelism) and from etp; experts whole under ep; pp's stages
+# each with their own head. Newton-Schulz in fp32, so the layout's reductions are the only difference (in bf16 its
+# roundings turn a 1e-7 difference of a gradient into ~1e-3 of the weights: training/muon.py, newton_schulz); the
+# bf16 row below keeps Muon's default bf16 iteration under bf16 tolerances.
+MUON = ["train.optimizer=muon", "train.muon_ns_dtype=fp32"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -64,7 +70,8 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.tp=4", "parallel.ep=2"], 4, "null", id="tp=4xep=2"),
     # tensor parallelism's options: norms and residual stream on sequence slices (the MoE layer routes the
     # whole sequence); embedding, head and loss split over the vocabulary
-    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true"], 2, "1.25", id="tp=2-sequence_parallel"),
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *MUON], 2, "1.25",
+                 id="tp=2-sequence_parallel-muon"),
     pytest.param(["parallel.tp=2", "parallel.vocab_parallel=true"], 2, "null", id="tp=2-vocab_parallel"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
                   "parallel.vocab_parallel=true"], 4, "1.25", id="dp_shard=2xtp=2xep=2-sequence+vocab_parallel"),
@@ -89,10 +96,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                   "moe.num_shared_experts=1", "moe.routed_scaling_factor=2.5"], 2, "1.25", id="tp=2xep=2-glm-4.5"),
     # GPT-OSS: the biases and sinks FSDP-sharded, the experts' biases with their experts under ep; and in two
     # pipeline stages (a sliding layer, then a full one)
-    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *GPT_OSS], 2, "1.25", id="ep=2-gpt-oss"),
-    pytest.param(["parallel.pp=2", *GPT_OSS], 2, "null", id="pp=2-gpt-oss"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *GPT_OSS, *MUON], 2, "1.25", id="ep=2-gpt-oss-muon"),
+    pytest.param(["parallel.pp=2", *GPT_OSS, *MUON], 2, "null", id="pp=2-gpt-oss-muon"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
-    pytest.param(["parallel.tp=2", "parallel.etp=2"], 2, "1.25", id="tp=2xetp=2"),
+    pytest.param(["parallel.tp=2", "parallel.etp=2", *MUON], 2, "1.25", id="tp=2xetp=2-muon"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),
     pytest.param(["parallel.tp=4", "parallel.ep=2", "parallel.etp=2"], 4, "1.25", id="tp=4xep=2xetp=2"),
     # pipeline parallelism: one block per stage, the embedding on the first, head and loss on the last
@@ -233,7 +240,7 @@ def assert_parameter_close(got: torch.Tensor, ref: torch.Tensor, name: str) -> N
 # routers fp32 units of their own) against one process computing under bf16 autocast from fp32 weights.
 BF16_LAYOUTS = [
     pytest.param(["parallel.dp_shard=2"], 2, id="dp_shard=2-bf16"),
-    pytest.param(["parallel.dp_shard=2", "parallel.ep=2"], 2, id="ep=2-bf16"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", "train.optimizer=muon"], 2, id="ep=2-bf16-muon"),
     pytest.param(["parallel.dp_shard=4", "parallel.ep=2", "parallel.grad_reduce=step", "train.micro_batch_size=1"],
                  4, id="ep=2xedp=2-2mb-step-bf16"),
     pytest.param(["parallel.pp=2", "parallel.dp_shard=2"], 4, id="pp=2xdp_shard=2-bf16"),
