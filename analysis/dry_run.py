@@ -29,6 +29,7 @@ from config.run import RunConfig
 from parallel.build import build_model
 from parallel.groups import Layout, ParallelGroups, coordinates
 from parallel.layout import ResolvedLayout
+from training.muon import adamw_parameters
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class RankStates:
     pp_rank: int
     weights_dense: int
     weights_experts: int
+    muon_weights: int  # of those, the bytes Muon updates (under train.optimizer=muon; 0 under AdamW)
 
     @property
     def weights(self) -> int:
@@ -46,8 +48,8 @@ class RankStates:
 
     @property
     def total(self) -> int:
-        """Weights, gradients and AdamW moments, counted as the memory model counts them."""
-        return ModelStates(self.weights_dense, self.weights_experts).total
+        """Weights, gradients and the optimizer's state, counted as the memory model counts them."""
+        return ModelStates(self.weights_dense, self.weights_experts, self.muon_weights).total
 
 
 def built_states(config: RunConfig, layout: Layout, rank: int, micro: int, microbatches: int) -> RankStates:
@@ -57,7 +59,8 @@ def built_states(config: RunConfig, layout: Layout, rank: int, micro: int, micro
         groups = ParallelGroups.build(layout, "cpu")
         model = build_model(config, groups, torch.device("cpu"), micro, microbatches, contextlib.nullcontext,
                             allocate=False)
-        dense = experts = 0
+        for_adamw = adamw_parameters(model) if config.train.optimizer == "muon" else None
+        dense = experts = muon = 0
         for name, param in model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
             nbytes = local.numel() * 4  # fp32 master weights
@@ -65,7 +68,9 @@ def built_states(config: RunConfig, layout: Layout, rank: int, micro: int, micro
                 experts += nbytes
             else:
                 dense += nbytes
-        return RankStates(rank, groups.coords()["pp"], dense, experts)
+            if for_adamw is not None and id(param) not in for_adamw:
+                muon += nbytes
+        return RankStates(rank, groups.coords()["pp"], dense, experts, muon)
     finally:
         dist.destroy_process_group()
 
@@ -104,12 +109,14 @@ def format_dry_run(config: RunConfig, built: list[RankStates], estimates: list[M
              "device under a fake process group, nothing allocated (each stage's first and last rank bound the "
              "others' shards)",
              f"{'ranks':<24}{'pp':>4}{'dense':>12}{'experts':>12}{'model states':>14}{'predicted':>12}"
-             f"{'step total':>12}  (GiB; model states = fp32 weights + gradients + AdamW moments)"]
+             f"{'step total':>12}  (GiB; model states = fp32 weights + gradients + "
+             f"{'AdamW moments' if config.train.optimizer == 'adamw' else 'the optimizer state'})"]
     groups: dict[tuple, list[int]] = {}
     for states in built:
-        groups.setdefault((states.pp_rank, states.weights_dense, states.weights_experts), []).append(states.rank)
-    for (pp_rank, dense, experts), ranks in groups.items():
-        states = RankStates(ranks[0], pp_rank, dense, experts)
+        groups.setdefault((states.pp_rank, states.weights_dense, states.weights_experts, states.muon_weights),
+                          []).append(states.rank)
+    for (pp_rank, dense, experts, muon), ranks in groups.items():
+        states = RankStates(ranks[0], pp_rank, dense, experts, muon)
         predicted = estimates[pp_rank]
         lines.append(f"{_ranks(ranks):<24}{pp_rank:>4}{dense / GIB:>12.3f}{experts / GIB:>12.3f}"
                      f"{states.total / GIB:>14.3f}{predicted.states.total / GIB:>12.3f}{predicted.total / GIB:>12.2f}")

@@ -6,7 +6,8 @@
 What one rank holds during a step (``estimate``):
 
 - **model states** (``analysis/memory_states.py``): fp32 master weights, fp32 gradients and AdamW's two fp32
-  moments, 16 bytes per parameter (ZeRO; REFERENCES.md sec. 3.1), each tensor divided as tp, ep, etp, FSDP
+  moments, 16 bytes per parameter (ZeRO; REFERENCES.md sec. 3.1); under Muon, one fp32 momentum buffer for
+  the matrices it updates (12 bytes per parameter), each tensor divided as tp, ep, etp, FSDP
   (over dp_shard, or edp for the experts) and the pipeline stages divide it; dense and routed experts apart.
 - **gathered weights** (``gathered_bytes``): FSDP all-gathers a block's tp-local weights before it runs, in fp32
   or, under bf16, in bf16 (FSDP2's mixed precision; the routers' own units in fp32).
@@ -267,13 +268,16 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
              f"micro-batch {first.micro_batch_size} × {seq} tokens, {first.microbatches} per step, gradients "
              f"reduced per {'optimizer step' if config.parallel.grad_reduce == 'step' else 'micro-batch'}",
              f"model: {_count(first.parameters)} parameters; per rank, fp32 master weights + fp32 gradients "
-             f"+ AdamW moments (16 bytes/parameter)"]
+             + ("+ AdamW moments (16 bytes/parameter)" if config.train.optimizer == "adamw" else
+                "+ Muon's momentum for the matrices it updates (12 bytes/parameter), AdamW's moments for the rest "
+                "(16)")]
     header = [f"pp rank {e.pp_rank}" for e in estimates] if layout.pp > 1 else ["per rank"]
     rows: list[tuple[str, list[int]]] = [
         ("weights: dense", [e.states.weights_dense for e in estimates]),
         ("weights: routed experts", [e.states.weights_experts for e in estimates]),
         ("gradients", [e.states.grads for e in estimates]),
-        ("AdamW moments", [e.states.optimizer for e in estimates]),
+        ("AdamW moments" if config.train.optimizer == "adamw" else "optimizer state (Muon, AdamW)",
+         [e.states.optimizer for e in estimates]),
         ("FSDP gathered weights", [e.gathered for e in estimates]),
         ("unsharded gradients held", [e.accumulated_grads for e in estimates]),
         ("experts' bf16 compute copies", [e.compute_copies for e in estimates]),

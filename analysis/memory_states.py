@@ -195,7 +195,8 @@ def tp_local_shape(param: ParamTensor, layout: Layout, vocab_parallel: bool) -> 
     shape = list(param.shape)
     if param.expert:
         shape[0] //= layout.ep
-        shape[param.expert_hidden_dim] //= layout.etp
+        if param.expert_hidden_dim is not None:  # not the experts' output biases [E, d_model], whole under etp
+            shape[param.expert_hidden_dim] //= layout.etp
     elif param.tp_dim is not None:
         shape[param.tp_dim] //= layout.tp
     elif param.kind in ("embedding", "head") and vocab_parallel:
@@ -245,10 +246,13 @@ def _sharded_numel(kind: str, shape: tuple[int, ...], tp_dim: int | None, expert
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes one rank keeps for the whole run: fp32 weights, fp32 gradients, AdamW moments; dense and experts."""
+    """Bytes one rank keeps for the whole run: fp32 weights, fp32 gradients, the optimizer's state; dense and
+    experts. ``muon_weights``: the bytes of the weights Muon updates (``train.optimizer=muon``), whose state is
+    one momentum buffer instead of AdamW's two moments."""
 
     weights_dense: int
     weights_experts: int
+    muon_weights: int = 0
 
     @property
     def weights(self) -> int:
@@ -260,7 +264,7 @@ class ModelStates:
 
     @property
     def optimizer(self) -> int:
-        return ADAM_MOMENTS * self.weights
+        return ADAM_MOMENTS * (self.weights - self.muon_weights) + self.muon_weights
 
     @property
     def total(self) -> int:
@@ -276,28 +280,39 @@ def local_layers(config: RunConfig, layout: Layout, pp_rank: int) -> tuple[list[
 
 
 def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelStates:
-    """Model-state bytes of one rank of pipeline rank ``pp_rank``: fp32 weights, gradients, two Adam moments."""
+    """Model-state bytes of one rank of pipeline rank ``pp_rank``: fp32 weights, gradients and the optimizer's
+    state (two Adam moments, or Muon's one buffer for the matrices it updates)."""
     model, vp = config.model, config.parallel.vocab_parallel
     layers, first, last = local_layers(config, layout, pp_rank)
     has_moe = model.n_moe_layers > 0
-    dense, experts = _states(tuple(root_tensors(model, config.moe, first, last)), layout, has_moe, vp)
+    dense, experts, muon = _states(tuple(root_tensors(model, config.moe, first, last)), layout, has_moe, vp)
     for block, count in rank_blocks(model, config.moe, layers):
         figures = _states(block.params, layout, has_moe, vp)
-        dense, experts = dense + count * figures[0], experts + count * figures[1]
-    return ModelStates(dense, experts)
+        dense, experts, muon = dense + count * figures[0], experts + count * figures[1], muon + count * figures[2]
+    return ModelStates(dense, experts, muon if config.train.optimizer == "muon" else 0)
+
+
+def muon_updates(param: ParamTensor) -> bool:
+    """Whether Muon updates ``param`` (``training.muon.adamw_parameters`` leaves the rest to AdamW): the attention
+    and dense or shared-expert FFN matrices and the routed experts' ``[E, ., .]`` stacks; not the embedding, head,
+    router, norms, biases (the experts' ``[E, width]`` biases are 2-D)."""
+    return (param.kind in ("attention", "ffn") and len(param.shape) == 2) or \
+        (param.kind == "experts" and len(param.shape) == 3)
 
 
 @functools.lru_cache(maxsize=65536)
-def _states(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: bool) -> tuple[int, int]:
-    """fp32 bytes of ``params`` on one rank: dense and routed experts."""
-    dense = experts = 0
+def _states(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp: bool) -> tuple[int, int, int]:
+    """fp32 bytes of ``params`` on one rank: dense, routed experts, and of those the ones Muon would update."""
+    dense = experts = muon = 0
     for param in params:
-        numel = sharded_numel_of(param, layout, has_moe, vp)
+        nbytes = sharded_numel_of(param, layout, has_moe, vp) * FP32
         if param.expert:
-            experts += numel * FP32
+            experts += nbytes
         else:
-            dense += numel * FP32
-    return dense, experts
+            dense += nbytes
+        if muon_updates(param):
+            muon += nbytes
+    return dense, experts, muon
 
 
 def accumulated_grad_bytes(config: RunConfig, layout: Layout, microbatches: int, pp_rank: int = 0) -> int:

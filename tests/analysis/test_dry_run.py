@@ -32,6 +32,9 @@ LAYOUTS = [  # 12 ranks: uneven FSDP shards (96 / 12, 1000 / 6, 6 experts over 4
     ["parallel.dp_replicate=2", "parallel.dp_shard=3", "parallel.tp=2", "parallel.ep=6", "parallel.etp=1"],
     ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
      "parallel.dp_shard=6", "parallel.microbatches=2", "train.micro_batch_size=null"],
+    # Muon's one momentum buffer for the matrices it updates (not the experts' [E, width] biases), AdamW's two
+    # moments for the rest
+    ["parallel.pp=2", "parallel.dp_shard=6", "parallel.ep=2", "train.optimizer=muon", "moe.expert_proj_bias=true"],
 ]
 
 

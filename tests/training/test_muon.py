@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from analysis.memory_states import model_states
 from config.errors import ConfigError
 from config.run import TrainConfig, load_config
 from moe.transformer import MoETransformer
+from parallel.groups import Layout
 from parallel.layout import resolve_layout
 from tests.parallel.parity import TINY as PARITY_TINY
 from tests.parallel.parity import run
@@ -115,6 +117,23 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert any(n.startswith("layers.0.ffn") or n.startswith("layers.0.mlp") for n in muon), muon
     assert any("shared" in n for n in muon), muon
     assert len(muon) + len(adamw_decay) + len(adamw_plain) == len(list(model.parameters()))
+
+
+def test_the_memory_model_counts_muons_state_as_the_optimizer_holds_it():
+    """One fp32 momentum buffer per matrix Muon updates, two AdamW moments for the rest (embedding, head, router,
+    norms, biases): the memory model's optimizer bytes equal the state tensors after a step (less the AdamW step
+    counters, which the model leaves out)."""
+    config = load_config("moe-8x", [*PARITY_TINY, *MUON, "model.first_moe_layer=1", "moe.num_shared_experts=1",
+                                    "moe.expert_proj_bias=true", "model.tie_embeddings=false"])
+    model = MoETransformer(config.model, config.moe)
+    optimizer = build_optimizer(model, config.train)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    held = sum(value.nbytes for state in optimizer.state.values() for key, value in state.items() if key != "step")
+    predicted = model_states(config, Layout.resolve(1)).optimizer
+    assert held == predicted
+    assert predicted < 2 * model_states(config, Layout.resolve(1)).weights  # fewer than AdamW's two moments
 
 
 @pytest.mark.parametrize("key, value, message", [
