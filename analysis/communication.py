@@ -37,6 +37,9 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
 - pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/tp under
   sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
   the micro-batch losses (float64) from the last stage.
+- Muon (``train.optimizer=muon``, ``training/muon.py``): per optimizer step, for each matrix it updates that
+  FSDP's dp_shard, tp, etp or FSDP over edp cuts, an all-gather of the fp32 update and a reduce-scatter of the
+  fp32 result over that axis (``muon_traffic``; counted in the optimizer's own section by the tests).
 - recompute: ``full`` repeats each block's forward collectives in backward, except a dense block's FFN
   output collective, which torch's early-stopping checkpoint never reaches (nothing after it is saved);
   ``moe`` repeats the MoE layer's (not its sequence gather, a hook outside the recomputed forward).
@@ -79,10 +82,14 @@ import torch
 
 from analysis.memory_states import (
     Block,
+    ParamTensor,
+    largest_chunk,
+    muon_updates,
     rank_blocks,
     root_tensors,
     sharded_numel,
     sharded_numel_of,
+    tp_local_shape,
 )
 from config.cli import (
     add_config_arguments,
@@ -100,7 +107,7 @@ from parallel.groups import coordinates as _coordinates
 from parallel.hardware import planned_precision
 from parallel.layout import micro_batching, resolve_layout
 from parallel.pipeline import stage_layers
-from parallel.sharding import experts_replicated, experts_spread
+from parallel.sharding import expert_fsdp_dim, experts_replicated, experts_spread
 from parallel.tensor import row_bounds, share_counts
 
 
@@ -572,6 +579,59 @@ def pipeline_traffic(step: _Step) -> list[Traffic]:
     return out
 
 
+def _muon_cut(param: ParamTensor, layout: Layout, has_moe: bool) -> tuple[str, list[int]] | None:
+    """The mesh axis that cuts one of ``param``'s two matrix dims, and the matrices' shape whole over that axis
+    (the rest as this rank holds it); None when its matrices are whole on the rank. One axis at most: Muon
+    refuses dp_shard with tp (``parallel.layout.check_optimizer_layout``), so a dense matrix is cut by FSDP's
+    dp_shard (dim 0) or by tp; a routed-expert stack (its dim 0 the experts, a batch) by etp, or by FSDP over
+    edp where the local experts do not split over edp (``expert_fsdp_dim``: a matrix dim). A stack cut by both
+    (etp, and local experts that do not split over edp) is counted as etp's alone, an undercount no test has
+    measured."""
+    shape = tp_local_shape(param, layout, False)
+    if param.expert:
+        etp_cut = layout.etp > 1 and param.expert_hidden_dim is not None
+        fsdp_dim = expert_fsdp_dim(shape[0], layout.edp, param.expert_hidden_dim if etp_cut else None) \
+            if experts_spread(layout, has_moe) and experts_replicated(layout) else 0
+        if etp_cut:
+            shape[param.expert_hidden_dim] *= layout.etp
+            return "etp", shape
+        if fsdp_dim:
+            shape[fsdp_dim] = largest_chunk(shape[fsdp_dim], layout.edp) * layout.edp
+            return "edp", shape
+        return None
+    if layout.tp > 1 and param.tp_dim is not None:
+        shape[param.tp_dim] *= layout.tp
+        return "tp", shape
+    if layout.dp_shard > 1:
+        shape[0] = largest_chunk(shape[0], layout.dp_shard) * layout.dp_shard  # FSDP2 pads dim 0 to equal chunks
+        return "dp_shard", shape
+    return None
+
+
+def muon_traffic(step: _Step) -> list[Traffic]:
+    """Muon's gathers (``training.muon.orthogonalised``): per optimizer step, for each matrix it updates that a
+    mesh axis cuts, an all-gather of its fp32 update over that axis's ranks and a reduce-scatter of the fp32
+    result back to the shards (the buffer: the matrices whole over the axis). None under AdamW."""
+    config, layout = step.config, step.layout
+    if config.train.optimizer != "muon":
+        return []
+    has_moe = config.model.n_moe_layers > 0
+    params = [(p, 1) for p in root_tensors(config.model, config.moe, step.first, step.last)]
+    params += [(p, count) for block, count in rank_blocks(config.model, config.moe, list(step.layers))
+               for p in block.params]
+    same: dict[tuple[str, int], int] = defaultdict(int)  # (axis, whole fp32 bytes) -> matrices
+    for param, count in params:
+        cut = _muon_cut(param, layout, has_moe) if muon_updates(param) else None
+        if cut is not None:
+            same[cut[0], 4 * math.prod(cut[1])] += count
+    out: list[Traffic] = []
+    for (axis, whole), calls in sorted(same.items()):
+        group = step.group(axis)
+        _add(out, "muon", "all_gather", "Muon: updates gathered for Newton-Schulz", calls, whole, group)
+        _add(out, "muon", "reduce_scatter", "Muon: orthogonalised updates back to the shards", calls, whole, group)
+    return out
+
+
 def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | None = None) -> list[Traffic]:
     """Every collective ``rank`` runs in one optimizer step of ``config`` under ``layout``, per dimension.
 
@@ -589,7 +649,7 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
         layers, first, last = tuple(range(config.model.n_layers)), True, True
     step = _Step(config, layout, rank, micro, microbatches, layers, first, last, 4 if precision == "fp32" else 2)
     return [*tensor_parallel_traffic(step), *expert_parallel_traffic(step), *sharding_traffic(step),
-            *pipeline_traffic(step)]
+            *pipeline_traffic(step), *muon_traffic(step)]
 
 
 # ---------------------------------------------------------------------------

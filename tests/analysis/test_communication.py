@@ -33,6 +33,7 @@ from parallel.layout import resolve_layout
 from parallel.runtime import init_runtime
 from tests.parallel.parity import TINY
 from tests.spawn import spawn
+from training.muon import Muon
 
 BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
 DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
@@ -61,6 +62,13 @@ CASES_2 = {  # name -> overrides, on 2 ranks
         *LATENT, "model.q_lora_rank=12", *DENSE_FIRST],
     "tp=2, latent attention, full query, full recompute": [
         "parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpointing=full", *LATENT],
+    # Muon's gathers of the sharded matrices (the optimizer's own section)
+    "muon, fsdp with ep=2 (experts whole)": ["parallel.dp_shard=2", "parallel.ep=2", "train.optimizer=muon",
+                                             *DENSE_FIRST],
+    "muon, tp=2 x etp=2, sequence parallel": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.etp=2",
+                                              "parallel.sequence_parallel=true", "train.optimizer=muon"],
+    "muon, tp=2, 3 experts over edp=2 (FSDP shards a matrix dim)": [
+        "parallel.dp_shard=1", "parallel.tp=2", "moe.num_experts=3", "train.optimizer=muon"],
 }
 HSDP_2MB = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]
 EDP_2MB = ["parallel.dp_shard=4", "parallel.ep=2", "train.micro_batch_size=1"]
@@ -108,8 +116,14 @@ def _worker(rank: int, world_size: int, cases: dict[str, list[str]], out: str) -
         counters[-1].current = "small"
         return original_clip(*args, **kwargs)
 
+    original_muon_step = Muon._muon
+
+    def counted_muon_step(self, *args, **kwargs):  # Muon's gathers (not its AdamW groups'): a section of their own
+        with counters[-1].section("muon"):
+            return original_muon_step(self, *args, **kwargs)
+
     original_precision = loop.choose_precision
-    loop.train_step, loop.clip_grad_norm_ = counted_step, counted_clip
+    loop.train_step, loop.clip_grad_norm_, Muon._muon = counted_step, counted_clip, counted_muon_step
     # train.precision=bf16 on a CPU measures a bf16 matmul for the MFU peak (seconds where bf16 is emulated)
     loop.choose_precision = lambda requested, device: PrecisionChoice(requested, "test", 1.0, "test")
     results = {}
@@ -120,12 +134,18 @@ def _worker(rank: int, world_size: int, cases: dict[str, list[str]], out: str) -
             groups = ParallelGroups.build(layout, "cpu")
             started = time.perf_counter()
             loop.train(config, Path(out) / f"run{index}", runtime, groups)
-            results[name] = {"predicted": {_key(k): v for k, v in totals(predict(config, layout, rank)).items()},
+            predicted = predict(config, layout, rank)
+            results[name] = {"predicted": {_key(k): v for k, v in totals(
+                                 t for t in predicted if t.dimension != "muon").items()},
                              "counted": {_key(k): v for k, v in counters[-1].totals("step").items()},
+                             "muon predicted": {_key(k): v for k, v in totals(
+                                 t for t in predicted if t.dimension == "muon").items()},
+                             "muon counted": {_key(k): v for k, v in counters[-1].totals("muon").items()},
                              "small": sum(sent for _, sent in counters[-1].totals("small").values()),
                              "seconds": time.perf_counter() - started}
     finally:
         loop.train_step, loop.clip_grad_norm_, loop.choose_precision = original_step, original_clip, original_precision
+        Muon._muon = original_muon_step
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -149,6 +169,11 @@ def _check(results: list[dict]) -> None:
                       if predicted.get(k) != counted.get(k)}
             if differ:
                 wrong.append(f"{name}, rank {rank}: (predicted, counted) {differ}")
+            if result["muon predicted"] != result["muon counted"]:
+                wrong.append(f"{name}, rank {rank}: Muon's gathers predicted {result['muon predicted']}, "
+                             f"counted {result['muon counted']}")
+            if "muon" in name:  # the case exercises the gathers: something to count
+                assert result["muon counted"], f"{name}: no Muon gather counted on rank {rank}"
             assert result["small"] < 0.02 * sum(sent for _, sent in counted.values()), f"{name}, rank {rank}"
     assert not wrong, "\n".join(wrong)
 
