@@ -195,7 +195,8 @@ def tp_local_shape(param: ParamTensor, layout: Layout, vocab_parallel: bool) -> 
     shape = list(param.shape)
     if param.expert:
         shape[0] //= layout.ep
-        shape[param.expert_hidden_dim] //= layout.etp
+        if param.expert_hidden_dim is not None:  # the down projection's bias [E, D] has no hidden dim
+            shape[param.expert_hidden_dim] //= layout.etp
     elif param.tp_dim is not None:
         shape[param.tp_dim] //= layout.tp
     elif param.kind in ("embedding", "head") and vocab_parallel:

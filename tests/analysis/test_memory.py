@@ -61,7 +61,8 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
 
 
 @pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape",
-                                  "qwen3-30b-a3b", "deepseek-v3", "kimi-k2", "glm-4.5"])
+                                  "qwen3-30b-a3b", "deepseek-v3", "kimi-k2", "glm-4.5", "gpt-oss-20b",
+                                  "gpt-oss-120b"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_parameter_tensors_add_up_to_the_accounting(name, tie):
     config = load_config(name, [f"model.tie_embeddings={str(tie).lower()}"])
