@@ -84,8 +84,10 @@ def test_attention_matches_transformers_gpt_oss_attention(n_heads, n_kv_heads, h
     for mine, their in {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}.items():
         pairs[f"{mine}.weight"] = (getattr(ours, mine).weight, getattr(theirs, their).weight)
         pairs[f"{mine}.bias"] = (getattr(ours, mine).bias, getattr(theirs, their).bias)
-    for name, (mine, their) in pairs.items():
-        torch.testing.assert_close(mine.grad, their.grad, rtol=1e-5, atol=1e-5, msg=name)
+    for name, (mine, their) in pairs.items():  # sums over positions, in SDPA's fused-kernel order, not eager's:
+        # 1e-5 relative, and 1e-6 of the largest entry (some reach 50) absolute, a few fp32 ulps of it
+        torch.testing.assert_close(mine.grad, their.grad, rtol=1e-5, atol=1e-6 * float(their.grad.abs().max()),
+                                   msg=name)
 
 
 def test_sinks_and_window_change_the_output():
