@@ -29,6 +29,7 @@ from config.run import RunConfig
 from moe.dispatch import expert_capacity
 from moe.experts import padded_rows, row_multiple_on
 from moe.norm import uses_fused_backward
+from moe.transformer import SINK_CHANNELS, blocked_window
 from parallel.groups import Layout
 
 INDEX = 8  # int64 ids and indices
@@ -68,18 +69,32 @@ def _linear_inputs(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool =
     return mb.tokens * d * FP32 if saved_in_fp32 else 0
 
 
-def _attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
+def _attention(model: ModelConfig, tp: int, mb: MicroBatch, window: int | None = None) -> int:
     """wq/wk/wv input; SDPA's q, k (after RoPE), v, output and [b, heads, s] logsumexp; wo's input; with
     ``qk_norm`` the per-head norms of q and k (each of the T·heads rows of hd, as an RMSNorm saves them).
 
+    GPT-OSS's options (``moe/transformer.py``): a layer with a ``window`` or ``attention_sinks`` attends under a
+    boolean mask, which SDPA saves as an additive mask in the compute dtype: [S, K] shared by heads and
+    sequences, or per block of a blocked window, whose b·nb blocks of W queries each see 2W keys (their k and v
+    saved per block). The sink adds one key and ``SINK_CHANNELS`` channels to q, k, v and the output.
     wo's input is the output made contiguous, a copy unless one head per rank makes it a view.
     """
     heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
-    qkvo = mb.tokens * hd * (2 * heads + 2 * kv_heads) * mb.compute
-    wo_input = 0 if heads == 1 else mb.tokens * heads * hd * mb.compute
+    sink = 1 if model.attention_sinks else 0
+    blocked = blocked_window(model.seq_len, window)
+    if blocked:
+        batches, queries, keys = mb.sequences * -(-model.seq_len // window), window, 2 * window
+    else:
+        batches, queries, keys = mb.sequences, model.seq_len, model.seq_len
+    keys, width = keys + sink, hd + sink * SINK_CHANNELS
+    sdpa = batches * width * (queries * 2 * heads + keys * 2 * kv_heads) * mb.compute  # q and output, k and v
+    logsumexp = batches * queries * heads * FP32
+    masked = sink or window is not None
+    mask = (batches if blocked else 1) * queries * keys * mb.compute if masked else 0
+    wo_input = 0 if heads == 1 and not (sink or blocked) else mb.tokens * heads * hd * mb.compute
     fused = uses_fused_backward(torch.bfloat16 if mb.bf16 else torch.float32, distributed=tp > 1)
     qk_norms = _norm(mb.tokens * heads, hd, fused) + _norm(mb.tokens * kv_heads, hd, fused) if model.qk_norm else 0
-    return _linear_inputs(mb, model.d_model, 3) + qkvo + wo_input + mb.tokens * heads * FP32 + qk_norms
+    return _linear_inputs(mb, model.d_model, 3) + sdpa + logsumexp + mask + wo_input + qk_norms
 
 
 def _latent_attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
@@ -160,8 +175,13 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
         sizes = [rows // local_experts + (e < rows % local_experts) for e in range(local_experts)]
         rows = padded_rows(sizes, mb.group_rows)
         experts += sum(sizes) * INDEX
-    # the grouped rows (this tp rank's share), the hidden activations, the group offsets
-    experts += rows * d * a + (4 if swiglu else 2) * rows * hidden * a + (3 if swiglu else 2) * local_experts * OFFSET
+    # the grouped rows (this tp rank's share), the hidden activations, the group offsets. SwiGLU keeps the gate,
+    # silu(gate), up and their product (w_out's input); the clamped SwiGLU (``moe.experts.clamped_swiglu``) the gate
+    # and up before their clamps, the clamped gate, its sigmoid, g·sigmoid, clamped up + 1 and the product
+    activations = {"swiglu": 4, "clamped_swiglu": 7}.get(moe.activation, 2)
+    experts += rows * d * a + activations * rows * hidden * a + (3 if swiglu else 2) * local_experts * OFFSET
+    if moe.expert_proj_bias:  # each row's expert, by which the bias adds gather (one index for the three)
+        experts += rows * INDEX
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
              # expert outputs, their weights, the order and the token index
              "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
@@ -252,15 +272,19 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     def add(name: str, nbytes: int) -> None:
         parts[name] = parts.get(name, 0) + nbytes
 
-    kinds: dict[bool, int] = {}  # MoE or dense: how many of this rank's blocks (each kind saves the same)
+    # MoE or dense, and the attention's window: how many of this rank's blocks (each kind saves the same)
+    kinds: dict[tuple[bool, int | None], int] = {}
     for block, count in rank_blocks(model, moe, layers):
-        kinds[block.is_moe] = kinds.get(block.is_moe, 0) + count
+        kinds[block.is_moe, block.window] = kinds.get((block.is_moe, block.window), 0) + count
     offloaded = []  # (one offloaded module's saved bytes, how many such modules) (``parallel/activation_offload.py``)
-    for is_moe, count in kinds.items():
+    for (is_moe, window), count in kinds.items():
         if par.activation_checkpointing == "full":
             add("block inputs (recompute)", count * stream * d * FP32)
             continue
-        attention = (_latent_attention if model.latent_attention else _attention)(model, layout.tp, mb)
+        if model.latent_attention:
+            attention = _latent_attention(model, layout.tp, mb)
+        else:
+            attention = _attention(model, layout.tp, mb, window)
         block = {"norms": 2 * _norm(stream, d, fused_norms), "attention": attention}
         if not is_moe:
             block["dense FFN"] = _feed_forward(mb, d, model.ffn_hidden // layout.tp)

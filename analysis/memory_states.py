@@ -53,8 +53,9 @@ class ParamTensor:
 
     @property
     def autocast_copy(self) -> bool:
-        """Whether bf16 autocast casts it for a matmul that saves the copy (not the fp32 router, norms, lookup)."""
-        return self.kind in ("attention", "ffn", "experts", "head")
+        """Whether bf16 autocast casts it for a matmul that saves the copy (not the fp32 router, norms, lookup; not
+        a Linear's bias, which its backward does not need, nor the sinks, cast into the queries)."""
+        return self.kind in ("attention", "ffn", "experts", "head") and len(self.shape) > 1
 
 
 def parameter_tensors(model: ModelConfig, moe: MoEConfig) -> tuple[ParamTensor, ...]:
@@ -84,17 +85,20 @@ class Block:
 
     params: tuple[ParamTensor, ...]
     is_moe: bool
+    window: int | None = None  # its attention's sliding window (``model.attention_window``): same tensors, other saves
 
 
 def rank_blocks(model: ModelConfig, moe: MoEConfig, layers: list[int]) -> list[tuple[Block, int]]:
     """The kinds of block among ``layers`` and how many of each (remembered per model and list of layers)."""
     def build() -> dict[int, Block]:
-        kinds: dict[tuple[ParamTensor, ...], Block] = {}
+        kinds: dict[tuple, Block] = {}
         of_layer = {}
         for layer, params in tensors_by_layer(model, moe).items():
             if layer is not None:
                 canonical = tuple(dataclasses.replace(p, layer=None) for p in params)
-                of_layer[layer] = kinds.setdefault(canonical, Block(canonical, model.is_moe_layer(layer)))
+                window = model.attention_window(layer)
+                of_layer[layer] = kinds.setdefault((canonical, window),
+                                                   Block(canonical, model.is_moe_layer(layer), window))
         return of_layer
 
     of_layer, known = per_model(_BLOCKS, model, moe, lambda: (build(), {}))

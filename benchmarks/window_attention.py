@@ -4,7 +4,8 @@ What is measured. ``Attention._masked_attention`` of a layer with a 128-position
 attention sinks, forward and backward in fp32 on CPU, at sequence 4,096 (8 heads of 64, one sequence, 2 threads
 by default), against SDPA's full causal attention (``is_causal=True``) on the same tensors: the cost of a full
 layer. Also timed: the same window as one masked SDPA over the whole causal score matrix (what the windowed
-layer would cost without the blocked path), to show what the blocking saves.
+layer would cost without the blocked path), to show what the blocking saves; and a full layer with sinks (GPT-OSS's
+other kind: one SDPA under the causal mask, the sink folded in).
 
 Why. A windowed layer sees 128 keys per query; it should cost a fraction of the full layer's S/2, not the same.
 The blocked path computes 2W scores per query (the W before its block and its block), so against full causal
@@ -49,15 +50,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    def layer(sinks: bool) -> Attention:
+    def layer(sinks: bool, window: int | None = args.window) -> Attention:
         config = ModelConfig(d_model=args.heads * args.head_dim, n_heads=args.heads, seq_len=args.seq,
                              attention_sinks=sinks, sliding_window=args.window)
-        attention = Attention(config, args.window)
+        attention = Attention(config, window)
         if sinks:
             torch.nn.init.normal_(attention.sinks)
         return attention
 
-    windowed, windowed_sinks = layer(False), layer(True)
+    windowed, windowed_sinks, full_sinks = layer(False), layer(True), layer(True, window=None)
     pos = torch.arange(args.seq)
     window_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - args.window)
     variants = {
@@ -65,6 +66,7 @@ def main() -> None:
         "window, one masked SDPA": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask),
         "window (blocked)": lambda q, k, v: windowed._masked_attention(q, k, v, 0),
         "window + sinks (blocked)": lambda q, k, v: windowed_sinks._masked_attention(q, k, v, 0),
+        "full causal + sinks (masked)": lambda q, k, v: full_sinks._masked_attention(q, k, v, 0),
     }
     q, k, v = (torch.randn(1, args.heads, args.seq, args.head_dim) for _ in range(3))
     for fn in variants.values():  # warm up

@@ -6,9 +6,11 @@
     python train.py --config moe-8x --init-from hf:HF_DIR
 
 Families (``FAMILIES``, by the architecture config.json names): Mixtral (``interop/hf_mixtral.py``), Qwen3-MoE
-(``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``) and GLM-4.5 (``interop/hf_glm4_moe.py``),
-each a config mapping and its tensor names over the pieces they share (``interop/hf_family.py``). A folder is
-``config.json`` plus ``model.safetensors``, or shards named in ``model.safetensors.index.json``. Everything streams:
+(``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``), GLM-4.5 (``interop/hf_glm4_moe.py``) and
+GPT-OSS (``interop/hf_gpt_oss.py``), each a config mapping and its tensor names over the pieces they share
+(``interop/hf_family.py``). A folder (``interop/hf_folder.py``) is ``config.json`` plus ``model.safetensors``, or
+shards named in ``model.safetensors.index.json``; quantised weights (DeepSeek-V3's block-scaled fp8, GPT-OSS's MXFP4
+expert stacks) are dequantised to bf16 box by box as they are read. Everything streams:
 import reads one HF tensor at a time (an expert stack, one of our tensors, needs its E experts), export one of our
 tensors at a time, and ``--init-from hf:DIR`` converts on the fly, each rank reading just its box of each tensor
 (see ``HFWeights``). ``transformers`` is not needed (nor imported): only tests use it, as the oracle.
@@ -16,7 +18,6 @@ tensors at a time, and ``--init-from hf:DIR`` converts on the fly, each rank rea
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import sys
@@ -24,14 +25,13 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from config.cli import add_config_arguments, add_overwrite, check_outputs, command_parser, load_config_from, run_command
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
-from interop import fp8, hf_deepseek_v3, hf_glm4_moe, hf_mixtral, hf_qwen3_moe
+from interop import fp8, hf_deepseek_v3, hf_glm4_moe, hf_gpt_oss, hf_mixtral, hf_qwen3_moe, mxfp4
 from interop.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
@@ -39,7 +39,8 @@ from interop.export import (
     write_safetensors_streaming,
 )
 from interop.hf_family import Family, Source, check_context, hf_targets
-from interop.hf_shards import INDEX_FILE, SINGLE_FILE, parse_size, write_weights
+from interop.hf_folder import HFFolder
+from interop.hf_shards import INDEX_FILE, parse_size, write_weights
 from interop.hf_tokenizer import (
     GENERATION_CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
@@ -52,77 +53,12 @@ from parallel.checkpoint import atomic_folder
 from parallel.materialize import load_weights
 
 # the families we convert, by the architecture config.json names; export tries them in this order
-FAMILIES: dict[str, Family] = {family.architecture: family for family in (hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY,
-                                                                          hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY)}
+FAMILIES: dict[str, Family] = {family.architecture: family for family in (
+    hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY, hf_gpt_oss.FAMILY)}
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()} | {"F8_E4M3": None, "F8_E5M2": None}
-
-
-class HFFolder(contextlib.AbstractContextManager):
-    """A Hugging Face model folder: its config.json and its tensors by name, over one or many shard files.
-
-    Shards are opened when first read (safetensors maps them; slicing reads in place). Missing files are
-    named up front, before any tensor is read.
-    """
-
-    def __init__(self, folder: Path | str):
-        self.folder = Path(folder)
-        config_path = self.folder / "config.json"
-        if not config_path.is_file():
-            raise ConfigError(f"{self.folder}: no config.json (not a Hugging Face model folder)")
-        self.config = _json_file(config_path, dict, "a mapping of the model's settings")
-        index = self.folder / INDEX_FILE
-        if index.is_file():
-            weight_map = _json_file(index, dict, 'a mapping with a "weight_map"').get("weight_map")
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise ConfigError(f"{index}: has no \"weight_map\" of tensor names to shard files (a download cut "
-                                  "short? fetch the folder again)")
-            self.files = dict(weight_map)
-        elif (self.folder / SINGLE_FILE).is_file():
-            try:
-                with safe_open(str(self.folder / SINGLE_FILE), framework="pt") as handle:
-                    self.files = dict.fromkeys(handle.keys(), SINGLE_FILE)
-            except (OSError, SafetensorError) as exc:
-                raise ConfigError(f"{self.folder / SINGLE_FILE}: not a readable safetensors file ({exc}; a download "
-                                  "cut short? fetch it again)") from exc
-        else:
-            raise ConfigError(f"{self.folder}: neither {SINGLE_FILE} nor {INDEX_FILE} (safetensors weights only)")
-        for file in sorted(set(self.files.values())):
-            if not (self.folder / file).is_file():
-                raise ConfigError(f"{self.folder}: shard {file} named in {INDEX_FILE} is missing")
-        self._handles: dict[str, object] = {}
-        self._stack = contextlib.ExitStack()
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-
-    def slice(self, name: str):
-        """The safetensors slice of HF tensor ``name`` (read nothing yet); an error naming it if absent."""
-        if name not in self.files:
-            raise ConfigError(f"{self.folder}: has no tensor '{name}'")
-        file = self.files[name]
-        if file not in self._handles:
-            try:
-                self._handles[file] = self._stack.enter_context(safe_open(str(self.folder / file), framework="pt"))
-            except (OSError, SafetensorError) as exc:
-                raise ConfigError(f"{self.folder / file}: not a readable safetensors file ({exc})") from exc
-        return self._handles[file].get_slice(name)
-
-
-def _json_file(path: Path, kind: type, what: str):
-    """The JSON value of ``path``, which must be a ``kind`` (``what`` says what it should hold); a ConfigError
-    naming the file otherwise (not UTF-8, not JSON, cut short, or the wrong shape)."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); it should hold JSON") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(value, kind):
-        raise ConfigError(f"{path}: holds a JSON {type(value).__name__}, not {what}")
-    return value
 
 
 def family_of(hf_config: dict) -> Family:
@@ -155,10 +91,27 @@ class HFWeights:
 
     def __init__(self, folder: HFFolder, sources: dict[str, Source], num_experts: int, architecture: str):
         self.folder, self.sources, self.num_experts, self.architecture = folder, sources, num_experts, architecture
-        self.block = fp8.block_size(folder.config)  # fp8 weights' scale blocks (``interop/fp8.py``), if any
+        # MXFP4 expert stacks (``interop/mxfp4.py``), or fp8 weights' scale blocks (``interop/fp8.py``), if any
+        self.mxfp4 = mxfp4.declared(folder.config)
+        self.block = None if self.mxfp4 else fp8.block_size(folder.config)
+
+    def _packed(self, hf_name: str) -> bool:
+        """Whether HF tensor ``hf_name`` is stored as MXFP4 blocks and scales rather than under its own name."""
+        return self.mxfp4 and hf_name not in self.folder.files and hf_name + mxfp4.BLOCKS_SUFFIX in self.folder.files
+
+    def _hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        if self._packed(hf_name):
+            return mxfp4.logical_shape(hf_name, *(tuple(self.folder.slice(hf_name + suffix).get_shape())
+                                                  for suffix in (mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX)))
+        return tuple(self.folder.slice(hf_name).get_shape())
 
     def _hf_box(self, hf_name: str, box: tuple[slice, ...]) -> Tensor:
-        """The box of HF tensor ``hf_name``, dequantised to bf16 if it is an fp8 weight with block scales."""
+        """The box of HF tensor ``hf_name``, dequantised to bf16 if it is an fp8 weight with block scales or an
+        MXFP4 expert stack."""
+        if self._packed(hf_name):
+            self._hf_shape(hf_name)  # blocks that do not match their scales: named before any is read
+            return mxfp4.read_box(self.folder.slice(hf_name + mxfp4.BLOCKS_SUFFIX),
+                                  self.folder.slice(hf_name + mxfp4.SCALES_SUFFIX), box, hf_name)
         values = self.folder.slice(hf_name)[box]
         if values.dtype != torch.float8_e4m3fn:
             return values
@@ -184,11 +137,13 @@ class HFWeights:
         source = self._source(name)
         if source.kind == "zeros":
             return (self.num_experts,)
-        first = tuple(self.folder.slice(source.names[0]).get_shape())
+        first = self._hf_shape(source.names[0])
+        if source.kind == "copy" and source.columns is not None:
+            return (*first[:-1], first[-1] // source.columns[1])
         if source.kind == "copy":
             return first
         for hf_name in source.names[1:]:
-            shape = tuple(self.folder.slice(hf_name).get_shape())
+            shape = self._hf_shape(hf_name)
             if shape != first:
                 raise ConfigError(f"{self.folder.folder}: tensor '{hf_name}' has shape {shape}, its layer's other "
                                   f"experts {first}")
@@ -198,6 +153,8 @@ class HFWeights:
         source = self._source(name)
         if source.kind == "zeros":
             return torch.float32
+        if self._packed(source.names[0]):
+            return torch.bfloat16  # dequantised as read
         code = self.folder.slice(source.names[0]).get_dtype()
         if code in fp8.FP8_CODES and self.block is not None and source.names[0] + fp8.SCALE_SUFFIX in self.folder.files:
             return torch.bfloat16  # dequantised as read
@@ -211,6 +168,11 @@ class HFWeights:
         box = box or tuple(slice(0, n) for n in self.shape(name))  # () is the whole tensor
         if source.kind == "zeros":
             return torch.zeros(box[0].stop - box[0].start)
+        if source.kind == "copy" and source.columns is not None:  # our columns [c0:c1] of every parts-th HF one
+            part, parts = source.columns
+            *outer, cols = box
+            span = self._hf_box(source.names[0], (*outer, slice(cols.start * parts, cols.stop * parts)))
+            return span[..., part::parts]
         if source.kind == "copy" and source.rows is None:
             return self._hf_box(source.names[0], box)
         if source.kind == "copy":  # our rows [r0:r1] are HF rows rows[r0:r1]: read their span, then pick
@@ -237,9 +199,8 @@ def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = N
     folder_tokenizer(tree["data"], Path(folder))  # the model's own tokenizer reads the run's data
     if seq_len is not None:
         tree["model"]["seq_len"] = seq_len
-    result = config_from_dict(tree)
-    check_context(shape, result.model.seq_len)
-    return result
+    check_context(shape, tree["model"]["seq_len"])  # before validation: its errors name config.json's keys
+    return config_from_dict(tree)
 
 
 def split_init_from(init_from: str | None) -> Path | None:
@@ -286,16 +247,27 @@ def export_family(model: ModelConfig, moe: MoEConfig, architecture: str | None =
     if architecture is not None:
         if architecture not in FAMILIES:
             raise ConfigError(f"--architecture {architecture}: supported are {', '.join(FAMILIES)}")
-        FAMILIES[architecture].hf_from_config(model, moe)  # its refusal, if any
+        _check_expresses(FAMILIES[architecture], model, moe)
         return FAMILIES[architecture]
     reasons = []
     for family in FAMILIES.values():
         try:
-            family.hf_from_config(model, moe)
+            _check_expresses(family, model, moe)
             return family
         except ConfigError as exc:
             reasons.append(str(exc))
     raise ConfigError("no Hugging Face family expresses this model: " + "; ".join(reasons))
+
+
+def _check_expresses(family: Family, model: ModelConfig, moe: MoEConfig) -> None:
+    """The family's refusal of a setting, if any; and every one of our tensors must have its place in the family's
+    folder (a tensor it has no name for, such as GPT-OSS's sinks in a Mixtral, would be dropped silently)."""
+    family.hf_from_config(model, moe)
+    sources = family.hf_sources(model, moe)
+    missing = [name for name in expected_tensors(model, moe) if name not in sources]
+    if missing:
+        raise ConfigError(f"cannot export as {family.architecture}: it has no place for our tensor '{missing[0]}'"
+                          f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
 
 
 def export_folder(source: Path, out: Path, architecture: str | None = None, dtype: str | None = None,
@@ -312,28 +284,37 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
     family = export_family(config.model, config.moe, architecture)
     hf_config = family.hf_from_config(config.model, config.moe)
     targets = hf_targets(family.hf_sources(config.model, config.moe))
-    for ours in {ours for ours, _, _ in targets.values()}:
+    for ours in {ours for target in targets.values() for ours in target.ours}:
         if ours not in entries:
             raise ConfigError(f"{source}: has no tensor '{ours}' that a {family.architecture} export needs")
+    if dtype is None and family.export_dtype is not None:
+        dtype, why = family.export_dtype
+        print(f"note: writing {family.architecture} in {dtype} ({why}; --dtype fp32 keeps full precision)",
+              file=sys.stderr)
     cast = EXPORT_DTYPES[dtype] if dtype is not None else None
     cache: dict[str, Tensor] = {}
 
-    def value(ours: str) -> Tensor:
-        if ours not in cache:
-            cache.clear()  # tensors are asked for in order: one of ours in memory at a time
-            cache[ours] = read(ours) if cast is None else read(ours).to(cast)
-        return cache[ours]
+    def values(ours: tuple[str, ...]) -> list[Tensor]:
+        if set(cache) != set(ours):
+            cache.clear()  # tensors are asked for in order: one of ours (or one interleaved pair) in memory at a time
+            cache.update({name: read(name) if cast is None else read(name).to(cast) for name in ours})
+        return [cache[name] for name in ours]
 
     def hf_tensor(name: str) -> Tensor:
-        ours, expert, rows = targets[name]
-        if rows is not None:
-            return value(ours)[list(rows)]
-        return value(ours) if expert is None else value(ours)[expert].t().contiguous()
+        target = targets[name]
+        parts = values(target.ours)
+        if len(parts) > 1:
+            return torch.stack(parts, dim=-1).flatten(-2)
+        if target.rows is not None:
+            return parts[0][list(target.rows)]
+        return parts[0] if target.expert is None else parts[0][target.expert].t().contiguous()
 
     hf_entries = {}
-    for name, (ours, expert, _) in targets.items():
-        shape, stored = entries[ours]
-        hf_entries[name] = (torch.Size(shape if expert is None else (shape[2], shape[1])), cast or stored)
+    for name, target in targets.items():
+        shape, stored = entries[target.ours[0]]
+        if target.expert is not None:
+            shape = (shape[2], shape[1])
+        hf_entries[name] = (torch.Size((*shape[:-1], shape[-1] * len(target.ours))), cast or stored)
     hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")
     foreign = sorted(path.name for path in out.iterdir() if not is_export_file(path.name)) if out.is_dir() else []
     if foreign:  # the folder is replaced whole: never what this command did not write

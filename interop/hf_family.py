@@ -53,11 +53,14 @@ class Source:
 
     ``rows`` (copies only): our row i is the HF tensor's row ``rows[i]``, for a family that lays out the rotary
     channels of a head in another order than ours (DeepSeek's interleaved pairs); None: rows as they are.
+    ``columns`` (copies only): (part, parts): our last-dim column j is the HF tensor's column part + parts · j, for
+    a family that interleaves several of our tensors in one (GPT-OSS's gate and up); None: columns as they are.
     """
 
     kind: str
     names: tuple[str, ...]
     rows: tuple[int, ...] | None = None
+    columns: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class Family:
     hf_sources: Callable[[ModelConfig, MoEConfig], dict[str, Source]]
     # other model types that name this architecture (Kimi K2's kimi_k2 is DeepSeek-V3's); export writes model_type
     other_model_types: tuple[str, ...] = ()
+    # the dtype an export writes unless told otherwise (None: the checkpoint's), and why
+    export_dtype: tuple[str, str] | None = None
 
     def has_model_type(self, model_type: str | None) -> bool:
         return model_type in (self.model_type, *self.other_model_types)
@@ -114,9 +119,8 @@ def _yarn_keys(params: dict, hf: dict) -> dict:
     if unknown:
         raise ConfigError(f"config.json rope setting '{unknown[0]}'={params[unknown[0]]!r} is not supported by our "
                           f"YaRN (it takes {', '.join(sorted(known))})")
-    if params.get("truncate", True) is not True:
-        raise ConfigError("config.json rope truncate=false is not supported: our YaRN rounds its ramp's bounds "
-                          "outward (truncate=true), as DeepSeek-V3 and the YaRN paper's code do")
+    if params.get("truncate", True) not in (True, False):
+        raise ConfigError(f"config.json rope truncate={params['truncate']!r} must be true or false")
     original = params.get("original_max_position_embeddings")
     if original is None:
         raise ConfigError("config.json's yarn rope settings have no 'original_max_position_embeddings', which "
@@ -131,7 +135,8 @@ def _yarn_keys(params: dict, hf: dict) -> dict:
             "yarn_beta_slow": float(params.get("beta_slow") or 1.0),
             "yarn_mscale": None if mscale is None else float(mscale),
             "yarn_mscale_all_dim": None if mscale_all_dim is None else float(mscale_all_dim),
-            "yarn_attention_factor": None if attention_factor is None else float(attention_factor)}
+            "yarn_attention_factor": None if attention_factor is None else float(attention_factor),
+            "yarn_truncate": params.get("truncate", True)}
 
 
 def rope_keys(hf: dict, default_theta: float, yarn: bool = False, partial: bool = False) -> dict:
@@ -149,7 +154,7 @@ def rope_keys(hf: dict, default_theta: float, yarn: bool = False, partial: bool 
         return {"rope_theta": theta} | _yarn_keys(rope, hf)
     plain_rope = {"rope_theta": theta, "rope_scaling": "none", "rope_factor": 1.0, "rope_original_seq_len": None,
                   "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": None, "yarn_mscale_all_dim": None,
-                  "yarn_attention_factor": None}
+                  "yarn_attention_factor": None, "yarn_truncate": True}
     plain = {"rope_type", "type", "rope_theta"} | ({"partial_rotary_factor"} if partial else set())
     if scaling is not None and (kind != "default" or set(scaling) - plain):
         raise ConfigError(f"config.json rope_scaling={scaling!r} is not supported "
@@ -171,6 +176,8 @@ def rope_config(model: ModelConfig) -> dict:
                                                  ("mscale_all_dim", model.yarn_mscale_all_dim),
                                                  ("attention_factor", model.yarn_attention_factor))
                    if value is not None}
+        if not model.yarn_truncate:
+            params["truncate"] = False
     return {"rope_parameters": params}
 
 
@@ -198,6 +205,8 @@ def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False, 
             # grouped-query attention unless the family says otherwise (the base config's latent keys would stay)
             "q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None,
             "v_head_dim": None,
+            # GPT-OSS's attention options, off unless the family sets them (a base config's would stay)
+            "attn_output_bias": False, "attention_sinks": False, "sliding_window": None, "layer_types": None,
             "norm_eps": float(get_key(hf, "rms_norm_eps", family, 1e-5, required=False))}
 
 
@@ -223,13 +232,15 @@ def routed_moe(num_experts: int, top_k: int, expert_hidden: int, renormalize: bo
     return {"num_experts": num_experts, "top_k": top_k, "expert_hidden": expert_hidden, "activation": "swiglu",
             "score_func": "softmax", "renormalize": renormalize, "jitter_eps": 0.0, "capacity_factor": None,
             "bias_update_rate": 0.0, "num_shared_experts": 0, "shared_expert_hidden": None, "force_balance": False,
-            "n_group": 1, "topk_group": None, "routed_scaling_factor": 1.0}
+            "n_group": 1, "topk_group": None, "routed_scaling_factor": 1.0, "router_bias": False,
+            "expert_proj_bias": False}
 
 
-def router_refusals(moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
-    """What no HF softmax top-k router here expresses: other experts, other scores, balancing bias, debug routing."""
+def router_refusals(moe: MoEConfig, family: str, activation: str = "swiglu") -> list[tuple[bool, str]]:
+    """What no HF softmax top-k router here expresses: experts other than ``activation``, other scores, balancing
+    bias, debug routing."""
     return [
-        (moe.activation != "swiglu", f"moe.activation={moe.activation!r}: {family} experts are SwiGLU"),
+        (moe.activation != activation, f"moe.activation={moe.activation!r}: {family} experts are {activation}"),
         (moe.score_func != "softmax", f"moe.score_func={moe.score_func!r}: {family}'s router is a softmax"),
         (moe.num_shared_experts != 0, f"moe.num_shared_experts={moe.num_shared_experts}: {family} has none"),
         (moe.bias_update_rate != 0, f"moe.bias_update_rate={moe.bias_update_rate}: {family} has no balancing bias"),
@@ -244,20 +255,26 @@ def router_refusals(moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
 
 def attention_refusals(model: ModelConfig, family: str) -> list[tuple[bool, str]]:
     """What a plain-RoPE grouped-query attention family cannot express: latent attention, biases, partial rotary,
-    YaRN, multi-token prediction."""
+    sliding windows, YaRN, multi-token prediction."""
     return [(model.latent_attention, f"model.kv_lora_rank={model.kv_lora_rank}: {family} has no latent attention"),
             (model.qkv_bias, f"model.qkv_bias=true: {family} has no attention biases"),
             (model.mtp_depth > 0, f"model.mtp_depth={model.mtp_depth}: {family} has no multi-token prediction"),
             (model.rotary_dim is not None, f"model.rotary_dim={model.rotary_dim}: {family} rotates whole heads"),
+            (model.sliding_window is not None, f"model.sliding_window={model.sliding_window}: {family} attends fully"),
             (model.rope_scaling != "none", f"model.rope_scaling={model.rope_scaling!r}: {family}'s import here "
                                            "takes plain RoPE only")]
 
 
 def check_context(shape: HFShape, seq_len: int) -> None:
-    """Our context must fit the model's positions, and a sliding window must not cut it (we attend fully)."""
+    """Our context must fit the model's positions, a sliding window we do not implement must not cut it (we attend
+    fully), and one we do (GPT-OSS's windowed layers) must fit in it."""
     if seq_len > shape.max_positions:
         raise ConfigError(f"model.seq_len={seq_len} exceeds the folder's max_position_embeddings="
                           f"{shape.max_positions}")
+    window = shape.model.get("sliding_window")
+    if window is not None and window > seq_len:
+        raise ConfigError(f"config.json sliding_window={window} is longer than model.seq_len={seq_len}: the windowed "
+                          f"layers need model.seq_len >= {window} (--set model.seq_len={window} or more)")
     if shape.sliding_window is not None and shape.sliding_window < seq_len:
         raise ConfigError(f"config.json sliding_window={shape.sliding_window} is below model.seq_len={seq_len}: "
                           "sliding-window attention is not supported; use a seq_len within the window")
@@ -311,16 +328,29 @@ def expert_stacks(ours: str, experts: str, names: dict[str, str], num_experts: i
     return out
 
 
-def hf_targets(sources: dict[str, Source]) -> dict[str, tuple[str, int | None, tuple[int, ...] | None]]:
-    """Each HF tensor of an exported folder: (our name, expert index for a stacked weight, else None, our row
-    order: HF row j is our row ``rows[j]``, else None)."""
-    out: dict[str, tuple[str, int | None, tuple[int, ...] | None]] = {}
+@dataclass(frozen=True)
+class Target:
+    """Where an exported HF tensor comes from: our tensor ``ours[0]`` (expert ``expert`` of a stack, transposed;
+    rows in the order ``rows``: HF row j is our row ``rows[j]``), or the last-dim interleaving of all of ``ours``
+    (HF column i is column i // n of ``ours[i % n]``)."""
+
+    ours: tuple[str, ...]
+    expert: int | None = None
+    rows: tuple[int, ...] | None = None
+
+
+def hf_targets(sources: dict[str, Source]) -> dict[str, Target]:
+    """Each HF tensor of an exported folder and its ``Target``, in our tensors' order."""
+    out: dict[str, Target] = {}
     for ours, source in sources.items():
-        if source.kind == "copy" and source.names[0] not in out:  # tied: the head is the embedding, once
+        if source.kind == "copy" and source.columns is not None:
+            parts = out.get(source.names[0], Target(()))
+            out[source.names[0]] = Target(tuple(sorted((*parts.ours, ours), key=lambda name: sources[name].columns)))
+        elif source.kind == "copy" and source.names[0] not in out:  # tied: the head is the embedding, once
             rows = None
             if source.rows is not None:  # the inverse of the import's order
                 rows = tuple(sorted(range(len(source.rows)), key=source.rows.__getitem__))
-            out[source.names[0]] = (ours, None, rows)
+            out[source.names[0]] = Target((ours,), None, rows)
         elif source.kind == "stack_t":
-            out.update({name: (ours, e, None) for e, name in enumerate(source.names)})
+            out.update({name: Target((ours,), e) for e, name in enumerate(source.names)})
     return out

@@ -75,6 +75,7 @@ def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
     factor = model.rope_dim / model.head_size
     refuse(ARCHITECTURE, [
         (model.latent_attention, f"model.kv_lora_rank={model.kv_lora_rank}: GLM-4.5 has no latent attention"),
+        (model.sliding_window is not None, f"model.sliding_window={model.sliding_window}: GLM-4.5 attends fully"),
         (model.rope_scaling != "none", f"model.rope_scaling={model.rope_scaling!r}: GLM-4.5's import here takes "
                                        "plain RoPE only"),
         (int(model.head_size * factor) != model.rope_dim, f"model.rotary_dim={model.rotary_dim}: no "

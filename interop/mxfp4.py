@@ -9,6 +9,11 @@ nibble; the block's scale is an E8M0 byte, the power of two 2^(byte - 127) (255 
 Dequantised here from that definition (the E2M1 fields decoded arithmetically, the scale applied with
 ``ldexp``), a chunk of rows at a time so a large expert stack needs only its output and one chunk's
 temporaries. An import calls this one tensor at a time as it streams a checkpoint.
+
+In a checkpoint (GPT-OSS's, ``quantization_config: {quant_method: mxfp4}``) the tensor ``X`` is stored as
+``X_blocks`` [E, out, G, 16] and ``X_scales`` [E, out, G]: its rows are the output channels and the blocks run
+along the input. The experts use ``X`` as [E, in, out] (``transformers``' conversion transposes the last two dims
+after dequantising), so ``read_box`` gives a box of that transposed view, reading only the blocks under it.
 """
 
 from __future__ import annotations
@@ -18,10 +23,16 @@ import math
 import torch
 from torch import Tensor
 
+from config.errors import ConfigError
+
 VALUES_PER_BLOCK = 32  # MX block size: values sharing one scale
 BYTES_PER_BLOCK = VALUES_PER_BLOCK // 2  # two E2M1 values per byte
 E8M0_BIAS = 127
 E8M0_NAN = 255
+BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
+# quantization_config keys besides quant_method: which modules stay unquantised (the tensors say it too) and
+# transformers' own loading switch; neither changes what the bytes mean
+_CONFIG_KEYS = {"quant_method", "modules_to_not_convert", "dequantize"}
 
 
 def decode_e2m1(codes: Tensor) -> Tensor:
@@ -63,3 +74,38 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.
         scaled = torch.where(exponents[chunk] == E8M0_NAN, torch.nan, scaled)
         out[chunk] = scaled.to(dtype)
     return out.reshape(*prefix, groups * VALUES_PER_BLOCK)
+
+
+def declared(hf: dict) -> bool:
+    """Whether config.json's ``quantization_config`` declares MXFP4 weights; an MXFP4 setting that changes what
+    the bytes mean is refused by name."""
+    quantization = hf.get("quantization_config")
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "mxfp4":
+        return False
+    unknown = sorted(set(quantization) - _CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(f"config.json quantization_config setting '{unknown[0]}' is not supported: MXFP4 weights "
+                          f"are read with {', '.join(sorted(_CONFIG_KEYS))} only")
+    return True
+
+
+def logical_shape(name: str, blocks: tuple[int, ...], scales: tuple[int, ...]) -> tuple[int, ...]:
+    """The [E, in, out] shape of checkpoint tensor ``name`` stored as ``name_blocks`` [E, out, G, 16] and
+    ``name_scales`` [E, out, G]; an error naming the tensor when the two do not match."""
+    if len(blocks) != 4 or blocks[-1] != BYTES_PER_BLOCK or tuple(blocks[:-1]) != tuple(scales):
+        raise ConfigError(f"MXFP4 tensor '{name}{BLOCKS_SUFFIX}' of shape {list(blocks)} does not match "
+                          f"'{name}{SCALES_SUFFIX}' of shape {list(scales)}: an expert stack's blocks are "
+                          f"[E, out, G, {BYTES_PER_BLOCK}] with scales [E, out, G] (32 values per scale)")
+    experts, out, groups, _ = blocks
+    return experts, groups * VALUES_PER_BLOCK, out
+
+
+def read_box(blocks, scales, box: tuple[slice, slice, slice], name: str = "blocks") -> Tensor:
+    """The [experts, in, out] ``box`` of the transposed, dequantised stack whose safetensors slices are ``blocks``
+    and ``scales``, in bf16: only the 32-value blocks that cover ``box``'s input range are read."""
+    experts, rows, cols = box
+    first, last = rows.start // VALUES_PER_BLOCK, -(-rows.stop // VALUES_PER_BLOCK)
+    values = dequantize_mxfp4(blocks[experts, cols, first:last], scales[experts, cols, first:last],
+                              torch.bfloat16, name)  # [e, out, (last - first) · 32]
+    offset = first * VALUES_PER_BLOCK
+    return values[..., rows.start - offset:rows.stop - offset].transpose(1, 2)

@@ -119,6 +119,9 @@ def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
          f"parallel.ep={d['ep']} does not divide moe.num_experts={moe.num_experts}"),
         ("etp", moe.expert_hidden % d["etp"] == 0,
          f"parallel.etp={d['etp']} does not divide moe.expert_hidden={moe.expert_hidden}"),
+        ("etp", not (has_moe and moe.expert_proj_bias) or d["etp"] == 1,
+         f"parallel.etp={d['etp']} with moe.expert_proj_bias: every etp rank would add the experts' down-projection "
+         "bias to its partial sum; use etp=1 (expert parallelism alone)"),
     ]
     for key, ok, reason in checks:
         if not ok:

@@ -116,3 +116,23 @@ def test_the_dry_run_ends_with_a_verdict_against_a_gpu_and_its_headroom(capsys):
                            "--device-memory must be a positive number")]:
         assert train.main([*argv, "--set", *layout]) == 2
         assert message in capsys.readouterr().err
+
+
+GPT_OSS = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
+           "model.sliding_window=16", "moe.activation=clamped_swiglu", "moe.router_bias=true",
+           "moe.expert_proj_bias=true", "moe.num_shared_experts=0"]
+
+
+def test_gpt_oss_options_are_the_memory_models_prediction():
+    """GPT-OSS's biases and sinks built under tp=2 × ep=3 (the sinks and q/k/v biases split with their heads, wo's
+    whole, the experts' sharded with them): each stage's largest rank holds what the memory model predicts (the
+    down projection's bias, which has no hidden dim, once crashed it); etp=2 with expert biases is refused
+    when the layout is resolved, before any work, naming the key."""
+    config = load_config("moe-8x", [*MODEL, *GPT_OSS, "parallel.dp_shard=6", "parallel.tp=2", "parallel.ep=3",
+                                    "train.precision=fp32"])
+    built, estimates = dry_run(config, resolve_layout(config, 12), "fp32")
+    assert max(s.total for s in built) == estimates[0].states.total
+    config = load_config("moe-8x", [*MODEL, *GPT_OSS, "parallel.dp_shard=6", "parallel.tp=2", "parallel.ep=2",
+                                    "parallel.etp=2"])
+    with pytest.raises(ConfigError, match="parallel.etp=2 with moe.expert_proj_bias"):
+        resolve_layout(config, 12)

@@ -43,6 +43,11 @@ MLA = ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.qk_nope_head_dim
        "model.v_head_dim=5"]
 
 
+GPT_OSS_MOE = ["moe.activation=clamped_swiglu", "moe.router_bias=true", "moe.expert_proj_bias=true"]
+GPT_OSS_ATTENTION = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
+                     "model.layer_types=[sliding_attention,full_attention]"]
+
+
 def _tiny(*overrides: str):
     return load_config("moe-8x", [*TINY, *overrides])
 
@@ -61,7 +66,8 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
 
 
 @pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape",
-                                  "qwen3-30b-a3b", "deepseek-v3", "kimi-k2", "glm-4.5"])
+                                  "qwen3-30b-a3b", "deepseek-v3", "kimi-k2", "glm-4.5", "gpt-oss-20b",
+                                  "gpt-oss-120b"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_parameter_tensors_add_up_to_the_accounting(name, tie):
     config = load_config(name, [f"model.tie_embeddings={str(tie).lower()}"])
@@ -143,6 +149,13 @@ SINGLE = {
     "bf16, latent attention, query bottleneck": ("bf16", [*MLA, "model.q_lora_rank=10", "moe.force_balance=true"]),
     "GLM attention: biases, half rotary, q/k norms": ("fp32", ["model.qkv_bias=true", "model.rotary_dim=4",
                                                                "model.qk_norm=true", "moe.force_balance=true"]),
+    "GPT-OSS MoE: clamped SwiGLU, router and expert biases": ("fp32", [*GPT_OSS_MOE, "moe.force_balance=true"]),
+    "bf16, GPT-OSS MoE": ("bf16", [*GPT_OSS_MOE, "moe.force_balance=true"]),
+    # a sliding layer then a full one, both with sinks: window 5 of 16 is the masked path, 4 the blocked one
+    "GPT-OSS attention: biases, sinks, masked window": ("fp32", [*GPT_OSS_ATTENTION, "model.sliding_window=5",
+                                                                 "moe.force_balance=true"]),
+    "bf16, GPT-OSS attention, blocked window": ("bf16", [*GPT_OSS_ATTENTION, "model.sliding_window=4",
+                                                         "moe.force_balance=true"]),
 }
 
 

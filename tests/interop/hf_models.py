@@ -61,10 +61,10 @@ def assert_same_tensors(original_folder: Path, returned_folder: Path, tied: bool
 
 
 def assert_oracle_and_export_back(folder: Path, hf, ours: MoETransformer, x: torch.Tensor, architecture: str,
-                                  tied: bool) -> None:
+                                  tied: bool, dtype: str | None = None) -> None:
     """``ours`` (imported from ``folder``/hf as ``folder``/ours.safetensors) gives the oracle ``hf``'s logits on ``x``;
-    our file exported to ``folder``/back is an ``architecture`` folder that transformers loads and runs to the same
-    logits, every tensor bit-exact with the original folder's."""
+    our file exported to ``folder``/back (in ``dtype``, default the family's) is an ``architecture`` folder that
+    transformers loads and runs to the same logits, every tensor bit-exact with the original folder's."""
     import transformers
 
     from interop.hf import export_folder
@@ -72,7 +72,7 @@ def assert_oracle_and_export_back(folder: Path, hf, ours: MoETransformer, x: tor
     with torch.no_grad():
         expected = hf(x).logits
         torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-5)
-    export_folder(folder / "ours.safetensors", folder / "back")
+    export_folder(folder / "ours.safetensors", folder / "back", dtype=dtype)
     back = transformers.AutoModelForCausalLM.from_pretrained(folder / "back").eval()
     assert type(back).__name__ == architecture
     with torch.no_grad():

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import train
-from interop.hf import INDEX_FILE, SINGLE_FILE
 from interop.hf import main as hf_main
+from interop.hf_shards import INDEX_FILE, SINGLE_FILE
 from interop.upcycle import main as upcycle_main
 from tests.interop.test_hf import TINY_RUN, make_hf
 

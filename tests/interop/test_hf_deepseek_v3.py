@@ -126,7 +126,6 @@ def test_bad_input_is_named(tmp_path):
         (dict(n_group=3), r"moe.n_group=3 must divide moe.num_experts=8"),
         (dict(topk_group=5), r"moe.topk_group=5 must be between 1 and moe.n_group=4"),
         (dict(topk_group=1, num_experts_per_tok=3), r"moe.top_k=3 is more experts than moe.topk_group=1 groups"),
-        (dict(rope_parameters=YARN | {"truncate": False}), "truncate=false is not supported"),
         (dict(rope_parameters=YARN | {"rope_type": "longrope"}), "rope_parameters=.* is not supported"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(first_k_dense_replace=2), "has no tensor 'model.layers.1.mlp.up_proj.weight'"),

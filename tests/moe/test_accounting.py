@@ -146,3 +146,14 @@ def test_glm_4_5_is_within_one_percent_of_its_published_size():
     counts = parameter_counts(config.model, config.moe)
     assert counts.total == pytest.approx(355e9, rel=0.01)
     assert counts.active - counts.embedding == pytest.approx(32e9, rel=0.03)
+
+
+@pytest.mark.parametrize("name, total, active", [("gpt-oss-20b", 20.9e9, 3.6e9), ("gpt-oss-120b", 116.8e9, 5.1e9)])
+def test_gpt_oss_has_its_published_size(name, total, active):
+    """gpt-oss-20b "20.9B total, 3.6B active" and gpt-oss-120b "116.8B total, 5.1B active" (OpenAI's model card;
+    active without the embedding lookup, as for DeepSeek-V3): ours are 20.91B / 3.61B and 116.83B / 5.13B, so the
+    totals within 0.5% and the active counts round to the published tenth of a billion (5.13B is 0.6% over 5.1B)."""
+    config = load_config(name)
+    counts = parameter_counts(config.model, config.moe)
+    assert counts.total == pytest.approx(total, rel=0.005)
+    assert round((counts.active - counts.embedding) / 1e8) * 1e8 == active
