@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.dispatch_reach import describe as describe_reach
 from analysis.memory_states import (
     Block,
     rank_blocks,
@@ -688,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bandwidth per GPU, one way: {hardware.intra_node / 1e9:.0f} GB/s in a node, "
               f"{hardware.inter_node / 1e9:.0f} GB/s between nodes ({hardware.name}; {hardware.source})")
         print(format_table(predict(config, layout, args.rank, precision), hardware, gpus_per_node))
+        if layout.ep > 1 and any(config.model.is_moe_layer(i) for i in range(config.model.n_layers)):
+            print(describe_reach(config.moe, layout, gpus_per_node, args.rank))
 
     return run_command(describe_traffic)
 
