@@ -80,6 +80,7 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.dispatch_reach import describe as describe_reach
 from analysis.memory_states import (
     Block,
     ParamTensor,
@@ -632,11 +633,21 @@ def muon_traffic(step: _Step) -> list[Traffic]:
     return out
 
 
+def check_modelled(config: RunConfig) -> None:
+    """Refuse, by name, what the prediction does not count yet: multi-token prediction's modules (their blocks'
+    tp, ep and FSDP traffic; their memory is modelled, ``analysis.memory_activations``)."""
+    if config.model.mtp_depth:
+        raise ConfigError(f"model.mtp_depth={config.model.mtp_depth}: the communication model (and so the planner) "
+                          "does not count multi-token prediction's traffic yet; plan with --set model.mtp_depth=0 "
+                          "(one module adds one block's traffic to the last stage)")
+
+
 def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | None = None) -> list[Traffic]:
     """Every collective ``rank`` runs in one optimizer step of ``config`` under ``layout``, per dimension.
 
     ``precision`` (bf16 or fp32) overrides ``train.precision``; ``auto`` counts as bf16, what it picks on GPUs.
     """
+    check_modelled(config)
     micro, microbatches = micro_batching(config, layout.dp, layout.pp)
     precision = precision or config.train.precision
     if layout.pp > 1:
@@ -748,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bandwidth per GPU, one way: {hardware.intra_node / 1e9:.0f} GB/s in a node, "
               f"{hardware.inter_node / 1e9:.0f} GB/s between nodes ({hardware.name}; {hardware.source})")
         print(format_table(predict(config, layout, args.rank, precision), hardware, gpus_per_node))
+        if layout.ep > 1 and any(config.model.is_moe_layer(i) for i in range(config.model.n_layers)):
+            print(describe_reach(config.moe, layout, gpus_per_node, args.rank))
 
     return run_command(describe_traffic)
 

@@ -8,6 +8,7 @@ residual stream under sequence parallelism. Routing is assumed balanced.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -190,6 +191,23 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     return parts
 
 
+def _mtp_extras(model: ModelConfig, mb: MicroBatch, sequences: int, k: int, fused: bool, stream_bf16: bool) -> int:
+    """Module k besides its block, on its T' = b·(S − k) positions (``moe/mtp.py``): its two input norms, the
+    [T', 2d] input of the projection, the final norm (input and rstd), the head's input (the normed slice of the
+    b·(S − k − 1) scored positions, copied as the head flattens it), then the loss over those positions:
+    log-softmax output (fp32), the targets (a copy of a strided slice) and nll's total weight.
+
+    An input norm's input is a view of the embedding's or the previous hidden states, saved already, so it adds
+    its rstd alone where fp32 (fused); a bf16 input (``stream_bf16``: the main stream under FSDP's bf16 weights;
+    from module 2 on under bf16 autocast, the previous module's output) makes it save the fp32 upcast and the
+    normalised input too (the decomposed path)."""
+    d, scored = model.d_model, sequences * (model.seq_len - k - 1)
+    upcasts = int(stream_bf16) + int(stream_bf16 or (mb.bf16 and k > 1))  # of the embedding, of the hidden states
+    return (2 * mb.tokens * FP32 + upcasts * 2 * mb.tokens * d * FP32 + _linear_inputs(mb, 2 * d, 1)
+            + _norm(mb.tokens, d, fused) + scored * d * mb.compute + scored * model.vocab_size * FP32
+            + scored * INDEX + FP32)
+
+
 def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: bool, last: bool) -> int:
     """bf16 autocast copies of this rank's tp-local weights that the matmuls save (``ParamTensor.autocast_copy``).
 
@@ -216,9 +234,9 @@ def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: 
 
 @functools.lru_cache(maxsize=65536)
 def _block_copies(block: Block, layout: Layout, vp: bool, recompute: str, offload: str) -> int:
-    """``_weight_copies`` of one block."""
-    if recompute == "full" or offload == "blocks":
-        return 0
+    """``_weight_copies`` of one block (a multi-token-prediction module's projection runs outside its block: never
+    recomputed or offloaded with it)."""
+    block_away = recompute == "full" or offload == "blocks"
     ffn_away = block.is_moe and "moe" in (recompute, offload)  # recomputed, or offloaded with the MoE layer
     total = 0
     for param in block.params:
@@ -226,7 +244,7 @@ def _block_copies(block: Block, layout: Layout, vp: bool, recompute: str, offloa
         # when dp > 1, is gathered in bf16 (``in_fsdp_unit``)
         if param.expert or layout.dp > 1 or not param.autocast_copy:
             continue
-        if ffn_away and param.kind in ("experts", "ffn"):
+        if (block_away and param.kind != "projection") or (ffn_away and param.kind in ("experts", "ffn")):
             continue
         total += 2 * math.prod(tp_local_shape(param, layout, vp))
     return total
@@ -272,24 +290,23 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     def add(name: str, nbytes: int) -> None:
         parts[name] = parts.get(name, 0) + nbytes
 
-    # MoE or dense, and the attention's window: how many of this rank's blocks (each kind saves the same)
-    kinds: dict[tuple[bool, int | None], int] = {}
-    for block, count in rank_blocks(model, moe, layers):
-        kinds[block.is_moe, block.window] = kinds.get((block.is_moe, block.window), 0) + count
     offloaded = []  # (one offloaded module's saved bytes, how many such modules) (``parallel/activation_offload.py``)
-    for (is_moe, window), count in kinds.items():
+
+    def add_blocks(is_moe: bool, count: int, mb: MicroBatch, fused_norms: bool, stream_bytes: int = FP32,
+                   prefix: str = "", window: int | None = None) -> None:
+        """``count`` blocks of one kind (each saves the same) on ``mb``'s tokens, their residual stream in elements
+        of ``stream_bytes`` (fp32; a multi-token-prediction module's is its projection's output, bf16 under bf16
+        autocast), attending within ``window`` (GPT-OSS's sliding layers) or causally."""
         if par.activation_checkpointing == "full":
-            add("block inputs (recompute)", count * stream * d * FP32)
-            continue
-        if model.latent_attention:
-            attention = _latent_attention(model, layout.tp, mb)
-        else:
-            attention = _attention(model, layout.tp, mb, window)
-        block = {"norms": 2 * _norm(stream, d, fused_norms), "attention": attention}
+            add(f"{prefix}block inputs (recompute)", count * mb.stream * d * stream_bytes)
+            return
+        attention = _latent_attention(model, layout.tp, mb) if model.latent_attention else \
+            _attention(model, layout.tp, mb, window)
+        block = {"norms": 2 * _norm(mb.stream, d, fused_norms), "attention": attention}
         if not is_moe:
             block["dense FFN"] = _feed_forward(mb, d, model.ffn_hidden // layout.tp)
         elif par.activation_checkpointing == "moe":
-            block["MoE inputs (recompute)"] = tokens * d * FP32
+            block["MoE inputs (recompute)"] = mb.tokens * d * stream_bytes
         else:
             moe_parts = _moe(model, moe, layout, mb)
             if par.activation_offload == "moe":
@@ -298,9 +315,28 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
                 block.update(moe_parts)
         if par.activation_offload == "blocks":
             offloaded.append((sum(block.values()), count))
-            continue
+            return
         for name, nbytes in block.items():
-            add(name, count * nbytes)
+            add(prefix + name, count * nbytes)
+
+    # MoE or dense, and the attention's window: how many of this rank's blocks (each kind saves the same)
+    kinds: dict[tuple[bool, int | None], int] = {}
+    for block, count in rank_blocks(model, moe, [i for i in layers if i < model.n_layers]):
+        kinds[block.is_moe, block.window] = kinds.get((block.is_moe, block.window), 0) + count
+    for (is_moe, window), count in kinds.items():
+        add_blocks(is_moe, count, mb, fused_norms, window=window)
+    for i in layers:  # the multi-token-prediction modules (``moe/mtp.py``), module k on S - k positions
+        if i >= model.n_layers:
+            k = i - model.n_layers + 1
+            positions = micro_batch_size * (model.seq_len - k)
+            # under bf16 autocast the module's stream is the projection's bf16 output: its norms are decomposed and
+            # return bf16, which the projections after them share uncast (as under FSDP's bf16 weights)
+            mb_k = dataclasses.replace(mb, tokens=positions, stream=positions, bf16_weights=mb.bf16)
+            mtp_fused = fused_norms and not mb.bf16
+            add_blocks(model.is_moe_layer(i), 1, mb_k, mtp_fused, mb.compute if mb.bf16 else FP32, prefix="MTP ")
+            add("MTP projection, norms, head + loss", _mtp_extras(model, mb_k, micro_batch_size, k, mtp_fused,
+                                                                    mb.bf16_weights)
+                + (FP32 if k == 1 else 0))  # the modules' mean loss, which ``attach_loss`` keeps
     if offloaded:  # about two modules' at a time: one arriving (or leaving) while the next computes
         modules = sum(count for _, count in offloaded)
         add(f"offloaded {par.activation_offload} in flight", min(2, modules) * max(nbytes for nbytes, _ in offloaded))

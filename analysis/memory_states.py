@@ -41,7 +41,7 @@ ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 like the parameter
 class ParamTensor:
     """One parameter tensor of the model and how tensor / expert parallelism cut it."""
 
-    kind: str  # norm, attention, ffn (dense or shared experts), router, experts, embedding, head
+    kind: str  # norm, attention, ffn (dense or shared experts), router, experts, embedding, head, projection (MTP's)
     layer: int | None  # block index; None for the embedding, final norm and head
     shape: tuple[int, ...]
     tp_dim: int | None = None  # dim split over tp (column-parallel: 0 of [out, in]; row-parallel: 1)
@@ -55,7 +55,7 @@ class ParamTensor:
     def autocast_copy(self) -> bool:
         """Whether bf16 autocast casts it for a matmul that saves the copy (not the fp32 router, norms, lookup; not
         a Linear's bias, which its backward does not need, nor the sinks, cast into the queries)."""
-        return self.kind in ("attention", "ffn", "experts", "head") and len(self.shape) > 1
+        return self.kind in ("attention", "ffn", "experts", "head", "projection") and len(self.shape) > 1
 
 
 def parameter_tensors(model: ModelConfig, moe: MoEConfig) -> tuple[ParamTensor, ...]:
@@ -158,27 +158,43 @@ def _attention_tensors(model: ModelConfig, i: int) -> list[ParamTensor]:
 def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
     d, out = model.d_model, []
     for i in range(model.n_layers):
-        out += [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)), *_attention_tensors(model, i)]
-        hidden = model.ffn_hidden
-        if model.is_moe_layer(i):
-            e, h = moe.num_experts, moe.expert_hidden
-            out += [ParamTensor("router", i, (e, d)),
-                    ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2),
-                    ParamTensor("experts", i, (e, h, d), expert_hidden_dim=1)]
-            if moe.gated:
-                out.append(ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2))
-            if moe.router_bias:
-                out.append(ParamTensor("router", i, (e,)))
-            if moe.expert_proj_bias:  # up (and gate) biases split over etp with their hidden units; down's not
-                out += [ParamTensor("experts", i, (e, h), expert_hidden_dim=1) for _ in range(1 + moe.gated)]
-                out.append(ParamTensor("experts", i, (e, d)))
-            hidden = moe.shared_hidden if moe.num_shared_experts else 0
-        if hidden:
-            out += [ParamTensor("ffn", i, (hidden, d), 0), ParamTensor("ffn", i, (hidden, d), 0),
-                    ParamTensor("ffn", i, (d, hidden), 1)]
+        out += _block_tensors(model, moe, i)
+    for i in mtp_layers(model):  # each module: its block, the two input norms, the 2d -> d projection, its final norm
+        out += [*_block_tensors(model, moe, i), ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)),
+                ParamTensor("projection", i, (d, 2 * d)), ParamTensor("norm", i, (d,))]
     out += [ParamTensor("embedding", None, (model.vocab_size, d)), ParamTensor("norm", None, (d,))]
     if not model.tie_embeddings:
         out.append(ParamTensor("head", None, (model.vocab_size, d)))
+    return out
+
+
+def mtp_layers(model: ModelConfig) -> range:
+    """The multi-token-prediction modules as layer indices n_layers + k (``MoETransformer.moe_layers`` numbers
+    their MoE layers so): each one block of that layer's kind, plus its projection and norms."""
+    return range(model.n_layers, model.n_layers + model.mtp_depth)
+
+
+def _block_tensors(model: ModelConfig, moe: MoEConfig, i: int) -> list[ParamTensor]:
+    """Block i's tensors: two norms, attention, and its dense FFN or MoE layer (router, experts, shared experts)."""
+    d = model.d_model
+    out = [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)), *_attention_tensors(model, i)]
+    hidden = model.ffn_hidden
+    if model.is_moe_layer(i):
+        e, h = moe.num_experts, moe.expert_hidden
+        out += [ParamTensor("router", i, (e, d)),
+                ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2),
+                ParamTensor("experts", i, (e, h, d), expert_hidden_dim=1)]
+        if moe.gated:
+            out.append(ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2))
+        if moe.router_bias:
+            out.append(ParamTensor("router", i, (e,)))
+        if moe.expert_proj_bias:  # up (and gate) biases split over etp with their hidden units; down's not
+            out += [ParamTensor("experts", i, (e, h), expert_hidden_dim=1) for _ in range(1 + moe.gated)]
+            out.append(ParamTensor("experts", i, (e, d)))
+        hidden = moe.shared_hidden if moe.num_shared_experts else 0
+    if hidden:
+        out += [ParamTensor("ffn", i, (hidden, d), 0), ParamTensor("ffn", i, (hidden, d), 0),
+                ParamTensor("ffn", i, (d, hidden), 1)]
     return out
 
 
@@ -276,11 +292,13 @@ class ModelStates:
 
 
 def local_layers(config: RunConfig, layout: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
-    """The blocks on pipeline rank ``pp_rank`` (its stages s ≡ pp_rank mod pp) and whether it is first / last."""
+    """The blocks on pipeline rank ``pp_rank`` (its stages s ≡ pp_rank mod pp; the multi-token-prediction modules,
+    layers n_layers + k, with the head on the last) and whether it is first / last."""
     stages = layout.pp * config.parallel.pp_virtual_stages
     ranges = stage_layers(config.model, config.moe, stages)
     layers = [i for s in range(pp_rank, stages, layout.pp) for i in ranges[s]]
-    return layers, pp_rank == 0, pp_rank == (stages - 1) % layout.pp
+    last = pp_rank == (stages - 1) % layout.pp
+    return [*layers, *(mtp_layers(config.model) if last else [])], pp_rank == 0, last
 
 
 def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelStates:
@@ -298,9 +316,10 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
 
 def muon_updates(param: ParamTensor) -> bool:
     """Whether Muon updates ``param`` (``training.muon.adamw_parameters`` leaves the rest to AdamW): the attention
-    and dense or shared-expert FFN matrices and the routed experts' ``[E, ., .]`` stacks; not the embedding, head,
+    and dense or shared-expert FFN matrices, multi-token prediction's projections, the routed experts'
+    ``[E, ., .]`` stacks; not the embedding, head,
     router, norms, biases (the experts' ``[E, width]`` biases are 2-D)."""
-    return (param.kind in ("attention", "ffn") and len(param.shape) == 2) or \
+    return (param.kind in ("attention", "ffn", "projection") and len(param.shape) == 2) or \
         (param.kind == "experts" and len(param.shape) == 3)
 
 

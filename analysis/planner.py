@@ -69,7 +69,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from analysis import communication, memory
-from analysis.memory_states import experts_own_unit, local_layers, rank_blocks
+from analysis.memory_states import experts_own_unit, local_layers, model_states, rank_blocks
 from config.cli import (
     add_config_arguments,
     add_world_size,
@@ -570,11 +570,24 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     Candidates come cheapest bound first; since a step is never below its bound, once ``top`` plans fit and the
     next bound exceeds the slowest of them (or the bound reaches ``faster_than``), no later candidate can enter.
     """
+    communication.check_modelled(config)  # before any work: every plan's traffic is predicted
     pool = candidates(config, world_size, hardware, efficiency, fixed)
     plans: list[Plan] = []
     steps: list[float] = []  # a max-heap (negated) of the ``top`` fastest steps so far
     closest, evaluated, refusal, complete = None, 0, None, True
     needs: dict[tuple, int | None] = {}  # memory of each setting weighed (None: train.py refuses it)
+    floors: dict[tuple, int] = {}  # the busiest pipeline rank's model states, per layout and virtual stages
+    deferred: list[tuple[int, Candidate]] = []  # skipped by their states alone: weighed only if no plan fits
+
+    def states_floor(candidate: Candidate) -> int:
+        """A lower bound of the candidate's memory that does not depend on its micro-batching, recompute or
+        gradient reduction: the model states (``memory.estimate``'s total adds only nonnegative parts to them),
+        which only the layout and the stage cut decide. Remembered: most settings share a layout."""
+        key = (candidate.layout, candidate.schedule[1])
+        if key not in floors:
+            floors[key] = max(model_states(candidate.config, candidate.layout, pp_rank).total
+                              for pp_rank in range(candidate.layout.pp))
+        return floors[key]
 
     def need_of(candidate: Candidate) -> int | None:
         if candidate.setting not in needs:
@@ -588,21 +601,31 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
                 needs[candidate.setting] = memory_bytes(candidate.config, candidate.layout, resolved)[0]
         return needs[candidate.setting]
 
-    for candidate in pool:
+    misses: list[tuple[int, int, Candidate]] = []  # (need, pool order, candidate) of those that do not fit
+
+    def weigh(index: int, candidate: Candidate) -> int | None:
+        """The candidate's memory when train.py accepts it and its micro-batches of one may fit, else None."""
+        nonlocal evaluated
+        smallest = smallest_micro_batch(candidate)
+        if smallest is not None and (floor := need_of(smallest)) is not None and floor > device_memory:
+            return None  # its micro-batches of one do not fit: larger ones cannot (``smallest_micro_batch``)
+        need = need_of(candidate)
+        if need is not None:
+            evaluated += 1
+            if need > device_memory:
+                misses.append((need, index, candidate))
+        return need
+
+    for index, candidate in enumerate(pool):
         if (top is not None and len(steps) == top and candidate.bound > -steps[0]) or (
                 faster_than is not None and candidate.bound >= faster_than):
             complete = False
             break
-        smallest = smallest_micro_batch(candidate)
-        if smallest is not None and (floor := need_of(smallest)) is not None and floor > device_memory:
-            continue  # its micro-batches of one do not fit: larger ones cannot (``smallest_micro_batch``)
-        need = need_of(candidate)
-        if need is None:
+        if states_floor(candidate) > device_memory:
+            deferred.append((index, candidate))  # its weights, gradients and moments alone do not fit
             continue
-        evaluated += 1
-        if need > device_memory:
-            if closest is None or need < closest[1]:
-                closest = (candidate, need)
+        need = weigh(index, candidate)
+        if need is None or need > device_memory:
             continue
         result = evaluate(candidate.config, candidate.layout, hardware, gpus_per_node, efficiency, need)
         plans.append(result)
@@ -610,6 +633,12 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
             heapq.heappush(steps, -result.step)
             if len(steps) > top:
                 heapq.heappop(steps)
+    if not plans:  # the closest miss is the least memory of all: weigh the candidates the states floor skipped
+        for index, candidate in deferred:
+            weigh(index, candidate)
+        if misses:
+            need, _, candidate = min(misses, key=lambda miss: miss[:2])  # the first in pool order among equals
+            closest = (candidate, need)
     if evaluated == 0 and complete:
         raise none_passes(world_size, refusal)
     plans.sort(key=lambda p: (p.step, p.memory))

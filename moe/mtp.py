@@ -27,10 +27,13 @@ class PredictionModule(nn.Module):
         self.block = block
         self.norm = RMSNorm(d, eps=config.norm_eps)
 
-    def forward(self, hidden: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """hidden: h^{k-1} of positions 0..S-k-1; embedded: Emb(t_{i+k}) of the same positions -> h^k [B, S-k, D]."""
+    def forward(self, hidden: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """hidden: h^{k-1} of positions 0..S-k-1; embedded: Emb(t_{i+k}) of the same positions -> (h^k, its final
+        norm), each [B, S-k, D]. The norm runs here, not after the call, so that all of the module's weights are
+        used inside its forward: FSDP gathers a unit's shards around its forward only."""
         combined = self.proj(torch.cat((self.embed_norm(embedded), self.hidden_norm(hidden)), dim=-1))
-        return self.block(combined, cos, sin)
+        out = self.block(combined, cos, sin)
+        return out, self.norm(out)
 
 
 def prediction_losses(modules: nn.ModuleList, hidden: Tensor, embedded: Tensor, tokens: Tensor, head: nn.Module,
@@ -44,7 +47,7 @@ def prediction_losses(modules: nn.ModuleList, hidden: Tensor, embedded: Tensor, 
     """
     seq, losses = tokens.shape[1], []
     for k, module in enumerate(modules, start=1):
-        hidden = module(hidden[:, :seq - k], embedded[:, k:], cos, sin)  # [B, S-k, D]
-        logits = head(module.norm(hidden[:, :seq - k - 1])).float()  # [B, S-k-1, V]
+        hidden, normed = module(hidden[:, :seq - k], embedded[:, k:], cos, sin)  # [B, S-k, D] each
+        logits = head(normed[:, :seq - k - 1]).float()  # [B, S-k-1, V]
         losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1:].flatten()))
     return torch.stack(losses)

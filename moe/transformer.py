@@ -241,6 +241,7 @@ class MoETransformer(nn.Module):
             PredictionModule(config, moe_config, Block(config, moe_config, config.is_moe_layer(config.n_layers + k)))
             for k in range(config.mtp_depth)) if config.mtp_depth else None
         self.last_mtp_losses: Tensor | None = None
+        self.aux_loss_scale = 1.0  # the trainer's loss scale (``set_aux_loss_scale``), for the MTP loss too
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(config)
@@ -288,8 +289,13 @@ class MoETransformer(nn.Module):
             # the modules' mean loss, weighted, reaches backward through the logits (as the balancing losses do)
             losses = prediction_losses(self.mtp, x, embedded, tokens, self.output, self.rope_cos, self.rope_sin)
             self.last_mtp_losses = losses.detach()
-            logits = attach_loss(logits, losses.mean(), self.config.mtp_loss_weight)
+            logits = attach_loss(logits, losses.mean(), self.config.mtp_loss_weight * self.aux_loss_scale)
         return logits
+
+    def blocks(self) -> list[Block]:
+        """Every transformer block: ``layers``' and then the multi-token-prediction modules'. The parallel plans
+        (tp, activation checkpointing, compile) apply to each alike, so the modules are spread as the layers are."""
+        return [*self.layers.values(), *(module.block for module in self.mtp or [])]
 
     def moe_layers(self) -> dict[int, MoELayer]:
         """The MoE layers by layer index; the multi-token-prediction modules' follow, as layers n_layers + k."""
@@ -304,6 +310,9 @@ class MoETransformer(nn.Module):
         return {i: layer.last_stats for i, layer in self.moe_layers().items() if layer.last_stats is not None}
 
     def set_aux_loss_scale(self, scale: float) -> None:
-        """Weight of the injected balancing losses relative to the LM loss (1 / micro-batches)."""
+        """Weight of the injected losses (balancing, multi-token prediction) relative to the LM loss
+        (1 / micro-batches): each micro-batch's LM loss is divided by the micro-batches before its backward, and so
+        must they be."""
+        self.aux_loss_scale = scale
         for layer in self.moe_layers().values():
             layer.aux_loss_scale = scale

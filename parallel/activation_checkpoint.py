@@ -38,7 +38,7 @@ def apply_activation_checkpointing(model: MoETransformer, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode '{mode}' is not one of {', '.join(MODES)}")
     if mode == "full":
-        for block in model.layers.values():
+        for block in model.blocks():
             _checkpoint_forward(block)
     elif mode == "moe":
         for layer in model.moe_layers().values():

@@ -135,7 +135,7 @@ def apply_activation_offload(model: MoETransformer, mode: str) -> ActivationOffl
         raise ValueError(f"activation offload mode '{mode}' is not one of {', '.join(MODES)}")
     if mode == "none":
         return None
-    modules = list(model.layers.values()) if mode == "blocks" else list(model.moe_layers().values())
+    modules = model.blocks() if mode == "blocks" else list(model.moe_layers().values())
     offloader = ActivationOffloader()
     for index, module in enumerate(modules):
         offloader.wrap(module, index)

@@ -45,5 +45,5 @@ def compile_unavailable(device_type: str) -> str | None:
 
 def apply_compile(model: MoETransformer) -> None:
     """Compile every block of ``model`` in place (``nn.Module.compile``)."""
-    for block in model.layers.values():
+    for block in model.blocks():
         block.compile(backend=BACKEND)

@@ -68,10 +68,7 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
                        microbatches)
         check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel,
                               config.parallel.vocab_parallel)
-        if config.model.mtp_depth and layout.world_size > 1:
-            # its blocks sit outside model.layers, where the layouts' plans (tp, ep, FSDP units, stages) look
-            raise ConfigError(f"model.mtp_depth={config.model.mtp_depth}: multi-token prediction runs in one process "
-                              f"only so far; set model.mtp_depth=0 for a layout of {layout.world_size} ranks")
+        check_multi_token_prediction(config, layout)
         return micro, microbatches
 
     def refusal(layout: Layout) -> str | None:  # a layout a refusal suggests must pass every check here
@@ -86,6 +83,27 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
     validate_for_model(layout, config.model, config.moe, accept=refusal)
     check_optimizer_layout(config, layout)
     return ResolvedLayout(layout, *rest(layout))
+
+
+def check_multi_token_prediction(config: RunConfig, layout: Layout) -> None:
+    """Refuse the layouts multi-token prediction has no parity test under, before any work.
+
+    The modules run after the head on the main model's last hidden states and need the embedding, the head and
+    the whole sequence at hand (``moe/mtp.py``): under pipeline parallelism those sit on two stages (the modules
+    would have to live on the last stage with a copy of the embedding), under sequence parallelism the hidden
+    states are sequence slices and the modules shift them by k positions, and under vocabulary parallelism
+    their logits would be vocabulary shards. Data parallelism, FSDP, ep and plain tp are tested against one
+    process (``tests/parallel/test_parity.py``).
+    """
+    depth, par = config.model.mtp_depth, config.parallel
+    unsupported = [f"parallel.pp={layout.pp}"] if layout.pp > 1 else []
+    if layout.tp > 1:
+        unsupported += [f"parallel.{option}=true" for option in ("sequence_parallel", "vocab_parallel")
+                        if getattr(par, option)]
+    if depth and unsupported:
+        raise ConfigError(f"model.mtp_depth={depth} with {' and '.join(unsupported)}: multi-token prediction is not "
+                          "supported there yet (pipeline stages, sequence or vocabulary shards); set model.mtp_depth=0,"
+                          " or use data parallelism, FSDP, ep or tp without those options")
 
 
 def check_optimizer_layout(config: RunConfig, layout: Layout) -> None:

@@ -147,7 +147,8 @@ def apply_fsdp(model: MoETransformer, mesh: DeviceMesh, reshard_after_forward: b
         for layer in model.moe_layers().values():
             fully_shard(layer.router, mesh=mesh, reshard_after_forward=reshard_after_forward,
                         ignored_params=ignored_params, mp_policy=mixed_precision(None))
-    for block in model.layers.values():
+    # a unit per block, and per multi-token-prediction module (its block with the 2d x d projection and norms)
+    for block in [*model.layers.values(), *(model.mtp or [])]:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params,
                     mp_policy=policy)
     # the root's parameters (embedding, norm, head) are needed again right after forward: keep them

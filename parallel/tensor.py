@@ -199,7 +199,8 @@ def apply_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh, sequence_p
     ``vocab_parallel`` the model returns its logits as a DTensor sharded over the vocabulary (last dim); the
     loss and its backward then run in ``loss_context(True)``.
     """
-    for block in model.layers.values():
+    for block in model.blocks():  # the multi-token-prediction modules' too: their input is replicated (no sequence
+        # parallelism with them: ``parallel.layout``), their projection and norms stay whole
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
         if getattr(block.attn, "sinks", None) is not None:  # one per query head: split with the heads
             block.attn.sinks = nn.Parameter(distribute_tensor(block.attn.sinks.data, tp_mesh, [Shard(0)]))

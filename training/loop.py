@@ -178,6 +178,7 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
     step_loss, step_load, routing = torch.zeros((), dtype=torch.float64), {}, []
+    step_mtp = None  # multi-token prediction's mean module loss over this rank's micro-batches
     if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
         step_loss, routing = model.step(inputs.to(device), targets.to(device), grad_reduce)
     else:
@@ -194,9 +195,9 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
                 (loss / accumulation).backward()
             step_loss += loss.detach().double().cpu() / accumulation
             routing.append(model.routing_stats())
-            if model.last_mtp_losses is not None:  # logged apart from the LM loss (one process: no reduction)
-                mtp = model.last_mtp_losses.mean() / accumulation
-                interval.mtp_loss = mtp if interval.mtp_loss is None else interval.mtp_loss + mtp
+            if model.last_mtp_losses is not None:  # logged apart from the LM loss
+                mtp = model.last_mtp_losses.mean().detach().double() / accumulation
+                step_mtp = mtp if step_mtp is None else step_mtp + mtp
     for stats in routing:
         interval.add_routing(stats)
         for i, layer_stats in stats.items():
@@ -204,6 +205,9 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     grad_norm = clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf, pp_group=pp_group)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     step_loss = float(all_reduce(step_loss, dp_group)) / dp_size
+    if step_mtp is not None:  # over the data-parallel ranks, as the LM loss
+        step_mtp = all_reduce(step_mtp, dp_group) / dp_size
+        interval.mtp_loss = step_mtp if interval.mtp_loss is None else interval.mtp_loss + step_mtp
     grad_norm = float(grad_norm)
     if math.isfinite(step_loss) and math.isfinite(grad_norm):
         optimizer.step()

@@ -270,3 +270,10 @@ def test_impossible_layouts_fail_as_train_py_fails(world_size, overrides, messag
     config = load_config("moe-8x", [*TINY, "parallel.dp_shard=-1", *overrides])
     with pytest.raises(ConfigError, match=message):
         resolve_layout(config, world_size)
+
+
+def test_multi_token_prediction_is_refused_by_name():
+    """Its modules' traffic is not counted yet: the prediction (and the planner) say so rather than undercount."""
+    config = load_config("moe-8x", ["model.mtp_depth=1"])
+    with pytest.raises(ConfigError, match="model.mtp_depth=1: the communication model"):
+        predict(config, Layout.resolve(1))

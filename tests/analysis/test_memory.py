@@ -100,7 +100,8 @@ def test_parameter_tensors_count_router_and_expert_biases(overrides):
     ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6", "model.qk_rope_head_dim=4",
      "model.v_head_dim=5"],
     ["model.n_kv_heads=null", "model.q_lora_rank=10", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6",
-     "model.qk_rope_head_dim=4", "model.v_head_dim=5"]])
+     "model.qk_rope_head_dim=4", "model.v_head_dim=5"],
+    ["model.mtp_depth=2", "model.first_moe_layer=1", "model.moe_every=2"]])  # a dense and an MoE module
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
@@ -147,6 +148,14 @@ SINGLE = {
                                                                  "model.first_moe_layer=1", "moe.force_balance=true"]),
     "latent attention, values wider than keys": ("fp32", [*MLA, "model.v_head_dim=14", "moe.force_balance=true"]),
     "bf16, latent attention, query bottleneck": ("bf16", [*MLA, "model.q_lora_rank=10", "moe.force_balance=true"]),
+    # multi-token prediction: module k on S - k positions; under bf16 its stream is the projection's bf16 output
+    "multi-token prediction, 2 modules": ("fp32", [*MLA, "model.q_lora_rank=10", "model.first_moe_layer=1",
+                                                   "model.mtp_depth=2", "moe.force_balance=true"]),
+    "bf16, multi-token prediction, 2 modules": ("bf16", [*MLA, "model.mtp_depth=2", "moe.force_balance=true"]),
+    "bf16, multi-token prediction, recompute full": ("bf16", ["model.mtp_depth=2", "moe.force_balance=true",
+                                                              "parallel.activation_checkpointing=full"]),
+    "bf16, multi-token prediction, recompute moe": ("bf16", ["model.mtp_depth=1", "moe.force_balance=true",
+                                                             "parallel.activation_checkpointing=moe"]),
     "GLM attention: biases, half rotary, q/k norms": ("fp32", ["model.qkv_bias=true", "model.rotary_dim=4",
                                                                "model.qk_norm=true", "moe.force_balance=true"]),
     "GPT-OSS MoE: clamped SwiGLU, router and expert biases": ("fp32", [*GPT_OSS_MOE, "moe.force_balance=true"]),
@@ -277,6 +286,10 @@ SPAWNED = [
     # latent attention: per-head projections split over tp, the latent ones and their norms whole; under FSDP's bf16
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", *MLA, "model.q_lora_rank=10"]),
     ("bf16", ["parallel.dp_shard=2", *MLA]),
+    # multi-token prediction: the module an FSDP unit (bf16 weights), its experts under ep, its block split over tp
+    ("bf16", ["parallel.dp_shard=2", "model.mtp_depth=1"]),
+    ("fp32", ["parallel.ep=2", "model.mtp_depth=2", *MLA]),
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "model.mtp_depth=1", *MLA, "model.q_lora_rank=10"]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

@@ -88,6 +88,9 @@ def test_bad_settings_are_refused_by_name():
         ModelConfig(**MODEL, mtp_loss_weight=-1.0).validate()
     from parallel.layout import resolve_layout
 
-    config = load_config("moe-8x", ["model.mtp_depth=1", "parallel.dp_shard=2"])
-    with pytest.raises(ConfigError, match="model.mtp_depth=1: multi-token prediction runs in one process only"):
-        resolve_layout(config, 2)
+    for layout, refused in ((["parallel.pp=2"], "parallel.pp=2"),
+                            (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
+                            (["parallel.tp=2", "parallel.vocab_parallel=true"], "parallel.vocab_parallel=true")):
+        config = load_config("moe-8x", ["model.mtp_depth=1", *layout])
+        with pytest.raises(ConfigError, match=f"model.mtp_depth=1 with {refused}: multi-token prediction is not"):
+            resolve_layout(config, 2)

@@ -4,7 +4,8 @@ The spawned test runs every check in one pair of processes (spawning is the slow
 case the EP MoELayer must give each rank the output and gradients the single-process MoELayer gives
 for that rank's tokens (experts' gradients: the sum over both ranks' tokens, gathered into the full
 [E, ...] order), and the token all-to-all must carry exactly the kept assignments bound for the
-other rank.
+other rank. The same pair counts the ranks one token's dispatch reaches under group-limited routing
+(``tests/analysis/test_dispatch_reach.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from moe.layer import MoELayer
 from parallel.expert import ExpertParallelExperts, expert_major_index
 from parallel.groups import Layout, ParallelGroups
 from parallel.sharding import clip_grad_norm_
+from tests.analysis.test_dispatch_reach import check_counted_reach
 from tests.spawn import spawn
 
 
@@ -165,6 +167,7 @@ def _worker(rank: int) -> None:
     groups = ParallelGroups.build(Layout(WORLD, dp_shard=WORLD, ep=WORLD), "cpu")
     for capacity_factor, dtype, gpt_oss in CASES:
         _check_case(rank, groups, capacity_factor, dtype, gpt_oss)
+    check_counted_reach(rank, groups)  # the node-limited routing bound, counted on the same pair
 
 
 def test_expert_parallel_layer_matches_single_process():

@@ -27,6 +27,8 @@ DEEPSEEK_V3 = ["model.kv_lora_rank=16", "model.q_lora_rank=12", "model.qk_nope_h
                "model.v_head_dim=8", "model.first_moe_layer=1", "moe.score_func=sigmoid", "moe.n_group=2",
                "moe.topk_group=1", "moe.routed_scaling_factor=2.5", "moe.num_shared_experts=1",
                "moe.bias_update_rate=0.01"]
+# with one multi-token-prediction module (a MoE block: layer 2's kind) after the head
+DEEPSEEK_V3_MTP = [*DEEPSEEK_V3, "model.mtp_depth=1"]
 # GPT-OSS's architecture at toy size: q/k/v/o biases, attention sinks, a sliding window of 4 on the first layer
 # (the blocked path: 32 positions), a biased router and biased experts with the clamped SwiGLU
 GPT_OSS = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
@@ -81,12 +83,13 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                   "model.qk_norm=true", "model.head_dim=16", "model.first_moe_layer=1", "moe.renormalize=false"],
                  4, "null", id="dp_shard=2xtp=2xep=2-qwen3"),
     # group-limited routing with the experts of a group on one ep rank (2 groups, ep=2), latent attention replicated
-    # over data parallelism; and the same model in two pipeline stages (the dense block, then the MoE block)
-    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3], 2, "null", id="ep=2-deepseek-v3"),
+    # over data parallelism, the MTP module an FSDP unit with its experts under ep; and the same model without MTP
+    # in two pipeline stages (the dense block, then the MoE block)
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3_MTP], 2, "null", id="ep=2-deepseek-v3-mtp"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3], 2, "1.25", id="pp=2-deepseek-v3"),
     # latent attention split by heads (the latent projections whole, the shared rotary key's gradient summed over
     # tp), with a full query projection; and with the query bottleneck under sequence parallelism, folded with ep
-    pytest.param(["parallel.tp=2", *DEEPSEEK_V3, "model.q_lora_rank=null"], 2, "null", id="tp=2-deepseek-v3"),
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V3_MTP, "model.q_lora_rank=null"], 2, "null", id="tp=2-deepseek-v3-mtp"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
                   *DEEPSEEK_V3], 4, "1.25", id="dp_shard=2xtp=2xep=2-sequence_parallel-deepseek-v3"),
     # GLM-4.5's attention split by heads: q/k/v biases split with their projections, RoPE on half of each head,
@@ -177,7 +180,8 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
 
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for ref, got in zip(ref_records, records, strict=True):
-        for key in ("train/loss", "train/aux_loss", "train/z_loss", "train/grad_norm", "train/dropped_frac"):
+        mtp = ["train/mtp_loss"] if "model.mtp_depth=1" in layout else []
+        for key in ("train/loss", "train/aux_loss", "train/z_loss", "train/grad_norm", "train/dropped_frac", *mtp):
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (got["step"], key)
         # every layer's routing figures reach rank 0's log (under pp also those of the other stages)
         router_keys = [key for key in ref if key.startswith("router/")]
@@ -200,7 +204,7 @@ def test_group_limited_routing_of_the_parity_rows_excludes_experts(references):
     from moe.transformer import MoETransformer
     from tests.parallel.parity import TINY
 
-    settings = [f"train.steps={STEPS}", "moe.capacity_factor=null", "train.micro_batch_size=4", *DEEPSEEK_V3]
+    settings = [f"train.steps={STEPS}", "moe.capacity_factor=null", "train.micro_batch_size=4", *DEEPSEEK_V3_MTP]
     _, ref_state, _ = references(settings)
     config = load_config("moe-8x", [*TINY, *settings])
     model = MoETransformer(config.model, config.moe)
