@@ -138,13 +138,13 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
     """
     model.eval()
     device = next(model.parameters()).device
-    chunks = [(inputs[m:m + micro].to(device), targets[m:m + micro].to(device),
-               batch_documents(inputs[m:m + micro].to(device), end_id))
-              for inputs, targets in eval_batches(val_tokens, config.model.seq_len, config.train.global_batch_size,
-                                                  config.train.eval_batches, dp_rank, dp_size,
-                                                  [c.weight for c in config.data.corpora()]
-                                                  if config.data.sources and mixture else None)
-              for m in range(0, inputs.shape[0], micro)]
+    micro_batches = ((inputs[m:m + micro].to(device), targets[m:m + micro].to(device))
+                     for inputs, targets in eval_batches(val_tokens, config.model.seq_len,
+                                                         config.train.global_batch_size, config.train.eval_batches,
+                                                         dp_rank, dp_size, [c.weight for c in config.data.corpora()]
+                                                         if config.data.sources and mixture else None)
+                     for m in range(0, inputs.shape[0], micro))
+    chunks = [(x, y, batch_documents(x, end_id)) for x, y in micro_batches]
     if isinstance(model, PipelineModel):  # forward only, through the pipeline schedule
         total = model.eval_losses(chunks).sum()
     else:

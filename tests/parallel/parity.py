@@ -33,7 +33,7 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_le
 
 
 def documents_corpus() -> Path:
-    """A jsonl corpus of short documents (3 to 30 characters: two or three end in each 32-token window), the same
+    """A jsonl corpus of short documents (3 to 30 characters: about two end in each 32-token window), the same
     file on every call; written once, atomically, so concurrent test runs share it."""
     path = Path(tempfile.gettempdir()) / "moe-parity-documents-v1.jsonl"
     if not path.exists():
