@@ -108,8 +108,8 @@ class Attention(nn.Module):
         query_pos = torch.arange(start, start + seq, device=q.device)[:, None]
         key_pos = torch.arange(keys, device=q.device)[None, :]
         allowed = key_pos <= query_pos if documents is None else documents.mask  # [S, K] or [B, 1, S, S]
-        if self.window is not None:
-            allowed &= key_pos > query_pos - self.window
+        if self.window is not None:  # a new tensor: the documents' mask is every layer's
+            allowed = allowed & (key_pos > query_pos - self.window)
         q, k, v, allowed = self._fold_in_sink(q, k, v, allowed)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.head_dim ** -0.5,
                                               enable_gqa=q.shape[1] != k.shape[1])
