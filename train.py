@@ -29,6 +29,7 @@ from config.cli import add_config_arguments, add_world_size, command_parser, loa
 from config.errors import USER_ERROR, ConfigError
 from config.run import RunConfig
 from data.cache import check_source
+from data.tokenizer import document_end_token
 from interop.hf import hf_run_config, split_init_from
 from interop.hf_tokenizer import check_vocabularies
 from interop.weights import initial_weights
@@ -117,6 +118,8 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
             if skipped and os.environ.get("RANK", "0") == "0":
                 print(skipped, file=sys.stderr)
         config.data.document_end = resolved_end
+        if config.data.document_mask:  # the one token that ends each document, or a ConfigError saying what would
+            document_end_token(config.data.tokenizer, resolved_end, config.model.vocab_size)
         check_hardware(config, local_device().type)
     if args.resume not in ("auto", "none") and not Path(args.resume).exists():
         raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "

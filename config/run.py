@@ -62,6 +62,9 @@ class DataConfig:
     # what ends each document: "auto" (the tokenizer.json's end-of-text token, e.g. <|endoftext|>; "\n\n" as text
     # for bytes or a tokenizer without one), an added token's content, or a text; the run's config holds it resolved
     document_end: str = "auto"
+    # packed documents attend only within themselves, positions restarting at each (moe/documents.py); the
+    # boundaries are read from data.document_end, which must then be one token (docs/data.md)
+    document_mask: bool = False
 
     def corpora(self) -> list[SourceConfig]:
         """Every corpus the run reads, each with its own text key and dtype resolved: the sources of a mixture,
@@ -117,6 +120,11 @@ class DataConfig:
             require((validation.token_dtype is not None) == validation.path.endswith(".bin"),
                      f"{where}.token_dtype={validation.token_dtype!r} with path {validation.path!r}: a .bin needs its "
                      "dtype stated (uint16 or uint32), and only a .bin takes one")
+        require(not self.document_mask or not any(c.path.endswith(".bin")
+                                                  for c in self.corpora() + self.validation_sets()),
+                 "data.document_mask=true finds each document's end by its data.document_end token, which a "
+                 "pre-tokenised .bin does not state; give the text it came from (tokenised with data.document_end), "
+                 "or set data.document_mask=false")
         require(self.tokenizer == "bytes" or not self.source.endswith(".bin"),
                  f"data.tokenizer={self.tokenizer!r} with data.source={self.source!r}: a .bin is already tokenised, "
                  "so no tokenizer applies to it; give the text it came from, or leave data.tokenizer as 'bytes'")
@@ -268,6 +276,9 @@ class RunConfig:
         require(not (self.train.compile and self.parallel.activation_offload != "none"),
                  "train.compile with parallel.activation_offload is not supported yet (its saved-tensor hooks would "
                  "split every compiled block); set one of them off")
+        require(not (self.data.document_mask and self.model.mtp_depth),
+                 f"data.document_mask=true with model.mtp_depth={self.model.mtp_depth}: the multi-token prediction "
+                 "modules do not take the document mask yet; set model.mtp_depth=0 or data.document_mask=false")
         require(not (self.train.compile and self.parallel.pp > 1),
                  "train.compile with pipeline parallelism (parallel.pp > 1) is not supported yet; set one of them off")
         require(self.moe.backend != "megablocks" or self.train.precision != "fp32",

@@ -66,6 +66,7 @@ def document_end(tokenizer: Tokenizer, spec: str = AUTO) -> DocumentEnd:
     if spec in added:
         return DocumentEnd(spec, added[spec][0])
     return DocumentEnd(spec)
+
 # the largest vocabulary a uint16 cache holds (ids 0..65535)
 UINT16_VOCAB = 1 << 16
 # A document is encoded whole up to this many characters; a longer one is cut into pieces of at most this
@@ -233,6 +234,29 @@ def load_tokenizer(spec: str, vocab_size: int | None = None, source: str = "stdl
             f"data.tokenizer={spec!r} has a vocabulary of {tokenizer.vocab_size:,} ids, more than model.vocab_size="
             f"{vocab_size:,}; set model.vocab_size to at least {tokenizer.vocab_size:,} or use a smaller tokenizer")
     return tokenizer
+
+
+def document_end_token(tokenizer_spec: str, document_end_spec: str, vocab_size: int | None = None) -> int:
+    """The one token id that ends every document, where ``data.document_mask`` cuts a window into documents.
+
+    An added token of a ``tokenizer.json``, or one byte for the byte tokenizer. A text end of a ``tokenizer.json``
+    does not qualify: it is encoded together with the document's last text, so its tokens can merge with it.
+    """
+    tokenizer = load_tokenizer(tokenizer_spec, vocab_size)
+    end = document_end(tokenizer, document_end_spec)
+    if end.token_id is not None:
+        return end.token_id
+    encoded = end.spec.encode("utf-8")
+    if isinstance(tokenizer, ByteTokenizer):
+        if len(encoded) == 1:
+            return encoded[0]
+        what = f"{len(encoded)} bytes"
+        fix = "one character that no document holds, such as \"\\x1e\" (ASCII's record separator)"
+    else:
+        what, fix = "a text, not one of its added tokens", "an added token (auto: its end-of-text token, if it has one)"
+    raise ConfigError(f"data.document_mask=true cuts windows into documents at one end-of-document token, but "
+                      f"data.document_end={end.spec!r} is {what} with data.tokenizer={tokenizer_spec!r}; set "
+                      f"data.document_end to {fix}, or data.document_mask=false")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int):

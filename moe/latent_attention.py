@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from config.model import ModelConfig
+from moe.documents import Documents, rotary_tables
 from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, yarn_mscale
@@ -68,13 +69,15 @@ class LatentAttention(nn.Module):
         self.shared_rope_key = nn.Identity()
         self.softmax_scale = latent_softmax_scale(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> Tensor:
         """x: [B, S, D]; cos, sin: rotary tables [>= S, r/2], of which the first S are used -> [B, S, D].
 
-        With ``cache`` (generation) x holds the S positions after the cached ones, as in ``Attention``."""
+        With ``cache`` (generation) x holds the S positions after the cached ones, and with ``documents`` (packed
+        documents masked from each other) the tables and the mask are theirs, as in ``Attention``."""
         batch, seq, _ = x.shape
         start = 0 if cache is None else cache.length
-        cos, sin = cos[start:start + seq], sin[start:start + seq]
+        cos, sin = rotary_tables(cos, sin, start, seq, documents)
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_latent_norm(self.wq_a(x)))
         q = q.view(batch, seq, -1, self.nope_dim + self.rope_dim).transpose(1, 2)  # [B, nh, S, n + r]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -87,6 +90,8 @@ class LatentAttention(nn.Module):
         k_rope = k_rope.expand(-1, heads, -1, -1)  # one rotary key, every head
         k = torch.cat((k_nope, k_rope), dim=-1)
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
+        if documents is not None:
+            mask = documents.mask
         out = _attend(q, k, v, self.softmax_scale, mask, causal=mask is None and start == 0)  # [B, nh, S, v]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

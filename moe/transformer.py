@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from config.model import ModelConfig, MoEConfig
+from moe.documents import Documents, documents_of, rotary_tables
 from moe.experts import FeedForward
 from moe.init import Slice, initialize, whole
 from moe.kv_cache import KVCache, LayerCache
@@ -48,6 +49,12 @@ class Attention(nn.Module):
     ``exp(l_j) / (exp(s_h) + sum_i exp(l_i))``) and ``window`` (this layer's sliding window: a query sees itself
     and the window - 1 positions before it). Both run on SDPA (``_masked_attention``); a whole sequence at
     least four windows long computes only the scores inside the window (``_blocked_window_attention``).
+
+    With ``documents`` (``moe/documents.py``: packed documents masked from each other) RoPE takes each position's
+    place in its document, and the one [B, 1, S, S] mask the model made for them all is SDPA's ``attn_mask``: a
+    block-diagonal causal mask on the same kernels, composing with the window and the sinks (the blocked window
+    path masks its blocks by document too). SDPA computes every score of the mask, so it costs what a full
+    (non-causal) attention costs; ``docs/data.md`` has the measurements.
     """
 
     def __init__(self, config: ModelConfig, window: int | None = None):
@@ -63,15 +70,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> Tensor:
         """x: [B, S, D]; cos, sin: the rotary tables of at least S positions, of which the first S are used.
 
         With ``cache`` (generation) x holds the S positions after the cached ones: they take the rotary angles of
-        their own positions, and attend to the cached keys and to themselves causally.
+        their own positions, and attend to the cached keys and to themselves causally. With ``documents`` the
+        tables and the mask are theirs.
         """
         batch, seq, _ = x.shape
         start = 0 if cache is None else cache.length
-        cos, sin = cos[start:start + seq], sin[start:start + seq]
+        cos, sin = rotary_tables(cos, sin, start, seq, documents)
         q = self.wq(x).view(batch, seq, -1, self.head_dim)  # [B, S, nh, hd]
         k = self.wk(x).view(batch, seq, -1, self.head_dim)  # [B, S, nkv, hd]
         if self.q_norm is not None:
@@ -80,32 +89,36 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
+        if documents is not None:
+            mask = documents.mask
         if self.sinks is None and self.window is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
                                                  enable_gqa=self.n_kv_heads != self.n_heads)
         else:
-            out = self._masked_attention(q, k, v, start)
+            out = self._masked_attention(q, k, v, start, documents)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def _masked_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    def _masked_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int,
+                          documents: Documents | None = None) -> Tensor:
         """Causal attention with this layer's window and sinks: q [B, nh, S, hd] at positions start.., k and v
         [B, nkv, start + S, hd] (the cache's and the new ones) -> [B, nh, S, hd].
 
         A whole sequence much longer than its window goes through ``_blocked_window_attention``, which
         computes only the scores near the diagonal. Otherwise one SDPA with a boolean mask over (query, key)
-        positions (causal, and the window), shared by heads and sequences; the sink as in ``_fold_in_sink``.
+        positions (causal, and the window; within a document given ``documents``), shared by heads (and by
+        sequences without documents); the sink as in ``_fold_in_sink``.
         """
         seq, keys = q.shape[2], k.shape[2]
         if start == 0 and blocked_window(seq, self.window):
-            return self._blocked_window_attention(q, k, v)
+            return self._blocked_window_attention(q, k, v, None if documents is None else documents.ids)
         query_pos = torch.arange(start, start + seq, device=q.device)[:, None]
         key_pos = torch.arange(keys, device=q.device)[None, :]
-        allowed = key_pos <= query_pos  # [S, K]
-        if self.window is not None:
-            allowed &= key_pos > query_pos - self.window
+        allowed = key_pos <= query_pos if documents is None else documents.mask  # [S, K] or [B, 1, S, S]
+        if self.window is not None:  # a new tensor: the documents' mask is every layer's
+            allowed = allowed & (key_pos > query_pos - self.window)
         return self._attend(q, k, v, allowed)
 
-    def _blocked_window_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _blocked_window_attention(self, q: Tensor, k: Tensor, v: Tensor, ids: Tensor | None = None) -> Tensor:
         """Sliding-window attention that costs O(S · 2W) scores, not the O(S²/2) of a masked causal SDPA.
 
         The queries are cut into blocks of W (the window); the keys any query of block b can see lie in the
@@ -113,6 +126,10 @@ class Attention(nn.Module):
         with the blocks folded into the batch. One [W, 2W] mask pattern serves every block but the first,
         whose first W keys lie before position 0 (zero padding, masked). The sequence is padded to whole
         blocks; padded queries are dropped, and no real query sees a padded key (they come after it).
+        With document ``ids`` [B, S] a query also sees only the keys of its own document: the ids are cut into the
+        same blocks as the queries and keys. Padding takes id -1, never a real document's, and a padded query keeps
+        itself in view, so no row of the mask is empty (SDPA would give NaN there, and NaN times a zero gradient
+        still reaches the values' gradient).
         q [B, nh, S, hd], k and v [B, nkv, S, hd] -> [B, nh, S, hd].
         """
         batch, heads, seq, hd = q.shape
@@ -132,6 +149,10 @@ class Attention(nn.Module):
         pattern = (j <= i + window) & (j > i)  # causal and within the window: 0 <= query - key < W
         first = pattern & (j >= window)  # block 0: keys j < W are the padding before position 0
         allowed = torch.stack([first] + [pattern] * (blocks - 1)).repeat(batch, 1, 1)[:, None]  # [B·nb, 1, W, 2W]
+        if ids is not None:
+            query_ids = F.pad(ids, (0, pad), value=-1).view(batch * blocks, 1, window, 1)
+            key_ids = F.pad(ids, (window, pad), value=-1).unfold(1, 2 * window, window)  # [B, nb, 2W]
+            allowed = allowed & (query_ids == key_ids.reshape(batch * blocks, 1, 1, 2 * window))
         out = self._attend(q_blocks, key_blocks(k), key_blocks(v), allowed)
         out = out.reshape(batch, blocks, heads, window, hd).transpose(1, 2).reshape(batch, heads, blocks * window, hd)
         return out[:, :, :seq]
@@ -196,10 +217,13 @@ class Block(nn.Module):
     def feed_forward(self) -> nn.Module:
         return self.moe if self.moe is not None else self.ffn
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> Tensor:
         normed = self.attn_norm(x)
-        # the cache is passed only when there is one: tensor parallelism's input hooks count the arguments
-        x = _residual(x, self.attn(normed, cos, sin) if cache is None else self.attn(normed, cos, sin, cache))
+        # the cache is passed only when there is one, the documents by name: tensor parallelism's input hooks
+        # count the positional arguments
+        x = _residual(x, self.attn(normed, cos, sin, documents=documents) if cache is None
+                      else self.attn(normed, cos, sin, cache))
         return _residual(x, self.feed_forward(self.ffn_norm(x)))
 
 
@@ -269,21 +293,28 @@ class MoETransformer(nn.Module):
         for layer in self.moe_layers().values():
             layer.router.expert_bias.zero_()
 
-    def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, cache: KVCache | None = None, documents: Tensor | None = None) -> Tensor:
         """tokens: [B, S] int64 -> logits [B, S, V] (fp32 under autocast too).
 
         With ``cache`` (generation: ``inference/generate.py``) the tokens continue the cached positions, and their
         keys and values are added to it; the logits are those of the new positions only.
+        With ``documents`` ([B, S] document ids, ``moe.documents.document_ids``) each packed document is computed
+        as if alone: attention stays within it and positions restart at its start (``moe/documents.py``). A
+        pipeline stage after the first gets hidden states as ``tokens`` and the whole sequence's ids.
         """
         seq = tokens.shape[1] + (0 if cache is None else cache.length)
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.rope_cos.shape[0]}")
+        if documents is not None and (cache is not None or (self.mtp is not None and self.training)):
+            raise ValueError("document masking applies to training and evaluation windows; not to generation with a "
+                             "cache, nor to multi-token prediction (model.mtp_depth > 0)")
+        docs = None if documents is None else documents_of(documents, self.rope_cos, self.rope_sin)
         # attention takes the positions it needs from the full tables: under sequence parallelism the blocks
         # pass sequence shards between them and attention alone sees the whole sequence
         embedded = x = self.tok_embeddings(tokens)
         for name, block in self.layers.items():
-            x = block(x, self.rope_cos, self.rope_sin) if cache is None else block(x, self.rope_cos, self.rope_sin,
-                                                                                    cache.layer(name))
+            x = (block(x, self.rope_cos, self.rope_sin, documents=docs) if cache is None
+                 else block(x, self.rope_cos, self.rope_sin, cache.layer(name)))
         logits = self.output(self.norm(x)).float()
         if self.mtp is not None and self.training and cache is None:
             # the modules' mean loss, weighted, reaches backward through the logits (as the balancing losses do)

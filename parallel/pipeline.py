@@ -272,27 +272,31 @@ class PipelineModel:
     def eval(self) -> PipelineModel:
         return self.train(False)
 
-    def _run(self, inputs: Tensor, targets: Tensor, backward: bool) -> Tensor:
+    def _run(self, inputs: Tensor, targets: Tensor, backward: bool, documents: Tensor | None = None) -> Tensor:
         """Run the schedule on this rank's batch; the per-micro-batch losses (each / micro-batches), on every rank.
 
         Only the first stage reads the inputs and only the last the targets; the losses are
-        computed on the last stage and broadcast over the pipeline group.
+        computed on the last stage and broadcast over the pipeline group. ``documents`` (the batch's document ids,
+        ``MoETransformer.forward``) reach every stage: the schedule cuts keyword arguments into micro-batches and
+        passes them to each stage's forward, beside the hidden states it receives.
         """
         args = (inputs,) if self.is_first else ()
         target = targets if self.is_last else None
         losses: list[Tensor] = []
         run = self.schedule.step if backward else self.schedule.eval
+        by_name = {} if documents is None else {"documents": documents}
         with loss_context(self.vocab_parallel):
-            run(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
+            run(*args, target=target, losses=losses if self.is_last else None, return_outputs=False, **by_name)
         device = inputs.device
         out = (torch.stack([loss.detach() for loss in losses]).double() if self.is_last
                else torch.zeros(self.microbatches, dtype=torch.float64, device=device))
         dist.broadcast(out, group=self.pp_group, group_src=dist.get_world_size(self.pp_group) - 1)
         return out.cpu()
 
-    def step(self, inputs: Tensor, targets: Tensor,
-             grad_reduce: str = "step") -> tuple[Tensor, list[dict[int, RoutingStats]]]:
-        """Forward and backward over this rank's batch [B, S] in micro-batches.
+    def step(self, inputs: Tensor, targets: Tensor, grad_reduce: str = "step",
+             documents: Tensor | None = None) -> tuple[Tensor, list[dict[int, RoutingStats]]]:
+        """Forward and backward over this rank's batch [B, S] (and its document ids [B, S], if masked) in
+        micro-batches.
 
         Returns (mean LM loss of the batch, routing statistics of each micro-batch for this rank's
         MoE layers). Gradients are left in the parameters for the optimizer, reduced over the
@@ -302,13 +306,14 @@ class PipelineModel:
             stage.grad_reduce = grad_reduce
         for records in self._routing:
             records.clear()
-        losses = self._run(inputs, targets, backward=True)
+        losses = self._run(inputs, targets, backward=True, documents=documents)
         routing = [{i: s for records in self._routing for i, s in records[m].items()}
                    for m in range(self.microbatches)]
         return losses.sum(), routing
 
-    def eval_losses(self, batches: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
-        """Mean LM loss of each of ``batches`` (forward only), on every rank of the pipeline.
+    def eval_losses(self, batches: Sequence[tuple[Tensor, Tensor, Tensor | None]]) -> Tensor:
+        """Mean LM loss of each of ``batches`` (inputs, targets, document ids or None; forward only), on every rank
+        of the pipeline.
 
         Each batch is one micro-batch; they run ``microbatches`` at a time, the last group
         padded by repeating its last batch and the padding's losses left out.
@@ -318,9 +323,10 @@ class PipelineModel:
             group = list(batches[start:start + self.microbatches])
             real = len(group)
             group += [group[-1]] * (self.microbatches - real)
-            inputs = torch.cat([x for x, _ in group])
-            targets = torch.cat([y for _, y in group])
-            per_batch.append(self._run(inputs, targets, backward=False)[:real] * self.microbatches)
+            inputs, targets, documents = ([batch[i] for batch in group] for i in range(3))
+            documents = None if documents[0] is None else torch.cat(documents)
+            per_batch.append(self._run(torch.cat(inputs), torch.cat(targets), backward=False,
+                                       documents=documents)[:real] * self.microbatches)
         return torch.cat(per_batch)
 
 

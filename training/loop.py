@@ -26,7 +26,9 @@ from config.errors import ConfigError, DivergedError
 from config.run import RunConfig
 from data.cache import load_tokens
 from data.sampler import TokenSampler, eval_batches, split_tokens
+from data.tokenizer import document_end_token
 from moe.accounting import parameter_counts, training_flops_per_token
+from moe.documents import document_ids
 from moe.layer import RoutingStats
 from moe.transformer import MoETransformer
 from parallel import clip_grad_norm_, set_gradient_sync
@@ -117,31 +119,39 @@ class IntervalStats:
                 for i, name in enumerate(names) if totals[1, i] > 0}
 
 
+def batch_documents(tokens: torch.Tensor, end_id: int | None) -> torch.Tensor | None:
+    """The document ids of a batch [B, S] under ``data.document_mask`` (``end_id``: the token ending each
+    document, ``data.tokenizer.document_end_token``); None without it."""
+    return None if end_id is None else document_ids(tokens, end_id)
+
+
 @torch.no_grad()
 def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfig, micro: int, autocast,
              dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None,
-             mixture: bool = True) -> float:
+             mixture: bool = True, end_id: int | None = None) -> float:
     """Mean LM loss over the fixed validation set: ``train.eval_batches`` global batches.
 
     Each global batch (``train.global_batch_size`` sequences) is split over the data-parallel ranks
     and run in micro-batches, as in training, so every layout evaluates the same sequences. ``val_tokens`` is the
     split's tail, each source's of a mixture (drawn by weight), or a named validation set (``mixture=False``).
+    ``end_id``: documents masked as in training.
     """
     model.eval()
     device = next(model.parameters()).device
-    chunks = [(inputs[m:m + micro].to(device), targets[m:m + micro].to(device))
-              for inputs, targets in eval_batches(val_tokens, config.model.seq_len, config.train.global_batch_size,
-                                                  config.train.eval_batches, dp_rank, dp_size,
-                                                  [c.weight for c in config.data.corpora()]
-                                                  if config.data.sources and mixture else None)
-              for m in range(0, inputs.shape[0], micro)]
+    micro_batches = ((inputs[m:m + micro].to(device), targets[m:m + micro].to(device))
+                     for inputs, targets in eval_batches(val_tokens, config.model.seq_len,
+                                                         config.train.global_batch_size, config.train.eval_batches,
+                                                         dp_rank, dp_size, [c.weight for c in config.data.corpora()]
+                                                         if config.data.sources and mixture else None)
+                     for m in range(0, inputs.shape[0], micro))
+    chunks = [(x, y, batch_documents(x, end_id)) for x, y in micro_batches]
     if isinstance(model, PipelineModel):  # forward only, through the pipeline schedule
         total = model.eval_losses(chunks).sum()
     else:
         total = torch.zeros((), dtype=torch.float64)
-        for inputs, targets in chunks:
+        for inputs, targets, documents in chunks:
             with autocast(), loss_context(config.parallel.vocab_parallel):
-                total += lm_loss(model(inputs), targets).double().cpu()
+                total += lm_loss(model(inputs, documents=documents), targets).double().cpu()
     model.train()
     return float(all_reduce(total, dp_group)) / (len(chunks) * dp_size)
 
@@ -160,7 +170,7 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
                targets: torch.Tensor, micro: int, grad_clip: float, autocast, interval: IntervalStats,
                dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
                vocab_parallel: bool = False, grad_reduce: str = "step",
-               sources: np.ndarray | None = None) -> tuple[float, float]:
+               sources: np.ndarray | None = None, end_id: int | None = None) -> tuple[float, float]:
     """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
 
     ``vocab_parallel``: the model's logits are sharded over the vocabulary (``parallel/tensor.py``).
@@ -174,13 +184,15 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     ``sources`` (a mixture's source of each row, from ``TokenSampler.last_sources``): each source's loss over its
     rows is added to ``interval`` too, computed again from the same logits with no gradient (plain logits only: a
     vocabulary- or sequence-sharded DTensor, and the pipeline schedule, report the overall loss alone).
+    ``end_id``: the token ending each document, when ``data.document_mask`` masks them from each other.
     """
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
     step_loss, step_load, routing = torch.zeros((), dtype=torch.float64), {}, []
     step_mtp = None  # multi-token prediction's mean module loss over this rank's micro-batches
     if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
-        step_loss, routing = model.step(inputs.to(device), targets.to(device), grad_reduce)
+        step_loss, routing = model.step(inputs.to(device), targets.to(device), grad_reduce,
+                                        batch_documents(inputs.to(device), end_id))
     else:
         for m in range(accumulation):
             x = inputs[m * micro:(m + 1) * micro].to(device)
@@ -188,7 +200,7 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
             set_gradient_sync(model, grad_reduce, last=m == accumulation - 1)
             with loss_context(vocab_parallel):
                 with autocast():
-                    logits = model(x)
+                    logits = model(x, documents=batch_documents(x, end_id))
                     loss = lm_loss(logits, y)
                     if sources is not None and not isinstance(logits, DTensor):
                         _add_source_losses(interval, logits, y, sources[m * micro:(m + 1) * micro])
@@ -283,6 +295,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     failure = None  # every rank meets the same data: one says what is wrong with it
     try:
         corpora = config.data.corpora()
+        end_id = (document_end_token(config.data.tokenizer, config.data.document_end, config.model.vocab_size)
+                  if config.data.document_mask else None)
         splits = [split_tokens(load_tokens(c.path, config.data.cache_dir, config.model.vocab_size,
                                            config.data.tokenizer, c.text_key, config.data.skip, c.token_dtype,
                                            config.data.document_end, config.data.workers),
@@ -359,7 +373,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
                                           autocast, interval, dp_group, pp_group, config.parallel.vocab_parallel,
-                                          config.parallel.grad_reduce, sampler.last_sources)
+                                          config.parallel.grad_reduce, sampler.last_sources, end_id)
         stop = checkpoints.check_finite(step, step_loss, grad_norm, model, optimizer, sampler)
         if stop:
             logger.close()
@@ -385,16 +399,16 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
             summary["train/loss"] = record["train/loss"]
             interval = IntervalStats()
         if config.train.eval_interval and step % config.train.eval_interval == 0 and step != config.train.steps:
-            val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
+            val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group, end_id=end_id)
             named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group,
-                                             mixture=False) for name, tokens in named_val.items()}
+                                             mixture=False, end_id=end_id) for name, tokens in named_val.items()}
             logger.log(step, {"val/loss": val, **named})
             progress.message(f"step {step}: val loss {val:.4f}"
                              + "".join(f", {key[4:]} {value:.4f}" for key, value in named.items()))
         checkpoints.after_step(step, model, optimizer, sampler)
-    val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group)
-    named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group, mixture=False)
-             for name, tokens in named_val.items()}
+    val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group, end_id=end_id)
+    named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group, mixture=False,
+                                     end_id=end_id) for name, tokens in named_val.items()}
     logger.log(config.train.steps, {"val/loss": val, **named})
     stop = checkpoints.finish(config.train.steps, model, optimizer, sampler, val)  # saved only if val is finite
     if stop:

@@ -54,6 +54,11 @@ def test_a_yaml_path_works(tmp_path):
         (["checkpoint.interval=often"], r"checkpoint.interval: 'often' matches none of"),
         (["checkpoint.keep=0"], r"checkpoint.keep=0 must be >= 1"),
         (["train.max_bad_steps=0"], r"train.max_bad_steps must be >= 1"),
+        (["data.document_mask=true", "model.mtp_depth=1"], r"data.document_mask=true with model.mtp_depth=1: the "
+                                                            r"multi-token prediction modules do not take"),
+        (["data.document_mask=true", "data.source=ids.bin", "data.token_dtype=uint16"],
+         r"data.document_mask=true finds each document's end by its data.document_end token, which a pre-tokenised "
+         r".bin does not state"),
         (["train.steps"], r"must look like section.key=value"),
         (["train.steps.x=1"], r"'steps' is not a section"),
     ],

@@ -20,6 +20,7 @@ from config.errors import ConfigError
 from config.run import load_config
 from data import cache as token_cache
 from data.cache import load_tokens
+from data.tokenizer import document_end_token
 from data.tokenizer import main as tokenizer_cli
 from training.metrics import read_metrics
 
@@ -227,6 +228,26 @@ def test_the_run_config_holds_the_resolved_document_end(bpe_with_eos, bpe, corpu
     assert resolved(f"data.tokenizer={bpe_with_eos}", "model.vocab_size=600", "data.document_end=<|pad|>") == "<|pad|>"
     with pytest.raises(ConfigError, match="data.document_end is empty"):
         load_config("moe-8x", ["data.document_end="])
+
+
+def test_document_masking_needs_one_end_token_and_says_which_to_set(bpe_with_eos, bpe, corpus):
+    def masked(*settings: str) -> dict:
+        args = train.parse_args(["--config", "moe-8x-bpe", "--set", f"data.source={corpus}", "data.document_mask=true",
+                                 *settings])
+        return train.check(args)[0].to_dict()["data"]
+
+    eos = Tokenizer.from_file(str(bpe_with_eos)).token_to_id("<|endoftext|>")
+    assert document_end_token(str(bpe_with_eos), "auto") == eos
+    # the run's config holds the setting
+    assert masked(f"data.tokenizer={bpe_with_eos}", "model.vocab_size=600")["document_mask"] is True
+    assert document_end_token("bytes", "\x1e") == 0x1E
+    assert masked("data.tokenizer=bytes", "model.vocab_size=512", 'data.document_end="\\x1e"')["document_end"] == "\x1e"
+    with pytest.raises(ConfigError, match=r"'\\n\\n' is 2 bytes with data.tokenizer='bytes'; set data.document_end "
+                                          r"to one character that no document holds, such as \"\\x1e\""):
+        masked("data.tokenizer=bytes", "model.vocab_size=512")
+    with pytest.raises(ConfigError, match="is a text, not one of its added tokens .* set data.document_end to an added "
+                                          "token"):  # a text end of a tokenizer.json can merge with the text before it
+        masked(f"data.tokenizer={bpe}", "model.vocab_size=512")
 
 
 # --- several workers (issue 25 §4) ----------------------------------------------------------------------------------

@@ -7,6 +7,11 @@ the code ``train.py`` runs.
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import string
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,6 +30,24 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_le
         "moe.num_experts=4", "moe.expert_hidden=32", "train.global_batch_size=8",
         "train.warmup_steps=2", "train.lr=1e-2", "train.precision=fp32", "train.eval_interval=0",
         "train.eval_batches=2", "logging.wandb=disabled", "logging.log_interval=1", "logging.progress=lines"]
+
+
+def documents_corpus() -> Path:
+    """A jsonl corpus of short documents (3 to 30 characters: about two end in each 32-token window), the same
+    file on every call; written once, atomically, so concurrent test runs share it."""
+    path = Path(tempfile.gettempdir()) / "moe-parity-documents-v1.jsonl"
+    if not path.exists():
+        words = random.Random(0)
+        lines = [json.dumps({"text": "".join(words.choices(string.ascii_lowercase + " .", k=words.randint(3, 30)))})
+                 for _ in range(1500)]
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    return path
+
+
+# Packed documents masked from each other, each ended by one byte (data.document_end) that no document holds.
+DOCUMENT_MASK = ["data.document_mask=true", 'data.document_end="\\x1e"', f"data.source={documents_corpus()}"]
 
 
 def full_state(model) -> dict[str, torch.Tensor]:

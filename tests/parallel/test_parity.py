@@ -16,7 +16,7 @@ import torch
 
 from config.parallel import DEGREES
 from parallel.groups import Layout
-from tests.parallel.parity import run
+from tests.parallel.parity import DOCUMENT_MASK, run
 from training.metrics import read_metrics
 
 STEPS = 5
@@ -101,6 +101,12 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # pipeline stages (a sliding layer, then a full one)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *GPT_OSS, *MUON], 2, "1.25", id="ep=2-gpt-oss-muon"),
     pytest.param(["parallel.pp=2", *GPT_OSS, *MUON], 2, "null", id="pp=2-gpt-oss-muon"),
+    # packed documents masked from each other (data.document_mask): GPT-OSS's sinks split by heads and its blocked
+    # window masked by document, on sequence slices; and latent attention in two pipeline stages, each given the
+    # batch's document ids by the schedule
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *GPT_OSS, *DOCUMENT_MASK], 2, "1.25",
+                 id="tp=2-sequence_parallel-gpt-oss-document_mask"),
+    pytest.param(["parallel.pp=2", *DEEPSEEK_V3, *DOCUMENT_MASK], 2, "null", id="pp=2-deepseek-v3-document_mask"),
     # expert tensor parallelism: each expert's hidden dim split over etp ranks inside the tp group
     pytest.param(["parallel.tp=2", "parallel.etp=2", *MUON], 2, "1.25", id="tp=2xetp=2-muon"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2"], 4, "null", id="dp_shard=2xtp=2xetp=2"),
