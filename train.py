@@ -38,6 +38,7 @@ from parallel.hardware import check_hardware, choose_precision, keep_freed_memor
 from parallel.layout import ResolvedLayout, resolve_layout
 from parallel.runtime import exit_process, init_runtime, launch_environment, local_device, shutdown_runtime
 from training.loop import train
+from training.metrics import check_loggers
 
 # How long a worker other than its node's first waits before exiting with an error that every rank found before the
 # job was joined (see main's report); torchrun ends it sooner, when the first rank has exited.
@@ -110,6 +111,7 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
         raise ConfigError(f"--world-size must be at least 1, got {world_size}")
     resolved = resolve_layout(config, world_size)
     if not args.dry_run:  # a dry run reads no data and plans for any hardware
+        check_loggers(config.logging.tensorboard)
         resolved_end = config.data.document_end  # "auto" resolved against the tokenizer (a .bin has none)
         for corpus in config.data.corpora() + config.data.validation_sets():
             skipped, end = check_source(corpus.path, config.data.tokenizer, config.model.vocab_size,
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (" per rank of each pipeline stage" if len(needs) > 1 else " per rank")
                       + f" ({precision.precision}; the run logs perf/memory_peak_gib to compare)", file=sys.stderr)
             train(config, run_dir, runtime, groups, resume=args.resume, init_weights=init_weights,
-                  resolved=resolved, precision=precision)
+                  resolved=resolved, precision=precision, memory_predicted=needs)
         finally:
             shutdown_runtime()
         return 0

@@ -53,6 +53,7 @@ import math
 import sys
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -61,6 +62,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from analysis.memory_activations import compute_copy_bytes, in_flight, micro_batch_activations
+from analysis.memory_plot import check_plot_path, save_png, sweep_figure
 from analysis.memory_states import (
     FP32,
     ModelStates,
@@ -72,6 +74,7 @@ from analysis.memory_states import (
 )
 from config.cli import (
     add_config_arguments,
+    add_overwrite,
     add_world_size,
     command_parser,
     load_config_from,
@@ -317,20 +320,27 @@ def sweep_experts(config_name: str, overrides: list[str], world_size: int, preci
     return out
 
 
+def sweep_components(e: MemoryEstimate) -> dict[str, int]:
+    """The sweep's split of one rank's peak, in bytes, summing to ``e.total``: bf16 weight copies are weights in
+    size but held per micro-batch like activations, so they are a component of their own."""
+    autocast_copies = e.activations.get("bf16 weight copies", 0)
+    return {"model states": e.states.total, "FSDP gathered": e.gathered, "unsharded grads held": e.accumulated_grads,
+            "bf16 weight copies": autocast_copies + e.compute_copies,
+            "activations (+ logits)": e.activation_total - autocast_copies + e.logits_buffer}
+
+
 def format_sweep(rows: list[tuple[int, MemoryEstimate]], device_gib: float) -> str:
-    """One line per expert count; bf16 weight copies are weights in size but held per micro-batch like activations."""
+    """One line per expert count, ``sweep_components``' columns."""
     lines = ["experts  parameters  model states  FSDP gathered    unsharded  bf16 weight  activations        total  "
              "activ.  fits",
              "           (model)     (per rank)     (per rank)  grads held       copies  (+ logits)   (per rank)   "
              "share"]
     for experts, e in rows:
-        autocast_copies = e.activations.get("bf16 weight copies", 0)
-        copies = autocast_copies + e.compute_copies
-        activations = e.activation_total - autocast_copies + e.logits_buffer
+        parts = list(sweep_components(e).values())
         fits = "yes" if e.total <= device_gib * GIB else "no"
-        lines.append(f"{experts:>7}  {_count(e.parameters):>10}  {_size(e.states.total):>12}  {_size(e.gathered):>13}  "
-                     f"{_size(e.accumulated_grads):>11}  {_size(copies):>11}  {_size(activations):>11}  "
-                     f"{_size(e.total):>11}  {100 * activations / e.total:>5.0f}%  {fits:>4}")
+        lines.append(f"{experts:>7}  {_count(e.parameters):>10}  {_size(parts[0]):>12}  {_size(parts[1]):>13}  "
+                     f"{_size(parts[2]):>11}  {_size(parts[3]):>11}  {_size(parts[4]):>11}  "
+                     f"{_size(e.total):>11}  {100 * parts[4] / e.total:>5.0f}%  {fits:>4}")
     return "\n".join(lines)
 
 
@@ -344,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory of one device, GiB (default 80)")
     parser.add_argument("--sweep-experts", default=None, metavar="E1,E2,...",
                         help="print how the footprint shifts from activations to weights as moe.num_experts grows")
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                        help="with --sweep-experts: also draw the sweep, one stacked bar per expert count and a "
+                             "colour per component (needs matplotlib)")
+    add_overwrite(parser)
     args = parser.parse_args(argv)
     return run_command(lambda: _estimate_command(args))
 
@@ -353,6 +367,10 @@ def _estimate_command(args) -> None:
     if not 0 < args.device_memory < math.inf:  # NaN fails this too
         raise ConfigError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
     world_size_of(args)
+    if args.plot is not None:
+        if not args.sweep_experts:
+            raise ConfigError("--plot draws the expert sweep: give --sweep-experts E1,E2,... with it")
+        check_plot_path(args.plot, args.overwrite)
     config = load_config_from(args)
     precision = args.precision or planned_precision(config.train.precision)
     if args.sweep_experts:
@@ -371,6 +389,11 @@ def _estimate_command(args) -> None:
         print(f"{config.name}: {args.world_size} rank(s), {layout.degrees()}; {precision}; the largest "
               f"pipeline rank as moe.num_experts grows (layout, top_k and expert_hidden fixed)")
         print(format_sweep(rows, args.device_memory))
+        if args.plot is not None:
+            title = f"{config.name} on {args.world_size} rank(s) in {precision}: memory per rank\n{layout.degrees()}"
+            save_png(sweep_figure([(experts, sweep_components(e)) for experts, e in rows], args.device_memory,
+                                  title), args.plot)
+            print(f"figure: {args.plot}")
         return
     layout = resolve_layout(config, args.world_size)[0]
     estimates = [estimate(config, args.world_size, precision, r) for r in range(layout.pp)]

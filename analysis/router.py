@@ -244,7 +244,9 @@ def probe_run(run_dir: Path | str, load_weights: StateDictLoader | None, tokens:
     if config.model.n_moe_layers == 0:
         raise ValueError(f"{run_dir} trained a dense model (model.moe_every=0): there is no routing to probe")
     tokens = heldout_tokens(config, count) if tokens is None else np.asarray(tokens, dtype=np.int64)
-    return probe(build_model(config, load_weights), tokens, config.model.seq_len)
+    result = probe(build_model(config, load_weights), tokens, config.model.seq_len)
+    result.initial_weights = load_weights is None
+    return result
 
 
 def specialisation_lines(result: ProbeResult, layer: int, byte_level: bool = True) -> list[str]:

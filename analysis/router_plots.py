@@ -92,6 +92,9 @@ def specialisation_figure(result: ProbeResult) -> Figure:
         ax.set_title(f"layer {layer}")
         ax.set_ylabel("expert")
     fig.colorbar(image, ax=axes, label="log2(share at expert / share in text)")
+    if result.initial_weights:  # random routers also favour some categories; said where the eye lands first
+        fig.suptitle("RANDOM INITIAL WEIGHTS (no checkpoint): routing before any training, not learned "
+                     "specialisation", color="tab:red", fontweight="bold")
     return fig
 
 

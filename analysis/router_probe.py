@@ -71,13 +71,17 @@ class ProbeResult:
     expert_ids: dict[int, np.ndarray]  # layer -> [N, k]
     weights: dict[int, np.ndarray]  # layer -> [N, k]
     num_experts: int
+    # the model's weights were its untrained initial ones (no checkpoint given): figures must say so on their face,
+    # since random routers show "specialisation" too, and it means nothing
+    initial_weights: bool = False
 
     @property
     def layers(self) -> list[int]:
         return sorted(self.expert_ids)
 
     def save(self, path: Path | str) -> None:
-        arrays = {"tokens": self.tokens, "num_experts": np.array(self.num_experts)}
+        arrays = {"tokens": self.tokens, "num_experts": np.array(self.num_experts),
+                  "initial_weights": np.array(self.initial_weights)}
         for layer in self.layers:
             arrays[f"expert_ids_{layer}"] = self.expert_ids[layer]
             arrays[f"weights_{layer}"] = self.weights[layer]
@@ -90,7 +94,8 @@ class ProbeResult:
             layers = sorted(int(k.rsplit("_", 1)[1]) for k in data.files if k.startswith("expert_ids_"))
             return cls(tokens=data["tokens"], num_experts=int(data["num_experts"]),
                        expert_ids={i: data[f"expert_ids_{i}"] for i in layers},
-                       weights={i: data[f"weights_{i}"] for i in layers})
+                       weights={i: data[f"weights_{i}"] for i in layers},
+                       initial_weights="initial_weights" in data.files and bool(data["initial_weights"]))
 
 
 @torch.no_grad()

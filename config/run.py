@@ -201,6 +201,11 @@ class LoggingConfig:
     wandb: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "moe-toolkit"
     router_charts_every: int = 5  # log intervals between wandb expert-load charts (and the last); 0 = never
+    # the same scalars as TensorBoard event files in run_dir/tensorboard (needs the tensorboard package)
+    tensorboard: bool = False
+    # PNGs of loss, throughput, peak memory per rank and routing imbalance in run_dir/plots at the end of the run
+    # (needs matplotlib; without it the run says so once and writes none)
+    plots: bool = True
 
     def validate(self) -> None:
         require(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}")

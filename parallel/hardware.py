@@ -160,9 +160,11 @@ def memory_per_rank(device: torch.device, peak: bool = True) -> list[int]:
     if not (dist.is_available() and dist.is_initialized()):
         return [mine]
     local = torch.tensor([mine], dtype=torch.int64, device=device)  # NCCL takes device tensors
-    every = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, local)
-    return every.tolist()
+    # all_gather into a list: torch 2.13 deprecates all_gather_into_tensor with a FutureWarning that every rank
+    # printed at every log line, and its replacement does not exist in the older torch that pyproject allows
+    every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, local)
+    return [int(value) for value in every]
 
 
 def check_hardware(config, device_type: str) -> None:

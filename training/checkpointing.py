@@ -286,6 +286,22 @@ class Checkpointer:
         return (f"No checkpoint of a good state was saved; start again with {lr}, with --resume none (this run's "
                 "files are moved aside) or another --run-dir")
 
+    def plan(self) -> str:
+        """When this run saves, and where, for the start-up banner."""
+        if not self.policy.enabled:
+            return "checkpoints: none (checkpoint.interval=null, checkpoint.final=false): nothing will be saved"
+        when = []
+        if isinstance(self.policy.interval, int):
+            when.append(f"every {self.policy.interval} steps")
+        elif self.auto is not None:
+            when.append(f"at the Young/Daly interval (checkpoint.interval=auto: from the measured save time and "
+                        f"an MTBF of {self.policy.mtbf_hours:g} h; the first save after step 1 measures it)")
+        if self.policy.interval_minutes is not None:
+            when.append(f"every {self.policy.interval_minutes:g} minutes")
+        if self.policy.final:
+            when.append("at the end")
+        return f"checkpoints: {' and '.join(when)}, in {self.root} (the newest {self.policy.keep} kept)"
+
     def _due(self, step: int) -> bool:
         """Whether the policy asks for a save after ``step``; the same answer on every rank."""
         interval, minutes = self.policy.interval, self.policy.interval_minutes

@@ -41,14 +41,16 @@ from parallel.materialize import InitialWeights
 from parallel.pipeline import PipelineModel
 from parallel.runtime import Runtime
 from parallel.tensor import lm_loss, loss_context
+from training.banner import describe_sources, finished_run_note, plan_lines
 from training.checkpointing import Checkpointer
 from training.metrics import MetricsLogger
-from training.optim import build_optimizer, learning_rate, warmup_note
+from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
 from training.resume import checkpoint_root
 from training.routing_log import RoutingLog
 from training.routing_stats import IntervalRouting, RoutingAccumulator, balancing_biases, routing_metrics
 from training.run_dir import first_failure_verdict, hold_run_dir, rank0_verdict
+from training.run_plots import write_run_plots
 
 
 class NonFiniteLossError(DivergedError):
@@ -156,16 +158,6 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
     return float(all_reduce(total, dp_group)) / (len(chunks) * dp_size)
 
 
-def describe_sources(config: RunConfig, sampler: TokenSampler) -> str:
-    """The source, or each source of a mixture with its weight and the share the schedule realises for it."""
-    if not sampler.mixture:
-        return config.data.source
-    total = sum(sampler.weights)
-    return "mixture of " + ", ".join(
-        f"{name} (weight {weight / total:.4f}, realised {share:.4f})"
-        for name, weight, share in zip(sampler.names, sampler.weights, sampler.schedule.proportions, strict=True))
-
-
 def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, micro: int, grad_clip: float, autocast, interval: IntervalStats,
                dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
@@ -252,22 +244,13 @@ class RunResult:
     optimizer: torch.optim.Optimizer | None = None  # its optimizer, with the state a checkpoint would hold
 
 
-def finished_run_note(config: RunConfig, run_dir: Path, checkpoint_folder: Path, step: int) -> str:
-    """What a run started again after it finished says instead of training: nothing is left to do, so it is not
-    an error (``make train`` twice succeeds), but the person learns how to train on, start over, or use the model."""
-    return (f"run '{config.name}' in {run_dir} is complete: its checkpoint in {checkpoint_folder} is at step {step} "
-            f"of train.steps={config.train.steps}, so there is nothing to train. To train on, run the same command "
-            f"with --set train.steps=N (N > {step}; the learning-rate schedule is stretched to N); to start over, "
-            f"use another --run-dir (or move {checkpoint_folder} away). The model: moe-generate {run_dir} "
-            f"--prompt TEXT, moe-evaluate {run_dir} --text FILE, moe-export {checkpoint_folder} model.safetensors")
-
-
 def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups, resume: str = "auto",
           init_weights: InitialWeights | None = None, resolved: ResolvedLayout | None = None,
-          precision: PrecisionChoice | None = None) -> RunResult:
+          precision: PrecisionChoice | None = None, memory_predicted: list[int] | None = None) -> RunResult:
     """Train ``config`` in ``run_dir`` under ``groups``' layout, resuming as ``resume`` says (``Checkpointer``)
-    or starting from ``init_weights``. The run holds ``run_dir`` while it lives (``training/run_dir.py``: a second
-    run there is refused, and a new run never mixes with an old one).
+    or starting from ``init_weights``. ``memory_predicted``: the memory model's bytes per rank of each pipeline
+    stage, reported beside the measured peak. The run holds ``run_dir`` while it lives (``training/run_dir.py``: a
+    second run there is refused, and a new run never mixes with an old one).
 
     ``resolved`` (the layout with its batch split) and ``precision`` are what ``train.py`` resolved once at
     start and checked the memory with; a caller without them (the tests, with groups of any layout) has them
@@ -277,11 +260,12 @@ def train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGr
     resolved = resolved or ResolvedLayout(layout, *micro_batching(config, layout.dp, layout.pp))
     precision = precision or choose_precision(config.train.precision, runtime.device)
     with hold_run_dir(run_dir, runtime, checkpoint_root(config, run_dir), resume, config.checkpoint.enabled):
-        return _train(config, run_dir, runtime, groups, resume, init_weights, resolved, precision)
+        return _train(config, run_dir, runtime, groups, resume, init_weights, resolved, precision, memory_predicted)
 
 
 def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelGroups, resume: str,
-           init_weights: InitialWeights | None, resolved: ResolvedLayout, precision: PrecisionChoice) -> RunResult:
+           init_weights: InitialWeights | None, resolved: ResolvedLayout, precision: PrecisionChoice,
+           memory_predicted: list[int] | None) -> RunResult:
     device = runtime.device
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
     dp_group = groups.group("dp") if dp_size > 1 else None
@@ -340,7 +324,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         try:
             write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
             logger = MetricsLogger(run_dir, resolved, config.name, config.logging.wandb,
-                                   config.logging.wandb_project)
+                                   config.logging.wandb_project, tensorboard=config.logging.tensorboard,
+                                   purge_step=first_step if first_step > 1 else None)
         except ConfigError as exc:  # wandb could not start
             error = exc
     rank0_verdict(runtime, error)
@@ -357,12 +342,12 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {dp_size} rank(s) x "
         f"{accumulation} micro-batch(es) of {micro}")
     say(f"precision: {precision.precision} on {device} ({precision.reason})")
-    if (note := warmup_note(config.train)) is not None:
-        say(note)
+    for line in plan_lines(config, run_dir, first_step, checkpoints.plan(), logger.destinations):
+        say(line)
     if isinstance(model, PipelineModel):
         say(model.describe())
 
-    progress = Progress(config.train.steps, config.logging.progress,
+    progress = Progress(config.train.steps, config.logging.progress, start_step=first_step - 1,
                         stream=sys.stderr if runtime.is_main else open(os.devnull, "w"))  # noqa: SIM115
     interval, start, total_tokens = IntervalStats(), time.perf_counter(), 0
     summary: dict[str, float] = {}
@@ -420,7 +405,17 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
                     "steps": config.train.steps, "precision": precision.precision,
                     "perf/memory_peak_gib": max(peaks), "perf/memory_peak_gib_per_rank": peaks,
                     "perf/memory_before_model_gib_per_rank": [held / 2**30 for held in before_model]})
+    if memory_predicted:
+        summary["perf/memory_predicted_gib"] = max(memory_predicted) / 2**30
     logger.summary(summary)
+    files: dict[str, Path] = {**logger.destinations, **({"checkpoints": checkpoints.root}
+                                                         if checkpoints.policy.enabled else {})}
     logger.close()
-    progress.close(summary)
+    if runtime.is_main and config.logging.plots:
+        plots = write_run_plots(run_dir, config.name)
+        if isinstance(plots, str):
+            say(plots)
+        else:
+            files["plots"] = run_dir / "plots"
+    progress.close(summary, files, run_dir)
     return RunResult(summary, model, optimizer)

@@ -1,4 +1,4 @@
-"""Where a run's metrics go: ``metrics.jsonl`` and ``summary.json`` in the run directory, and wandb.
+"""Where a run's metrics go: ``metrics.jsonl`` and ``summary.json`` in the run directory, wandb, and TensorBoard.
 
 Only rank 0 writes; other ranks build the logger with ``enabled=False`` and every method is a no-op,
 so the training loop calls it unconditionally.
@@ -18,10 +18,16 @@ reads); :func:`read_metrics` turns them back into floats.
 In wandb a list value under key ``k`` becomes one scalar per element under ``k/{j}``
 (``router/layer0/load/3``), so wandb draws one line per expert. wandb drops records whose step is
 lower than one already logged, so log steps in increasing order (several calls at one step are fine).
+
+TensorBoard (``logging.tensorboard``, for a cluster or laptop where wandb is not wanted) gets the same
+scalars, lists expanded the same way, as event files in ``run_dir/tensorboard``. A resumed run opens its
+writer with ``purge_step`` at its first step, so TensorBoard drops what the crashed session logged after
+the checkpoint, as ``rewind_logs`` does for metrics.jsonl.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -43,6 +49,15 @@ class LogWriteError(UserError):
 
 WANDB_MODES = ("offline", "online", "disabled")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+TENSORBOARD_DIR = "tensorboard"
+
+
+def check_loggers(tensorboard: bool) -> None:
+    """Refuse, before any work, a logger whose package is missing (``logging.tensorboard`` without tensorboard)."""
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard=true needs the tensorboard package, which is not installed: "
+                          "pip install tensorboard (or the project's tensorboard extra), or set "
+                          "logging.tensorboard=false")
 
 
 def _plain(value: Any) -> Any:
@@ -87,7 +102,8 @@ def _wandb_scalars(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 class MetricsLogger:
-    """Appends metrics to ``run_dir/metrics.jsonl`` and sends them to wandb unless its mode is "disabled"."""
+    """Appends metrics to ``run_dir/metrics.jsonl``, sends them to wandb unless its mode is "disabled", and to
+    TensorBoard when ``tensorboard`` (``purge_step``: the first step of a resumed session)."""
 
     def __init__(
         self,
@@ -97,6 +113,8 @@ class MetricsLogger:
         wandb_mode: str,
         wandb_project: str,
         enabled: bool = True,
+        tensorboard: bool = False,
+        purge_step: int | None = None,
     ) -> None:
         if wandb_mode not in WANDB_MODES:
             raise ValueError(
@@ -106,17 +124,22 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self._file = None
         self._run = None
+        self._tensorboard = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        if wandb_mode != "disabled":
-            try:
+        try:
+            if wandb_mode != "disabled":
                 self._run = self._start_wandb(config, run_name, wandb_mode, wandb_project)
-            except Exception:
-                self._file.close()
-                self._file = None
-                raise
+            if tensorboard:
+                check_loggers(tensorboard)
+                from torch.utils.tensorboard import SummaryWriter  # a second to import: only when asked for
+
+                self._tensorboard = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=purge_step)
+        except Exception:
+            self.close()
+            raise
 
     def _start_wandb(self, config: dict, run_name: str, mode: str, project: str) -> Any:
         import wandb  # imported here: it takes about a second and disabled runs never need it
@@ -153,6 +176,23 @@ class MetricsLogger:
             raise LogWriteError(self.run_dir / "metrics.jsonl", step, exc) from exc
         if self._run is not None:
             self._run.log(_wandb_scalars(plain), step=int(step))
+        if self._tensorboard is not None:
+            for key, value in _wandb_scalars(plain).items():
+                if isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(key, value, int(step))
+            self._tensorboard.flush()  # a crash loses nothing logged, as metrics.jsonl's flush
+
+    @property
+    def destinations(self) -> dict[str, Path]:
+        """Where this logger writes, by name, for the run's closing table (empty on other ranks)."""
+        if not self.enabled:
+            return {}
+        found = {"metrics": self.run_dir / "metrics.jsonl", "summary": self.run_dir / "summary.json"}
+        if self._tensorboard is not None:
+            found["tensorboard"] = self.run_dir / TENSORBOARD_DIR
+        if self._run is not None:
+            found["wandb"] = Path(self._run.dir).parent
+        return found
 
     @property
     def uses_wandb(self) -> bool:
@@ -186,6 +226,9 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._run is not None:
             run, self._run = self._run, None
             run.finish()

@@ -95,6 +95,15 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio")
 
 
+def schedule_summary(config: TrainConfig) -> str:
+    """The learning-rate curve in one phrase, for the start-up banner (``learning_rate``'s key points)."""
+    warmup = min(config.warmup_steps, config.steps)
+    if warmup >= config.steps:
+        return f"lr rising linearly to {config.lr:.3g} over all {config.steps} steps (warmup is the whole run)"
+    rise = f"linear warmup to {config.lr:.3g} over {warmup} steps, then " if warmup else f"lr {config.lr:.3g}, "
+    return f"{rise}cosine decay to {learning_rate(config.steps, config):.3g} at step {config.steps}"
+
+
 def warmup_note(config: TrainConfig) -> str | None:
     """What a run whose warmup is longer than the run does, said at its start (``learning_rate`` warms it up
     over all its steps: it never reaches ``train.lr`` until its last step, and never decays)."""

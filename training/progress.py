@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
 PROGRESS_MODES = ("auto", "bar", "lines")
@@ -23,12 +24,17 @@ MAX_COLUMNS = 100
 BAR_WIDTH = 24
 TICK_INTERVAL_S = 0.25  # bar redraws from tick() at most this often
 
-# Summary keys printed with a readable label, in this order; any other key is printed by its name.
+# The closing table's rows: summary key -> label, in this order; other val/<name> keys follow under their names.
+# Keys said elsewhere (steps and time in the "done" line, the peak's maximum in its per-rank row) are left out.
 _SUMMARY_LABELS = {
-    "train/loss": "final train loss",
-    "val/loss": "final val loss",
-    "perf/tokens_per_s": "mean tokens/s",
+    "train/loss": "train loss",
+    "val/loss": "val loss",
+    "perf/tokens_per_s": "throughput",
+    "perf/memory_peak_gib_per_rank": "peak memory",
+    "precision": "precision",
 }
+_SAID_ELSEWHERE = {"steps", "trained_steps", "time_s", "perf/memory_peak_gib", "perf/memory_before_model_gib_per_rank",
+                   "perf/memory_predicted_gib"}
 
 
 def format_duration(seconds: float) -> str:
@@ -191,27 +197,68 @@ class Progress:
             self.stream.write(text + "\n")
             self.stream.flush()
 
-    def close(self, summary: dict[str, Any] | None = None) -> None:
-        """End the bar line and print a summary: time, steps, and whatever final values ``summary`` holds."""
+    def close(self, summary: dict[str, Any] | None = None, files: dict[str, Path] | None = None,
+              run_dir: Path | None = None) -> None:
+        """End the bar line and print the closing table: the steps this session trained (of the run's total),
+        its time, the final figures in ``summary``, and ``files`` (label -> path, shown relative to ``run_dir``
+        when inside it)."""
         if self._closed:
             return
         self._closed = True
         now = self.clock()
         if self.mode == "bar" and self._drawn_width:
             self.stream.write("\n")
-        elapsed = now - self._start_time
-        lines = [f"done: {self._step - self._start_step} steps in {format_duration(elapsed)}"]
-        summary = dict(summary or {})
-        keys = [k for k in _SUMMARY_LABELS if k in summary] + [k for k in summary if k not in _SUMMARY_LABELS]
-        for key in keys:
-            lines.append(f"  {_SUMMARY_LABELS.get(key, key):<18} {self._format_value(key, summary[key])}")
+        trained = self._step - self._start_step
+        span = f" ({self._start_step + 1}-{self._step} of {self.total_steps})" if self._start_step else ""
+        lines = [f"done: {trained} steps{span} in {format_duration(now - self._start_time)}"]
+        lines += [f"  {label:<14} {value}" for label, value in summary_rows(summary or {})]
+        if files:
+            lines.append(f"files in {run_dir}:" if run_dir else "files:")
+            lines += [f"  {label:<14} {_relative(Path(path), run_dir)}" for label, path in files.items()]
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
 
-    @staticmethod
-    def _format_value(key: str, value: Any) -> str:
+
+def _relative(path: Path, run_dir: Path | None) -> str:
+    """A folder ends with "/"; inside ``run_dir`` the path is shown relative to it."""
+    shown = path.relative_to(run_dir) if run_dir is not None and path.is_relative_to(run_dir) else path
+    return f"{shown}/" if path.is_dir() else str(shown)
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The closing table's (label, text) rows: known keys first, with units; lists summarised, never dumped."""
+    keys = [k for k in _SUMMARY_LABELS if k in summary]
+    keys += [k for k in summary if k not in _SUMMARY_LABELS and k not in _SAID_ELSEWHERE]
+    rows = []
+    for key in keys:
+        value = summary[key]
         if key == "perf/tokens_per_s":
-            return format_count(float(value))
-        if isinstance(value, float):
-            return f"{value:.4g}"
-        return str(value)
+            text = f"{format_count(float(value))} tokens/s (mean of this session)"
+        elif key == "perf/memory_peak_gib_per_rank":
+            text = _memory_text(value, summary)
+        elif key == "train/loss":
+            text = f"{value:.4f} (mean of the last log interval)"
+        elif isinstance(value, list):
+            text = f"{len(value)} values, {min(value):.4g} to {max(value):.4g}" if value else "none"
+        else:
+            text = f"{value:.4f}" if key.startswith("val/") and isinstance(value, float) else _number(value)
+        rows.append((_SUMMARY_LABELS.get(key, key), text))
+    return rows
+
+
+def _memory_text(peaks: list[float], summary: dict[str, Any]) -> str:
+    """``0.79 GiB (0.33 GiB of it before the model; memory model 0.80 GiB)``, as a range over several ranks."""
+    before = summary.get("perf/memory_before_model_gib_per_rank") or []
+    text = (f"{peaks[0]:.2f} GiB" if len(peaks) == 1 else
+            f"{min(peaks):.2f}-{max(peaks):.2f} GiB per rank over {len(peaks)} ranks")
+    notes = []
+    if before:
+        held = f"{before[0]:.2f}" if len(before) == 1 else f"{min(before):.2f}-{max(before):.2f}"
+        notes.append(f"{held} GiB of it held before the model")
+    if isinstance(summary.get("perf/memory_predicted_gib"), (int, float)):
+        notes.append(f"memory model {summary['perf/memory_predicted_gib']:.2f} GiB")
+    return text + (f" ({'; '.join(notes)})" if notes else "")

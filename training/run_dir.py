@@ -42,7 +42,8 @@ from parallel.runtime import Runtime
 LOCK = "run.lock"
 OWNER = "owner.txt"  # in a checkpoint.dir outside its run directory: that run directory's resolved path
 # What a run writes into its directory besides its checkpoints (training/loop.py, metrics.py, routing_stats.py).
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "resume_changes.yaml", "routing", "wandb")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "resume_changes.yaml", "routing", "wandb", "tensorboard",
+             "plots")
 REPLACED = "replaced"
 
 

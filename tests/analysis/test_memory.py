@@ -260,12 +260,29 @@ def test_cli_prints_a_table_with_a_verdict(argv, capsys):
     assert "weights: routed experts" in out and "\ntotal" in out and "in 80 GiB" in out
 
 
-def test_expert_sweep_shifts_the_footprint_from_activations_to_weights(capsys):
-    assert memory.main(["--config", "moe-8x", "--precision", "fp32", "--sweep-experts", "8,32,128"]) == 0
+def test_expert_sweep_shifts_the_footprint_from_activations_to_weights(capsys, tmp_path):
+    plot = tmp_path / "sweep.png"
+    argv = ["--config", "moe-8x", "--precision", "fp32", "--sweep-experts", "8,32,128", "--plot", str(plot)]
+    assert memory.main(argv) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[0].isdigit()]
     assert [row[0] for row in rows] == ["8", "32", "128"]
     shares = [float(row[-2].rstrip("%")) for row in rows]
     assert shares[0] > shares[1] > shares[2]
+    from PIL import Image
+    with Image.open(plot) as image:
+        image.verify()
+        assert image.format == "PNG"
+    assert memory.main(argv) == 2 and "pass --overwrite" in capsys.readouterr().err  # never replaced unasked
+    assert memory.main([*argv[:-2], "--plot", str(tmp_path / "sweep.jpg")]) == 2
+    # the figure's stacked bars are the table's components, and they add up to each rank's total
+    from analysis.memory_plot import sweep_figure
+    sweep = memory.sweep_experts("moe-8x", [], 1, "fp32", [8, 32])
+    fig = sweep_figure([(experts, memory.sweep_components(e)) for experts, e in sweep], 80.0, "t")
+    bars = fig.axes[0].patches  # component by component, each over the expert counts
+    for i, (_, e) in enumerate(sweep):
+        heights = [bar.get_height() for bar in bars[i::len(sweep)]]
+        assert heights == pytest.approx([part / 2**30 for part in memory.sweep_components(e).values()])
+        assert sum(heights) == pytest.approx(e.total / 2**30)
 
 
 # ---------------------------------------------------------------------------

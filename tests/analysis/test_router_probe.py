@@ -162,6 +162,13 @@ def test_probe_run_loads_the_state_dict_and_init_is_the_training_seed(run_with_w
     initial = router.probe_run(run_dir, None, tokens)
     change = routing_change(initial, loaded)
     assert all(c["top1_same"] < 0.9 for c in change.values())
+    # the specialisation figure of initial weights says so on its face; a loaded model's does not
+    from analysis.router_plots import specialisation_figure
+    assert initial.initial_weights and not loaded.initial_weights
+    assert "RANDOM INITIAL WEIGHTS" in specialisation_figure(initial).get_suptitle()
+    assert specialisation_figure(loaded).get_suptitle() == ""
+    initial.save(run_dir / "initial.npz")
+    assert ProbeResult.load(run_dir / "initial.npz").initial_weights
 
 
 def test_probe_cli_prints_specialisation_agreement_and_change(run_with_weights, capsys, tmp_path):

@@ -29,7 +29,8 @@ from training.metrics import read_metrics
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_len=32", "model.ffn_hidden=64",
         "moe.num_experts=4", "moe.expert_hidden=32", "train.global_batch_size=8",
         "train.warmup_steps=2", "train.lr=1e-2", "train.precision=fp32", "train.eval_interval=0",
-        "train.eval_batches=2", "logging.wandb=disabled", "logging.log_interval=1", "logging.progress=lines"]
+        "train.eval_batches=2", "logging.wandb=disabled", "logging.log_interval=1", "logging.progress=lines",
+        "logging.plots=false"]
 
 
 def documents_corpus() -> Path:

@@ -186,7 +186,7 @@ def test_a_used_run_directory_without_checkpoints_is_refused_or_moved_aside_neve
 
     assert main(tmp_path, "train.steps=2", *no_saves) == 2  # the same command again: nothing to continue from
     err = capsys.readouterr().err
-    assert "holds a run (config.yaml, metrics.jsonl, summary.json, routing) without a checkpoint" in err
+    assert "holds a run (config.yaml, metrics.jsonl, summary.json, routing, plots) without a checkpoint" in err
     assert "--resume none" in err and "Traceback" not in err
     assert snapshot(tmp_path) == first
     other = tmp_path.parent / f"{tmp_path.name}-other"

@@ -229,3 +229,19 @@ def test_wandb_failure_to_start_names_the_way_out(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(wandb, "init", broken_init)
     with pytest.raises(ConfigError, match="logging.wandb=disabled"):  # exit status 2, no traceback
         _logger(tmp_path, wandb_mode="offline")
+
+
+def test_tensorboard_without_its_package_is_refused_before_any_work(monkeypatch, tmp_path, capsys):
+    """logging.tensorboard=true where tensorboard is not installed: exit 2 naming the key and the fix, no run dir."""
+    import importlib.util
+
+    import train
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "tensorboard"
+                        else find_spec(name, *rest))
+    run_dir = tmp_path / "run"
+    assert train.main(["--run-dir", str(run_dir), "--set", "logging.tensorboard=true", "logging.wandb=disabled"]) == 2
+    error = capsys.readouterr().err
+    assert "logging.tensorboard=true needs the tensorboard package" in error and "pip install tensorboard" in error
+    assert "Traceback" not in error and not run_dir.exists()

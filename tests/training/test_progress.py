@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 
 import pytest
 
@@ -143,26 +144,47 @@ def test_bar_message_goes_above_the_bar() -> None:
     assert after.startswith("\r[") and "100/300" in after  # bar redrawn below
 
 
-def test_close_prints_summary() -> None:
+def test_close_prints_summary(tmp_path) -> None:
+    (tmp_path / "plots").mkdir()
     stream, clock = FakeTty(), FakeClock()
     progress = Progress(300, mode="bar", stream=stream, clock=clock)
     clock.now += 312.0
     progress.update(300, {"train/loss": 3.1})
     progress.close(
-        {"train/loss": 3.1234, "val/loss": 3.21, "perf/tokens_per_s": 12_300.0, "steps_skipped": 2}
-    )
+        {"train/loss": 3.1234, "val/loss": 3.21, "perf/tokens_per_s": 12_300.0, "steps_skipped": 2, "steps": 300,
+         "time_s": 312.0, "perf/memory_peak_gib": 0.8, "perf/memory_peak_gib_per_rank": [0.7905],
+         "perf/memory_before_model_gib_per_rank": [0.3338], "perf/memory_predicted_gib": 0.801},
+        {"metrics": tmp_path / "metrics.jsonl", "plots": tmp_path / "plots", "elsewhere": Path("/ckpt/run")}, tmp_path)
     out = stream.getvalue()
     bar, summary = out.split("\n", 1)
     assert "300/300" in bar
     assert summary == (
         "done: 300 steps in 5m12s\n"
-        "  final train loss   3.123\n"
-        "  final val loss     3.21\n"
-        "  mean tokens/s      12.3k\n"
-        "  steps_skipped      2\n"
+        "  train loss     3.1234 (mean of the last log interval)\n"
+        "  val loss       3.2100\n"
+        "  throughput     12.3k tokens/s (mean of this session)\n"
+        "  peak memory    0.79 GiB (0.33 GiB of it held before the model; memory model 0.80 GiB)\n"
+        "  steps_skipped  2\n"
+        f"files in {tmp_path}:\n"
+        "  metrics        metrics.jsonl\n"
+        "  plots          plots/\n"
+        "  elsewhere      /ckpt/run\n"
     )
     progress.close({"train/loss": 1.0})
     assert stream.getvalue() == out  # idempotent
+
+
+def test_close_counts_the_steps_of_a_resumed_session_and_summarises_lists() -> None:
+    """A session resumed after step 10 of 16 trained 6 steps, not 16; per-rank lists are ranges, never dumped."""
+    stream, clock = io.StringIO(), FakeClock()
+    progress = Progress(16, mode="lines", stream=stream, clock=clock, start_step=10)
+    clock.now += 8.0
+    progress.update(16, {})
+    progress.close({"perf/memory_peak_gib_per_rank": [0.3579, 0.3593], "router/load": [0.25, 0.75]})
+    lines = stream.getvalue().splitlines()
+    assert lines[-3:] == ["done: 6 steps (11-16 of 16) in 8s",
+                          "  peak memory    0.36-0.36 GiB per rank over 2 ranks",
+                          "  router/load    2 values, 0.25 to 0.75"]
 
 
 def test_close_in_line_mode_without_summary() -> None:

@@ -23,14 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # A tiny MoE (2 layers, 4 experts top-2) that trains in a few seconds on 2 cores.
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
         "moe.num_experts=4", "moe.expert_hidden=64", "train.global_batch_size=8", "train.warmup_steps=5",
-        "train.precision=fp32", "logging.wandb=disabled", "logging.log_interval=10", "train.eval_batches=4"]
+        "train.precision=fp32", "logging.wandb=disabled", "logging.log_interval=10", "train.eval_batches=4",
+        "logging.plots=false"]
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     status = train.main(["--config", "moe-8x", "--run-dir", str(run_dir), "--set", *TINY,
-                         "train.steps=60", "train.eval_interval=30"])
+                         "train.steps=60", "train.eval_interval=30", "logging.plots=true", "logging.tensorboard=true"])
     return status, run_dir
 
 
@@ -65,6 +66,51 @@ def test_run_directory_holds_config_metrics_and_summary(trained_run):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 60 and summary["val/loss"] == pytest.approx([r["val/loss"] for r in records
                                                                            if "val/loss" in r][-1])
+
+
+def test_tensorboard_event_file_holds_the_logged_scalars(trained_run):
+    """logging.tensorboard: read back with TensorBoard's own reader, the scalars are metrics.jsonl's (float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run_dir = trained_run
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    records = read_metrics(run_dir / "metrics.jsonl")
+    for key in ("train/loss", "val/loss", "router/layer1/imbalance", "router/layer0/load/3"):
+        name, _, index = key.partition("/load/")
+        logged = [(r["step"], r[name + "/load"][int(index)] if index else r[key]) for r in records
+                  if (name + "/load" if index else key) in r]
+        read = [(event.step, event.value) for event in events.Scalars(key)]
+        assert [step for step, _ in read] == [step for step, _ in logged] and len(read) >= 2
+        assert [value for _, value in read] == pytest.approx([value for _, value in logged], rel=1e-6)
+
+
+def test_run_leaves_png_plots_drawn_from_its_metrics(trained_run):
+    """plots/*.png are valid images; each figure's lines are the metrics' values (not made up or resampled)."""
+    from PIL import Image
+
+    from training.run_plots import run_figures
+
+    _, run_dir = trained_run
+    for name in ("loss", "throughput", "memory", "routing"):
+        with Image.open(run_dir / "plots" / f"{name}.png") as image:
+            image.verify()
+            assert image.format == "PNG" and image.size[0] >= 400 and image.size[1] >= 200
+    records = read_metrics(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    figures = run_figures(run_dir, "tiny")
+    train_line, val_line = figures["loss.png"].axes[0].lines[:2]
+    assert list(train_line.get_xdata()) == [10, 20, 30, 40, 50, 60]
+    assert list(train_line.get_ydata()) == [r["train/loss"] for r in records if "train/loss" in r]
+    assert list(val_line.get_ydata()) == [r["val/loss"] for r in records if "val/loss" in r]
+    assert list(figures["throughput.png"].axes[0].lines[0].get_ydata()) == [
+        r["perf/tokens_per_s"] for r in records if "perf/tokens_per_s" in r]
+    layer1 = figures["routing.png"].axes[0].lines[1]
+    assert layer1.get_label() == "layer 1"
+    assert list(layer1.get_ydata()) == [r["router/layer1/imbalance"] for r in records if "train/loss" in r]
+    bars = figures["memory.png"].axes[0].patches  # the part before the model, then the rest on top of it
+    assert bars[0].get_height() + bars[1].get_height() == pytest.approx(summary["perf/memory_peak_gib_per_rank"][0])
+    assert bars[0].get_height() == pytest.approx(summary["perf/memory_before_model_gib_per_rank"][0])
 
 
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):

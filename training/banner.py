@@ -1,0 +1,50 @@
+"""What a run says about itself at its start (and when started again after it finished): the data it reads, the
+steps, tokens and learning-rate schedule ahead, when it checkpoints and where its logs go. Said before the first
+step so that a mistake in any of them costs seconds, not the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from config.run import RunConfig
+from data.sampler import TokenSampler
+from training.optim import schedule_summary, warmup_note
+from training.run_plots import PLOTS_DIR
+
+
+def describe_sources(config: RunConfig, sampler: TokenSampler) -> str:
+    """The source, or each source of a mixture with its weight and the share the schedule realises for it."""
+    if not sampler.mixture:
+        return config.data.source
+    total = sum(sampler.weights)
+    return "mixture of " + ", ".join(
+        f"{name} (weight {weight / total:.4f}, realised {share:.4f})"
+        for name, weight, share in zip(sampler.names, sampler.weights, sampler.schedule.proportions, strict=True))
+
+
+def finished_run_note(config: RunConfig, run_dir: Path, checkpoint_folder: Path, step: int) -> str:
+    """What a run started again after it finished says instead of training: nothing is left to do, so it is not
+    an error (``make train`` twice succeeds), but the person learns how to train on, start over, or use the model."""
+    return (f"run '{config.name}' in {run_dir} is complete: its checkpoint in {checkpoint_folder} is at step {step} "
+            f"of train.steps={config.train.steps}, so there is nothing to train. To train on, run the same command "
+            f"with --set train.steps=N (N > {step}; the learning-rate schedule is stretched to N); to start over, "
+            f"use another --run-dir (or move {checkpoint_folder} away). The model: moe-generate {run_dir} "
+            f"--prompt TEXT, moe-evaluate {run_dir} --text FILE, moe-export {checkpoint_folder} model.safetensors")
+
+
+def plan_lines(config: RunConfig, run_dir: Path, first_step: int, checkpoint_plan: str,
+               destinations: dict[str, Path]) -> list[str]:
+    """The banner's plan: steps and tokens of this session, the schedule (and a warmup longer than the run),
+    the checkpoint plan (``Checkpointer.plan``) and where logs go (``MetricsLogger.destinations``, the plots)."""
+    steps, per_step = config.train.steps, config.train.global_batch_size * config.model.seq_len
+    left = steps - first_step + 1
+    lines = [f"plan: steps {first_step}-{steps} of {steps}, {left:,} x {per_step:,} = {left * per_step:,} tokens; "
+             f"{schedule_summary(config.train)}"]
+    if (note := warmup_note(config.train)) is not None:
+        lines.append(note)
+    lines.append(checkpoint_plan)
+    logs = [f"{name} {path}" for name, path in destinations.items()]
+    if config.logging.plots:
+        logs.append(f"plots at the end in {run_dir / PLOTS_DIR}")
+    lines.append("logs: " + ", ".join(logs))
+    return lines
