@@ -9,7 +9,9 @@ each with ``data.workers`` 1 and 2 (processes tokenising shards in parallel, ``d
 library's own thread pool is held to one thread (``RAYON_NUM_THREADS=1``) so the rows compare processes alone.
 A measurement, never a pass/fail test.
 
-    python benchmarks/prepare.py [--mb 256] [--tokenizer PATH] [--dir PATH]
+    python benchmarks/prepare.py [--mb 256] [--tokenizer PATH] [--dir PATH] [--rows bytes bpe]
+
+``--rows`` picks the tokenizers measured (a BPE takes hours on a corpus of several GB on 2 cores, bytes minutes).
 """
 
 from __future__ import annotations
@@ -71,19 +73,23 @@ def main() -> int:
     parser.add_argument("--mb", type=int, default=256, help="MiB of uncompressed jsonl to generate")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer.json (default: train one)")
     parser.add_argument("--dir", type=Path, default=None, help="working folder (default: a temporary one)")
+    parser.add_argument("--rows", nargs="+", choices=("bytes", "bpe"), default=["bytes", "bpe"],
+                        help="which tokenizers to measure, each with 1 and 2 workers")
     args = parser.parse_args()
     work = args.dir or Path(tempfile.mkdtemp(prefix="prepare-bench-"))
     corpus = work / "corpus"
     size = generate(corpus, args.mb)
     tokenizer = args.tokenizer
-    if tokenizer is None:
+    if tokenizer is None and "bpe" in args.rows:
         tokenizer = work / "bpe-8192.json"
         tokenizer_cli(["train", "--vocab-size", "8192", "--out", str(tokenizer)])
     print(f"corpus: {size / 2**20:,.0f} MiB of jsonl in {len(list(corpus.iterdir()))} zstd shards "
           f"({sum(p.stat().st_size for p in corpus.iterdir()) / 2**20:,.0f} MiB on disk)")
     print(f"{'tokenizer':<28} {'tokens':>14} {'s':>8} {'tokens/s':>12} {'MiB/s':>8} {'peak MiB':>9}")
-    for label, spec, workers in (("bytes, 1 worker", "bytes", 1), ("bytes, 2 workers", "bytes", 2),
-                                 ("BPE 8192, 1 worker", str(tokenizer), 1), ("BPE 8192, 2 workers", str(tokenizer), 2)):
+    rows = [(f"{kind}, {workers} worker{'s' if workers > 1 else ''}", spec, workers)
+            for kind, spec in (("bytes", "bytes"), ("BPE", str(tokenizer))) if kind.lower() in args.rows
+            for workers in (1, 2)]
+    for label, spec, workers in rows:
         env = dict(os.environ, RAYON_NUM_THREADS="1")
         cache = work / f"cache-{time.monotonic_ns()}"
         out = subprocess.run([sys.executable, "-c", CHILD, str(corpus), str(cache), spec, str(workers)], cwd=ROOT,

@@ -13,6 +13,7 @@ import train
 from config.errors import ConfigError
 from config.run import load_config
 from parallel.hardware import check_hardware
+from tests.parallel.parity import DOCUMENT_MASK
 from tests.training.test_train import TINY
 from training.metrics import read_metrics
 
@@ -24,15 +25,17 @@ def losses(run_dir, *overrides):
     return [r["train/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r]
 
 
-@pytest.mark.parametrize("routing, precision, breaks", [
-    ("moe.capacity_factor=1.25", "fp32", {"nonzero", "disable"}),
-    ("moe.capacity_factor=null", "bf16", set()),
-], ids=["capacity-fp32", "dropless-bf16"])
-def test_compiled_blocks_train_like_eager_ones(tmp_path, monkeypatch, routing, precision, breaks):
+# the dropless bf16 row also masks packed documents from each other (data.document_mask): the blocks take the
+# documents' mask and rotary tables as one more argument, and still compile whole
+@pytest.mark.parametrize("routing, precision, data, breaks", [
+    ("moe.capacity_factor=1.25", "fp32", [], {"nonzero", "disable"}),
+    ("moe.capacity_factor=null", "bf16", DOCUMENT_MASK, set()),
+], ids=["capacity-fp32", "dropless-bf16-document_mask"])
+def test_compiled_blocks_train_like_eager_ones(tmp_path, monkeypatch, routing, precision, data, breaks):
     monkeypatch.setattr(parallel.compile, "BACKEND", "aot_eager")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    settings = [routing, f"train.precision={precision}"]
+    settings = [routing, f"train.precision={precision}", *data]
     eager = losses(tmp_path / "eager", *settings)
     compiled = losses(tmp_path / "compiled", *settings, "train.compile=true")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it did compile
