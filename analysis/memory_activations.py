@@ -82,11 +82,12 @@ def _attention(model: ModelConfig, tp: int, mb: MicroBatch, window: int | None =
     """
     heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
     sink = 1 if model.attention_sinks else 0
-    blocked = blocked_window(model.seq_len, window)
+    seq = mb.tokens // mb.sequences  # positions per sequence: S, or S - k in multi-token prediction's module k
+    blocked = blocked_window(seq, window)
     if blocked:
-        batches, queries, keys = mb.sequences * -(-model.seq_len // window), window, 2 * window
+        batches, queries, keys = mb.sequences * -(-seq // window), window, 2 * window
     else:
-        batches, queries, keys = mb.sequences, model.seq_len, model.seq_len
+        batches, queries, keys = mb.sequences, seq, seq
     keys, width = keys + sink, hd + sink * SINK_CHANNELS
     sdpa = batches * width * (queries * 2 * heads + keys * 2 * kv_heads) * mb.compute  # q and output, k and v
     logsumexp = batches * queries * heads * FP32
