@@ -26,10 +26,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from analysis.memory import DEFAULT_HEADROOM, GIB, MemoryEstimate, estimate, usable_bytes
 from analysis.memory_states import ModelStates
 from config.run import RunConfig
+from moe.hidden_matrices import outside_hidden_matrices
 from parallel.build import build_model
 from parallel.groups import Layout, ParallelGroups, coordinates
 from parallel.layout import ResolvedLayout
-from training.muon import adamw_parameters
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def built_states(config: RunConfig, layout: Layout, rank: int, micro: int, micro
         groups = ParallelGroups.build(layout, "cpu")
         model = build_model(config, groups, torch.device("cpu"), micro, microbatches, contextlib.nullcontext,
                             allocate=False)
-        for_adamw = adamw_parameters(model) if config.train.optimizer == "muon" else None
+        for_adamw = outside_hidden_matrices(model) if config.train.optimizer == "muon" else None
         dense = experts = muon = 0
         for name, param in model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param

@@ -315,10 +315,9 @@ def model_states(config: RunConfig, layout: Layout, pp_rank: int = 0) -> ModelSt
 
 
 def muon_updates(param: ParamTensor) -> bool:
-    """Whether Muon updates ``param`` (``training.muon.adamw_parameters`` leaves the rest to AdamW): the attention
-    and dense or shared-expert FFN matrices, multi-token prediction's projections, the routed experts'
-    ``[E, ., .]`` stacks; not the embedding, head,
-    router, norms, biases (the experts' ``[E, width]`` biases are 2-D)."""
+    """Whether Muon updates ``param``: the hidden matrices (``moe.hidden_matrices``), i.e. the attention and dense
+    or shared-expert FFN matrices, multi-token prediction's projections and the routed experts' ``[E, ., .]``
+    stacks; not the embedding, head, router, norms or biases (the experts' ``[E, width]`` biases are 2-D)."""
     return (param.kind in ("attention", "ffn", "projection") and len(param.shape) == 2) or \
         (param.kind == "experts" and len(param.shape) == 3)
 

@@ -23,11 +23,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.adam import adam
-
-from moe.router import TopKRouter
 
 # Jordan et al. 2024's quintic coefficients, the ones torch.optim.Muon uses
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -172,27 +169,3 @@ class Muon(torch.optim.Optimizer):
         adam(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, foreach=False,
              decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-
-
-def adamw_parameters(model: nn.Module) -> set[int]:
-    """The ids of the parameters Muon leaves to AdamW.
-
-    - Embeddings and the output head: their rows are looked up or scored one token at a time, not a linear map
-      of the hidden state whose singular values matter (Jordan et al. 2024; Liu et al. 2025 keep them on AdamW);
-      a tied head is the embedding.
-    - The router's gate ``[experts, d_model]``: each row scores one expert; orthogonalising would make every
-      expert's score move by the same amount whatever its gradient, fighting the load-balancing signal, and it
-      is the choice of Moonlight and Megatron-Core's Muon.
-    - Every tensor of fewer than two dimensions (norm gains, biases): no matrix to orthogonalise; and every bias
-      of more (the routed experts' ``[experts, width]`` biases, GPT-OSS): a vector per expert, not a matrix.
-    """
-    # the head of each model this rank holds: the whole model's, or under pipeline parallelism each local stage's
-    # (a ``parallel.pipeline.PipelineModel`` is not a module; its ``stages`` are)
-    outputs = {id(getattr(stage, "output", None)) for stage in getattr(model, "stages", [model])} - {id(None)}
-    chosen: set[int] = set()
-    for module in model.modules():
-        whole = isinstance(module, nn.Embedding) or id(module) in outputs or isinstance(module, TopKRouter)
-        for name, param in module.named_parameters(recurse=False):
-            if whole or param.dim() < 2 or name.endswith("bias"):
-                chosen.add(id(param))
-    return chosen

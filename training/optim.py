@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from config.run import TrainConfig
 from moe.experts import release_compute_copies
-from training.muon import Muon, adamw_parameters
+from moe.hidden_matrices import outside_hidden_matrices
+from training.muon import Muon
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -54,13 +55,13 @@ def decays(name: str, param: nn.Parameter) -> bool:
 
 def build_muon(model: nn.Module, config: TrainConfig) -> Muon:
     """Muon for the hidden matrices (attention projections, dense and shared-expert FFNs, each routed expert's
-    matrices one expert at a time), AdamW for what ``adamw_parameters`` lists (embeddings, output head, router,
-    norms and biases); only matrices decay, as under AdamW.
+    matrices one expert at a time), AdamW for what ``moe.hidden_matrices.outside_hidden_matrices`` lists
+    (embeddings, output head, router, norms and biases); only matrices decay, as under AdamW.
 
     Sharded matrices (DTensors: FSDP, tensor and expert tensor parallelism) are put back together for their
     orthogonalisation, once per step, by ``training.muon.orthogonalised``.
     """
-    for_adamw = adamw_parameters(model)
+    for_adamw = outside_hidden_matrices(model)
     groups = {"muon": [], "adamw_decay": [], "adamw_plain": []}
     for name, param in model.named_parameters():
         if param.requires_grad:
