@@ -44,8 +44,12 @@ with the same backend. Steps are timed between device synchronisations. ``TFLOP/
 FLOPs (18·rows·D·H for SwiGLU: three GEMMs forward, twice that backward) over the layer step, and ``peak``
 its fraction of the GPU's dense bf16 datasheet figure (``parallel.hardware.GPU_BF16_PEAK``).
 
+GPT-OSS (``--gpt-oss``): the standard layer again with router and expert biases and the clamped SwiGLU, its floor
+the clamped SwiGLU's expert math without bias adds (what fused biases would cost); its ratio beside the standard
+layer's is what the unfused bias passes and the biased router add.
+
     python benchmarks/moe_layer.py [--device cpu|cuda] [--repeats N] [--precision fp32|bf16|both] [--quick]
-                                   [--json PATH]
+                                   [--gpt-oss] [--json PATH]
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ import torch.nn.functional as F
 
 from config.model import MoEConfig
 from moe.dispatch import expert_capacity
-from moe.experts import grouped_matmul, megablocks_unavailable
+from moe.experts import clamped_swiglu, grouped_matmul, megablocks_unavailable
 from moe.init import initialize
 from moe.layer import MoELayer
 from parallel.hardware import GPU_BF16_PEAK, keep_freed_memory
@@ -79,6 +83,7 @@ class Shape:
     seq: int
     num_experts: int = 8
     top_k: int = 2
+    gpt_oss: bool = False  # GPT-OSS's experts: router and expert biases, the clamped SwiGLU
 
     @property
     def tokens(self) -> int:
@@ -86,6 +91,7 @@ class Shape:
 
 
 STANDARD = Shape("standard", 512, 1024, 4, 1024)  # 4096 tokens
+GPT_OSS = Shape("gpt-oss", 512, 1024, 4, 1024, gpt_oss=True)  # the standard layer with GPT-OSS's options
 MIXTRAL = Shape("mixtral", 4096, 14336, 2, 4096)  # Mixtral 8x7B's MoE layer on 8192 tokens
 THREADS = 2
 ROUTINGS = ("random", "skewed", "balanced")
@@ -115,8 +121,10 @@ class Result:
 
 def make_layer(shape: Shape, capacity_factor: float | None, routing: str, backend: str,
                device: torch.device) -> MoELayer:
+    options = dict(activation="clamped_swiglu", router_bias=True, expert_proj_bias=True) if shape.gpt_oss else {}
     config = MoEConfig(num_experts=shape.num_experts, top_k=shape.top_k, expert_hidden=shape.hidden,
-                       capacity_factor=capacity_factor, force_balance=routing == "balanced", backend=backend)
+                       capacity_factor=capacity_factor, force_balance=routing == "balanced", backend=backend,
+                       **options)
     layer = MoELayer(shape.d_model, config).to(device)
     initialize(layer, seed=0, std=0.02, out_std=0.01)
     return layer
@@ -152,7 +160,11 @@ def make_layer_step(layer: MoELayer, x: torch.Tensor, precision: str) -> Callabl
 
 
 def make_floor_step(layer: MoELayer, group_sizes: torch.Tensor, precision: str) -> Callable[[], None]:
-    """Forward + backward of the SwiGLU expert math alone, on already-grouped tokens, with the layer's backend."""
+    """Forward + backward of the SwiGLU expert math alone, on already-grouped tokens, with the layer's backend.
+
+    For GPT-OSS's experts the activation is the clamped SwiGLU and there are no bias adds: a bias fused into the
+    GEMM's epilogue or the activation costs no pass of its own, so ``layer / floor`` shows what the layer's
+    separate bias passes (``moe.experts._add_row_bias``) cost beside what the standard layer's ratio shows."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     experts = layer.experts
     w_in, w_gate, w_out = (w.detach().to(dtype).requires_grad_(True)
@@ -166,8 +178,8 @@ def make_floor_step(layer: MoELayer, group_sizes: torch.Tensor, precision: str) 
     def step() -> None:
         for leaf in (x, w_in, w_gate, w_out):
             leaf.grad = None
-        hidden = (F.silu(grouped_matmul(x, w_gate, group_sizes, backend))
-                  * grouped_matmul(x, w_in, group_sizes, backend))
+        gate, up = grouped_matmul(x, w_gate, group_sizes, backend), grouped_matmul(x, w_in, group_sizes, backend)
+        hidden = F.silu(gate) * up if experts.clamp is None else clamped_swiglu(gate, up, *experts.clamp)
         grouped_matmul(hidden, w_out, group_sizes, backend).backward(grad)
 
     return step
@@ -277,6 +289,8 @@ def main() -> None:
                         help="default: both on a CPU, bf16 on a GPU (grouped GEMMs there are bf16 only)")
     parser.add_argument("--quick", action="store_true", help="3 repeats, random and balanced routing only")
     parser.add_argument("--json", type=Path, default=None, help="also write the settings and results here")
+    parser.add_argument("--gpt-oss", action="store_true",
+                        help="also the standard layer with GPT-OSS's router and expert biases and clamped SwiGLU")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -291,6 +305,7 @@ def main() -> None:
     repeats = {p: args.repeats or (3 if args.quick else DEFAULT_REPEATS[p]) for p in precisions}
     routings = ("random", "balanced") if args.quick else ROUTINGS
     shapes = (STANDARD,) if device.type == "cpu" else (STANDARD, MIXTRAL)
+    shapes += (GPT_OSS,) if args.gpt_oss else ()
     backends = ["torch"]
     if device.type == "cuda" and megablocks_unavailable("cuda") is None:
         backends.append("megablocks")

@@ -275,8 +275,9 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
     """Write our checkpoint (a step folder, a folder of them, or our safetensors file) as an HF folder of
     ``architecture`` (by default the first family that expresses the model, see ``export_family``).
 
-    One of our tensors in memory at a time (an expert stack is split into its E transposed matrices). The
-    weights keep their dtype unless ``dtype`` (``EXPORT_DTYPES``) casts each as it is written; with
+    One of our tensors in memory at a time (an expert stack is split into its E transposed matrices, or one
+    interleaved pair joined). The weights keep their dtype (or take the family's ``export_dtype``: GPT-OSS's
+    bf16) unless ``dtype`` (``EXPORT_DTYPES``) casts each as it is written; with
     ``max_shard_bytes`` they go into shards of at most that size and an index (``interop/hf_shards.py``).
     Returns the number of HF tensors written, and our config.
     """
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--architecture", choices=list(FAMILIES), default=None,
                      help="the HF architecture to write (default: the first that expresses the model)")
     exp.add_argument("--dtype", choices=list(EXPORT_DTYPES), default=None,
-                     help="cast the weights as they are written (default: the checkpoint's dtype)")
+                     help="cast the weights as they are written (default: the checkpoint's dtype; GPT-OSS: bf16)")
     exp.add_argument("--max-shard-size", default=None, metavar="SIZE",
                      help="write shards of at most SIZE (5GB, 500MB, 2GiB) and model.safetensors.index.json "
                           "(default: one model.safetensors)")

@@ -146,6 +146,12 @@ def _hf_run(rank: int, world_size: int, overrides: list[str], folder: str, run_d
     dist.barrier()
 
 
+def _hf_runs(rank: int, world_size: int, runs: list[tuple[list[str], str, str, str]]) -> None:
+    """``_hf_run`` for each (overrides, folder, run_dir, out) of ``runs``, in one spawned group: one spawn's cost."""
+    for run in runs:
+        _hf_run(rank, world_size, *run)
+
+
 def test_init_from_hf_under_a_parallel_layout(tmp_path):
     """2 gloo ranks (dp_shard=2, ep=2 over it) start from an HF folder, each reading its own slices: the first
     step's loss is one process's, and with a tiny learning rate the weights are still the folder's."""

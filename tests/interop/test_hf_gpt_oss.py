@@ -16,6 +16,7 @@ from config.run import load_config
 from interop.hf import HFFolder, HFWeights, export_family, export_folder, import_folder
 from tests.interop.hf_models import assert_oracle_and_export_back, edit_config, hf_tensors, our_model, save_random
 from tests.interop.test_hf import tokens
+from tests.interop.test_hf_tokenizer import bpe
 
 transformers = pytest.importorskip("transformers")
 SEQ = 16
@@ -92,13 +93,17 @@ def test_import_export_match_transformers(tmp_path, shape):
 
 
 def test_default_export_is_bf16_and_says_so(tmp_path, capsys):
-    """Without --dtype the export is bf16 (the note says so); from a bf16 folder the round trip is bit-exact."""
-    make_gpt_oss(tmp_path / "fp32", num_hidden_layers=2)
+    """Without --dtype the export is bf16 (the note says so); from a bf16 folder the round trip is bit-exact. The
+    folder's tokenizer reads the run's data and travels with the export, as for every family."""
+    make_gpt_oss(tmp_path / "fp32", num_hidden_layers=2, vocab_size=300)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16)
     hf.save_pretrained(tmp_path / "hf")
-    import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+    tokenizer = bpe(tmp_path / "hf")
+    config = import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+    assert config.data.tokenizer == str(tokenizer)
     export_folder(tmp_path / "ours.safetensors", tmp_path / "back")
     assert "writing GptOssForCausalLM in bf16" in capsys.readouterr().err
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
     original, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
     assert original.keys() == back.keys()
     for name, value in original.items():

@@ -27,7 +27,8 @@ from tests.interop.hf_models import (
     our_model,
     save_random,
 )
-from tests.interop.test_hf import TINY_RUN, _hf_run, tokens
+from tests.interop.test_hf import TINY_RUN, _hf_runs, tokens
+from tests.interop.test_hf_gpt_oss import make_gpt_oss
 from tests.parallel.parity import full_state
 from tests.spawn import spawn
 from training.loop import train
@@ -155,28 +156,40 @@ def test_init_from_qwen3_trains_and_exports(tmp_path):
         torch.testing.assert_close(back(x).logits, result.model.eval()(x), rtol=0, atol=1e-5)
 
 
-def test_init_from_qwen3_under_tensor_and_expert_parallelism(tmp_path):
-    """2 gloo ranks (tp=2, ep=2 over it: q/k norms on each rank's heads) start from a Qwen3 folder: the first step's
-    loss is one process's, and with a tiny learning rate the weights are still the folder's."""
-    hf = make_qwen3(tmp_path / "hf", num_hidden_layers=3, mlp_only_layers=[0], head_dim=16)
+def test_init_from_qwen3_and_gpt_oss_under_tensor_and_expert_parallelism(tmp_path):
+    """2 gloo ranks (tp=2, ep=2 over it) start from a Qwen3 folder (q/k norms on each rank's heads) and from a
+    GPT-OSS one (sinks split with their heads, interleaved gate/up columns and biases read per expert), in one
+    spawned group: each first step's loss is one process's, and with a tiny learning rate the weights are still
+    the folder's."""
+    folders = {"qwen3": make_qwen3(tmp_path / "qwen3", num_hidden_layers=3, mlp_only_layers=[0], head_dim=16),
+               "gpt_oss": make_gpt_oss(tmp_path / "gpt_oss")}
     run = [*TINY_RUN, "train.steps=2", "train.lr=1e-9", "checkpoint.interval=null"]
-    config = hf_run_config(load_config("moe-8x", run), tmp_path / "hf")
-    groups = ParallelGroups.build(Layout.resolve(1, **config.parallel.degrees()), "cpu")
-    result = train(config, tmp_path / "run1", Runtime(0, 1, 0, torch.device("cpu")), groups,
-                   init_weights=initial_weights(f"hf:{tmp_path / 'hf'}", config))
-    reference = full_state(result.model)
-    spawn(_hf_run, 2, 2, [*run, "parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"], str(tmp_path / "hf"),
-          str(tmp_path / "run2"), str(tmp_path / "state2.pt"))
-    losses = {world: [r["train/loss"] for r in read_metrics(tmp_path / f"run{world}" / "metrics.jsonl")
-                      if "train/loss" in r] for world in (1, 2)}
-    assert losses[2][0] == pytest.approx(losses[1][0], abs=1e-5)
-    state, hf_state = torch.load(tmp_path / "state2.pt", weights_only=True), hf.state_dict()
-    pairs = {"layers.1.attn.q_norm.weight": hf_state["model.layers.1.self_attn.q_norm.weight"],
-             "layers.0.ffn.w_gate.weight": hf_state["model.layers.0.mlp.gate_proj.weight"],
-             "layers.2.moe.experts.w_in": hf_state["model.layers.2.mlp.experts.gate_up_proj"][:, 24:].transpose(1, 2)}
-    for ours in (state, reference):
-        for name, expected in pairs.items():
-            torch.testing.assert_close(ours[name], expected, rtol=0, atol=1e-6, msg=name)
+    layout = [*run, "parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"]
+    references = {}
+    for name in folders:
+        config = hf_run_config(load_config("moe-8x", run), tmp_path / name)
+        groups = ParallelGroups.build(Layout.resolve(1, **config.parallel.degrees()), "cpu")
+        result = train(config, tmp_path / f"{name}1", Runtime(0, 1, 0, torch.device("cpu")), groups,
+                       init_weights=initial_weights(f"hf:{tmp_path / name}", config))
+        references[name] = full_state(result.model)
+    spawn(_hf_runs, 2, 2, [(layout, str(tmp_path / name), str(tmp_path / f"{name}2"), str(tmp_path / f"{name}.pt"))
+                           for name in folders])
+    qwen3, gpt_oss = (hf.state_dict() for hf in folders.values())
+    expected = {
+        "qwen3": {"layers.1.attn.q_norm.weight": qwen3["model.layers.1.self_attn.q_norm.weight"],
+                  "layers.0.ffn.w_gate.weight": qwen3["model.layers.0.mlp.gate_proj.weight"],
+                  "layers.2.moe.experts.w_in":
+                      qwen3["model.layers.2.mlp.experts.gate_up_proj"][:, 24:].transpose(1, 2)},
+        "gpt_oss": {"layers.1.attn.sinks": gpt_oss["model.layers.1.self_attn.sinks"],
+                    "layers.2.moe.experts.w_gate": gpt_oss["model.layers.2.mlp.experts.gate_up_proj"][..., ::2],
+                    "layers.0.moe.experts.in_bias": gpt_oss["model.layers.0.mlp.experts.gate_up_proj_bias"][:, 1::2]}}
+    for name in folders:
+        losses = {world: [r["train/loss"] for r in read_metrics(tmp_path / f"{name}{world}" / "metrics.jsonl")
+                          if "train/loss" in r] for world in (1, 2)}
+        assert losses[2][0] == pytest.approx(losses[1][0], abs=1e-5), name
+        for state in (torch.load(tmp_path / f"{name}.pt", weights_only=True), references[name]):
+            for tensor, value in expected[name].items():
+                torch.testing.assert_close(state[tensor], value, rtol=0, atol=1e-6, msg=f"{name} {tensor}")
 
 
 def test_export_in_bf16_shards_loads_into_transformers(tmp_path, capsys):
