@@ -509,15 +509,21 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
     out, refusal = [], None
     peak = hardware.bf16_flops * efficiency
     busiest: dict[tuple, tuple[float, float]] = {}  # (compute × dp, shared_balance)
+    splits: dict[tuple, tuple[int, int] | str] = {}  # the batch split (or its refusal) per (dp, pp, micro)
     for layout in fixed_layouts(config, world_size, fixed or {}):
         sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
         for micro in micro_batch_sizes(config, layout):
-            try:  # the batch split: the searched sizes divide the per-rank batch, the config's own may not
-                size, microbatches = micro_batching(with_layout(config, layout, "none", micro_batch_size=micro),
-                                                    layout.dp, layout.pp)
-            except ConfigError as exc:
-                refusal = refusal or str(exc)
+            if (layout.dp, layout.pp, micro) not in splits:
+                try:  # the batch split: the searched sizes divide the per-rank batch, the config's own may not
+                    splits[layout.dp, layout.pp, micro] = micro_batching(
+                        with_layout(config, layout, "none", micro_batch_size=micro), layout.dp, layout.pp)
+                except ConfigError as exc:
+                    splits[layout.dp, layout.pp, micro] = str(exc)
+            split = splits[layout.dp, layout.pp, micro]
+            if isinstance(split, str):
+                refusal = refusal or split
                 continue
+            size, microbatches = split
             for recompute, grad_reduce, schedule in itertools.product(recompute_settings(config), GRAD_REDUCE,
                                                                       schedules(config, layout)):
                 if grad_reduce != "step" and (microbatches == 1 or not sharded):
