@@ -414,14 +414,20 @@ def calibrated_efficiency() -> float:
 EFFICIENCY = calibrated_efficiency()
 
 
-def memory_bytes(config: RunConfig, layout: Layout,
-                 resolved: tuple[Layout, int, int] | None = None) -> tuple[int, int]:
+def memory_bytes(config: RunConfig, layout: Layout, resolved: tuple[Layout, int, int] | None = None,
+                 stop_above: float | None = None) -> tuple[int, int]:
     """The busiest pipeline rank's bytes (``analysis.memory``) and the micro-batches per step (``resolved``:
-    ``resolve_layout``'s answer for the config, when at hand)."""
+    ``resolve_layout``'s answer for the config, when at hand). With ``stop_above``, the first rank's bytes above
+    it instead, as soon as one is found (the first stage, which holds the most micro-batches, first): enough to
+    know a setting does not fit, for a fraction of the work."""
     precision = planned_precision(config.train.precision)  # the run's own rule (bf16 on a GPU for auto)
-    estimates = [memory.estimate(config, layout.world_size, precision, pp_rank, resolved)
-                 for pp_rank in range(layout.pp)]
-    return max(e.total for e in estimates), estimates[0].microbatches
+    busiest, microbatches = 0, 0
+    for pp_rank in range(layout.pp):
+        estimate = memory.estimate(config, layout.world_size, precision, pp_rank, resolved)
+        busiest, microbatches = max(busiest, estimate.total), microbatches or estimate.microbatches
+        if stop_above is not None and busiest > stop_above:
+            break
+    return busiest, microbatches
 
 
 def evaluate(config: RunConfig, layout: Layout, hardware: communication.Hardware, gpus_per_node: int,
@@ -503,15 +509,21 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
     out, refusal = [], None
     peak = hardware.bf16_flops * efficiency
     busiest: dict[tuple, tuple[float, float]] = {}  # (compute × dp, shared_balance)
+    splits: dict[tuple, tuple[int, int] | str] = {}  # the batch split (or its refusal) per (dp, pp, micro)
     for layout in fixed_layouts(config, world_size, fixed or {}):
         sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
         for micro in micro_batch_sizes(config, layout):
-            try:  # the batch split: the searched sizes divide the per-rank batch, the config's own may not
-                size, microbatches = micro_batching(with_layout(config, layout, "none", micro_batch_size=micro),
-                                                    layout.dp, layout.pp)
-            except ConfigError as exc:
-                refusal = refusal or str(exc)
+            if (layout.dp, layout.pp, micro) not in splits:
+                try:  # the batch split: the searched sizes divide the per-rank batch, the config's own may not
+                    splits[layout.dp, layout.pp, micro] = micro_batching(
+                        with_layout(config, layout, "none", micro_batch_size=micro), layout.dp, layout.pp)
+                except ConfigError as exc:
+                    splits[layout.dp, layout.pp, micro] = str(exc)
+            split = splits[layout.dp, layout.pp, micro]
+            if isinstance(split, str):
+                refusal = refusal or split
                 continue
+            size, microbatches = split
             for recompute, grad_reduce, schedule in itertools.product(recompute_settings(config), GRAD_REDUCE,
                                                                       schedules(config, layout)):
                 if grad_reduce != "step" and (microbatches == 1 or not sharded):
@@ -575,7 +587,8 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     plans: list[Plan] = []
     steps: list[float] = []  # a max-heap (negated) of the ``top`` fastest steps so far
     closest, evaluated, refusal, complete = None, 0, None, True
-    needs: dict[tuple, int | None] = {}  # memory of each setting weighed (None: train.py refuses it)
+    # memory of each setting weighed (None: train.py refuses it), and whether exact (else: a rank's, above the device)
+    needs: dict[tuple, tuple[int, bool] | None] = {}
     floors: dict[tuple, int] = {}  # the busiest pipeline rank's model states, per layout and virtual stages
     deferred: list[tuple[int, Candidate]] = []  # skipped by their states alone: weighed only if no plan fits
 
@@ -589,8 +602,10 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
                               for pp_rank in range(candidate.layout.pp))
         return floors[key]
 
-    def need_of(candidate: Candidate) -> int | None:
-        if candidate.setting not in needs:
+    def need_of(candidate: Candidate, exact: bool = False) -> int | None:
+        """The busiest rank's bytes; unless ``exact``, possibly a smaller rank's where that one does not fit."""
+        known = needs.get(candidate.setting, False)
+        if known is False or (known is not None and exact and not known[1]):
             try:
                 resolved = resolve_layout(candidate.config, world_size)  # train.py's own checks
             except ConfigError as exc:
@@ -598,8 +613,10 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
                 nonlocal refusal
                 refusal = refusal or str(exc)
             else:
-                needs[candidate.setting] = memory_bytes(candidate.config, candidate.layout, resolved)[0]
-        return needs[candidate.setting]
+                need = memory_bytes(candidate.config, candidate.layout, resolved, None if exact else device_memory)[0]
+                needs[candidate.setting] = (need, exact or need <= device_memory)
+        known = needs[candidate.setting]
+        return None if known is None else known[0]
 
     misses: list[tuple[int, int, Candidate]] = []  # (need, pool order, candidate) of those that do not fit
 
@@ -636,8 +653,9 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     if not plans:  # the closest miss is the least memory of all: weigh the candidates the states floor skipped
         for index, candidate in deferred:
             weigh(index, candidate)
-        if misses:
-            need, _, candidate = min(misses, key=lambda miss: miss[:2])  # the first in pool order among equals
+        if misses:  # their exact bytes: the weighing stopped at the first rank that did not fit
+            exact = [(need_of(candidate, exact=True), index, candidate) for _, index, candidate in misses]
+            need, _, candidate = min(exact, key=lambda miss: miss[:2])  # the first in pool order among equals
             closest = (candidate, need)
     if evaluated == 0 and complete:
         raise none_passes(world_size, refusal)
