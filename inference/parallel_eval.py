@@ -8,8 +8,8 @@ Hugging Face folder (``inference.load.weights_of``). The windows are those of on
 are dealt out over the data-parallel ranks and the summed losses and counts added up over them, so the figure is
 the single process's, whatever the layout (``tests/inference/test_evaluate.py`` holds it to that).
 
-Not yet: pipeline stages (their schedule needs equal micro-batches; the last window may be shorter) and layouts
-that cut the sequence (sequence or context parallelism: a window's length must then divide), refused by name.
+Not yet: pipeline stages (their schedule needs equal micro-batches; the last window may be shorter) and sequence
+parallelism (a window's length must then divide over tp), refused by name.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def layout_config(config: RunConfig, overrides: list[str], world_size: int) -> t
     if layout.pp > 1:
         raise ConfigError(f"moe-evaluate under pipeline parallelism (parallel.pp={layout.pp}) is not supported "
                           "yet: evaluate under a layout without pp (e.g. more parallel.ep or parallel.tp)")
-    if par.sequence_parallel or getattr(layout, "cp", 1) > 1:
-        raise ConfigError("moe-evaluate under a layout that cuts the sequence (parallel.sequence_parallel, context "
-                          "parallelism) is not supported yet: the last window may be shorter; leave them off")
+    if par.sequence_parallel:
+        raise ConfigError("moe-evaluate under parallel.sequence_parallel=true (the sequence cut over tp) is not "
+                          "supported yet: the last window may be shorter than a whole cut; set it false")
     return config, resolved
 
 
