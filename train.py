@@ -34,7 +34,13 @@ from interop.hf import hf_run_config, split_init_from
 from interop.hf_tokenizer import check_vocabularies
 from interop.weights import initial_weights
 from parallel.groups import ParallelGroups
-from parallel.hardware import check_hardware, choose_precision, keep_freed_memory, planned_precision
+from parallel.hardware import (
+    check_hardware,
+    choose_precision,
+    current_memory_bytes,
+    keep_freed_memory,
+    planned_precision,
+)
 from parallel.layout import ResolvedLayout, resolve_layout
 from parallel.runtime import exit_process, init_runtime, launch_environment, local_device, shutdown_runtime
 from training.loop import train
@@ -129,6 +135,24 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     return config, resolved
 
 
+def process_baseline_bytes(device) -> int:
+    """What the process holds before the run builds anything, on a CPU: the peak it logs there is the resident set,
+    which counts the interpreter, torch's libraries and their allocations (~0.3 GiB) beside the training state the
+    memory model predicts. A GPU's logged peak is CUDA's allocated bytes, which hold none of these: 0 there."""
+    return current_memory_bytes(device) if device.type == "cpu" else 0
+
+
+def memory_banner(needs: list[int], held: int, precision: str) -> str:
+    """The start-up line that predicts the peak the run will log as perf/memory_peak_gib."""
+    stages = " per rank of each pipeline stage" if len(needs) > 1 else " per rank"
+    text = "memory model: " + ", ".join(f"{need / 2**30:.2f} GiB" for need in needs) + f"{stages} ({precision}"
+    if held:
+        text += (f"; plus the {held / 2**30:.2f} GiB this process holds already (interpreter, torch and its "
+                 "libraries), counted in a CPU's resident peak: " + ", ".join(f"{(need + held) / 2**30:.2f} GiB"
+                                                                           for need in needs) + " expected")
+    return text + "; the run logs perf/memory_peak_gib to compare)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     joined = False  # whether this process joined the job: before that every rank finds the same errors
@@ -167,12 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             groups = ParallelGroups.build(resolved.layout, runtime.device.type)
             if runtime.is_main and resolved.layout.world_size > 1:
                 print(groups.describe(), file=sys.stderr)
+            held = process_baseline_bytes(device)
             if runtime.is_main:
-                print("memory model: " + ", ".join(f"{need / 2**30:.2f} GiB" for need in needs)
-                      + (" per rank of each pipeline stage" if len(needs) > 1 else " per rank")
-                      + f" ({precision.precision}; the run logs perf/memory_peak_gib to compare)", file=sys.stderr)
+                print(memory_banner(needs, held, precision.precision), file=sys.stderr)
             train(config, run_dir, runtime, groups, resume=args.resume, init_weights=init_weights,
-                  resolved=resolved, precision=precision, memory_predicted=needs)
+                  resolved=resolved, precision=precision, memory_predicted=[need + held for need in needs])
         finally:
             shutdown_runtime()
         return 0

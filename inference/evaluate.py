@@ -2,13 +2,15 @@
 
     moe-evaluate runs/moe-8x --text held_out.txt
     moe-evaluate runs/moe-8x --source /data/val.bin        # any source the data pipeline reads
+    torchrun --nproc-per-node 4 -m inference.evaluate runs/moe-8x --text held_out.txt --set parallel.ep=4
 
 The text is cut into windows of ``model.seq_len`` + 1 tokens that overlap by one token, so every token after
 the first is predicted exactly once, from the tokens before it in its window (the last window may be shorter).
 The loss is the mean cross-entropy in nats over those predictions; perplexity is its exponential; bits per byte
 is the total in bits over the text's UTF-8 bytes, which compares models with different tokenizers (it is
 reported for ``--text``, whose bytes are known). The model is the dropless inference model of
-``inference.load_model``, so the figure does not depend on the batch size.
+``inference.load_model``, so the figure does not depend on the batch size, nor on the layout it runs under
+(``inference/parallel_eval.py``).
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
 from config.cli import command_parser, run_command
 from config.errors import ConfigError
+from config.run import RunConfig
 from data.cache import load_tokens
-from inference.load import load_model
+from data.tokenizer import Tokenizer
+from inference.load import inference_config, load_model, model_tokenizer, weights_of
+from inference.parallel_eval import batch_tensor, dealt_rows, evaluate_under_layout, layout_config
 from moe.transformer import MoETransformer
+from parallel.runtime import launch_environment
+from parallel.tensor import lm_loss, loss_context
 
 
 @dataclass
@@ -48,28 +55,47 @@ def windows(count: int, seq_len: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def evaluate_tokens(model: MoETransformer, tokens: np.ndarray, batch_size: int = 8,
-                    text_bytes: int | None = None) -> Evaluation:
-    """``model``'s loss on ``tokens`` [N] (see the module docstring), ``batch_size`` windows per forward pass."""
+def evaluate_tokens(model: MoETransformer, tokens: np.ndarray, batch_size: int = 8, text_bytes: int | None = None,
+                    dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None,
+                    vocab_parallel: bool = False) -> Evaluation:
+    """``model``'s loss on ``tokens`` [N] (see the module docstring), ``batch_size`` windows per forward pass.
+
+    Under a parallel layout (``inference/parallel_eval.py``) each batch's windows are dealt out over the
+    ``dp_size`` data-parallel ranks and the sums added over ``dp_group``: the same windows, the same figure."""
     seq_len = model.rope_cos.shape[0]
     if len(tokens) < 2:
         raise ConfigError(f"the text is {len(tokens)} token(s): at least 2 are needed, one to predict the next")
     device = model.tok_embeddings.weight.device
-    spans = windows(len(tokens), seq_len)
-    total, count = 0.0, 0
+    sums = torch.zeros(2, dtype=torch.float64)  # summed loss in nats, predicted tokens
     by_length: dict[int, list[tuple[int, int]]] = {}
-    for start, end in spans:  # only the last window may be shorter: it goes in a batch of its own
+    for start, end in windows(len(tokens), seq_len):  # only the last window may be shorter: a batch of its own
         by_length.setdefault(end - start, []).append((start, end))
     for length, group in by_length.items():
         for first in range(0, len(group), batch_size):
-            batch = torch.as_tensor(np.stack([tokens[s:e] for s, e in group[first:first + batch_size]]).astype(
-                np.int64), device=device)
-            logits = model(batch[:, :-1])
-            total += float(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"))
-            count += batch.shape[0] * (length - 1)
+            rows, counted = dealt_rows(group[first:first + batch_size], dp_rank, dp_size)
+            batch = batch_tensor(tokens, rows, device)
+            with loss_context(vocab_parallel):
+                loss = lm_loss(model(batch[:, :-1]).float(), batch[:, 1:])
+            if counted:
+                predicted = batch.shape[0] * (length - 1)
+                sums += torch.tensor([float(loss) * predicted, predicted], dtype=torch.float64)
+    if dp_group is not None:
+        dist.all_reduce(sums, group=dp_group)
+    total, count = float(sums[0]), int(sums[1])
     loss = total / count
     bits_per_byte = None if text_bytes is None else total / math.log(2) / text_bytes
     return Evaluation(loss, math.exp(loss), count, bits_per_byte)
+
+
+def _tokens(args, text: str | None, config: RunConfig, tokenizer: Tokenizer | None) -> tuple[np.ndarray, int | None]:
+    """The token ids to evaluate on, and the text's UTF-8 bytes (None for a --source)."""
+    if text is None:
+        return np.asarray(load_tokens(args.source, args.cache_dir, config.model.vocab_size,
+                                      args.tokenizer or config.data.tokenizer)), None
+    if tokenizer is None:
+        raise ConfigError(f"the model's tokenizer {config.data.tokenizer!r} (data.tokenizer) is not there; give it "
+                          "with --tokenizer PATH")
+    return np.asarray(tokenizer.encode(text)), len(text.encode("utf-8"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json or 'bytes' (default: the model's)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     parser.add_argument("--cache-dir", default=".cache/data", help="where --source is tokenised to (as data.cache_dir)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (one process; under torchrun each "
+                                                        "rank takes its own device)")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="parallel.KEY=V",
+                        help="the layout to evaluate under, under torchrun (e.g. parallel.ep=2): each rank holds "
+                             "and reads only its shards; the figure is one process's")
     args = parser.parse_args(argv)
 
     def body() -> None:
@@ -94,19 +124,22 @@ def main(argv: list[str] | None = None) -> int:
             except UnicodeDecodeError as exc:
                 raise ConfigError(f"{args.text}: not UTF-8 text (byte {exc.start}); give --source for other data") \
                     from exc
-        loaded = load_model(args.model, args.device, tokenizer=args.tokenizer)
-        vocab = loaded.config.model.vocab_size
-        if text is not None:
-            if loaded.tokenizer is None:
-                raise ConfigError(f"the model's tokenizer {loaded.config.data.tokenizer!r} (data.tokenizer) is not "
-                                  "there; give it with --tokenizer PATH")
-            tokens, text_bytes = loaded.tokenizer.encode(text), len(text.encode("utf-8"))
-        else:
-            tokens = load_tokens(args.source, args.cache_dir, vocab, args.tokenizer or loaded.config.data.tokenizer)
-            text_bytes = None
-        result = evaluate_tokens(loaded.model, np.asarray(tokens), args.batch_size, text_bytes)
+        world_size = launch_environment().world_size
+        if world_size == 1 and not args.overrides:
+            loaded = load_model(args.model, args.device, tokenizer=args.tokenizer)
+            tokens, text_bytes = _tokens(args, text, loaded.config, loaded.tokenizer)
+            result = evaluate_tokens(loaded.model, tokens, args.batch_size, text_bytes)
+            source = loaded.source
+        else:  # every check and all the data before the job is joined
+            source, config, fill = weights_of(args.model)
+            config, resolved = layout_config(inference_config(config), args.overrides, world_size)
+            tokens, text_bytes = _tokens(args, text, config, model_tokenizer(config, args.tokenizer))
+            result = evaluate_under_layout(config, resolved, fill, lambda model, *dp: evaluate_tokens(
+                model, tokens, args.batch_size, text_bytes, *dp))
+            if result is None:  # not rank 0: it said nothing
+                return
         print(result.describe())
-        print(f"model {loaded.source}", file=sys.stderr)
+        print(f"model {source}", file=sys.stderr)
 
     return run_command(body)
 

@@ -81,6 +81,33 @@ def resolve_source(source: str | Path) -> str | Path:
     return path
 
 
+def weights_of(source: str | Path, base_config: str = "moe-8x", seq_len: int | None = None
+               ) -> tuple[str | Path, RunConfig, Callable[[torch.nn.Module], None]]:
+    """(the resolved source, the config it was trained with, a function filling a model's tensors from it). The
+    filling reads only the box of each tensor that a module holds, so it fills a whole model or one rank's shards
+    of a parallelized one alike (``parallel.materialize.load_weights``)."""
+    resolved = resolve_source(source)
+    hf_folder = split_init_from(resolved) if isinstance(resolved, str) else None
+    if hf_folder is not None:
+        config = hf_run_config(load_config(base_config), hf_folder, seq_len)  # with the folder's tokenizer.json
+        read_into = lambda model: load_hf_weights(model, hf_folder, config)  # noqa: E731
+    else:
+        try:
+            entries, read, config = model_tensors(Path(resolved))
+        except RuntimeError as exc:  # DCP's reader on a checkpoint it cannot read
+            raise CheckpointCorruptError(f"{resolved}: {exc}") from exc
+        read_into = lambda model: load_weights(model, _WholeTensors(entries, read), str(resolved))  # noqa: E731
+
+    def fill(model: torch.nn.Module) -> None:
+        try:
+            read_into(model)
+        except RuntimeError as exc:
+            if isinstance(exc, CheckpointCorruptError):
+                raise
+            raise CheckpointCorruptError(f"{resolved}: cannot read its tensors ({exc})") from exc
+    return resolved, config, fill
+
+
 def inference_config(config: RunConfig, seq_len: int | None = None) -> RunConfig:
     """``config`` for inference: dropless (see the module docstring), and ``seq_len`` as the context if given."""
     tree = config.to_dict()
@@ -102,36 +129,25 @@ def load_model(source: str | Path, device: torch.device | str = "cpu", dtype: to
     tables' size; a model trained at one length may be run at another, at its own risk).
     """
     device = requested_device(device)  # before any reading: a GPU asked for where there is none is refused at once
-    resolved = resolve_source(source)
-    hf_folder = split_init_from(resolved) if isinstance(resolved, str) else None
-    if hf_folder is not None:
-        config = hf_run_config(load_config(base_config), hf_folder, seq_len)  # with the folder's tokenizer.json
-        fill = lambda model: load_hf_weights(model, hf_folder, config)  # noqa: E731
-    else:
-        try:
-            entries, read, config = model_tensors(Path(resolved))
-        except RuntimeError as exc:  # DCP's reader on a checkpoint it cannot read
-            raise CheckpointCorruptError(f"{resolved}: {exc}") from exc
-        fill = lambda model: load_weights(model, _WholeTensors(entries, read), str(resolved))  # noqa: E731
+    resolved, config, fill = weights_of(source, base_config, seq_len)
     config = inference_config(config, seq_len)
     with torch.device("meta"):
         model = MoETransformer(config.model, config.moe)
     allocate(model, device)
     model.reset_buffers()  # the rotary tables (not stored); the balancing biases are then loaded
-    try:
-        fill(model)
-    except RuntimeError as exc:
-        if isinstance(exc, CheckpointCorruptError):
-            raise
-        raise CheckpointCorruptError(f"{resolved}: cannot read its tensors ({exc})") from exc
+    fill(model)
     if dtype is not None:  # the weights only: the rotary tables and balancing biases keep fp32
         for parameter in model.parameters():  # the same objects, so the embedding stays tied to the LM head
             parameter.data = parameter.data.to(dtype)
     model.eval()
-    # a tokenizer asked for must load (and fit the model's vocabulary); the config's may be missing here (the run
-    # was elsewhere), and the model is still usable on token ids
+    return LoadedModel(model, config, model_tokenizer(config, tokenizer), str(resolved))
+
+
+def model_tokenizer(config: RunConfig, tokenizer: str | None = None) -> Tokenizer | None:
+    """The tokenizer ``tokenizer`` names, which must load (and fit the model's vocabulary), else the config's
+    ``data.tokenizer``, which may be missing here (the run was elsewhere): None then, and the model is still usable
+    on token ids."""
     spec = tokenizer or config.data.tokenizer
-    found = None
     if tokenizer is not None or spec == "bytes" or Path(spec).is_file():
-        found = load_tokenizer(spec, config.model.vocab_size)
-    return LoadedModel(model, config, found, str(resolved))
+        return load_tokenizer(spec, config.model.vocab_size)
+    return None

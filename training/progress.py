@@ -250,15 +250,17 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _span(values: list[float]) -> str:
+    """``0.36``, or ``0.35-0.37`` when the ranks differ at the printed digits."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}-{high}"
+
+
 def _memory_text(peaks: list[float], summary: dict[str, Any]) -> str:
     """``0.79 GiB (0.33 GiB of it before the model; memory model 0.80 GiB)``, as a range over several ranks."""
     before = summary.get("perf/memory_before_model_gib_per_rank") or []
-    text = (f"{peaks[0]:.2f} GiB" if len(peaks) == 1 else
-            f"{min(peaks):.2f}-{max(peaks):.2f} GiB per rank over {len(peaks)} ranks")
-    notes = []
-    if before:
-        held = f"{before[0]:.2f}" if len(before) == 1 else f"{min(before):.2f}-{max(before):.2f}"
-        notes.append(f"{held} GiB of it held before the model")
+    text = f"{_span(peaks)} GiB" + (f" per rank over {len(peaks)} ranks" if len(peaks) > 1 else "")
+    notes = [f"{_span(before)} GiB of it held before the model"] if before else []
     if isinstance(summary.get("perf/memory_predicted_gib"), (int, float)):
         notes.append(f"memory model {summary['perf/memory_predicted_gib']:.2f} GiB")
     return text + (f" ({'; '.join(notes)})" if notes else "")

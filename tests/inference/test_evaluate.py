@@ -72,3 +72,48 @@ def test_the_command_reports_the_figures_and_refuses_bad_input_with_status_2(tra
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
+
+
+# Layouts of 2 ranks a run could train under: tensor parallelism with vocabulary-sharded logits, and FSDP with the
+# experts spread over its ranks (windows dealt over the data-parallel ranks, one rank given none in the last batch).
+LAYOUTS = [["parallel.tp=2", "parallel.dp_shard=1", "parallel.vocab_parallel=true"],
+           ["parallel.dp_shard=2", "parallel.ep=2"]]
+
+
+def _evaluate_under_layouts(rank: int, run_dir: str, text: str, expected: str) -> None:
+    import contextlib
+    import io
+    import re
+
+    numbers = lambda line: [float(x) for x in re.findall(r"[0-9][0-9,]*\.?[0-9]*", line.replace(",", ""))]  # noqa
+    for layout in LAYOUTS:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main([run_dir, "--text", text, "--set", *layout]) == 0
+        if rank == 0:  # loss, perplexity, bits per byte to their printed digits; the predicted tokens exactly
+            assert numbers(out.getvalue()) == pytest.approx(numbers(expected), abs=2e-4), (layout, out.getvalue())
+            assert out.getvalue().strip().split("(")[-1] == expected.split("(")[-1], layout
+        else:
+            assert out.getvalue() == ""  # one figure per job
+
+
+def test_the_command_gives_one_processs_figure_under_every_layout(trained_run, tmp_path, capsys, monkeypatch):
+    """torchrun ... -m inference.evaluate RUN --set parallel.*: each rank builds and reads only its shards, and the
+    figure is the one process's for FSDP, tensor (vocabulary-parallel) and expert parallelism."""
+    from tests.spawn import spawn
+
+    text = tmp_path / "held_out.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    assert main([str(trained_run), "--text", str(text)]) == 0
+    expected = capsys.readouterr().out.strip()
+    spawn(_evaluate_under_layouts, 2, str(trained_run), str(text), expected)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets them: the refusals come before the job is joined
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    for argv, message in [(["--set", "model.d_model=64"], "parallel.* keys only"),
+                          (["--set", "parallel.pp=2"], "pipeline parallelism")]:
+        assert main([str(trained_run), "--text", str(text), *argv]) == 2  # refused before any process group
+        assert message in capsys.readouterr().err

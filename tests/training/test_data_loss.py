@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_len=32", "model.ffn_hidden=64",
         "moe.num_experts=4", "moe.expert_hidden=32", "train.global_batch_size=4", "train.warmup_steps=0",
         "train.precision=fp32", "train.eval_interval=0", "train.eval_batches=1", "logging.wandb=disabled",
-        "logging.log_interval=1", "logging.progress=lines"]
+        "logging.log_interval=1", "logging.progress=lines", "logging.plots=false"]
 
 
 def main(run_dir, *settings, resume=None):
@@ -186,7 +186,7 @@ def test_a_used_run_directory_without_checkpoints_is_refused_or_moved_aside_neve
 
     assert main(tmp_path, "train.steps=2", *no_saves) == 2  # the same command again: nothing to continue from
     err = capsys.readouterr().err
-    assert "holds a run (config.yaml, metrics.jsonl, summary.json, routing, plots) without a checkpoint" in err
+    assert "holds a run (config.yaml, metrics.jsonl, summary.json, routing) without a checkpoint" in err
     assert "--resume none" in err and "Traceback" not in err
     assert snapshot(tmp_path) == first
     other = tmp_path.parent / f"{tmp_path.name}-other"

@@ -180,10 +180,11 @@ def test_close_counts_the_steps_of_a_resumed_session_and_summarises_lists() -> N
     progress = Progress(16, mode="lines", stream=stream, clock=clock, start_step=10)
     clock.now += 8.0
     progress.update(16, {})
-    progress.close({"perf/memory_peak_gib_per_rank": [0.3579, 0.3593], "router/load": [0.25, 0.75]})
+    progress.close({"perf/memory_peak_gib_per_rank": [0.3579, 0.3693], "router/load": [0.25, 0.75],
+                    "perf/memory_before_model_gib_per_rank": [0.3208, 0.3211]})
     lines = stream.getvalue().splitlines()
     assert lines[-3:] == ["done: 6 steps (11-16 of 16) in 8s",
-                          "  peak memory    0.36-0.36 GiB per rank over 2 ranks",
+                          "  peak memory    0.36-0.37 GiB per rank over 2 ranks (0.32 GiB of it held before the model)",
                           "  router/load    2 values, 0.25 to 0.75"]
 
 
