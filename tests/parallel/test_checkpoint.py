@@ -8,6 +8,9 @@ final weights and Adam state (``full_tensor`` of each shard, no checkpoint code)
   and every tensor, each expert's weights and Adam moments included, equals the gathered one exactly;
   resumed from step 3 they continue the source's losses within fp32 tolerance (dropless routing, so the
   batch split across ranks does not change which tokens an expert keeps).
+
+And a Muon run under ep=2: its checkpoint, momentum buffers included, loads into one process exactly and resumes
+there.
 """
 
 import shutil
@@ -185,3 +188,31 @@ def test_interleaved_pipeline_resumes_bit_identical_and_its_checkpoint_loads_in_
     assert loaded.keys() == source_state.keys()
     for name, value in source_state.items():
         assert torch.equal(loaded[name], value), name
+
+
+MUON = ["train.optimizer=muon", "train.muon_ns_dtype=fp32"]
+
+
+def test_a_muon_checkpoint_reshards_into_one_process(tmp_path):
+    """Muon's momentum buffers (sharded like the gradients: FSDP's dense shards, the experts by ep) are saved and
+    resharded like Adam's moments: the ep=2 Muon run's step-6 checkpoint loads into one process exactly, and its
+    step-3 checkpoint, resumed in one process, continues the run's losses (Newton–Schulz in fp32, so the parity
+    rows' tolerance holds: ``tests/parallel/test_parity.py``)."""
+    source_dir = tmp_path / "source"
+    launch([*EP2, *MUON], 2, {"run_dir": str(source_dir), "final_out": str(source_dir / "final.pt")})
+    source_state = torch.load(source_dir / "final.pt", weights_only=True)
+    assert any(".experts." in name and name.endswith("momentum_buffer") for name in source_state)
+    run_dir = resumable(source_dir, 3, tmp_path / "run")
+    launch(MUON, 1, {"load": str(source_dir / "checkpoints" / "step_0000006"), "load_out": str(tmp_path / "loaded.pt"),
+                     "run_dir": str(run_dir), "final_out": str(tmp_path / "final.pt")})
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    assert loaded.keys() == source_state.keys()
+    for name, value in source_state.items():  # every weight, momentum buffer and Adam moment as it was saved
+        assert torch.equal(loaded[name], value), name
+    want, got = train_losses(source_dir), train_losses(run_dir)
+    assert sorted(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name, value in source_state.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
