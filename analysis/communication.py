@@ -90,7 +90,6 @@ from analysis.memory_states import (
     root_tensors,
     sharded_numel,
     sharded_numel_of,
-    tp_local_shape,
 )
 from config.cli import (
     add_config_arguments,
@@ -588,20 +587,19 @@ def _muon_cut(param: ParamTensor, layout: Layout, has_moe: bool) -> tuple[str, l
     edp where the local experts do not split over edp (``expert_fsdp_dim``: a matrix dim). A stack cut by both
     (etp, and local experts that do not split over edp) is counted as etp's alone, an undercount no test has
     measured."""
-    shape = tp_local_shape(param, layout, False)
     if param.expert:
+        shape = [param.shape[0] // layout.ep, *param.shape[1:]]  # this rank's experts, each matrix whole
         etp_cut = layout.etp > 1 and param.expert_hidden_dim is not None
-        fsdp_dim = expert_fsdp_dim(shape[0], layout.edp, param.expert_hidden_dim if etp_cut else None) \
-            if experts_spread(layout, has_moe) and experts_replicated(layout) else 0
         if etp_cut:
-            shape[param.expert_hidden_dim] *= layout.etp
             return "etp", shape
+        fsdp_dim = expert_fsdp_dim(shape[0], layout.edp, None) \
+            if experts_spread(layout, has_moe) and experts_replicated(layout) else 0
         if fsdp_dim:
             shape[fsdp_dim] = largest_chunk(shape[fsdp_dim], layout.edp) * layout.edp
             return "edp", shape
         return None
+    shape = list(param.shape)
     if layout.tp > 1 and param.tp_dim is not None:
-        shape[param.tp_dim] *= layout.tp
         return "tp", shape
     if layout.dp_shard > 1:
         shape[0] = largest_chunk(shape[0], layout.dp_shard) * layout.dp_shard  # FSDP2 pads dim 0 to equal chunks

@@ -30,17 +30,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.window_attention import timed_step
 from config.model import ModelConfig
 from moe.documents import documents_of
 from moe.rope import rope_tables
-
-
-def _time(fn, q, k, v) -> float:
-    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    begin = time.perf_counter()
-    out = fn(q, k, v)
-    out.backward(torch.ones_like(out))
-    return time.perf_counter() - begin
 
 
 def main() -> None:
@@ -79,13 +72,13 @@ def measure(args: argparse.Namespace, lengths: list[int], q: torch.Tensor, k: to
         "per-document causal SDPA": per_document,
     }
     for fn in variants.values():  # warm up
-        _time(fn, q, k, v)
+        timed_step(fn, q, k, v)
     times = {name: [] for name in variants}
     making = []
     names = list(variants)
     for repeat in range(args.repeats):
         for name in names[repeat % len(names):] + names[:repeat % len(names)]:
-            times[name].append(_time(variants[name], q, k, v))
+            times[name].append(timed_step(variants[name], q, k, v))
         begin = time.perf_counter()
         documents_of(ids, cos, sin)
         making.append(time.perf_counter() - begin)
