@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from safetensors import safe_open
 
+from config.errors import ConfigError
 from config.run import config_from_dict
 from interop.export import CONFIG_METADATA_KEY
+from interop.hf import import_folder
 from moe.transformer import MoETransformer
 from parallel.materialize import load_weights_file
 
@@ -84,3 +87,17 @@ def edit_config(folder: Path, **changes) -> None:
     """Set keys of a saved folder's config.json."""
     path = folder / "config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def assert_each_edit_refused(folder: Path, cases: list[tuple[dict, str]], out: Path, base: Path, seq_len: int) -> None:
+    """Each ``(changes, message)`` of ``cases``, applied alone to ``folder``'s config.json, makes the import refuse
+    the folder with a ConfigError matching ``message``; the config is restored afterwards."""
+    original = (folder / "config.json").read_text()
+    try:
+        for changes, message in cases:
+            (folder / "config.json").write_text(original)
+            edit_config(folder, **changes)
+            with pytest.raises(ConfigError, match=message):
+                import_folder(folder, out, base, seq_len=seq_len)
+    finally:
+        (folder / "config.json").write_text(original)

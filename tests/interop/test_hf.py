@@ -18,7 +18,13 @@ from interop.hf import export_folder, hf_run_config, import_folder, main
 from interop.weights import initial_weights
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime, init_runtime
-from tests.interop.hf_models import assert_same_tensors, edit_config, hf_tensors, our_model, save_random
+from tests.interop.hf_models import (
+    assert_each_edit_refused,
+    assert_same_tensors,
+    hf_tensors,
+    our_model,
+    save_random,
+)
 from tests.parallel.parity import full_state
 from tests.spawn import spawn
 from training.loop import train
@@ -99,13 +105,7 @@ def test_bad_input_is_named(tmp_path):
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
         (dict(intermediate_size=16), "block_sparse_moe.experts.0.w3.weight.*shape"),
     ]
-    original = (tmp_path / "hf" / "config.json").read_text()
-    for changes, message in cases:
-        (tmp_path / "hf" / "config.json").write_text(original)
-        edit_config(tmp_path / "hf", **changes)
-        with pytest.raises(ConfigError, match=message):
-            import_folder(tmp_path / "hf", out, base, seq_len=SEQ)
-    (tmp_path / "hf" / "config.json").write_text(original)
+    assert_each_edit_refused(tmp_path / "hf", cases, out, base, SEQ)
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         import_folder(tmp_path / "hf", out, base, seq_len=128)
     shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[-1]

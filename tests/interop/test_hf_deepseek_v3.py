@@ -14,6 +14,7 @@ from config.errors import ConfigError
 from config.run import load_config
 from interop.hf import export_family, export_folder, import_folder
 from tests.interop.hf_models import (
+    assert_each_edit_refused,
     assert_oracle_and_export_back,
     edit_config,
     hf_tensors,
@@ -130,12 +131,7 @@ def test_bad_input_is_named(tmp_path):
         (dict(attention_bias=True), "attention_bias"),
         (dict(first_k_dense_replace=2), "has no tensor 'model.layers.1.mlp.up_proj.weight'"),
     ]
-    original = (tmp_path / "hf" / "config.json").read_text()
-    for changes, message in cases:
-        (tmp_path / "hf" / "config.json").write_text(original)
-        edit_config(tmp_path / "hf", **changes)
-        with pytest.raises(ConfigError, match=message):
-            import_folder(tmp_path / "hf", out, base, seq_len=SEQ)
+    assert_each_edit_refused(tmp_path / "hf", cases, out, base, SEQ)
 
 
 def test_export_refuses_what_deepseek_v3_cannot_express():

@@ -13,8 +13,8 @@ from config.errors import ConfigError
 from config.run import load_config
 from interop.hf import export_family, import_folder
 from tests.interop.hf_models import (
+    assert_each_edit_refused,
     assert_oracle_and_export_back,
-    edit_config,
     our_model,
     save_random,
 )
@@ -96,12 +96,7 @@ def test_bad_input_is_named(tmp_path):
         (dict(q_lora_rank=8), "'q_lora_rank'=8 is not supported by the GLM-4.5 import"),
         (dict(architectures=["Glm4MoeForCausalLM"], model_type="deepseek_v3"), "model_type 'deepseek_v3'"),
     ]
-    original = (tmp_path / "hf" / "config.json").read_text()
-    for changes, message in cases:
-        (tmp_path / "hf" / "config.json").write_text(original)
-        edit_config(tmp_path / "hf", **changes)
-        with pytest.raises(ConfigError, match=message):
-            import_folder(tmp_path / "hf", out, base, seq_len=SEQ)
+    assert_each_edit_refused(tmp_path / "hf", cases, out, base, SEQ)
 
 
 def test_export_goes_to_glm_for_its_attention():

@@ -14,7 +14,14 @@ from safetensors.torch import load_file, save_file
 from config.errors import ConfigError
 from config.run import load_config
 from interop.hf import HFFolder, HFWeights, export_family, export_folder, import_folder
-from tests.interop.hf_models import assert_oracle_and_export_back, edit_config, hf_tensors, our_model, save_random
+from tests.interop.hf_models import (
+    assert_each_edit_refused,
+    assert_oracle_and_export_back,
+    edit_config,
+    hf_tensors,
+    our_model,
+    save_random,
+)
 from tests.interop.test_hf import tokens
 from tests.interop.test_hf_tokenizer import bpe
 
@@ -167,12 +174,7 @@ def test_bad_input_is_named(tmp_path):
         (dict(rope_parameters=YARN | {"truncate": "no"}), "rope truncate='no' must be true or false"),
         (dict(hidden_act="gelu"), "hidden_act must be 'silu'"),
     ]
-    original = (tmp_path / "hf" / "config.json").read_text()
-    for changes, message in cases:
-        (tmp_path / "hf" / "config.json").write_text(original)
-        edit_config(tmp_path / "hf", **changes)
-        with pytest.raises(ConfigError, match=message):
-            import_folder(tmp_path / "hf", out, base, seq_len=SEQ)
+    assert_each_edit_refused(tmp_path / "hf", cases, out, base, SEQ)
 
 
 def test_export_picks_gpt_oss_and_no_family_drops_its_tensors():

@@ -21,6 +21,7 @@ from interop.weights import initial_weights
 from parallel.groups import Layout, ParallelGroups
 from parallel.runtime import Runtime
 from tests.interop.hf_models import (
+    assert_each_edit_refused,
     assert_oracle_and_export_back,
     edit_config,
     hf_tensors,
@@ -104,13 +105,7 @@ def test_bad_input_is_named(tmp_path):
         (dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\] makes layers \[0, 2, 3\] MoE"),
         (dict(moe_intermediate_size=16), "mlp.experts.0.up_proj.weight.*shape"),
     ]
-    original = (tmp_path / "hf" / "config.json").read_text()
-    for changes, message in cases:
-        (tmp_path / "hf" / "config.json").write_text(original)
-        edit_config(tmp_path / "hf", **changes)
-        with pytest.raises(ConfigError, match=message):
-            import_folder(tmp_path / "hf", out, base, seq_len=SEQ)
-    (tmp_path / "hf" / "config.json").write_text(original)
+    assert_each_edit_refused(tmp_path / "hf", cases, out, base, SEQ)
     # every layer dense maps too (model.moe_every=0), but these files have no dense FFN: the first missing named
     edit_config(tmp_path / "hf", mlp_only_layers=[0, 1, 2, 3])
     with pytest.raises(ConfigError, match="has no tensor 'model.layers.0.mlp.up_proj.weight'"):
