@@ -12,19 +12,21 @@ from typing import Literal
 from config.schema import require
 
 # The parallel degrees, in the order the group manager lays out ranks (``parallel/groups.py``): the one list of them
-DEGREES = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp")
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
 
 
 @dataclass
 class ParallelConfig:
     """Degrees of the parallel dimensions; the dense ones multiply to the world size.
 
-    One degree may be -1: whatever is left. Expert parallelism folds over dp_shard * tp.
+    One degree may be -1: whatever is left. Expert parallelism folds over dp_shard * cp * tp.
     """
 
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = -1  # -1 = whatever is left of the world size
+    # context parallelism: each rank holds 1/cp of every sequence (two chunks of 1/(2 cp), one from each end)
+    cp: int = 1
     tp: int = 1
     ep: int = 1
     etp: int = 1
@@ -49,7 +51,7 @@ class ParallelConfig:
     grad_reduce: Literal["step", "microbatch"] = "step"
 
     def degrees(self) -> dict[str, int]:
-        """The six degrees, as ``parallel.groups.Layout.resolve`` takes them."""
+        """The seven degrees, as ``parallel.groups.Layout.resolve`` takes them."""
         return {name: getattr(self, name) for name in DEGREES}
 
     def validate(self) -> None:

@@ -17,7 +17,13 @@ Reading them from the tokens needs no state beside the batch: no change to the t
 checkpointed state, and the validation windows are treated exactly as the training ones. The price: the end token
 must be one token that means nothing else (``data/tokenizer.py``: ``document_end_token``).
 
-Shapes: B sequences, S positions, r/2 rotary frequencies.
+Under context parallelism (``moe/sequence_shards.py``) a rank holds only some positions of each sequence as
+queries, and the keys of all of them gathered from every rank: the same structure then carries that rank's rows of
+the mask, over the keys in their gathered order, and the rotary tables of its own positions. A batch without
+document masking is then one document per sequence, so that there is one way to attend to a sequence's shards.
+
+Shapes: B sequences, S positions, Sq of them this rank's queries (S without context parallelism), r/2 rotary
+frequencies.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from moe.sequence_shards import SequenceShards
 
 
 class Documents(NamedTuple):
@@ -37,9 +45,16 @@ class Documents(NamedTuple):
     """
 
     ids: Tensor  # [B, S] int64: the document each position belongs to, counted from the window's first
-    cos: Tensor  # [B, 1, S, r/2]: the rotary tables at each position's place in its document
+    cos: Tensor  # [B, 1, Sq, r/2]: the rotary tables at each query's place in its document
     sin: Tensor
-    mask: Tensor  # [B, 1, S, S] bool: query i may see key j (j <= i, in the same document)
+    mask: Tensor  # [B, 1, Sq, S] bool: query i may see key j (j at or before i, in the same document)
+    query_pos: Tensor  # [Sq]: the queries' positions in the sequence (0 .. S - 1 without context parallelism)
+    key_pos: Tensor  # [S]: the keys' positions, in the order attention sees them
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the queries are a context-parallel rank's shard of the sequence (not all of it, in order)."""
+        return self.query_pos.shape[0] != self.key_pos.shape[0]
 
 
 def document_ids(tokens: Tensor, end_id: int) -> Tensor:
@@ -57,13 +72,17 @@ def document_positions(ids: Tensor) -> Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
-def documents_of(ids: Tensor, cos_table: Tensor, sin_table: Tensor) -> Documents:
-    """What attention needs from ``ids`` [B, S]; ``cos_table``, ``sin_table``: the model's rotary tables [L, r/2]."""
-    positions = document_positions(ids)
+def documents_of(ids: Tensor, cos_table: Tensor, sin_table: Tensor, shards: SequenceShards | None = None) -> Documents:
+    """What attention needs from ``ids`` [B, S] (the whole sequences' ids); ``cos_table``, ``sin_table``: the model's
+    rotary tables [L, r/2]. With ``shards`` the queries are this context-parallel rank's positions and the keys every
+    rank's, in the order their all-gather delivers them."""
     seq = ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).tril()
-    mask = (ids[:, :, None] == ids[:, None, :]) & causal
-    return Documents(ids, cos_table[positions][:, None], sin_table[positions][:, None], mask[:, None])
+    query_pos = torch.arange(seq, device=ids.device) if shards is None else shards.positions(seq, ids.device)
+    key_pos = torch.arange(seq, device=ids.device) if shards is None else shards.key_positions(seq, ids.device)
+    positions = document_positions(ids)[:, query_pos]
+    mask = (ids[:, query_pos, None] == ids[:, None, key_pos]) & (key_pos[None, :] <= query_pos[:, None])
+    return Documents(ids, cos_table[positions][:, None], sin_table[positions][:, None], mask[:, None], query_pos,
+                     key_pos)
 
 
 def rotary_tables(cos: Tensor, sin: Tensor, start: int, seq: int,

@@ -49,6 +49,12 @@ class LatentAttention(nn.Module):
     The head count is read from the projections' width, so the same code runs on a rank's heads. The one
     rotary key is shared by all heads, so a rank's heads give only part of its gradient: ``shared_rope_key``
     (an identity here) is where ``parallel/tensor.py`` sums that gradient over the tensor-parallel ranks.
+
+    Under context parallelism (``documents.sharded``: ``moe/sequence_shards.py``) the ranks exchange what a cache
+    would keep, the normalised latent and the rotated shared key (c + r numbers per token, 576 at DeepSeek-V3's
+    size against 2·nh·hd = 40,960 for the up-projected keys and values), through ``gather_sequence`` (an identity
+    here, an all-gather over the cp ranks from ``parallel/context.py``); each rank then up-projects every position's
+    keys and values for its queries, which repeats the up-projection cp times over for 1/cp of the traffic.
     """
 
     def __init__(self, config: ModelConfig):
@@ -67,6 +73,7 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, d, bias=False)
         self.shared_rope_key = nn.Identity()
+        self.gather_sequence = nn.Identity()
         self.softmax_scale = latent_softmax_scale(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
@@ -82,11 +89,16 @@ class LatentAttention(nn.Module):
         q = q.view(batch, seq, -1, self.nope_dim + self.rope_dim).transpose(1, 2)  # [B, nh, S, n + r]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)  # [B, S, c], [B, S, r]
-        kv = self.wkv_b(self.kv_latent_norm(latent)).view(batch, seq, -1, self.nope_dim + self.v_dim)
+        latent = self.kv_latent_norm(latent)
+        k_rope = self.shared_rope_key(apply_rope(k_rope.unsqueeze(1), cos, sin))  # [B, 1, S, r]
+        if documents is not None and documents.sharded:  # every context-parallel rank's latents and rotary keys
+            both = self.gather_sequence(torch.cat((latent, k_rope.squeeze(1).to(latent.dtype)), dim=-1))
+            latent, gathered_rope = both.split([self.kv_rank, self.rope_dim], dim=-1)
+            k_rope = gathered_rope.unsqueeze(1).to(k_rope.dtype)
+        kv = self.wkv_b(latent).view(batch, latent.shape[1], -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)  # [B, nh, S, n], [B, nh, S, v]
         heads = q.shape[1]
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
-        k_rope = self.shared_rope_key(apply_rope(k_rope.unsqueeze(1), cos, sin))  # [B, 1, S, r]
         k_rope = k_rope.expand(-1, heads, -1, -1)  # one rotary key, every head
         k = torch.cat((k_nope, k_rope), dim=-1)
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)

@@ -5,6 +5,7 @@ Shapes: B sequences of S tokens, T = B * S, D = d_model, E experts, k choices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,9 @@ class MoELayer(nn.Module):
                                       swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
         self.shared_experts = FeedForward(d_model, config.shared_hidden) if config.num_shared_experts else None
         self.aux_loss_scale = 1.0
+        # under context parallelism the balancing loss's assignment counts summed over the sequence's other ranks
+        # (``parallel/context.py``); None: this rank holds whole sequences
+        self.reduce_counts: Callable[[Tensor], Tensor] | None = None
         self.last_stats: RoutingStats | None = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -90,7 +94,8 @@ class MoELayer(nn.Module):
             out = out + self.shared_experts(tokens)
 
         num_sequences = batch if cfg.aux_loss_scope == "sequence" else 1
-        balance = load_balancing_loss(routed.probs, routed.expert_ids, cfg.num_experts, num_sequences)
+        balance = load_balancing_loss(routed.probs, routed.expert_ids, cfg.num_experts, num_sequences,
+                                      self.reduce_counts)
         router_z = z_loss(routed.logits)
         out = attach_loss(out, balance, cfg.aux_loss_coef * self.aux_loss_scale)
         out = attach_loss(out, router_z, cfg.z_loss_coef * self.aux_loss_scale)

@@ -5,11 +5,14 @@ Shapes: T tokens, E experts, k choices per token, B sequences (T = B * S).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 
-def load_balancing_loss(probs: Tensor, expert_ids: Tensor, num_experts: int, num_sequences: int = 1) -> Tensor:
+def load_balancing_loss(probs: Tensor, expert_ids: Tensor, num_experts: int, num_sequences: int = 1,
+                        reduce_counts: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Switch/GShard load-balancing loss ``E * sum_i f_i * P_i``.
 
     Switch Transformer (Fedus et al. 2022, eq. 4): ``f_i`` is the fraction of the
@@ -20,6 +23,11 @@ def load_balancing_loss(probs: Tensor, expert_ids: Tensor, num_experts: int, num
     loss is computed per sequence and averaged (the sequence-wise balance loss of
     DeepSeek-V3, sec. 2.1.2).
 
+    Under context parallelism a rank holds only some tokens of each sequence: ``reduce_counts`` sums the counts over
+    the ranks holding the others, so ``f_i`` is the whole sequence's, while ``P_i`` stays the mean over this rank's
+    tokens. The mean of the ranks' losses is then the whole sequence's loss, and each rank's gradient reaches its
+    own tokens' probabilities as one process's would (times cp, which averaging the gradients over cp undoes).
+
     probs: [T, E] per-token probabilities summing to 1; expert_ids: [T, k].
     """
     tokens, k = expert_ids.shape
@@ -27,7 +35,9 @@ def load_balancing_loss(probs: Tensor, expert_ids: Tensor, num_experts: int, num
     seq_ids = expert_ids.reshape(num_sequences, -1)
     counts = torch.zeros(num_sequences, num_experts, device=probs.device, dtype=probs.dtype)
     counts.scatter_add_(1, seq_ids, torch.ones_like(seq_ids, dtype=probs.dtype))
-    fraction = counts / seq_ids.shape[1]  # f_i per sequence: [B, E]
+    if reduce_counts is not None:
+        counts = reduce_counts(counts)
+    fraction = counts / counts.sum(dim=1, keepdim=True)  # f_i per sequence: [B, E] (each row sums to its T·k)
     mean_prob = seq_probs.mean(dim=1)  # P_i per sequence: [B, E]
     return num_experts * (fraction * mean_prob).sum(dim=1).mean()
 

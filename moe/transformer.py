@@ -24,6 +24,7 @@ from moe.losses import attach_loss
 from moe.mtp import PredictionModule, prediction_losses
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, rope_tables
+from moe.sequence_shards import SequenceShards
 
 SINK_CHANNELS = 8  # channels added to queries, keys and values to carry the attention sink (``_fold_in_sink``)
 
@@ -55,6 +56,12 @@ class Attention(nn.Module):
     block-diagonal causal mask on the same kernels, composing with the window and the sinks (the blocked window
     path masks its blocks by document too). SDPA computes every score of the mask, so it costs what a full
     (non-causal) attention costs; ``docs/data.md`` has the measurements.
+
+    Under context parallelism the same ``documents`` hold this rank's query positions and the mask's rows for them
+    (``moe/sequence_shards.py``): the keys and values this rank computed are joined by every other rank's through
+    ``gather_sequence`` (an identity here; ``parallel/context.py`` makes it an all-gather over the cp ranks, whose
+    backward sums each key's gradient from every rank's queries), in one tensor so that a layer makes one exchange.
+    Gathering the key/value heads, not the query heads, is what grouped-query attention saves here too.
     """
 
     def __init__(self, config: ModelConfig, window: int | None = None):
@@ -69,6 +76,7 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if config.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.gather_sequence = nn.Identity()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
                 documents: Documents | None = None) -> Tensor:
@@ -91,6 +99,8 @@ class Attention(nn.Module):
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
         if documents is not None:
             mask = documents.mask
+            if documents.sharded:  # every context-parallel rank's keys and values, k and v in one exchange
+                k, v = self.gather_sequence(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
         if self.sinks is None and self.window is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
                                                  enable_gqa=self.n_kv_heads != self.n_heads)
@@ -106,14 +116,19 @@ class Attention(nn.Module):
         A whole sequence much longer than its window goes through ``_blocked_window_attention``, which
         computes only the scores near the diagonal. Otherwise one SDPA with a boolean mask over (query, key)
         positions (causal, and the window; within a document given ``documents``), shared by heads (and by
-        sequences without documents); the sink as in ``_fold_in_sink``.
+        sequences without documents); the sink as in ``_fold_in_sink``. A context-parallel rank's queries are not
+        one run of positions, so it takes the masked path, with the positions ``documents`` holds.
         """
         seq, keys = q.shape[2], k.shape[2]
-        if start == 0 and blocked_window(seq, self.window):
+        sharded = documents is not None and documents.sharded
+        if start == 0 and blocked_window(seq, self.window) and not sharded:
             return self._blocked_window_attention(q, k, v, None if documents is None else documents.ids)
-        query_pos = torch.arange(start, start + seq, device=q.device)[:, None]
-        key_pos = torch.arange(keys, device=q.device)[None, :]
-        allowed = key_pos <= query_pos if documents is None else documents.mask  # [S, K] or [B, 1, S, S]
+        if documents is None:
+            query_pos = torch.arange(start, start + seq, device=q.device)[:, None]
+            key_pos = torch.arange(keys, device=q.device)[None, :]
+        else:
+            query_pos, key_pos = documents.query_pos[:, None], documents.key_pos[None, :]
+        allowed = key_pos <= query_pos if documents is None else documents.mask  # [S, K] or [B, 1, Sq, S]
         if self.window is not None:  # a new tensor: the documents' mask is every layer's
             allowed = allowed & (key_pos > query_pos - self.window)
         return self._attend(q, k, v, allowed)
@@ -253,6 +268,9 @@ class MoETransformer(nn.Module):
     def __init__(self, config: ModelConfig, moe_config: MoEConfig, seed: int = 0):
         super().__init__()
         self.config = config
+        # this rank's positions of each sequence under context parallelism (set by ``parallel/context.py``): the
+        # model then takes tokens [B, S / cp] and attends over the whole sequence's keys
+        self.sequence_shards: SequenceShards | None = None
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleDict(
             {str(i): Block(config, moe_config, config.is_moe_layer(i), config.attention_window(i))
@@ -300,15 +318,21 @@ class MoETransformer(nn.Module):
         keys and values are added to it; the logits are those of the new positions only.
         With ``documents`` ([B, S] document ids, ``moe.documents.document_ids``) each packed document is computed
         as if alone: attention stays within it and positions restart at its start (``moe/documents.py``). A
-        pipeline stage after the first gets hidden states as ``tokens`` and the whole sequence's ids.
+        pipeline stage after the first gets hidden states as ``tokens`` and the whole sequence's ids. Under context
+        parallelism (``sequence_shards``) ``tokens`` are this rank's positions of each sequence [B, S / cp]
+        (``SequenceShards.shard``), the logits theirs, and ``documents`` the whole sequences' ids.
         """
-        seq = tokens.shape[1] + (0 if cache is None else cache.length)
+        shards = self.sequence_shards
+        seq = tokens.shape[1] * (1 if shards is None else shards.cp) + (0 if cache is None else cache.length)
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.rope_cos.shape[0]}")
-        if documents is not None and (cache is not None or (self.mtp is not None and self.training)):
-            raise ValueError("document masking applies to training and evaluation windows; not to generation with a "
-                             "cache, nor to multi-token prediction (model.mtp_depth > 0)")
-        docs = None if documents is None else documents_of(documents, self.rope_cos, self.rope_sin)
+        if (documents is not None or shards is not None) and (cache is not None or (self.mtp is not None
+                                                                                     and self.training)):
+            raise ValueError("document masking and context parallelism apply to training and evaluation windows; "
+                             "not to generation with a cache, nor to multi-token prediction (model.mtp_depth > 0)")
+        if shards is not None and documents is None:  # one document per sequence: its causal mask, sharded
+            documents = torch.zeros(1, seq, dtype=torch.long, device=self.rope_cos.device)
+        docs = None if documents is None else documents_of(documents, self.rope_cos, self.rope_sin, shards)
         # attention takes the positions it needs from the full tables: under sequence parallelism the blocks
         # pass sequence shards between them and attention alone sees the whole sequence
         embedded = x = self.tok_embeddings(tokens)

@@ -2,13 +2,14 @@
 
 ``parallelize`` is the one entry point for a model or, under pipeline parallelism, for one stage
 of it (``parallel/pipeline.py`` cuts the stages first and calls ``parallelize`` on each). It
-applies, in a fixed order, the techniques the layout enables: tensor parallelism (tp, with its
+applies, in a fixed order, the techniques the layout enables: context parallelism (cp: this rank's positions of
+each sequence, keys and values gathered in attention; ``parallel/context.py``), tensor parallelism (tp, with its
 sequence- and vocabulary-parallel options; ``parallel/tensor.py``), expert and expert-tensor
 parallelism (ep × etp, folded over dp_shard × tp; ``parallel/expert.py``; with tp alone too, so
 that each tp rank computes a share of the routed rows), activation checkpointing
 (``parallel/activation_checkpoint.py``) or offloading (``parallel/activation_offload.py``),
 ``torch.compile`` of each block when asked (``parallel/compile.py``), then FSDP2 over the
-expert-data-parallel mesh for the routed experts and over the dense data-parallel mesh for
+expert-data-parallel mesh for the routed experts and over the dense data-parallel mesh (dp_shard × cp) for
 everything else (HSDP with dp_replicate; ``parallel/sharding.py``), 2-D with the tp shards.
 """
 
@@ -21,6 +22,7 @@ from moe.transformer import MoETransformer
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.activation_offload import apply_activation_offload
 from parallel.compile import apply_compile
+from parallel.context import apply_context_parallel
 from parallel.expert import apply_expert_parallel
 from parallel.groups import ParallelGroups
 from parallel.sharding import (
@@ -54,6 +56,8 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: Paralle
     parallel = parallel or ParallelConfig()
     layout = groups.layout
     unmanaged: set = set()
+    if layout.cp > 1:
+        apply_context_parallel(model, groups.group("cp"), groups.coords()["cp"], layout.cp)
     tp_mesh = groups.mesh("tp") if layout.tp > 1 else None
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, parallel.sequence_parallel, parallel.vocab_parallel)
@@ -61,13 +65,12 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: Paralle
         apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh)
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
         expert_dp_mesh = groups.mesh(*expert_axes) if experts_replicated(layout) else None
-        unmanaged = shard_experts(model, expert_dp_mesh, layout.dp, parallel.reshard_after_forward, param_dtype)
+        unmanaged = shard_experts(model, expert_dp_mesh, layout.dp_cp, parallel.reshard_after_forward, param_dtype)
     apply_activation_checkpointing(model, parallel.activation_checkpointing)  # before FSDP (see its module)
     apply_activation_offload(model, parallel.activation_offload)
     if compile_blocks:
         apply_compile(model)
-    if layout.dp > 1:
-        axes = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-        apply_fsdp(model, groups.mesh(*axes), parallel.reshard_after_forward, ignored_params=unmanaged or None,
+    if layout.dp_cp > 1:
+        apply_fsdp(model, groups.data_parallel_mesh(), parallel.reshard_after_forward, ignored_params=unmanaged or None,
                    param_dtype=param_dtype)
     return model

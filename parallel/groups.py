@@ -2,13 +2,19 @@
 
 Two views over the same flat ranks, both row-major over ``arange(world_size)`` (last axis fastest):
 
-    dense  (pp, dp_replicate, dp_shard, tp)       attention, dense FFNs, embeddings
+    dense  (pp, dp_replicate, dp_shard, cp, tp)   attention, dense FFNs, embeddings
     expert (pp, dp_replicate, edp, ep, etp)       routed experts
 
-Expert parallelism folds over the sharded-data- and tensor-parallel ranks (Megatron-Core "MoE parallel
-folding"; torchtitan keeps EP inside dp_shard·tp the same way): ep · etp · edp = dp_shard · tp. pp is
-outermost and dp_replicate the outer replica axis in both views, so pipeline and HSDP replica groups are
-the same ranks in both; tp, ep and etp are innermost, i.e. contiguous ranks within a node.
+Expert parallelism folds over the sharded-data-, context- and tensor-parallel ranks (Megatron-Core "MoE
+parallel folding"; torchtitan keeps EP inside dp_shard·cp·tp the same way): ep · etp · edp = dp_shard · cp · tp.
+pp is outermost and dp_replicate the outer replica axis in both views, so pipeline and HSDP replica groups
+are the same ranks in both; tp, ep and etp are innermost, i.e. contiguous ranks within a node, and cp next
+to tp, since its ranks exchange keys and values in every attention layer.
+
+Context-parallel ranks hold different tokens of the same sequences, so for the gradients they are data-parallel
+ranks: FSDP shards and reduces over dp_shard × cp (the flattened ``dp_shard_cp``), the loss and the routing
+statistics are reduced over dp_replicate × dp_shard × cp (``dp_cp``), and only the sampler asks for "dp" (the
+ranks that draw different sequences).
 
 Rule for etp: etp must divide tp, so every expert-tensor-parallel group lies inside one tensor-parallel
 group. The tokens entering an MoE layer are the same (or sequence-sharded) across a tp group, so an etp
@@ -35,12 +41,14 @@ from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.parallel import DEGREES
 
-DENSE = ("pp", "dp_replicate", "dp_shard", "tp")
+DENSE = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT = ("pp", "dp_replicate", "edp", "ep", "etp")
 VIEWS = {"dense": DENSE, "expert": EXPERT}
-AXES = ("pp", "dp_replicate", "dp_shard", "tp", "edp", "ep", "etp")
-# Flattened axes, built as one group each: "dp" is the batch axis (sampler, loss and token-count reductions).
-FLATTENED = {"dp": ("dp_replicate", "dp_shard")}
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "edp", "ep", "etp")
+# Flattened axes, built as one group each: "dp" the ranks that draw different sequences (the sampler), "dp_cp"
+# the ranks that hold different tokens (loss, token-count and routing reductions), "dp_shard_cp" FSDP's shards.
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             "dp_shard_cp": ("dp_shard", "cp")}
 
 
 # ---------------------------------------------------------------------------
@@ -71,7 +79,7 @@ def _fill(world: int, req: dict[str, int]) -> dict[str, int]:
         raise _Invalid(None, f"{' and '.join('parallel.' + k for k in rest)} are -1; at most one degree may be "
                              "-1 (whatever is left)")
     d = dict(req)
-    dense = " × ".join(f"{k}={req[k]}" for k in DENSE if req[k] != -1)
+    dense = " × ".join(f"{k}={req[k]}" for k in _named(DENSE, req) if req[k] != -1)
     if rest and rest[0] in DENSE:
         product = math.prod(req[k] for k in DENSE if req[k] != -1)
         if world % product:
@@ -81,22 +89,30 @@ def _fill(world: int, req: dict[str, int]) -> dict[str, int]:
     elif math.prod(req[k] for k in DENSE) != world:
         raise _Invalid(None, f"parallel degrees {dense} = {math.prod(req[k] for k in DENSE)} do not match the world "
                              f"of {world} ranks (a degree of -1 fills the rest)")
-    fold = d["dp_shard"] * d["tp"]
+    fold = d["dp_shard"] * d["cp"] * d["tp"]
+    folded = _named(("dp_shard", "cp", "tp"), d)
+    fold_keys = " × ".join(f"parallel.{k}" for k in folded)
     if rest and rest[0] in ("ep", "etp"):  # -1 on ep or etp takes the whole fold: edp = 1
         other = "etp" if rest[0] == "ep" else "ep"
         if fold % d[other]:
             raise _Invalid(None, f"parallel.{rest[0]}=-1 cannot fill the rest: parallel.{other}={d[other]} does not "
-                                 f"divide parallel.dp_shard × parallel.tp = {fold}")
+                                 f"divide {fold_keys} = {fold}")
         d[rest[0]] = fold // d[other]
     if d["tp"] % d["etp"]:
         raise _Invalid("etp", f"parallel.etp={d['etp']}{' (the rest)' if rest == ['etp'] else ''} does not divide "
                               f"parallel.tp={d['tp']} (expert-tensor-parallel groups nest inside tensor-parallel "
                               "groups)")
     if fold % (d["ep"] * d["etp"]):
-        raise _Invalid("ep", f"parallel.ep={d['ep']} × parallel.etp={d['etp']} does not divide parallel.dp_shard × "
-                             f"parallel.tp = {d['dp_shard']} × {d['tp']} = {fold} (expert parallelism folds over the "
-                             "sharded-data- and tensor-parallel ranks)")
+        raise _Invalid("ep", f"parallel.ep={d['ep']} × parallel.etp={d['etp']} does not divide {fold_keys} = "
+                             f"{' × '.join(str(d[k]) for k in folded)} = {fold} (expert parallelism folds over the "
+                             f"sharded-data-{', context-' if d['cp'] > 1 else ''} and tensor-parallel ranks)")
     return d
+
+
+def _named(keys: tuple[str, ...], degrees: dict[str, int]) -> tuple[str, ...]:
+    """The keys a message or a layout's description names: cp only when context parallelism is on (a layout
+    without it reads, and is written on a command line, as before cp existed)."""
+    return tuple(k for k in keys if k != "cp" or degrees["cp"] != 1)
 
 
 def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
@@ -104,6 +120,9 @@ def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
     has_moe = model.n_moe_layers > 0
     has_dense_ffn = model.n_moe_layers < model.n_layers
     checks = [
+        ("cp", model.seq_len % (2 * d["cp"]) == 0 or d["cp"] == 1,
+         f"parallel.cp={d['cp']}: model.seq_len={model.seq_len} must split into 2 × cp = {2 * d['cp']} equal chunks "
+         "(each context-parallel rank holds one chunk from the front of the sequence and one from the back)"),
         ("pp", d["pp"] <= model.n_layers, f"parallel.pp={d['pp']} is more pipeline stages than "
                                           f"model.n_layers={model.n_layers}"),
         ("tp", model.n_heads % d["tp"] == 0, f"parallel.tp={d['tp']} does not divide model.n_heads={model.n_heads}"),
@@ -134,7 +153,7 @@ def _check_expert_sharding(d: dict[str, int], model: ModelConfig, moe: MoEConfig
     else on a width dim (``parallel.sharding.expert_fsdp_dim``: d_model, or expert_hidden when etp leaves it
     whole), and FSDP2 refuses an uneven split of any dim but the first. Experts in a unit of their own (ep, etp or
     tp > 1) with edp > 1 must then have those widths divide by edp; raises _Invalid otherwise."""
-    edp = d["dp_shard"] * d["tp"] // (d["ep"] * d["etp"])
+    edp = d["dp_shard"] * d["cp"] * d["tp"] // (d["ep"] * d["etp"])
     local = moe.num_experts // d["ep"]
     spread = d["ep"] > 1 or d["etp"] > 1 or d["tp"] > 1
     if model.n_moe_layers == 0 or not spread or edp == 1 or local % edp == 0:
@@ -196,8 +215,8 @@ class Layout:
     """Degrees of the parallel dimensions over ``world_size`` ranks; always valid once constructed.
 
     ``pp`` pipeline stages, ``dp_replicate`` HSDP replicas (outer data parallel), ``dp_shard`` FSDP shards,
-    ``tp`` tensor parallel; for the experts ``ep`` expert parallel and ``etp`` expert tensor parallel, with
-    ``edp`` = dp_shard·tp/(ep·etp) expert data parallel derived. ``rest`` records which degree was -1 in
+    ``cp`` context parallel (sequence slices), ``tp`` tensor parallel; for the experts ``ep`` expert parallel and
+    ``etp`` expert tensor parallel, with ``edp`` = dp_shard·cp·tp/(ep·etp) expert data parallel derived. ``rest`` records which degree was -1 in
     the request, so that suggestions for an impossible model layout keep it free.
     """
 
@@ -208,6 +227,7 @@ class Layout:
     tp: int = 1
     ep: int = 1
     etp: int = 1
+    cp: int = 1
     rest: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -225,7 +245,7 @@ class Layout:
 
     @classmethod
     def resolve(cls, world_size: int, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-                ep: int = 1, etp: int = 1, *, model: ModelConfig | None = None, moe: MoEConfig | None = None,
+                ep: int = 1, etp: int = 1, cp: int = 1, *, model: ModelConfig | None = None, moe: MoEConfig | None = None,
                 accept: Accept | None = None) -> Layout:
         """Fill the one degree given as -1 ("whatever is left") and validate; ConfigError names the fix.
 
@@ -233,7 +253,7 @@ class Layout:
         ``validate_for_model`` and ``accept`` (the model itself is checked by ``validate_for_model``)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
-        req = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, etp=etp)
+        req = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp)
         try:
             d = _fill(world_size, req)
         except _Invalid as exc:
@@ -242,13 +262,24 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        """Expert data parallel: the ranks of one dp_shard × tp block that hold the same experts."""
-        return self.dp_shard * self.tp // (self.ep * self.etp)
+        """Expert data parallel: the ranks of one dp_shard × cp × tp block that hold the same experts."""
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
 
     @property
     def dp(self) -> int:
         """Data-parallel size: the number of different micro-batches per step (the sampler's world)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks of one pipeline stage and tp group that hold different tokens of a step (dp × cp): the loss,
+        the routing statistics and the gradients are means or sums over them."""
+        return self.dp * self.cp
+
+    @property
+    def dp_shard_cp(self) -> int:
+        """FSDP's shard count: dp_shard × cp (context-parallel ranks reduce gradients as data-parallel ones)."""
+        return self.dp_shard * self.cp
 
     def degree(self, axis: str) -> int:
         """The size of an axis of either view, or of a flattened axis ("dp")."""
@@ -262,6 +293,7 @@ class Layout:
     pp_enabled = property(lambda self: self.pp > 1)
     dp_replicate_enabled = property(lambda self: self.dp_replicate > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard > 1)
+    cp_enabled = property(lambda self: self.cp > 1)
     tp_enabled = property(lambda self: self.tp > 1)
     ep_enabled = property(lambda self: self.ep > 1)
     etp_enabled = property(lambda self: self.etp > 1)
@@ -270,8 +302,8 @@ class Layout:
         return tuple(self.degree(axis) for axis in _view_axes(view))
 
     def degrees(self) -> str:
-        """The six parallel.* keys, e.g. "pp=1 dp_replicate=1 dp_shard=4 tp=2 ep=2 etp=1"."""
-        return " ".join(f"{k}={getattr(self, k)}" for k in DEGREES)
+        """The parallel.* keys, e.g. "pp=1 dp_replicate=1 dp_shard=4 tp=2 ep=2 etp=1" (cp too when it is above 1)."""
+        return " ".join(f"{k}={getattr(self, k)}" for k in _named(DEGREES, self.requested()))
 
     def requested(self) -> dict[str, int]:
         """The degrees as requested: the resolved one back at -1."""
@@ -297,17 +329,19 @@ def valid_layouts(world_size: int, model: ModelConfig | None = None, moe: MoECon
     layouts = []
     for pp in _divisors(world_size):
         for dp_replicate in _divisors(world_size // pp):
-            for tp in _divisors(world_size // (pp * dp_replicate)):
-                dp_shard = world_size // (pp * dp_replicate * tp)
-                for etp in _divisors(tp):
-                    for ep in _divisors(dp_shard * tp // etp):
-                        d = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, etp=etp)
-                        if model is not None and moe is not None:
-                            try:
-                                _check_model(d, model, moe)
-                            except _Invalid:
-                                continue
-                        layouts.append(Layout(world_size, **d))
+            for cp in _divisors(world_size // (pp * dp_replicate)):
+                for tp in _divisors(world_size // (pp * dp_replicate * cp)):
+                    dp_shard = world_size // (pp * dp_replicate * cp * tp)
+                    for etp in _divisors(tp):
+                        for ep in _divisors(dp_shard * cp * tp // etp):
+                            d = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
+                                     etp=etp)
+                            if model is not None and moe is not None:
+                                try:
+                                    _check_model(d, model, moe)
+                                except _Invalid:
+                                    continue
+                            layouts.append(Layout(world_size, **d))
     return layouts
 
 
@@ -379,6 +413,8 @@ def coordinates(layout: Layout, rank: int) -> dict[str, int]:
         for axis, size in reversed(list(zip(names, layout.shape(view), strict=True))):  # last axis fastest
             index, coords[axis] = divmod(index, size)
     coords["dp"] = coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
+    coords["dp_shard_cp"] = coords["dp_shard"] * layout.cp + coords["cp"]
+    coords["dp_cp"] = coords["dp_replicate"] * layout.dp_shard_cp + coords["dp_shard_cp"]
     return {axis: coords[axis] for axis in (*AXES, *FLATTENED)}
 
 
@@ -394,7 +430,8 @@ def describe_layout(layout: Layout, max_groups: int = 4) -> str:
     for view, names in VIEWS.items():
         lines.append(f"  {view:<6} view ({', '.join(names)}) = ({', '.join(map(str, layout.shape(view)))})")
     lines.append(f"  {'axis':<13} {'size':>4}  groups")
-    for axis in (*AXES, *FLATTENED):
+    # without context parallelism its axis and the flattenings it adds to are the ones without it: not repeated
+    for axis in (a for a in (*AXES, *FLATTENED) if layout.cp > 1 or a not in ("cp", "dp_cp", "dp_shard_cp")):
         if layout.degree(axis) == 1:
             groups = "off (one rank each)"
         else:
@@ -482,6 +519,10 @@ class ParallelGroups:
         for flat, names in FLATTENED.items():
             mine = next(g for g in groups_for(layout, "dense", names) if rank in g)
             meshes[(flat,)] = DeviceMesh.from_group(groups[flat], device_type, mesh=mine, mesh_dim_names=(flat,))
+        if layout.cp > 1:
+            # FSDP shards over dp_shard × cp beside tp's DTensors, which needs one root mesh for both: the dense
+            # mesh's own flattening (a collective; it makes its group as DeviceMesh does)
+            meshes[("dp_shard_cp",)] = meshes[DENSE]["dp_shard", "cp"]._flatten("dp_shard_cp")
         return cls(layout, rank, device_type, groups, meshes)
 
     @property
@@ -506,6 +547,17 @@ class ParallelGroups:
         if key not in self._meshes:
             self._meshes[key] = self._meshes[VIEWS[view]][names]
         return self._meshes[key]
+
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """FSDP's mesh for the dense weights: (dp_replicate, dp_shard × cp), without dp_replicate when it is 1 (then
+        plain FSDP rather than HSDP), dp_shard alone when cp is 1. A sub-mesh of the dense view, as FSDP needs
+        when it shards tensor-parallel DTensors too."""
+        self._require_distributed("data_parallel_mesh()")
+        shard = "dp_shard_cp" if self.layout.cp > 1 else "dp_shard"
+        if shard == "dp_shard_cp":
+            self.mesh("dp_shard_cp")  # the flattening is registered on the dense mesh when it is built
+        axes = ("dp_replicate", shard) if self.layout.dp_replicate > 1 else (shard,)
+        return self._meshes[DENSE][axes]
 
     def maybe_mesh(self, *axes: str) -> DeviceMesh | None:
         """Like ``mesh``, but None when every one of ``axes`` has degree 1 (the parallelism is off)."""

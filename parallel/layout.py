@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from config.errors import ConfigError
 from config.run import RunConfig
+from parallel.context import check_context_parallel
 from parallel.groups import Layout, validate_for_model
 from parallel.pipeline import check_pipeline
 from parallel.tensor import check_tensor_parallel
@@ -69,6 +70,7 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
         check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel,
                               config.parallel.vocab_parallel)
         check_multi_token_prediction(config, layout)
+        check_context_parallel(config, layout.cp)
         return micro, microbatches
 
     def refusal(layout: Layout) -> str | None:  # a layout a refusal suggests must pass every check here

@@ -343,8 +343,8 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
 
     ``loss_fn(logits, targets)`` is the mean LM loss of one micro-batch of ``micro_batch_size``
     sequences; ``autocast`` wraps each stage's forward (compute precision), as it wraps the
-    model's forward without pipelining. Under ``parallel.sequence_parallel`` the stages pass each other this
-    tp rank's slice of the sequence.
+    model's forward without pipelining. Under context parallelism the stages pass each other this cp rank's
+    positions of each sequence, and under ``parallel.sequence_parallel`` this tp rank's slice of those.
     """
     schedule, virtual_stages = parallel.pp_schedule, parallel.pp_virtual_stages
     sequence_parallel, vocab_parallel = parallel.sequence_parallel, parallel.vocab_parallel
@@ -353,7 +353,7 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     num_stages = layout.pp * virtual_stages
     ranges = stage_layers(config, moe, num_stages)
     pp_rank = groups.coords()["pp"]
-    seq, width = config.seq_len, config.d_model
+    seq, width = config.seq_len // layout.cp, config.d_model  # a context-parallel rank's positions of a sequence
     stream_seq = seq // layout.tp if sequence_parallel else seq  # positions of the hidden states between stages
 
     stages, pipeline_stages = [], []

@@ -30,10 +30,12 @@ from data.tokenizer import document_end_token
 from moe.accounting import parameter_counts, training_flops_per_token
 from moe.documents import document_ids
 from moe.layer import RoutingStats
+from moe.sequence_shards import SequenceShards
 from moe.transformer import MoETransformer
 from parallel import clip_grad_norm_, set_gradient_sync
 from parallel.build import build_model
 from parallel.checkpoint import write_text_atomic
+from parallel.context import sequence_shards
 from parallel.groups import ParallelGroups
 from parallel.hardware import PrecisionChoice, choose_precision, memory_per_rank
 from parallel.layout import ResolvedLayout, micro_batching
@@ -127,16 +129,27 @@ def batch_documents(tokens: torch.Tensor, end_id: int | None) -> torch.Tensor | 
     return None if end_id is None else document_ids(tokens, end_id)
 
 
+def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, end_id: int | None,
+                shards: SequenceShards | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inputs, targets, document ids) as this rank's model takes them: under context parallelism its positions of
+    each sequence, with the whole sequences' document ids (attention masks every position's keys by them)."""
+    documents = batch_documents(inputs, end_id)
+    if shards is None:
+        return inputs, targets, documents
+    return shards.shard(inputs), shards.shard(targets), documents
+
+
 @torch.no_grad()
 def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfig, micro: int, autocast,
              dp_rank: int = 0, dp_size: int = 1, dp_group: dist.ProcessGroup | None = None,
-             mixture: bool = True, end_id: int | None = None) -> float:
+             mixture: bool = True, end_id: int | None = None, shards: SequenceShards | None = None) -> float:
     """Mean LM loss over the fixed validation set: ``train.eval_batches`` global batches.
 
     Each global batch (``train.global_batch_size`` sequences) is split over the data-parallel ranks
     and run in micro-batches, as in training, so every layout evaluates the same sequences. ``val_tokens`` is the
     split's tail, each source's of a mixture (drawn by weight), or a named validation set (``mixture=False``).
-    ``end_id``: documents masked as in training.
+    ``end_id``: documents masked as in training. ``dp_group``: every rank holding other tokens (dp × cp); under
+    context parallelism (``shards``) each evaluates its positions, and the mean of their means is the sequences'.
     """
     model.eval()
     device = next(model.parameters()).device
@@ -146,7 +159,7 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
                                                          dp_rank, dp_size, [c.weight for c in config.data.corpora()]
                                                          if config.data.sources and mixture else None)
                      for m in range(0, inputs.shape[0], micro))
-    chunks = [(x, y, batch_documents(x, end_id)) for x, y in micro_batches]
+    chunks = [shard_batch(x, y, end_id, shards) for x, y in micro_batches]
     if isinstance(model, PipelineModel):  # forward only, through the pipeline schedule
         total = model.eval_losses(chunks).sum()
     else:
@@ -155,14 +168,16 @@ def evaluate(model: MoETransformer | PipelineModel, val_tokens, config: RunConfi
             with autocast(), loss_context(config.parallel.vocab_parallel):
                 total += lm_loss(model(inputs, documents=documents), targets).double().cpu()
     model.train()
-    return float(all_reduce(total, dp_group)) / (len(chunks) * dp_size)
+    ranks = dist.get_world_size(dp_group) if dp_group is not None else 1
+    return float(all_reduce(total, dp_group)) / (len(chunks) * ranks)
 
 
 def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, micro: int, grad_clip: float, autocast, interval: IntervalStats,
                dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
                vocab_parallel: bool = False, grad_reduce: str = "step",
-               sources: np.ndarray | None = None, end_id: int | None = None) -> tuple[float, float]:
+               sources: np.ndarray | None = None, end_id: int | None = None,
+               shards: SequenceShards | None = None) -> tuple[float, float]:
     """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
 
     ``vocab_parallel``: the model's logits are sharded over the vocabulary (``parallel/tensor.py``).
@@ -177,22 +192,24 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     rows is added to ``interval`` too, computed again from the same logits with no gradient (plain logits only: a
     vocabulary- or sequence-sharded DTensor, and the pipeline schedule, report the overall loss alone).
     ``end_id``: the token ending each document, when ``data.document_mask`` masks them from each other.
+    ``shards``: this rank's positions of each sequence under context parallelism (``dp_group`` then holds every rank
+    with other tokens of the step, dp × cp, as the gradients' reduction does).
     """
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
     step_loss, step_load, routing = torch.zeros((), dtype=torch.float64), {}, []
     step_mtp = None  # multi-token prediction's mean module loss over this rank's micro-batches
     if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
-        step_loss, routing = model.step(inputs.to(device), targets.to(device), grad_reduce,
-                                        batch_documents(inputs.to(device), end_id))
+        x, y, documents = shard_batch(inputs.to(device), targets.to(device), end_id, shards)
+        step_loss, routing = model.step(x, y, grad_reduce, documents)
     else:
         for m in range(accumulation):
-            x = inputs[m * micro:(m + 1) * micro].to(device)
-            y = targets[m * micro:(m + 1) * micro].to(device)
+            x, y, documents = shard_batch(inputs[m * micro:(m + 1) * micro].to(device),
+                                          targets[m * micro:(m + 1) * micro].to(device), end_id, shards)
             set_gradient_sync(model, grad_reduce, last=m == accumulation - 1)
             with loss_context(vocab_parallel):
                 with autocast():
-                    logits = model(x, documents=batch_documents(x, end_id))
+                    logits = model(x, documents=documents)
                     loss = lm_loss(logits, y)
                     if sources is not None and not isinstance(logits, DTensor):
                         _add_source_losses(interval, logits, y, sources[m * micro:(m + 1) * micro])
@@ -267,8 +284,10 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
            init_weights: InitialWeights | None, resolved: ResolvedLayout, precision: PrecisionChoice,
            memory_predicted: list[int] | None) -> RunResult:
     device = runtime.device
-    dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp
-    dp_group = groups.group("dp") if dp_size > 1 else None
+    dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp  # the sampler's: ranks drawing other sequences
+    # the ranks holding other tokens of a step (dp × cp), over which the losses and the routing are reduced
+    dp_group = groups.group("dp_cp") if groups.layout.dp_cp > 1 else None
+    shards = sequence_shards(groups.layout.cp, groups.coords()["cp"])
     pp_group = groups.group("pp") if groups.layout.pp > 1 else None
     micro, accumulation = resolved.micro_batch_size, resolved.microbatches
     autocast = lambda: (torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
@@ -358,7 +377,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
                                           autocast, interval, dp_group, pp_group, config.parallel.vocab_parallel,
-                                          config.parallel.grad_reduce, sampler.last_sources, end_id)
+                                          config.parallel.grad_reduce, sampler.last_sources, end_id, shards)
         stop = checkpoints.check_finite(step, step_loss, grad_norm, model, optimizer, sampler)
         if stop:
             logger.close()
@@ -384,16 +403,19 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
             summary["train/loss"] = record["train/loss"]
             interval = IntervalStats()
         if config.train.eval_interval and step % config.train.eval_interval == 0 and step != config.train.steps:
-            val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group, end_id=end_id)
+            val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group, end_id=end_id,
+                           shards=shards)
             named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group,
-                                             mixture=False, end_id=end_id) for name, tokens in named_val.items()}
+                                             mixture=False, end_id=end_id, shards=shards)
+                     for name, tokens in named_val.items()}
             logger.log(step, {"val/loss": val, **named})
             progress.message(f"step {step}: val loss {val:.4f}"
                              + "".join(f", {key[4:]} {value:.4f}" for key, value in named.items()))
         checkpoints.after_step(step, model, optimizer, sampler)
-    val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group, end_id=end_id)
+    val = evaluate(model, val_tokens, config, micro, autocast, dp_rank, dp_size, dp_group, end_id=end_id,
+                   shards=shards)
     named = {f"val/{name}": evaluate(model, tokens, config, micro, autocast, dp_rank, dp_size, dp_group, mixture=False,
-                                     end_id=end_id) for name, tokens in named_val.items()}
+                                     end_id=end_id, shards=shards) for name, tokens in named_val.items()}
     logger.log(config.train.steps, {"val/loss": val, **named})
     stop = checkpoints.finish(config.train.steps, model, optimizer, sampler, val)  # saved only if val is finite
     if stop:

@@ -2,6 +2,7 @@
 thousands of ranks, the printed layout, and real gloo groups on 4 processes."""
 
 import datetime
+import itertools
 import math
 import random
 
@@ -61,7 +62,10 @@ def test_derived_degrees_and_enabled_flags():
     assert layout.dp_replicate_enabled and layout.tp_enabled and layout.ep_enabled
     assert not (layout.pp_enabled or layout.etp_enabled)
     assert layout.enabled("edp") and not layout.enabled("etp")
-    assert layout.requested() == dict(pp=1, dp_replicate=2, dp_shard=-1, tp=2, ep=2, etp=1)
+    assert layout.requested() == dict(pp=1, dp_replicate=2, dp_shard=-1, cp=1, tp=2, ep=2, etp=1)
+    assert (layout.dp_cp, layout.dp_shard_cp) == (8, 4) and not layout.cp_enabled
+    folded = Layout.resolve(16, dp_replicate=2, cp=2, tp=2, ep=4)  # ep folds over dp_shard × cp × tp = 2 × 2 × 2
+    assert (folded.dp_shard, folded.dp, folded.dp_cp, folded.dp_shard_cp, folded.edp) == (2, 4, 8, 4, 2)
 
 
 @pytest.mark.parametrize(
@@ -153,10 +157,10 @@ def test_model_limits_name_the_key_and_the_valid_values(world, request_, model, 
     assert str(info.value) == message
 
 
-def fsdp_can_shard_experts(dp_s: int, tp: int, ep: int, etp: int) -> bool:
+def fsdp_can_shard_experts(dp_s: int, tp: int, ep: int, etp: int, cp: int = 1) -> bool:
     """FSDP2 splits a dim other than the first only evenly: experts in their own unit (ep, etp or tp > 1) whose
     E/ep do not split over edp are sharded on d_model (w_in, w_gate; and w_out under etp) or expert_hidden (w_out)."""
-    edp = dp_s * tp // (ep * etp)
+    edp = dp_s * cp * tp // (ep * etp)
     if max(ep, etp, tp) == 1 or (MOE.num_experts // ep) % edp == 0:
         return True
     widths = [MODEL.d_model] + ([] if etp > 1 else [MOE.expert_hidden])
@@ -164,23 +168,19 @@ def fsdp_can_shard_experts(dp_s: int, tp: int, ep: int, etp: int) -> bool:
 
 
 def test_valid_layouts_are_exactly_those_the_rules_allow():
-    # Brute force over every 6-tuple of divisors, with the rules written out independently.
+    # Brute force over every 7-tuple of divisors, with the rules written out independently.
     world = 24
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     expected = set()
-    for pp in divisors:
-        for dp_r in divisors:
-            for dp_s in divisors:
-                for tp in divisors:
-                    for ep in divisors:
-                        for etp in divisors:
-                            if (pp * dp_r * dp_s * tp == world and tp % etp == 0
-                                    and (dp_s * tp) % (ep * etp) == 0
-                                    and MODEL.n_layers >= pp and MODEL.n_heads % tp == 0
-                                    and MODEL.kv_heads % tp == 0 and MODEL.ffn_hidden % tp == 0
-                                    and MOE.num_experts % ep == 0 and MOE.expert_hidden % etp == 0
-                                    and fsdp_can_shard_experts(dp_s, tp, ep, etp)):
-                                expected.add((pp, dp_r, dp_s, tp, ep, etp))
+    for pp, dp_r, dp_s, cp, tp, ep, etp in itertools.product(divisors, repeat=7):
+        if (pp * dp_r * dp_s * cp * tp == world and tp % etp == 0
+                and (dp_s * cp * tp) % (ep * etp) == 0 and MODEL.seq_len % (2 * cp) == 0
+                and MODEL.n_layers >= pp and MODEL.n_heads % tp == 0
+                and MODEL.kv_heads % tp == 0 and MODEL.ffn_hidden % tp == 0
+                and MOE.num_experts % ep == 0 and MOE.expert_hidden % etp == 0
+                and fsdp_can_shard_experts(dp_s, tp, ep, etp, cp)):
+            expected.add((pp, dp_r, dp_s, cp, tp, ep, etp))
+    assert any(layout[3] > 1 for layout in expected) and not any(layout[3] == 3 for layout in expected)
     found = [tuple(getattr(layout, k) for k in DEGREES) for layout in valid_layouts(world, MODEL, MOE)]
     assert len(found) == len(set(found)) and set(found) == expected
     assert len(valid_layouts(world)) > len(found)
@@ -191,7 +191,8 @@ def test_valid_layouts_are_exactly_those_the_rules_allow():
 # ---------------------------------------------------------------------------
 
 AXIS_SETS = {
-    "dense": [("pp",), ("dp_replicate",), ("dp_shard",), ("tp",), ("dp_replicate", "dp_shard"), ("dp_shard", "tp")],
+    "dense": [("pp",), ("dp_replicate",), ("dp_shard",), ("cp",), ("tp",), ("dp_replicate", "dp_shard"),
+              ("dp_shard", "cp"), ("dp_replicate", "dp_shard", "cp"), ("dp_shard", "cp", "tp")],
     "expert": [("pp",), ("dp_replicate",), ("edp",), ("ep",), ("etp",), ("ep", "etp"), ("edp", "ep", "etp")],
 }
 
@@ -205,7 +206,7 @@ def _random_layout(rng: random.Random, world: int) -> Layout:
         dense[axis] = pick(left) if len(dense) < 3 else left
         left //= dense[axis]
     etp = pick(dense["tp"])
-    return Layout(world, **dense, ep=pick(dense["dp_shard"] * dense["tp"] // etp), etp=etp)
+    return Layout(world, **dense, ep=pick(dense["dp_shard"] * dense["cp"] * dense["tp"] // etp), etp=etp)
 
 
 # Hand-picked layouts of thousands of ranks and a seeded sample of random ones (cheap to make at import,
@@ -263,8 +264,9 @@ def test_views_share_pipeline_replica_and_folded_ranks(layouts):
         assert rank_grid(layout, "dense").flatten().tolist() == rank_grid(layout, "expert").flatten().tolist()
         for axis in ("pp", "dp_replicate"):
             assert groups_for(layout, "dense", (axis,)) == groups_for(layout, "expert", (axis,))
-        # ep × etp × edp of one (pp, dp_replicate) slice are that slice's dp_shard × tp ranks
-        assert groups_for(layout, "dense", ("dp_shard", "tp")) == groups_for(layout, "expert", ("edp", "ep", "etp"))
+        # ep × etp × edp of one (pp, dp_replicate) slice are that slice's dp_shard × cp × tp ranks
+        assert (groups_for(layout, "dense", ("dp_shard", "cp", "tp"))
+                == groups_for(layout, "expert", ("edp", "ep", "etp")))
         innermost = [("dense", ("tp",)), ("expert", ("etp",)), ("expert", ("ep", "etp"))]
         if layout.etp == 1:
             innermost.append(("expert", ("ep",)))
@@ -277,7 +279,7 @@ def test_views_share_pipeline_replica_and_folded_ranks(layouts):
 def test_a_small_layout_against_a_golden_table():
     # 16 ranks: pp=2 stages of 8; each stage is dp_shard=4 × tp=2, folded for experts as edp=2 × ep=4.
     layout = Layout.resolve(16, pp=2, tp=2, ep=4)
-    assert layout.shape("dense") == (2, 1, 4, 2) and layout.shape("expert") == (2, 1, 2, 4, 1)
+    assert layout.shape("dense") == (2, 1, 4, 1, 2) and layout.shape("expert") == (2, 1, 2, 4, 1)
     assert groups_for(layout, "dense", ("pp",)) == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14],
                                                     [7, 15]]
     assert groups_for(layout, "dense", ("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13],
@@ -287,16 +289,31 @@ def test_a_small_layout_against_a_golden_table():
     assert groups_for(layout, "expert", ("ep",)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert groups_for(layout, "expert", ("edp",)) == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14],
                                                       [11, 15]]
-    assert coordinates(layout, 13) == dict(pp=1, dp_replicate=0, dp_shard=2, tp=1, edp=1, ep=1, etp=0, dp=2)
+    assert coordinates(layout, 13) == dict(pp=1, dp_replicate=0, dp_shard=2, cp=0, tp=1, edp=1, ep=1, etp=0, dp=2,
+                                           dp_cp=2, dp_shard_cp=2)
+
+
+def test_context_parallel_ranks_sit_beside_tp_and_fold_into_the_experts():
+    # 8 ranks: dp_shard=2 × cp=2 × tp=2; cp next to tp, so a cp group is ranks two apart; ep=4 over cp × tp
+    layout = Layout.resolve(8, cp=2, tp=2, ep=4)
+    assert layout.shape("dense") == (1, 1, 2, 2, 2) and layout.shape("expert") == (1, 1, 2, 4, 1)
+    assert groups_for(layout, "dense", ("cp",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups_for(layout, *axis_view("dp_shard_cp")) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups_for(layout, *axis_view("dp")) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # cp ranks share sequences
+    assert groups_for(layout, "expert", ("ep",)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert coordinates(layout, 6) == dict(pp=0, dp_replicate=0, dp_shard=1, cp=1, tp=0, edp=1, ep=2, etp=0, dp=1,
+                                          dp_cp=3, dp_shard_cp=3)
 
 
 @pytest.mark.parametrize(
     ("axes", "message"),
     [
-        (("ed",), "unknown parallel axis 'ed'; valid axes: pp, dp_replicate, dp_shard, tp, edp, ep, etp, dp"),
-        (("dp_shard", "ep"), "axes dp_shard, ep do not lie in one view: dense is (pp, dp_replicate, dp_shard, tp), "
-                             "expert is (pp, dp_replicate, edp, ep, etp)"),
-        (("tp", "dp_shard"), "axes tp, dp_shard must be given in dense view order (pp, dp_replicate, dp_shard, tp)"),
+        (("ed",), "unknown parallel axis 'ed'; valid axes: pp, dp_replicate, dp_shard, cp, tp, edp, ep, etp, dp, "
+                  "dp_cp, dp_shard_cp"),
+        (("dp_shard", "ep"), "axes dp_shard, ep do not lie in one view: dense is (pp, dp_replicate, dp_shard, cp, "
+                             "tp), expert is (pp, dp_replicate, edp, ep, etp)"),
+        (("tp", "dp_shard"), "axes tp, dp_shard must be given in dense view order (pp, dp_replicate, dp_shard, cp, "
+                             "tp)"),
         (("tp", "tp"), "axes tp, tp repeat an axis"),
         (("dp", "tp"), "the flattened axis dp must be asked alone"),
     ],
@@ -316,7 +333,7 @@ def test_axis_view_answers_shared_axes_from_the_dense_view():
 def test_describe_lists_each_axis_and_its_groups():
     assert describe_layout(Layout.resolve(8, tp=2, ep=4)).splitlines() == [
         "parallel layout of 8 ranks: pp=1 dp_replicate=1 dp_shard=4 tp=2 ep=4 etp=1",
-        "  dense  view (pp, dp_replicate, dp_shard, tp) = (1, 1, 4, 2)",
+        "  dense  view (pp, dp_replicate, dp_shard, cp, tp) = (1, 1, 4, 1, 2)",
         "  expert view (pp, dp_replicate, edp, ep, etp) = (1, 1, 2, 4, 1)",
         "  axis          size  groups",
         "  pp               1  off (one rank each)",
@@ -349,7 +366,7 @@ def test_describe_shortens_a_big_world():
 def test_a_single_process_needs_no_process_group():
     groups = ParallelGroups.build(Layout.resolve(1), "cpu")
     assert not groups.distributed
-    assert groups.coords() == dict.fromkeys((*AXES, "dp"), 0)
+    assert groups.coords() == dict.fromkeys((*AXES, "dp", "dp_cp", "dp_shard_cp"), 0)
     assert groups.is_first_stage and groups.is_last_stage
     assert groups.maybe_mesh("dp_replicate", "dp_shard") is None and groups.maybe_mesh("ep") is None
     with pytest.raises(RuntimeError, match=r"mesh\('tp'\): a single process without torch.distributed"):
@@ -365,7 +382,7 @@ def test_a_single_process_needs_no_process_group():
 def _check_groups(groups: ParallelGroups, rank: int) -> None:
     """On this rank: every group holds the ranks the pure arithmetic says, by a real all_gather over it."""
     layout, coords = groups.layout, groups.coords()
-    for axis in (*AXES, "dp"):
+    for axis in (*AXES, "dp", "dp_cp", "dp_shard_cp"):
         expected = next(g for g in groups_for(layout, *axis_view(axis)) if rank in g)
         gathered = [torch.zeros(1, dtype=torch.long) for _ in expected]
         dist.all_gather(gathered, torch.tensor([rank]), group=groups.group(axis))
@@ -376,8 +393,10 @@ def _check_groups(groups: ParallelGroups, rank: int) -> None:
     assert groups.mesh(*DENSE).get_coordinate() == tuple(coords[a] for a in DENSE)
     assert groups.mesh(*EXPERT).get_coordinate() == tuple(coords[a] for a in EXPERT)
     hsdp = groups.mesh("dp_replicate", "dp_shard")
-    assert hsdp.mesh.tolist() == dense[coords["pp"], :, :, coords["tp"]].tolist()
+    assert hsdp.mesh.tolist() == dense[coords["pp"], :, :, coords["cp"], coords["tp"]].tolist()
     assert hsdp.get_group("dp_shard") is groups.group("dp_shard")
+    fsdp = dense[coords["pp"], :, :, :, coords["tp"]].reshape(layout.dp_replicate, layout.dp_shard_cp)
+    assert groups.data_parallel_mesh().mesh.tolist() == (fsdp if layout.dp_replicate > 1 else fsdp[0]).tolist()
     assert groups.mesh("edp", "ep").mesh.tolist() == expert[coords["pp"], coords["dp_replicate"], :, :, 0].tolist()
     assert groups.is_first_stage and groups.is_last_stage
 
@@ -395,6 +414,10 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         groups = ParallelGroups.build(Layout.resolve(world, dp_replicate=2, dp_shard=2, ep=2), "cpu")
         _check_groups(groups, rank)
         assert groups.maybe_mesh("tp") is None and groups.maybe_mesh("dp_replicate", "dp_shard") is not None
+        # context parallelism: FSDP's mesh flattens dp_shard × cp, a sub-mesh of the dense view beside tp
+        groups = ParallelGroups.build(Layout.resolve(world, dp_shard=1, cp=2, tp=2, ep=4), "cpu")
+        _check_groups(groups, rank)
+        assert groups.data_parallel_mesh().mesh_dim_names == ("dp_shard_cp",)
     finally:
         dist.destroy_process_group()
     exit_process(0)  # skip the interpreter's shutdown: parallel/runtime.py says why

@@ -126,6 +126,20 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # stages passing sequence slices; the last stage's loss from vocabulary-sharded logits
     pytest.param(["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                   "parallel.vocab_parallel=true"], 4, "1.25", id="pp=2xtp=2-sequence+vocab_parallel"),
+    # context parallelism: each rank two chunks of every sequence (one from each end), keys and values gathered
+    pytest.param(["parallel.cp=2"], 2, "null", id="cp=2"),
+    pytest.param(["parallel.cp=4"], 4, "null", id="cp=4"),
+    # with tp and sequence parallelism: each cp rank's positions cut again over tp between the blocks
+    pytest.param(["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], 4, "null",
+                 id="cp=2xtp=2-sequence_parallel"),
+    # expert parallelism folded over cp: each rank sends its positions' rows to the experts
+    pytest.param(["parallel.cp=2", "parallel.ep=2"], 2, "null", id="cp=2xep=2"),
+    pytest.param(["parallel.cp=2", "parallel.pp=2"], 4, "null", id="cp=2xpp=2"),
+    # latent attention gathers its latent and rotary key; GPT-OSS's window and sinks on a rank's positions, masked
+    # by document
+    pytest.param(["parallel.cp=2", "parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3], 4, "null",
+                 id="cp=2xdp_shard=2xep=2-deepseek-v3"),
+    pytest.param(["parallel.cp=2", *GPT_OSS, *DOCUMENT_MASK], 2, "null", id="cp=2-gpt-oss-document_mask"),
     # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
     # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.grad_reduce=step",
@@ -258,6 +272,8 @@ BF16_LAYOUTS = [
     pytest.param(["parallel.dp_shard=4", "parallel.ep=2", "parallel.grad_reduce=step", "train.micro_batch_size=1"],
                  4, id="ep=2xedp=2-2mb-step-bf16"),
     pytest.param(["parallel.pp=2", "parallel.dp_shard=2"], 4, id="pp=2xdp_shard=2-bf16"),
+    # FSDP over dp_shard × cp, bf16 units: each rank's positions of its sequences
+    pytest.param(["parallel.cp=2", "parallel.dp_shard=2"], 4, id="cp=2xdp_shard=2-bf16"),
 ]
 
 
