@@ -216,8 +216,8 @@ class Layout:
 
     ``pp`` pipeline stages, ``dp_replicate`` HSDP replicas (outer data parallel), ``dp_shard`` FSDP shards,
     ``cp`` context parallel (sequence slices), ``tp`` tensor parallel; for the experts ``ep`` expert parallel and
-    ``etp`` expert tensor parallel, with ``edp`` = dp_shard·cp·tp/(ep·etp) expert data parallel derived. ``rest`` records which degree was -1 in
-    the request, so that suggestions for an impossible model layout keep it free.
+    ``etp`` expert tensor parallel, with ``edp`` = dp_shard·cp·tp/(ep·etp) expert data parallel derived. ``rest``
+    records which degree was -1 in the request, so that suggestions for an impossible model layout keep it free.
     """
 
     world_size: int
@@ -245,8 +245,8 @@ class Layout:
 
     @classmethod
     def resolve(cls, world_size: int, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-                ep: int = 1, etp: int = 1, cp: int = 1, *, model: ModelConfig | None = None, moe: MoEConfig | None = None,
-                accept: Accept | None = None) -> Layout:
+                ep: int = 1, etp: int = 1, cp: int = 1, *, model: ModelConfig | None = None,
+                moe: MoEConfig | None = None, accept: Accept | None = None) -> Layout:
         """Fill the one degree given as -1 ("whatever is left") and validate; ConfigError names the fix.
 
         ``model``/``moe``/``accept`` only narrow the suggestions of a refusal to layouts that would pass

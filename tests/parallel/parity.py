@@ -51,6 +51,14 @@ def documents_corpus() -> Path:
 DOCUMENT_MASK = ["data.document_mask=true", 'data.document_end="\\x1e"', f"data.source={documents_corpus()}"]
 
 
+# GPT-OSS's architecture at toy size: q/k/v/o biases, attention sinks, a sliding window of 4 on the first layer
+# (the blocked path: 32 positions), a biased router and biased experts with the clamped SwiGLU
+GPT_OSS = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
+           "model.sliding_window=4", "model.layer_types=[sliding_attention, full_attention]",
+           "moe.activation=clamped_swiglu", "moe.swiglu_limit=0.5", "moe.router_bias=true",
+           "moe.expert_proj_bias=true"]
+
+
 def full_state(model) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` (this rank's pipeline stages) as full tensors (a collective)."""
     return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()

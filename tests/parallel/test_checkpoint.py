@@ -113,14 +113,16 @@ def test_resume_under_expert_parallelism_is_bit_identical(source, tmp_path):
 
 @pytest.mark.parametrize("layout, world_size, resume", [
     pytest.param([], 1, True, id="one-process"),
-    pytest.param(["parallel.dp_shard=2"], 2, True, id="dp_shard=2"),
+    # FSDP over cp=2 (the source's dp_shard=2 shards, now by sequence halves), resumed under context parallelism
+    pytest.param(["parallel.cp=2"], 2, True, id="cp=2"),
     pytest.param(["parallel.dp_shard=4", "parallel.ep=4"], 4, True, id="ep=4"),
     pytest.param(["parallel.tp=2", "parallel.ep=2"], 2, True, id="tp=2xep=2"),
     # the norms replicated DTensors, the embedding and head split over the vocabulary
     pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.vocab_parallel=true"], 2, True,
                  id="tp=2-sequence+vocab_parallel"),
     # load only: four more processes training would add time, not coverage
-    pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2"], 4, False, id="dp_replicate=2xdp_shard=2"),
+    # (HSDP over the flattened dp_shard × cp: its shards are the source's dp_shard=2 shards)
+    pytest.param(["parallel.dp_replicate=2", "parallel.cp=2"], 4, False, id="dp_replicate=2xcp=2"),
 ])
 def test_checkpoint_reshards_into_another_layout(source, layout, world_size, resume, tmp_path):
     source_dir, source_state = source

@@ -16,7 +16,7 @@ import torch
 
 from config.parallel import DEGREES
 from parallel.groups import Layout
-from tests.parallel.parity import DOCUMENT_MASK, run
+from tests.parallel.parity import DOCUMENT_MASK, GPT_OSS, run
 from training.metrics import read_metrics
 
 STEPS = 5
@@ -29,12 +29,6 @@ DEEPSEEK_V3 = ["model.kv_lora_rank=16", "model.q_lora_rank=12", "model.qk_nope_h
                "moe.bias_update_rate=0.01"]
 # with one multi-token-prediction module (a MoE block: layer 2's kind) after the head
 DEEPSEEK_V3_MTP = [*DEEPSEEK_V3, "model.mtp_depth=1"]
-# GPT-OSS's architecture at toy size: q/k/v/o biases, attention sinks, a sliding window of 4 on the first layer
-# (the blocked path: 32 positions), a biased router and biased experts with the clamped SwiGLU
-GPT_OSS = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
-           "model.sliding_window=4", "model.layer_types=[sliding_attention, full_attention]",
-           "moe.activation=clamped_swiglu", "moe.swiglu_limit=0.5", "moe.router_bias=true",
-           "moe.expert_proj_bias=true"]
 # Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
 # weights of the ep=2 row), from tp (with sequence parallelism) and from etp; experts whole under ep; pp's stages
 # each with their own head. Newton-Schulz in fp32, so the layout's reductions are the only difference (in bf16 its
