@@ -205,7 +205,15 @@ class ExpertParallelExperts(nn.Module):
         sends no codes or weights; under tensor parallelism each tp rank exchanges a contiguous share of the
         assignment rows (``parallel/tensor.py``), which pairs would cut across. Both keep the row exchange."""
         if self.ep_mesh.size() > 1 and self.tp_mesh is None and weights.shape[1] > 1:
-            return exchange_pairs(tokens, plan, weights, self.num_local_experts, self.group, self._local_ffn)
+            return self.pair_exchange(tokens, plan, weights)
+        return self.row_exchange(tokens, plan, weights)
+
+    def pair_exchange(self, tokens: Tensor, plan: DispatchPlan, weights: Tensor) -> Tensor:
+        """``forward`` by (token, rank) pairs (``parallel/expert_dispatch.py``); pure expert parallelism only."""
+        return exchange_pairs(tokens, plan, weights, self.num_local_experts, self.group, self._local_ffn)
+
+    def row_exchange(self, tokens: Tensor, plan: DispatchPlan, weights: Tensor) -> Tensor:
+        """``forward`` by rows, one per kept assignment: permute, exchange, un-permute and combine at home."""
         x = permute(tokens, plan)
         if self.tp_mesh is not None:
             share, share_tokens, bounds = scatter_rows(x, plan.tokens_per_expert, self.tp_mesh, self.etp)
