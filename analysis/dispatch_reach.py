@@ -85,16 +85,22 @@ def exchange_counts(moe: MoEConfig, tokens: int, ep: int) -> tuple[list[int], li
     ``moe.force_balance``: the router's round robin (assignment t·k + j to expert (t·k + j) mod E), drops by
     position beyond the capacity (exact for ``moe.drop_policy=position``; under ``probability`` which of an
     expert's assignments drop follows the weights, and a token loses a pair only when all of its assignments
-    there drop). Otherwise ``tokens`` × the reach bound pairs (no more than the assignments), spread evenly.
+    there drop). Otherwise every expert keeps its balanced share (T·k/E to within one, capped at the capacity)
+    and ``tokens`` × the reach bound pairs (no more than the assignments) spread evenly: integer arithmetic only,
+    as the planner asks for every candidate layout.
     """
-    ids = (torch.arange(tokens * moe.top_k) % moe.num_experts).view(tokens, moe.top_k)
     capacity = None if moe.capacity_factor is None else \
         expert_capacity(tokens, moe.top_k, moe.num_experts, moe.capacity_factor)
-    plan = plan_dispatch(ids, torch.ones(ids.shape), moe.num_experts, capacity, "position")
-    kept = (plan.assignment_row < plan.order.numel()).view(tokens, moe.top_k)
-    pairs, assignments = routing_pairs(ids, kept, moe.num_experts, ep)
     if moe.force_balance:
-        return pairs, assignments
+        ids = (torch.arange(tokens * moe.top_k) % moe.num_experts).view(tokens, moe.top_k)
+        plan = plan_dispatch(ids, torch.ones(ids.shape), moe.num_experts, capacity, "position")
+        kept = (plan.assignment_row < plan.order.numel()).view(tokens, moe.top_k)
+        return routing_pairs(ids, kept, moe.num_experts, ep)
+    share, extra = divmod(tokens * moe.top_k, moe.num_experts)
+    cap = tokens if capacity is None else capacity
+    kept_per_expert = [min(share + (e < extra), cap) for e in range(moe.num_experts)]
+    local = moe.num_experts // ep
+    assignments = [sum(kept_per_expert[r * local:(r + 1) * local]) for r in range(ep)]
     reach = _bound([len(s) for s in group_ranks(moe, ep)], moe.groups_per_token, moe.top_k, ep)
     even, extra = divmod(tokens * reach, ep)
     return [min(even + (r < extra), assignments[r]) for r in range(ep)], assignments
