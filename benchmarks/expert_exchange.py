@@ -22,12 +22,14 @@ moving bytes is cheap. A measurement, never a pass/fail test.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -38,7 +40,7 @@ from moe.init import initialize  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 from parallel.expert import ExpertParallelExperts  # noqa: E402
 from parallel.groups import Layout, ParallelGroups  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from parallel.runtime import exit_process, free_port, init_runtime, shutdown_runtime  # noqa: E402
 
 D, HIDDEN = 512, 1024
 SETTINGS = {
@@ -56,8 +58,20 @@ def _step(layer: MoELayer, tokens: torch.Tensor) -> float:
     return time.perf_counter() - started
 
 
-def _worker(rank: int, repeats: int, num_tokens: int) -> None:
+def _process(rank: int, port: int, repeats: int, num_tokens: int) -> None:
+    """One of the two ranks, joined as ``torchrun`` would join it."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    init_runtime()
+    try:
+        _measure(rank, repeats, num_tokens)
+    finally:
+        shutdown_runtime()
+    exit_process(0)
+
+
+def _measure(rank: int, repeats: int, num_tokens: int) -> None:
     groups = ParallelGroups.build(Layout(2, dp_shard=2, ep=2), "cpu")
     tokens = torch.randn(1, num_tokens, D, generator=torch.Generator().manual_seed(rank))
     if rank == 0:
@@ -92,7 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
     args = parser.parse_args()
-    spawn(_worker, 2, args.repeats, args.tokens)
+    mp.spawn(_process, args=(free_port(), args.repeats, args.tokens), nprocs=2)
 
 
 if __name__ == "__main__":
