@@ -27,7 +27,11 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
 - ep (``parallel/expert.py``): per MoE layer and forward, an all-to-all of E int64 counts, the dispatch and
   the combine; backward repeats dispatch and combine. Rows per destination come from the balanced routing
   (``moe.force_balance``'s round robin: every expert T·k/E assignments, capped at the capacity) and, under
-  tp, from this tp rank's contiguous share of the grouped rows.
+  tp, from this tp rank's contiguous share of the grouped rows. Without tp and with k > 1 the exchange is
+  deduplicated (``parallel/expert_dispatch.py``, ``pair_exchange_traffic``): one row per (token, destination
+  rank) pair each way, plus a code and a weight per assignment; pairs per destination from
+  ``analysis.dispatch_reach.exchange_counts`` (the round robin's under ``moe.force_balance``, otherwise each
+  token reaching the most ranks its group limit allows).
 - FSDP2 (``parallel/sharding.py``): per block, per routed-experts unit and for the root (embedding, norm,
   head), an all-gather of the fp32 parameter shards per micro-batch, again in backward with
   ``reshard_after_forward`` (not for the root); a reduce-scatter of the gradients once per step under
@@ -81,6 +85,7 @@ from dataclasses import dataclass
 import torch
 
 from analysis.dispatch_reach import describe as describe_reach
+from analysis.dispatch_reach import exchange_counts
 from analysis.memory_states import (
     Block,
     ParamTensor,
@@ -456,19 +461,52 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     if layout.ep == 1 or not moe_layers:
         return out
     group, me = step.group("ep"), coordinates(layout, step.rank)["ep"]
+    forwards = len(moe_layers) * step.microbatches * (1 + _moe_recompute(step))
+    backwards = len(moe_layers) * step.microbatches
+    if layout.tp == 1 and config.moe.top_k > 1:
+        return pair_exchange_traffic(*exchange_counts(config.moe, step.tokens, layout.ep), me, group,
+                                     config.model.d_model * step.act, forwards, backwards, config.moe.num_experts)
     kept = kept_per_expert(config, step.tokens)
     sent = _exchange_rows(step, step.rank, kept)
     rows_out = sum(sent) - sent[me]
     rows_in = sum(_exchange_rows(step, q, kept)[me] for q in group if q != step.rank)
     row = config.model.d_model * step.act
-    forwards = len(moe_layers) * step.microbatches * (1 + _moe_recompute(step))
-    backwards = len(moe_layers) * step.microbatches
     _add(out, "ep", "all_to_all", "tokens per expert (forward)", forwards, config.moe.num_experts * 8, group)
     # uneven: the rows that leave (none, when this tp rank's share belongs to its own experts)
     for what, rows in (("dispatch", rows_out), ("combine", rows_in)):
         out.append(Traffic("ep", "all_to_all", f"{what} (forward)", forwards, forwards * rows * row, group))
     for what, rows in (("combine's gradient", rows_out), ("dispatch's gradient", rows_in)):
         out.append(Traffic("ep", "all_to_all", f"{what} (backward)", backwards, backwards * rows * row, group))
+    return out
+
+
+def pair_exchange_traffic(pairs: list[int], assignments: list[int], me: int, group: tuple[int, ...], row: int,
+                          forwards: int, backwards: int, num_experts: int,
+                          sources: list[tuple[list[int], list[int]]] | None = None) -> list[Traffic]:
+    """The deduplicated exchange's all-to-alls (``parallel/expert_dispatch.py``) for the rank at ep coordinate ``me``.
+
+    ``pairs``/``assignments``: what it sends to each ep coordinate (``analysis.dispatch_reach.exchange_counts`` or
+    ``routing_pairs``); ``sources``: the same for every coordinate, for what it receives (by default all alike, as
+    under balanced routing). Forward: the counts ([ep, L + 1] int64), the pairs' rows, an int64 code and an fp32
+    weight per assignment, and one combined row per pair received; backward: the combined rows' gradients, the
+    weights' and the rows'. Each all-to-all's bytes are what leaves this rank (``row`` bytes a row).
+    """
+    ep = len(group)
+    sources = sources or [(pairs, assignments)] * ep
+    pairs_out, assignments_out = sum(pairs) - pairs[me], sum(assignments) - assignments[me]
+    pairs_in = sum(p[me] for q, (p, _) in enumerate(sources) if q != me)
+    assignments_in = sum(a[me] for q, (_, a) in enumerate(sources) if q != me)
+    out: list[Traffic] = []
+    _add(out, "ep", "all_to_all", "rows per local expert and pairs (forward)", forwards, (num_experts + ep) * 8,
+         group)
+    for what, calls, leaving in (("dispatch: a row per (token, rank) pair (forward)", forwards, pairs_out * row),
+                                 ("dispatch: code per assignment (forward)", forwards, assignments_out * 8),
+                                 ("dispatch: weight per assignment (forward)", forwards, assignments_out * 4),
+                                 ("combine: a row per pair (forward)", forwards, pairs_in * row),
+                                 ("combine's gradient (backward)", backwards, pairs_out * row),
+                                 ("weights' gradient (backward)", backwards, assignments_in * 4),
+                                 ("dispatch's gradient (backward)", backwards, pairs_in * row)):
+        out.append(Traffic("ep", "all_to_all", what, calls, calls * leaving, group))
     return out
 
 

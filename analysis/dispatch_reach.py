@@ -10,18 +10,24 @@ A token chooses ``topk_group`` groups and k experts inside them, each expert on 
 are at most min(k, ep, the sum of the ``topk_group`` largest |ranks(g)|), and likewise for nodes. With ep
 dividing ``n_group`` the bound is min(k, ``topk_group``): the communication lever the DeepSeek-V3 report pulls.
 
-What the bound does to bytes here: nothing yet. ``parallel/expert.py`` sends one row per kept (token, expert)
-assignment, so a token costs k rows whether its experts share one rank or not; the bytes fall only with a
-dispatch that sends a token once per destination rank (or node) and fans it out there (DeepSeek's DeepEP
-does so over InfiniBand, then NVLink), which this toolkit does not have. The bound is what such a dispatch
-would send per token, and how many peers one token's dispatch waits on.
+What the bound does to bytes: under pure expert parallelism with k > 1, ``parallel/expert_dispatch.py`` sends a
+token once per destination rank (a (token, rank) *pair*) and combines its experts' outputs there, so dispatch and
+combine move one row per pair, at most ``ranks`` per token instead of k. ``exchange_counts`` gives the pairs and
+assignments a rank sends to each destination, from a routing (what the counted tests compare) or, for the
+communication model, from the balanced routing it assumes: the round robin itself under ``moe.force_balance``,
+otherwise every token reaching the bound (the most the placement allows; DeepSeek-V3's 8 of 256 experts within 4
+groups on ep=64 reach 8 ranks, a token of a real router almost always all of them), spread evenly over the ranks.
+Under tensor parallelism, or with k = 1, the exchange stays one row per kept assignment.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from config.model import MoEConfig
+from moe.dispatch import count_per_expert, expert_capacity, plan_dispatch
 from parallel.groups import Layout, axis_view, groups_for
 
 
@@ -60,6 +66,46 @@ def dispatch_reach(moe: MoEConfig, layout: Layout, gpus_per_node: int, rank: int
         nodes_unlimited=_bound(node_spans, moe.n_group, moe.top_k, total_nodes))
 
 
+def routing_pairs(expert_ids: torch.Tensor, kept: torch.Tensor, num_experts: int,
+                  ep: int) -> tuple[list[int], list[int]]:
+    """(pairs, kept assignments) one rank's routing sends to each ep coordinate in the deduplicated exchange.
+
+    expert_ids [T, k], kept [T, k] bool (what the capacity left). A pair is a token and a rank holding at least one
+    of its kept experts (``parallel/expert.py``'s contiguous placement).
+    """
+    tokens = torch.arange(expert_ids.shape[0]).unsqueeze(1).expand_as(expert_ids)
+    destination = expert_ids // (num_experts // ep)
+    pairs = torch.unique(tokens[kept] * ep + destination[kept])
+    return count_per_expert(pairs % ep, ep).tolist(), count_per_expert(destination[kept], ep).tolist()
+
+
+def exchange_counts(moe: MoEConfig, tokens: int, ep: int) -> tuple[list[int], list[int]]:
+    """(pairs, kept assignments) a rank of ``tokens`` tokens sends to each ep coordinate under balanced routing.
+
+    ``moe.force_balance``: the router's round robin (assignment t·k + j to expert (t·k + j) mod E), drops by
+    position beyond the capacity (exact for ``moe.drop_policy=position``; under ``probability`` which of an
+    expert's assignments drop follows the weights, and a token loses a pair only when all of its assignments
+    there drop). Otherwise every expert keeps its balanced share (T·k/E to within one, capped at the capacity)
+    and ``tokens`` × the reach bound pairs (no more than the assignments) spread evenly: integer arithmetic only,
+    as the planner asks for every candidate layout.
+    """
+    capacity = None if moe.capacity_factor is None else \
+        expert_capacity(tokens, moe.top_k, moe.num_experts, moe.capacity_factor)
+    if moe.force_balance:
+        ids = (torch.arange(tokens * moe.top_k) % moe.num_experts).view(tokens, moe.top_k)
+        plan = plan_dispatch(ids, torch.ones(ids.shape), moe.num_experts, capacity, "position")
+        kept = (plan.assignment_row < plan.order.numel()).view(tokens, moe.top_k)
+        return routing_pairs(ids, kept, moe.num_experts, ep)
+    share, extra = divmod(tokens * moe.top_k, moe.num_experts)
+    cap = tokens if capacity is None else capacity
+    kept_per_expert = [min(share + (e < extra), cap) for e in range(moe.num_experts)]
+    local = moe.num_experts // ep
+    assignments = [sum(kept_per_expert[r * local:(r + 1) * local]) for r in range(ep)]
+    reach = _bound([len(s) for s in group_ranks(moe, ep)], moe.groups_per_token, moe.top_k, ep)
+    even, extra = divmod(tokens * reach, ep)
+    return [min(even + (r < extra), assignments[r]) for r in range(ep)], assignments
+
+
 def describe(moe: MoEConfig, layout: Layout, gpus_per_node: int, rank: int = 0) -> str:
     """One line for the communication table: the bound, beside plain top-k's."""
     reach = dispatch_reach(moe, layout, gpus_per_node, rank)
@@ -67,4 +113,5 @@ def describe(moe: MoEConfig, layout: Layout, gpus_per_node: int, rank: int = 0) 
              if moe.group_limited else "plain top-k")
     return (f"one token's dispatch reaches at most {reach.ranks} of ep={layout.ep} ranks on {reach.nodes} node(s) "
             f"under {limit} (without the limit: {reach.ranks_unlimited} ranks, {reach.nodes_unlimited} node(s)); "
-            f"bytes are k={moe.top_k} rows per token either way (one row per kept assignment)")
+            f"without tensor parallelism a token's dispatch and combine move one row per rank reached, "
+            f"not k={moe.top_k}")

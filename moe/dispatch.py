@@ -129,10 +129,10 @@ class _Permute(torch.autograd.Function):
         num_rows = grad_rows.shape[0]
         if num_rows < assignment_row.numel():  # some assignments were dropped: they point at an extra zero row
             grad_rows = torch.cat([grad_rows, grad_rows.new_zeros(1, grad_rows.shape[1])])
-        return _sum_choices(grad_rows, assignment_row.view(ctx.num_tokens, -1)), None, None
+        return sum_choices(grad_rows, assignment_row.view(ctx.num_tokens, -1)), None, None
 
 
-def _sum_choices(grouped: Tensor, rows: Tensor) -> Tensor:
+def sum_choices(grouped: Tensor, rows: Tensor) -> Tensor:
     """``out[t] = sum_j grouped[rows[t, j]]``, added in choice order: a gather, not a scatter-add, so the sum
     is the same on every run and device. ``rows`` [T, k]; a dropped assignment points at a zero row."""
     out = grouped.index_select(0, rows[:, 0])
@@ -171,7 +171,7 @@ class _WeightedCombine(torch.autograd.Function):
         scaled = expert_out.new_empty(num_rows + 1, dim)
         torch.mul(expert_out, grouped_weights.unsqueeze(1), out=scaled[:num_rows])
         scaled[num_rows] = 0  # what dropped assignments read
-        out = _sum_choices(scaled, assignment_row.view(num_tokens, top_k))
+        out = sum_choices(scaled, assignment_row.view(num_tokens, top_k))
         ctx.save_for_backward(expert_out, grouped_weights, order, token_index)
         ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
         return out

@@ -49,6 +49,12 @@ class MoELayer(nn.Module):
        the exchange is the identity; expert parallelism wraps ``self.experts`` with an
        all-to-all before and after, so this file does not change.
     4. **un-permute + combine**: each token's expert outputs, weighted by the router.
+
+    An experts module with ``takes_routing`` set (expert parallelism's, ``parallel/expert.py``)
+    replaces steps 2 (the gather) to 4: it takes the tokens, the dispatch plan and the weights
+    and returns the combined output, so it can send a token once per destination rank and
+    combine there. It is still called as the module (``self.experts(...)``), so FSDP's hooks
+    on it run as before.
     5. shared experts (if any) see every token and are added unweighted.
 
     The balancing losses ride on the output through ``attach_loss`` and so reach
@@ -87,9 +93,15 @@ class MoELayer(nn.Module):
         # Cast before gathering: the gather (and the all-to-all under expert parallelism)
         # then moves compute-dtype rows, which the experts need anyway. As for any tensor
         # autocast casts once and uses twice, a token's k gradients add in that dtype.
-        grouped = permute(tokens.to(compute_dtype(tokens)), plan)
-        expert_out = self.experts(grouped, plan.tokens_per_expert)
-        out = unpermute_and_combine(expert_out, plan, routed.weights)
+        compute_tokens = tokens.to(compute_dtype(tokens))
+        if getattr(self.experts, "takes_routing", False):
+            # expert parallelism's exchange (``parallel/expert.py``) permutes and combines itself: it sends a token
+            # once per rank its experts live on, not once per expert
+            out = self.experts(compute_tokens, plan, routed.weights)
+        else:
+            grouped = permute(compute_tokens, plan)
+            expert_out = self.experts(grouped, plan.tokens_per_expert)
+            out = unpermute_and_combine(expert_out, plan, routed.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
 

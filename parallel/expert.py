@@ -1,9 +1,11 @@
 """Expert parallelism: each ep rank holds E / ep of the routed experts and tokens travel to them by all-to-all.
 
-It plugs into ``MoELayer``'s one seam, ``self.experts(grouped, tokens_per_expert)``: ``apply_expert_parallel``
-replaces each layer's ``GroupedExperts`` with an ``ExpertParallelExperts`` taking the same arguments, tokens
-grouped by *global* expert id after the local routing, permutation and capacity drop, and returning their
-outputs in the same order. The model code does not change. One forward, with ep ranks r and local experts l:
+It plugs into ``MoELayer``'s one seam, the experts module: ``apply_expert_parallel`` replaces each layer's
+``GroupedExperts`` with an ``ExpertParallelExperts``, which takes the layer's tokens, its dispatch plan (the local
+routing, permutation and capacity drop) and the router's weights, and returns the routed experts' weighted sum.
+The model code does not change. With k > 1 and no tensor parallelism the exchange sends a token once per rank its
+experts live on (``parallel/expert_dispatch.py``); otherwise it is the row exchange below, one row per kept
+assignment, grouped by *global* expert id. One forward, with ep ranks r and local experts l:
 
     1. counts:   all-to-all of tokens_per_expert [E]: what every rank sends to each of my local experts
     2. splits:   rows to send to / receive from each rank (the one device-to-host sync)
@@ -31,8 +33,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from moe.dispatch import DispatchPlan, permute, unpermute_and_combine
 from moe.experts import ComputeCopies, ExpertBiases, GroupedExperts, expert_ffn
 from moe.transformer import MoETransformer
+from parallel.expert_dispatch import exchange_pairs
 from parallel.tensor import gather_rows, scatter_rows
 
 
@@ -190,12 +194,33 @@ class ExpertParallelExperts(nn.Module):
         self.grad_scale = 1.0
         self.compute_copies = ComputeCopies()  # of the local slices (``moe.experts.ComputeCopies``)
 
-    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """x: [N, D] grouped by global expert id; tokens_per_expert: [E] -> [N, D] in the experts' compute dtype."""
+    takes_routing = True  # ``MoELayer`` hands it the tokens, the plan and the weights (it combines itself)
+
+    def forward(self, tokens: Tensor, plan: DispatchPlan, weights: Tensor) -> Tensor:
+        """tokens [T, D] in the experts' compute dtype, ``plan`` (``moe.dispatch.plan_dispatch``), weights [T, k]
+        -> the routed experts' weighted sum [T, D], as ``MoELayer``'s permute, experts and combine give it.
+
+        Pure expert parallelism with k > 1 sends a token once per destination rank and combines there
+        (``parallel/expert_dispatch.py``). With k = 1 a token has one destination anyway, and the row exchange
+        sends no codes or weights; under tensor parallelism each tp rank exchanges a contiguous share of the
+        assignment rows (``parallel/tensor.py``), which pairs would cut across. Both keep the row exchange."""
+        if self.ep_mesh.size() > 1 and self.tp_mesh is None and weights.shape[1] > 1:
+            return self.pair_exchange(tokens, plan, weights)
+        return self.row_exchange(tokens, plan, weights)
+
+    def pair_exchange(self, tokens: Tensor, plan: DispatchPlan, weights: Tensor) -> Tensor:
+        """``forward`` by (token, rank) pairs (``parallel/expert_dispatch.py``); pure expert parallelism only."""
+        return exchange_pairs(tokens, plan, weights, self.num_local_experts, self.group, self._local_ffn)
+
+    def row_exchange(self, tokens: Tensor, plan: DispatchPlan, weights: Tensor) -> Tensor:
+        """``forward`` by rows, one per kept assignment: permute, exchange, un-permute and combine at home."""
+        x = permute(tokens, plan)
         if self.tp_mesh is not None:
-            share, share_tokens, bounds = scatter_rows(x, tokens_per_expert, self.tp_mesh, self.etp)
-            return gather_rows(self._exchange_and_compute(share, share_tokens), bounds, self.tp_mesh, self.etp)
-        return self._exchange_and_compute(x, tokens_per_expert)
+            share, share_tokens, bounds = scatter_rows(x, plan.tokens_per_expert, self.tp_mesh, self.etp)
+            out = gather_rows(self._exchange_and_compute(share, share_tokens), bounds, self.tp_mesh, self.etp)
+        else:
+            out = self._exchange_and_compute(x, plan.tokens_per_expert)
+        return unpermute_and_combine(out, plan, weights)
 
     def _local_ffn(self, x: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
         def local(weight: DTensor) -> Tensor:

@@ -3,9 +3,10 @@
 The spawned test runs every check in one pair of processes (spawning is the slow part): for each
 case the EP MoELayer must give each rank the output and gradients the single-process MoELayer gives
 for that rank's tokens (experts' gradients: the sum over both ranks' tokens, gathered into the full
-[E, ...] order), and the token all-to-all must carry exactly the kept assignments bound for the
-other rank. The same pair counts the ranks one token's dispatch reaches under group-limited routing
-(``tests/analysis/test_dispatch_reach.py``).
+[E, ...] order), and the token all-to-all must carry one row per (token, destination rank) pair of the
+kept assignments (``parallel/expert_dispatch.py``), with a code and a weight per kept assignment. The
+same pair counts the ranks one token's dispatch reaches under group-limited routing, and the bytes it
+moves (``tests/analysis/test_dispatch_reach.py``).
 """
 
 from __future__ import annotations
@@ -120,10 +121,10 @@ def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None
             plan = plan_dispatch(routed.expert_ids, routed.weights, 4, capacity)
     ref_grads.update({f"experts.{name}": grad for name, grad in expert_grads.items()})
 
-    sent = []  # (input rows, input splits) of each token all-to-all this rank starts, and the row bytes
+    sent = []  # (input rows, input splits, bytes per row, dtype) of each all-to-all this rank starts
 
     def counting_all_to_all(x, output_split_sizes, input_split_sizes, group, tag=""):
-        sent.append((x.shape[0], list(input_split_sizes), x.shape[1] * x.element_size(), x.dtype))
+        sent.append((x.shape[0], list(input_split_sizes), x[:1].numel() * x.element_size(), x.dtype))
         return original(x, output_split_sizes, input_split_sizes, group, tag)
 
     original, funcol.all_to_all_single = funcol.all_to_all_single, counting_all_to_all
@@ -140,19 +141,23 @@ def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], **tol, msg=name)
 
-    # Traffic: forward = dispatch + combine (backward's exchanges are autograd's, not counted here).
-    (rows, splits, row_bytes, sent_dtype), (back_rows, back_splits, _, _) = sent
-    local = range(rank * 2, rank * 2 + 2)
-    remote_kept = sum(int(n) for e, n in enumerate(plan.tokens_per_expert) if e not in local)
+    # Traffic: forward = dispatch (rows, codes, weights) + combine (backward's exchanges are autograd's, not counted
+    # here). A row per (token, destination rank) pair of the kept assignments, counted from one process's plan.
+    (rows, splits, row_bytes, sent_dtype), (codes, code_splits, _, _), (weights, _, weight_bytes, _), \
+        (back_rows, back_splits, _, _) = sent
+    kept = plan.assignment_row < int(plan.tokens_per_expert.sum())  # [T*k]
+    pairs = {(a // 2, int(routed.expert_ids.view(-1)[a]) // 2) for a in range(kept.numel()) if kept[a]}
     element_size = torch.tensor([], dtype=dtype or torch.float32).element_size()
     assert sent_dtype == (dtype or torch.float32) and row_bytes == D * element_size
-    assert rows == int(plan.tokens_per_expert.sum())  # exactly the kept assignments: no padding
-    assert (rows - splits[rank]) * row_bytes == remote_kept * D * element_size
+    assert rows == len(pairs) and splits == [sum(1 for _, r in pairs if r == dest) for dest in range(WORLD)]
+    assert rows < int(kept.sum())  # some token's two experts share a rank: it travels there once
+    assert codes == int(kept.sum()) == int(plan.tokens_per_expert.sum()) and weight_bytes == 4
+    assert code_splits == [int(plan.tokens_per_expert[2 * dest:2 * dest + 2].sum()) for dest in range(WORLD)]
     if capacity_factor is not None:
-        assert int(plan.num_dropped) > 0 and rows < int(plan.selected_per_expert.sum())  # dropped before sending
-    peers = [0] * WORLD  # what the other rank sent me comes back to it, no more
+        assert int(plan.num_dropped) > 0 and codes < int(plan.selected_per_expert.sum())  # dropped before sending
+    peers = [0] * WORLD  # one row per pair the other rank sent me comes back to it, no more
     dist.all_gather_object(peers, splits)
-    assert (back_rows - back_splits[rank]) * row_bytes == peers[1 - rank][rank] * row_bytes
+    assert back_rows == sum(p[rank] for p in peers) and back_splits == [p[rank] for p in peers]
 
     # The global gradient norm counts each expert once (DTensors on the ep mesh) next to plain tensors.
     expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
