@@ -7,7 +7,8 @@ schedule alternates between. With m micro-batches per step the idle "bubble" is 
 step for GPipe and 1F1B and (p−1)/(v·m) interleaved (Narayanan et al. 2021, arXiv:2104.04473,
 sec. 2.2.1–2.2.2): more micro-batches and more virtual stages shrink it. The split minimises the costliest
 stage, in training FLOPs per token from ``moe/accounting.py``: a MoE block with top-k experts costs
-more than a dense one, the head adds its vocabulary matmul to the last stage.
+more than a dense one, the head adds its vocabulary matmul to the last stage (and the multi-token-prediction
+modules their blocks, projections and second pass through the head).
 
 Each stage is the full, seeded model with what it does not run removed: other blocks deleted from
 ``layers`` (keyed by layer index, so names are unchanged), the embedding, or the norm and head,
@@ -70,7 +71,7 @@ from torch.distributed.tensor import DTensor
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.parallel import ParallelConfig
-from moe.accounting import block_flops_per_token, head_flops_per_token, per_model
+from moe.accounting import block_flops_per_token, head_flops_per_token, mtp_flops_per_token, per_model
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
@@ -117,8 +118,10 @@ def balanced_split(layer_costs: Sequence[float], num_stages: int, first_extra: f
 
 
 def stage_layers(model: ModelConfig, moe: MoEConfig, num_stages: int) -> list[range]:
-    """The layer indices of each of ``num_stages`` stages, balanced by training FLOPs per token."""
-    return list(_balanced_split_cached(_layer_costs(model, moe), num_stages, head_flops_per_token(model)))
+    """The layer indices of each of ``num_stages`` stages, balanced by training FLOPs per token (the last stage's
+    head and multi-token-prediction modules weighing on it)."""
+    last_extra = head_flops_per_token(model) + mtp_flops_per_token(model, moe)
+    return list(_balanced_split_cached(_layer_costs(model, moe), num_stages, last_extra))
 
 
 def _layer_costs(model: ModelConfig, moe: MoEConfig) -> tuple[float, ...]:
