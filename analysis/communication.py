@@ -37,6 +37,11 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
 - pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/tp under
   sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
   the micro-batch losses (float64) from the last stage.
+- multi-token prediction (``moe/mtp.py``, on the last stage): module k's block as a block of its kind on S − k
+  positions, never sequence-parallel (``mtp_traffic``); under sequence parallelism an all-gather of the last hidden
+  states and one of Emb(t) per micro-batch (the final norm's input gathered in place of the head's); under pp
+  each micro-batch's MTP loss broadcast with its LM loss and, once per step, the all-reduce of the embedding's
+  gradient between the first stage and the last stage's copy (``parallel/pipeline.py``).
 - Muon (``train.optimizer=muon``, ``training/muon.py``): per optimizer step, for each matrix it updates that
   FSDP's dp_shard, tp, etp or FSDP over edp cuts, an all-gather of the fp32 update and a reduce-scatter of the
   fp32 result over that axis (``muon_traffic``; counted in the optimizer's own section by the tests).
@@ -61,7 +66,8 @@ confirmed by the bf16 test layouts).
 Validated exactly (calls and bytes, every rank) on gloo by the tests for: FSDP with 1 and 2 micro-batches
 and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep × etp, etp alone, tp with
 sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf16, pp with 1F1B and
-interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once); and with 2 micro-batches under
+interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once), multi-token prediction under ep over
+dp_shard, ep over tp with sequence parallelism and pp; and with 2 micro-batches under
 both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP (and under ``step`` for
 tp with sequence parallelism over FSDP). The time column is each item's latency (NCCL's ring model,
 ``startup``) plus its bytes over the link's bandwidth; overlap with compute is the planner's business.

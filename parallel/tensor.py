@@ -29,7 +29,8 @@ Between the pairs the activations are replicated over the tp group by default. T
   forward all-reduce becomes an all-gather of the sequence before it and a reduce-scatter after it: the
   same bytes. The MoE layer gathers the whole sequence before routing and keeps its slice of the output:
   routing a slice would route different token groups (capacity) and take the balancing loss over a part
-  of the batch, so the model would no longer be the single-process one.
+  of the batch, so the model would no longer be the single-process one. The multi-token-prediction modules
+  run on the whole sequence, gathered for them (``_ends_plan``).
 - **vocabulary parallelism** (``vocab_parallel``; Megatron's parallel embedding and cross-entropy,
   Shoeybi et al. 2019 sec. 3): the embedding table and the LM head are split over the vocabulary, and the
   loss is computed from the vocabulary-sharded logits (``loss_parallel``) without ever gathering the
