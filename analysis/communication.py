@@ -41,6 +41,11 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
 - pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/tp under
   sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
   the micro-batch losses (float64) from the last stage.
+- multi-token prediction (``moe/mtp.py``, on the last stage): module k's block as a block of its kind on S − k
+  positions, never sequence-parallel (``mtp_traffic``); under sequence parallelism an all-gather of the last hidden
+  states and one of Emb(t) per micro-batch (the final norm's input gathered in place of the head's); under pp
+  each micro-batch's MTP loss broadcast with its LM loss and, once per step, the all-reduce of the embedding's
+  gradient between the first stage and the last stage's copy (``parallel/pipeline.py``).
 - Muon (``train.optimizer=muon``, ``training/muon.py``): per optimizer step, for each matrix it updates that
   FSDP's dp_shard, tp, etp or FSDP over edp cuts, an all-gather of the fp32 update and a reduce-scatter of the
   fp32 result over that axis (``muon_traffic``; counted in the optimizer's own section by the tests).
@@ -65,7 +70,8 @@ confirmed by the bf16 test layouts).
 Validated exactly (calls and bytes, every rank) on gloo by the tests for: FSDP with 1 and 2 micro-batches
 and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep × etp, etp alone, tp with
 sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf16, pp with 1F1B and
-interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once); and with 2 micro-batches under
+interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once), multi-token prediction under ep over
+dp_shard, ep over tp with sequence parallelism and pp; and with 2 micro-batches under
 both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP (and under ``step`` for
 tp with sequence parallelism over FSDP). The time column is each item's latency (NCCL's ring model,
 ``startup``) plus its bytes over the link's bandwidth; overlap with compute is the planner's business.
@@ -90,6 +96,7 @@ from analysis.memory_states import (
     Block,
     ParamTensor,
     largest_chunk,
+    mtp_layers,
     muon_updates,
     rank_blocks,
     root_tensors,
@@ -299,6 +306,7 @@ class _Step:
     first: bool  # holds the embedding
     last: bool  # holds the final norm, the head and the loss
     act: int  # bytes of an activation in compute precision (bf16 projections' outputs, routed rows)
+    mtp: tuple[int, ...] = ()  # the multi-token-prediction modules it runs, as layers n_layers + k (the last stage)
 
     def group(self, *axes: str) -> tuple[int, ...]:
         return _group_of(self.layout, self.rank, axes)
@@ -411,7 +419,7 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
     if sp and layout.dp > 1:
         # the norms' weights see a sequence slice: DTensor leaves their gradients partial, and FSDP's gradient
         # reduction makes them whole over tp first (without FSDP the gradient-norm step does, once: left out)
-        norms = 2 * len(step.layers) + step.last
+        norms = 2 * len(step.layers) + (step.last and not step.mtp)  # beside MTP the final norm runs whole
         syncs = _gradient_syncs(step)
         _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
              model.d_model * fp32, group)
@@ -422,11 +430,17 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
         if par.vocab_parallel:
             _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "embedding output (forward)", m,
                  full * fp32, group)
-        if sp:
-            _add(out, "tp", "all_gather", "embedding output gradient (backward)", m, full * fp32, group)
+    # the embedding's lookups: the first stage's, and the last stage's copy's for the MTP modules under pp
+    lookups = int(step.first) + int(bool(step.mtp) and not step.first)
+    if sp:
+        _add(out, "tp", "all_gather", "embedding output gradient (backward)", lookups * m, full * fp32, group)
     if step.last:
-        if sp:
+        if sp:  # at the final norm's input beside MTP (which runs the norm whole), at the head's otherwise
             _add(out, "tp", "all_gather", "head input sequence (forward)", m, full * fp32, group)
+        if sp and step.mtp:  # their one call gathers the last hidden states and Emb(t); their gradients come back
+            # as this rank's slices, with no collective
+            _add(out, "tp", "all_gather", "MTP inputs: hidden states and Emb(t) (forward)", 2 * m, full * fp32,
+                 group)
         if par.vocab_parallel:
             _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "head input gradient (backward)", m,
                  full * fp32, group)
@@ -525,7 +539,7 @@ def _fsdp_units(step: _Step) -> dict[tuple[str, int], int]:
     root = root_tensors(config.model, config.moe, step.first, step.last)
     if root and layout.dp > 1:
         same["root", 4 * sum(sharded_numel(p, layout, config.model, vp) for p in root)] += 1
-    for block, count in rank_blocks(config.model, config.moe, list(step.layers)):
+    for block, count in rank_blocks(config.model, config.moe, [*step.layers, *step.mtp]):
         for unit in _block_units(block, layout, has_moe, vp, routers_apart):
             same[unit] += count
     return same
@@ -613,7 +627,35 @@ def pipeline_traffic(step: _Step) -> list[Traffic]:
             sends["activation gradients (backward)", group[(stage - 1) % layout.pp]] += step.microbatches
     for (what, peer), calls in sends.items():
         _add(out, "pp", "send", what, calls, hidden, (step.rank, peer))
-    _add(out, "pp", "broadcast", "micro-batch losses from the last stage", 1, 8 * step.microbatches, group)
+    mtp = config.model.mtp_depth > 0  # each micro-batch's MTP loss goes with its LM loss
+    _add(out, "pp", "broadcast", "micro-batch losses from the last stage", 1, 8 * step.microbatches * (1 + mtp),
+         group)
+    if mtp and (step.first or step.last):
+        # the embedding's gradient and the last stage's copy's summed (``PipelineModel.step``): the local shard
+        embedding = next(p for p in root_tensors(config.model, config.moe, True, False) if p.kind == "embedding")
+        shard = 4 * sharded_numel(embedding, layout, config.model, par.vocab_parallel)
+        _add(out, "pp", "all_reduce", "embedding gradients of the first and last stage (MTP)", 1, shard,
+             (group[0], group[-1]))
+    return out
+
+
+def mtp_traffic(step: _Step) -> list[Traffic]:
+    """The tp and ep traffic of the multi-token-prediction modules this rank runs (``moe/mtp.py``; their FSDP units
+    and Muon's matrices are counted with the blocks', the embedding copy's all-reduce with the pipeline's).
+
+    Module k's block runs on S − k positions of the whole sequence, without sequence parallelism
+    (``parallel.tensor._ends_plan``): its traffic is that of a block of its kind on that sequence, with the
+    options the layout gives the others.
+    """
+    out: list[Traffic] = []
+    config, n_layers = step.config, step.config.model.n_layers
+    for i in step.mtp:
+        k = i - n_layers + 1
+        shorter = dataclasses.replace(config, model=dataclasses.replace(config.model, seq_len=config.model.seq_len - k),
+                                      parallel=dataclasses.replace(config.parallel, sequence_parallel=False))
+        module = dataclasses.replace(step, config=shorter, layers=(i,), first=False, last=False, mtp=())
+        for item in [*tensor_parallel_traffic(module), *expert_parallel_traffic(module)]:
+            out.append(dataclasses.replace(item, what=f"MTP module {k}: {item.what}"))
     return out
 
 
@@ -654,7 +696,7 @@ def muon_traffic(step: _Step) -> list[Traffic]:
         return []
     has_moe = config.model.n_moe_layers > 0
     params = [(p, 1) for p in root_tensors(config.model, config.moe, step.first, step.last)]
-    params += [(p, count) for block, count in rank_blocks(config.model, config.moe, list(step.layers))
+    params += [(p, count) for block, count in rank_blocks(config.model, config.moe, [*step.layers, *step.mtp])
                for p in block.params]
     same: dict[tuple[str, int], int] = defaultdict(int)  # (axis, whole fp32 bytes) -> matrices
     for param, count in params:
@@ -669,21 +711,11 @@ def muon_traffic(step: _Step) -> list[Traffic]:
     return out
 
 
-def check_modelled(config: RunConfig) -> None:
-    """Refuse, by name, what the prediction does not count yet: multi-token prediction's modules (their blocks'
-    tp, ep and FSDP traffic; their memory is modelled, ``analysis.memory_activations``)."""
-    if config.model.mtp_depth:
-        raise ConfigError(f"model.mtp_depth={config.model.mtp_depth}: the communication model (and so the planner) "
-                          "does not count multi-token prediction's traffic yet; plan with --set model.mtp_depth=0 "
-                          "(one module adds one block's traffic to the last stage)")
-
-
 def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | None = None) -> list[Traffic]:
     """Every collective ``rank`` runs in one optimizer step of ``config`` under ``layout``, per dimension.
 
     ``precision`` (bf16 or fp32) overrides ``train.precision``; ``auto`` counts as bf16, what it picks on GPUs.
     """
-    check_modelled(config)
     micro, microbatches = micro_batching(config, layout.dp, layout.pp)
     precision = precision or config.train.precision
     if layout.pp > 1:
@@ -694,9 +726,10 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
         first, last = 0 in mine, len(ranges) - 1 in mine
     else:
         layers, first, last = tuple(range(config.model.n_layers)), True, True
-    step = _Step(config, layout, rank, micro, microbatches, layers, first, last, 4 if precision == "fp32" else 2)
-    return [*tensor_parallel_traffic(step), *expert_parallel_traffic(step), *sharding_traffic(step),
-            *pipeline_traffic(step), *muon_traffic(step)]
+    mtp = tuple(mtp_layers(config.model)) if last else ()
+    step = _Step(config, layout, rank, micro, microbatches, layers, first, last, 4 if precision == "fp32" else 2, mtp)
+    return [*tensor_parallel_traffic(step), *expert_parallel_traffic(step), *mtp_traffic(step),
+            *sharding_traffic(step), *pipeline_traffic(step), *muon_traffic(step)]
 
 
 # ---------------------------------------------------------------------------

@@ -326,14 +326,24 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
         kinds[block.is_moe, block.window] = kinds.get((block.is_moe, block.window), 0) + count
     for (is_moe, window), count in kinds.items():
         add_blocks(is_moe, count, mb, fused_norms, window=window)
-    for i in layers:  # the multi-token-prediction modules (``moe/mtp.py``), module k on S - k positions
+    # the multi-token-prediction modules (``moe/mtp.py``), module k on S - k positions, always on the whole sequence
+    # (``parallel.tensor._ends_plan``): their norms' inputs are plain tensors under sequence parallelism too
+    mtp_fused_norms = uses_fused_backward(stream_dtype, distributed=False)
+    mtp = any(i >= model.n_layers for i in layers)
+    if mtp and par.sequence_parallel and layout.tp > 1:
+        # their one call gathers the last hidden states and Emb(t), saved by the input norms; outside sequence
+        # parallelism those are the final norm's and the first block's inputs, saved already
+        add("MTP gathered inputs", 2 * tokens * d * stream_dtype.itemsize)
+    if mtp and not first:  # the last pipeline stage looks the tokens up in its copy of the embedding
+        add("MTP embedding copy", tokens * INDEX + tokens * d * stream_dtype.itemsize)
+    for i in layers:
         if i >= model.n_layers:
             k = i - model.n_layers + 1
             positions = micro_batch_size * (model.seq_len - k)
             # under bf16 autocast the module's stream is the projection's bf16 output: its norms are decomposed and
             # return bf16, which the projections after them share uncast (as under FSDP's bf16 weights)
             mb_k = dataclasses.replace(mb, tokens=positions, stream=positions, bf16_weights=mb.bf16)
-            mtp_fused = fused_norms and not mb.bf16
+            mtp_fused = mtp_fused_norms and not mb.bf16
             add_blocks(model.is_moe_layer(i), 1, mb_k, mtp_fused, mb.compute if mb.bf16 else FP32, prefix="MTP ")
             add("MTP projection, norms, head + loss", _mtp_extras(model, mb_k, micro_batch_size, k, mtp_fused,
                                                                     mb.bf16_weights)
@@ -345,9 +355,10 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
         add("embedding", tokens * INDEX)  # the token ids
     if last:
         vocab = largest_chunk(model.vocab_size, layout.tp) if par.vocab_parallel else model.vocab_size
-        # final norm, the head's input, log-softmax output (fp32), targets and nll's total weight
-        add("head + loss", _norm(stream, d, fused_norms) + _linear_inputs(mb, d, 1) + tokens * vocab * FP32
-            + tokens * INDEX + FP32)
+        # final norm (on the gathered whole sequence beside multi-token prediction's modules, which share the head),
+        # the head's input, log-softmax output (fp32), targets and nll's total weight
+        norm = _norm(tokens, d, mtp_fused_norms) if mtp else _norm(stream, d, fused_norms)
+        add("head + loss", norm + _linear_inputs(mb, d, 1) + tokens * vocab * FP32 + tokens * INDEX + FP32)
     if mb.bf16:
         add("bf16 weight copies", _weight_copies(config, layout, layers, first, last))
     return parts

@@ -112,10 +112,13 @@ def rank_blocks(model: ModelConfig, moe: MoEConfig, layers: list[int]) -> list[t
 
 
 def root_tensors(model: ModelConfig, moe: MoEConfig, first: bool, last: bool) -> list[ParamTensor]:
-    """The embedding (first stage), final norm and head (last stage) a pipeline rank holds (remembered)."""
+    """The embedding (first stage), final norm and head (last stage) a pipeline rank holds (remembered). With
+    multi-token prediction the last stage holds a copy of the embedding too (``parallel/pipeline.py``): its
+    weights, gradient and optimizer state are a second table's, counted on that rank."""
     known = per_model(_ROOTS, model, moe, dict)
     if (first, last) not in known:
-        known[first, last] = [p for p in tensors_by_layer(model, moe)[None] if on_rank(p, [], first, last)]
+        embedding = first or (last and model.mtp_depth > 0)
+        known[first, last] = [p for p in tensors_by_layer(model, moe)[None] if on_rank(p, [], embedding, last)]
     return known[first, last]
 
 
@@ -198,11 +201,12 @@ def _block_tensors(model: ModelConfig, moe: MoEConfig, i: int) -> list[ParamTens
     return out
 
 
-def on_rank(param: ParamTensor, layers: list[int], first: bool, last: bool) -> bool:
-    """Whether a pipeline rank with these blocks (and embedding if ``first``, norm and head if ``last``) holds it."""
+def on_rank(param: ParamTensor, layers: list[int], embedding: bool, last: bool) -> bool:
+    """Whether a pipeline rank with these blocks (and the embedding if ``embedding``, norm and head if ``last``)
+    holds it."""
     if param.layer is not None:
         return param.layer in layers
-    return first if param.kind == "embedding" else last
+    return embedding if param.kind == "embedding" else last
 
 
 def largest_chunk(size: int, parts: int) -> int:

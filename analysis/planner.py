@@ -231,7 +231,15 @@ def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tupl
             recomputed = recompute == "full" or (recompute == "moe" and is_moe)
             # the forward again: 2 of 6 FLOPs per parameter
             ranks[index % layout.pp].append(((sparse if is_moe else dense) * (4 / 3 if recomputed else 1), is_moe))
-    ranks[(len(ranges) - 1) % layout.pp].append((head_flops_per_token(model), None))
+    last = ranks[(len(ranges) - 1) % layout.pp]
+    last.append((head_flops_per_token(model), None))
+    d = model.d_model
+    for k in range(model.mtp_depth):  # the multi-token-prediction modules, beside the head: a block of layer
+        # n_layers + k's kind, and its projection and norms with the head's second pass (no roofline, as the head)
+        is_moe = model.is_moe_layer(model.n_layers + k)
+        recomputed = recompute == "full" or (recompute == "moe" and is_moe)
+        last.append(((sparse if is_moe else dense) * (4 / 3 if recomputed else 1), is_moe))
+        last.append((6.0 * (2 * d * d + 3 * d + model.vocab_size * d), None))
     return ranks
 
 
@@ -582,7 +590,6 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     Candidates come cheapest bound first; since a step is never below its bound, once ``top`` plans fit and the
     next bound exceeds the slowest of them (or the bound reaches ``faster_than``), no later candidate can enter.
     """
-    communication.check_modelled(config)  # before any work: every plan's traffic is predicted
     pool = candidates(config, world_size, hardware, efficiency, fixed)
     plans: list[Plan] = []
     steps: list[float] = []  # a max-heap (negated) of the ``top`` fastest steps so far

@@ -157,3 +157,13 @@ def block_flops_per_token(model: ModelConfig, moe: MoEConfig, is_moe: bool) -> f
 def head_flops_per_token(model: ModelConfig) -> float:
     """Training FLOPs of one token through the final norm and the LM head (the embedding lookup has none)."""
     return 6.0 * (model.vocab_size * model.d_model + model.d_model)
+
+
+def mtp_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
+    """Training FLOPs of one token through the multi-token-prediction modules (``moe/mtp.py``), on the terms of
+    ``training_flops_per_token``: each module a block of its kind (``ModelConfig.is_moe_layer(n_layers + k)``), its
+    2d -> d projection and three norms, and the shared head once more. They run beside the head, on the last
+    pipeline stage, which the stage split weighs with them (``parallel/pipeline.py``)."""
+    d = model.d_model
+    return sum(block_flops_per_token(model, moe, model.is_moe_layer(model.n_layers + k))
+               + 6.0 * (2 * d * d + 3 * d + model.vocab_size * d) for k in range(model.mtp_depth))

@@ -36,18 +36,23 @@ class PredictionModule(nn.Module):
         return out, self.norm(out)
 
 
-def prediction_losses(modules: nn.ModuleList, hidden: Tensor, embedded: Tensor, tokens: Tensor, head: nn.Module,
-                      cos: Tensor, sin: Tensor) -> Tensor:
-    """L^k_MTP for k = 1..len(modules) (eq. 24): [len(modules)] fp32.
+class PredictionModules(nn.ModuleList):
+    """The D modules, run in sequence on the main model's outputs by one call, each module keeping its name
+    (``mtp.0``, ``mtp.1``, ...). One call so that a parallel plan can prepare the inputs of all of them at one
+    place: sequence parallelism gathers the hidden states and the embeddings here (``parallel/tensor.py``)."""
 
-    hidden: the main model's last hidden states h^0 [B, S, D] (before its final norm); embedded: Emb(t) [B, S, D];
-    tokens: the input t [B, S]. Module k predicts t_{i+k+1} at position i; within the input that is known for
-    i <= S-k-2, so each module's loss is over S-k-1 positions (the paper also uses t_{S+1}, the target after the
-    input: one position more per sequence).
-    """
-    seq, losses = tokens.shape[1], []
-    for k, module in enumerate(modules, start=1):
-        hidden, normed = module(hidden[:, :seq - k], embedded[:, k:], cos, sin)  # [B, S-k, D] each
-        logits = head(normed[:, :seq - k - 1]).float()  # [B, S-k-1, V]
-        losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1:].flatten()))
-    return torch.stack(losses)
+    def forward(self, hidden: Tensor, embedded: Tensor, tokens: Tensor, head: nn.Module, cos: Tensor,
+                sin: Tensor) -> Tensor:
+        """L^k_MTP for k = 1..D (eq. 24): [D] fp32.
+
+        hidden: the main model's last hidden states h^0 [B, S, D] (before its final norm); embedded: Emb(t) [B, S, D];
+        tokens: the input t [B, S]. Module k predicts t_{i+k+1} at position i; within the input that is known for
+        i <= S-k-2, so each module's loss is over S-k-1 positions (the paper also uses t_{S+1}, the target after
+        the input: one position more per sequence).
+        """
+        seq, losses = tokens.shape[1], []
+        for k, module in enumerate(self, start=1):
+            hidden, normed = module(hidden[:, :seq - k], embedded[:, k:], cos, sin)  # [B, S-k, D] each
+            logits = head(normed[:, :seq - k - 1]).float()  # [B, S-k-1, V]
+            losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1:].flatten()))
+        return torch.stack(losses)

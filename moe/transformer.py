@@ -21,7 +21,7 @@ from moe.kv_cache import KVCache, LayerCache
 from moe.latent_attention import LatentAttention
 from moe.layer import MoELayer, RoutingStats
 from moe.losses import attach_loss
-from moe.mtp import PredictionModule, prediction_losses
+from moe.mtp import PredictionModule, PredictionModules
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, rope_tables
 from moe.sequence_shards import SequenceShards
@@ -279,7 +279,7 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # multi-token prediction: its blocks are of the kind the layers after the last would be
-        self.mtp = nn.ModuleList(
+        self.mtp = PredictionModules(
             PredictionModule(config, moe_config, Block(config, moe_config, config.is_moe_layer(config.n_layers + k)))
             for k in range(config.mtp_depth)) if config.mtp_depth else None
         self.last_mtp_losses: Tensor | None = None
@@ -311,7 +311,8 @@ class MoETransformer(nn.Module):
         for layer in self.moe_layers().values():
             layer.router.expert_bias.zero_()
 
-    def forward(self, tokens: Tensor, cache: KVCache | None = None, documents: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, cache: KVCache | None = None, documents: Tensor | None = None,
+                ids: Tensor | None = None) -> Tensor:
         """tokens: [B, S] int64 -> logits [B, S, V] (fp32 under autocast too).
 
         With ``cache`` (generation: ``inference/generate.py``) the tokens continue the cached positions, and their
@@ -321,6 +322,9 @@ class MoETransformer(nn.Module):
         pipeline stage after the first gets hidden states as ``tokens`` and the whole sequence's ids. Under context
         parallelism (``sequence_shards``) ``tokens`` are this rank's positions of each sequence [B, S / cp]
         (``SequenceShards.shard``), the logits theirs, and ``documents`` the whole sequences' ids.
+        The last pipeline stage, when it runs the multi-token-prediction modules, also gets the token ids ([B, S])
+        as ``ids``: the modules embed the next tokens, with that stage's copy of the embedding
+        (``parallel/pipeline.py``).
         """
         shards = self.sequence_shards
         seq = tokens.shape[1] * (1 if shards is None else shards.cp) + (0 if cache is None else cache.length)
@@ -335,14 +339,17 @@ class MoETransformer(nn.Module):
         docs = None if documents is None else documents_of(documents, self.rope_cos, self.rope_sin, shards)
         # attention takes the positions it needs from the full tables: under sequence parallelism the blocks
         # pass sequence shards between them and attention alone sees the whole sequence
-        embedded = x = self.tok_embeddings(tokens)
+        # Emb(t), the first block's input, where token ids come in; a later stage's hidden states pass as they are
+        embedded = x = self.tok_embeddings(tokens) if ids is None else tokens
         for name, block in self.layers.items():
             x = (block(x, self.rope_cos, self.rope_sin, documents=docs) if cache is None
                  else block(x, self.rope_cos, self.rope_sin, cache.layer(name)))
         logits = self.output(self.norm(x)).float()
         if self.mtp is not None and self.training and cache is None:
             # the modules' mean loss, weighted, reaches backward through the logits (as the balancing losses do)
-            losses = prediction_losses(self.mtp, x, embedded, tokens, self.output, self.rope_cos, self.rope_sin)
+            if ids is not None:
+                tokens, embedded = ids, self.tok_embeddings(ids)
+            losses = self.mtp(x, embedded, tokens, self.output, self.rope_cos, self.rope_sin)
             self.last_mtp_losses = losses.detach()
             logits = attach_loss(logits, losses.mean(), self.config.mtp_loss_weight * self.aux_loss_scale)
         return logits

@@ -113,15 +113,17 @@ class StagesView(nn.Module):
     torch's state-dict helpers take one module, and one optimizer over all of its parameters; the
     interleaved schedule gives a rank several stage modules and one optimizer. This view registers the
     stages' own blocks (``layers``, keyed by layer index, disjoint across stages) and whichever stage holds
-    the embedding, the final norm and the head, so ``named_parameters`` yields exactly the names the
-    single-process model has for them. It owns nothing and runs nothing: the stages stay as they are.
+    the embedding, the final norm, the head and the multi-token-prediction modules, so ``named_parameters``
+    yields exactly the names the single-process model has for them. It owns nothing and runs nothing: the stages
+    stay as they are.
     """
 
     def __init__(self, stages: list[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleDict({name: block for stage in stages for name, block in stage.layers.items()})
-        for part in ("tok_embeddings", "norm", "output"):
-            held = [getattr(stage, part) for stage in stages if not isinstance(getattr(stage, part), nn.Identity)]
+        for part in ("tok_embeddings", "norm", "output", "mtp"):
+            held = [getattr(stage, part) for stage in stages
+                    if not isinstance(getattr(stage, part), nn.Identity | None)]
             if held:
                 setattr(self, part, held[0])
 

@@ -403,6 +403,15 @@ def groups_for(layout: Layout, view: str, axes: tuple[str, ...]) -> list[list[in
     return grid.permute(*other, *keep).reshape(-1, size).tolist()
 
 
+def pipeline_ends(layout: Layout) -> list[list[int]]:
+    """Per pipeline, its first and last stage's ranks (pp > 1): where the embedding and the last stage's copy of
+    it live under multi-token prediction (``parallel/pipeline.py``). Ordered as ``groups_for`` orders the pp
+    groups."""
+    if layout.pp == 1:
+        raise ValueError("parallel.pp=1 has one stage: it has no pipeline ends to join")
+    return [[group[0], group[-1]] for group in groups_for(layout, "dense", ("pp",))]
+
+
 def coordinates(layout: Layout, rank: int) -> dict[str, int]:
     """A rank's coordinate on every axis of both views, and on the flattened "dp" (its data-parallel rank)."""
     if not 0 <= rank < layout.world_size:
@@ -578,6 +587,23 @@ class ParallelGroups:
         if not self.distributed:
             return None
         return dist.new_group(backend="gloo", group_desc="background")
+
+    def pipeline_ends_group(self) -> dist.ProcessGroup | None:
+        """This rank's group of its pipeline's first and last stage (``pipeline_ends``); None on a stage between.
+
+        Made on the first call, not by ``build``: only multi-token prediction under pipeline parallelism needs it.
+        Collective the first time: every rank calls it, in the same order as its other group creations. With
+        pp = 2 it is the pp group itself."""
+        if "pipeline_ends" not in self._groups:
+            self._require_distributed("pipeline_ends_group()")
+            ends = pipeline_ends(self.layout)
+            mine = self.group("pp") if self.layout.pp == 2 else None
+            if mine is None:  # every rank creates every group (collective), and keeps its own
+                for ranks in ends:
+                    group = dist.new_group(ranks, group_desc="groups_pipeline_ends")
+                    mine = group if self.rank in ranks else mine
+            self._groups["pipeline_ends"] = mine
+        return self._groups["pipeline_ends"]
 
     def coords(self) -> dict[str, int]:
         """This rank's coordinate on every axis of both views (pp and dp_replicate coincide) and on "dp"."""

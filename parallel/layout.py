@@ -88,24 +88,21 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
 
 
 def check_multi_token_prediction(config: RunConfig, layout: Layout) -> None:
-    """Refuse the layouts multi-token prediction has no parity test under, before any work.
+    """Refuse the layout multi-token prediction has no parity test under, before any work: vocabulary parallelism.
 
-    The modules run after the head on the main model's last hidden states and need the embedding, the head and
-    the whole sequence at hand (``moe/mtp.py``): under pipeline parallelism those sit on two stages (the modules
-    would have to live on the last stage with a copy of the embedding), under sequence parallelism the hidden
-    states are sequence slices and the modules shift them by k positions, and under vocabulary parallelism
-    their logits would be vocabulary shards. Data parallelism, FSDP, ep and plain tp are tested against one
-    process (``tests/parallel/test_parity.py``).
+    The modules run after the head on the main model's last hidden states, with the embedding and the head
+    (``moe/mtp.py``). Under pipeline parallelism they run on the last stage with a copy of the embedding
+    (``parallel/pipeline.py``), under sequence parallelism on the whole sequence (``parallel/tensor.py``); both are
+    tested against one process beside data parallelism, FSDP, ep and plain tp (``tests/parallel/test_parity.py``).
+    Under vocabulary parallelism the head's logits are vocabulary-sharded DTensors: the modules' cross-entropies,
+    the loss they attach to the main logits and their logged losses would each have to take those, and no parity
+    row proves that yet.
     """
-    depth, par = config.model.mtp_depth, config.parallel
-    unsupported = [f"parallel.pp={layout.pp}"] if layout.pp > 1 else []
-    if layout.tp > 1:
-        unsupported += [f"parallel.{option}=true" for option in ("sequence_parallel", "vocab_parallel")
-                        if getattr(par, option)]
-    if depth and unsupported:
-        raise ConfigError(f"model.mtp_depth={depth} with {' and '.join(unsupported)}: multi-token prediction is not "
-                          "supported there yet (pipeline stages, sequence or vocabulary shards); set model.mtp_depth=0,"
-                          " or use data parallelism, FSDP, ep or tp without those options")
+    depth = config.model.mtp_depth
+    if depth and layout.tp > 1 and config.parallel.vocab_parallel:
+        raise ConfigError(f"model.mtp_depth={depth} with parallel.vocab_parallel=true: multi-token prediction does "
+                          "not run on vocabulary shards yet; set parallel.vocab_parallel=false (sequence "
+                          "parallelism, pipeline stages, tp, ep and FSDP all work with it) or model.mtp_depth=0")
 
 
 def check_optimizer_layout(config: RunConfig, layout: Layout) -> None:

@@ -7,7 +7,8 @@ schedule alternates between. With m micro-batches per step the idle "bubble" is 
 step for GPipe and 1F1B and (p−1)/(v·m) interleaved (Narayanan et al. 2021, arXiv:2104.04473,
 sec. 2.2.1–2.2.2): more micro-batches and more virtual stages shrink it. The split minimises the costliest
 stage, in training FLOPs per token from ``moe/accounting.py``: a MoE block with top-k experts costs
-more than a dense one, the head adds its vocabulary matmul to the last stage.
+more than a dense one, the head adds its vocabulary matmul to the last stage (and the multi-token-prediction
+modules their blocks, projections and second pass through the head).
 
 Each stage is the full, seeded model with what it does not run removed: other blocks deleted from
 ``layers`` (keyed by layer index, so names are unchanged), the embedding, or the norm and head,
@@ -15,6 +16,20 @@ replaced by ``nn.Identity``. The model's own ``forward`` then maps tokens or hid
 states or logits, the state dicts of all stages together are the single-process model's, and every
 stage is parallelized (EP, activation checkpointing, FSDP) by ``parallel.parallelize`` as the
 whole model is without pipelining.
+
+Multi-token prediction (``model.mtp_depth``, ``moe/mtp.py``) runs on the last stage, beside the head it shares.
+Its modules also embed the next tokens, and the embedding lives on the first stage. Two ways to bring it there:
+send Emb(t) [micro, S, D] down the pipeline beside the hidden states (and its gradient back up), through every
+stage in between, once per micro-batch; or hold a copy of the embedding on the last stage, as Megatron-Core does
+for tied embeddings and its MTP layers. The copy is taken: its cost is the table's model states on one rank and one
+all-reduce of its gradient per optimizer step over the two ends (``ParallelGroups.pipeline_ends_group``), against
+two more [micro, S, D] transfers per micro-batch and stage boundary and a second input on every stage's schedule
+slot. The copy keeps the name ``tok_embeddings.weight``, so it is initialised as the original (same seed, same
+name), saved once in a checkpoint (the distributed checkpoint writes a name held alike by several ranks once) and
+loaded into both; the last stage gets the token ids beside the hidden states (``MoETransformer.forward``'s
+``ids``). After the step's backward the two ends' gradients are summed (``PipelineModel.step``), so both hold the
+one-process gradient, and the optimizer makes the same update on both; the gradient norm counts the copy once
+(``PipelineModel.copies``).
 
 Aux losses need nothing here: ``moe/losses.py`` ties them to the MoE layer's output, so a stage's
 backward, started from the gradient the next stage sent, runs them too. Routing statistics are
@@ -51,11 +66,12 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.tensor import DTensor
 
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.parallel import ParallelConfig
-from moe.accounting import block_flops_per_token, head_flops_per_token, per_model
+from moe.accounting import block_flops_per_token, head_flops_per_token, mtp_flops_per_token, per_model
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
@@ -102,8 +118,10 @@ def balanced_split(layer_costs: Sequence[float], num_stages: int, first_extra: f
 
 
 def stage_layers(model: ModelConfig, moe: MoEConfig, num_stages: int) -> list[range]:
-    """The layer indices of each of ``num_stages`` stages, balanced by training FLOPs per token."""
-    return list(_balanced_split_cached(_layer_costs(model, moe), num_stages, head_flops_per_token(model)))
+    """The layer indices of each of ``num_stages`` stages, balanced by training FLOPs per token (the last stage's
+    head and multi-token-prediction modules weighing on it)."""
+    last_extra = head_flops_per_token(model) + mtp_flops_per_token(model, moe)
+    return list(_balanced_split_cached(_layer_costs(model, moe), num_stages, last_extra))
 
 
 def _layer_costs(model: ModelConfig, moe: MoEConfig) -> tuple[float, ...]:
@@ -164,15 +182,17 @@ def check_pipeline(pp: int, model: ModelConfig, schedule: str, virtual_stages: i
 def cut_stage(model: MoETransformer, layers: range, first: bool, last: bool) -> MoETransformer:
     """A copy of ``model`` that holds only blocks ``layers`` (and the embedding / norm and head if first / last).
 
-    Parameter names stay those of the full model. Only what the stage keeps is copied: the other parts
-    are swapped out of ``model`` for the copy and put back after, so building a stage costs its own
-    size, not the whole model's.
+    The multi-token-prediction modules go with the head to the last stage, which keeps a copy of the embedding for
+    them (module docstring). Parameter names stay those of the full model. Only what the stage keeps is copied:
+    the other parts are swapped out of ``model`` for the copy and put back after, so building a stage costs its
+    own size, not the whole model's.
     """
     parts = {"layers": nn.ModuleDict({name: block for name, block in model.layers.items() if int(name) in layers})}
-    if not first:
+    if not first and not (last and model.mtp is not None):
         parts["tok_embeddings"] = nn.Identity()  # hidden states come in instead of tokens
     if not last:
         parts["norm"], parts["output"] = nn.Identity(), nn.Identity()  # hidden states go out instead of logits
+        parts["mtp"] = None
     whole = {name: getattr(model, name) for name in parts}
     try:
         for name, part in parts.items():
@@ -199,8 +219,13 @@ class _Stage(PipelineStage):
         return grads, None
 
 
-def _with_autocast(forward: Callable, autocast: Callable[[], AbstractContextManager]) -> Callable:
+def _stage_forward(forward: Callable, autocast: Callable[[], AbstractContextManager], takes_ids: bool) -> Callable:
+    """The stage's forward under ``autocast``. The schedule hands every stage the same keyword arguments; the token
+    ids (``ids``) are for the stage that runs the multi-token-prediction modules alone: the first stage reads the
+    tokens as its input already, and the stages between have no use for them."""
     def run(*args, **kwargs):
+        if not takes_ids:
+            kwargs.pop("ids", None)
         with autocast():
             return forward(*args, **kwargs)
     return run
@@ -216,21 +241,28 @@ class PipelineModel:
 
     def __init__(self, stages: list[MoETransformer], pipeline_stages: list[_Stage], schedule,
                  pp_group: dist.ProcessGroup, microbatches: int, is_first: bool, is_last: bool,
-                 stage_layers: list[range], vocab_parallel: bool = False):
+                 stage_layers: list[range], vocab_parallel: bool = False, mtp: bool = False,
+                 ends_group: dist.ProcessGroup | None = None):
         self.stages, self.pipeline_stages, self.schedule, self.pp_group = stages, pipeline_stages, schedule, pp_group
         self.vocab_parallel = vocab_parallel  # the last stage's loss and its backward run in loss_context
         self.stage_layers = stage_layers  # every stage's blocks, on all ranks (stage s on pp rank s mod pp)
         self.microbatches, self.is_first, self.is_last = microbatches, is_first, is_last
+        # multi-token prediction: the first and last stages' ranks sum their embeddings' gradients over ends_group
+        self.mtp, self.ends_group = mtp, ends_group
+        self.last_mtp_loss: Tensor | None = None  # the latest step's mean MTP loss, on every rank (``step``)
         self._routing: list[list[dict[int, RoutingStats]]] = [[] for _ in stages]
+        self._mtp: list[Tensor] = []  # each training micro-batch's MTP losses [D], on the last stage
         for records, stage in zip(self._routing, stages, strict=True):
-            stage.register_forward_hook(self._routing_recorder(records))
+            stage.register_forward_hook(self._recorder(records, self._mtp))
 
     @staticmethod
-    def _routing_recorder(records: list[dict[int, RoutingStats]]) -> Callable:
-        """A forward hook that keeps the stage's routing statistics of each training micro-batch."""
+    def _recorder(records: list[dict[int, RoutingStats]], mtp: list[Tensor]) -> Callable:
+        """A forward hook that keeps the stage's routing statistics (and MTP losses) of each training micro-batch."""
         def record(module: MoETransformer, args, output) -> None:
             if module.training:
                 records.append(module.routing_stats())
+                if module.mtp is not None:
+                    mtp.append(module.last_mtp_losses)
         return record
 
     def describe(self) -> str:
@@ -244,6 +276,21 @@ class PipelineModel:
     def parameters(self) -> Iterator[nn.Parameter]:
         for stage in self.stages:
             yield from stage.parameters()
+
+    def copies(self) -> list[nn.Parameter]:
+        """Parameters that are copies of another stage's (the last stage's embedding, held for multi-token
+        prediction): updated like the original, but counted once in the gradient norm (``clip_grad_norm_``)."""
+        if not self.mtp or self.is_first:
+            return []
+        return [stage.tok_embeddings.weight for stage in self.stages if isinstance(stage.tok_embeddings, nn.Embedding)]
+
+    def _sum_embedding_gradients(self) -> None:
+        """The first stage's embedding gradient plus the last stage's copy's, on both (one all-reduce over the two
+        ends; each gradient already reduced over data parallelism, so both sum the same shard)."""
+        for stage in self.stages:
+            if isinstance(stage.tok_embeddings, nn.Embedding):
+                grad = stage.tok_embeddings.weight.grad
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.ends_group)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for stage in self.stages:
@@ -285,13 +332,22 @@ class PipelineModel:
         losses: list[Tensor] = []
         run = self.schedule.step if backward else self.schedule.eval
         by_name = {} if documents is None else {"documents": documents}
+        if self.mtp:  # the last stage, holding an embedding, must be told that hidden states come in
+            by_name["ids"] = inputs
+        mtp = backward and self.mtp  # in training it runs the MTP modules on the token ids
         with loss_context(self.vocab_parallel):
             run(*args, target=target, losses=losses if self.is_last else None, return_outputs=False, **by_name)
-        device = inputs.device
-        out = (torch.stack([loss.detach() for loss in losses]).double() if self.is_last
-               else torch.zeros(self.microbatches, dtype=torch.float64, device=device))
+        # each micro-batch's loss, and with MTP beside it the mean of its modules' losses: one broadcast
+        columns = 2 if mtp else 1
+        out = torch.zeros(self.microbatches, columns, dtype=torch.float64, device=inputs.device)
+        if self.is_last:
+            out[:, 0] = torch.stack([loss.detach() for loss in losses])
+            if mtp:
+                out[:, 1] = torch.stack([modules.mean() for modules in self._mtp])
         dist.broadcast(out, group=self.pp_group, group_src=dist.get_world_size(self.pp_group) - 1)
-        return out.cpu()
+        if mtp:
+            self.last_mtp_loss = out[:, 1].mean().cpu()
+        return out[:, 0].cpu()
 
     def step(self, inputs: Tensor, targets: Tensor, grad_reduce: str = "step",
              documents: Tensor | None = None) -> tuple[Tensor, list[dict[int, RoutingStats]]]:
@@ -304,9 +360,11 @@ class PipelineModel:
         """
         for stage in self.pipeline_stages:
             stage.grad_reduce = grad_reduce
-        for records in self._routing:
+        for records in [*self._routing, self._mtp]:
             records.clear()
         losses = self._run(inputs, targets, backward=True, documents=documents)
+        if self.mtp:
+            self._sum_embedding_gradients()
         routing = [{i: s for records in self._routing for i, s in records[m].items()}
                    for m in range(self.microbatches)]
         return losses.sum(), routing
@@ -360,7 +418,7 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     for index in range(pp_rank, num_stages, layout.pp):
         first, last = index == 0, index == num_stages - 1
         stage = parallelize(cut_stage(model, ranges[index], first, last), groups, parallel, param_dtype)
-        stage.forward = _with_autocast(stage.forward, autocast)
+        stage.forward = _stage_forward(stage.forward, autocast, takes_ids=last and stage.mtp is not None)
         # shapes given up front (static metadata), so torch does not run a trial step to infer them
         inputs = (torch.empty(micro_batch_size, seq, dtype=torch.long, device="meta") if first
                   else torch.empty(micro_batch_size, stream_seq, width, device="meta", requires_grad=True))
@@ -377,5 +435,7 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     runner = (schedule_class(pipeline_stages, microbatches, loss_fn=micro_batch_loss, scale_grads=False)
               if schedule == "interleaved_1f1b"
               else schedule_class(pipeline_stages[0], microbatches, loss_fn=micro_batch_loss, scale_grads=False))
+    ends = groups.pipeline_ends_group() if model.mtp is not None else None
     return PipelineModel(stages, pipeline_stages, runner, groups.group("pp"), microbatches, is_first=pp_rank == 0,
-                         is_last=pp_rank == layout.pp - 1, stage_layers=ranges, vocab_parallel=vocab_parallel)
+                         is_last=pp_rank == layout.pp - 1, stage_layers=ranges, vocab_parallel=vocab_parallel,
+                         mtp=model.mtp is not None, ends_group=ends)

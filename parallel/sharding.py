@@ -180,7 +180,7 @@ def _mesh_key(tensor: Tensor) -> object:
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0,
-                    pp_group: dist.ProcessGroup | None = None) -> Tensor:
+                    pp_group: dist.ProcessGroup | None = None, copies: Iterable[nn.Parameter] = ()) -> Tensor:
     """Clip gradients to a global ``norm_type``-norm of at most ``max_norm``; returns the norm before clipping.
 
     ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms into one tensor, which fails for
@@ -188,7 +188,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
     taken per mesh, made a full (reduced) value there, then combined: every shard counts exactly
     once, replicas not at all. Under pipeline parallelism each rank holds only its stages'
     parameters, so the stages' norms are combined over ``pp_group`` (sum of p-th powers; max for
-    the inf-norm). Returns a plain scalar tensor, the same on every rank.
+    the inf-norm). ``copies``, parameters among ``parameters`` that another stage holds too with the same
+    gradient (the last stage's embedding under multi-token prediction), are clipped but not counted: the
+    original counts them once. Returns a plain scalar tensor, the same on every rank.
 
     Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``, computed on the device so
     that no host sync is needed (PyTorch's design), and so a full pass over the gradients even when the factor
@@ -199,9 +201,13 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
     for param in parameters:
         if param.grad is not None:
             by_mesh.setdefault(_mesh_key(param.grad), []).append(param)
+    uncounted = {id(param) for param in copies}
     norms = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        counted = [p.grad for p in group if id(p) not in uncounted]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
     if pp_group is not None:

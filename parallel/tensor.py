@@ -29,7 +29,8 @@ Between the pairs the activations are replicated over the tp group by default. T
   forward all-reduce becomes an all-gather of the sequence before it and a reduce-scatter after it: the
   same bytes. The MoE layer gathers the whole sequence before routing and keeps its slice of the output:
   routing a slice would route different token groups (capacity) and take the balancing loss over a part
-  of the batch, so the model would no longer be the single-process one.
+  of the batch, so the model would no longer be the single-process one. The multi-token-prediction modules
+  run on the whole sequence, gathered for them (``_ends_plan``).
 - **vocabulary parallelism** (``vocab_parallel``; Megatron's parallel embedding and cross-entropy,
   Shoeybi et al. 2019 sec. 3): the embedding table and the LM head are split over the vocabulary, and the
   loss is computed from the vocabulary-sharded logits (``loss_parallel``) without ever gathering the
@@ -167,16 +168,33 @@ def _block_plan(block: Block, sequence_parallel: bool) -> dict:
 
 
 def _ends_plan(model: MoETransformer, sequence_parallel: bool, vocab_parallel: bool) -> dict:
-    """Embedding, final norm and head; a pipeline stage without them has ``nn.Identity`` in their place."""
+    """Embedding, final norm and head; a pipeline stage without them has ``nn.Identity`` in their place.
+
+    Under sequence parallelism the multi-token-prediction modules run on the whole sequence, replicated over tp
+    as without the option: module k shifts the hidden states and embeddings by k positions and works on S - k
+    of them, which a slice of S / tp positions per rank could not cut evenly. Their one call (``mtp``) gathers
+    the last block's hidden states and the embedding's output, and its backward keeps this rank's slice of
+    their gradients (whole and the same on every rank, as the replicated modules' are). The shared head then
+    gets whole sequences from both callers: the final norm gathers its input and runs whole (its weight's
+    gradient then is whole on every rank too), and the head is a plain replicated projection.
+    """
     stream = Shard(1) if sequence_parallel else Replicate()
+    whole_head = sequence_parallel and model.mtp is not None
     plan = {}
+    if whole_head:
+        plan["mtp"] = PrepareModuleInput(input_layouts=(Shard(1), Shard(1), None, None, None, None),
+                                         desired_input_layouts=(Replicate(), Replicate(), None, None, None, None),
+                                         use_local_output=True)
     if isinstance(model.tok_embeddings, nn.Embedding):
         if vocab_parallel:  # each rank looks up the tokens of its vocabulary slice; the partial rows are summed
             plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
         elif sequence_parallel:
             plan["tok_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=stream)
     if isinstance(model.output, nn.Linear):
-        if sequence_parallel:
+        if whole_head:
+            plan["norm"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                              use_local_output=True)
+        elif sequence_parallel:
             plan["norm"] = SequenceParallel()
         if vocab_parallel and model.config.tie_embeddings:
             # the head's weight is the embedding's, already split over the vocabulary: a replicated input
@@ -184,7 +202,7 @@ def _ends_plan(model: MoETransformer, sequence_parallel: bool, vocab_parallel: b
             plan["output"] = PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate())
         elif vocab_parallel:
             plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
-        elif sequence_parallel:  # the whole head, on the whole sequence
+        elif sequence_parallel and not whole_head:  # the whole head, on the whole sequence
             plan["output"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
                                                 use_local_output=True)
     return plan
@@ -199,9 +217,10 @@ def apply_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh, sequence_p
     ``vocab_parallel`` the model returns its logits as a DTensor sharded over the vocabulary (last dim); the
     loss and its backward then run in ``loss_context(True)``.
     """
-    for block in model.blocks():  # the multi-token-prediction modules' too: their input is replicated (no sequence
-        # parallelism with them: ``parallel.layout``), their projection and norms stay whole
-        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+    mtp_blocks = {id(module.block) for module in model.mtp or []}
+    for block in model.blocks():  # the multi-token-prediction modules' too, on the whole sequence (``_ends_plan``):
+        # their input is replicated, their projection and norms stay whole
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel and id(block) not in mtp_blocks))
         if getattr(block.attn, "sinks", None) is not None:  # one per query head: split with the heads
             block.attn.sinks = nn.Parameter(distribute_tensor(block.attn.sinks.data, tp_mesh, [Shard(0)]))
     ends = _ends_plan(model, sequence_parallel, vocab_parallel)

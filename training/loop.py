@@ -202,6 +202,7 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
         x, y, documents = shard_batch(inputs.to(device), targets.to(device), end_id, shards)
         step_loss, routing = model.step(x, y, grad_reduce, documents)
+        step_mtp = model.last_mtp_loss
     else:
         for m in range(accumulation):
             x, y, documents = shard_batch(inputs[m * micro:(m + 1) * micro].to(device),
@@ -223,7 +224,9 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
         interval.add_routing(stats)
         for i, layer_stats in stats.items():
             step_load[i] = step_load.get(i, 0) + layer_stats.tokens_per_expert
-    grad_norm = clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf, pp_group=pp_group)
+    copies = model.copies() if isinstance(model, PipelineModel) else []
+    grad_norm = clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf, pp_group=pp_group,
+                                copies=copies)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     step_loss = float(all_reduce(step_loss, dp_group)) / dp_size
     if step_mtp is not None:  # over the data-parallel ranks, as the LM loss

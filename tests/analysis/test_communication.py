@@ -69,6 +69,13 @@ CASES_2 = {  # name -> overrides, on 2 ranks
                                               "parallel.sequence_parallel=true", "train.optimizer=muon"],
     "muon, tp=2, 3 experts over edp=2 (FSDP shards a matrix dim)": [
         "parallel.dp_shard=1", "parallel.tp=2", "moe.num_experts=3", "train.optimizer=muon"],
+    # multi-token prediction: its module's block on S - 1 positions (FSDP unit, experts under ep; on the whole
+    # sequence under sequence parallelism, its inputs gathered); under pp on the last stage, its embedding copy's
+    # gradient summed with the first stage's
+    "MTP, ep=2 over dp_shard=2": ["parallel.dp_shard=2", "parallel.ep=2", "model.mtp_depth=1"],
+    "MTP, ep=2 over tp=2, sequence parallel": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2",
+                                               "parallel.sequence_parallel=true", "model.mtp_depth=1"],
+    "MTP, pp=2": ["parallel.dp_shard=1", "parallel.pp=2", "model.mtp_depth=1"],
 }
 HSDP_2MB = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]
 EDP_2MB = ["parallel.dp_shard=4", "parallel.ep=2", "train.micro_batch_size=1"]
@@ -270,10 +277,3 @@ def test_impossible_layouts_fail_as_train_py_fails(world_size, overrides, messag
     config = load_config("moe-8x", [*TINY, "parallel.dp_shard=-1", *overrides])
     with pytest.raises(ConfigError, match=message):
         resolve_layout(config, world_size)
-
-
-def test_multi_token_prediction_is_refused_by_name():
-    """Its modules' traffic is not counted yet: the prediction (and the planner) say so rather than undercount."""
-    config = load_config("moe-8x", ["model.mtp_depth=1"])
-    with pytest.raises(ConfigError, match="model.mtp_depth=1: the communication model"):
-        predict(config, Layout.resolve(1))

@@ -225,6 +225,23 @@ def test_gathered_weights_only_under_fsdp_and_more_without_resharding():
     assert gathered_bytes(_tiny(*staged, "parallel.grad_reduce=microbatch"), layout, 0, 2) == 4 * 256 * 32 + 3 * block
 
 
+def test_pipeline_stages_hold_the_bytes_of_their_cut_with_the_embedding_copy_under_mtp():
+    """Each pipeline rank's model-state weights are its cut stage's parameters: under multi-token prediction the
+    last stage's MTP module and its copy of the embedding, a whole second table, are counted there."""
+    from parallel.pipeline import cut_stage, stage_layers
+
+    layout, last = Layout.resolve(2, pp=2), {}
+    for depth in (0, 1):
+        config = _tiny("parallel.pp=2", f"model.mtp_depth={depth}")
+        model = MoETransformer(config.model, config.moe)
+        for pp_rank, layers in enumerate(stage_layers(config.model, config.moe, 2)):
+            stage = cut_stage(model, layers, pp_rank == 0, pp_rank == 1)
+            assert model_states(config, layout, pp_rank).weights == 4 * sum(p.numel() for p in stage.parameters())
+        last[depth] = model_states(config, layout, 1).weights
+    module = 4 * sum(p.numel() for p in model.mtp.parameters())
+    assert last[1] - last[0] == module + 4 * config.model.vocab_size * config.model.d_model  # the module, the copy
+
+
 def test_unsharded_gradients_are_held_only_when_reduced_once_per_step():
     layout = Layout.resolve(4)  # dp_shard=4: every tensor's gradient is held whole instead of a quarter
     step, microbatch = _tiny(), _tiny("parallel.grad_reduce=microbatch")
@@ -307,6 +324,8 @@ SPAWNED = [
     ("bf16", ["parallel.dp_shard=2", "model.mtp_depth=1"]),
     ("fp32", ["parallel.ep=2", "model.mtp_depth=2", *MLA]),
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "model.mtp_depth=1", *MLA, "model.q_lora_rank=10"]),
+    # and on the whole sequence under sequence parallelism: its inputs gathered, the final norm on the whole too
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", "model.mtp_depth=1"]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

@@ -11,7 +11,12 @@ import train
 from analysis import communication, memory, planner
 from config.errors import ConfigError
 from config.run import load_config
-from moe.accounting import block_flops_per_token, head_flops_per_token, training_flops_per_token
+from moe.accounting import (
+    block_flops_per_token,
+    head_flops_per_token,
+    mtp_flops_per_token,
+    training_flops_per_token,
+)
 from parallel.groups import Layout
 from parallel.layout import resolve_layout
 from parallel.pipeline import stage_layers
@@ -62,6 +67,27 @@ def test_pipeline_compute_is_the_busiest_stage_and_the_bubble_is_p_minus_1_over_
     compute = planner.compute_seconds(config, layout, peak=1.0)
     assert compute == pytest.approx(max(stages) * tokens)
     assert planner.bubble_seconds(compute, layout, microbatches=4) == pytest.approx(compute * 1 / 4)
+
+
+def test_multi_token_prediction_weighs_on_the_last_stage_and_its_embedding_copy_on_the_pipeline():
+    """The MTP module (a block, its projection and the head again) is computed on the last stage, which the split
+    gives fewer blocks for it; the whole pipeline still computes the model's training FLOPs. Its embedding copy's
+    gradient all-reduce over the pipeline's ends adds to the exposed pp time, and the planner ranks such a model
+    instead of refusing it."""
+    layout = Layout.resolve(8, pp=2, dp_shard=4)
+    plain, mtp = _config(layout), _config(layout, overrides=[*SMALL, "model.mtp_depth=1"])
+    model, moe = mtp.model, mtp.moe
+    last = stage_layers(model, moe, 2)[1]
+    assert len(last) < len(stage_layers(plain.model, plain.moe, 2)[1])
+    with_mtp = planner.stage_flops_per_token(mtp, layout)
+    assert sum(with_mtp) == pytest.approx(training_flops_per_token(model, moe))
+    blocks = sum(block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in last)
+    assert with_mtp[1] == pytest.approx(blocks + head_flops_per_token(model) + mtp_flops_per_token(model, moe))
+    pp_time = [planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)["pp"]
+               for config in (plain, mtp)]
+    assert pp_time[1] > pp_time[0]
+    found = planner.search(load_config("moe-8x", [*SMALL, "model.mtp_depth=1"]), 8, 80 * planner.GIB, top=1)
+    assert found.plans
 
 
 def test_tensor_parallel_across_nodes_waits_for_the_network():

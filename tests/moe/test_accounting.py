@@ -5,7 +5,13 @@ import torch
 
 from config.model import ModelConfig, MoEConfig
 from config.run import load_config
-from moe.accounting import block_flops_per_token, head_flops_per_token, parameter_counts, training_flops_per_token
+from moe.accounting import (
+    block_flops_per_token,
+    head_flops_per_token,
+    mtp_flops_per_token,
+    parameter_counts,
+    training_flops_per_token,
+)
 from moe.transformer import MoETransformer
 
 SMALL = [
@@ -157,3 +163,16 @@ def test_gpt_oss_has_its_published_size(name, total, active):
     counts = parameter_counts(config.model, config.moe)
     assert counts.total == pytest.approx(total, rel=0.005)
     assert round((counts.active - counts.embedding) / 1e8) * 1e8 == active
+
+
+@pytest.mark.parametrize("overrides", [["model.mtp_depth=1"], ["model.mtp_depth=2", "model.moe_every=2"]])
+def test_mtp_flops_are_what_the_modules_add_to_the_model(overrides):
+    """The modules' FLOPs (which the last pipeline stage's split and the planner add beside the head) are what they
+    add to the whole model's training FLOPs, whose parameters the accounting counts from built models; with
+    ``moe_every=2`` one module is dense and one MoE."""
+    with_mtp = load_config("moe-8x", overrides)
+    without = load_config("moe-8x", [o for o in overrides if not o.startswith("model.mtp_depth")])
+    added = (training_flops_per_token(with_mtp.model, with_mtp.moe)
+             - training_flops_per_token(without.model, without.moe))
+    assert mtp_flops_per_token(with_mtp.model, with_mtp.moe) == pytest.approx(added, rel=1e-12)
+    assert mtp_flops_per_token(without.model, without.moe) == 0

@@ -71,9 +71,17 @@ def _worker(rank: int, world_size: int, overrides: list[str], run_dir: str, out:
     result = train(config, Path(run_dir), init_runtime(), groups)
     # each pipeline stage holds part of the model: gather every rank's full tensors on rank 0
     parts = [None] * world_size if rank == 0 else None
-    dist.gather_object(full_state(result.model), parts, dst=0)
+    dist.gather_object((groups.coords()["pp"], full_state(result.model)), parts, dst=0)
     if rank == 0:
-        torch.save({name: value for part in parts for name, value in part.items()}, out)
+        merged, stage_of = {}, {}
+        for stage, part in parts:
+            for name, value in part.items():
+                # a name on two pipeline stages is a copy (the embedding the last stage holds for multi-token
+                # prediction): it must have stayed the same bits as the original
+                if stage_of.setdefault(name, stage) != stage:
+                    assert torch.equal(value, merged[name]), f"{name} differs between pipeline stages"
+                merged[name] = value
+        torch.save(merged, out)
 
 
 def run(overrides: list[str], world_size: int, run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:

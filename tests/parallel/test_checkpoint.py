@@ -10,7 +10,8 @@ final weights and Adam state (``full_tensor`` of each shard, no checkpoint code)
   batch split across ranks does not change which tokens an expert keeps).
 
 And a Muon run under ep=2: its checkpoint, momentum buffers included, loads into one process exactly and resumes
-there.
+there; and a pp=2 run with multi-token prediction, whose last stage holds a copy of the embedding, loads into one
+process exactly.
 """
 
 import shutil
@@ -218,3 +219,23 @@ def test_a_muon_checkpoint_reshards_into_one_process(tmp_path):
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     for name, value in source_state.items():
         torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+MTP_PIPELINE = ["train.steps=2", "checkpoint.interval=2", "model.mtp_depth=1", "parallel.pp=2"]
+
+
+def test_a_pipeline_checkpoint_with_the_mtp_embedding_copy_loads_into_one_process(tmp_path):
+    """Under pp=2 with multi-token prediction the last stage holds a copy of the embedding under the embedding's
+    name (``parallel/pipeline.py``): the checkpoint keeps one table (and one pair of Adam moments), equal to both
+    stages' (``tests/parallel/parity.py`` holds them equal), which loads into one process exactly, the MTP
+    module's weights and moments with it."""
+    source_dir = tmp_path / "source"
+    launch(MTP_PIPELINE, 2, {"run_dir": str(source_dir), "final_out": str(source_dir / "final.pt")})
+    source_state = torch.load(source_dir / "final.pt", weights_only=True)
+    assert "optim/mtp.0.proj.weight/exp_avg" in source_state
+    launch(MTP_PIPELINE[:3], 1, {"load": str(source_dir / "checkpoints" / "step_0000002"),
+                                 "load_out": str(tmp_path / "loaded.pt")})
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    assert loaded.keys() == source_state.keys()
+    for name, value in source_state.items():
+        assert torch.equal(loaded[name], value), name

@@ -25,6 +25,7 @@ from parallel.groups import (
     coordinates,
     describe_layout,
     groups_for,
+    pipeline_ends,
     rank_grid,
     valid_layouts,
     validate_for_model,
@@ -440,3 +441,15 @@ def test_a_layout_fsdp_cannot_shard_the_experts_of_is_refused_before_anything_is
     validate_for_model(Layout(4, dp_shard=4, ep=2), model, even)
     validate_for_model(Layout(4, dp_shard=4, ep=2), model, MoEConfig(num_experts=8, expert_hidden=45))  # 4 per rank
     assert all((layout.ep, layout.dp_shard) != (2, 4) for layout in valid_layouts(4, model, odd))
+
+
+def test_pipeline_ends_pair_each_pipelines_first_and_last_stage():
+    """The ranks that sum the embedding's gradient with the last stage's copy under multi-token prediction: per
+    pipeline (same coordinates on every other axis) its pp = 0 and pp = last ranks, by the rank arithmetic."""
+    layout = Layout.resolve(8, pp=4, dp_shard=1, tp=2)  # pp outermost: stage s of tp rank t is rank 2s + t
+    assert pipeline_ends(layout) == [[0, 6], [1, 7]]
+    for first, last in pipeline_ends(layout):
+        assert coordinates(layout, first)["pp"] == 0 and coordinates(layout, last)["pp"] == 3
+        assert coordinates(layout, first)["tp"] == coordinates(layout, last)["tp"]
+    with pytest.raises(ValueError, match="parallel.pp=1 has one stage"):
+        pipeline_ends(Layout.resolve(2))

@@ -81,11 +81,18 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # in two pipeline stages (the dense block, then the MoE block)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3_MTP], 2, "null", id="ep=2-deepseek-v3-mtp"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3], 2, "1.25", id="pp=2-deepseek-v3"),
+    # the MTP module on the last stage with a copy of the embedding, their gradients summed over the two stages
+    # (the same micro-batches and model as the ep row: its reference run serves both)
+    pytest.param(["parallel.pp=2", *DEEPSEEK_V3_MTP], 2, "null", id="pp=2-deepseek-v3-mtp"),
     # latent attention split by heads (the latent projections whole, the shared rotary key's gradient summed over
     # tp), with a full query projection; and with the query bottleneck under sequence parallelism, folded with ep
     pytest.param(["parallel.tp=2", *DEEPSEEK_V3_MTP, "model.q_lora_rank=null"], 2, "null", id="tp=2-deepseek-v3-mtp"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
                   *DEEPSEEK_V3], 4, "1.25", id="dp_shard=2xtp=2xep=2-sequence_parallel-deepseek-v3"),
+    # the MTP module on the whole sequence under sequence parallelism, its inputs gathered for it (the tp row's
+    # model and micro-batches: its reference run serves both)
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *DEEPSEEK_V3_MTP, "model.q_lora_rank=null"], 2,
+                 "null", id="tp=2-sequence_parallel-deepseek-v3-mtp"),
     # GLM-4.5's attention split by heads: q/k/v biases split with their projections, RoPE on half of each head,
     # q/k norms on each rank's heads; its sigmoid routing with a shared expert behind a dense first layer
     pytest.param(["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", "model.qkv_bias=true",

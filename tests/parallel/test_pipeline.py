@@ -142,3 +142,42 @@ def test_stages_chained_match_the_whole_model_with_aux_losses():
         torch.testing.assert_close(grads[name], param.grad, msg=name)
     router = next(n for n in grads if n.endswith("router.gate"))
     assert grads[router].abs().sum() > 0
+
+
+def test_last_stage_runs_multi_token_prediction_with_a_copy_of_the_embedding():
+    """With ``model.mtp_depth`` the last stage holds the MTP module and a copy of the embedding under the same name
+    and with the same values; given the token ids beside the hidden states it gives the whole model's logits and
+    MTP losses, and the two embeddings' gradients add up to the whole model's (what ``PipelineModel.step``'s
+    all-reduce makes of them). Every other parameter's gradient is the whole model's on the stage holding it."""
+    torch.manual_seed(0)
+    model_config = ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=48, moe_every=2,
+                               mtp_depth=1)
+    moe_config = MoEConfig(num_experts=4, top_k=2, expert_hidden=32)
+    model = MoETransformer(model_config, moe_config)
+    first, last = (cut_stage(model, r, k == 0, k == 1) for k, r in enumerate(stage_layers(model_config, moe_config, 2)))
+    assert first.mtp is None and isinstance(first.output, torch.nn.Identity)
+    assert last.mtp is not None and torch.equal(last.tok_embeddings.weight, first.tok_embeddings.weight)
+    shared = first.state_dict().keys() & last.state_dict().keys()
+    assert shared == {"tok_embeddings.weight"}
+    assert (first.state_dict().keys() | last.state_dict().keys()) == model.state_dict().keys()
+
+    tokens = torch.randint(0, model_config.vocab_size, (2, 16))
+    targets = torch.randint(0, model_config.vocab_size, (2, 16))
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    loss.backward()
+    hidden = first(tokens)
+    received = hidden.detach().requires_grad_()
+    stage_loss = torch.nn.functional.cross_entropy(last(received, ids=tokens).flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(stage_loss, loss)
+    torch.testing.assert_close(last.last_mtp_losses, model.last_mtp_losses)
+    stage_loss.backward()
+    hidden.backward(received.grad)
+
+    embedding = first.tok_embeddings.weight.grad + last.tok_embeddings.weight.grad
+    torch.testing.assert_close(embedding, model.tok_embeddings.weight.grad)
+    assert last.tok_embeddings.weight.grad.abs().sum() > 0  # the copy's own share: the MTP module's lookups
+    grads = {name: p.grad for stage in (first, last) for name, p in stage.named_parameters()}
+    for name, param in model.named_parameters():
+        if name != "tok_embeddings.weight":
+            torch.testing.assert_close(grads[name], param.grad, msg=name)
+    assert any(name.startswith("mtp.0.") and grad.abs().sum() > 0 for name, grad in grads.items())
