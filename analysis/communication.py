@@ -38,7 +38,14 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
   ``parallel.grad_reduce=step`` (on the last micro-batch) or per micro-batch under ``microbatch``, and with
   dp_replicate > 1 the all-reduce of the shard over the replicas once per step under both
   (``parallel.set_gradient_sync``).
-- pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/tp under
+- cp (``parallel/context.py``): each rank holds S/cp positions of every sequence, so every per-token item above
+  counts its S/cp. Per attention layer and micro-batch, forward, one all-gather of the keys and values over the
+  cp group (k and v in one tensor, [micro, kv_heads/tp, S, 2·hd] in the compute dtype; for latent attention the
+  normalised latent and the rotated shared key, [micro, S, c + r]), again under full recompute; backward, its
+  reduce-scatter, the same bytes. Per MoE layer and forward (and recompute), the all-reduce of the balancing
+  loss's assignment counts, [sequences, E] fp32 (one row per micro-batch with the batch-wide scope). FSDP
+  shards over dp_shard × cp (its groups below are that flattened axis).
+- pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/cp; /tp under
   sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
   the micro-batch losses (float64) from the last stage.
 - multi-token prediction (``moe/mtp.py``, on the last stage): module k's block as a block of its kind on S − k
@@ -313,7 +320,8 @@ class _Step:
 
     @property
     def tokens(self) -> int:
-        return self.micro * self.config.model.seq_len
+        """This rank's tokens of one micro-batch: its S/cp positions of each sequence."""
+        return self.micro * self.config.model.seq_len // self.layout.cp
 
 
 @functools.lru_cache(maxsize=65536)
@@ -416,14 +424,14 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
         _add(out, "tp", "all_gather", "routed rows' shares (forward)", moe_runs, padded * tp, group)
         _add(out, "tp", "all_gather", "routed rows' share gradients (backward)", len(moe_layers) * m, padded * tp,
              group)
-    if sp and layout.dp > 1:
+    if sp and layout.dp_cp > 1:
         # the norms' weights see a sequence slice: DTensor leaves their gradients partial, and FSDP's gradient
         # reduction makes them whole over tp first (without FSDP the gradient-norm step does, once: left out)
         norms = 2 * len(step.layers) + (step.last and not step.mtp)  # beside MTP the final norm runs whole
         syncs = _gradient_syncs(step)
         _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
              model.d_model * fp32, group)
-    if model.qk_norm and layout.dp > 1:  # the per-head q/k norms see this rank's heads: the same, [hd] each
+    if model.qk_norm and layout.dp_cp > 1:  # the per-head q/k norms see this rank's heads: the same, [hd] each
         _add(out, "tp", "all_reduce", "query/key norm weights' gradients (backward)",
              2 * len(step.layers) * _gradient_syncs(step), model.head_size * fp32, group)
     if step.first and (par.vocab_parallel or sp):
@@ -446,6 +454,29 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
                  full * fp32, group)
             _add(out, "tp", "all_reduce", "vocab-parallel loss: max, sum, target logit (forward)", 3 * m,
                  step.tokens * fp32, group)
+    return out
+
+
+def context_parallel_traffic(step: _Step) -> list[Traffic]:
+    """The cp group's collectives (module docstring): keys and values gathered in every attention layer, their
+    gradients reduce-scattered, and the balancing counts summed in every MoE layer."""
+    layout, model, moe = step.layout, step.config.model, step.config.moe
+    out: list[Traffic] = []
+    if layout.cp == 1:
+        return out
+    group, m, seq = step.group("cp"), step.microbatches, model.seq_len
+    if model.latent_attention:  # the normalised latent and the rotated shared key of every position
+        gathered = step.micro * seq * (model.kv_lora_rank + model.qk_rope_head_dim) * step.act
+    else:  # k and v of this tp rank's key/value heads, on the channel dim
+        gathered = step.micro * (model.kv_heads // layout.tp) * seq * 2 * model.head_size * step.act
+    attention_runs = len(step.layers) * m * (1 + int(step.config.parallel.activation_checkpointing == "full"))
+    _add(out, "cp", "all_gather", "keys and values of the sequence (forward)", attention_runs, gathered, group)
+    _add(out, "cp", "reduce_scatter", "keys' and values' gradients (backward)", len(step.layers) * m, gathered,
+         group)
+    moe_layers = sum(model.is_moe_layer(i) for i in step.layers)
+    sequences = step.micro if moe.aux_loss_scope == "sequence" else 1
+    _add(out, "cp", "all_reduce", "balancing loss's assignment counts (forward)",
+         moe_layers * m * (1 + _moe_recompute(step)), sequences * moe.num_experts * 4, group)
     return out
 
 
@@ -537,7 +568,7 @@ def _fsdp_units(step: _Step) -> dict[tuple[str, int], int]:
     routers_apart = step.act == 2  # bf16 mixed precision: each router an fp32 unit of its own
     same: dict[tuple[str, int], int] = defaultdict(int)
     root = root_tensors(config.model, config.moe, step.first, step.last)
-    if root and layout.dp > 1:
+    if root and layout.dp_cp > 1:
         same["root", 4 * sum(sharded_numel(p, layout, config.model, vp) for p in root)] += 1
     for block, count in rank_blocks(config.model, config.moe, [*step.layers, *step.mtp]):
         for unit in _block_units(block, layout, has_moe, vp, routers_apart):
@@ -558,7 +589,7 @@ def _block_units(block: Block, layout: Layout, has_moe: bool, vp: bool,
             kind = "experts" if experts_apart and param.expert else "block"
         units[kind] = units.get(kind, 0) + 4 * sharded_numel_of(param, layout, has_moe, vp)
     return tuple((kind, shard) for kind, shard in units.items()
-                 if (experts_replicated(layout) if kind == "experts" else layout.dp > 1))
+                 if (experts_replicated(layout) if kind == "experts" else layout.dp_cp > 1))
 
 
 def _gradient_syncs(step: _Step) -> int:
@@ -595,7 +626,7 @@ def sharding_traffic(step: _Step) -> list[Traffic]:
     same = _fsdp_units(step)  # (kind, fp32 shard bytes) -> units
     out: list[Traffic] = []
     for (kind, shard), units in sorted(same.items()):
-        shard_group = step.group("edp" if kind == "experts" else "dp_shard")
+        shard_group = step.group("edp" if kind == "experts" else "dp_shard_cp")
         n = len(shard_group)
         what = {"root": "root (embedding, norm, head)", "block": f"{units} block(s)", "router": f"{units} router(s)",
                 "experts": f"{units} routed-expert unit(s)"}[kind]
@@ -615,7 +646,7 @@ def pipeline_traffic(step: _Step) -> list[Traffic]:
     out: list[Traffic] = []
     if layout.pp == 1:
         return out
-    seq = config.model.seq_len // (layout.tp if par.sequence_parallel else 1)
+    seq = config.model.seq_len // layout.cp // (layout.tp if par.sequence_parallel else 1)
     hidden = step.micro * seq * config.model.d_model * 4  # fp32: the residual stream
     stages, pp_rank = layout.pp * par.pp_virtual_stages, coordinates(layout, step.rank)["pp"]
     group = step.group("pp")
@@ -662,8 +693,8 @@ def mtp_traffic(step: _Step) -> list[Traffic]:
 def _muon_cut(param: ParamTensor, layout: Layout, has_moe: bool) -> tuple[str, list[int]] | None:
     """The mesh axis that cuts one of ``param``'s two matrix dims, and the matrices' shape whole over that axis
     (the rest as this rank holds it); None when its matrices are whole on the rank. One axis at most: Muon
-    refuses dp_shard with tp (``parallel.layout.check_optimizer_layout``), so a dense matrix is cut by FSDP's
-    dp_shard (dim 0) or by tp; a routed-expert stack (its dim 0 the experts, a batch) by etp, or by FSDP over
+    refuses dp_shard × cp with tp (``parallel.layout.check_optimizer_layout``), so a dense matrix is cut by FSDP's
+    dp_shard × cp (dim 0) or by tp; a routed-expert stack (its dim 0 the experts, a batch) by etp, or by FSDP over
     edp where the local experts do not split over edp (``expert_fsdp_dim``: a matrix dim). A stack cut by both
     (etp, and local experts that do not split over edp) is counted as etp's alone, an undercount no test has
     measured."""
@@ -681,9 +712,9 @@ def _muon_cut(param: ParamTensor, layout: Layout, has_moe: bool) -> tuple[str, l
     shape = list(param.shape)
     if layout.tp > 1 and param.tp_dim is not None:
         return "tp", shape
-    if layout.dp_shard > 1:
-        shape[0] = largest_chunk(shape[0], layout.dp_shard) * layout.dp_shard  # FSDP2 pads dim 0 to equal chunks
-        return "dp_shard", shape
+    if layout.dp_shard_cp > 1:  # FSDP2 over dp_shard × cp pads dim 0 to equal chunks
+        shape[0] = largest_chunk(shape[0], layout.dp_shard_cp) * layout.dp_shard_cp
+        return "dp_shard_cp", shape
     return None
 
 
@@ -728,7 +759,8 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
         layers, first, last = tuple(range(config.model.n_layers)), True, True
     mtp = tuple(mtp_layers(config.model)) if last else ()
     step = _Step(config, layout, rank, micro, microbatches, layers, first, last, 4 if precision == "fp32" else 2, mtp)
-    return [*tensor_parallel_traffic(step), *expert_parallel_traffic(step), *mtp_traffic(step),
+    return [*tensor_parallel_traffic(step), *context_parallel_traffic(step), *expert_parallel_traffic(step),
+            *mtp_traffic(step),
             *sharding_traffic(step), *pipeline_traffic(step), *muon_traffic(step)]
 
 

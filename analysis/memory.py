@@ -8,7 +8,7 @@ What one rank holds during a step (``estimate``):
 - **model states** (``analysis/memory_states.py``): fp32 master weights, fp32 gradients and AdamW's two fp32
   moments, 16 bytes per parameter (ZeRO; REFERENCES.md sec. 3.1); under Muon, one fp32 momentum buffer for
   the matrices it updates (12 bytes per parameter), each tensor divided as tp, ep, etp, FSDP
-  (over dp_shard, or edp for the experts) and the pipeline stages divide it; dense and routed experts apart.
+  (over dp_shard × cp, or edp for the experts) and the pipeline stages divide it; dense and routed experts apart.
 - **gathered weights** (``gathered_bytes``): FSDP all-gathers a block's tp-local weights before it runs, in fp32
   or, under bf16, in bf16 (FSDP2's mixed precision; the routers' own units in fp32).
   Assumed peak: the root unit (embedding, final norm, head: never resharded) plus, in backward, the current
@@ -25,7 +25,9 @@ What one rank holds during a step (``estimate``):
   holds the states too (the printed table shows both).
 - **activations** (``analysis/memory_activations.py``): what autograd saves for backward in one micro-batch's
   forward, tensor by tensor as the modules of ``moe/`` save it (listed in each function), times the
-  micro-batches in flight (``in_flight``). Under bf16 autocast the cast copies of the weights that the
+  micro-batches in flight (``in_flight``), on this rank's S/cp positions of each sequence under context
+  parallelism, whose attention saves the whole sequence's gathered keys and values and a [S/cp, S] mask per
+  layer (``parallel/context.py``). Under bf16 autocast the cast copies of the weights that the
   matmuls save count here too: they live as long as the micro-batch's graph. Plus, on the last stage, one
   transient [tokens, V] fp32 buffer (the logits in forward, their gradient in backward).
 - **compute copies** (``compute_copy_bytes``): in bf16 the routed experts' bf16 copies outside FSDP
@@ -121,6 +123,7 @@ class MemoryEstimate:
     compute_copies: int  # the routed experts' bf16 copies, once per step (``moe.experts.ComputeCopies``)
     activations: dict[str, int]  # by part, already × in_flight
     logits_buffer: int  # last stage: one [tokens, V] fp32 buffer (logits in forward, their gradient in backward)
+    cp_mask: int  # context parallelism: the forward's boolean [1, 1, S/cp, S] mask (``context_mask_bytes``)
     micro_batch_size: int
     microbatches: int
     in_flight: float
@@ -135,7 +138,7 @@ class MemoryEstimate:
         """The peak of forward and backward: states, gathered weights, gradients accumulated unsharded,
         compute copies, activations held, the logits buffer."""
         return (self.states.total + self.gathered + self.accumulated_grads + self.compute_copies
-                + self.activation_total + self.logits_buffer)
+                + self.activation_total + self.logits_buffer + self.cp_mask)
 
     @property
     def total(self) -> int:
@@ -156,13 +159,22 @@ def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 
     vocab = config.model.vocab_size
     if config.parallel.vocab_parallel:
         vocab = largest_chunk(vocab, layout.tp)
-    logits = micro * config.model.seq_len * vocab * FP32 if last else 0
+    logits = micro * config.model.seq_len // layout.cp * vocab * FP32 if last else 0  # this rank's positions
     return MemoryEstimate(pp_rank, model_states(config, layout, pp_rank),
                           gathered_bytes(config, layout, pp_rank, microbatches, precision),
                           accumulated_grad_bytes(config, layout, microbatches, pp_rank),
                           compute_copy_bytes(config, layout, precision, pp_rank),
-                          activations, logits, micro, microbatches, held,
+                          activations, logits, context_mask_bytes(config, layout), micro, microbatches, held,
                           parameter_counts(config.model, config.moe).total)
+
+
+def context_mask_bytes(config: RunConfig, layout: Layout) -> int:
+    """The boolean mask a context-parallel rank's forward builds once ([1, 1, S/cp, S], ``moe.documents``), which
+    every layer's attention reads: not a saved tensor (SDPA saves its own additive copy, counted with each layer),
+    but alive until the forward returns, and through backward under full recompute, whose blocks re-run
+    attention with it; so counted once, at the step's peak, beside the activations. None without cp."""
+    seq = config.model.seq_len
+    return seq // layout.cp * seq if layout.cp > 1 else 0
 
 
 # ---------------------------------------------------------------------------
@@ -268,7 +280,9 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
     first = estimates[0]
     seq = config.model.seq_len
     lines = [f"{config.name}: {layout.world_size} rank(s), {layout.degrees()} (edp={layout.edp}); {precision} compute; "
-             f"micro-batch {first.micro_batch_size} × {seq} tokens, {first.microbatches} per step, gradients "
+             f"micro-batch {first.micro_batch_size} × {seq} tokens"
+             + (f" ({seq // layout.cp} of each on a rank: cp={layout.cp})" if layout.cp > 1 else "")
+             + f", {first.microbatches} per step, gradients "
              f"reduced per {'optimizer step' if config.parallel.grad_reduce == 'step' else 'micro-batch'}",
              f"model: {_count(first.parameters)} parameters; per rank, fp32 master weights + fp32 gradients "
              + ("+ AdamW moments (16 bytes/parameter)" if config.train.optimizer == "adamw" else
@@ -288,6 +302,8 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
     parts = list(dict.fromkeys(name for e in estimates for name in e.activations))
     rows += [(f"activations: {name}", [e.activations.get(name, 0) for e in estimates]) for name in parts]
     rows += [("logits buffer", [e.logits_buffer for e in estimates])]
+    if layout.cp > 1:
+        rows += [("context-parallel mask", [e.cp_mask for e in estimates])]
     width = max(len(name) for name, _ in rows) + 2
     lines.append(" " * width + "".join(f"{h:>14}" for h in header))
     for name, values in rows:
@@ -326,7 +342,7 @@ def sweep_components(e: MemoryEstimate) -> dict[str, int]:
     autocast_copies = e.activations.get("bf16 weight copies", 0)
     return {"model states": e.states.total, "FSDP gathered": e.gathered, "unsharded grads held": e.accumulated_grads,
             "bf16 weight copies": autocast_copies + e.compute_copies,
-            "activations (+ logits)": e.activation_total - autocast_copies + e.logits_buffer}
+            "activations (+ logits)": e.activation_total - autocast_copies + e.logits_buffer + e.cp_mask}
 
 
 def format_sweep(rows: list[tuple[int, MemoryEstimate]], device_gib: float) -> str:

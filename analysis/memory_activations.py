@@ -3,7 +3,16 @@
 Each function lists the tensors the modules of ``moe/`` save (found with ``saved_activation_bytes`` and
 checked byte for byte by ``tests/analysis/test_memory.py``), on this rank's share of the work: its heads
 and hidden slices under tp, its share of the routed rows under tp / ep / etp, the S/tp slice of the
-residual stream under sequence parallelism. Routing is assumed balanced.
+residual stream under sequence parallelism, its S/cp positions of each sequence under context parallelism.
+Routing is assumed balanced.
+
+What context parallelism adds (``parallel/context.py``): every attention layer attends from this rank's S/cp
+queries to all S keys, so the keys and values it saves for backward are the whole sequence's (the all-gathered
+tensor itself, which k and v are views of; for latent attention the gathered latent and rotary key, and the
+up-projected keys and values of all S positions), and it attends under a boolean [1, 1, S/cp, S] mask (its
+queries are not one run of positions), which SDPA saves as an additive mask in the compute dtype, one per layer.
+The forward also gathers its queries' rows of the rotary tables once ([1, 1, S/cp, r/2], cos and sin, fp32),
+which every layer's RoPE saves.
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch on one rank: T = b·s tokens, ``stream`` of them in the residual stream (T/tp under SP)."""
+    """One micro-batch on one rank: T = b·s tokens (s = S/cp under context parallelism), ``stream`` of them in
+    the residual stream (T/tp under SP); attention's keys are cp times its queries."""
 
     tokens: int
     stream: int
@@ -49,6 +59,7 @@ class MicroBatch:
     bf16: bool
     bf16_weights: bool = False  # dense weights in FSDP units gathering bf16 (``parallel.sharding.mixed_precision``)
     group_rows: int = 1  # experts' groups padded to a multiple of this many rows (``moe.experts.row_multiple_on``)
+    cp: int = 1  # context-parallel ranks: the keys of a sequence are cp times this rank's positions of it
 
 
 def _norm(rows: int, d: int, fused: bool) -> int:
@@ -79,19 +90,21 @@ def _attention(model: ModelConfig, tp: int, mb: MicroBatch, window: int | None =
     sequences, or per block of a blocked window, whose b·nb blocks of W queries each see 2W keys (their k and v
     saved per block). The sink adds one key and ``SINK_CHANNELS`` channels to q, k, v and the output.
     wo's input is the output made contiguous, a copy unless one head per rank makes it a view.
+    Under context parallelism the S/cp queries attend to all S keys under a mask (the module docstring): k and v
+    are views of the gathered [b, kv_heads, S, 2·hd] tensor, whose bytes are what they count.
     """
     heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
     sink = 1 if model.attention_sinks else 0
-    seq = mb.tokens // mb.sequences  # positions per sequence: S, or S - k in multi-token prediction's module k
-    blocked = blocked_window(seq, window)
+    seq = mb.tokens // mb.sequences  # positions per sequence: S (S/cp), or S - k in multi-token prediction's module k
+    blocked = blocked_window(seq, window) and mb.cp == 1  # a cp rank's queries take the masked path
     if blocked:
         batches, queries, keys = mb.sequences * -(-seq // window), window, 2 * window
     else:
-        batches, queries, keys = mb.sequences, seq, seq
+        batches, queries, keys = mb.sequences, seq, seq * mb.cp
     keys, width = keys + sink, hd + sink * SINK_CHANNELS
     sdpa = batches * width * (queries * 2 * heads + keys * 2 * kv_heads) * mb.compute  # q and output, k and v
     logsumexp = batches * queries * heads * FP32
-    masked = sink or window is not None
+    masked = sink or window is not None or mb.cp > 1
     mask = (batches if blocked else 1) * queries * keys * mb.compute if masked else 0
     wo_input = 0 if heads == 1 and not (sink or blocked) else mb.tokens * heads * hd * mb.compute
     fused = uses_fused_backward(torch.bfloat16 if mb.bf16 else torch.float32, distributed=tp > 1)
@@ -108,9 +121,14 @@ def _latent_attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
     input; SDPA's q, k, v, output and logsumexp, heads w = max(n + r, v) wide (the narrower side zero-padded), where
     v is a view of ``wkv_b``'s [T, nh·(n + v)] output, whose storage it keeps, unless padded (a new tensor);
     ``wo``'s input (a copy, but of one unpadded head).
+
+    Under context parallelism the keys and values are the whole sequence's, K = cp·T positions: ``wkv_b``'s input
+    is then a copy of the gathered [B, S, c + r] tensor's latent columns (K·c; the gathered tensor itself is not
+    saved), k and v are K positions long, and SDPA saves its additive [S/cp, S] mask.
     """
     heads, nope, rope, v = model.n_heads // tp, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
     t, latent, a = mb.tokens, model.kv_lora_rank, mb.compute
+    keys = t * mb.cp
     width = max(nope + rope, v)
     total = _linear_inputs(mb, model.d_model, 2)
     if model.q_lora_rank is not None:
@@ -120,9 +138,12 @@ def _latent_attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
         total += _norm(t, latent, fused=False)
     else:  # fused: its input, a view of wkv_a's fp32 [T, c + r] output, keeps that storage; rstd
         total += t * (latent + rope) * FP32 + t * FP32
-    total += t * latent * a  # wkv_b's input
+    total += keys * latent * a  # wkv_b's input
     values = width if v < width else nope + v  # padded, or the up-projection's output it is a view of
-    total += t * heads * (3 * width + values) * a + t * heads * FP32  # q, k, out; v; logsumexp
+    total += (2 * t + keys) * heads * width * a + keys * heads * values * a  # q, out; k; v
+    total += t * heads * FP32  # logsumexp
+    if mb.cp > 1:  # the additive mask of this rank's queries over every key
+        total += (t // mb.sequences) * (keys // mb.sequences) * a
     wo_input = 0 if heads == 1 and v == width else t * heads * v * a
     return total + wo_input
 
@@ -242,8 +263,8 @@ def _block_copies(block: Block, layout: Layout, vp: bool, recompute: str, offloa
     total = 0
     for param in block.params:
         # the experts compute with copies kept for the step (``compute_copy_bytes``); the rest, in FSDP units
-        # when dp > 1, is gathered in bf16 (``in_fsdp_unit``)
-        if param.expert or layout.dp > 1 or not param.autocast_copy:
+        # when dp × cp > 1, is gathered in bf16 (``in_fsdp_unit``)
+        if param.expert or layout.dp_cp > 1 or not param.autocast_copy:
             continue
         if (block_away and param.kind != "projection") or (ffn_away and param.kind in ("experts", "ffn")):
             continue
@@ -275,15 +296,16 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     keeps two such modules' saved bytes on the device, the largest, for the one whose copies are in flight beside
     the one computing: an estimate of its design (``parallel/activation_offload.py``), not yet measured on a GPU.
     Sequence parallelism puts the norms and the residual stream on S/tp; attention, the dense FFN and the MoE
-    layer work on the gathered sequence.
+    layer work on the gathered sequence. Context parallelism gives every part S/cp positions of each sequence, and
+    attention the whole sequence's keys (the module docstring).
     """
     model, moe, par = config.model, config.moe, config.parallel
     layers, first, last = local_layers(config, layout, pp_rank)
-    tokens = micro_batch_size * model.seq_len
+    tokens = micro_batch_size * model.seq_len // layout.cp
     stream = tokens // layout.tp if par.sequence_parallel else tokens
     dtype = COMPUTE_DTYPE[precision]
     mb = MicroBatch(tokens, stream, micro_batch_size, dtype.itemsize, precision == "bf16",
-                    precision == "bf16" and layout.dp > 1, row_multiple_on(device_type, dtype))
+                    precision == "bf16" and layout.dp_cp > 1, row_multiple_on(device_type, dtype), layout.cp)
     d, parts = model.d_model, {}
     stream_dtype = torch.bfloat16 if mb.bf16_weights else torch.float32  # the embedding's output: FSDP gathers it bf16
     fused_norms = uses_fused_backward(stream_dtype, distributed=par.sequence_parallel and layout.tp > 1)
@@ -351,6 +373,8 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     if offloaded:  # about two modules' at a time: one arriving (or leaving) while the next computes
         modules = sum(count for _, count in offloaded)
         add(f"offloaded {par.activation_offload} in flight", min(2, modules) * max(nbytes for nbytes, _ in offloaded))
+    if layout.cp > 1 and any(i < model.n_layers for i in layers):  # the cos and sin rows of this rank's positions
+        add("rotary tables (cp positions)", 2 * (tokens // micro_batch_size) * (model.rope_dim // 2) * FP32)
     if first:
         add("embedding", tokens * INDEX)  # the token ids
     if last:

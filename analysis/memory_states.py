@@ -6,7 +6,9 @@ REFERENCES.md sec. 3.1).
 tp splits attention by heads and the dense FFN and shared experts on their hidden dim; router, norms,
 embedding and head stay whole unless ``parallel.vocab_parallel`` (``parallel/tensor.py``). Routed experts
 are E/ep per rank with their hidden dim over etp, then FSDP-sharded over edp (HSDP keeps one copy per
-dp_replicate group); dense weights are FSDP-sharded over dp_shard (``parallel/sharding.py``). A shard is the
+dp_replicate group); dense weights are FSDP-sharded over dp_shard × cp (``parallel/sharding.py``: context-parallel
+ranks hold other tokens of the same sequences, so for the weights they are data-parallel ranks; edp = dp_shard·cp·
+tp/(ep·etp) folds cp in for the experts). A shard is the
 first chunk of ``torch.chunk`` on the sharded dim, the largest: FSDP2 pads every rank's storage to it.
 Under pipeline parallelism a rank holds its stages' blocks (``parallel.pipeline.stage_layers``), the
 embedding on the first stage, the final norm and head on the last.
@@ -235,10 +237,10 @@ def experts_own_unit(layout: Layout, model: ModelConfig) -> bool:
 
 def in_fsdp_unit(param: ParamTensor, layout: Layout, model: ModelConfig) -> bool:
     """Whether an FSDP unit holds ``param`` (``parallel/__init__.py``): the routed experts in their own unit when
-    they have several replicas (dp_replicate × edp > 1; else they stay out of FSDP), the rest with dp > 1."""
+    they have several replicas (dp_replicate × edp > 1; else they stay out of FSDP), the rest with dp × cp > 1."""
     if param.expert and experts_own_unit(layout, model):
         return experts_replicated(layout)
-    return layout.dp > 1
+    return layout.dp_cp > 1
 
 
 def sharded_numel(param: ParamTensor, layout: Layout, model: ModelConfig, vocab_parallel: bool) -> int:
@@ -263,8 +265,8 @@ def _sharded_numel(kind: str, shape: tuple[int, ...], tp_dim: int | None, expert
         if experts_replicated(layout):
             dim = expert_fsdp_dim(shape[0], layout.edp, param.expert_hidden_dim if layout.etp > 1 else None)
             shape[dim] = largest_chunk(shape[dim], layout.edp)
-    elif layout.dp > 1:  # FSDP2 over dp_shard (HSDP replicates over dp_replicate), dim 0
-        shape[0] = largest_chunk(shape[0], layout.dp_shard)
+    elif layout.dp_cp > 1:  # FSDP2 over dp_shard × cp (HSDP replicates over dp_replicate), dim 0
+        shape[0] = largest_chunk(shape[0], layout.dp_shard_cp)
     return math.prod(shape)
 
 
@@ -380,7 +382,7 @@ def _gathered(params: tuple[ParamTensor, ...], layout: Layout, has_moe: bool, vp
         if param.expert and experts_spread(layout, has_moe):  # the experts' own unit
             sharded = layout.edp > 1
         else:
-            sharded = layout.dp > 1 and layout.dp_shard > 1
+            sharded = layout.dp_shard_cp > 1
         if sharded:
             size = FP32 if param.kind == "router" else weight_bytes
             total += math.prod(tp_local_shape(param, layout, vp)) * size
@@ -407,7 +409,7 @@ def gathered_bytes(config: RunConfig, layout: Layout, pp_rank: int = 0, microbat
     weights = [(_block_gathered(block.params, config, layout, weight_bytes), count) for block, count in blocks]
     grads = [_block_gathered(block.params, config, layout) for block, _ in blocks]
     root = 0
-    if layout.dp > 1 and layout.dp_shard > 1:
+    if layout.dp_shard_cp > 1:
         root = sum(math.prod(tp_local_shape(p, layout, config.parallel.vocab_parallel))
                    for p in root_tensors(config.model, config.moe, first, last)) * weight_bytes
     kept_by_pipeline = layout.pp > 1 and config.parallel.grad_reduce == "step" and microbatches > 1

@@ -9,7 +9,7 @@ Each plan is printed with the command that runs it (torchrun ... train.py --conf
 (``analysis.memory.DEFAULT_HEADROOM``, 10%: what the memory model does not count).
 
 Candidates: every layout of the world size that the model allows (``parallel.groups.valid_layouts``: pp,
-dp_replicate, dp_shard, tp, ep, etp; the degrees a ``--set`` names are fixed), each with activation
+dp_replicate, dp_shard, cp, tp, ep, etp; the degrees a ``--set`` names are fixed), each with activation
 checkpointing none, ``moe`` (where there are MoE layers) and ``full``, with both gradient-reduction settings
 (``parallel.grad_reduce``: ``step`` holds unsharded gradients between micro-batches and reduces once;
 ``microbatch`` reduce-scatters every micro-batch and holds only shards; one candidate where they are the same:
@@ -25,7 +25,8 @@ H200, B200: datasheet bandwidths, peak, memory and HBM bandwidth, each figure's 
 figure but the HBM's can be overridden), gives its speed:
 
 - **compute**: the training FLOPs of the busiest pipeline rank in one step (``moe.accounting``: 6 × active
-  matmul parameters + attention, per token) over the global batch's tokens / dp, divided over tp (every
+  matmul parameters + attention, per token) over the global batch's tokens / (dp × cp: a context-parallel rank
+  computes S/cp positions of each sequence, each attending over the whole sequence), divided over tp (every
   matmul, the routed experts' rows included, is split over tp; expert parallelism moves rows without
   changing a rank's share under balanced routing), plus the recomputed forward (a third of a block's
   FLOPs) under activation checkpointing, at ``efficiency`` × the bf16 peak (``calibrated_efficiency``), each
@@ -33,7 +34,7 @@ figure but the HBM's can be overridden), gives its speed:
 - **bubble**: GPipe and 1F1B idle (p − 1)/m of the compute for p stages and m micro-batches, interleaved 1F1B
   (p − 1)/(v·m) (Narayanan et al. 2021, sec. 2.2; REFERENCES.md); the extra pipeline traffic of interleaving
   (v times the stage boundaries) is in the communication model's pp term.
-- **exposed communication**: the tp, ep and pp traffic of ``analysis.communication`` at the bandwidth NCCL
+- **exposed communication**: the tp, cp, ep and pp traffic of ``analysis.communication`` at the bandwidth NCCL
   gets of its links (``communication.bandwidth``: NVLink in a node, the rank's own adapter across nodes) plus
   each call's latency (NCCL's ring model, ``communication.startup``), on the critical path (each waits for the
   layer before it); FSDP's gathers and reduce-scatters are prefetched and overlap compute (``ShardingTime``):
@@ -101,7 +102,7 @@ class Plan:
     memory: int  # bytes on the busiest rank
     compute: float
     bubble: float
-    exposed: dict[str, float]  # communication on the critical path, by dimension (tp, ep, pp, fsdp)
+    exposed: dict[str, float]  # communication on the critical path, by dimension (tp, cp, ep, pp, fsdp)
 
     @property
     def step(self) -> float:
@@ -109,8 +110,7 @@ class Plan:
 
     def describe(self) -> str:
         par = self.config.parallel
-        degrees = " ".join(f"{k}={getattr(self.layout, k)}" for k in ("pp", "dp_replicate", "dp_shard", "tp", "ep",
-                                                                         "etp") if getattr(self.layout, k) > 1)
+        degrees = " ".join(f"{k}={getattr(self.layout, k)}" for k in DEGREE_KEYS if getattr(self.layout, k) > 1)
         extra = [f"micro={self.config.train.micro_batch_size}"] if self.config.train.micro_batch_size else []
         if par.activation_checkpointing != "none":
             extra.append(f"recompute={par.activation_checkpointing}")
@@ -123,7 +123,7 @@ class Plan:
         return " ".join([degrees or "one rank", *extra])
 
 
-DEGREE_KEYS = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp")
+DEGREE_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
 
 
 def plan_overrides(plan: Plan, base: RunConfig) -> list[str]:
@@ -170,7 +170,8 @@ def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: 
     """``config`` set to train under ``layout`` (sequence parallel with tp), ``recompute``, ``grad_reduce``, the
     pipeline ``schedule`` (name, virtual stages per rank) and ``micro_batch_size`` (None: the config's)."""
     parallel = dataclasses.replace(
-        config.parallel, pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,
+        config.parallel, pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp,
+        tp=layout.tp,
         ep=layout.ep, etp=layout.etp, activation_checkpointing=recompute, sequence_parallel=layout.tp > 1,
         pp_schedule=schedule[0], pp_virtual_stages=schedule[1], grad_reduce=grad_reduce)
     if micro_batch_size is None:
@@ -292,8 +293,11 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: f
     """The busiest pipeline rank's compute time for one optimizer step at ``peak`` FLOP/s, each block's matmuls
     held to the roofline of ``bandwidth`` bytes/s of HBM (``roofline_slowdown``; none at the default)."""
     micro = micro_batching(config, layout.dp, layout.pp)[0]
-    tokens_per_rank = config.train.global_batch_size * config.model.seq_len / layout.dp
-    slowdown = {kind: roofline_slowdown(block_gemms(config, layout, micro * config.model.seq_len, kind), peak,
+    # a context-parallel rank computes its S/cp positions of each of its dp rank's sequences (each position's
+    # attention over the whole sequence's keys, as one process's: the FLOPs per token are the same)
+    tokens_per_rank = config.train.global_batch_size * config.model.seq_len / layout.dp_cp
+    slowdown = {kind: roofline_slowdown(block_gemms(config, layout, micro * config.model.seq_len // layout.cp, kind),
+                                        peak,
                                         bandwidth) if bandwidth < math.inf else 1.0 for kind in (False, True)}
     slowdown[None] = 1.0
     busiest = max(sum(flops * slowdown[kind] for flops, kind in rank) for rank in _rank_block_flops(config, layout))
@@ -371,7 +375,8 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
                           gpus_per_node: int, microbatches: int = 1) -> dict[str, float]:
     """Seconds of communication the step waits for, by dimension, on the slowest of the stages' first ranks.
 
-    tp, ep and pp traffic waits in full (each waits for the layer before it); FSDP's shows as
+    tp, cp, ep and pp traffic waits in full (each waits for the layer before it: cp's keys and values are gathered
+    before the layer's attention, their gradients reduce-scattered before the layer below runs); FSDP's shows as
     ``ShardingTime.exposed`` behind ``compute`` (the stage's compute for the step). Where ranks share CPU cores
     (``Hardware.sharing`` > 1) nothing hides: every core computes, and the copies and ring steps of gloo's
     collectives need the same cores.
@@ -388,7 +393,7 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
             if (key := (kinds, first, last, stage == 0, stage == layout.pp - 1)) in seen:
                 continue
             seen.add(key)
-        by_dim = dict.fromkeys(("tp", "ep", "pp", "fsdp"), 0.0)
+        by_dim = dict.fromkeys(("tp", "cp", "ep", "pp", "fsdp"), 0.0)
         sharding = []
         for item in communication.predict(config, layout, stage * stride, precision=hardware.precision):
             seconds = communication.seconds(item, hardware, gpus_per_node)
@@ -519,7 +524,7 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
     busiest: dict[tuple, tuple[float, float]] = {}  # (compute × dp, shared_balance)
     splits: dict[tuple, tuple[int, int] | str] = {}  # the batch split (or its refusal) per (dp, pp, micro)
     for layout in fixed_layouts(config, world_size, fixed or {}):
-        sharded = layout.dp_shard > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
+        sharded = layout.dp_shard_cp > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
         for micro in micro_batch_sizes(config, layout):
             if (layout.dp, layout.pp, micro) not in splits:
                 try:  # the batch split: the searched sizes divide the per-rank batch, the config's own may not
@@ -536,7 +541,7 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
                                                                       schedules(config, layout)):
                 if grad_reduce != "step" and (microbatches == 1 or not sharded):
                     continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
-                key = (layout.pp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
+                key = (layout.pp, layout.cp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
                 if key not in busiest:
                     setting = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
                     busiest[key] = (compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * layout.dp,
@@ -711,11 +716,12 @@ def format_plans(config: RunConfig, found: Search, world_size: int, device_memor
     lines.append("milliseconds per optimizer step: the total, then compute, pipeline bubble and the exposed "
                  "communication of each dimension")
     lines.append(f"{'#':>3} {'layout':<52} {'GiB':>6} {'step':>9} {'compute':>9} {'bubble':>8} {'tp':>8} "
-                 f"{'ep':>8} {'pp':>7} {'fsdp':>8} {'tok/s/GPU':>10}")
+                 f"{'cp':>8} {'ep':>8} {'pp':>7} {'fsdp':>8} {'tok/s/GPU':>10}")
     for rank, p in enumerate(plans[:top], 1):
         ms = {k: v * 1e3 for k, v in p.exposed.items()}
         lines.append(f"{rank:>3} {p.describe():<52} {p.memory / GIB:>6.1f} {p.step * 1e3:>9.2f} "
-                     f"{p.compute * 1e3:>9.2f} {p.bubble * 1e3:>8.2f} {ms['tp']:>8.2f} {ms['ep']:>8.2f} "
+                     f"{p.compute * 1e3:>9.2f} {p.bubble * 1e3:>8.2f} {ms['tp']:>8.2f} {ms['cp']:>8.2f} "
+                     f"{ms['ep']:>8.2f} "
                      f"{ms['pp']:>7.2f} {ms['fsdp']:>8.2f} {tokens / p.step / world_size:>10,.0f}")
     if command is not None:
         lines.append("to run a plan (add --dry-run --world-size N to train.py's part to check it first):")
@@ -729,7 +735,7 @@ def fixed_degrees(overrides: list[str]) -> dict[str, int]:
     for item in overrides:
         key, _, value = item.partition("=")
         name = key.removeprefix("parallel.")
-        if key.startswith("parallel.") and name in ("pp", "dp_replicate", "dp_shard", "tp", "ep", "etp"):
+        if key.startswith("parallel.") and name in DEGREE_KEYS:
             fixed[name] = int(value)
     return fixed
 

@@ -114,8 +114,9 @@ def check_optimizer_layout(config: RunConfig, layout: Layout) -> None:
     along the same dimension (a strided shard), and gathering such a gradient failed inside DTensor on torch
     2.13 (``_maybe_unpad_tensor``); a refusal is better than an update that cannot be computed.
     """
-    if config.train.optimizer != "muon" or layout.dp_shard == 1 or layout.tp == 1:
+    if config.train.optimizer != "muon" or layout.dp_shard_cp == 1 or layout.tp == 1:  # FSDP shards over dp_shard × cp
         return
-    raise ConfigError(f"train.optimizer=muon with parallel.dp_shard={layout.dp_shard} and parallel.tp={layout.tp} "
+    sharded = f"parallel.dp_shard={layout.dp_shard}" + (f" × parallel.cp={layout.cp}" if layout.cp > 1 else "")
+    raise ConfigError(f"train.optimizer=muon with {sharded} and parallel.tp={layout.tp} "
                       "together is not supported yet (FSDP's shards of tensor-parallel weights cannot be gathered "
                       "for Newton-Schulz on this torch); use one of the two, or train.optimizer=adamw")

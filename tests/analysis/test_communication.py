@@ -76,9 +76,17 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     "MTP, ep=2 over tp=2, sequence parallel": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2",
                                                "parallel.sequence_parallel=true", "model.mtp_depth=1"],
     "MTP, pp=2": ["parallel.dp_shard=1", "parallel.pp=2", "model.mtp_depth=1"],
+    # context parallelism: keys and values gathered per attention layer (again in full recompute), their gradients
+    # reduce-scattered, the balancing counts summed per MoE layer, FSDP over dp_shard × cp
+    "cp=2, 2 micro-batches, full recompute": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null",
+                                              "train.micro_batch_size=1", "parallel.activation_checkpointing=full"],
+    "cp=2, latent attention, bf16, balancing per sequence": [
+        "parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *LATENT, "train.precision=bf16",
+        "moe.aux_loss_scope=sequence", *DENSE_FIRST],
 }
 HSDP_2MB = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]
 EDP_2MB = ["parallel.dp_shard=4", "parallel.ep=2", "train.micro_batch_size=1"]
+CP_LATENT = "cp=2 x dp_shard=2, latent attention"  # the cp group apart from FSDP's dp_shard × cp
 CASES_4 = {  # on 4 ranks: groups that differ from one another
     "HSDP 2 x 2, ep=2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
     # gradient accumulation: 2 micro-batches per rank under both parallel.grad_reduce settings
@@ -102,6 +110,10 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
                                                     "model.head_dim=16"],
     "etp=2 in tp=2, dp_shard=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
                                              "moe.num_experts=3"],
+    # each tp rank gathers its own key/value heads over cp; ep folds over cp × tp
+    CP_LATENT: ["parallel.dp_shard=2", "parallel.cp=2", "moe.capacity_factor=null", *LATENT],
+    "cp=2 x tp=2, sequence parallel, ep=2": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.tp=2", "parallel.ep=2",
+                                            "parallel.sequence_parallel=true", "moe.capacity_factor=null"],
 }
 
 
@@ -193,6 +205,25 @@ def four_ranks(tmp_path_factory) -> list[dict]:
 
 def test_predicted_bytes_equal_counted_bytes_on_four_ranks(four_ranks):
     _check(four_ranks)
+
+
+def test_keys_and_values_exchanged_per_layer_are_the_models(four_ranks):
+    """Issue 27's counted exchange, against the tensor's own size: on the cp group, which dp_shard=2 keeps apart
+    from FSDP's groups, each latent-attention layer all-gathers [micro, S, c + r] fp32 once per micro-batch forward
+    and reduce-scatters it once in backward; and the model's cp items are exactly that."""
+    config = load_config("moe-8x", [*BALANCED, *CASES_4[CP_LATENT]])
+    layout, micro, microbatches = resolve_layout(config, 4)
+    model = config.model
+    gathered = micro * model.seq_len * (model.kv_lora_rank + model.qk_rope_head_dim) * 4
+    calls = model.n_layers * microbatches
+    expected = [calls, calls * bus_bytes("all_gather", gathered, layout.cp)]
+    for rank, per_case in enumerate(four_ranks):
+        cp_group = next(g for g in groups_for(layout, *axis_view("cp")) if rank in g)
+        counted = per_case[CP_LATENT]["counted"]
+        assert counted[f"all_gather over {cp_group}"] == expected, rank
+        assert counted[f"reduce_scatter over {cp_group}"] == expected, rank
+        modelled = [t for t in predict(config, layout, rank) if t.dimension == "cp" and t.collective != "all_reduce"]
+        assert [[t.calls, t.bus_bytes] for t in modelled] == [expected, expected]
 
 
 @pytest.mark.parametrize("case, layout, micro_batch_reduces", [

@@ -35,6 +35,9 @@ LAYOUTS = [  # 12 ranks: uneven FSDP shards (96 / 12, 1000 / 6, 6 experts over 4
     # Muon's one momentum buffer for the matrices it updates (not the experts' [E, width] biases), AdamW's two
     # moments for the rest
     ["parallel.pp=2", "parallel.dp_shard=6", "parallel.ep=2", "train.optimizer=muon", "moe.expert_proj_bias=true"],
+    # context parallelism: FSDP over dp_replicate × (dp_shard × cp), the experts folded over dp_shard × cp × tp
+    ["parallel.dp_replicate=3", "parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=1",
+     "moe.capacity_factor=null"],
 ]
 
 

@@ -5,8 +5,9 @@ equal what autograd keeps after one forward (``saved_activation_bytes``), to the
 dropless, shared-expert, top-1, GELU, sigmoid and recomputed models. Routing is forced balanced
 (``moe.force_balance``) wherever the model's balanced-routing assumption must hold exactly. Spawned on 2
 gloo ranks: the same per rank under tp, tp with sequence and vocabulary parallelism, ep (with FSDP over
-dp_shard) and bf16 under FSDP, the model-state bytes against the rank's parameter storages, and the gradient
-bytes held between and after 2 micro-batches under both ``parallel.grad_reduce`` settings.
+dp_shard), bf16 under FSDP and context parallelism (each rank its positions of the sequences, FSDP over cp), the
+model-state bytes against the rank's parameter storages, and the gradient bytes held between and after 2
+micro-batches under both ``parallel.grad_reduce`` settings.
 """
 
 from __future__ import annotations
@@ -52,12 +53,18 @@ def _tiny(*overrides: str):
     return load_config("moe-8x", [*TINY, *overrides])
 
 
+def _shard(model, tokens: torch.Tensor) -> torch.Tensor:
+    """A context-parallel rank's positions of ``tokens`` [B, S] (all of them without context parallelism)."""
+    return tokens if model.sequence_shards is None else model.sequence_shards.shard(tokens)
+
+
 def _measure(config, layout: Layout, micro: int, precision: str, model, seed: int = 1):
     tokens = torch.randint(0, config.model.vocab_size, (micro, config.model.seq_len + 1),
                            generator=torch.Generator().manual_seed(seed))
+    # copies: the embedding saves its input, which as a view would keep the whole [micro, S + 1] storage
+    inputs, targets = _shard(model, tokens[:, :-1].clone()), _shard(model, tokens[:, 1:].clone())
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        measured = memory.saved_activation_bytes(model, tokens[:, :-1].clone(), tokens[:, 1:].clone(),
-                                                 config.parallel.vocab_parallel)
+        measured = memory.saved_activation_bytes(model, inputs, targets, config.parallel.vocab_parallel)
     with memory.loss_context(config.parallel.vocab_parallel):
         measured.loss.backward()  # the measurement leaves a loss to train on
     predicted = (sum(micro_batch_activations(config, layout, micro, precision, device_type="cpu").values())
@@ -326,6 +333,12 @@ SPAWNED = [
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "model.mtp_depth=1", *MLA, "model.q_lora_rank=10"]),
     # and on the whole sequence under sequence parallelism: its inputs gathered, the final norm on the whole too
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", "model.mtp_depth=1"]),
+    # context parallelism: S/cp queries over the gathered S keys and values (the latent, for latent attention), a
+    # mask per layer, the weights sharded by FSDP over cp; GPT-OSS's sinks and windows take the masked path
+    ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null"]),
+    ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *MLA]),
+    ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *GPT_OSS_ATTENTION,
+              "model.sliding_window=4"]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]
@@ -339,6 +352,7 @@ ACCUMULATING = [
     ["parallel.ep=2", "parallel.grad_reduce=step"],  # ep spans dp_shard: the experts stay out of FSDP
     ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.grad_reduce=microbatch"],  # HSDP's summed shards
     ["parallel.dp_shard=1", "parallel.tp=2", "moe.num_experts=3", "parallel.grad_reduce=step"],  # experts over edp
+    ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", "parallel.grad_reduce=step"],  # FSDP over cp
 ]
 
 
@@ -354,7 +368,7 @@ def _held_gradients(rank: int, results: dict) -> None:
         held = []
         for m in range(microbatches):
             set_gradient_sync(model, config.parallel.grad_reduce, last=m == microbatches - 1)
-            lm_loss(model(tokens[m, :, :-1]), tokens[m, :, 1:]).backward()
+            lm_loss(model(_shard(model, tokens[m, :, :-1])), _shard(model, tokens[m, :, 1:])).backward()
             held.append(memory.held_gradient_bytes(model))
         states = model_states(config, layout)
         between = states.grads + accumulated_grad_bytes(config, layout, microbatches)

@@ -36,7 +36,8 @@ def _config(layout: Layout, recompute: str = "none", overrides: list[str] = SMAL
 
 
 @pytest.mark.parametrize("degrees", [dict(dp_shard=8), dict(dp_shard=4, tp=2), dict(dp_shard=2, tp=4, ep=4),
-                                     dict(dp_replicate=2, dp_shard=2, tp=2, ep=2)])
+                                     dict(dp_replicate=2, dp_shard=2, tp=2, ep=2), dict(dp_shard=4, cp=2),
+                                     dict(dp_shard=1, cp=4, tp=2, ep=2)])
 def test_compute_without_pipeline_is_the_models_flops_spread_over_every_rank(degrees):
     layout = Layout.resolve(8, **degrees)
     config = _config(layout)
@@ -251,6 +252,23 @@ def test_plans_fit_are_sorted_and_carry_the_memory_models_figure():
     # a device just under the best plan's need leaves that plan out
     tight, _ = planner.plan(config, 8, device_memory=plans[0].memory - 1)
     assert all(p.memory < plans[0].memory for p in tight)
+
+
+def test_context_parallel_exchange_waits_in_full_and_the_search_weighs_cp_where_train_py_accepts_it():
+    """The cp group's key/value gathers, their gradients' reduce-scatters and the balancing counts' all-reduces
+    are on the critical path whole (attention waits for its keys, the layer below for their gradients); the search
+    plans cp layouts for a dropless model, and none for a capacity-limited one, which train.py refuses with cp."""
+    dropless = [*SMALL, "moe.capacity_factor=null"]
+    layout = Layout.resolve(8, dp_shard=2, cp=2, tp=2)
+    config = _config(layout, overrides=dropless)
+    items = [i for i in communication.predict(config, layout, 0, "bf16") if i.dimension == "cp"]
+    assert {i.collective for i in items} == {"all_gather", "reduce_scatter", "all_reduce"}
+    exposed = planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)
+    assert exposed["cp"] == pytest.approx(sum(i.bus_bytes for i in items) / (0.8 * H100.intra_node))
+    plans, _ = planner.plan(load_config("moe-8x", dropless), 8, device_memory=80 * planner.GIB)
+    assert any(p.layout.cp > 1 for p in plans)
+    capped, _ = planner.plan(load_config("moe-8x", SMALL), 8, device_memory=80 * planner.GIB)
+    assert capped and all(p.layout.cp == 1 for p in capped)
 
 
 def test_mixtral_does_not_fit_on_eight_80_gib_gpus():

@@ -160,6 +160,10 @@ def test_muon_with_dp_shard_and_tp_together_is_refused_naming_both():
     assert ("train.optimizer=muon with parallel.dp_shard=2 and parallel.tp=2 together is not supported yet"
             in str(raised.value))
     resolve_layout(load_config("moe-8x", ["parallel.tp=2", "parallel.dp_shard=2"]), 4)  # AdamW is fine
+    # FSDP shards over dp_shard × cp: context-parallel ranks shard the tp weights as dp_shard's would
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=1 × parallel.cp=2 and parallel.tp=2 together"):
+        resolve_layout(load_config("moe-8x", [*MUON, "parallel.tp=2", "parallel.dp_shard=1", "parallel.cp=2",
+                                              "moe.capacity_factor=null"]), 4)
 
 
 STEPS = 6
