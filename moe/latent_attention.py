@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from config.model import ModelConfig
 from moe.documents import Documents, rotary_tables
 from moe.kv_cache import LayerCache
+from moe.max_logits import LogitTracker, max_attention_logits
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, yarn_mscale
 
@@ -49,6 +50,9 @@ class LatentAttention(nn.Module):
     The head count is read from the projections' width, so the same code runs on a rank's heads. The one
     rotary key is shared by all heads, so a rank's heads give only part of its gradient: ``shared_rope_key``
     (an identity here) is where ``parallel/tensor.py`` sums that gradient over the tensor-parallel ranks.
+
+    With a ``logit_tracker`` (QK-clip, as in ``Attention``) each training forward records every head's largest
+    logit, q·k over the nope and rotary channels together times the softmax scale.
     """
 
     def __init__(self, config: ModelConfig):
@@ -68,6 +72,7 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(heads * self.v_dim, d, bias=False)
         self.shared_rope_key = nn.Identity()
         self.softmax_scale = latent_softmax_scale(config)
+        self.logit_tracker: LogitTracker | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
                 documents: Documents | None = None) -> Tensor:
@@ -89,6 +94,9 @@ class LatentAttention(nn.Module):
         k_rope = self.shared_rope_key(apply_rope(k_rope.unsqueeze(1), cos, sin))  # [B, 1, S, r]
         k_rope = k_rope.expand(-1, heads, -1, -1)  # one rotary key, every head
         k = torch.cat((k_nope, k_rope), dim=-1)
+        if self.logit_tracker is not None and self.training and cache is None:
+            self.logit_tracker.record(max_attention_logits(q, k, self.softmax_scale,
+                                                           mask=None if documents is None else documents.mask))
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
         if documents is not None:
             mask = documents.mask
