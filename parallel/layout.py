@@ -81,7 +81,6 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
     layout = Layout.resolve(world_size, **config.parallel.degrees(), model=config.model, moe=config.moe,
                             accept=refusal)
     validate_for_model(layout, config.model, config.moe, accept=refusal)
-    check_optimizer_layout(config, layout)
     return ResolvedLayout(layout, *rest(layout))
 
 
@@ -104,19 +103,3 @@ def check_multi_token_prediction(config: RunConfig, layout: Layout) -> None:
         raise ConfigError(f"model.mtp_depth={depth} with {' and '.join(unsupported)}: multi-token prediction is not "
                           "supported there yet (pipeline stages, sequence or vocabulary shards); set model.mtp_depth=0,"
                           " or use data parallelism, FSDP, ep or tp without those options")
-
-
-def check_optimizer_layout(config: RunConfig, layout: Layout) -> None:
-    """Refuse Muon where FSDP shards tensor-parallel weights (dp_shard and tp together), before any work.
-
-    Muon puts each sharded matrix back together for its orthogonalisation (``training.muon.orthogonalised``),
-    proved equal to one process under dp_shard, dp_replicate, tp with sequence parallelism, ep, etp and pp
-    (``tests/parallel/test_parity.py``). With dp_shard and tp together FSDP shards an already tp-sharded weight
-    along the same dimension (a strided shard), and gathering such a gradient failed inside DTensor on torch
-    2.13 (``_maybe_unpad_tensor``); a refusal is better than an update that cannot be computed.
-    """
-    if config.train.optimizer != "muon" or layout.dp_shard == 1 or layout.tp == 1:
-        return
-    raise ConfigError(f"train.optimizer=muon with parallel.dp_shard={layout.dp_shard} and parallel.tp={layout.tp} "
-                      "together is not supported yet (FSDP's shards of tensor-parallel weights cannot be gathered "
-                      "for Newton-Schulz on this torch); use one of the two, or train.optimizer=adamw")

@@ -36,7 +36,8 @@ GPT_OSS = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attentio
            "moe.activation=clamped_swiglu", "moe.swiglu_limit=0.5", "moe.router_bias=true",
            "moe.expert_proj_bias=true"]
 # Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
-# weights of the ep=2 row), from tp (with sequence parallelism) and from etp; experts whole under ep; pp's stages
+# weights of the ep=2 row), from tp (with sequence parallelism), from etp, and from dp_shard and tp together (the
+# QK-clip row); experts whole under ep; pp's stages
 # each with their own head. Newton-Schulz in fp32, so the layout's reductions are the only difference (in bf16 its
 # roundings turn a 1e-7 difference of a gradient into ~1e-3 of the weights: training/muon.py, newton_schulz); the
 # bf16 row below keeps Muon's default bf16 iteration under bf16 tolerances.
@@ -141,11 +142,12 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                  2, "1.25", id="ep=2-2mb-step"),
     pytest.param(["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.grad_reduce=microbatch"],
                  4, "1.25", id="pp=2xdp_shard=2xep=2-microbatch"),
-    # QK-clip (training/qk_clip.py) at thresholds that some of the toy heads' logits (0.02-0.2) cross: the heads' maxima
-    # max-reduced over dp_shard, each tp rank scaling its own heads' rows, FSDP's shards of tp's rows (and of the
-    # q/k biases) scaled in place; and latent attention's nope and rotary query rows under tp, with Muon (MuonClip)
-    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "model.qkv_bias=true",
-                  "train.qk_clip_threshold=0.1"], 4, "null", id="dp_shard=2xtp=2xep=2-qk_clip"),
+    # QK-clip (training/qk_clip.py) under Muon (MuonClip) at thresholds that some of the toy heads' logits (0.02-0.06)
+    # cross: the heads' maxima max-reduced over dp_shard, each tp rank scaling its own heads' rows, FSDP's shards of
+    # tp's rows (and of the q/k biases) scaled in place, Muon gathering those strided shards (dp_shard and tp both cut
+    # a matrix); and latent attention's nope and rotary query rows under tp
+    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "model.qkv_bias=true", *MUON,
+                  "train.qk_clip_threshold=0.05"], 4, "null", id="dp_shard=2xtp=2xep=2-muon-qk_clip"),
     pytest.param(["parallel.tp=2", *DEEPSEEK_V3, *MUON, "train.qk_clip_threshold=0.025"], 2, "null",
                  id="tp=2-deepseek-v3-muon-qk_clip"),
 ]
