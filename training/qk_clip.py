@@ -32,8 +32,9 @@ FSDP's rows of them): each rank scales its local rows by the gammas of the heads
 
 Cost: on a step of a run with the clip on, each attention forward computes its logits again under no gradient
 (``moe/max_logits.py``: the [B, h, S, S] products, a chunk of queries at a time, which SDPA's fused kernels never
-materialise), and one all-reduce of n_layers · heads floats follows the step; the scaling touches only the rows
-of the heads that fired.
+materialise), and one all-reduce of n_layers · heads floats follows the step; the query and key rows are then
+multiplied, by exactly 1 for the heads that did not fire (one pass over those weights, and no host synchronisation
+to learn which heads fired).
 """
 
 from __future__ import annotations
@@ -70,18 +71,16 @@ def head_scalings(attention: Attention | LatentAttention) -> list[tuple[Tensor, 
             for tensor in (linear.weight, linear.bias) if tensor is not None]
 
 
-@torch.no_grad()
-def scale_heads(tensor: Tensor, exponents: Tensor, gamma: Tensor, tp_rank: int) -> None:
-    """Multiply each row of ``tensor`` (a weight or bias, possibly a DTensor shard) by ``gamma[head] ** exponent``,
-    in place; ``gamma`` [heads here] holds the factors of this rank's heads, which are the tp_rank-th block of
-    ``len(gamma)`` heads of the whole tensor when tensor parallelism splits them."""
-    rows_per_head = len(exponents)
+def head_rows(tensor: Tensor, exponents: Tensor, tp_rank: int, tp: int) -> tuple[Tensor, Tensor]:
+    """For each row this rank holds of ``tensor`` (a weight or bias, possibly a DTensor shard: tp's rows, FSDP's
+    rows of them): the index of its head among this rank's heads (the tp_rank-th 1/tp of them, as tensor
+    parallelism splits every attention projection by heads) and its exponent of gamma, on the tensor's device."""
     place = locate(tensor)
-    whole_heads = place.global_shape[0] // rows_per_head
-    first_head = 0 if len(gamma) == whole_heads else tp_rank * len(gamma)
-    rows = torch.arange(place.offset[0], place.offset[0] + place.local.shape[0], device=gamma.device)
-    factor = gamma[rows // rows_per_head - first_head] ** exponents.to(gamma.device)[rows % rows_per_head]
-    place.local.mul_(factor.to(place.local.dtype).view(-1, *[1] * (place.local.dim() - 1)))
+    rows_per_head = len(exponents)
+    heads_here = place.global_shape[0] // rows_per_head // tp
+    rows = torch.arange(place.offset[0], place.offset[0] + place.local.shape[0])
+    head = rows // rows_per_head - tp_rank * heads_here
+    return head.to(place.local.device), exponents[rows % rows_per_head].to(place.local.device)
 
 
 class QKClip:
@@ -99,14 +98,23 @@ class QKClip:
             attention.logit_tracker = LogitTracker()
         self.dp_group = groups.group("dp") if groups.layout.dp > 1 else None
         self.dp_size = groups.layout.dp
-        self.tp_rank = groups.coords()["tp"]
-        self.clipped = 0  # head clips since the last metrics (heads of this rank, summed over steps)
-        self.max_logit = -math.inf  # the largest S_max since the last metrics, before clipping
+        tp_rank, tp = groups.coords()["tp"], groups.layout.tp
+        # per attention module: each tensor to scale, its rows' heads and exponents (computed once)
+        self.rows = [[(tensor, *head_rows(tensor, exponents, tp_rank, tp))
+                      for tensor, exponents in head_scalings(attention)] for attention in self.attentions]
+        device = next(model.parameters()).device
+        self.clipped = torch.zeros((), dtype=torch.int64, device=device)  # head clips since the last metrics
+        self.max_logit = torch.tensor(-math.inf, dtype=torch.float64, device=device)  # the largest S_max since then
 
     @torch.no_grad()
     def after_step(self, stepped: bool) -> None:
         """Clip the heads whose logits of this step exceeded the threshold, if the optimizer stepped; forget the
-        step's logits either way (a skipped step's may be non-finite)."""
+        step's logits either way (a skipped step's may be non-finite).
+
+        No host synchronisation: every head's rows are multiplied, by exactly 1 where the head did not fire (which
+        leaves them bit for bit), rather than asking the device which heads fired; the figures for ``metrics``
+        stay on the device until a log step reads them. One pass over the query and key weights a step.
+        """
         maxima = [attention.logit_tracker.take() for attention in self.attentions]
         if not stepped or not self.attentions:
             return
@@ -117,28 +125,24 @@ class QKClip:
         if self.dp_group is not None:  # every replica must scale alike: the max over all the step's sequences
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.dp_group)
         fired = flat > self.threshold
-        self.max_logit = max(self.max_logit, float(flat.max()))
-        self.clipped += int(fired.sum())
-        if not fired.any():
-            return
-        for attention, s_max in zip(self.attentions, flat.split([len(m) for m in maxima]), strict=True):
-            if not (s_max > self.threshold).any():
-                continue
-            gamma = torch.where(s_max > self.threshold, self.threshold / s_max, 1.0)
-            for tensor, exponents in head_scalings(attention):
-                scale_heads(tensor, exponents, gamma, self.tp_rank)
+        self.max_logit = torch.maximum(self.max_logit, flat.max().double())
+        self.clipped = self.clipped + fired.sum()
+        gammas = torch.where(fired, self.threshold / flat, 1.0)
+        for rows, gamma in zip(self.rows, gammas.split([len(m) for m in maxima]), strict=True):
+            for tensor, head, exponent in rows:
+                local = locate(tensor).local
+                local.mul_((gamma[head] ** exponent).to(local.dtype).view(-1, *[1] * (local.dim() - 1)))
 
     def metrics(self) -> dict[str, float]:
         """``qk_clip/heads_clipped`` (head clips over the interval's steps, all layers and heads) and
         ``qk_clip/max_logit`` (the largest logit seen before clipping; left out when no step was taken), over the
         whole model: the tp ranks' heads and the pipeline stages' layers (the data-parallel replicas agree
         already). Resets them."""
-        figures = torch.tensor([self.clipped, self.max_logit], dtype=torch.float64)
+        counts, largest = self.clipped.double().reshape(1), self.max_logit.reshape(1).clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            counts, largest = figures[:1].clone(), figures[1:].clone()
             dist.all_reduce(counts)
             dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-            figures = torch.cat((counts / self.dp_size, largest))
-        self.clipped, self.max_logit = 0, -math.inf
-        largest = {"qk_clip/max_logit": float(figures[1])} if math.isfinite(figures[1]) else {}
-        return {"qk_clip/heads_clipped": float(figures[0]), **largest}
+            counts /= self.dp_size
+        self.clipped, self.max_logit = torch.zeros_like(self.clipped), torch.full_like(self.max_logit, -math.inf)
+        largest = {"qk_clip/max_logit": float(largest)} if math.isfinite(largest) else {}
+        return {"qk_clip/heads_clipped": float(counts), **largest}
