@@ -692,12 +692,11 @@ def mtp_traffic(step: _Step) -> list[Traffic]:
 
 def _muon_cut(param: ParamTensor, layout: Layout, has_moe: bool) -> tuple[str, list[int]] | None:
     """The mesh axis that cuts one of ``param``'s two matrix dims, and the matrices' shape whole over that axis
-    (the rest as this rank holds it); None when its matrices are whole on the rank. One axis at most: Muon
-    refuses dp_shard × cp with tp (``parallel.layout.check_optimizer_layout``), so a dense matrix is cut by FSDP's
-    dp_shard × cp (dim 0) or by tp; a routed-expert stack (its dim 0 the experts, a batch) by etp, or by FSDP over
-    edp where the local experts do not split over edp (``expert_fsdp_dim``: a matrix dim). A stack cut by both
-    (etp, and local experts that do not split over edp) is counted as etp's alone, an undercount no test has
-    measured."""
+    (the rest as this rank holds it); None when its matrices are whole on the rank. One axis at most: a dense
+    matrix is cut by FSDP's dp_shard × cp (dim 0) or by tp; a routed-expert stack (its dim 0 the experts, a batch)
+    by etp, or by FSDP over edp where the local experts do not split over edp (``expert_fsdp_dim``: a matrix dim).
+    A dense matrix cut by both dp_shard and tp (FSDP's strided shards of tp's rows) is counted as tp's alone, and
+    a stack cut by both etp and edp as etp's alone: undercounts no test has measured."""
     if param.expert:
         shape = [param.shape[0] // layout.ep, *param.shape[1:]]  # this rank's experts, each matrix whole
         etp_cut = layout.etp > 1 and param.expert_hidden_dim is not None

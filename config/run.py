@@ -156,6 +156,10 @@ class TrainConfig:
     # the dtype Newton-Schulz iterates in: bf16 as torch.optim.Muon and Jordan et al. (fast on GPUs), or fp32 (as
     # exact as the layout's arithmetic: the parity tests prove the distributed Muon with it, docs/optimizers.md)
     muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
+    # QK-clip (Kimi K2's MuonClip, docs/optimizers.md): after each optimizer step, every attention head whose largest
+    # pre-softmax logit of the step exceeded this has its query and key weights scaled to bring that logit down to
+    # it; under either optimizer. null = off; Kimi K2 trained with 100
+    qk_clip_threshold: float | None = None
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # where the run must compute: auto (a GPU when torch sees one, else the CPU) or cuda (a GPU config: refused
@@ -187,6 +191,10 @@ class TrainConfig:
         require(math.isfinite(self.muon_update_rms) and self.muon_update_rms > 0,
                  f"train.muon_update_rms={self.muon_update_rms} must be a positive finite number (0.2 matches "
                  "AdamW's update RMS)")
+        require(self.qk_clip_threshold is None or (math.isfinite(self.qk_clip_threshold)
+                                                   and self.qk_clip_threshold > 0),
+                 f"train.qk_clip_threshold={self.qk_clip_threshold} must be a positive finite logit (Kimi K2 used "
+                 "100), or null to turn QK-clip off")
         require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
         require(self.eval_interval >= 0 and self.eval_batches >= 1,
                  "train.eval_interval must be >= 0 and train.eval_batches >= 1")
@@ -286,6 +294,10 @@ class RunConfig:
                  "modules do not take the document mask yet; set model.mtp_depth=0 or data.document_mask=false")
         require(not (self.train.compile and self.parallel.pp > 1),
                  "train.compile with pipeline parallelism (parallel.pp > 1) is not supported yet; set one of them off")
+        require(self.train.qk_clip_threshold is None or not self.model.qk_norm,
+                 f"train.qk_clip_threshold={self.train.qk_clip_threshold} with model.qk_norm=true: the per-head q/k "
+                 "RMSNorm undoes any scaling of the query and key weights (and already bounds the logits), and its "
+                 "gains are shared by all heads, so no head can be clipped alone; set one of them off")
         require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
                  "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
                  "set train.precision=bf16 (or auto), or moe.backend=torch")

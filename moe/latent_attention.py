@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from config.model import ModelConfig
 from moe.documents import Documents, rotary_tables
 from moe.kv_cache import LayerCache
+from moe.max_logits import LogitTracker, max_attention_logits
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, yarn_mscale
 
@@ -55,6 +56,9 @@ class LatentAttention(nn.Module):
     size against 2·nh·hd = 40,960 for the up-projected keys and values), through ``gather_sequence`` (an identity
     here, an all-gather over the cp ranks from ``parallel/context.py``); each rank then up-projects every position's
     keys and values for its queries, which repeats the up-projection cp times over for 1/cp of the traffic.
+
+    With a ``logit_tracker`` (QK-clip, as in ``Attention``) each training forward records every head's largest
+    logit, q·k over the nope and rotary channels together times the softmax scale.
     """
 
     def __init__(self, config: ModelConfig):
@@ -75,6 +79,7 @@ class LatentAttention(nn.Module):
         self.shared_rope_key = nn.Identity()
         self.gather_sequence = nn.Identity()
         self.softmax_scale = latent_softmax_scale(config)
+        self.logit_tracker: LogitTracker | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
                 documents: Documents | None = None) -> Tensor:
@@ -101,6 +106,9 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
         k_rope = k_rope.expand(-1, heads, -1, -1)  # one rotary key, every head
         k = torch.cat((k_nope, k_rope), dim=-1)
+        if self.logit_tracker is not None and self.training and cache is None:
+            self.logit_tracker.record(max_attention_logits(q, k, self.softmax_scale,
+                                                           mask=None if documents is None else documents.mask))
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
         if documents is not None:
             mask = documents.mask

@@ -21,6 +21,7 @@ from moe.kv_cache import KVCache, LayerCache
 from moe.latent_attention import LatentAttention
 from moe.layer import MoELayer, RoutingStats
 from moe.losses import attach_loss
+from moe.max_logits import LogitTracker, max_attention_logits
 from moe.mtp import PredictionModule, PredictionModules
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, rope_tables
@@ -51,6 +52,9 @@ class Attention(nn.Module):
     and the window - 1 positions before it). Both run on SDPA (``_masked_attention``); a whole sequence at
     least four windows long computes only the scores inside the window (``_blocked_window_attention``).
 
+    With a ``logit_tracker`` (``moe/max_logits.py``; QK-clip, ``training/qk_clip.py``) each training forward also
+    records every head's largest logit over the keys it may see.
+
     With ``documents`` (``moe/documents.py``: packed documents masked from each other) RoPE takes each position's
     place in its document, and the one [B, 1, S, S] mask the model made for them all is SDPA's ``attn_mask``: a
     block-diagonal causal mask on the same kernels, composing with the window and the sinks (the blocked window
@@ -77,6 +81,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.gather_sequence = nn.Identity()
+        self.logit_tracker: LogitTracker | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
                 documents: Documents | None = None) -> Tensor:
@@ -96,6 +101,9 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        if self.logit_tracker is not None and self.training and cache is None:
+            self.logit_tracker.record(max_attention_logits(q, k, self.head_dim ** -0.5, self.window,
+                                                           None if documents is None else documents.mask))
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
         if documents is not None:
             mask = documents.mask

@@ -71,6 +71,7 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
                               config.parallel.vocab_parallel)
         check_multi_token_prediction(config, layout)
         check_context_parallel(config, layout.cp)
+        check_optimizer_layout(config, layout)
         return micro, microbatches
 
     def refusal(layout: Layout) -> str | None:  # a layout a refusal suggests must pass every check here
@@ -83,7 +84,6 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
     layout = Layout.resolve(world_size, **config.parallel.degrees(), model=config.model, moe=config.moe,
                             accept=refusal)
     validate_for_model(layout, config.model, config.moe, accept=refusal)
-    check_optimizer_layout(config, layout)
     return ResolvedLayout(layout, *rest(layout))
 
 
@@ -106,17 +106,16 @@ def check_multi_token_prediction(config: RunConfig, layout: Layout) -> None:
 
 
 def check_optimizer_layout(config: RunConfig, layout: Layout) -> None:
-    """Refuse Muon where FSDP shards tensor-parallel weights (dp_shard and tp together), before any work.
+    """Refuse Muon with context and tensor parallelism together, before any work.
 
     Muon puts each sharded matrix back together for its orthogonalisation (``training.muon.orthogonalised``),
-    proved equal to one process under dp_shard, dp_replicate, tp with sequence parallelism, ep, etp and pp
-    (``tests/parallel/test_parity.py``). With dp_shard and tp together FSDP shards an already tp-sharded weight
-    along the same dimension (a strided shard), and gathering such a gradient failed inside DTensor on torch
-    2.13 (``_maybe_unpad_tensor``); a refusal is better than an update that cannot be computed.
+    proved equal to one process under dp_shard (with tp too: FSDP's strided shards of tp's rows), tp with
+    sequence parallelism, ep, etp and pp (``tests/parallel/test_parity.py``). Under cp FSDP shards over the
+    flattened dp_shard × cp mesh, and its strided shards of tp weights there have not been run under Muon: a
+    refusal until a parity row proves them.
     """
-    if config.train.optimizer != "muon" or layout.dp_shard_cp == 1 or layout.tp == 1:  # FSDP shards over dp_shard × cp
+    if config.train.optimizer != "muon" or layout.cp == 1 or layout.tp == 1:
         return
-    sharded = f"parallel.dp_shard={layout.dp_shard}" + (f" × parallel.cp={layout.cp}" if layout.cp > 1 else "")
-    raise ConfigError(f"train.optimizer=muon with {sharded} and parallel.tp={layout.tp} "
-                      "together is not supported yet (FSDP's shards of tensor-parallel weights cannot be gathered "
-                      "for Newton-Schulz on this torch); use one of the two, or train.optimizer=adamw")
+    raise ConfigError(f"train.optimizer=muon with parallel.cp={layout.cp} and parallel.tp={layout.tp} together is "
+                      "not supported yet (FSDP's shards of tensor-parallel weights over dp_shard × cp have not run "
+                      "under Muon); use one of the two, or train.optimizer=adamw")

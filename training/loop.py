@@ -48,6 +48,7 @@ from training.checkpointing import Checkpointer
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
+from training.qk_clip import QKClip
 from training.resume import checkpoint_root
 from training.routing_log import RoutingLog
 from training.routing_stats import IntervalRouting, RoutingAccumulator, balancing_biases, routing_metrics
@@ -177,7 +178,8 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
                dp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
                vocab_parallel: bool = False, grad_reduce: str = "step",
                sources: np.ndarray | None = None, end_id: int | None = None,
-               shards: SequenceShards | None = None) -> tuple[float, float]:
+               shards: SequenceShards | None = None,
+               qk_clip: QKClip | None = None) -> tuple[float, float]:
     """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
 
     ``vocab_parallel``: the model's logits are sharded over the vocabulary (``parallel/tensor.py``).
@@ -194,6 +196,7 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
     ``end_id``: the token ending each document, when ``data.document_mask`` masks them from each other.
     ``shards``: this rank's positions of each sequence under context parallelism (``dp_group`` then holds every rank
     with other tokens of the step, dp × cp, as the gradients' reduction does).
+    ``qk_clip``: QK-clip after the optimizer step (``train.qk_clip_threshold``).
     """
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
@@ -233,7 +236,8 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
         step_mtp = all_reduce(step_mtp, dp_group) / dp_size
         interval.mtp_loss = step_mtp if interval.mtp_loss is None else interval.mtp_loss + step_mtp
     grad_norm = float(grad_norm)
-    if math.isfinite(step_loss) and math.isfinite(grad_norm):
+    stepped = math.isfinite(step_loss) and math.isfinite(grad_norm)
+    if stepped:
         optimizer.step()
         # aux-loss-free balancing from the whole step's load over all data-parallel ranks: one all-reduce,
         # and none when no layer uses it
@@ -242,6 +246,8 @@ def train_step(model: MoETransformer | PipelineModel, optimizer: torch.optim.Opt
             loads = all_reduce(torch.stack([step_load[i] for i in biased]), dp_group)
             for load, layer in zip(loads, biased.values(), strict=True):
                 layer.router.update_bias(load)
+    if qk_clip is not None:
+        qk_clip.after_step(stepped)
     optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
 
@@ -331,6 +337,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
                         param_dtype=torch.bfloat16 if precision.precision == "bf16" else None)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
+    qk_clip = None if config.train.qk_clip_threshold is None else QKClip(model, config.train.qk_clip_threshold, groups)
     checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_weights)
     first_step = checkpoints.restore(model, optimizer, sampler) + 1
     if first_step > config.train.steps:  # the same command again after the run finished: say what would go on
@@ -380,7 +387,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         step_loss, grad_norm = train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,
                                           autocast, interval, dp_group, pp_group, config.parallel.vocab_parallel,
-                                          config.parallel.grad_reduce, sampler.last_sources, end_id, shards)
+                                          config.parallel.grad_reduce, sampler.last_sources, end_id, shards,
+                                          qk_clip)
         stop = checkpoints.check_finite(step, step_loss, grad_norm, model, optimizer, sampler)
         if stop:
             logger.close()
@@ -396,7 +404,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
                                      sampler.names if sampler.mixture else None)
             record.update({"train/lr": lr, "train/grad_norm": grad_norm,
                            "perf/mfu": record["perf/tokens_per_s"] * flops_per_token / precision.peak_flops,
-                           "perf/memory_peak_gib": max(memory_per_rank(device)) / 2**30})
+                           "perf/memory_peak_gib": max(memory_per_rank(device)) / 2**30,
+                           **(qk_clip.metrics() if qk_clip is not None else {})})
             if sampler.mixture:  # the realised mixture: each source's share of the samples drawn so far
                 record.update({f"data/share/{name}": count / sampler.samples_seen
                                for name, count in sampler.source_counts().items()})

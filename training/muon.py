@@ -24,6 +24,7 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adam import adam
 
 # Jordan et al. 2024's quintic coefficients, the ones torch.optim.Muon uses
@@ -72,12 +73,18 @@ def orthogonalised(update: torch.Tensor, steps: int, index: int, dtype: torch.dt
     orthogonalisation's work is spread as Dion and Megatron-Core's distributed Muon spread it, one matrix per
     rank). A dimension that splits only the experts of a stack (expert parallelism) leaves each local matrix
     whole: those are orthogonalised in place, with no communication.
+
+    FSDP over a tensor-parallel weight shards each tp shard again along the same dimension: ``_StridedShard`` on
+    dp_shard, then ``Shard`` on tp. On torch 2.13 ``_StridedShard`` is not a ``Shard`` (nor ``is_shard()``), so it
+    is named here: missed, only tp would be gathered, and DTensor cannot unshard tp beneath a strided dp_shard
+    (it fails in ``_maybe_unpad_tensor``, the gathered rows fewer than the logical size it expects).
     """
     if not isinstance(update, DTensor):
         return newton_schulz(update, steps, dtype).to(update.dtype)
     mesh, placements = update.device_mesh, update.placements
     matrix_dims = {update.dim() - 2, update.dim() - 1}
-    cutting = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim % update.dim() in matrix_dims]
+    cutting = [i for i, p in enumerate(placements)
+               if isinstance(p, Shard | _StridedShard) and p.dim % update.dim() in matrix_dims]
     if not cutting:
         local = newton_schulz(update.to_local(), steps, dtype).to(update.dtype)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=update.shape,

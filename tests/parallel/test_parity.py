@@ -30,7 +30,8 @@ DEEPSEEK_V3 = ["model.kv_lora_rank=16", "model.q_lora_rank=12", "model.qk_nope_h
 # with one multi-token-prediction module (a MoE block: layer 2's kind) after the head
 DEEPSEEK_V3_MTP = [*DEEPSEEK_V3, "model.mtp_depth=1"]
 # Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
-# weights of the ep=2 row), from tp (with sequence parallelism) and from etp; experts whole under ep; pp's stages
+# weights of the ep=2 row), from tp (with sequence parallelism), from etp, and from dp_shard and tp together (the
+# QK-clip row); experts whole under ep; pp's stages
 # each with their own head. Newton-Schulz in fp32, so the layout's reductions are the only difference (in bf16 its
 # roundings turn a 1e-7 difference of a gradient into ~1e-3 of the weights: training/muon.py, newton_schulz); the
 # bf16 row below keeps Muon's default bf16 iteration under bf16 tolerances.
@@ -156,6 +157,14 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                  2, "1.25", id="ep=2-2mb-step"),
     pytest.param(["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.grad_reduce=microbatch"],
                  4, "1.25", id="pp=2xdp_shard=2xep=2-microbatch"),
+    # QK-clip (training/qk_clip.py) under Muon (MuonClip) at thresholds that some of the toy heads' logits (0.02-0.06)
+    # cross: the heads' maxima max-reduced over dp_shard, each tp rank scaling its own heads' rows, FSDP's shards of
+    # tp's rows (and of the q/k biases) scaled in place, Muon gathering those strided shards (dp_shard and tp both cut
+    # a matrix); and latent attention's nope and rotary query rows under tp
+    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "model.qkv_bias=true", *MUON,
+                  "train.qk_clip_threshold=0.05"], 4, "null", id="dp_shard=2xtp=2xep=2-muon-qk_clip"),
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V3, *MUON, "train.qk_clip_threshold=0.025"], 2, "null",
+                 id="tp=2-deepseek-v3-muon-qk_clip"),
 ]
 
 
@@ -202,7 +211,9 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for ref, got in zip(ref_records, records, strict=True):
         mtp = ["train/mtp_loss"] if "model.mtp_depth=1" in layout else []
-        for key in ("train/loss", "train/aux_loss", "train/z_loss", "train/grad_norm", "train/dropped_frac", *mtp):
+        qk_clip = ["qk_clip/heads_clipped", "qk_clip/max_logit"] if "qk_clip/max_logit" in ref else []
+        for key in ("train/loss", "train/aux_loss", "train/z_loss", "train/grad_norm", "train/dropped_frac", *mtp,
+                    *qk_clip):
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (got["step"], key)
         # every layer's routing figures reach rank 0's log (under pp also those of the other stages)
         router_keys = [key for key in ref if key.startswith("router/")]
@@ -211,6 +222,8 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
             rel = 1e-6 if key.endswith("/load") else 1e-4
             assert got[key] == pytest.approx(ref[key], rel=rel, abs=1e-7), (got["step"], key)
     assert ref_records[-1]["train/loss"] < ref_records[0]["train/loss"]  # it trained: the check has teeth
+    if any(o.startswith("train.qk_clip_threshold") for o in layout):  # the clip fired, so the rows test it
+        assert sum(r["qk_clip/heads_clipped"] for r in ref_records) > 0
     assert final_val_loss(tmp_path) == pytest.approx(ref_val, rel=1e-4)
     assert state.keys() == ref_state.keys()
     for name in ref_state:

@@ -1,5 +1,5 @@
 """Muon (training/muon.py): its update against torch.optim.Muon, experts one at a time, the parameter split,
-the keys' validation, the layouts it refuses, and a run that trains and resumes exactly."""
+the keys' validation, the layouts it accepts, and a run that trains and resumes exactly."""
 
 from pathlib import Path
 
@@ -148,20 +148,16 @@ def test_bad_muon_keys_are_config_errors_naming_key_and_value(key, value, messag
     assert message in str(raised.value)
 
 
-def test_muon_with_dp_shard_and_tp_together_is_refused_naming_both():
-    """The one layout Muon refuses (``parallel.layout.check_optimizer_layout``); every other is accepted, and
-    ``tests/parallel/test_parity.py`` proves the ones it runs equal to one process."""
+def test_muon_accepts_every_layout():
+    """No layout is refused under Muon, dp_shard and tp together included (FSDP's strided shards of tp's weights are
+    gathered whole: ``training.muon.orthogonalised``); ``tests/parallel/test_parity.py`` proves the rows it runs
+    equal to one process."""
     for degrees, world in ((["parallel.tp=2", "parallel.dp_shard=1"], 2), (["parallel.ep=2"], 2),
-                           (["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"], 4)):
+                           (["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"], 4),
+                           (["parallel.tp=2", "parallel.dp_shard=2"], 4)):
         resolve_layout(load_config("moe-8x", [*MUON, *degrees]), world)
-    config = load_config("moe-8x", [*MUON, "parallel.tp=2", "parallel.dp_shard=2"])
-    with pytest.raises(ConfigError) as raised:
-        resolve_layout(config, 4)
-    assert ("train.optimizer=muon with parallel.dp_shard=2 and parallel.tp=2 together is not supported yet"
-            in str(raised.value))
-    resolve_layout(load_config("moe-8x", ["parallel.tp=2", "parallel.dp_shard=2"]), 4)  # AdamW is fine
-    # FSDP shards over dp_shard × cp: context-parallel ranks shard the tp weights as dp_shard's would
-    with pytest.raises(ConfigError, match=r"parallel.dp_shard=1 × parallel.cp=2 and parallel.tp=2 together"):
+    # FSDP over dp_shard × cp with tp: not yet run under Muon, refused by name
+    with pytest.raises(ConfigError, match=r"train.optimizer=muon with parallel.cp=2 and parallel.tp=2 together"):
         resolve_layout(load_config("moe-8x", [*MUON, "parallel.tp=2", "parallel.dp_shard=1", "parallel.cp=2",
                                               "moe.capacity_factor=null"]), 4)
 
