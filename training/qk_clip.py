@@ -59,9 +59,8 @@ def head_scalings(attention: Attention | LatentAttention) -> list[tuple[Tensor, 
     if isinstance(attention, LatentAttention):
         nope, rope, v = attention.nope_dim, attention.rope_dim, attention.v_dim
         query = attention.wq if attention.wq is not None else attention.wq_b
-        scalings = [(query.weight, torch.tensor([0.5] * nope + [1.0] * rope)),
-                    (attention.wkv_b.weight, torch.tensor([0.5] * nope + [0.0] * v))]
-        return scalings
+        return [(query.weight, torch.tensor([0.5] * nope + [1.0] * rope)),
+                (attention.wkv_b.weight, torch.tensor([0.5] * nope + [0.0] * v))]
     hd = attention.head_dim
     if attention.n_kv_heads == attention.n_heads:
         projections = [(attention.wq, 0.5), (attention.wk, 0.5)]
