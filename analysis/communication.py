@@ -70,7 +70,9 @@ and with ``reshard_after_forward`` off, HSDP, ep over dp_shard and over tp, ep �
 sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf16, pp with 1F1B and
 interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once); and with 2 micro-batches under
 both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP (and under ``step`` for
-tp with sequence parallelism over FSDP). The time column is each item's latency (NCCL's ring model,
+tp with sequence parallelism over FSDP); and context parallelism: cp=2 with 2 micro-batches and full recompute,
+latent attention in bf16, cp × tp × ep with sequence parallelism, cp × dp_shard with latent attention. The time
+column is each item's latency (NCCL's ring model,
 ``startup``) plus its bytes over the link's bandwidth; overlap with compute is the planner's business.
 """
 
