@@ -80,7 +80,9 @@ sequence and vocabulary parallelism, full and MoE recompute, capacity drops, bf1
 interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once), multi-token prediction under ep over
 dp_shard, ep over tp with sequence parallelism and pp; and with 2 micro-batches under
 both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP (and under ``step`` for
-tp with sequence parallelism over FSDP). The time column is each item's latency (NCCL's ring model,
+tp with sequence parallelism over FSDP); and context parallelism: cp=2 with 2 micro-batches and full recompute,
+latent attention in bf16, cp × tp × ep with sequence parallelism, cp × dp_shard with latent attention. The time
+column is each item's latency (NCCL's ring model,
 ``startup``) plus its bytes over the link's bandwidth; overlap with compute is the planner's business.
 """
 
