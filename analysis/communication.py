@@ -123,6 +123,7 @@ from config.cli import (
 from config.errors import ConfigError
 from config.run import RunConfig
 from moe.dispatch import expert_capacity
+from parallel.expert import exchanges_pairs
 from parallel.groups import Layout, axis_view, groups_for
 from parallel.groups import coordinates as _coordinates
 from parallel.hardware import planned_precision
@@ -510,7 +511,7 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     group, me = step.group("ep"), coordinates(layout, step.rank)["ep"]
     forwards = len(moe_layers) * step.microbatches * (1 + _moe_recompute(step))
     backwards = len(moe_layers) * step.microbatches
-    if layout.tp == 1 and config.moe.top_k > 1:
+    if exchanges_pairs(layout.ep, layout.tp, config.moe.top_k):
         return pair_exchange_traffic(*exchange_counts(config.moe, step.tokens, layout.ep), me, group,
                                      config.model.d_model * step.act, forwards, backwards, config.moe.num_experts)
     kept = kept_per_expert(config, step.tokens)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from analysis.dispatch_reach import exchange_counts
 from analysis.memory_states import (
     FP32,
     Block,
@@ -40,6 +41,7 @@ from moe.dispatch import expert_capacity
 from moe.experts import padded_rows, row_multiple_on
 from moe.norm import uses_fused_backward
 from moe.transformer import SINK_CHANNELS, blocked_window
+from parallel.expert import exchanges_pairs
 from parallel.groups import Layout
 
 INDEX = 8  # int64 ids and indices
@@ -189,8 +191,12 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
     hidden = moe.expert_hidden // layout.etp
     swiglu = moe.gated
     local_experts = moe.num_experts // layout.ep
-    experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
-    if layout.ep > 1:  # received rows' reorder index and its inverse
+    pairs = exchanges_pairs(layout.ep, layout.tp, moe.top_k)
+    if pairs:  # the exchange by (token, rank) pairs keeps its own indices, counted with the combine
+        experts = 0
+    else:
+        experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
+    if layout.ep > 1 and not pairs:  # received rows' reorder index and its inverse
         experts += 2 * rows * INDEX
     # Groups padded (CPU bf16): balanced, their sizes differ by one at most; plus each row's padded place. Exact
     # without tp; under tp a share is contiguous rows whose groups differ from these: within 15 rows per expert.
@@ -207,10 +213,24 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
         experts += rows * INDEX
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
              # expert outputs, their weights, the order and the token index
-             "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
+             "MoE combine": _pair_combine(moe, layout, mb, d) if pairs else kept * d * a + kept * a + 2 * kept * INDEX}
     if moe.num_shared_experts:
         parts["shared experts"] = _feed_forward(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
     return parts
+
+
+def _pair_combine(moe: MoEConfig, layout: Layout, mb: MicroBatch, d: int) -> int:
+    """The exchange by (token, rank) pairs (``parallel/expert_dispatch.py``), on the busiest ep rank under balanced
+    routing (``analysis.dispatch_reach.exchange_counts``, as the communication model counts it): the received
+    assignments' expert outputs and weights (compute dtype) kept for the weighting; as int64 indices, the sent pairs'
+    tokens and the sent assignments, the received assignments' pair and order (two), each received pair's slots
+    (one per local choice, min(k, L)) and each home token's pairs (min(k, ep))."""
+    ep, local = layout.ep, moe.num_experts // layout.ep
+    sent_pairs, sent = exchange_counts(moe, mb.tokens, ep)
+    received_pairs, received = max((ep * sent_pairs[r], ep * sent[r]) for r in range(ep))  # every rank sends alike
+    indices = (sum(sent_pairs) + sum(sent) + 2 * received + received_pairs * min(moe.top_k, local)
+               + mb.tokens * min(moe.top_k, ep))
+    return received * (d + 1) * mb.compute + indices * INDEX
 
 
 def _mtp_extras(model: ModelConfig, mb: MicroBatch, sequences: int, k: int, fused: bool, stream_bf16: bool) -> int:

@@ -56,6 +56,13 @@ def expert_major_index(counts: Tensor, num_rows: int | None = None) -> Tensor:
     return torch.repeat_interleave(starts_em - out_start, sizes_em, output_size=rows.numel()) + rows
 
 
+def exchanges_pairs(ep: int, tp: int, top_k: int) -> bool:
+    """Whether the experts' exchange goes by (token, rank) pairs (``parallel/expert_dispatch.py``) rather than by
+    assignment rows: expert parallelism without tensor parallelism, k > 1 (``ExpertParallelExperts.forward`` says
+    why). The one rule the layer, the memory model and the communication model follow."""
+    return ep > 1 and tp == 1 and top_k > 1
+
+
 class _ScaleGradient(torch.autograd.Function):
     """Identity in forward; multiplies the gradient by ``scale`` in backward."""
 
@@ -204,7 +211,7 @@ class ExpertParallelExperts(nn.Module):
         (``parallel/expert_dispatch.py``). With k = 1 a token has one destination anyway, and the row exchange
         sends no codes or weights; under tensor parallelism each tp rank exchanges a contiguous share of the
         assignment rows (``parallel/tensor.py``), which pairs would cut across. Both keep the row exchange."""
-        if self.ep_mesh.size() > 1 and self.tp_mesh is None and weights.shape[1] > 1:
+        if exchanges_pairs(self.ep_mesh.size(), 1 if self.tp_mesh is None else self.tp_mesh.size(), weights.shape[1]):
             return self.pair_exchange(tokens, plan, weights)
         return self.row_exchange(tokens, plan, weights)
 
