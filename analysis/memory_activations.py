@@ -10,7 +10,9 @@ What context parallelism adds (``parallel/context.py``): every attention layer a
 queries to all S keys, so the keys and values it saves for backward are the whole sequence's (the all-gathered
 tensor itself, which k and v are views of; for latent attention the gathered latent and rotary key, and the
 up-projected keys and values of all S positions), and it attends under a boolean [1, 1, S/cp, S] mask (its
-queries are not one run of positions), which SDPA saves as an additive mask in the compute dtype, one per layer.
+queries are not one run of positions), which SDPA saves as an additive mask in the compute dtype, one per layer;
+whole sequences in a model without windows or sinks attend by chunks instead, each chunk's keys up to its end,
+with no whole-sequence mask (``_causal_shard_extras``).
 The forward also gathers its queries' rows of the rotary tables once ([1, 1, S/cp, r/2], cos and sin, fp32),
 which every layer's RoPE saves.
 """
@@ -62,6 +64,7 @@ class MicroBatch:
     bf16_weights: bool = False  # dense weights in FSDP units gathering bf16 (``parallel.sharding.mixed_precision``)
     group_rows: int = 1  # experts' groups padded to a multiple of this many rows (``moe.experts.row_multiple_on``)
     cp: int = 1  # context-parallel ranks: the keys of a sequence are cp times this rank's positions of it
+    cp_rank: int | None = None  # which context-parallel rank (None: the one that saves the most)
 
 
 def _norm(rows: int, d: int, fused: bool) -> int:
@@ -92,8 +95,9 @@ def _attention(model: ModelConfig, tp: int, mb: MicroBatch, window: int | None =
     sequences, or per block of a blocked window, whose b·nb blocks of W queries each see 2W keys (their k and v
     saved per block). The sink adds one key and ``SINK_CHANNELS`` channels to q, k, v and the output.
     wo's input is the output made contiguous, a copy unless one head per rank makes it a view.
-    Under context parallelism the S/cp queries attend to all S keys under a mask (the module docstring): k and v
-    are views of the gathered [b, kv_heads, S, 2·hd] tensor, whose bytes are what they count.
+    Under context parallelism the S/cp queries attend to all S keys: k and v are views of the gathered
+    [b, kv_heads, S, 2·hd] tensor, or, by chunks (``_causal_shard_extras``), copies in position order of the same
+    bytes; either way k and v count those bytes.
     """
     heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
     sink = 1 if model.attention_sinks else 0
@@ -106,12 +110,35 @@ def _attention(model: ModelConfig, tp: int, mb: MicroBatch, window: int | None =
     keys, width = keys + sink, hd + sink * SINK_CHANNELS
     sdpa = batches * width * (queries * 2 * heads + keys * 2 * kv_heads) * mb.compute  # q and output, k and v
     logsumexp = batches * queries * heads * FP32
-    masked = sink or window is not None or mb.cp > 1
+    chunked = _causal_shards(model, mb)
+    masked = sink or window is not None or (mb.cp > 1 and not chunked)
     mask = (batches if blocked else 1) * queries * keys * mb.compute if masked else 0
+    mask += _causal_shard_extras(mb) if chunked else 0
     wo_input = 0 if heads == 1 and not (sink or blocked) else mb.tokens * heads * hd * mb.compute
     fused = uses_fused_backward(torch.bfloat16 if mb.bf16 else torch.float32, distributed=tp > 1)
     qk_norms = _norm(mb.tokens * heads, hd, fused) + _norm(mb.tokens * kv_heads, hd, fused) if model.qk_norm else 0
     return _linear_inputs(mb, model.d_model, 3) + sdpa + logsumexp + mask + wo_input + qk_norms
+
+
+def _causal_shards(model: ModelConfig, mb: MicroBatch) -> bool:
+    """Whether a context-parallel rank attends by chunks without a whole-sequence mask
+    (``moe.sequence_shards.SequenceShards.causal_attention``): whole sequences (document masks are not modelled
+    here) in a model with no window and no sinks, whose layers would need the mask (``MoETransformer.forward``)."""
+    return mb.cp > 1 and not (model.attention_sinks or model.sliding_window is not None)
+
+
+def _causal_shard_extras(mb: MicroBatch) -> int:
+    """What attending by chunks saves beyond q, k, v and the outputs, per layer: the keys' order (S int64, one
+    index for k and v) and each chunk's additive [C, end] mask in the compute dtype (C = S/(2·cp) queries, the
+    keys up to the chunk's end), but for the first rank's front chunk, the square causal case with no mask."""
+    chunk, cp = mb.tokens // mb.sequences // 2, mb.cp
+
+    def masks(rank: int) -> int:
+        ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
+        return sum(chunk * end for end in ends if end != chunk) * mb.compute
+
+    ranks = range(cp) if mb.cp_rank is None else [mb.cp_rank]
+    return 2 * cp * chunk * INDEX + max(masks(rank) for rank in ranks)
 
 
 def _latent_attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
@@ -141,10 +168,14 @@ def _latent_attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
     else:  # fused: its input, a view of wkv_a's fp32 [T, c + r] output, keeps that storage; rstd
         total += t * (latent + rope) * FP32 + t * FP32
     total += keys * latent * a  # wkv_b's input
-    values = width if v < width else nope + v  # padded, or the up-projection's output it is a view of
+    chunked = _causal_shards(model, mb)
+    # padded, or the up-projection's output it is a view of; by chunks a copy in position order, w wide
+    values = width if v < width or chunked else nope + v
     total += (2 * t + keys) * heads * width * a + keys * heads * values * a  # q, out; k; v
     total += t * heads * FP32  # logsumexp
-    if mb.cp > 1:  # the additive mask of this rank's queries over every key
+    if chunked:
+        total += _causal_shard_extras(mb)
+    elif mb.cp > 1:  # the additive mask of this rank's queries over every key
         total += (t // mb.sequences) * (keys // mb.sequences) * a
     wo_input = 0 if heads == 1 and v == width else t * heads * v * a
     return total + wo_input
@@ -307,9 +338,10 @@ def compute_copy_bytes(config: RunConfig, layout: Layout, precision: str, pp_ran
 
 
 def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size: int, precision: str,
-                            pp_rank: int = 0, device_type: str = "cuda") -> dict[str, int]:
+                            pp_rank: int = 0, device_type: str = "cuda", cp_rank: int | None = None) -> dict[str, int]:
     """Bytes autograd saves in one micro-batch's forward on one rank of pipeline rank ``pp_rank``, by part,
-    on a ``device_type`` device (a CPU pads the experts' bf16 groups: ``moe.experts.row_multiple_on``).
+    on a ``device_type`` device (a CPU pads the experts' bf16 groups: ``moe.experts.row_multiple_on``), on
+    context-parallel rank ``cp_rank`` (None: the one that saves the most; the first saves one chunk's mask less).
 
     ``parallel.activation_checkpointing``: ``full`` keeps each block's input only, ``moe`` the MoE layers'
     inputs only (``parallel/activation_checkpoint.py``). ``parallel.activation_offload`` (blocks or MoE layers)
@@ -325,7 +357,7 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     stream = tokens // layout.tp if par.sequence_parallel else tokens
     dtype = COMPUTE_DTYPE[precision]
     mb = MicroBatch(tokens, stream, micro_batch_size, dtype.itemsize, precision == "bf16",
-                    precision == "bf16" and layout.dp_cp > 1, row_multiple_on(device_type, dtype), layout.cp)
+                    precision == "bf16" and layout.dp_cp > 1, row_multiple_on(device_type, dtype), layout.cp, cp_rank)
     d, parts = model.d_model, {}
     stream_dtype = torch.bfloat16 if mb.bf16_weights else torch.float32  # the embedding's output: FSDP gathers it bf16
     fused_norms = uses_fused_backward(stream_dtype, distributed=par.sequence_parallel and layout.tp > 1)

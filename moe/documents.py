@@ -47,14 +47,17 @@ class Documents(NamedTuple):
     ids: Tensor  # [B, S] int64: the document each position belongs to, counted from the window's first
     cos: Tensor  # [B, 1, Sq, r/2]: the rotary tables at each query's place in its document
     sin: Tensor
-    mask: Tensor  # [B, 1, Sq, S] bool: query i may see key j (j at or before i, in the same document)
+    # [B, 1, Sq, S] bool: query i may see key j (j at or before i, in the same document); None for a
+    # context-parallel rank's shards of whole sequences that no layer masks (``SequenceShards.causal_attention``)
+    mask: Tensor | None
     query_pos: Tensor  # [Sq]: the queries' positions in the sequence (0 .. S - 1 without context parallelism)
     key_pos: Tensor  # [S]: the keys' positions, in the order attention sees them
+    shards: SequenceShards | None = None  # the context-parallel cut the queries come from
 
     @property
     def sharded(self) -> bool:
         """Whether the queries are a context-parallel rank's shard of the sequence (not all of it, in order)."""
-        return self.query_pos.shape[0] != self.key_pos.shape[0]
+        return self.shards is not None
 
 
 def document_ids(tokens: Tensor, end_id: int) -> Tensor:
@@ -72,17 +75,21 @@ def document_positions(ids: Tensor) -> Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
-def documents_of(ids: Tensor, cos_table: Tensor, sin_table: Tensor, shards: SequenceShards | None = None) -> Documents:
+def documents_of(ids: Tensor, cos_table: Tensor, sin_table: Tensor, shards: SequenceShards | None = None,
+                 masked: bool = True) -> Documents:
     """What attention needs from ``ids`` [B, S] (the whole sequences' ids); ``cos_table``, ``sin_table``: the model's
     rotary tables [L, r/2]. With ``shards`` the queries are this context-parallel rank's positions and the keys every
-    rank's, in the order their all-gather delivers them."""
+    rank's, in the order their all-gather delivers them; ``masked`` false (whole sequences, and no layer with a
+    window or sinks) leaves the mask out: at 128k positions and cp = 8 it would be 2 GiB."""
     seq = ids.shape[1]
     query_pos = torch.arange(seq, device=ids.device) if shards is None else shards.positions(seq, ids.device)
     key_pos = torch.arange(seq, device=ids.device) if shards is None else shards.key_positions(seq, ids.device)
     positions = document_positions(ids)[:, query_pos]
-    mask = (ids[:, query_pos, None] == ids[:, None, key_pos]) & (key_pos[None, :] <= query_pos[:, None])
-    return Documents(ids, cos_table[positions][:, None], sin_table[positions][:, None], mask[:, None], query_pos,
-                     key_pos)
+    mask = None
+    if masked:
+        mask = ((ids[:, query_pos, None] == ids[:, None, key_pos]) & (key_pos[None, :] <= query_pos[:, None]))[:, None]
+    return Documents(ids, cos_table[positions][:, None], sin_table[positions][:, None], mask, query_pos, key_pos,
+                     shards)
 
 
 def rotary_tables(cos: Tensor, sin: Tensor, start: int, seq: int,

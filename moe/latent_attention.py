@@ -16,6 +16,7 @@ from moe.kv_cache import LayerCache
 from moe.max_logits import LogitTracker, max_attention_logits
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, yarn_mscale
+from moe.sequence_shards import SequenceShards
 
 # The latent norms' epsilon: DeepSeek's reference code and its released checkpoints build them with their
 # default 1e-6 whatever the model's norm epsilon, so a checkpoint's numbers depend on this value, not on ours.
@@ -110,23 +111,28 @@ class LatentAttention(nn.Module):
             self.logit_tracker.record(max_attention_logits(q, k, self.softmax_scale,
                                                            mask=None if documents is None else documents.mask))
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
+        shards = None  # under context parallelism, shards of whole sequences: the causal attention of the shards
         if documents is not None:
-            mask = documents.mask
-        out = _attend(q, k, v, self.softmax_scale, mask, causal=mask is None and start == 0)  # [B, nh, S, v]
+            mask, shards = documents.mask, documents.shards if documents.mask is None else None
+        out = _attend(q, k, v, self.softmax_scale, mask, causal=mask is None and start == 0,
+                      shards=shards)  # [B, nh, S, v]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None,
-            causal: bool = True) -> Tensor:
+            causal: bool = True, shards: SequenceShards | None = None) -> Tensor:
     """SDPA (causal, or with generation's ``mask`` from ``LayerCache.extend``) whose keys and values differ in width
     (n + r against v): the narrower side is padded with zeros to the wider, which changes no score (a zero channel
     adds nothing to q·k) and no output channel that is kept (a zero value channel averages to zero, and is cut off).
     SDPA's flash kernels need one head width for q, k and v; without them it falls back to the math path, which
     keeps the [S, S] attention weights of every head for backward (measured on CPU: 8 KiB per head per 16-token
-    sequence, 8.6 GB per 4,096-token sequence and layer at DeepSeek-V3's 128 heads)."""
+    sequence, 8.6 GB per 4,096-token sequence and layer at DeepSeek-V3's 128 heads). With ``shards`` (a
+    context-parallel rank's queries of whole sequences) the causal attention of the shards, by chunks."""
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
     if v_dim < qk_dim:
         v = F.pad(v, (0, qk_dim - v_dim))
     elif qk_dim < v_dim:
         q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
+    if shards is not None:
+        return shards.causal_attention(q, k, v, scale)[..., :v_dim]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)[..., :v_dim]

@@ -109,7 +109,9 @@ class Attention(nn.Module):
             mask = documents.mask
             if documents.sharded:  # every context-parallel rank's keys and values, k and v in one exchange
                 k, v = self.gather_sequence(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
-        if self.sinks is None and self.window is None:
+        if self.sinks is None and self.window is None and documents is not None and documents.mask is None:
+            out = documents.shards.causal_attention(q, k, v, self.head_dim ** -0.5)  # whole sequences under cp
+        elif self.sinks is None and self.window is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
                                                  enable_gqa=self.n_kv_heads != self.n_heads)
         else:
@@ -342,9 +344,12 @@ class MoETransformer(nn.Module):
                                                                                      and self.training)):
             raise ValueError("document masking and context parallelism apply to training and evaluation windows; "
                              "not to generation with a cache, nor to multi-token prediction (model.mtp_depth > 0)")
-        if shards is not None and documents is None:  # one document per sequence: its causal mask, sharded
+        # under context parallelism whole sequences are one document each, and need a mask only where a layer has
+        # a window or sinks (``SequenceShards.causal_attention`` serves the rest)
+        masked = documents is not None or self.config.attention_sinks or self.config.sliding_window is not None
+        if shards is not None and documents is None:
             documents = torch.zeros(1, seq, dtype=torch.long, device=self.rope_cos.device)
-        docs = None if documents is None else documents_of(documents, self.rope_cos, self.rope_sin, shards)
+        docs = None if documents is None else documents_of(documents, self.rope_cos, self.rope_sin, shards, masked)
         # attention takes the positions it needs from the full tables: under sequence parallelism the blocks
         # pass sequence shards between them and attention alone sees the whole sequence
         # Emb(t), the first block's input, where token ids come in; a later stage's hidden states pass as they are

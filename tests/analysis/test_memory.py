@@ -67,7 +67,9 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
         measured = memory.saved_activation_bytes(model, inputs, targets, config.parallel.vocab_parallel)
     with memory.loss_context(config.parallel.vocab_parallel):
         measured.loss.backward()  # the measurement leaves a loss to train on
-    predicted = (sum(micro_batch_activations(config, layout, micro, precision, device_type="cpu").values())
+    shards = getattr(model, "sequence_shards", None)  # under cp the first rank saves one chunk's mask less
+    predicted = (sum(micro_batch_activations(config, layout, micro, precision, device_type="cpu",
+                                             cp_rank=None if shards is None else shards.rank).values())
                  + compute_copy_bytes(config, layout, precision))
     return predicted, measured.saved_bytes
 

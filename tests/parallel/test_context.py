@@ -85,7 +85,7 @@ def _compare_with_one_process(rank: int, name: str, masked: bool) -> None:
 
 
 def _compare_each_model(rank: int) -> None:
-    for name, masked in [("gqa", False), ("gpt-oss", True), ("latent", True)]:
+    for name, masked in [("gqa", False), ("gpt-oss", True), ("latent", True), ("latent", False)]:
         _compare_with_one_process(rank, name, masked)
 
 
