@@ -172,9 +172,12 @@ def context_mask_bytes(config: RunConfig, layout: Layout) -> int:
     """The boolean mask a context-parallel rank's forward builds once ([1, 1, S/cp, S], ``moe.documents``), which
     every layer's attention reads: not a saved tensor (SDPA saves its own additive copy, counted with each layer),
     but alive until the forward returns, and through backward under full recompute, whose blocks re-run
-    attention with it; so counted once, at the step's peak, beside the activations. None without cp."""
-    seq = config.model.seq_len
-    return seq // layout.cp * seq if layout.cp > 1 else 0
+    attention with it; so counted once, at the step's peak, beside the activations. None without cp, and none where
+    whole sequences attend by chunks (no window, no sinks: ``moe.sequence_shards.SequenceShards.causal_attention``,
+    whose per-chunk masks are counted with each layer)."""
+    seq, model = config.model.seq_len, config.model
+    chunked = not (model.attention_sinks or model.sliding_window is not None)
+    return seq // layout.cp * seq if layout.cp > 1 and not chunked else 0
 
 
 # ---------------------------------------------------------------------------
