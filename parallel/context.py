@@ -7,7 +7,9 @@ even), and the model computes everything per token on those alone: embeddings, n
 and loss. Attention is the one place where tokens meet. Of the published ways to let a rank's queries see the
 whole sequence's keys, this module takes the all-gather of keys and values (Llama 3's context parallelism, Dubey et
 al. 2024, arXiv:2407.21783, sec. 3.3.2): every rank gathers the keys and values of all cp ranks, in one
-collective per layer, and attends with a mask built from positions.
+collective per layer, and attends: whole sequences chunk by chunk over the keys up to each chunk's end
+(``SequenceShards.causal_attention``, about half the scores of a mask over the whole sequence), packed documents,
+windows and sinks under a mask built from positions.
 
 Why the all-gather rather than a ring or Ulysses' all-to-all over heads: with grouped-query attention the gathered
 key/value heads are a fraction of the query heads (what would cross a ring is the same bytes in cp - 1 steps, with
