@@ -65,6 +65,7 @@ class MicroBatch:
     group_rows: int = 1  # experts' groups padded to a multiple of this many rows (``moe.experts.row_multiple_on``)
     cp: int = 1  # context-parallel ranks: the keys of a sequence are cp times this rank's positions of it
     cp_rank: int | None = None  # which context-parallel rank (None: the one that saves the most)
+    cpu: bool = False  # on a CPU a cp rank's chunks attend without masks (``moe.sequence_shards._ChunkAttention``)
 
 
 def _norm(rows: int, d: int, fused: bool) -> int:
@@ -128,10 +129,13 @@ def _causal_shards(model: ModelConfig, mb: MicroBatch) -> bool:
 
 
 def _causal_shard_extras(mb: MicroBatch) -> int:
-    """What attending by chunks saves beyond q, k, v and the outputs, per layer: the keys' order (S int64, one
-    index for k and v) and each chunk's additive [C, end] mask in the compute dtype (C = S/(2·cp) queries, the
-    keys up to the chunk's end), but for the first rank's front chunk, the square causal case with no mask."""
+    """What attending by chunks saves beyond q, k, v, the outputs and their log-sum-exps, per layer: the keys'
+    order (S int64, one index for k and v) and, but on a CPU (two flash calls merged, no mask), each chunk's
+    additive [C, end] mask in the compute dtype (C = S/(2·cp) queries, the keys up to the chunk's end), but for the
+    first rank's front chunk, the square causal case with no mask."""
     chunk, cp = mb.tokens // mb.sequences // 2, mb.cp
+    if mb.cpu:
+        return 2 * cp * chunk * INDEX
 
     def masks(rank: int) -> int:
         ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
@@ -357,7 +361,8 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     stream = tokens // layout.tp if par.sequence_parallel else tokens
     dtype = COMPUTE_DTYPE[precision]
     mb = MicroBatch(tokens, stream, micro_batch_size, dtype.itemsize, precision == "bf16",
-                    precision == "bf16" and layout.dp_cp > 1, row_multiple_on(device_type, dtype), layout.cp, cp_rank)
+                    precision == "bf16" and layout.dp_cp > 1, row_multiple_on(device_type, dtype), layout.cp, cp_rank,
+                    device_type == "cpu")
     d, parts = model.d_model, {}
     stream_dtype = torch.bfloat16 if mb.bf16_weights else torch.float32  # the embedding's output: FSDP gathers it bf16
     fused_norms = uses_fused_backward(stream_dtype, distributed=par.sequence_parallel and layout.tp > 1)

@@ -48,14 +48,13 @@ class SequenceShards:
         """Causal attention of this rank's queries over every rank's keys, without a mask over the whole sequence.
 
         q [B, h, S / cp, d]: this rank's two chunks; k and v [B, hkv, S, d] as gathered (rank order). The keys are
-        put in position order, and each chunk of queries attends to the keys up to its own end under the lower-right
-        corner of a causal mask, where a chunk's last query sees every key: a [C, end] mask for that call alone
-        (C = S / (2·cp)), not a [S / cp, S] one that every layer keeps. So a rank computes each chunk's visible
-        scores and its own chunk's triangle, about half what a whole-sequence mask makes SDPA compute (with cp = 4,
-        (2·cp + 1) / (4·cp) = 56%). The first rank's front chunk is the square causal case, with no mask at all.
-        (``torch.nn.attention.bias.causal_lower_right`` would let a GPU's flash kernel skip the mask too, but it
-        cannot be made inside activation checkpointing's recomputation on torch 2.13.) Rows of a chunk are whole
-        rows of one process's attention, so the result is one process's, to rounding.
+        put in position order, and each chunk of queries (C = S / (2·cp) of them, from position ``start``) attends
+        to the keys up to its own end: every key before the chunk, and the chunk's own keys causally. On CPU the two
+        parts are two flash-attention calls merged by their log-sum-exps (``_ChunkAttention``): exactly the scores
+        the causal mask keeps, and no mask at all. Elsewhere (no such kernel is exposed with its log-sum-exp for
+        the GPU's flash attention here) one SDPA call per chunk under the lower-right corner of a causal mask, a
+        [C, end] mask for that call alone. The first rank's front chunk is the square causal case either way. Rows
+        of a chunk are whole rows of one process's attention, so the result is one process's, to rounding.
         """
         seq = k.shape[-2]
         chunk = seq // (2 * self.cp)
@@ -63,11 +62,14 @@ class SequenceShards:
         k, v = k.index_select(-2, order), v.index_select(-2, order)
         outs = []
         for index, start in enumerate((self.rank * chunk, (2 * self.cp - 1 - self.rank) * chunk)):
-            end = start + chunk
-            mask = None if end == chunk else torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(start)
-            outs.append(F.scaled_dot_product_attention(
-                q[..., index * chunk:(index + 1) * chunk, :], k[..., :end, :], v[..., :end, :], attn_mask=mask,
-                is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]))
+            end, queries = start + chunk, q[..., index * chunk:(index + 1) * chunk, :]
+            if q.device.type == "cpu":
+                outs.append(_ChunkAttention.apply(queries, k[..., :end, :], v[..., :end, :], start, scale))
+                continue
+            mask = None if start == 0 else torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(start)
+            outs.append(F.scaled_dot_product_attention(queries, k[..., :end, :], v[..., :end, :], attn_mask=mask,
+                                                       is_causal=mask is None, scale=scale,
+                                                       enable_gqa=q.shape[1] != k.shape[1]))
         return torch.cat(outs, dim=-2)
 
     def _positions(self, rank: int, seq: int, device) -> Tensor:
@@ -77,3 +79,48 @@ class SequenceShards:
         front = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
         back = torch.arange((2 * self.cp - 1 - rank) * chunk, (2 * self.cp - rank) * chunk, device=device)
         return torch.cat((front, back))
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _ChunkAttention(torch.autograd.Function):
+    """A chunk of C queries at positions start .. start + C - 1 over the keys 0 .. start + C - 1, causally, as two
+    flash-attention calls (CPU): the keys before the chunk, all visible, and the chunk's own, causal (a square).
+
+    The two outputs are merged by their log-sum-exps l1, l2 [B, h, C]: l = log(e^l1 + e^l2), out = o1·e^(l1 - l) +
+    o2·e^(l2 - l), which is the softmax over all the keys (Milakov and Gimelshein 2018, "Online normalizer
+    calculation for softmax"; the merge of ring attention). Backward calls each part's flash backward with the
+    merged output and log-sum-exp: a part's probabilities are then exp(score - l), the true ones, and the
+    softmax's correction term rowsum(dO·O) is the merged output's, so each part's gradients are exactly its share
+    (the ring-attention backward). Saved: q, k, v, the output and l, as SDPA saves them; no mask.
+    q [B, h, C, d]; k, v [B, hkv, start + C, d] (grouped-query heads as they are: the kernel takes them).
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+        if start == 0:
+            out, lse = _flash(q, k, v, 0.0, True, scale=scale)
+        else:
+            before, before_lse = _flash(q, k[..., :start, :], v[..., :start, :], 0.0, False, scale=scale)
+            own, own_lse = _flash(q, k[..., start:, :], v[..., start:, :], 0.0, True, scale=scale)
+            lse = torch.logaddexp(before_lse, own_lse)
+            out = (before.float() * (before_lse - lse).exp().unsqueeze(-1)
+                   + own.float() * (own_lse - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.start, ctx.scale = start, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        start, scale, grad = ctx.start, ctx.scale, grad.contiguous()
+        if start == 0:
+            return (*_flash_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale), None, None)
+        dq, dk_before, dv_before = _flash_backward(grad, q, k[..., :start, :], v[..., :start, :], out, lse, 0.0,
+                                                   False, scale=scale)
+        dq_own, dk_own, dv_own = _flash_backward(grad, q, k[..., start:, :], v[..., start:, :], out, lse, 0.0, True,
+                                                 scale=scale)
+        return (dq + dq_own, torch.cat((dk_before, dk_own), dim=-2), torch.cat((dv_before, dv_own), dim=-2),
+                None, None)

@@ -9,11 +9,12 @@ them right.
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from config.errors import ConfigError
 from config.run import load_config
 from moe.documents import document_ids
-from moe.sequence_shards import SequenceShards
+from moe.sequence_shards import SequenceShards, _ChunkAttention
 from moe.transformer import MoETransformer
 from parallel.context import apply_context_parallel
 from parallel.layout import resolve_layout
@@ -42,6 +43,26 @@ def test_each_rank_holds_one_chunk_from_each_end_and_the_same_causal_work():
     assert shards[2].shard(batch).tolist() == [[4, 5, 10, 11], [20, 21, 26, 27]]
     with pytest.raises(ValueError, match="does not split into 2 x cp = 8 equal chunks"):
         shards[0].positions(12)
+
+
+@pytest.mark.parametrize("kv_heads, start", [(4, 0), (4, 12), (2, 12)])
+def test_a_chunk_attends_as_the_causal_mask_says_without_one(kv_heads, start):
+    """The CPU path of ``causal_attention``: a chunk of queries over the keys before it and its own, two flash
+    calls merged by their log-sum-exps, against one SDPA under the lower-right causal mask, forward and backward."""
+    chunk, generator = 6, torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, length, 8, generator=generator, requires_grad=True)
+               for heads, length in ((4, chunk), (kv_heads, start + chunk), (kv_heads, start + chunk)))
+    grad = torch.randn(2, 4, chunk, 8, generator=generator)
+    _ChunkAttention.apply(q, k, v, start, 0.3).backward(grad)
+    got = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    mask = torch.arange(start + chunk)[None, :] <= torch.arange(start, start + chunk)[:, None]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=kv_heads != 4)
+    expected.backward(grad)
+    torch.testing.assert_close(_ChunkAttention.apply(q, k, v, start, 0.3), expected, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(got, (q.grad, k.grad, v.grad), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def _config(name: str):
