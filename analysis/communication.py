@@ -744,10 +744,12 @@ def muon_traffic(step: _Step) -> list[Traffic]:
     return out
 
 
-def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | None = None) -> list[Traffic]:
+def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | None = None,
+            context_only: bool = False) -> list[Traffic]:
     """Every collective ``rank`` runs in one optimizer step of ``config`` under ``layout``, per dimension.
 
     ``precision`` (bf16 or fp32) overrides ``train.precision``; ``auto`` counts as bf16, what it picks on GPUs.
+    ``context_only``: the context-parallel group's alone (the planner's bound: they wait in full, and are cheap).
     """
     micro, microbatches = micro_batching(config, layout.dp, layout.pp)
     precision = precision or config.train.precision
@@ -761,6 +763,8 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
         layers, first, last = tuple(range(config.model.n_layers)), True, True
     mtp = tuple(mtp_layers(config.model)) if last else ()
     step = _Step(config, layout, rank, micro, microbatches, layers, first, last, 4 if precision == "fp32" else 2, mtp)
+    if context_only:
+        return context_parallel_traffic(step)
     return [*tensor_parallel_traffic(step), *context_parallel_traffic(step), *expert_parallel_traffic(step),
             *mtp_traffic(step),
             *sharding_traffic(step), *pipeline_traffic(step), *muon_traffic(step)]

@@ -512,7 +512,7 @@ def none_passes(world_size: int, refusal: str | None) -> ConfigError:
 
 
 def candidates(config: RunConfig, world_size: int, hardware: communication.Hardware, efficiency: float,
-               fixed: dict[str, int] | None = None) -> list[Candidate]:
+               fixed: dict[str, int] | None = None, gpus_per_node: int = 8) -> list[Candidate]:
     """Every setting to rank (module docstring), cheapest bound first. Only the batch split is checked here
     (``micro_batching``); ``search`` holds each candidate it estimates to all of train.py's checks.
 
@@ -545,16 +545,28 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
                 if key not in busiest:
                     setting = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
                     busiest[key] = (compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * layout.dp,
-                                    shared_balance(setting, layout, hardware.sharing))
-                work, balance = busiest[key]
+                                    shared_balance(setting, layout, hardware.sharing),
+                                    context_seconds(setting, layout, hardware, gpus_per_node))
+                work, balance, context = busiest[key]
                 compute = work / layout.dp * balance
                 bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1], hardware.sharing,
-                                                 balance)
+                                                 balance) + context
                 out.append(Candidate(config, layout, recompute, grad_reduce, schedule, micro, bound))
     if not out:
         raise none_passes(world_size, refusal)
     out.sort(key=lambda c: c.bound)
     return out
+
+
+def context_seconds(config: RunConfig, layout: Layout, hardware: communication.Hardware, gpus_per_node: int) -> float:
+    """The first stage's context-parallel traffic in seconds: part of every bound, since it waits in full
+    (``exposed_communication``), and no part of the exposed total of the busiest stage can be less than it (that
+    total is at least the first stage's, of which this is a part). Without it, the bound of a cp setting is its
+    twin's with cp folded into dp_shard, and the search weighs every one of them (at 1,024 GPUs ten times longer)."""
+    if layout.cp == 1:
+        return 0.0
+    return sum(communication.seconds(item, hardware, gpus_per_node)
+               for item in communication.predict(config, layout, 0, hardware.precision, context_only=True))
 
 
 def smallest_micro_batch(candidate: Candidate) -> Candidate | None:
@@ -595,7 +607,7 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     Candidates come cheapest bound first; since a step is never below its bound, once ``top`` plans fit and the
     next bound exceeds the slowest of them (or the bound reaches ``faster_than``), no later candidate can enter.
     """
-    pool = candidates(config, world_size, hardware, efficiency, fixed)
+    pool = candidates(config, world_size, hardware, efficiency, fixed, gpus_per_node)
     plans: list[Plan] = []
     steps: list[float] = []  # a max-heap (negated) of the ``top`` fastest steps so far
     closest, evaluated, refusal, complete = None, 0, None, True
