@@ -242,6 +242,36 @@ class ExpertBiases(NamedTuple):
     out_bias: Tensor
 
 
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's gated activation ``silu(gate) * up`` (Shazeer 2020, eq. 5), as one autograd node: see ``_SwiGLU``."""
+    return _SwiGLU.apply(gate, up)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` with the same kernels and saved tensors as autograd's two nodes, one allocation fewer.
+
+    Autograd differentiates ``F.silu(gate) * up`` as a multiply's backward (two new tensors: ``grad * up`` and
+    ``grad * silu(gate)``) and then silu's backward, a third new tensor. Here silu's backward writes its result
+    over ``grad * up``, which nothing else reads: on the standard layer in bf16 on CPU ([8256, 1024] rows) the
+    activation's forward and backward take about 10% less time (fresh [N, H] buffers cost page faults and cache
+    misses), with bit-identical gradients. It saves what autograd saved: the gate, ``silu(gate)`` and ``up``.
+    """
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate, activated, up)
+        return activated * up
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        gate, activated, up = ctx.saved_tensors
+        grad_gate = grad * up
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad_gate, grad * activated
+
+
 def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
     """GPT-OSS's gated activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate,
     limit)``.
@@ -299,7 +329,7 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
     hidden = project(x, "w_in", w_in, biases.in_bias if biases else None)
     if w_gate is not None:
         gate = project(x, "w_gate", w_gate, biases.gate_bias if biases else None)
-        hidden = F.silu(gate) * hidden if clamp is None else clamped_swiglu(gate, hidden, *clamp)
+        hidden = swiglu(gate, hidden) if clamp is None else clamped_swiglu(gate, hidden, *clamp)
     else:
         hidden = F.gelu(hidden)
     out = project(hidden, "w_out", w_out, biases.out_bias if biases else None)
@@ -391,4 +421,4 @@ class FeedForward(nn.Module):
         self.w_out = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_out(F.silu(self.w_gate(x)) * self.w_in(x))
+        return self.w_out(swiglu(self.w_gate(x), self.w_in(x)))
