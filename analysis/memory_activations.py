@@ -233,12 +233,13 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
         experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
     if layout.ep > 1 and not pairs:  # received rows' reorder index and its inverse
         experts += 2 * rows * INDEX
-    # Groups padded (CPU bf16): balanced, their sizes differ by one at most; plus each row's padded place. Exact
+    # Groups padded (CPU bf16): balanced, their sizes differ by one at most; plus each row's padded place and the
+    # padding rows' own index (``moe.experts.GroupPadding``). Exact
     # without tp; under tp a share is contiguous rows whose groups differ from these: within 15 rows per expert.
     if mb.group_rows > 1:
         sizes = [rows // local_experts + (e < rows % local_experts) for e in range(local_experts)]
         rows = padded_rows(sizes, mb.group_rows)
-        experts += sum(sizes) * INDEX
+        experts += rows * INDEX  # each row's padded place, and the padding rows (zeroed in the gradient's padding)
     # the grouped rows (this tp rank's share), the hidden activations, the group offsets. SwiGLU keeps the gate,
     # silu(gate), up and their product (w_out's input); the clamped SwiGLU (``moe.experts.clamped_swiglu``) the gate
     # and up before their clamps, the clamped gate, its sigmoid, g·sigmoid, clamped up + 1 and the product

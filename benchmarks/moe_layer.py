@@ -19,6 +19,14 @@ precisions. Absolute speed depends on the machine, the ratio much less. bf16 is
 the hard case: on CPUs with AVX512-BF16 its GEMMs are ~4x faster than fp32, so
 the memory-bound rest no longer hides behind them.
 
+The stricter floor (``strict`` column, a fraction: strict floor time over layer time, higher is better). The
+bare grouped GEMMs alone, forward and backward, on uniform groups of T·k/E rows (1,024 per expert in the
+standard layer), with no activation: the gate and up projections' outputs are roots of backward with gradients
+of their own, the up projection's output feeds the down projection directly. It is the same for every routing
+and capacity (no padding, no skew, no activation, no kept-size bookkeeping), so it is how other projects' MoE
+layers are compared on one scale (issue 31: Megatron-Core's and DeepSpeed's reach 0.80 of it in fp32 here). It
+is timed in the same interleaved loop as the layer and the floor.
+
 Casts. The timed steps are micro-batches of one optimizer step: in bf16 they reuse the experts' copies,
 as training does between optimizer steps. What remaking the copies costs, once per step, is timed apart
 and printed as ``cast``, a percentage of the layer step (a step of m micro-batches pays it once).
@@ -64,11 +72,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from config.model import MoEConfig
 from moe.dispatch import expert_capacity
-from moe.experts import clamped_swiglu, grouped_matmul, megablocks_unavailable
+from moe.experts import clamped_swiglu, grouped_matmul, megablocks_unavailable, swiglu
 from moe.init import initialize
 from moe.layer import MoELayer
 from parallel.hardware import GPU_BF16_PEAK, keep_freed_memory
@@ -112,6 +119,8 @@ class Result:
     layer_s: float  # median forward + backward of MoELayer
     floor_s: float  # median forward + backward of the expert math alone
     ratio: float  # median of per-repeat layer / floor
+    strict_s: float  # median forward + backward of the bare grouped GEMMs, uniform groups, no activation
+    strict_fraction: float  # median of per-repeat strict floor / layer (the stricter floor's view; higher is better)
     best_ratio: float  # fastest layer step / fastest floor step: the least disturbed estimate
     tokens_per_s: float  # tokens / layer_s
     cast_s: float  # median time to remake the experts' bf16 copies (once per optimizer step); 0 in fp32
@@ -179,8 +188,36 @@ def make_floor_step(layer: MoELayer, group_sizes: torch.Tensor, precision: str) 
         for leaf in (x, w_in, w_gate, w_out):
             leaf.grad = None
         gate, up = grouped_matmul(x, w_gate, group_sizes, backend), grouped_matmul(x, w_in, group_sizes, backend)
-        hidden = F.silu(gate) * up if experts.clamp is None else clamped_swiglu(gate, up, *experts.clamp)
+        hidden = swiglu(gate, up) if experts.clamp is None else clamped_swiglu(gate, up, *experts.clamp)
         grouped_matmul(hidden, w_out, group_sizes, backend).backward(grad)
+
+    return step
+
+
+def make_strict_floor_step(layer: MoELayer, shape: Shape, precision: str) -> Callable[[], None]:
+    """Forward + backward of the three bare grouped GEMMs on uniform groups (``T·k/E`` rows each), no activation.
+
+    ``gate = x @ w_gate`` and ``up = x @ w_in`` per group, ``out = up @ w_down``; backward starts from ``out``
+    and from ``gate`` (given its own gradient, as the activation's backward would give it), so all nine GEMMs
+    run (three forward, six backward) and the only other work is adding ``x``'s two gradients, as any SwiGLU
+    layer must."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    experts, device = layer.experts, layer.experts.w_in.device
+    w_in, w_gate, w_out = (w.detach().to(dtype).requires_grad_(True)
+                           for w in (experts.w_in, experts.w_gate, experts.w_out))
+    rows = shape.tokens * shape.top_k
+    group_sizes = torch.full((shape.num_experts,), rows // shape.num_experts, device=device)
+    x = torch.randn(rows, shape.d_model, dtype=dtype, device=device, requires_grad=True)
+    grad_out = torch.randn(rows, shape.d_model, dtype=dtype, device=device)
+    grad_gate = torch.randn(rows, shape.hidden, dtype=dtype, device=device)
+    backend = layer.config.backend
+
+    def step() -> None:
+        for leaf in (x, w_in, w_gate, w_out):
+            leaf.grad = None
+        gate, up = grouped_matmul(x, w_gate, group_sizes, backend), grouped_matmul(x, w_in, group_sizes, backend)
+        out = grouped_matmul(up, w_out, group_sizes, backend)
+        torch.autograd.backward((out, gate), (grad_out, grad_gate))
 
     return step
 
@@ -204,21 +241,18 @@ def copy_refresh_time(layer: MoELayer, precision: str, repeats: int, device: tor
     return statistics.median(timed(lambda: [w.to(torch.bfloat16) for w in weights], device) for _ in range(repeats))
 
 
-def time_pair(layer_step, floor_step, repeats: int, warmup: int, device: torch.device
-              ) -> tuple[list[float], list[float]]:
-    """Per-repeat times of both steps, run back to back, alternating which goes first."""
+def time_interleaved(steps: list[Callable[[], None]], repeats: int, warmup: int, device: torch.device
+                     ) -> list[list[float]]:
+    """Per-repeat times of each step, run back to back, reversing their order every other repeat."""
     for _ in range(warmup):
-        layer_step()
-        floor_step()
-    layer_times, floor_times = [], []
+        for step in steps:
+            step()
+    times = [[] for _ in steps]
     for repeat in range(repeats):
-        if repeat % 2:
-            floor_times.append(timed(floor_step, device))
-            layer_times.append(timed(layer_step, device))
-        else:
-            layer_times.append(timed(layer_step, device))
-            floor_times.append(timed(floor_step, device))
-    return layer_times, floor_times
+        order = list(range(len(steps)))
+        for i in order[::-1] if repeat % 2 else order:
+            times[i].append(timed(steps[i], device))
+    return times
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -241,9 +275,11 @@ def run_case(shape: Shape, backend: str, precision: str, mode: str, routing: str
     if capacity_factor is not None:
         group_sizes = routed.clamp(max=expert_capacity(shape.tokens, shape.top_k, shape.num_experts, capacity_factor))
 
-    layer_times, floor_times = time_pair(make_layer_step(layer, x, precision),
-                                         make_floor_step(layer, group_sizes, precision),
-                                         repeats, warmup, device)
+    steps = [make_layer_step(layer, x, precision), make_floor_step(layer, group_sizes, precision)]
+    if not shape.gpt_oss:  # the bare GEMMs are the same for GPT-OSS's layer: its strict column would repeat
+        steps.append(make_strict_floor_step(layer, shape, precision))
+    layer_times, floor_times, *strict_times = time_interleaved(steps, repeats, warmup, device)
+    strict_times = strict_times[0] if strict_times else [float("nan")] * repeats
     layer_s = statistics.median(layer_times)
     flops = 18 * int(group_sizes.sum()) * shape.d_model * shape.hidden  # SwiGLU: 3 GEMMs, x3 with backward
     peak = peak_flops(device)
@@ -258,6 +294,8 @@ def run_case(shape: Shape, backend: str, precision: str, mode: str, routing: str
         layer_s=layer_s,
         floor_s=statistics.median(floor_times),
         ratio=statistics.median(a / b for a, b in zip(layer_times, floor_times, strict=True)),
+        strict_s=statistics.median(strict_times),
+        strict_fraction=statistics.median(s / a for s, a in zip(strict_times, layer_times, strict=True)),
         best_ratio=min(layer_times) / min(floor_times),
         tokens_per_s=shape.tokens / layer_s,
         cast_s=copy_refresh_time(layer, precision, repeats, device),
@@ -268,7 +306,8 @@ def run_case(shape: Shape, backend: str, precision: str, mode: str, routing: str
 
 def print_table(results: list[Result]) -> None:
     header = (f"{'shape':<9} {'backend':<10} {'prec':<5} {'mode':<9} {'routing':<9} {'imbal':>6} {'kept':>6} "
-              f"{'layer s':>8} {'floor s':>8} {'ratio':>6} {'best':>5} {'tokens/s':>9} {'cast':>6} "
+              f"{'layer s':>8} {'floor s':>8} {'ratio':>6} {'best':>5} {'strict s':>8} {'strict':>6} {'tokens/s':>9} "
+              f"{'cast':>6} "
               f"{'TFLOP/s':>8} {'peak':>6}")
     print(header)
     print("-" * len(header))
@@ -276,6 +315,7 @@ def print_table(results: list[Result]) -> None:
         peak = f"{r.peak_fraction:>6.1%}" if r.peak_fraction is not None else f"{'-':>6}"
         print(f"{r.shape:<9} {r.backend:<10} {r.precision:<5} {r.mode:<9} {r.routing:<9} {r.imbalance:>6.2f} "
               f"{r.kept_fraction:>6.3f} {r.layer_s:>8.4f} {r.floor_s:>8.4f} {r.ratio:>6.2f} {r.best_ratio:>5.2f} "
+              f"{r.strict_s:>8.4f} {r.strict_fraction:>6.2f} "
               f"{r.tokens_per_s:>9.0f} {100 * r.cast_s / r.layer_s:>5.1f}% {r.tflops:>8.2f} {peak}")
 
 

@@ -242,6 +242,36 @@ class ExpertBiases(NamedTuple):
     out_bias: Tensor
 
 
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's gated activation ``silu(gate) * up`` (Shazeer 2020, eq. 5), as one autograd node: see ``_SwiGLU``."""
+    return _SwiGLU.apply(gate, up)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` with the same kernels and saved tensors as autograd's two nodes, one allocation fewer.
+
+    Autograd differentiates ``F.silu(gate) * up`` as a multiply's backward (two new tensors: ``grad * up`` and
+    ``grad * silu(gate)``) and then silu's backward, a third new tensor. Here silu's backward writes its result
+    over ``grad * up``, which nothing else reads: on the standard layer in bf16 on CPU ([8256, 1024] rows) the
+    activation's forward and backward take about 10% less time (fresh [N, H] buffers cost page faults and cache
+    misses), with bit-identical gradients. It saves what autograd saved: the gate, ``silu(gate)`` and ``up``.
+    """
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate, activated, up)
+        return activated * up
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        gate, activated, up = ctx.saved_tensors
+        grad_gate = grad * up
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad_gate, grad * activated
+
+
 def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
     """GPT-OSS's gated activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate,
     limit)``.
@@ -299,7 +329,7 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
     hidden = project(x, "w_in", w_in, biases.in_bias if biases else None)
     if w_gate is not None:
         gate = project(x, "w_gate", w_gate, biases.gate_bias if biases else None)
-        hidden = F.silu(gate) * hidden if clamp is None else clamped_swiglu(gate, hidden, *clamp)
+        hidden = swiglu(gate, hidden) if clamp is None else clamped_swiglu(gate, hidden, *clamp)
     else:
         hidden = F.gelu(hidden)
     out = project(hidden, "w_out", w_out, biases.out_bias if biases else None)
@@ -352,33 +382,42 @@ class GroupPadding:
         shift = torch.cumsum(extra, 0) - extra  # padding rows before each group
         self.destination = torch.arange(int(counts.sum()), device=counts.device) + shift.repeat_interleave(counts)
         self.num_padded = int(self.padded_counts.sum())
+        # the rows no input row moves to: zeroed alone, not the whole buffer first (at most multiple - 1 per group)
+        is_padding = torch.ones(self.num_padded, dtype=torch.bool, device=counts.device)
+        self.padding_rows = is_padding.index_fill_(0, self.destination, False).nonzero().squeeze(1)
 
     def pad(self, x: Tensor) -> Tensor:
         """[N, D] -> [N_padded, D]."""
-        return _MoveRows.apply(x, self.destination, self.num_padded)
+        return _MoveRows.apply(x, self.destination, self.padding_rows, self.num_padded)
 
     def unpad(self, y: Tensor) -> Tensor:
         """[N_padded, D] -> [N, D]."""
-        return _MoveRows.apply(y, self.destination, None)
+        return _MoveRows.apply(y, self.destination, self.padding_rows, None)
 
 
 class _MoveRows(torch.autograd.Function):
-    """Row ``i`` of ``x`` to row ``destination[i]`` of ``num_rows`` zero rows, or, with ``num_rows=None``, the
-    inverse: row ``destination[i]`` of ``x`` back to row ``i``. Each direction's gradient is the other, so
-    both are a copy of the rows with no scatter-add (the destinations are distinct)."""
+    """Row ``i`` of ``x`` to row ``destination[i]`` of ``num_rows`` rows whose ``padding_rows`` are zero, or, with
+    ``num_rows=None``, the inverse: row ``destination[i]`` of ``x`` back to row ``i``. Each direction's gradient is
+    the other, so both are a copy of the rows with no scatter-add (the destinations are distinct). Padding writes
+    zeros into the padding rows only rather than zero-filling the whole buffer first: one pass over the rows fewer
+    (each forward and each backward of a layer on CPU in bf16, the only place that pads)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, destination: Tensor, num_rows: int | None) -> Tensor:
-        ctx.save_for_backward(destination)
-        ctx.num_rows = x.shape[0] if num_rows is None else None
-        if num_rows is None:
+    def forward(ctx, x: Tensor, destination: Tensor, padding_rows: Tensor, num_rows: int | None) -> Tensor:
+        if num_rows is None:  # its backward pads: it needs the padding rows too
+            ctx.save_for_backward(destination, padding_rows)
+            ctx.num_rows = x.shape[0]
             return x.index_select(0, destination)
-        return x.new_zeros(num_rows, x.shape[1]).index_copy_(0, destination, x)
+        ctx.save_for_backward(destination)
+        ctx.num_rows = None
+        padded = x.new_empty(num_rows, x.shape[1]).index_copy_(0, destination, x)
+        return padded.index_fill_(0, padding_rows, 0)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (destination,) = ctx.saved_tensors
-        return _MoveRows.apply(grad, destination, ctx.num_rows), None, None
+        destination, *padding_rows = ctx.saved_tensors
+        padding_rows = padding_rows[0] if padding_rows else None
+        return _MoveRows.apply(grad, destination, padding_rows, ctx.num_rows), None, None, None
 
 
 class FeedForward(nn.Module):
@@ -391,4 +430,4 @@ class FeedForward(nn.Module):
         self.w_out = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_out(F.silu(self.w_gate(x)) * self.w_in(x))
+        return self.w_out(swiglu(self.w_gate(x), self.w_in(x)))

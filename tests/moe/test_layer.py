@@ -252,6 +252,7 @@ def test_group_padding_layout_by_hand():
     padding = experts_module.GroupPadding(torch.tensor([3, 0, 17, 1]), 16)
     assert padding.padded_counts.tolist() == [16, 0, 32, 16]
     assert padding.destination.tolist() == [0, 1, 2] + list(range(16, 33)) + [48]
+    assert padding.padding_rows.tolist() == list(range(3, 16)) + list(range(33, 48)) + list(range(49, 64))
     x = torch.arange(21.0).repeat_interleave(2).view(21, 2)
     padded = padding.pad(x)
     assert padded.shape == (64, 2)
