@@ -87,6 +87,7 @@ from config.errors import ConfigError
 from config.run import RunConfig, load_config
 from moe.accounting import parameter_counts
 from moe.experts import ComputeCopies
+from moe.sequence_shards import attends_by_chunks
 from parallel.groups import Layout
 from parallel.hardware import planned_precision
 from parallel.layout import resolve_layout
@@ -175,9 +176,8 @@ def context_mask_bytes(config: RunConfig, layout: Layout) -> int:
     attention with it; so counted once, at the step's peak, beside the activations. None without cp, and none where
     whole sequences attend by chunks (no window, no sinks: ``moe.sequence_shards.SequenceShards.causal_attention``,
     whose per-chunk masks are counted with each layer)."""
-    seq, model = config.model.seq_len, config.model
-    chunked = not (model.attention_sinks or model.sliding_window is not None)
-    return seq // layout.cp * seq if layout.cp > 1 and not chunked else 0
+    seq = config.model.seq_len
+    return seq // layout.cp * seq if layout.cp > 1 and not attends_by_chunks(config.model) else 0
 
 
 # ---------------------------------------------------------------------------

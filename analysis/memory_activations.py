@@ -42,6 +42,7 @@ from config.run import RunConfig
 from moe.dispatch import expert_capacity
 from moe.experts import padded_rows, row_multiple_on
 from moe.norm import uses_fused_backward
+from moe.sequence_shards import attends_by_chunks
 from moe.transformer import SINK_CHANNELS, blocked_window
 from parallel.expert import exchanges_pairs
 from parallel.groups import Layout
@@ -125,7 +126,7 @@ def _causal_shards(model: ModelConfig, mb: MicroBatch) -> bool:
     """Whether a context-parallel rank attends by chunks without a whole-sequence mask
     (``moe.sequence_shards.SequenceShards.causal_attention``): whole sequences (document masks are not modelled
     here) in a model with no window and no sinks, whose layers would need the mask (``MoETransformer.forward``)."""
-    return mb.cp > 1 and not (model.attention_sinks or model.sliding_window is not None)
+    return mb.cp > 1 and attends_by_chunks(model)
 
 
 def _causal_shard_extras(mb: MicroBatch) -> int:

@@ -24,6 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from config.model import ModelConfig
+
+
+def attends_by_chunks(model: ModelConfig) -> bool:
+    """Whether a context-parallel rank's whole sequences attend by chunks, with no mask over the whole sequence
+    (``SequenceShards.causal_attention``): in a model without windows and sinks, whose layers need that mask. The
+    one rule the model, the memory model and its mask bytes follow; packed documents need the mask too."""
+    return not (model.attention_sinks or model.sliding_window is not None)
+
 
 @dataclass(frozen=True)
 class SequenceShards:

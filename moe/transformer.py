@@ -25,7 +25,7 @@ from moe.max_logits import LogitTracker, max_attention_logits
 from moe.mtp import PredictionModule, PredictionModules
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, rope_tables
-from moe.sequence_shards import SequenceShards
+from moe.sequence_shards import SequenceShards, attends_by_chunks
 
 SINK_CHANNELS = 8  # channels added to queries, keys and values to carry the attention sink (``_fold_in_sink``)
 
@@ -109,13 +109,13 @@ class Attention(nn.Module):
             mask = documents.mask
             if documents.sharded:  # every context-parallel rank's keys and values, k and v in one exchange
                 k, v = self.gather_sequence(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
-        if self.sinks is None and self.window is None and documents is not None and documents.mask is None:
-            out = documents.shards.causal_attention(q, k, v, self.head_dim ** -0.5)  # whole sequences under cp
-        elif self.sinks is None and self.window is None:
+        if self.sinks is not None or self.window is not None:
+            out = self._masked_attention(q, k, v, start, documents)
+        elif documents is not None and documents.mask is None:  # whole sequences under cp
+            out = documents.shards.causal_attention(q, k, v, self.head_dim ** -0.5)
+        else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
                                                  enable_gqa=self.n_kv_heads != self.n_heads)
-        else:
-            out = self._masked_attention(q, k, v, start, documents)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _masked_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int,
@@ -346,7 +346,7 @@ class MoETransformer(nn.Module):
                              "not to generation with a cache, nor to multi-token prediction (model.mtp_depth > 0)")
         # under context parallelism whole sequences are one document each, and need a mask only where a layer has
         # a window or sinks (``SequenceShards.causal_attention`` serves the rest)
-        masked = documents is not None or self.config.attention_sinks or self.config.sliding_window is not None
+        masked = documents is not None or not attends_by_chunks(self.config)
         if shards is not None and documents is None:
             documents = torch.zeros(1, seq, dtype=torch.long, device=self.rope_cos.device)
         docs = None if documents is None else documents_of(documents, self.rope_cos, self.rope_sin, shards, masked)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -36,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 from moe.dispatch import DispatchPlan, permute, unpermute_and_combine
 from moe.experts import ComputeCopies, ExpertBiases, GroupedExperts, expert_ffn
 from moe.transformer import MoETransformer
-from parallel.expert_dispatch import exchange_pairs
+from parallel.expert_dispatch import all_to_all_rows, exchange_pairs
 from parallel.tensor import gather_rows, scatter_rows
 
 
@@ -115,16 +114,6 @@ def plan_exchange(tokens_per_expert: Tensor, group: dist.ProcessGroup) -> Exchan
         rank_major=rank_major,
         tokens_per_local_expert=recv_counts.sum(0),
     )
-
-
-def all_to_all_rows(x: Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup) -> Tensor:
-    """Uneven all-to-all of rows, differentiable: [sum(send_splits), D] -> [sum(recv_splits), D].
-
-    torch's functional collective (the one ``torch.distributed.nn.functional``'s deprecation points to):
-    autograd-aware, its backward the same exchange with the splits swapped, and traceable by
-    ``torch.compile``. It returns before the data has arrived; the first use of the result waits.
-    """
-    return funcol.all_to_all_single(x.contiguous(), recv_splits, send_splits, group)
 
 
 class ExpertParallelExperts(nn.Module):

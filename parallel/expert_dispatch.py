@@ -116,9 +116,15 @@ def plan_pairs(plan: DispatchPlan, num_tokens: int, top_k: int, num_local: int,
     )
 
 
-def _all_to_all(x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
-    """Uneven all-to-all along dim 0, differentiable (``parallel.expert.all_to_all_rows`` for any rank of tensor)."""
-    return funcol.all_to_all_single(x.contiguous(), recv, send, group)
+def all_to_all_rows(x: Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+    """Uneven all-to-all along dim 0, differentiable: [sum(send_splits), ...] -> [sum(recv_splits), ...]; both
+    exchanges of expert parallelism use it (rows, pairs, their codes and weights).
+
+    torch's functional collective (the one ``torch.distributed.nn.functional``'s deprecation points to):
+    autograd-aware, its backward the same exchange with the splits swapped, and traceable by
+    ``torch.compile``. It returns before the data has arrived; the first use of the result waits.
+    """
+    return funcol.all_to_all_single(x.contiguous(), recv_splits, send_splits, group)
 
 
 def exchange_pairs(tokens: Tensor, plan: DispatchPlan, weights: Tensor, num_local: int, group: dist.ProcessGroup,
@@ -131,9 +137,9 @@ def exchange_pairs(tokens: Tensor, plan: DispatchPlan, weights: Tensor, num_loca
     pairs = plan_pairs(plan, num_tokens, top_k, num_local, group)
 
     # 3. dispatch: rows once per pair; codes and weights once per assignment, in the same (pair-major) order
-    rows = _all_to_all(tokens.index_select(0, pairs.pair_token), pairs.send_pairs, pairs.recv_pairs, group)
-    code = _all_to_all(pairs.code, pairs.send_assignments, pairs.recv_assignments, group)
-    weight = _all_to_all(weights.reshape(-1).index_select(0, pairs.assignment), pairs.send_assignments,
+    rows = all_to_all_rows(tokens.index_select(0, pairs.pair_token), pairs.send_pairs, pairs.recv_pairs, group)
+    code = all_to_all_rows(pairs.code, pairs.send_assignments, pairs.recv_assignments, group)
+    weight = all_to_all_rows(weights.reshape(-1).index_select(0, pairs.assignment), pairs.send_assignments,
                          pairs.recv_assignments, group)  # [A'] fp32; its gradient returns to the router
 
     # 4. experts: received assignments are pair-major; the grouped GEMM wants them by local expert
@@ -149,6 +155,6 @@ def exchange_pairs(tokens: Tensor, plan: DispatchPlan, weights: Tensor, num_loca
     scaled = torch.cat([scaled, scaled.new_zeros(1, scaled.shape[1])])  # the row short pairs read
     width = min(top_k, num_local)
     combined = sum_choices(scaled, _slots(pair, _position_in_run(opens), rows.shape[0], width, out.shape[0]))
-    returned = _all_to_all(combined, pairs.recv_pairs, pairs.send_pairs, group)  # [P, D]
+    returned = all_to_all_rows(combined, pairs.recv_pairs, pairs.send_pairs, group)  # [P, D]
     returned = torch.cat([returned, returned.new_zeros(1, returned.shape[1])])  # what a token without pairs reads
     return sum_choices(returned, pairs.token_pairs)

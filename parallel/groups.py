@@ -562,9 +562,7 @@ class ParallelGroups:
         plain FSDP rather than HSDP), dp_shard alone when cp is 1. A sub-mesh of the dense view, as FSDP needs
         when it shards tensor-parallel DTensors too."""
         self._require_distributed("data_parallel_mesh()")
-        shard = "dp_shard_cp" if self.layout.cp > 1 else "dp_shard"
-        if shard == "dp_shard_cp":
-            self.mesh("dp_shard_cp")  # the flattening is registered on the dense mesh when it is built
+        shard = "dp_shard_cp" if self.layout.cp > 1 else "dp_shard"  # flattened on the dense mesh by ``build``
         axes = ("dp_replicate", shard) if self.layout.dp_replicate > 1 else (shard,)
         return self._meshes[DENSE][axes]
 
