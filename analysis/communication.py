@@ -55,7 +55,8 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
   gradient between the first stage and the last stage's copy (``parallel/pipeline.py``).
 - Muon (``train.optimizer=muon``, ``training/muon.py``): per optimizer step, for each matrix it updates that
   FSDP's dp_shard, tp, etp or FSDP over edp cuts, an all-gather of the fp32 update and a reduce-scatter of the
-  fp32 result over that axis (``muon_traffic``; counted in the optimizer's own section by the tests).
+  fp32 result over each cutting axis, one after the other where two cut it (``muon_traffic``,
+  ``_muon_gathers``; counted in the optimizer's own section by the tests).
 - recompute: ``full`` repeats each block's forward collectives in backward, except a dense block's FFN
   output collective, which torch's early-stopping checkpoint never reaches (nothing after it is saved);
   ``moe`` repeats the MoE layer's (not its sequence gather, a hook outside the recomputed forward).
@@ -693,54 +694,69 @@ def mtp_traffic(step: _Step) -> list[Traffic]:
     return out
 
 
-def _muon_cut(param: ParamTensor, layout: Layout, has_moe: bool) -> tuple[str, list[int]] | None:
-    """The mesh axis that cuts one of ``param``'s two matrix dims, and the matrices' shape whole over that axis
-    (the rest as this rank holds it); None when its matrices are whole on the rank. One axis at most: a dense
-    matrix is cut by FSDP's dp_shard × cp (dim 0) or by tp; a routed-expert stack (its dim 0 the experts, a batch)
-    by etp, or by FSDP over edp where the local experts do not split over edp (``expert_fsdp_dim``: a matrix dim).
-    A dense matrix cut by both dp_shard and tp (FSDP's strided shards of tp's rows) is counted as tp's alone, and
-    a stack cut by both etp and edp as etp's alone: undercounts no test has measured."""
-    if param.expert:
-        shape = [param.shape[0] // layout.ep, *param.shape[1:]]  # this rank's experts, each matrix whole
-        etp_cut = layout.etp > 1 and param.expert_hidden_dim is not None
-        if etp_cut:
-            return "etp", shape
-        fsdp_dim = expert_fsdp_dim(shape[0], layout.edp, None) \
-            if experts_spread(layout, has_moe) and experts_replicated(layout) else 0
-        if fsdp_dim:
-            shape[fsdp_dim] = largest_chunk(shape[fsdp_dim], layout.edp) * layout.edp
-            return "edp", shape
-        return None
+def _chunk(size: int, parts: int, index: int) -> int:
+    """Chunk ``index`` of ``torch.chunk(size, parts)``: what FSDP leaves that rank (the last ones may be short)."""
+    largest = largest_chunk(size, parts)
+    return max(0, min(largest, size - index * largest))
+
+
+def _muon_gathers(param: ParamTensor, step: _Step, has_moe: bool) -> list[tuple[str, list[int]]]:
+    """The all-gathers Muon makes to hold ``param``'s matrices whole, in order: (mesh axis, the gathered buffer's
+    shape); empty when its matrices are whole on the rank. Each reduce-scatter back mirrors one of them.
+
+    A dense matrix is cut by FSDP's dp_shard × cp (dim 0, padded to equal chunks) and by tp (``tp_dim``); a
+    routed-expert stack (dim 0 its experts, a batch) by etp and by FSDP over edp where the local experts do not
+    split over edp (``expert_fsdp_dim``: a matrix dim). Cut by two axes, DTensor gathers one after the other
+    (``redistribute`` cannot merge them), measured on 4 gloo ranks: along one dim (FSDP's strided shards of a
+    column-parallel weight's rows) dp_shard first, the tp gather then moving the whole matrix; along two dims
+    (a row-parallel weight, an expert stack under etp and edp) the inner axis first, tp or etp gathering this
+    rank's FSDP chunk, then FSDP's axis the whole."""
+    layout = step.layout
     shape = list(param.shape)
-    if layout.tp > 1 and param.tp_dim is not None:
-        return "tp", shape
-    if layout.dp_shard_cp > 1:  # FSDP2 over dp_shard × cp pads dim 0 to equal chunks
-        shape[0] = largest_chunk(shape[0], layout.dp_shard_cp) * layout.dp_shard_cp
-        return "dp_shard_cp", shape
-    return None
+    if param.expert:
+        shape[0] //= layout.ep  # this rank's experts; each matrix whole over ep
+        etp_dim = param.expert_hidden_dim if layout.etp > 1 else None
+        fsdp_dim = expert_fsdp_dim(shape[0], layout.edp, etp_dim) \
+            if experts_spread(layout, has_moe) and experts_replicated(layout) else 0
+        inner, outer, outer_parts = ("etp", etp_dim), ("edp", fsdp_dim or None), layout.edp
+    else:
+        inner = ("tp", param.tp_dim if layout.tp > 1 else None)
+        outer, outer_parts = ("dp_shard_cp", 0 if layout.dp_shard_cp > 1 else None), layout.dp_shard_cp
+    if outer[1] is None:
+        return [(inner[0], shape)] if inner[1] is not None else []
+    whole = [*shape]
+    whole[outer[1]] = largest_chunk(shape[outer[1]], outer_parts) * outer_parts
+    if inner[1] is None:
+        return [(outer[0], whole)]
+    if inner[1] == outer[1]:  # FSDP's strided shards within each tp shard: gathered first, one tp shard's rows
+        parts = {"tp": layout.tp, "etp": layout.etp}[inner[0]]
+        rows = largest_chunk(shape[outer[1]] // parts, outer_parts) * outer_parts
+        return [(outer[0], [*shape[:outer[1]], rows, *shape[outer[1] + 1:]]), (inner[0], shape)]
+    mine = [*shape]
+    mine[outer[1]] = _chunk(shape[outer[1]], outer_parts, step.group(outer[0]).index(step.rank))
+    return [(inner[0], mine), (outer[0], whole)]
 
 
 def muon_traffic(step: _Step) -> list[Traffic]:
     """Muon's gathers (``training.muon.orthogonalised``): per optimizer step, for each matrix it updates that a
-    mesh axis cuts, an all-gather of its fp32 update over that axis's ranks and a reduce-scatter of the fp32
-    result back to the shards (the buffer: the matrices whole over the axis). None under AdamW."""
-    config, layout = step.config, step.layout
+    mesh axis cuts, an all-gather of its fp32 update over each cutting axis's ranks and a reduce-scatter of the
+    fp32 result back to the shards, the same buffers (``_muon_gathers``). None under AdamW."""
+    config = step.config
     if config.train.optimizer != "muon":
         return []
     has_moe = config.model.n_moe_layers > 0
     params = [(p, 1) for p in root_tensors(config.model, config.moe, step.first, step.last)]
     params += [(p, count) for block, count in rank_blocks(config.model, config.moe, [*step.layers, *step.mtp])
                for p in block.params]
-    same: dict[tuple[str, int], int] = defaultdict(int)  # (axis, whole fp32 bytes) -> matrices
+    same: dict[tuple[str, int], int] = defaultdict(int)  # (axis, gathered fp32 bytes) -> matrices
     for param, count in params:
-        cut = _muon_cut(param, layout, has_moe) if muon_updates(param) else None
-        if cut is not None:
-            same[cut[0], 4 * math.prod(cut[1])] += count
+        for axis, shape in _muon_gathers(param, step, has_moe) if muon_updates(param) else ():
+            same[axis, 4 * math.prod(shape)] += count
     out: list[Traffic] = []
-    for (axis, whole), calls in sorted(same.items()):
+    for (axis, buffer), calls in sorted(same.items()):
         group = step.group(axis)
-        _add(out, "muon", "all_gather", "Muon: updates gathered for Newton-Schulz", calls, whole, group)
-        _add(out, "muon", "reduce_scatter", "Muon: orthogonalised updates back to the shards", calls, whole, group)
+        _add(out, "muon", "all_gather", "Muon: updates gathered for Newton-Schulz", calls, buffer, group)
+        _add(out, "muon", "reduce_scatter", "Muon: orthogonalised updates back to the shards", calls, buffer, group)
     return out
 
 

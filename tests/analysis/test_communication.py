@@ -110,6 +110,10 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
                                                     "model.head_dim=16"],
     "etp=2 in tp=2, dp_shard=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
                                              "moe.num_experts=3"],
+    # Muon's matrices cut by two axes, gathered one after the other: dense ones by dp_shard and tp (column-parallel:
+    # FSDP's strided rows; row-parallel: two dims), expert stacks by etp and FSDP over edp (a matrix dim)
+    "muon, tp=2 x dp_shard=2, etp=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
+                                                  "moe.num_experts=3", "train.optimizer=muon"],
     # each tp rank gathers its own key/value heads over cp; ep folds over cp × tp
     CP_LATENT: ["parallel.dp_shard=2", "parallel.cp=2", "moe.capacity_factor=null", *LATENT],
     "cp=2 x tp=2, sequence parallel, ep=2": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.tp=2", "parallel.ep=2",
