@@ -438,12 +438,11 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
     if model.qk_norm and layout.dp_cp > 1:  # the per-head q/k norms see this rank's heads: the same, [hd] each
         _add(out, "tp", "all_reduce", "query/key norm weights' gradients (backward)",
              2 * len(step.layers) * _gradient_syncs(step), model.head_size * fp32, group)
-    if step.first and (par.vocab_parallel or sp):
-        if par.vocab_parallel:
-            _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "embedding output (forward)", m,
-                 full * fp32, group)
     # the embedding's lookups: the first stage's, and the last stage's copy's for the MTP modules under pp
     lookups = int(step.first) + int(bool(step.mtp) and not step.first)
+    if par.vocab_parallel:  # each rank's rows of its vocabulary slice, summed
+        _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "embedding output (forward)", lookups * m,
+             full * fp32, group)
     if sp:
         _add(out, "tp", "all_gather", "embedding output gradient (backward)", lookups * m, full * fp32, group)
     if step.last:
@@ -453,9 +452,9 @@ def tensor_parallel_traffic(step: _Step) -> list[Traffic]:
             # as this rank's slices, with no collective
             _add(out, "tp", "all_gather", "MTP inputs: hidden states and Emb(t) (forward)", 2 * m, full * fp32,
                  group)
-        if par.vocab_parallel:
-            _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "head input gradient (backward)", m,
-                 full * fp32, group)
+        if par.vocab_parallel:  # beside MTP the head takes the whole sequence (the final norm gathers it)
+            _add(out, "tp", "reduce_scatter" if sp and not step.mtp else "all_reduce",
+                 "head input gradient (backward)", m, full * fp32, group)
             _add(out, "tp", "all_reduce", "vocab-parallel loss: max, sum, target logit (forward)", 3 * m,
                  step.tokens * fp32, group)
     return out
@@ -680,7 +679,9 @@ def mtp_traffic(step: _Step) -> list[Traffic]:
 
     Module k's block runs on S − k positions of the whole sequence, without sequence parallelism
     (``parallel.tensor._ends_plan``): its traffic is that of a block of its kind on that sequence, with the
-    options the layout gives the others.
+    options the layout gives the others. Under vocabulary parallelism its S − k − 1 scored positions go through
+    the vocabulary-split head and loss as the main ones do: the head input's gradient all-reduced (the input is
+    whole, with or without sequence parallelism) and the loss's three all-reduces.
     """
     out: list[Traffic] = []
     config, n_layers = step.config, step.config.model.n_layers
@@ -691,6 +692,12 @@ def mtp_traffic(step: _Step) -> list[Traffic]:
         module = dataclasses.replace(step, config=shorter, layers=(i,), first=False, last=False, mtp=())
         for item in [*tensor_parallel_traffic(module), *expert_parallel_traffic(module)]:
             out.append(dataclasses.replace(item, what=f"MTP module {k}: {item.what}"))
+        if config.parallel.vocab_parallel and step.layout.tp > 1:
+            scored, group = step.micro * (config.model.seq_len - k - 1), step.group("tp")
+            _add(out, "tp", "all_reduce", f"MTP module {k}: head input gradient (backward)", step.microbatches,
+                 scored * config.model.d_model * 4, group)
+            _add(out, "tp", "all_reduce", f"MTP module {k}: vocab-parallel loss: max, sum, target logit (forward)",
+                 3 * step.microbatches, scored * 4, group)
     return out
 
 

@@ -270,11 +270,13 @@ def _pair_combine(moe: MoEConfig, layout: Layout, mb: MicroBatch, d: int) -> int
     return received * (d + 1) * mb.compute + indices * INDEX
 
 
-def _mtp_extras(model: ModelConfig, mb: MicroBatch, sequences: int, k: int, fused: bool, stream_bf16: bool) -> int:
+def _mtp_extras(model: ModelConfig, mb: MicroBatch, sequences: int, k: int, fused: bool, stream_bf16: bool,
+                vocab: int) -> int:
     """Module k besides its block, on its T' = b·(S − k) positions (``moe/mtp.py``): its two input norms, the
     [T', 2d] input of the projection, the final norm (input and rstd), the head's input (the normed slice of the
     b·(S − k − 1) scored positions, copied as the head flattens it), then the loss over those positions:
-    log-softmax output (fp32), the targets (a copy of a strided slice) and nll's total weight.
+    log-softmax output (fp32, of ``vocab`` columns: this rank's slice under vocabulary parallelism, as the main
+    head's), the targets (a copy of a strided slice) and nll's total weight.
 
     An input norm's input is a view of the embedding's or the previous hidden states, saved already, so it adds
     its rstd alone where fp32 (fused); a bf16 input (``stream_bf16``: the main stream under FSDP's bf16 weights;
@@ -283,7 +285,7 @@ def _mtp_extras(model: ModelConfig, mb: MicroBatch, sequences: int, k: int, fuse
     d, scored = model.d_model, sequences * (model.seq_len - k - 1)
     upcasts = int(stream_bf16) + int(stream_bf16 or (mb.bf16 and k > 1))  # of the embedding, of the hidden states
     return (2 * mb.tokens * FP32 + upcasts * 2 * mb.tokens * d * FP32 + _linear_inputs(mb, 2 * d, 1)
-            + _norm(mb.tokens, d, fused) + scored * d * mb.compute + scored * model.vocab_size * FP32
+            + _norm(mb.tokens, d, fused) + scored * d * mb.compute + scored * vocab * FP32
             + scored * INDEX + FP32)
 
 
@@ -411,6 +413,7 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     # (``parallel.tensor._ends_plan``): their norms' inputs are plain tensors under sequence parallelism too
     mtp_fused_norms = uses_fused_backward(stream_dtype, distributed=False)
     mtp = any(i >= model.n_layers for i in layers)
+    vocab = largest_chunk(model.vocab_size, layout.tp) if par.vocab_parallel else model.vocab_size  # a rank's logits
     if mtp and par.sequence_parallel and layout.tp > 1:
         # their one call gathers the last hidden states and Emb(t), saved by the input norms; outside sequence
         # parallelism those are the final norm's and the first block's inputs, saved already
@@ -427,7 +430,7 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
             mtp_fused = mtp_fused_norms and not mb.bf16
             add_blocks(model.is_moe_layer(i), 1, mb_k, mtp_fused, mb.compute if mb.bf16 else FP32, prefix="MTP ")
             add("MTP projection, norms, head + loss", _mtp_extras(model, mb_k, micro_batch_size, k, mtp_fused,
-                                                                    mb.bf16_weights)
+                                                                    mb.bf16_weights, vocab)
                 + (FP32 if k == 1 else 0))  # the modules' mean loss, which ``attach_loss`` keeps
     if offloaded:  # about two modules' at a time: one arriving (or leaving) while the next computes
         modules = sum(count for _, count in offloaded)
@@ -437,7 +440,6 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     if first:
         add("embedding", tokens * INDEX)  # the token ids
     if last:
-        vocab = largest_chunk(model.vocab_size, layout.tp) if par.vocab_parallel else model.vocab_size
         # final norm (on the gathered whole sequence beside multi-token prediction's modules, which share the head),
         # the head's input, log-softmax output (fp32), targets and nll's total weight
         norm = _norm(tokens, d, mtp_fused_norms) if mtp else _norm(stream, d, fused_norms)

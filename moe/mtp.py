@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from config.model import ModelConfig, MoEConfig
 from moe.norm import RMSNorm
@@ -48,11 +49,14 @@ class PredictionModules(nn.ModuleList):
         hidden: the main model's last hidden states h^0 [B, S, D] (before its final norm); embedded: Emb(t) [B, S, D];
         tokens: the input t [B, S]. Module k predicts t_{i+k+1} at position i; within the input that is known for
         i <= S-k-2, so each module's loss is over S-k-1 positions (the paper also uses t_{S+1}, the target after
-        the input: one position more per sequence).
+        the input: one position more per sequence). ``head``'s logits may be split over the vocabulary (a DTensor,
+        under ``parallel.tensor.loss_context`` as the main loss is).
         """
         seq, losses = tokens.shape[1], []
         for k, module in enumerate(self, start=1):
             hidden, normed = module(hidden[:, :seq - k], embedded[:, k:], cos, sin)  # [B, S-k, D] each
             logits = head(normed[:, :seq - k - 1]).float()  # [B, S-k-1, V]
-            losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1:].flatten()))
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1:].flatten())
+            # vocabulary-split logits (``parallel.vocab_parallel``) give a loss replicated over tp: its own value
+            losses.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
         return torch.stack(losses)

@@ -69,7 +69,6 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
                        microbatches)
         check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel,
                               config.parallel.vocab_parallel)
-        check_multi_token_prediction(config, layout)
         check_context_parallel(config, layout.cp)
         check_optimizer_layout(config, layout)
         return micro, microbatches
@@ -85,24 +84,6 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
                             accept=refusal)
     validate_for_model(layout, config.model, config.moe, accept=refusal)
     return ResolvedLayout(layout, *rest(layout))
-
-
-def check_multi_token_prediction(config: RunConfig, layout: Layout) -> None:
-    """Refuse the layout multi-token prediction has no parity test under, before any work: vocabulary parallelism.
-
-    The modules run after the head on the main model's last hidden states, with the embedding and the head
-    (``moe/mtp.py``). Under pipeline parallelism they run on the last stage with a copy of the embedding
-    (``parallel/pipeline.py``), under sequence parallelism on the whole sequence (``parallel/tensor.py``); both are
-    tested against one process beside data parallelism, FSDP, ep and plain tp (``tests/parallel/test_parity.py``).
-    Under vocabulary parallelism the head's logits are vocabulary-sharded DTensors: the modules' cross-entropies,
-    the loss they attach to the main logits and their logged losses would each have to take those, and no parity
-    row proves that yet.
-    """
-    depth = config.model.mtp_depth
-    if depth and layout.tp > 1 and config.parallel.vocab_parallel:
-        raise ConfigError(f"model.mtp_depth={depth} with parallel.vocab_parallel=true: multi-token prediction does "
-                          "not run on vocabulary shards yet; set parallel.vocab_parallel=false (sequence "
-                          "parallelism, pipeline stages, tp, ep and FSDP all work with it) or model.mtp_depth=0")
 
 
 def check_optimizer_layout(config: RunConfig, layout: Layout) -> None:

@@ -196,12 +196,14 @@ def _ends_plan(model: MoETransformer, sequence_parallel: bool, vocab_parallel: b
                                               use_local_output=True)
         elif sequence_parallel:
             plan["norm"] = SequenceParallel()
+        head_input = Replicate() if whole_head else stream  # the whole sequence from both callers, or the stream
         if vocab_parallel and model.config.tie_embeddings:
             # the head's weight is the embedding's, already split over the vocabulary: a replicated input
             # times it gives vocabulary-sharded logits by itself
-            plan["output"] = PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate())
+            plan["output"] = PrepareModuleInput(input_layouts=head_input, desired_input_layouts=Replicate())
         elif vocab_parallel:
-            plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+            plan["output"] = ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1),
+                                             use_local_output=False)
         elif sequence_parallel and not whole_head:  # the whole head, on the whole sequence
             plan["output"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
                                                 use_local_output=True)
@@ -228,6 +230,40 @@ def apply_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh, sequence_p
         parallelize_module(model, tp_mesh, ends)
     if vocab_parallel and model.config.tie_embeddings:  # the embedding got a new (DTensor) parameter: re-tie
         model.output.weight = model.tok_embeddings.weight
+    elif vocab_parallel and isinstance(model.tok_embeddings, nn.Embedding):
+        model.tok_embeddings.__class__ = SplitEmbedding  # same parameters and hooks; its gradient kept split
+
+
+class SplitEmbedding(nn.Embedding):
+    """A vocabulary-split embedding (``vocab_parallel``, untied) whose weight's gradient stays as split as the weight.
+
+    DTensor differentiates the split lookup into the whole table's gradient on every tp rank (``Replicate``: [V, D]
+    fp32 where the weight holds V/tp rows; measured on torch 2.13), which would then stay for the step and go whole
+    into the gradient norm, the optimizer and, under pipelining with multi-token prediction, the embedding's
+    all-reduce between the two ends. ``_OwnRowsGradient`` cuts it to this rank's rows as it leaves the lookup:
+    from ``Replicate`` to ``Shard`` is a local slice, no communication. Tied to the head the gradient is the head's,
+    already split. A subclass (set on the instance) rather than a parameter hook, which would not survive the
+    parameters' materialisation (``parallel.materialize``).
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.embedding(input, _OwnRowsGradient.apply(self.weight), self.padding_idx, self.max_norm,
+                           self.norm_type, self.scale_grad_by_freq, self.sparse)
+
+
+class _OwnRowsGradient(torch.autograd.Function):
+    """The identity on a DTensor weight; its gradient redistributed to the weight's placements."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor) -> Tensor:
+        ctx.mesh, ctx.placements = weight.device_mesh, weight.placements
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        if isinstance(grad, DTensor) and grad.placements != ctx.placements:
+            return grad.redistribute(ctx.mesh, ctx.placements)
+        return grad
 
 
 def loss_context(vocab_parallel: bool) -> AbstractContextManager:

@@ -76,6 +76,12 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     "MTP, ep=2 over tp=2, sequence parallel": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2",
                                                "parallel.sequence_parallel=true", "model.mtp_depth=1"],
     "MTP, pp=2": ["parallel.dp_shard=1", "parallel.pp=2", "model.mtp_depth=1"],
+    # under vocabulary parallelism each module's head input gradient and loss reduce over tp as the main head's;
+    # beside them the main head takes the whole sequence (its input gradient all-reduced, not reduce-scattered)
+    "MTP, tp=2, vocab parallel": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.vocab_parallel=true",
+                                  "model.mtp_depth=1"],
+    "MTP, tp=2, sequence and vocab parallel": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.vocab_parallel=true",
+                                               "parallel.sequence_parallel=true", "model.mtp_depth=1"],
     # context parallelism: keys and values gathered per attention layer (again in full recompute), their gradients
     # reduce-scattered, the balancing counts summed per MoE layer, FSDP over dp_shard × cp
     "cp=2, 2 micro-batches, full recompute": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null",
@@ -112,6 +118,10 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
                                              "moe.num_experts=3"],
     # Muon's matrices cut by two axes, gathered one after the other: dense ones by dp_shard and tp (column-parallel:
     # FSDP's strided rows; row-parallel: two dims), expert stacks by etp and FSDP over edp (a matrix dim)
+    # the last stage's embedding copy looks up on its vocabulary slice; its (split) gradient summed with the first's
+    "MTP, pp=2 x tp=2, sequence and vocab parallel": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2",
+                                                      "parallel.vocab_parallel=true", "parallel.sequence_parallel=true",
+                                                      "model.mtp_depth=1"],
     "muon, tp=2 x dp_shard=2, etp=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
                                                   "moe.num_experts=3", "train.optimizer=muon"],
     # each tp rank gathers its own key/value heads over cp; ep folds over cp × tp

@@ -335,6 +335,10 @@ SPAWNED = [
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "model.mtp_depth=1", *MLA, "model.q_lora_rank=10"]),
     # and on the whole sequence under sequence parallelism: its inputs gathered, the final norm on the whole too
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", "model.mtp_depth=1"]),
+    # and with the head split over the vocabulary: each module's logits and loss on this rank's vocabulary slice
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.vocab_parallel=true", "model.mtp_depth=1"]),
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", "parallel.vocab_parallel=true",
+              "model.mtp_depth=1"]),
     # context parallelism: S/cp queries over the gathered S keys and values (the latent, for latent attention), a
     # mask per layer, the weights sharded by FSDP over cp; GPT-OSS's sinks and windows take the masked path
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null"]),

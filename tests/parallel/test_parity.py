@@ -94,6 +94,14 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # model and micro-batches: its reference run serves both)
     pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *DEEPSEEK_V3_MTP, "model.q_lora_rank=null"], 2,
                  "null", id="tp=2-sequence_parallel-deepseek-v3-mtp"),
+    # and with the head split over the vocabulary: each module's cross-entropy on vocabulary-sharded logits
+    pytest.param(["parallel.tp=2", "parallel.vocab_parallel=true", *DEEPSEEK_V3_MTP, "model.q_lora_rank=null"], 2,
+                 "null", id="tp=2-vocab_parallel-deepseek-v3-mtp"),
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.vocab_parallel=true",
+                  *DEEPSEEK_V3_MTP, "model.q_lora_rank=null"], 2, "null",
+                 id="tp=2-sequence+vocab_parallel-deepseek-v3-mtp"),
+    pytest.param(["parallel.pp=2", "parallel.tp=2", "parallel.vocab_parallel=true", *DEEPSEEK_V3_MTP,
+                  "model.q_lora_rank=null"], 4, "null", id="pp=2xtp=2-vocab_parallel-deepseek-v3-mtp"),
     # GLM-4.5's attention split by heads: q/k/v biases split with their projections, RoPE on half of each head,
     # q/k norms on each rank's heads; its sigmoid routing with a shared expert behind a dense first layer
     pytest.param(["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", "model.qkv_bias=true",
