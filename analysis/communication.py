@@ -541,8 +541,8 @@ def node_exchange_traffic(step: _Step, forwards: int, backwards: int) -> list[Tr
     (``analysis.dispatch_reach.node_exchange_counts``)."""
     config, layout = step.config, step.layout
     nodes = expert_nodes(layout, step.ranks_per_node)
-    inter = next(tuple(g) for g in nodes.inter if step.rank in g)
-    intra = next(tuple(g) for g in nodes.intra if step.rank in g)
+    inter = next(g for g in nodes.inter if step.rank in g)
+    intra = next(g for g in nodes.intra if step.rank in g)
     node, position = inter.index(step.rank), intra.index(step.rank)
     across, within = node_exchange_counts(config.moe, step.tokens, nodes.nodes, nodes.per_node, node)
     row, node_experts = config.model.d_model * step.act, config.moe.num_experts // nodes.nodes

@@ -133,4 +133,5 @@ def describe(moe: MoEConfig, layout: Layout, gpus_per_node: int, rank: int = 0) 
     return (f"one token's dispatch reaches at most {reach.ranks} of ep={layout.ep} ranks on {reach.nodes} node(s) "
             f"under {limit} (without the limit: {reach.ranks_unlimited} ranks, {reach.nodes_unlimited} node(s)); "
             f"without tensor parallelism a token's dispatch and combine move one row per rank reached, "
-            f"not k={moe.top_k}")
+            f"not k={moe.top_k} (across nodes with several ep ranks each: one row per node reached, then per rank "
+            f"inside the node)")

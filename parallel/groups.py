@@ -29,6 +29,7 @@ Pure part (no processes): ``Layout`` (degrees, validated at construction), ``val
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -421,19 +422,21 @@ class ExpertNodes:
 
     nodes: int
     per_node: int
-    intra: list[list[int]]
-    inter: list[list[int]]
+    intra: tuple[tuple[int, ...], ...]
+    inter: tuple[tuple[int, ...], ...]
 
 
+@functools.lru_cache(maxsize=256)
 def expert_nodes(layout: Layout, ranks_per_node: int) -> ExpertNodes | None:
     """The ep groups cut by nodes of ``ranks_per_node`` consecutive ranks (torchrun's numbering), or None where
     there is nothing for a second hop to save: an ep group inside one node, one ep rank per node, or nodes holding
-    unequal or interleaved shares of a group (then no in-node position pairs the nodes up)."""
-    intra: list[list[int]] = []
+    unequal or interleaved shares of a group (then no in-node position pairs the nodes up). Remembered: the
+    planner asks for every candidate layout's."""
+    intra: list[tuple[int, ...]] = []
     blocks_per_group, ranks_per_block = set(), set()
     for group in groups_for(layout, *axis_view("ep")):
         node_of = [rank // ranks_per_node for rank in group]
-        blocks = [group[start:end] for start, end in _runs(node_of)]
+        blocks = [tuple(group[start:end]) for start, end in _runs(node_of)]
         if len(set(node_of)) != len(blocks):  # a node's share cut by another's
             return None
         blocks_per_group.add(len(blocks))
@@ -444,9 +447,9 @@ def expert_nodes(layout: Layout, ranks_per_node: int) -> ExpertNodes | None:
     (nodes,), (per_node,) = blocks_per_group, ranks_per_block
     if nodes < 2 or per_node < 2:
         return None
-    inter = [list(ranks) for start in range(0, len(intra), nodes)
-             for ranks in zip(*intra[start:start + nodes], strict=True)]
-    return ExpertNodes(nodes, per_node, intra, inter)
+    inter = tuple(ranks for start in range(0, len(intra), nodes)
+                  for ranks in zip(*intra[start:start + nodes], strict=True))
+    return ExpertNodes(nodes, per_node, tuple(intra), inter)
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:
@@ -657,8 +660,8 @@ class ParallelGroups:
             self._require_distributed("expert_node_groups()")
             nodes = expert_nodes(self.layout, ranks_per_node)
             self._node_groups[ranks_per_node] = None if nodes is None else (
-                _new_groups(nodes.intra, self.rank, "ep_intra_node"),
-                _new_groups(nodes.inter, self.rank, "ep_inter_node"))
+                _new_groups(list(map(list, nodes.intra)), self.rank, "ep_intra_node"),
+                _new_groups(list(map(list, nodes.inter)), self.rank, "ep_inter_node"))
         return self._node_groups[ranks_per_node]
 
     def coords(self) -> dict[str, int]:

@@ -28,7 +28,7 @@ from parallel.expert import ExpertParallelExperts
 from parallel.groups import Layout, ParallelGroups, expert_nodes
 from parallel.layout import resolve_layout
 from tests.analysis.test_memory import SPAWNED_MODEL, _measure, _tiny
-from tests.parallel.test_expert import _full_grads, _run
+from tests.parallel.test_expert import _full_grads, _run, reference_results
 from tests.spawn import spawn
 
 WORLD, RANKS_PER_NODE, D = 4, 2, 16
@@ -48,7 +48,7 @@ ROUTINGS = {  # 8 experts over ep=4: 2 per rank, 4 per node; a group per node un
 ])
 def test_ep_groups_are_cut_by_node(world, ep, ranks_per_node, expected):
     nodes = expert_nodes(Layout.resolve(world, ep=ep), ranks_per_node)
-    assert (nodes and (nodes.intra, nodes.inter)) == expected
+    assert (nodes and ([list(g) for g in nodes.intra], [list(g) for g in nodes.inter])) == expected
 
 
 @pytest.mark.parametrize("ranks_per_node, message", [(3, "does not divide the world of 4 ranks"),
@@ -72,24 +72,9 @@ def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 16, D, generator=generator), torch.randn(2, 16, D, generator=generator)
 
 
-def _reference(layer: MoELayer, rank: int):
-    """One process: this rank's output and input gradient, every parameter's gradient (the experts' summed over all
-    ranks' tokens, as expert parallelism sums them)."""
-    expert_grads = {name: torch.zeros_like(p) for name, p in layer.experts.named_parameters()}
-    for source in range(WORLD):
-        layer.zero_grad()
-        out, x_grad = _run(layer, *_inputs(source), None)
-        for name, p in layer.experts.named_parameters():
-            expert_grads[name] += p.grad
-        if source == rank:
-            mine = out, x_grad, {name: p.grad.clone() for name, p in layer.named_parameters()}
-    mine[2].update({f"experts.{name}": grad for name, grad in expert_grads.items()})
-    return mine
-
-
 def _check_routing(rank: int, groups: ParallelGroups, routing: dict) -> None:
     reference = _layer(routing)
-    ref_out, ref_x_grad, ref_grads = _reference(copy.deepcopy(reference), rank)
+    ref_out, ref_x_grad, ref_grads = reference_results(copy.deepcopy(reference), rank, WORLD, _inputs, None)
     results = {}
     for hops, node_groups in (("one", None), ("two", groups.expert_node_groups(RANKS_PER_NODE))):
         layer = copy.deepcopy(reference)
