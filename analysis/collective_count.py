@@ -75,6 +75,7 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
         self.records: list[CountedCollective] = []
         self.current = "step"
+        self.all_to_all_sent: dict[int, int] = {}  # bytes of uneven all-to-alls by the global rank they went to
 
     @contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -105,6 +106,7 @@ class CollectiveCounter(TorchDispatchMode):
             me = ranks.index(dist.get_rank())
             if splits:  # uneven: the rows that leave for other ranks
                 record = ("all_to_all", ranks, (sum(splits) - splits[me]) * _nbytes(tensor) // max(sum(splits), 1))
+                self._record_destinations(ranks, splits, _nbytes(tensor) // max(sum(splits), 1))
             else:
                 record = ("all_to_all", ranks, bus_bytes("all_to_all", _nbytes(tensor), len(ranks)))
         elif name in _OPS:
@@ -115,6 +117,17 @@ class CollectiveCounter(TorchDispatchMode):
             raise NotImplementedError(f"CollectiveCounter does not know the collective {name}; add it to _OPS")
         if len(record[1]) > 1:
             self.records.append(CountedCollective(*record, self.current))
+
+    def _record_destinations(self, ranks: tuple[int, ...], splits: list[int], row_bytes: int) -> None:
+        for rank, rows in zip(ranks, splits, strict=True):
+            if rank != dist.get_rank():
+                self.all_to_all_sent[rank] = self.all_to_all_sent.get(rank, 0) + rows * row_bytes
+
+    def all_to_all_bytes_across_nodes(self, ranks_per_node: int) -> int:
+        """Bytes the uneven all-to-alls (the experts' exchanges) sent to ranks of other nodes (``ranks_per_node``
+        consecutive ranks each): what would cross the network, where their groups' bus bytes count every peer."""
+        node = dist.get_rank() // ranks_per_node
+        return sum(sent for rank, sent in self.all_to_all_sent.items() if rank // ranks_per_node != node)
 
     def totals(self, section: str = "step") -> dict[tuple[str, tuple[int, ...]], tuple[int, int]]:
         """(calls, bus bytes) by (collective, group) over one section, as ``totals`` sums a prediction."""

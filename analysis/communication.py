@@ -31,7 +31,10 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
   deduplicated (``parallel/expert_dispatch.py``, ``pair_exchange_traffic``): one row per (token, destination
   rank) pair each way, plus a code and a weight per assignment; pairs per destination from
   ``analysis.dispatch_reach.exchange_counts`` (the round robin's under ``moe.force_balance``, otherwise each
-  token reaching the most ranks its group limit allows).
+  token reaching the most ranks its group limit allows). Where the ep group spans nodes with several of its ranks
+  in each (``predict``'s ``ranks_per_node``), the same exchange twice (``node_exchange_traffic``): over the ranks
+  with this rank's in-node position, one row per (token, node), then over the node's ranks, one row per forwarded
+  row and rank (``analysis.dispatch_reach.node_exchange_counts``).
 - FSDP2 (``parallel/sharding.py``): per block, per routed-experts unit and for the root (embedding, norm,
   head), an all-gather of the fp32 parameter shards per micro-batch, again in backward with
   ``reshard_after_forward`` (not for the root); a reduce-scatter of the gradients once per step under
@@ -101,7 +104,7 @@ from dataclasses import dataclass
 import torch
 
 from analysis.dispatch_reach import describe as describe_reach
-from analysis.dispatch_reach import exchange_counts
+from analysis.dispatch_reach import exchange_counts, node_exchange_counts
 from analysis.memory_states import (
     Block,
     ParamTensor,
@@ -124,8 +127,8 @@ from config.cli import (
 from config.errors import ConfigError
 from config.run import RunConfig
 from moe.dispatch import expert_capacity
-from parallel.expert import exchanges_pairs
-from parallel.groups import Layout, axis_view, groups_for
+from parallel.expert import exchanges_by_node, exchanges_pairs
+from parallel.groups import Layout, axis_view, expert_nodes, groups_for
 from parallel.groups import coordinates as _coordinates
 from parallel.hardware import planned_precision
 from parallel.layout import micro_batching, resolve_layout
@@ -318,6 +321,7 @@ class _Step:
     last: bool  # holds the final norm, the head and the loss
     act: int  # bytes of an activation in compute precision (bf16 projections' outputs, routed rows)
     mtp: tuple[int, ...] = ()  # the multi-token-prediction modules it runs, as layers n_layers + k (the last stage)
+    ranks_per_node: int | None = None  # where the experts' exchange crosses nodes (None: the world is one node)
 
     def group(self, *axes: str) -> tuple[int, ...]:
         return _group_of(self.layout, self.rank, axes)
@@ -511,6 +515,8 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     group, me = step.group("ep"), coordinates(layout, step.rank)["ep"]
     forwards = len(moe_layers) * step.microbatches * (1 + _moe_recompute(step))
     backwards = len(moe_layers) * step.microbatches
+    if step.ranks_per_node and exchanges_by_node(layout, config.moe.top_k, step.ranks_per_node):
+        return node_exchange_traffic(step, forwards, backwards)
     if exchanges_pairs(layout.ep, layout.tp, config.moe.top_k):
         return pair_exchange_traffic(*exchange_counts(config.moe, step.tokens, layout.ep), me, group,
                                      config.model.d_model * step.act, forwards, backwards, config.moe.num_experts)
@@ -528,16 +534,35 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     return out
 
 
+def node_exchange_traffic(step: _Step, forwards: int, backwards: int) -> list[Traffic]:
+    """The two-hop exchange (``parallel/node_dispatch.py``): the pair exchange over this rank's across-node group
+    with a node as the destination, then over its in-node group with what it forwards
+    (``analysis.dispatch_reach.node_exchange_counts``)."""
+    config, layout = step.config, step.layout
+    nodes = expert_nodes(layout, step.ranks_per_node)
+    inter = next(g for g in nodes.inter if step.rank in g)
+    intra = next(g for g in nodes.intra if step.rank in g)
+    node, position = inter.index(step.rank), intra.index(step.rank)
+    across, within = node_exchange_counts(config.moe, step.tokens, nodes.nodes, nodes.per_node, node)
+    row, node_experts = config.model.d_model * step.act, config.moe.num_experts // nodes.nodes
+    return [*pair_exchange_traffic(*across, node, inter, row, forwards, backwards, config.moe.num_experts,
+                                   destination="node"),
+            *pair_exchange_traffic(*within, position, intra, row, forwards, backwards, node_experts)]
+
+
 def pair_exchange_traffic(pairs: list[int], assignments: list[int], me: int, group: tuple[int, ...], row: int,
                           forwards: int, backwards: int, num_experts: int,
-                          sources: list[tuple[list[int], list[int]]] | None = None) -> list[Traffic]:
+                          sources: list[tuple[list[int], list[int]]] | None = None,
+                          destination: str = "rank") -> list[Traffic]:
     """The deduplicated exchange's all-to-alls (``parallel/expert_dispatch.py``) for the rank at ep coordinate ``me``.
 
     ``pairs``/``assignments``: what it sends to each ep coordinate (``analysis.dispatch_reach.exchange_counts`` or
     ``routing_pairs``); ``sources``: the same for every coordinate, for what it receives (by default all alike, as
     under balanced routing). Forward: the counts ([ep, L + 1] int64), the pairs' rows, an int64 code and an fp32
     weight per assignment, and one combined row per pair received; backward: the combined rows' gradients, the
-    weights' and the rows'. Each all-to-all's bytes are what leaves this rank (``row`` bytes a row).
+    weights' and the rows'. Each all-to-all's bytes are what leaves this rank (``row`` bytes a row). ``num_experts``:
+    the experts the group's ranks hold; ``destination``: what a pair's destination is (a rank, or a node in the
+    two-hop exchange's first hop).
     """
     ep = len(group)
     sources = sources or [(pairs, assignments)] * ep
@@ -547,7 +572,8 @@ def pair_exchange_traffic(pairs: list[int], assignments: list[int], me: int, gro
     out: list[Traffic] = []
     _add(out, "ep", "all_to_all", "rows per local expert and pairs (forward)", forwards, (num_experts + ep) * 8,
          group)
-    for what, calls, leaving in (("dispatch: a row per (token, rank) pair (forward)", forwards, pairs_out * row),
+    for what, calls, leaving in ((f"dispatch: a row per (token, {destination}) pair (forward)", forwards,
+                                  pairs_out * row),
                                  ("dispatch: code per assignment (forward)", forwards, assignments_out * 8),
                                  ("dispatch: weight per assignment (forward)", forwards, assignments_out * 4),
                                  ("combine: a row per pair (forward)", forwards, pairs_in * row),
@@ -768,11 +794,14 @@ def muon_traffic(step: _Step) -> list[Traffic]:
 
 
 def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | None = None,
-            context_only: bool = False) -> list[Traffic]:
+            context_only: bool = False, ranks_per_node: int | None = None) -> list[Traffic]:
     """Every collective ``rank`` runs in one optimizer step of ``config`` under ``layout``, per dimension.
 
     ``precision`` (bf16 or fp32) overrides ``train.precision``; ``auto`` counts as bf16, what it picks on GPUs.
     ``context_only``: the context-parallel group's alone (the planner's bound: they wait in full, and are cheap).
+    ``ranks_per_node``: the node size torchrun will give (``--nproc-per-node``, the run's LOCAL_WORLD_SIZE), which
+    decides whether the experts' exchange goes in two hops (``parallel/node_dispatch.py``); ``parallel.ranks_per_node``
+    overrides it, as it does at run time; with neither, the world is taken as one node.
     """
     micro, microbatches = micro_batching(config, layout.dp, layout.pp)
     precision = precision or config.train.precision
@@ -785,7 +814,8 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
     else:
         layers, first, last = tuple(range(config.model.n_layers)), True, True
     mtp = tuple(mtp_layers(config.model)) if last else ()
-    step = _Step(config, layout, rank, micro, microbatches, layers, first, last, 4 if precision == "fp32" else 2, mtp)
+    step = _Step(config, layout, rank, micro, microbatches, layers, first, last, 4 if precision == "fp32" else 2, mtp,
+                 config.parallel.ranks_per_node or ranks_per_node)
     if context_only:
         return context_parallel_traffic(step)
     return [*tensor_parallel_traffic(step), *context_parallel_traffic(step), *expert_parallel_traffic(step),
@@ -888,7 +918,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.rank}; {microbatches} micro-batch(es) of {micro} x {config.model.seq_len} tokens; {precision}")
         print(f"bandwidth per GPU, one way: {hardware.intra_node / 1e9:.0f} GB/s in a node, "
               f"{hardware.inter_node / 1e9:.0f} GB/s between nodes ({hardware.name}; {hardware.source})")
-        print(format_table(predict(config, layout, args.rank, precision), hardware, gpus_per_node))
+        print(format_table(predict(config, layout, args.rank, precision, ranks_per_node=gpus_per_node), hardware,
+                           gpus_per_node))
         if layout.ep > 1 and any(config.model.is_moe_layer(i) for i in range(config.model.n_layers)):
             print(describe_reach(config.moe, layout, gpus_per_node, args.rank))
 

@@ -17,7 +17,10 @@ assignments a rank sends to each destination, from a routing (what the counted t
 communication model, from the balanced routing it assumes: the round robin itself under ``moe.force_balance``,
 otherwise every token reaching the bound (the most the placement allows; DeepSeek-V3's 8 of 256 experts within 4
 groups on ep=64 reach 8 ranks, a token of a real router almost always all of them), spread evenly over the ranks.
-Under tensor parallelism, or with k = 1, the exchange stays one row per kept assignment.
+Where the ep group spans nodes with several of its ranks in each, the exchange goes in two hops
+(``parallel/node_dispatch.py``): once per (token, node) across the network, then per rank inside the node; so the
+network carries at most ``nodes`` rows per token (``node_exchange_counts``). Under tensor parallelism, or with
+k = 1, the exchange stays one row per kept assignment.
 """
 
 from __future__ import annotations
@@ -106,6 +109,22 @@ def exchange_counts(moe: MoEConfig, tokens: int, ep: int) -> tuple[list[int], li
     return [min(even + (r < extra), assignments[r]) for r in range(ep)], assignments
 
 
+def node_exchange_counts(moe: MoEConfig, tokens: int, nodes: int, per_node: int,
+                         node: int) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """The two-hop exchange's counts (``parallel/node_dispatch.py``) for a rank in node ``node`` of an ep group of
+    ``nodes`` × ``per_node`` ranks, under ``exchange_counts``' balanced routing, every rank routing alike:
+
+    - across nodes: the (token, node) pairs and assignments it sends to each node: ``exchange_counts`` with a node
+      as the destination (the reach bound over nodes, DeepSeek-V3's M)
+    - inside its node: the rows it forwards to each rank of the node: its ``nodes`` senders' (one per node, this
+      one included) pairs and assignments bound for that rank, each as one rank sends them in one hop
+    """
+    pairs, assignments = exchange_counts(moe, tokens, nodes * per_node)
+    mine = slice(node * per_node, (node + 1) * per_node)
+    forwarded = [nodes * p for p in pairs[mine]], [nodes * a for a in assignments[mine]]
+    return exchange_counts(moe, tokens, nodes), forwarded
+
+
 def describe(moe: MoEConfig, layout: Layout, gpus_per_node: int, rank: int = 0) -> str:
     """One line for the communication table: the bound, beside plain top-k's."""
     reach = dispatch_reach(moe, layout, gpus_per_node, rank)
@@ -114,4 +133,5 @@ def describe(moe: MoEConfig, layout: Layout, gpus_per_node: int, rank: int = 0) 
     return (f"one token's dispatch reaches at most {reach.ranks} of ep={layout.ep} ranks on {reach.nodes} node(s) "
             f"under {limit} (without the limit: {reach.ranks_unlimited} ranks, {reach.nodes_unlimited} node(s)); "
             f"without tensor parallelism a token's dispatch and combine move one row per rank reached, "
-            f"not k={moe.top_k}")
+            f"not k={moe.top_k} (across nodes with several ep ranks each: one row per node reached, then per rank "
+            f"inside the node)")

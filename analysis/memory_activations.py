@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from analysis.dispatch_reach import exchange_counts
+from analysis.dispatch_reach import exchange_counts, node_exchange_counts
 from analysis.memory_states import (
     FP32,
     Block,
@@ -44,8 +44,8 @@ from moe.experts import padded_rows, row_multiple_on
 from moe.norm import uses_fused_backward
 from moe.sequence_shards import attends_by_chunks
 from moe.transformer import SINK_CHANNELS, blocked_window
-from parallel.expert import exchanges_pairs
-from parallel.groups import Layout
+from parallel.expert import exchanges_by_node, exchanges_pairs
+from parallel.groups import ExpertNodes, Layout, expert_nodes
 
 INDEX = 8  # int64 ids and indices
 OFFSET = 4  # the grouped GEMM's int32 group offsets
@@ -215,7 +215,8 @@ def _router(moe: MoEConfig, d: int, mb: MicroBatch) -> int:
     return total
 
 
-def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> dict[str, int]:
+def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
+         ranks_per_node: int | None = None) -> dict[str, int]:
     """One MoE layer: router, permuted tokens and experts (this rank's share of the rows), combine, shared experts.
 
     Under tp each tp rank computes 1/(tp/etp) of the grouped rows (a copy of its share); under ep those
@@ -250,7 +251,11 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch) -> 
         experts += rows * INDEX
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
              # expert outputs, their weights, the order and the token index
-             "MoE combine": _pair_combine(moe, layout, mb, d) if pairs else kept * d * a + kept * a + 2 * kept * INDEX}
+             "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
+    if ranks_per_node and exchanges_by_node(layout, moe.top_k, ranks_per_node):
+        parts["MoE combine"] = _node_combine(moe, expert_nodes(layout, ranks_per_node), mb, d)
+    elif pairs:
+        parts["MoE combine"] = _pair_combine(moe, layout, mb, d)
     if moe.num_shared_experts:
         parts["shared experts"] = _feed_forward(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
     return parts
@@ -268,6 +273,28 @@ def _pair_combine(moe: MoEConfig, layout: Layout, mb: MicroBatch, d: int) -> int
     indices = (sum(sent_pairs) + sum(sent) + 2 * received + received_pairs * min(moe.top_k, local)
                + mb.tokens * min(moe.top_k, ep))
     return received * (d + 1) * mb.compute + indices * INDEX
+
+
+def _node_combine(moe: MoEConfig, nodes: ExpertNodes, mb: MicroBatch, d: int) -> int:
+    """The two-hop exchange (``parallel/node_dispatch.py``) on the busiest rank under balanced routing
+    (``analysis.dispatch_reach.node_exchange_counts``, as the communication model counts it). At home, as int64
+    indices: the (token, node) pairs' tokens and the sent assignments, each token's node rows (min(k, nodes)). As
+    forwarder: the forwarded pairs' rows and the forwarded assignments (all it received), each received row's
+    in-node rows (min(k, per_node)). As the experts' rank, what ``_pair_combine`` keeps there: the received
+    assignments' outputs and weights (compute dtype), their pair and order, each pair's slots (min(k, L))."""
+    local = moe.num_experts // (nodes.nodes * nodes.per_node)
+
+    def rank_bytes(node: int, position: int) -> int:
+        (sent_pairs, sent), (forwarded_pairs, forwarded) = node_exchange_counts(moe, mb.tokens, nodes.nodes,
+                                                                                nodes.per_node, node)
+        received_rows = nodes.nodes * sent_pairs[node]  # every rank of the across-node group sends alike
+        received_pairs, received = nodes.per_node * forwarded_pairs[position], nodes.per_node * forwarded[position]
+        indices = (sum(sent_pairs) + sum(sent) + mb.tokens * min(moe.top_k, nodes.nodes)
+                   + sum(forwarded_pairs) + nodes.nodes * sent[node] + received_rows * min(moe.top_k, nodes.per_node)
+                   + 2 * received + received_pairs * min(moe.top_k, local))
+        return received * (d + 1) * mb.compute + indices * INDEX
+
+    return max(rank_bytes(node, position) for node in range(nodes.nodes) for position in range(nodes.per_node))
 
 
 def _mtp_extras(model: ModelConfig, mb: MicroBatch, sequences: int, k: int, fused: bool, stream_bf16: bool,
@@ -392,7 +419,7 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
         elif par.activation_checkpointing == "moe":
             block["MoE inputs (recompute)"] = mb.tokens * d * stream_bytes
         else:
-            moe_parts = _moe(model, moe, layout, mb)
+            moe_parts = _moe(model, moe, layout, mb, par.ranks_per_node)
             if par.activation_offload == "moe":
                 offloaded.append((sum(moe_parts.values()), count))
             else:

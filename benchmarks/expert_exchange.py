@@ -1,22 +1,31 @@
-"""Expert parallelism's two token exchanges side by side: one row per kept assignment, or one per (token, rank) pair.
+"""Expert parallelism's token exchanges side by side: one row per kept assignment, one per (token, rank) pair, or in
+two hops across nodes, one per (token, node).
 
-What is measured. Two gloo ranks on the CPU (ep=2, one thread each), each with 2,048 tokens through the standard MoE
-layer (d_model 512, 8 SwiGLU experts of hidden 1024, dropless, fp32), forward and backward. The same layer, with
-the same weights and tokens, runs ``ExpertParallelExperts.row_exchange`` (``parallel/expert.py``) and
-``pair_exchange`` (``parallel/expert_dispatch.py``), interleaved step for step, for:
+What is measured. gloo ranks on the CPU (one thread each), each with 2,048 tokens through the standard MoE layer
+(d_model 512, 8 SwiGLU experts of hidden 1024, dropless, fp32), forward and backward. The same layer, with the same
+weights and tokens, runs two exchanges interleaved step for step, for:
 
-- ``top-1``: k = 1 (one destination per token: pairs can only add their codes and weights)
-- ``top-2``: plain top-2 of 8 experts (a token's two experts share a rank about 3 times in 7)
-- ``top-2, topk_group=1``: 2 groups of 4 experts, a group per rank, one group per token (one rank per token)
+- ``top-1``: k = 1 (one destination per token: pairs can only add their codes and weights; not with two hops,
+  which, like pairs, the layer runs only for k > 1)
+- ``top-2``: plain top-2 of 8 experts
+- ``top-2, topk_group=1``: 2 groups of 4 experts, one group per token
 - ``top-4, topk_group=1``: the same with k = 4
 
-``bytes`` is what rank 0 puts on the link in the step's all-to-alls, as ``analysis.collective_count`` counts them
-(forward and backward); ``ms`` the median step over ``--repeats`` (rank 0's); ``ratio`` pair over row, bytes and
-time. gloo over loopback on a shared CPU stands in for a network here: the byte ratio is the lever on a real
-link, the time ratio says whether the extra index work and the codes and weights cost more than they save where
-moving bytes is cheap. A measurement, never a pass/fail test.
+By default 2 ranks (ep=2: a group per rank) compare ``ExpertParallelExperts.row_exchange`` (``parallel/expert.py``)
+with ``pair_exchange`` (``parallel/expert_dispatch.py``). With ``--ranks-per-node N``, 2·N ranks (ep=2·N) stand for
+2 nodes of N (``parallel.ranks_per_node``; a group per node, as DeepSeek-V3's node-limited routing has it) and
+compare the one-hop pair exchange with the two-hop one (``parallel/node_dispatch.py``); ``across`` is what rank 0's
+all-to-alls send to the other node's ranks (``CollectiveCounter.all_to_all_bytes_across_nodes``): the bytes a network
+would carry.
 
-    python benchmarks/expert_exchange.py [--repeats N] [--tokens T]
+``MiB`` is what rank 0 puts on its links in the step's all-to-alls, as ``analysis.collective_count`` counts them
+(forward and backward); ``ms`` the median step over ``--repeats`` (rank 0's); ``ratio`` the second exchange over the
+first: bytes (across nodes, with ``--ranks-per-node``) and time. gloo over loopback on a shared CPU stands in for
+the links here: the byte ratio is the lever on a real network, the time ratio says whether the extra index work
+(and, for two hops, the second exchange) costs more than it saves where moving bytes is cheap. NCCL is untested. A
+measurement, never a pass/fail test.
+
+    python benchmarks/expert_exchange.py [--repeats N] [--tokens T] [--ranks-per-node N]
 """
 
 from __future__ import annotations
@@ -58,55 +67,76 @@ def _step(layer: MoELayer, tokens: torch.Tensor) -> float:
     return time.perf_counter() - started
 
 
-def _process(rank: int, port: int, repeats: int, num_tokens: int) -> None:
-    """One of the two ranks, joined as ``torchrun`` would join it."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+def _process(rank: int, world_size: int, port: int, repeats: int, num_tokens: int, ranks_per_node: int | None) -> None:
+    """One of the ranks, joined as ``torchrun`` would join it."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     init_runtime()
     try:
-        _measure(rank, repeats, num_tokens)
+        _measure(rank, world_size, repeats, num_tokens, ranks_per_node)
     finally:
         shutdown_runtime()
     exit_process(0)
 
 
-def _measure(rank: int, repeats: int, num_tokens: int) -> None:
-    groups = ParallelGroups.build(Layout(2, dp_shard=2, ep=2), "cpu")
+def _use(experts: ExpertParallelExperts, exchange: str, node_groups) -> None:
+    """Point the layer at one exchange: ``row``, ``pair`` (one hop) or ``node`` (two hops across nodes)."""
+    experts.node_groups = node_groups if exchange == "node" else None
+    experts.forward = experts.row_exchange if exchange == "row" else experts.pair_exchange
+
+
+def _measure(rank: int, world_size: int, repeats: int, num_tokens: int, ranks_per_node: int | None) -> None:
+    groups = ParallelGroups.build(Layout(world_size, dp_shard=world_size, ep=world_size), "cpu")
+    node_groups = groups.expert_node_groups(ranks_per_node) if ranks_per_node else None
+    first, second = ("pair", "node") if ranks_per_node else ("row", "pair")
     tokens = torch.randn(1, num_tokens, D, generator=torch.Generator().manual_seed(rank))
     if rank == 0:
-        print(f"{'routing':<22} {'exchange':<6} {'MiB':>8} {'ms':>8}   pair / row: bytes, time")
+        across = f" {'across':>8}" if ranks_per_node else ""
+        print(f"{'routing':<22} {'exchange':<8} {'MiB':>8}{across} {'ms':>8}   {second} / {first}: bytes, time")
     for name, options in SETTINGS.items():
+        if ranks_per_node and options["top_k"] == 1:  # no pairs at k = 1 (``exchanges_pairs``): nothing to compare
+            continue
         torch.manual_seed(0)
         layer = MoELayer(D, MoEConfig(num_experts=8, expert_hidden=HIDDEN, capacity_factor=None, **options))
         initialize(layer, 0, 0.02, 0.02)
         layer.experts = experts = ExpertParallelExperts(layer.experts, groups.mesh("ep"))
         results = {}
-        for exchange in ("row", "pair"):
-            experts.forward = getattr(experts, f"{exchange}_exchange")
+        for exchange in (first, second):
+            _use(experts, exchange, node_groups)
             counter = CollectiveCounter()
             with counter:
                 _step(layer, tokens)
-            results[exchange] = [sum(b for _, b in counter.totals().values()), []]
+            sent = sum(b for _, b in counter.totals().values())
+            results[exchange] = [sent, counter.all_to_all_bytes_across_nodes(ranks_per_node or 1), []]
         for repeat in range(repeats):  # interleaved, alternating which goes first
-            for exchange in ("row", "pair") if repeat % 2 == 0 else ("pair", "row"):
-                experts.forward = getattr(experts, f"{exchange}_exchange")
-                results[exchange][1].append(_step(layer, tokens))
+            for exchange in (first, second) if repeat % 2 == 0 else (second, first):
+                _use(experts, exchange, node_groups)
+                results[exchange][2].append(_step(layer, tokens))
         if rank == 0:
-            row_bytes, row_time = results["row"][0], statistics.median(results["row"][1])
-            for exchange, (sent, times) in results.items():
-                ms = statistics.median(times) * 1e3
-                ratio = (f"   {sent / row_bytes:.2f}, {statistics.median(times) / row_time:.2f}"
-                         if exchange == "pair" else "")
-                print(f"{name:<22} {exchange:<6} {sent / 2**20:>8.2f} {ms:>8.1f}{ratio}")
+            _print(name, results, first, bool(ranks_per_node))
+
+
+def _print(name: str, results: dict, first: str, across_nodes: bool) -> None:
+    base = results[first][1 if across_nodes else 0], statistics.median(results[first][2])
+    for exchange, (sent, across, times) in results.items():
+        ms = statistics.median(times)
+        ratio = (f"   {(across if across_nodes else sent) / base[0]:.2f}, {ms / base[1]:.2f}"
+                 if exchange != first else "")
+        across_column = f" {across / 2**20:>8.2f}" if across_nodes else ""
+        print(f"{name:<22} {exchange:<8} {sent / 2**20:>8.2f}{across_column} {ms * 1e3:>8.1f}{ratio}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    parser.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                        help="compare one hop with two on 2 simulated nodes of N ranks (2·N processes)")
     args = parser.parse_args()
-    mp.spawn(_process, args=(free_port(), args.repeats, args.tokens), nprocs=2)
+    world_size = 2 * args.ranks_per_node if args.ranks_per_node else 2
+    mp.spawn(_process, args=(world_size, free_port(), args.repeats, args.tokens, args.ranks_per_node),
+             nprocs=world_size)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ class ParallelConfig:
     # micro-batch (ZeRO-3: sharded gradients only, m times the traffic); HSDP's all-reduce over the replicas
     # runs once per step either way (``parallel.sharding.set_gradient_sync``)
     grad_reduce: Literal["step", "microbatch"] = "step"
+    # ranks per node, consecutive (torchrun's numbering): where the experts' exchange crosses the network
+    # (``parallel/node_dispatch.py``); null = torchrun's LOCAL_WORLD_SIZE. Set it to simulate nodes on one machine
+    ranks_per_node: int | None = None
 
     def degrees(self) -> dict[str, int]:
         """The seven degrees, as ``parallel.groups.Layout.resolve`` takes them."""
@@ -60,6 +63,9 @@ class ParallelConfig:
             value = getattr(self, name)
             require(value >= 1 or value == -1, f"parallel.{name} must be >= 1, or -1 for the rest; got {value}")
         require(self.pp_virtual_stages >= 1, f"parallel.pp_virtual_stages must be >= 1, got {self.pp_virtual_stages}")
+        require(self.ranks_per_node is None or self.ranks_per_node >= 1,
+                f"parallel.ranks_per_node must be >= 1 or null (torchrun's LOCAL_WORLD_SIZE), "
+                f"got {self.ranks_per_node}")
         require(self.microbatches is None or self.microbatches >= 1,
                  f"parallel.microbatches must be >= 1 or null, got {self.microbatches}")
         if self.activation_offload != "none":

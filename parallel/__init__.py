@@ -6,8 +6,8 @@ applies, in a fixed order, the techniques the layout enables: context parallelis
 each sequence, keys and values gathered in attention; ``parallel/context.py``), tensor parallelism (tp, with its
 sequence- and vocabulary-parallel options; ``parallel/tensor.py``), expert and expert-tensor
 parallelism (ep × etp, folded over dp_shard × tp; ``parallel/expert.py``; with tp alone too, so
-that each tp rank computes a share of the routed rows), activation checkpointing
-(``parallel/activation_checkpoint.py``) or offloading (``parallel/activation_offload.py``),
+that each tp rank computes a share of the routed rows; across nodes in two hops, ``parallel/node_dispatch.py``),
+activation checkpointing (``parallel/activation_checkpoint.py``) or offloading (``parallel/activation_offload.py``),
 ``torch.compile`` of each block when asked (``parallel/compile.py``), then FSDP2 over the
 expert-data-parallel mesh for the routed experts and over the dense data-parallel mesh (dp_shard × cp) for
 everything else (HSDP with dp_replicate; ``parallel/sharding.py``), 2-D with the tp shards.
@@ -23,8 +23,9 @@ from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.activation_offload import apply_activation_offload
 from parallel.compile import apply_compile
 from parallel.context import apply_context_parallel
-from parallel.expert import apply_expert_parallel
+from parallel.expert import apply_expert_parallel, exchanges_by_node
 from parallel.groups import ParallelGroups
+from parallel.node_dispatch import node_size
 from parallel.sharding import (
     apply_fsdp,
     clip_grad_norm_,
@@ -62,7 +63,12 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: Paralle
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, parallel.sequence_parallel, parallel.vocab_parallel)
     if experts_spread(layout, bool(model.moe_layers())):
-        apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh)
+        top_k = next(iter(model.moe_layers().values())).config.top_k
+        ranks_per_node = node_size(parallel.ranks_per_node)
+        node_groups = groups.expert_node_groups(ranks_per_node) if exchanges_by_node(layout, top_k, ranks_per_node) \
+            else None
+        apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh,
+                              node_groups)
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
         expert_dp_mesh = groups.mesh(*expert_axes) if experts_replicated(layout) else None
         unmanaged = shard_experts(model, expert_dp_mesh, layout.dp_cp, parallel.reshard_after_forward, param_dtype)

@@ -4,7 +4,8 @@ It plugs into ``MoELayer``'s one seam, the experts module: ``apply_expert_parall
 ``GroupedExperts`` with an ``ExpertParallelExperts``, which takes the layer's tokens, its dispatch plan (the local
 routing, permutation and capacity drop) and the router's weights, and returns the routed experts' weighted sum.
 The model code does not change. With k > 1 and no tensor parallelism the exchange sends a token once per rank its
-experts live on (``parallel/expert_dispatch.py``); otherwise it is the row exchange below, one row per kept
+experts live on (``parallel/expert_dispatch.py``; once per node across nodes, then per rank inside the node, where
+the ep group spans nodes: ``parallel/node_dispatch.py``); otherwise it is the row exchange below, one row per kept
 assignment, grouped by *global* expert id. One forward, with ep ranks r and local experts l:
 
     1. counts:   all-to-all of tokens_per_expert [E]: what every rank sends to each of my local experts
@@ -36,6 +37,8 @@ from moe.dispatch import DispatchPlan, permute, unpermute_and_combine
 from moe.experts import ComputeCopies, ExpertBiases, GroupedExperts, expert_ffn
 from moe.transformer import MoETransformer
 from parallel.expert_dispatch import all_to_all_rows, exchange_pairs
+from parallel.groups import Layout, expert_nodes
+from parallel.node_dispatch import exchange_by_node
 from parallel.tensor import gather_rows, scatter_rows
 
 
@@ -60,6 +63,14 @@ def exchanges_pairs(ep: int, tp: int, top_k: int) -> bool:
     assignment rows: expert parallelism without tensor parallelism, k > 1 (``ExpertParallelExperts.forward`` says
     why). The one rule the layer, the memory model and the communication model follow."""
     return ep > 1 and tp == 1 and top_k > 1
+
+
+def exchanges_by_node(layout: Layout, top_k: int, ranks_per_node: int) -> bool:
+    """Whether the pair exchange goes in two hops, once per node across the network, then per rank inside it
+    (``parallel/node_dispatch.py``): where it is the pair exchange and the ep groups span nodes of
+    ``ranks_per_node`` ranks with several ep ranks in each (``parallel.groups.expert_nodes``). The one rule the
+    layer's construction, the memory model and the communication model follow."""
+    return exchanges_pairs(layout.ep, layout.tp, top_k) and expert_nodes(layout, ranks_per_node) is not None
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -142,7 +153,8 @@ class ExpertParallelExperts(nn.Module):
     # where H sits in each stacked weight and bias (``out_bias`` [E, D] has none: see ``__init__``)
     HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1, "in_bias": 1, "gate_bias": 1}
 
-    def __init__(self, experts: GroupedExperts, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None):
+    def __init__(self, experts: GroupedExperts, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None,
+                 node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None):
         super().__init__()
         if expert_mesh.ndim == 2 and expert_mesh.mesh_dim_names == ("ep", "etp"):
             ep_mesh, etp_mesh = expert_mesh["ep"], expert_mesh["etp"]
@@ -160,6 +172,7 @@ class ExpertParallelExperts(nn.Module):
         self.ep_mesh = ep_mesh
         self.group = ep_mesh.get_group()
         self.tp_mesh = tp_mesh  # tokens replicated over it: each tp rank sends only its share of the rows
+        self.node_groups = node_groups  # (in-node, across-node) ep groups: the pair exchange goes in two hops
         if self.etp > 1 and experts.out_bias is not None:
             # the etp ranks' partial outputs of a row are added over tp: each would add the down projection's bias
             raise ValueError(f"parallel.etp={self.etp} with moe.expert_proj_bias: the experts' down-projection "
@@ -205,7 +218,11 @@ class ExpertParallelExperts(nn.Module):
         return self.row_exchange(tokens, plan, weights)
 
     def pair_exchange(self, tokens: Tensor, plan: DispatchPlan, weights: Tensor) -> Tensor:
-        """``forward`` by (token, rank) pairs (``parallel/expert_dispatch.py``); pure expert parallelism only."""
+        """``forward`` by (token, rank) pairs (``parallel/expert_dispatch.py``); pure expert parallelism only. With
+        ``node_groups`` by (token, node) across nodes, then by (token, rank) inside them
+        (``parallel/node_dispatch.py``)."""
+        if self.node_groups is not None:
+            return exchange_by_node(tokens, plan, weights, self.num_local_experts, *self.node_groups, self._local_ffn)
         return exchange_pairs(tokens, plan, weights, self.num_local_experts, self.group, self._local_ffn)
 
     def row_exchange(self, tokens: Tensor, plan: DispatchPlan, weights: Tensor) -> Tensor:
@@ -251,7 +268,8 @@ class ExpertParallelExperts(nn.Module):
                 f"(ep rank {rank} of {ep}{etp})")
 
 
-def apply_expert_parallel(model: MoETransformer, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
+def apply_expert_parallel(model: MoETransformer, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None,
+                          node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> None:
     """Replace every MoE layer's routed experts with their ep-sharded version (in place).
 
     ``expert_mesh`` is the 1-D ep mesh, or the 2-D (ep, etp) mesh for expert tensor parallelism. With tensor
@@ -261,7 +279,8 @@ def apply_expert_parallel(model: MoETransformer, expert_mesh: DeviceMesh, tp_mes
 
     Call it on the full model every rank built from the same seed, before any FSDP: initialisation is
     then independent of the layout. The router and shared experts stay as they are (replicated, then
-    sharded with their block by FSDP).
+    sharded with their block by FSDP). ``node_groups`` (``ParallelGroups.expert_node_groups``, where
+    ``exchanges_by_node`` holds): the pair exchange's two hops.
     """
     for layer in model.moe_layers().values():
-        layer.experts = ExpertParallelExperts(layer.experts, expert_mesh, tp_mesh)
+        layer.experts = ExpertParallelExperts(layer.experts, expert_mesh, tp_mesh, node_groups)

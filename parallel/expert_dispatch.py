@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,15 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from moe.dispatch import DispatchPlan, count_per_expert, sum_choices
+
+
+class KeptAssignments(Protocol):
+    """What ``plan_pairs`` reads of a dispatch plan (``moe.dispatch.DispatchPlan`` is one; the two-hop exchange
+    builds another from the assignments a node receives, ``parallel/node_dispatch.py``)."""
+
+    order: Tensor  # [N] the kept assignments (indices into the flattened weights), grouped by expert
+    token_index: Tensor  # [N] the token each reads
+    tokens_per_expert: Tensor  # [E] int64, kept assignments per expert
 
 
 @dataclass
@@ -53,7 +63,7 @@ class PairPlan:
     send_assignments: list[int]  # [ep] kept assignments behind the pairs it sends
     recv_assignments: list[int]  # [ep] assignments behind the pairs it receives
     pair_token: Tensor  # [P] the token each sent pair carries, destination-major then by token
-    assignment: Tensor  # [N] the kept assignments (t·k + j) in sending order: pair-major, then local expert
+    assignment: Tensor  # [N] the kept assignments (``plan.order``'s t·k + j) in sending order: pair-major, local expert
     code: Tensor  # [N] int64, per sent assignment: local expert · 2 + 1 if it opens its pair
     token_pairs: Tensor  # [T, min(k, ep)] the pairs each token's output adds, destination order; P where none
     tokens_per_local_expert: Tensor  # [L] received assignments per local expert (the grouped GEMM's sizes)
@@ -73,9 +83,12 @@ def _slots(run: Tensor, position: Tensor, runs: int, width: int, empty: int) -> 
     return slots.view(runs, width)
 
 
-def plan_pairs(plan: DispatchPlan, num_tokens: int, top_k: int, num_local: int,
+def plan_pairs(plan: KeptAssignments, num_tokens: int, top_k: int, num_local: int,
                group: dist.ProcessGroup) -> PairPlan:
-    """Steps 1-2: group the kept assignments into (token, destination) pairs and exchange their counts."""
+    """Steps 1-2: group the kept assignments into (token, destination) pairs and exchange their counts.
+
+    A destination is a rank of ``group`` holding ``num_local`` consecutive experts of ``plan``'s; ``top_k``: the most
+    assignments one token has."""
     ep = dist.get_world_size(group)
     device = plan.order.device
     experts = torch.arange(plan.tokens_per_expert.numel(), device=device)
@@ -127,6 +140,50 @@ def all_to_all_rows(x: Tensor, send_splits: list[int], recv_splits: list[int], g
     return funcol.all_to_all_single(x.contiguous(), recv_splits, send_splits, group)
 
 
+def send_pairs(tokens: Tensor, weights: Tensor, pairs: PairPlan,
+               group: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:
+    """Step 3: tokens [T, D], the assignments' weights flattened [T·k] -> what arrives: the pairs' rows [P', D], each
+    received assignment's code [A'] and fp32 weight [A'] (its gradient returns to the router), all pair-major."""
+    rows = all_to_all_rows(tokens.index_select(0, pairs.pair_token), pairs.send_pairs, pairs.recv_pairs, group)
+    code = all_to_all_rows(pairs.code, pairs.send_assignments, pairs.recv_assignments, group)
+    weight = all_to_all_rows(weights.index_select(0, pairs.assignment), pairs.send_assignments,
+                             pairs.recv_assignments, group)
+    return rows, code, weight
+
+
+def received_pairs(code: Tensor) -> tuple[Tensor, Tensor]:
+    """Of the received assignments [A'] (pair-major): whether each opens its pair, and the pair it reads."""
+    opens = code % 2 == 1
+    return opens, torch.cumsum(opens, 0) - 1
+
+
+def combine_at_experts(rows: Tensor, code: Tensor, weight: Tensor, tokens_per_local_expert: Tensor, width: int,
+                       local_ffn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """Steps 4-5 at the experts' rank: the received pairs' rows [P', D] -> one weighted sum per pair [P', D].
+
+    ``width``: the most assignments one pair carries here, min(k, L).
+    """
+    # 4. experts: received assignments are pair-major; the grouped GEMM wants them by local expert
+    opens, pair = received_pairs(code)
+    expert_major = torch.sort(code // 2, stable=True).indices
+    out = local_ffn(rows.index_select(0, pair[expert_major]), tokens_per_local_expert)
+    pair_major = torch.empty_like(expert_major)
+    pair_major[expert_major] = torch.arange(expert_major.numel(), device=expert_major.device)
+
+    # 5. combine: weight each output, add a pair's in local-expert order
+    scaled = out.index_select(0, pair_major) * weight.to(out.dtype).unsqueeze(1)  # [A', D] pair-major
+    scaled = torch.cat([scaled, scaled.new_zeros(1, scaled.shape[1])])  # the row short pairs read
+    return sum_choices(scaled, _slots(pair, _position_in_run(opens), rows.shape[0], width, out.shape[0]))
+
+
+def return_pairs(combined: Tensor, pairs: PairPlan, group: dist.ProcessGroup) -> Tensor:
+    """Step 5's way home: one row per received pair [P', D] returns to its sender, which adds each token's rows in
+    destination order -> [T, D] (zeros for a token without pairs)."""
+    returned = all_to_all_rows(combined, pairs.recv_pairs, pairs.send_pairs, group)  # [P, D]
+    returned = torch.cat([returned, returned.new_zeros(1, returned.shape[1])])  # what a token without pairs reads
+    return sum_choices(returned, pairs.token_pairs)
+
+
 def exchange_pairs(tokens: Tensor, plan: DispatchPlan, weights: Tensor, num_local: int, group: dist.ProcessGroup,
                    local_ffn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """Steps 1-5: tokens [T, D] in the experts' compute dtype, weights [T, k] -> the routed output [T, D].
@@ -135,26 +192,6 @@ def exchange_pairs(tokens: Tensor, plan: DispatchPlan, weights: Tensor, num_loca
     """
     num_tokens, top_k = weights.shape
     pairs = plan_pairs(plan, num_tokens, top_k, num_local, group)
-
-    # 3. dispatch: rows once per pair; codes and weights once per assignment, in the same (pair-major) order
-    rows = all_to_all_rows(tokens.index_select(0, pairs.pair_token), pairs.send_pairs, pairs.recv_pairs, group)
-    code = all_to_all_rows(pairs.code, pairs.send_assignments, pairs.recv_assignments, group)
-    weight = all_to_all_rows(weights.reshape(-1).index_select(0, pairs.assignment), pairs.send_assignments,
-                         pairs.recv_assignments, group)  # [A'] fp32; its gradient returns to the router
-
-    # 4. experts: received assignments are pair-major; the grouped GEMM wants them by local expert
-    opens = code % 2 == 1
-    pair = torch.cumsum(opens, 0) - 1  # [A'] the received pair each assignment reads
-    expert_major = torch.sort(code // 2, stable=True).indices
-    out = local_ffn(rows.index_select(0, pair[expert_major]), pairs.tokens_per_local_expert)
-    pair_major = torch.empty_like(expert_major)
-    pair_major[expert_major] = torch.arange(expert_major.numel(), device=expert_major.device)
-
-    # 5. combine: weight each output, add a pair's in local-expert order, one row per pair goes home
-    scaled = out.index_select(0, pair_major) * weight.to(out.dtype).unsqueeze(1)  # [A', D] pair-major
-    scaled = torch.cat([scaled, scaled.new_zeros(1, scaled.shape[1])])  # the row short pairs read
-    width = min(top_k, num_local)
-    combined = sum_choices(scaled, _slots(pair, _position_in_run(opens), rows.shape[0], width, out.shape[0]))
-    returned = all_to_all_rows(combined, pairs.recv_pairs, pairs.send_pairs, group)  # [P, D]
-    returned = torch.cat([returned, returned.new_zeros(1, returned.shape[1])])  # what a token without pairs reads
-    return sum_choices(returned, pairs.token_pairs)
+    rows, code, weight = send_pairs(tokens, weights.reshape(-1), pairs, group)
+    combined = combine_at_experts(rows, code, weight, pairs.tokens_per_local_expert, min(top_k, num_local), local_ffn)
+    return return_pairs(combined, pairs, group)

@@ -23,12 +23,13 @@ admits both torchtitan-classic cases (etp = 1, etp = tp) and Megatron's usual et
 spanning dp_shard ranks (which Megatron also allows) can be admitted later without breaking layouts.
 
 Pure part (no processes): ``Layout`` (degrees, validated at construction), ``validate_for_model``,
-``valid_layouts``, ``rank_grid``, ``groups_for``, ``coordinates``, ``describe_layout``. Process part:
+``valid_layouts``, ``rank_grid``, ``groups_for``, ``coordinates``, ``expert_nodes``, ``describe_layout``. Process part:
 ``ParallelGroups.build``, built once in ``train.py`` and passed explicitly; there is no module state.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -412,6 +413,51 @@ def pipeline_ends(layout: Layout) -> list[list[int]]:
     return [[group[0], group[-1]] for group in groups_for(layout, "dense", ("pp",))]
 
 
+@dataclass(frozen=True)
+class ExpertNodes:
+    """How the ep groups sit on nodes, when each spans several nodes with several of its ranks in each: every ep
+    group cut into ``nodes`` blocks of ``per_node`` consecutive ep coordinates, one block per node. ``intra``: the
+    ep ranks of one node (the in-node hop, NVLink); ``inter``: the ep ranks with one in-node position, one in each
+    node (the hop across the network). Both ordered as ``groups_for`` orders groups, ranks ascending."""
+
+    nodes: int
+    per_node: int
+    intra: tuple[tuple[int, ...], ...]
+    inter: tuple[tuple[int, ...], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def expert_nodes(layout: Layout, ranks_per_node: int) -> ExpertNodes | None:
+    """The ep groups cut by nodes of ``ranks_per_node`` consecutive ranks (torchrun's numbering), or None where
+    there is nothing for a second hop to save: an ep group inside one node, one ep rank per node, or nodes holding
+    unequal or interleaved shares of a group (then no in-node position pairs the nodes up). Remembered: the
+    planner asks for every candidate layout's."""
+    intra: list[tuple[int, ...]] = []
+    blocks_per_group, ranks_per_block = set(), set()
+    for group in groups_for(layout, *axis_view("ep")):
+        node_of = [rank // ranks_per_node for rank in group]
+        blocks = [tuple(group[start:end]) for start, end in _runs(node_of)]
+        if len(set(node_of)) != len(blocks):  # a node's share cut by another's
+            return None
+        blocks_per_group.add(len(blocks))
+        ranks_per_block.update(len(block) for block in blocks)
+        intra += blocks
+    if len(blocks_per_group) != 1 or len(ranks_per_block) != 1:
+        return None
+    (nodes,), (per_node,) = blocks_per_group, ranks_per_block
+    if nodes < 2 or per_node < 2:
+        return None
+    inter = tuple(ranks for start in range(0, len(intra), nodes)
+                  for ranks in zip(*intra[start:start + nodes], strict=True))
+    return ExpertNodes(nodes, per_node, tuple(intra), inter)
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal neighbours in ``values``."""
+    cuts = [i for i in range(1, len(values)) if values[i] != values[i - 1]]
+    return list(zip([0, *cuts], [*cuts, len(values)], strict=True))
+
+
 def coordinates(layout: Layout, rank: int) -> dict[str, int]:
     """A rank's coordinate on every axis of both views, and on the flattened "dp" (its data-parallel rank)."""
     if not 0 <= rank < layout.world_size:
@@ -487,6 +533,7 @@ class ParallelGroups:
                  meshes: dict[tuple[str, ...], DeviceMesh]):
         self.layout, self.rank, self.device_type = layout, rank, device_type
         self._groups, self._meshes = groups, meshes
+        self._node_groups: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup] | None] = {}
 
     @classmethod
     def build(cls, layout: Layout, device_type: str | torch.device = "cpu") -> ParallelGroups:
@@ -602,6 +649,20 @@ class ParallelGroups:
                     mine = group if self.rank in ranks else mine
             self._groups["pipeline_ends"] = mine
         return self._groups["pipeline_ends"]
+
+    def expert_node_groups(self, ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
+        """This rank's (in-node, across-node) ep groups for the two-hop exchange (``expert_nodes``), or None where
+        the layout has no second hop on nodes of ``ranks_per_node``.
+
+        Made on the first call for a node size, not by ``build``: only that exchange needs them. Collective the
+        first time: every rank calls it, in the same order as its other group creations."""
+        if ranks_per_node not in self._node_groups:
+            self._require_distributed("expert_node_groups()")
+            nodes = expert_nodes(self.layout, ranks_per_node)
+            self._node_groups[ranks_per_node] = None if nodes is None else (
+                _new_groups(list(map(list, nodes.intra)), self.rank, "ep_intra_node"),
+                _new_groups(list(map(list, nodes.inter)), self.rank, "ep_inter_node"))
+        return self._node_groups[ranks_per_node]
 
     def coords(self) -> dict[str, int]:
         """This rank's coordinate on every axis of both views (pp and dp_replicate coincide) and on "dp"."""

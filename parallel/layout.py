@@ -12,6 +12,7 @@ from config.errors import ConfigError
 from config.run import RunConfig
 from parallel.context import check_context_parallel
 from parallel.groups import Layout, validate_for_model
+from parallel.node_dispatch import check_ranks_per_node
 from parallel.pipeline import check_pipeline
 from parallel.tensor import check_tensor_parallel
 
@@ -61,7 +62,7 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
 
     Every check ``train.py`` makes before any process group exists, in one place (the analysis CLIs and the
     planner refuse a layout with the same ConfigError): the degrees against the world size and the model's
-    shapes, the batch split, the pipeline schedule's rules, and tensor parallelism's options.
+    shapes, the node size, the batch split, the pipeline schedule's rules, and tensor parallelism's options.
     """
     def rest(layout: Layout) -> tuple[int, int]:
         micro, microbatches = micro_batching(config, layout.dp, layout.pp)
@@ -80,6 +81,7 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
             return str(exc)
         return None
 
+    check_ranks_per_node(config.parallel.ranks_per_node, world_size)
     layout = Layout.resolve(world_size, **config.parallel.degrees(), model=config.model, moe=config.moe,
                             accept=refusal)
     validate_for_model(layout, config.model, config.moe, accept=refusal)

@@ -93,6 +93,7 @@ CASES_2 = {  # name -> overrides, on 2 ranks
 HSDP_2MB = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]
 EDP_2MB = ["parallel.dp_shard=4", "parallel.ep=2", "train.micro_batch_size=1"]
 CP_LATENT = "cp=2 x dp_shard=2, latent attention"  # the cp group apart from FSDP's dp_shard × cp
+NODES = "ep=4 over dp_shard=4, 2 nodes of 2, top-3"
 CASES_4 = {  # on 4 ranks: groups that differ from one another
     "HSDP 2 x 2, ep=2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
     # gradient accumulation: 2 micro-batches per rank under both parallel.grad_reduce settings
@@ -126,6 +127,9 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
                                                   "moe.num_experts=3", "train.optimizer=muon"],
     # each tp rank gathers its own key/value heads over cp; ep folds over cp × tp
     CP_LATENT: ["parallel.dp_shard=2", "parallel.cp=2", "moe.capacity_factor=null", *LATENT],
+    # the experts' exchange in two hops on 2 simulated nodes of 2: (token, node) rows over {0, 2} and {1, 3}, then
+    # (row, rank) rows inside {0, 1} and {2, 3}; top-3 of 4 reaches both nodes and both ranks of one
+    NODES: ["parallel.dp_shard=4", "parallel.ep=4", "parallel.ranks_per_node=2", "moe.top_k=3"],
     "cp=2 x tp=2, sequence parallel, ep=2": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.tp=2", "parallel.ep=2",
                                             "parallel.sequence_parallel=true", "moe.capacity_factor=null"],
 }
@@ -238,6 +242,19 @@ def test_keys_and_values_exchanged_per_layer_are_the_models(four_ranks):
         assert counted[f"reduce_scatter over {cp_group}"] == expected, rank
         modelled = [t for t in predict(config, layout, rank) if t.dimension == "cp" and t.collective != "all_reduce"]
         assert [[t.calls, t.bus_bytes] for t in modelled] == [expected, expected]
+
+
+def test_two_hops_move_fewer_bytes_across_nodes_than_one(four_ranks):
+    """On 2 nodes of 2 the counted across-node all-to-alls (equal to the model's, above) carry fewer bytes than the
+    one-hop exchange over the whole ep group, all of whose all-to-alls the model prices on the network."""
+    config = load_config("moe-8x", [*BALANCED, *CASES_4[NODES]])
+    layout = resolve_layout(config, 4).layout
+    one_hop = load_config("moe-8x", [*BALANCED, *[o for o in CASES_4[NODES] if "ranks_per_node" not in o]])
+    for rank, per_case in enumerate(four_ranks):
+        inter = [1, 3] if rank % 2 else [0, 2]
+        across = per_case[NODES]["counted"][f"all_to_all over {inter}"][1]
+        whole = sum(t.bus_bytes for t in predict(one_hop, layout, rank) if t.collective == "all_to_all")
+        assert 0 < across < 0.7 * whole, (rank, across, whole)
 
 
 @pytest.mark.parametrize("case, layout, micro_batch_reduces", [

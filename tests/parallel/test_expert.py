@@ -12,6 +12,7 @@ moves (``tests/analysis/test_dispatch_reach.py``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -96,6 +97,22 @@ def _full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in module.named_parameters()}
 
 
+def reference_results(layer: MoELayer, rank: int, world: int, inputs: Callable[[int], tuple[torch.Tensor, ...]],
+                      dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One process, each of ``world`` ranks' ``inputs`` through ``layer``: ``rank``'s output and input gradient, and
+    every parameter's gradient, the experts' summed over all ranks' tokens (as expert parallelism sums them)."""
+    expert_grads = {name: torch.zeros_like(p) for name, p in layer.experts.named_parameters()}
+    for source in range(world):
+        layer.zero_grad()
+        out, x_grad = _run(layer, *inputs(source), dtype)
+        for name, p in layer.experts.named_parameters():
+            expert_grads[name] += p.grad
+        if source == rank:
+            mine = out, x_grad, {name: p.grad.clone() for name, p in layer.named_parameters()}
+    mine[2].update({f"experts.{name}": grad for name, grad in expert_grads.items()})
+    return mine
+
+
 def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None, dtype: torch.dtype | None,
                 gpt_oss: bool):
     reference = _layer(capacity_factor, gpt_oss)
@@ -105,21 +122,11 @@ def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None
     for name, value in ep_layer.experts.state_dict().items():  # same names, full [E, ...] stacks
         assert torch.equal(value.full_tensor(), reference.experts.state_dict()[name])
 
-    # reference: each rank's tokens through the one-process layer; experts' gradients summed over ranks
-    expert_grads = {name: torch.zeros_like(p) for name, p in reference.experts.named_parameters()}
-    for source in range(WORLD):
-        reference.zero_grad()
-        out, x_grad = _run(reference, *_inputs(source), dtype)
-        for name, p in reference.experts.named_parameters():
-            expert_grads[name] += p.grad
-        if source == rank:
-            ref_out, ref_x_grad = out, x_grad
-            ref_grads = {name: p.grad.clone() for name, p in reference.named_parameters()}
-            with torch.no_grad():  # what this rank's routing keeps, for the traffic check
-                routed = reference.router(_inputs(rank)[0].reshape(-1, D))
-            capacity = None if capacity_factor is None else expert_capacity(16, 2, 4, capacity_factor)
-            plan = plan_dispatch(routed.expert_ids, routed.weights, 4, capacity)
-    ref_grads.update({f"experts.{name}": grad for name, grad in expert_grads.items()})
+    ref_out, ref_x_grad, ref_grads = reference_results(reference, rank, WORLD, _inputs, dtype)
+    with torch.no_grad():  # what this rank's routing keeps, for the traffic check
+        routed = reference.router(_inputs(rank)[0].reshape(-1, D))
+    capacity = None if capacity_factor is None else expert_capacity(16, 2, 4, capacity_factor)
+    plan = plan_dispatch(routed.expert_ids, routed.weights, 4, capacity)
 
     sent = []  # (input rows, input splits, bytes per row, dtype) of each all-to-all this rank starts
 

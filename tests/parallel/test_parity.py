@@ -45,6 +45,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2"], 2, "null", id="ep=2-dropless"),
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2"], 2, "1.25", id="ep=2-capacity"),
     pytest.param(["parallel.dp_shard=4", "parallel.ep=4"], 4, "1.25", id="ep=4"),
+    # the exchange in two hops on 2 simulated nodes of 2 (parallel/node_dispatch.py), a group of experts per node
+    pytest.param(["parallel.dp_shard=4", "parallel.ep=4", "parallel.ranks_per_node=2", *DEEPSEEK_V3], 4, "1.25",
+                 id="ep=4-2-nodes-deepseek-v3"),
     pytest.param(["parallel.dp_shard=4", "parallel.ep=2"], 4, "null", id="ep=2xedp=2-dropless"),
     # HSDP experts: one shard per replica group (edp=1), all-reduced over dp_replicate
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"], 4, "1.25",
