@@ -489,20 +489,22 @@ def context_parallel_traffic(step: _Step) -> list[Traffic]:
 
 def _exchange_rows(step: _Step, source: int, kept: list[int]) -> list[int]:
     """Rows ``source`` sends to each of its ep group's ranks (by ep coordinate) in one dispatch."""
-    return _rows_sent(step.layout, coordinates(step.layout, source)["tp"], tuple(kept))
+    layout = step.layout
+    return _rows_sent(layout.tp, layout.etp, layout.ep, coordinates(layout, source)["tp"], tuple(kept))
 
 
 @functools.lru_cache(maxsize=65536)
-def _rows_sent(layout: Layout, tp_coordinate: int, kept: tuple[int, ...]) -> list[int]:
-    """``_exchange_rows`` of a source by its tp coordinate, which alone decides its share (remembered)."""
-    if layout.tp > 1:  # its contiguous share of the grouped rows (parallel.tensor.scatter_rows)
-        shares, share = layout.tp // layout.etp, tp_coordinate // layout.etp
+def _rows_sent(tp: int, etp: int, ep: int, tp_coordinate: int, kept: tuple[int, ...]) -> list[int]:
+    """``_exchange_rows`` of a source by its tp coordinate, which alone decides its share, under the layout's tp,
+    etp and ep (remembered by those alone: the planner asks for the same ones under thousands of layouts)."""
+    if tp > 1:  # its contiguous share of the grouped rows (parallel.tensor.scatter_rows)
+        shares, share = tp // etp, tp_coordinate // etp
         bounds = row_bounds(sum(kept), shares)
         rows = share_counts(torch.tensor(kept), bounds[share], bounds[share + 1]).tolist()
     else:
         rows = kept
-    local = len(kept) // layout.ep
-    return [sum(rows[r * local:(r + 1) * local]) for r in range(layout.ep)]
+    local = len(kept) // ep
+    return [sum(rows[r * local:(r + 1) * local]) for r in range(ep)]
 
 
 def expert_parallel_traffic(step: _Step) -> list[Traffic]:
@@ -794,11 +796,10 @@ def muon_traffic(step: _Step) -> list[Traffic]:
 
 
 def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | None = None,
-            context_only: bool = False, ranks_per_node: int | None = None) -> list[Traffic]:
+            ranks_per_node: int | None = None) -> list[Traffic]:
     """Every collective ``rank`` runs in one optimizer step of ``config`` under ``layout``, per dimension.
 
     ``precision`` (bf16 or fp32) overrides ``train.precision``; ``auto`` counts as bf16, what it picks on GPUs.
-    ``context_only``: the context-parallel group's alone (the planner's bound: they wait in full, and are cheap).
     ``ranks_per_node``: the node size torchrun will give (``--nproc-per-node``, the run's LOCAL_WORLD_SIZE), which
     decides whether the experts' exchange goes in two hops (``parallel/node_dispatch.py``); ``parallel.ranks_per_node``
     overrides it, as it does at run time; with neither, the world is taken as one node.
@@ -816,8 +817,6 @@ def predict(config: RunConfig, layout: Layout, rank: int = 0, precision: str | N
     mtp = tuple(mtp_layers(config.model)) if last else ()
     step = _Step(config, layout, rank, micro, microbatches, layers, first, last, 4 if precision == "fp32" else 2, mtp,
                  config.parallel.ranks_per_node or ranks_per_node)
-    if context_only:
-        return context_parallel_traffic(step)
     return [*tensor_parallel_traffic(step), *context_parallel_traffic(step), *expert_parallel_traffic(step),
             *mtp_traffic(step),
             *sharding_traffic(step), *pipeline_traffic(step), *muon_traffic(step)]

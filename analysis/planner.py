@@ -52,7 +52,8 @@ pipeline rank's, not the busiest's (``shared_balance``), and no traffic hides be
 (``exposed_communication``).
 
 step = compute + bubble + exposed communication. ``search`` orders the candidates by compute + bubble, a
-bound no step goes below, and estimates memory and traffic only for those that can still enter the first
+bound no step goes below, raises the bound of those still within reach by the least traffic their layout can
+have (``traffic_floor``), and estimates memory and traffic only for those that can still enter the first
 ``--top``. The times are estimates for comparing layouts, not promises. Not modelled: kernel-launch
 and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
 """
@@ -296,12 +297,25 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: f
     # a context-parallel rank computes its S/cp positions of each of its dp rank's sequences (each position's
     # attention over the whole sequence's keys, as one process's: the FLOPs per token are the same)
     tokens_per_rank = config.train.global_batch_size * config.model.seq_len / layout.dp_cp
-    slowdown = {kind: roofline_slowdown(block_gemms(config, layout, micro * config.model.seq_len // layout.cp, kind),
-                                        peak,
-                                        bandwidth) if bandwidth < math.inf else 1.0 for kind in (False, True)}
-    slowdown[None] = 1.0
+    slowdown = block_slowdowns(config, layout, micro * config.model.seq_len // layout.cp, peak, bandwidth)
     busiest = max(sum(flops * slowdown[kind] for flops, kind in rank) for rank in _rank_block_flops(config, layout))
     return busiest * tokens_per_rank / layout.tp / peak
+
+
+def block_slowdowns(config: RunConfig, layout: Layout, tokens: int, peak: float,
+                    bandwidth: float) -> dict[bool | None, float]:
+    """``roofline_slowdown`` of a dense block (False), an MoE block (True) and the head (None: 1) on ``tokens``
+    tokens a micro-batch. Remembered per model and (tp, ep, etp, tokens, peak, bandwidth): the planner's
+    candidates share a few of these among tens of thousands of settings."""
+    key = (layout.tp, layout.ep, layout.etp, tokens, peak, bandwidth)
+    known = per_model(_BLOCK_SLOWDOWNS, config.model, config.moe, dict)
+    if key not in known:
+        known[key] = {kind: roofline_slowdown(block_gemms(config, layout, tokens, kind), peak, bandwidth)
+                      if bandwidth < math.inf else 1.0 for kind in (False, True)} | {None: 1.0}
+    return known[key]
+
+
+_BLOCK_SLOWDOWNS: dict = {}  # a per_model store of block_slowdowns by (tp, ep, etp, tokens, peak, bandwidth)
 
 
 def bubble_seconds(compute: float, layout: Layout, microbatches: int, virtual_stages: int = 1,
@@ -393,18 +407,29 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
             if (key := (kinds, first, last, stage == 0, stage == layout.pp - 1)) in seen:
                 continue
             seen.add(key)
-        by_dim = dict.fromkeys(("tp", "cp", "ep", "pp", "fsdp"), 0.0)
-        sharding = []
-        for item in communication.predict(config, layout, stage * stride, precision=hardware.precision):
-            seconds = communication.seconds(item, hardware, gpus_per_node)
-            if item.dimension == "fsdp":
-                sharding.append((item, seconds))
-            else:
-                by_dim[item.dimension] += seconds
+        waiting, sharding = stage_traffic(config, layout, stage * stride, hardware, gpus_per_node)
+        by_dim = dict.fromkeys(("tp", "cp", "ep", "pp", "muon"), 0.0)
+        for item, seconds in waiting:
+            by_dim[item.dimension] += seconds
         by_dim["fsdp"] = sharding_time(sharding, config.parallel.grad_reduce, microbatches).exposed(
             compute, microbatches, hardware.overlap_slowdown)
         stages.append(by_dim)
     return max(stages, key=lambda by_dim: sum(by_dim.values()))
+
+
+def stage_traffic(config: RunConfig, layout: Layout, rank: int, hardware: communication.Hardware,
+                  gpus_per_node: int) -> tuple[list[tuple[communication.Traffic, float]],
+                                               list[tuple[communication.Traffic, float]]]:
+    """``rank``'s traffic in one step, each item with its seconds on its links: what waits in full (tp, cp, ep, pp
+    and Muon's optimizer-step gathers), and FSDP's (``sharding_time`` splits it by what it can hide behind). The run
+    is launched with ``gpus_per_node`` processes per node, which decides whether the experts' exchange goes in two
+    hops (``parallel/node_dispatch.py``)."""
+    waiting, sharding = [], []
+    for item in communication.predict(config, layout, rank, precision=hardware.precision,
+                                      ranks_per_node=node_shape(layout.world_size, gpus_per_node)[1]):
+        (sharding if item.dimension == "fsdp" else waiting).append(
+            (item, communication.seconds(item, hardware, gpus_per_node)))
+    return waiting, sharding
 
 
 def calibrated_efficiency() -> float:
@@ -512,16 +537,21 @@ def none_passes(world_size: int, refusal: str | None) -> ConfigError:
 
 
 def candidates(config: RunConfig, world_size: int, hardware: communication.Hardware, efficiency: float,
-               fixed: dict[str, int] | None = None, gpus_per_node: int = 8) -> list[Candidate]:
+               fixed: dict[str, int] | None = None) -> list[Candidate]:
     """Every setting to rank (module docstring), cheapest bound first. Only the batch split is checked here
     (``micro_batching``); ``search`` holds each candidate it estimates to all of train.py's checks.
 
     The bounds' figures are computed once per distinct input: each pipeline rank's FLOPs per (pp, v,
-    recompute), each block's roofline per (tp, ep, etp, micro-batch size).
+    recompute), each block's roofline per (tp, ep, etp, tokens a micro-batch), the bound per (pp, cp, tp, ep,
+    etp, v, recompute, micro-batch size), which with the world size fix dp and the micro-batches too. A bound is
+    the very sum of compute and bubble that ``evaluate`` makes.
     """
     out, refusal = [], None
     peak = hardware.bf16_flops * efficiency
-    busiest: dict[tuple, tuple[float, float]] = {}  # (compute × dp, shared_balance)
+    bounds: dict[tuple, float] = {}  # compute + bubble
+    # the config under each (recompute, schedule, micro): compute_seconds and shared_balance read the degrees from
+    # the layout they are given, the rest from the config, so one config serves every layout
+    settings: dict[tuple, RunConfig] = {}
     splits: dict[tuple, tuple[int, int] | str] = {}  # the batch split (or its refusal) per (dp, pp, micro)
     for layout in fixed_layouts(config, world_size, fixed or {}):
         sharded = layout.dp_shard_cp > 1 or (layout.edp > 1 and experts_own_unit(layout, config.model))
@@ -542,31 +572,73 @@ def candidates(config: RunConfig, world_size: int, hardware: communication.Hardw
                 if grad_reduce != "step" and (microbatches == 1 or not sharded):
                     continue  # one micro-batch, or no FSDP shard group of several ranks: the same plan as step
                 key = (layout.pp, layout.cp, layout.tp, layout.ep, layout.etp, schedule[1], recompute, size)
-                if key not in busiest:
-                    setting = with_layout(config, layout, recompute, grad_reduce, schedule, micro)
-                    busiest[key] = (compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * layout.dp,
-                                    shared_balance(setting, layout, hardware.sharing),
-                                    context_seconds(setting, layout, hardware, gpus_per_node))
-                work, balance, context = busiest[key]
-                compute = work / layout.dp * balance
-                bound = compute + bubble_seconds(compute, layout, microbatches, schedule[1], hardware.sharing,
-                                                 balance) + context
-                out.append(Candidate(config, layout, recompute, grad_reduce, schedule, micro, bound))
+                if key not in bounds:
+                    if (recompute, schedule, micro) not in settings:
+                        settings[recompute, schedule, micro] = with_layout(config, layout, recompute,
+                                                                           schedule=schedule, micro_batch_size=micro)
+                    setting = settings[recompute, schedule, micro]
+                    balance = shared_balance(setting, layout, hardware.sharing)
+                    compute = compute_seconds(setting, layout, peak, hardware.memory_bandwidth) * balance
+                    bounds[key] = compute + bubble_seconds(compute, layout, microbatches, schedule[1], hardware.sharing,
+                                                           balance)
+                out.append(Candidate(config, layout, recompute, grad_reduce, schedule, micro, bounds[key]))
     if not out:
         raise none_passes(world_size, refusal)
     out.sort(key=lambda c: c.bound)
     return out
 
 
-def context_seconds(config: RunConfig, layout: Layout, hardware: communication.Hardware, gpus_per_node: int) -> float:
-    """The first stage's context-parallel traffic in seconds: part of every bound, since it waits in full
-    (``exposed_communication``), and no part of the exposed total of the busiest stage can be less than it (that
-    total is at least the first stage's, of which this is a part). Without it, the bound of a cp setting is its
-    twin's with cp folded into dp_shard, and the search weighs every one of them (at 1,024 GPUs ten times longer)."""
-    if layout.cp == 1:
-        return 0.0
-    return sum(communication.seconds(item, hardware, gpus_per_node)
-               for item in communication.predict(config, layout, 0, hardware.precision, context_only=True))
+def traffic_floor(config: RunConfig, layout: Layout, hardware: communication.Hardware, gpus_per_node: int,
+                  every_micro_batch_size: bool = False) -> float:
+    """Seconds of exposed communication (``exposed_communication``) that no setting of ``config``'s layout,
+    micro-batch size and virtual stages goes below, whatever its recompute, gradient reduction and schedule
+    name: ``config`` is that setting under recompute ``none`` and ``grad_reduce=step``. With
+    ``every_micro_batch_size``, and ``config`` at the largest size searched (one micro-batch a step), a floor for
+    every micro-batch size of the layout, of FSDP's traffic and the traffic each step carries whole
+    (``carried_whole``). ``search`` raises a candidate's bound by it before it weighs the candidate's memory: the
+    bound of compute and bubble alone leaves within reach every setting that its traffic sets back (a cp
+    setting's bound is its twin's with cp folded into dp_shard; at 1,024 GPUs traffic is a quarter of the first
+    plans' step).
+
+    Each term is at most what the estimate counts for every one of those settings:
+
+    - the estimate is the largest stage's sum, so at least the first stage's (rank 0's), the only one counted here;
+    - tp, cp, ep and pp traffic waits in full. Recompute only multiplies an item's calls by 1 + (its layer is
+      recomputed), ``microbatch`` only the sequence-parallel norms' gradient all-reduces' calls by m
+      (``communication._gradient_syncs``), neither changes a call's bytes or group, and the schedule's name
+      changes no item: each item's seconds (latency and bytes per call, times the calls) are least under
+      ``none`` and ``step``;
+    - FSDP shows ``ShardingTime.exposed``, at least its ends + slowdown × its rest: what of the last
+      micro-batch's reductions its backward does not hide is nonnegative, and max(overlapped − compute,
+      slowdown × overlapped) is at least slowdown × rest. The ends are one call each of the largest gather and
+      reductions, the same under both settings (a call's bytes and latency do not depend on how many there are);
+      under ``microbatch`` the last micro-batch's reductions are the same (1/m of m times the reduce-scatters)
+      and the rest more (m − 1 more reduce-scatters, and at least as many gathers: ``communication._gathers``).
+      Recompute changes no FSDP traffic;
+    - over the micro-batch sizes b of a per-rank batch B (m = B / b micro-batches): no FSDP call depends on b, the
+      reductions run once under ``step`` and the gathers grow with m, so the ends stay and the rest is least at
+      m = 1; what ``carried_whole`` counts is m calls of b sequences' bytes (or one call of m values), the same
+      bytes at every b and the fewest calls at m = 1.
+    """
+    waiting, sharding = stage_traffic(config, layout, 0, hardware, gpus_per_node)
+    fsdp = sharding_time(sharding, "step", microbatches=1)  # under step the count of micro-batches plays no part
+    counted = sum(seconds for item, seconds in waiting if not every_micro_batch_size or carried_whole(item))
+    return counted + fsdp.ends + hardware.overlap_slowdown * fsdp.rest
+
+
+def carried_whole(item: communication.Traffic) -> bool:
+    """Whether a step carries the same bytes in ``item`` at every micro-batch size, in a call per micro-batch or
+    fewer: pp's sends of each micro-batch's hidden states (a send's bus bytes are its buffer's), its one broadcast
+    of the m losses and MTP's one embedding all-reduce; cp's gathers of keys and values and the reduce-scatters of
+    their gradients, whose buffers hold whole sequences (a multiple of 2 · cp positions: ``valid_layouts``), so
+    their bus bytes, (cp − 1) / cp of a buffer, are exact. Not tp's and ep's rows per expert, rounded per
+    micro-batch (``communication.kept_per_expert``), nor cp's balancing counts, whose bus bytes are rounded down
+    per call: one micro-batch's may carry more than m smaller ones'."""
+    return item.dimension == "pp" or (item.dimension == "cp" and item.collective in ("all_gather", "reduce_scatter"))
+
+
+ROUNDING = 1e-9  # the share a bound with ``traffic_floor`` is lowered by: its terms are summed in another order
+# than the estimate's, so without it rounding could lift it a few units in the last place above the step it bounds
 
 
 def smallest_micro_batch(candidate: Candidate) -> Candidate | None:
@@ -606,15 +678,34 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
 
     Candidates come cheapest bound first; since a step is never below its bound, once ``top`` plans fit and the
     next bound exceeds the slowest of them (or the bound reaches ``faster_than``), no later candidate can enter.
+    Once the bound can prune, a candidate's turn raises its bound by a ``traffic_floor`` (its layout's, then its
+    micro-batch size's) and puts it back in line: only those still within reach are weighed, the most promising
+    first. Equal steps are ranked by memory, then by the candidates' order, so the plans are the full search's
+    whatever the order they were found in.
     """
-    pool = candidates(config, world_size, hardware, efficiency, fixed, gpus_per_node)
-    plans: list[Plan] = []
+    pool = candidates(config, world_size, hardware, efficiency, fixed)
+    queue = [(candidate.bound, index, 0) for index, candidate in enumerate(pool)]  # sorted, so a heap already
+    plans: list[tuple[Plan, int]] = []  # each with its candidate's place in the pool
     steps: list[float] = []  # a max-heap (negated) of the ``top`` fastest steps so far
     closest, evaluated, refusal, complete = None, 0, None, True
     # memory of each setting weighed (None: train.py refuses it), and whether exact (else: a rank's, above the device)
     needs: dict[tuple, tuple[int, bool] | None] = {}
     floors: dict[tuple, int] = {}  # the busiest pipeline rank's model states, per layout and virtual stages
     deferred: list[tuple[int, Candidate]] = []  # skipped by their states alone: weighed only if no plan fits
+    traffic: dict[tuple, float] = {}  # ``traffic_floor`` per raise, layout, micro-batch size and virtual stages
+
+    def raised(candidate: Candidate, level: int) -> float:
+        """The candidate's bound raised by a ``traffic_floor``: at level 1 the floor of every micro-batch size of
+        its layout (at the largest searched: the per-rank batch), at level 2 its own size's. The first is shared
+        by several times more candidates, and bounds out most."""
+        layout, micro = candidate.layout, candidate.micro_batch_size
+        if level == 1 and micro is not None:
+            micro = config.train.global_batch_size // layout.dp
+        key = (level, layout, micro, candidate.schedule[1])
+        if key not in traffic:
+            least = with_layout(config, layout, "none", "step", candidate.schedule, micro)
+            traffic[key] = traffic_floor(least, layout, hardware, gpus_per_node, every_micro_batch_size=level == 1)
+        return (candidate.bound + traffic[key]) * (1 - ROUNDING)
 
     def states_floor(candidate: Candidate) -> int:
         """A lower bound of the candidate's memory that does not depend on its micro-batching, recompute or
@@ -657,11 +748,16 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
                 misses.append((need, index, candidate))
         return need
 
-    for index, candidate in enumerate(pool):
-        if (top is not None and len(steps) == top and candidate.bound > -steps[0]) or (
-                faster_than is not None and candidate.bound >= faster_than):
+    while queue:
+        bound, index, level = heapq.heappop(queue)
+        filled = top is not None and len(steps) == top
+        if (filled and bound > -steps[0]) or (faster_than is not None and bound >= faster_than):
             complete = False
             break
+        candidate = pool[index]
+        if level < 2 and (filled or faster_than is not None):  # a higher bound can now keep it from being weighed
+            heapq.heappush(queue, (raised(candidate, level + 1), index, level + 1))
+            continue
         if states_floor(candidate) > device_memory:
             deferred.append((index, candidate))  # its weights, gradients and moments alone do not fit
             continue
@@ -669,7 +765,7 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
         if need is None or need > device_memory:
             continue
         result = evaluate(candidate.config, candidate.layout, hardware, gpus_per_node, efficiency, need)
-        plans.append(result)
+        plans.append((result, index))
         if top is not None:
             heapq.heappush(steps, -result.step)
             if len(steps) > top:
@@ -683,8 +779,9 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
             closest = (candidate, need)
     if evaluated == 0 and complete:
         raise none_passes(world_size, refusal)
-    plans.sort(key=lambda p: (p.step, p.memory))
-    return Search(plans[:top] if top is not None else plans, len(pool), evaluated, complete,
+    ranked = [plan for plan, _ in sorted(plans, key=lambda found: (found[0].step, found[0].memory, found[1]))
+              if faster_than is None or plan.step < faster_than]
+    return Search(ranked[:top] if top is not None else ranked, len(pool), evaluated, complete,
                   closest if not plans else None)
 
 
@@ -712,7 +809,7 @@ def format_plans(config: RunConfig, found: Search, world_size: int, device_memor
              f"{tokens:,} tokens per step, on {world_size} × {hardware.name}, {device_memory / GIB:.0f} GiB each"
              f"{room}, matmuls at {efficiency:.0%} of the bf16 peak",
              f"{found.considered:,} candidate settings; {found.evaluated:,} estimated in full, the rest bounded "
-             f"slower than #{top} by their compute and bubble alone" if not found.complete else
+             f"slower than #{top} by their compute, bubble and least traffic" if not found.complete else
              f"{found.considered:,} candidate settings, {len(plans):,} fit"]
     if not plans:
         if found.closest:
@@ -727,14 +824,16 @@ def format_plans(config: RunConfig, found: Search, world_size: int, device_memor
         return "\n".join(lines)
     lines.append("milliseconds per optimizer step: the total, then compute, pipeline bubble and the exposed "
                  "communication of each dimension")
+    muon = any(p.exposed["muon"] for p in plans[:top])  # Muon's gathers in the optimizer step, where it runs
     lines.append(f"{'#':>3} {'layout':<52} {'GiB':>6} {'step':>9} {'compute':>9} {'bubble':>8} {'tp':>8} "
-                 f"{'cp':>8} {'ep':>8} {'pp':>7} {'fsdp':>8} {'tok/s/GPU':>10}")
+                 f"{'cp':>8} {'ep':>8} {'pp':>7} {'fsdp':>8} " + (f"{'muon':>8} " if muon else "")
+                 + f"{'tok/s/GPU':>10}")
     for rank, p in enumerate(plans[:top], 1):
         ms = {k: v * 1e3 for k, v in p.exposed.items()}
         lines.append(f"{rank:>3} {p.describe():<52} {p.memory / GIB:>6.1f} {p.step * 1e3:>9.2f} "
                      f"{p.compute * 1e3:>9.2f} {p.bubble * 1e3:>8.2f} {ms['tp']:>8.2f} {ms['cp']:>8.2f} "
-                     f"{ms['ep']:>8.2f} "
-                     f"{ms['pp']:>7.2f} {ms['fsdp']:>8.2f} {tokens / p.step / world_size:>10,.0f}")
+                     f"{ms['ep']:>8.2f} {ms['pp']:>7.2f} {ms['fsdp']:>8.2f} "
+                     + (f"{ms['muon']:>8.2f} " if muon else "") + f"{tokens / p.step / world_size:>10,.0f}")
     if command is not None:
         lines.append("to run a plan (add --dry-run --world-size N to train.py's part to check it first):")
         lines += [f"{rank:>3} {command(p)}" for rank, p in enumerate(plans[:top], 1)]
