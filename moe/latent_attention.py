@@ -108,8 +108,7 @@ class LatentAttention(nn.Module):
         k_rope = k_rope.expand(-1, heads, -1, -1)  # one rotary key, every head
         k = torch.cat((k_nope, k_rope), dim=-1)
         if self.logit_tracker is not None and self.training and cache is None:
-            self.logit_tracker.record(max_attention_logits(q, k, self.softmax_scale,
-                                                           mask=None if documents is None else documents.mask))
+            self.logit_tracker.record(max_attention_logits(q, k, self.softmax_scale, documents=documents))
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
         shards = None  # under context parallelism, shards of whole sequences: the causal attention of the shards
         if documents is not None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moe.documents import Documents
+
 # the most logits one chunk of queries holds (64 MiB in fp32): the [B, h, S, S] logits of a long sequence would not
 # fit beside the step's activations, so the queries are taken a chunk of rows at a time
 CHUNK_LOGITS = 1 << 24
@@ -21,32 +23,36 @@ CHUNK_LOGITS = 1 << 24
 
 @torch.no_grad()
 def max_attention_logits(q: Tensor, k: Tensor, scale: float, window: int | None = None,
-                         mask: Tensor | None = None) -> Tensor:
+                         documents: Documents | None = None) -> Tensor:
     """The largest ``scale · q · k`` of each query head over the batch, the queries and the keys each may see.
 
-    q [B, h, S, d] and k [B, hkv, S, d] at positions 0..S-1, after RoPE; query head i reads key head
-    ``i // (h / hkv)`` (SDPA's ``enable_gqa``). A query sees the keys at or before it, within ``window`` positions
-    when given (itself and window - 1 before), and where ``mask`` [B, 1, S, S] (packed documents) allows. An
-    attention sink is no key and is left out: its logit is a learned bias, not a product of q and k.
-    Returns [h] fp32, computed in fp32 whatever the autocast (the threshold is compared to the true product).
+    q [B, h, Sq, d] and k [B, hkv, Sk, d] after RoPE, at positions 0..S-1 (Sq = Sk = S), or at ``documents``'
+    ``query_pos`` and ``key_pos`` (a context-parallel rank's queries against every rank's gathered keys); query
+    head i reads key head ``i // (h / hkv)`` (SDPA's ``enable_gqa``). A query sees the keys at or before its
+    position, within ``window`` positions when given (itself and window - 1 before), and where ``documents``' mask
+    [B, 1, Sq, Sk] (packed documents) allows. An attention sink is no key and is left out: its logit is a learned
+    bias, not a product of q and k. Returns [h] fp32, computed in fp32 whatever the autocast (the threshold is
+    compared to the true product).
     """
     batch, heads, seq, dim = q.shape
-    kv_heads = k.shape[1]
-    key_pos = torch.arange(seq, device=q.device)
+    kv_heads, keys_len = k.shape[1], k.shape[2]
+    mask = None if documents is None else documents.mask
+    query_positions = torch.arange(seq, device=q.device) if documents is None else documents.query_pos
+    key_pos = torch.arange(keys_len, device=q.device) if documents is None else documents.key_pos
     best = torch.full((heads,), -torch.inf, device=q.device)
-    chunk = max(1, CHUNK_LOGITS // (batch * heads * seq))
+    chunk = max(1, CHUNK_LOGITS // (batch * heads * keys_len))
     with torch.autocast(q.device.type, enabled=False):
-        grouped = q.float().view(batch, kv_heads, heads // kv_heads, seq, dim)  # [B, hkv, g, S, d]
-        keys = k.float().transpose(-2, -1)[:, :, None]  # [B, hkv, 1, d, S]
+        grouped = q.float().view(batch, kv_heads, heads // kv_heads, seq, dim)  # [B, hkv, g, Sq, d]
+        keys = k.float().transpose(-2, -1)[:, :, None]  # [B, hkv, 1, d, Sk]
         for lo in range(0, seq, chunk):
             hi = min(seq, lo + chunk)
-            logits = grouped[:, :, :, lo:hi] @ keys  # [B, hkv, g, c, S]
-            query_pos = torch.arange(lo, hi, device=q.device)[:, None]
-            allowed = key_pos <= query_pos  # [c, S]
+            logits = grouped[:, :, :, lo:hi] @ keys  # [B, hkv, g, c, Sk]
+            query_pos = query_positions[lo:hi, None]
+            allowed = key_pos <= query_pos  # [c, Sk]
             if window is not None:
                 allowed = allowed & (key_pos > query_pos - window)
             if mask is not None:
-                allowed = allowed & mask[:, :, None, lo:hi]  # [B, 1, 1, c, S]
+                allowed = allowed & mask[:, :, None, lo:hi]  # [B, 1, 1, c, Sk]
             best = torch.maximum(best, logits.masked_fill_(~allowed, -torch.inf).amax(dim=(0, 3, 4)).reshape(heads))
     return best * scale  # scaled after the max: rounding is monotonic, so the same number, and one pass fewer
 

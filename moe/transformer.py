@@ -101,14 +101,13 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        if self.logit_tracker is not None and self.training and cache is None:
-            self.logit_tracker.record(max_attention_logits(q, k, self.head_dim ** -0.5, self.window,
-                                                           None if documents is None else documents.mask))
         k, v, mask = (k, v, None) if cache is None else cache.extend(k, v)
         if documents is not None:
             mask = documents.mask
             if documents.sharded:  # every context-parallel rank's keys and values, k and v in one exchange
                 k, v = self.gather_sequence(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
+        if self.logit_tracker is not None and self.training and cache is None:  # over every key a query may see
+            self.logit_tracker.record(max_attention_logits(q, k, self.head_dim ** -0.5, self.window, documents))
         if self.sinks is not None or self.window is not None:
             out = self._masked_attention(q, k, v, start, documents)
         elif documents is not None and documents.mask is None:  # whole sequences under cp

@@ -27,8 +27,9 @@ assignments over the whole sequence (``reduce_counts``: a sum over the cp ranks 
 wise loss of DeepSeek-V3 stays per sequence); routing statistics are summed over dp × cp.
 
 Not served yet, and refused before any work (``check_context_parallel``): capacity-limited routing (the capacity
-and the drop order are a whole micro-batch's), multi-token prediction (its modules shift the sequence), QK-clip
-(its largest logits are taken over a rank's own keys in order), and generation (one process).
+and the drop order are a whole micro-batch's), multi-token prediction (its modules shift the sequence), and
+generation (one process). QK-clip takes each head's largest logit over the rank's queries and every rank's
+gathered keys, at their positions (``moe.max_logits``), then the maximum over dp × cp.
 """
 
 from __future__ import annotations
@@ -95,9 +96,6 @@ def check_context_parallel(config: RunConfig, cp: int) -> None:
     if config.model.mtp_depth:
         refused.append((f"model.mtp_depth={config.model.mtp_depth}", "the prediction modules shift the whole "
                         "sequence; set model.mtp_depth=0"))
-    if config.train.qk_clip_threshold is not None:
-        refused.append((f"train.qk_clip_threshold={config.train.qk_clip_threshold}", "QK-clip's largest logits are "
-                        "recorded from a rank's own keys in order; unset train.qk_clip_threshold"))
     if refused:
         raise ConfigError(f"parallel.cp={cp} with " + "; and with ".join(f"{key}: {why}" for key, why in refused))
 

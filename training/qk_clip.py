@@ -95,8 +95,10 @@ class QKClip:
         self.attentions = [m for m in model.modules() if isinstance(m, Attention | LatentAttention)]
         for attention in self.attentions:
             attention.logit_tracker = LogitTracker()
-        self.dp_group = groups.group("dp") if groups.layout.dp > 1 else None
-        self.dp_size = groups.layout.dp
+        # the ranks holding other queries of the same model: data-parallel replicas, and under context parallelism
+        # the ranks holding the other positions of the same sequences
+        self.dp_group = groups.group("dp_cp") if groups.layout.dp_cp > 1 else None
+        self.dp_size = groups.layout.dp_cp
         tp_rank, tp = groups.coords()["tp"], groups.layout.tp
         # per attention module: each tensor to scale, its rows' heads and exponents (computed once)
         self.rows = [[(tensor, *head_rows(tensor, exponents, tp_rank, tp))
@@ -121,7 +123,7 @@ class QKClip:
             raise RuntimeError("QK-clip: an attention module recorded no logits this step (no training forward ran "
                                "through it)")
         flat = torch.cat(maxima)
-        if self.dp_group is not None:  # every replica must scale alike: the max over all the step's sequences
+        if self.dp_group is not None:  # every replica must scale alike: the max over all the step's queries
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.dp_group)
         fired = flat > self.threshold
         self.max_logit = torch.maximum(self.max_logit, flat.max().double())

@@ -176,6 +176,12 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                   "train.qk_clip_threshold=0.05"], 4, "null", id="dp_shard=2xtp=2xep=2-muon-qk_clip"),
     pytest.param(["parallel.tp=2", *DEEPSEEK_V3, *MUON, "train.qk_clip_threshold=0.025"], 2, "null",
                  id="tp=2-deepseek-v3-muon-qk_clip"),
+    # and under context parallelism: each rank's queries against every rank's gathered keys at their positions, the
+    # maxima max-reduced over dp x cp (the same models and micro-batches as the two rows above: their references)
+    pytest.param(["parallel.cp=2", "parallel.dp_shard=2", "parallel.ep=2", "model.qkv_bias=true", *MUON,
+                  "train.qk_clip_threshold=0.05"], 4, "null", id="cp=2xdp_shard=2xep=2-muon-qk_clip"),
+    pytest.param(["parallel.cp=2", *DEEPSEEK_V3, *MUON, "train.qk_clip_threshold=0.025"], 2, "null",
+                 id="cp=2-deepseek-v3-muon-qk_clip"),
 ]
 
 
