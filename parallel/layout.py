@@ -71,7 +71,6 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
         check_tensor_parallel(layout.tp, config.model, config.parallel.sequence_parallel,
                               config.parallel.vocab_parallel)
         check_context_parallel(config, layout.cp)
-        check_optimizer_layout(config, layout)
         return micro, microbatches
 
     def refusal(layout: Layout) -> str | None:  # a layout a refusal suggests must pass every check here
@@ -86,19 +85,3 @@ def resolve_layout(config: RunConfig, world_size: int) -> ResolvedLayout:
                             accept=refusal)
     validate_for_model(layout, config.model, config.moe, accept=refusal)
     return ResolvedLayout(layout, *rest(layout))
-
-
-def check_optimizer_layout(config: RunConfig, layout: Layout) -> None:
-    """Refuse Muon with context and tensor parallelism together, before any work.
-
-    Muon puts each sharded matrix back together for its orthogonalisation (``training.muon.orthogonalised``),
-    proved equal to one process under dp_shard (with tp too: FSDP's strided shards of tp's rows), tp with
-    sequence parallelism, ep, etp and pp (``tests/parallel/test_parity.py``). Under cp FSDP shards over the
-    flattened dp_shard × cp mesh, and its strided shards of tp weights there have not been run under Muon: a
-    refusal until a parity row proves them.
-    """
-    if config.train.optimizer != "muon" or layout.cp == 1 or layout.tp == 1:
-        return
-    raise ConfigError(f"train.optimizer=muon with parallel.cp={layout.cp} and parallel.tp={layout.tp} together is "
-                      "not supported yet (FSDP's shards of tensor-parallel weights over dp_shard × cp have not run "
-                      "under Muon); use one of the two, or train.optimizer=adamw")

@@ -125,6 +125,9 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
                                                       "model.mtp_depth=1"],
     "muon, tp=2 x dp_shard=2, etp=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",
                                                   "moe.num_experts=3", "train.optimizer=muon"],
+    # and over FSDP's flattened dp_shard x cp (cp=2, dp_shard=1): the strided rows gathered over cp's ranks first
+    "muon, cp=2 x tp=2": ["parallel.dp_shard=1", "parallel.cp=2", "parallel.tp=2", "moe.capacity_factor=null",
+                          "train.optimizer=muon"],
     # each tp rank gathers its own key/value heads over cp; ep folds over cp × tp
     CP_LATENT: ["parallel.dp_shard=2", "parallel.cp=2", "moe.capacity_factor=null", *LATENT],
     # the experts' exchange in two hops on 2 simulated nodes of 2: (token, node) rows over {0, 2} and {1, 3}, then

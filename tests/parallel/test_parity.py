@@ -182,6 +182,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                   "train.qk_clip_threshold=0.05"], 4, "null", id="cp=2xdp_shard=2xep=2-muon-qk_clip"),
     pytest.param(["parallel.cp=2", *DEEPSEEK_V3, *MUON, "train.qk_clip_threshold=0.025"], 2, "null",
                  id="cp=2-deepseek-v3-muon-qk_clip"),
+    # Muon under cp x tp: FSDP's strided shards of tp's rows over the flattened dp_shard x cp mesh (also run, not kept:
+    # dp_shard=2 x cp=2 x tp=2 x ep=2 on 8 ranks)
+    pytest.param(["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", *MUON], 4, "null",
+                 id="cp=2xtp=2-sequence_parallel-muon"),
 ]
 
 

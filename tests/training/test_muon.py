@@ -149,17 +149,15 @@ def test_bad_muon_keys_are_config_errors_naming_key_and_value(key, value, messag
 
 
 def test_muon_accepts_every_layout():
-    """No layout is refused under Muon, dp_shard and tp together included (FSDP's strided shards of tp's weights are
-    gathered whole: ``training.muon.orthogonalised``); ``tests/parallel/test_parity.py`` proves the rows it runs
-    equal to one process."""
+    """No layout is refused under Muon, dp_shard and tp together included, and cp with tp (FSDP's strided shards of
+    tp's weights, over dp_shard or dp_shard × cp, are gathered whole: ``training.muon.orthogonalised``);
+    ``tests/parallel/test_parity.py`` proves the rows it runs equal to one process."""
+    dropless = "moe.capacity_factor=null"
     for degrees, world in ((["parallel.tp=2", "parallel.dp_shard=1"], 2), (["parallel.ep=2"], 2),
                            (["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"], 4),
-                           (["parallel.tp=2", "parallel.dp_shard=2"], 4)):
+                           (["parallel.tp=2", "parallel.dp_shard=2"], 4),
+                           (["parallel.tp=2", "parallel.dp_shard=1", "parallel.cp=2", dropless], 4)):
         resolve_layout(load_config("moe-8x", [*MUON, *degrees]), world)
-    # FSDP over dp_shard × cp with tp: not yet run under Muon, refused by name
-    with pytest.raises(ConfigError, match=r"train.optimizer=muon with parallel.cp=2 and parallel.tp=2 together"):
-        resolve_layout(load_config("moe-8x", [*MUON, "parallel.tp=2", "parallel.dp_shard=1", "parallel.cp=2",
-                                              "moe.capacity_factor=null"]), 4)
 
 
 STEPS = 6
