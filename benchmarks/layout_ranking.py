@@ -3,18 +3,18 @@
 The planner's step estimate (``analysis.planner.evaluate``, the same code that ranks GPU layouts) is given a
 preset of this machine built from measured figures, for each world size (4 and 8 gloo processes by default):
 
-- **matmul FLOP/s alone**: the config's own matmuls (``planner.block_gemms`` of each kind of block on one
+- **matmul FLOP/s alone**: the config's own matmuls (``step_time.block_gemms`` of each kind of block on one
   micro-batch, and the head: forward, input gradient and weight gradient) in one process, one thread as
   ``train.py`` runs under torchrun;
 - **the efficiency**: one process trains the config alone (``train.py``, one thread); the step's training
   FLOPs over its time, as a fraction of the matmuls' rate alone, is what the planner's ``efficiency`` is on a
-  GPU (``planner.calibrated_efficiency``: one measured step, the element-wise work, routing and optimizer
+  GPU (``step_time.calibrated_efficiency``: one measured step, the element-wise work, routing and optimizer
   included), measured once and used for every layout and world size;
 - **sharing**: n one-process trainings at once, each on an n-th of the global batch (``shared_step``): a
   data-parallel rank's compute, shared as on n ranks, with nothing to exchange. Their step over an n-th of the
   step alone is the preset's ``sharing``, and the matmul rate alone over it the rate per rank. Above 1, a
-  pipeline's idle ranks leave their cores to the busy ones (``planner.bubble_seconds``,
-  ``planner.shared_balance``) and no traffic hides behind compute (``planner.exposed_communication``). Measured
+  pipeline's idle ranks leave their cores to the busy ones (``step_time.bubble_seconds``,
+  ``step_time.shared_balance``) and no traffic hides behind compute (``step_time.exposed_communication``). Measured
   on whole steps, not on matmuls alone: switching between processes and their contention for caches cost more
   in a step (on 8 processes of 2 cores, about 4.9 against 4.25 for matmuls alone);
 - **gloo bandwidth and latency** (``measure_machine``): the collectives the layouts use (all-reduce,
@@ -57,7 +57,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from analysis import communication, planner  # noqa: E402
+from analysis import communication, planner, step_time  # noqa: E402
 from config.run import RunConfig, load_config  # noqa: E402
 from parallel.groups import Layout  # noqa: E402
 from parallel.layout import resolve_layout  # noqa: E402
@@ -142,7 +142,7 @@ def gemm_shapes(config: RunConfig) -> list[tuple[float, int, int, int]]:
     tokens = micro * config.model.seq_len
     out = []
     for is_moe in sorted({config.model.is_moe_layer(i) for i in range(config.model.n_layers)}):
-        out += planner.block_gemms(config, layout, tokens, is_moe)
+        out += step_time.block_gemms(config, layout, tokens, is_moe)
     out.append((1, tokens, config.model.d_model, config.model.vocab_size))
     return out
 
@@ -254,7 +254,7 @@ def chunk_between_calls(config: RunConfig, world: int) -> list[tuple[float, int,
     forward matmuls on a data-parallel rank's share of the batch, which is what runs between FSDP's gathers of
     consecutive blocks (one unit per block)."""
     tokens = config.train.global_batch_size // world * config.model.seq_len
-    return planner.block_gemms(config, Layout.resolve(1), tokens, config.model.is_moe_layer(0))
+    return step_time.block_gemms(config, Layout.resolve(1), tokens, config.model.is_moe_layer(0))
 
 
 def measure_machine(config: RunConfig, world: int, blocks: int = 7, calls: int = 4) -> dict:
@@ -372,11 +372,11 @@ def shared_step(config_name: str, overrides: list[str], world: int, steps: int, 
 def step_efficiency(config_name: str, overrides: list[str], alone: float, steps: int, warmup: int,
                     run_dir: Path) -> tuple[float, float]:
     """The fraction of its matmuls' rate (``alone`` FLOP/s) a whole training step of the config reaches in one
-    process (one thread), and that step's seconds: the CPU's counterpart of ``planner.calibrated_efficiency``,
+    process (one thread), and that step's seconds: the CPU's counterpart of ``step_time.calibrated_efficiency``,
     measured once on one rank, where the GPU's is taken from one published layer. It is what the element-wise
     work, routing and the optimizer add to the matmuls."""
     config = load_config(config_name, overrides)
-    flops = planner.compute_seconds(config, Layout.resolve(1), peak=1.0)  # the step's training FLOPs
+    flops = step_time.compute_seconds(config, Layout.resolve(1), peak=1.0)  # the step's training FLOPs
     seconds = statistics.median(step_times(config_name, overrides, 1, warmup + steps, run_dir)[warmup:])
     return flops / seconds / alone, seconds
 

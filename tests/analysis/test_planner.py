@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 import train
-from analysis import communication, memory, planner
+from analysis import communication, memory, planner, step_time
 from config.errors import ConfigError
 from config.run import load_config
 from moe.accounting import (
@@ -43,7 +43,7 @@ def test_compute_without_pipeline_is_the_models_flops_spread_over_every_rank(deg
     config = _config(layout)
     tokens = config.train.global_batch_size * config.model.seq_len
     total = training_flops_per_token(config.model, config.moe) * tokens
-    assert planner.compute_seconds(config, layout, peak=1.0) * layout.world_size == pytest.approx(total, rel=1e-12)
+    assert step_time.compute_seconds(config, layout, peak=1.0) * layout.world_size == pytest.approx(total, rel=1e-12)
 
 
 def test_recompute_adds_the_forward_of_the_recomputed_blocks():
@@ -51,10 +51,10 @@ def test_recompute_adds_the_forward_of_the_recomputed_blocks():
     model, moe = _config(layout).model, _config(layout).moe
     blocks = [block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers)]
     head = head_flops_per_token(model)
-    assert planner.stage_flops_per_token(_config(layout), layout) == [pytest.approx(sum(blocks) + head)]
-    full = planner.stage_flops_per_token(_config(layout, "full"), layout)
+    assert step_time.stage_flops_per_token(_config(layout), layout) == [pytest.approx(sum(blocks) + head)]
+    full = step_time.stage_flops_per_token(_config(layout, "full"), layout)
     assert full == [pytest.approx(sum(blocks) * 4 / 3 + head)]
-    moe_only = planner.stage_flops_per_token(_config(layout, "moe"), layout)
+    moe_only = step_time.stage_flops_per_token(_config(layout, "moe"), layout)
     moe_blocks = sum(b for i, b in enumerate(blocks) if model.is_moe_layer(i))
     assert moe_only == [pytest.approx(sum(blocks) + moe_blocks / 3 + head)]
 
@@ -62,12 +62,12 @@ def test_recompute_adds_the_forward_of_the_recomputed_blocks():
 def test_pipeline_compute_is_the_busiest_stage_and_the_bubble_is_p_minus_1_over_m():
     layout = Layout.resolve(8, pp=2, dp_shard=4)
     config = _config(layout)
-    stages = planner.stage_flops_per_token(config, layout)
+    stages = step_time.stage_flops_per_token(config, layout)
     assert len(stages) == 2 and sum(stages) == pytest.approx(training_flops_per_token(config.model, config.moe))
     tokens = config.train.global_batch_size * config.model.seq_len / layout.dp
-    compute = planner.compute_seconds(config, layout, peak=1.0)
+    compute = step_time.compute_seconds(config, layout, peak=1.0)
     assert compute == pytest.approx(max(stages) * tokens)
-    assert planner.bubble_seconds(compute, layout, microbatches=4) == pytest.approx(compute * 1 / 4)
+    assert step_time.bubble_seconds(compute, layout, microbatches=4) == pytest.approx(compute * 1 / 4)
 
 
 def test_multi_token_prediction_weighs_on_the_last_stage_and_its_embedding_copy_on_the_pipeline():
@@ -80,11 +80,11 @@ def test_multi_token_prediction_weighs_on_the_last_stage_and_its_embedding_copy_
     model, moe = mtp.model, mtp.moe
     last = stage_layers(model, moe, 2)[1]
     assert len(last) < len(stage_layers(plain.model, plain.moe, 2)[1])
-    with_mtp = planner.stage_flops_per_token(mtp, layout)
+    with_mtp = step_time.stage_flops_per_token(mtp, layout)
     assert sum(with_mtp) == pytest.approx(training_flops_per_token(model, moe))
     blocks = sum(block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in last)
     assert with_mtp[1] == pytest.approx(blocks + head_flops_per_token(model) + mtp_flops_per_token(model, moe))
-    pp_time = [planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)["pp"]
+    pp_time = [step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)["pp"]
                for config in (plain, mtp)]
     assert pp_time[1] > pp_time[0]
     found = planner.search(load_config("moe-8x", [*SMALL, "model.mtp_depth=1"]), 8, 80 * planner.GIB, top=1)
@@ -97,8 +97,8 @@ def test_tensor_parallel_across_nodes_waits_for_the_network():
     (bandwidth alone: the latency term is tested on its own below)."""
     layout = Layout.resolve(8, dp_shard=2, tp=4)
     config = _config(layout)
-    inside = planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)
-    across = planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=2)
+    inside = step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)
+    across = step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=2)
     assert inside["tp"] > 0
     assert across["tp"] == pytest.approx(inside["tp"] * (0.8 * 450) / (0.92 * 50))
 
@@ -126,9 +126,9 @@ def test_the_presets_precision_sets_the_bytes_its_traffic_carries():
     for hardware in (_bandwidth_only(H100), fp32):
         items = communication.predict(config, layout, 0, hardware.precision)
         tp = sum(i.bus_bytes for i in items if i.dimension == "tp") / (0.8 * H100.intra_node)
-        assert planner.exposed_communication(config, layout, 0.0, hardware, 8)["tp"] == pytest.approx(tp)
-    assert (planner.exposed_communication(config, layout, 0.0, fp32, 8)["tp"]
-            > planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)["tp"])
+        assert step_time.exposed_communication(config, layout, 0.0, hardware, 8)["tp"] == pytest.approx(tp)
+    assert (step_time.exposed_communication(config, layout, 0.0, fp32, 8)["tp"]
+            > step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)["tp"])
 
 
 def test_collective_latency_is_nccls_ring_model_per_call():
@@ -159,16 +159,16 @@ def test_sharding_time_splits_the_ends_the_last_backward_and_the_rest_by_hand():
     1 of m rounds; the gathers are the rest."""
     timed = [(_fsdp_item("all_gather", 8), 8.0), (_fsdp_item("all_gather", 2), 1.0),  # 1 s and 0.5 s per call
              (_fsdp_item("reduce_scatter", 4), 6.0), (_fsdp_item("all_reduce", 2), 1.0)]  # 1.5 s and 0.5 s
-    step = planner.sharding_time(timed, "step", 2)
+    step = step_time.sharding_time(timed, "step", 2)
     assert (step.ends, step.last, step.rest) == pytest.approx((1.0 + 1.5 + 0.5, 6.0 + 1.0 - 2.0, 9.0 - 1.0))
-    microbatch = planner.sharding_time(timed, "microbatch", 2)
+    microbatch = step_time.sharding_time(timed, "microbatch", 2)
     assert (microbatch.ends, microbatch.last, microbatch.rest) == pytest.approx((3.0, 3.0 + 1.0 - 2.0, 16 - 4 - 1))
 
 
 def test_overlapped_traffic_shows_beyond_the_compute_or_as_the_compute_it_slows():
     """Traffic O beside compute C that runs σ slower meanwhile: max(O, C + σ·O) in all, plus the ends, plus what
     of the last backward's reductions the last micro-batch's backward (2/3 of C/m) does not hide."""
-    parts = planner.ShardingTime(ends=1.0, last=2.0, rest=6.0)
+    parts = step_time.ShardingTime(ends=1.0, last=2.0, rest=6.0)
     # compute-bound: C = 30 over 2 micro-batches; the last backward (10 s) hides all 2 s; O = 8
     assert parts.exposed(30.0, 2, 0.25) == pytest.approx(1.0 + 0.25 * 8)
     assert parts.exposed(30.0, 2, 0.0) == pytest.approx(1.0)
@@ -187,18 +187,18 @@ def test_fsdp_traffic_shows_only_beyond_the_compute_it_overlaps():
     timed = [(item, communication.seconds(item, H100, 8)) for item in communication.predict(config, layout, 0, "bf16")
              if item.dimension == "fsdp"]
     fsdp = sum(seconds for _, seconds in timed)
-    parts = planner.sharding_time(timed, "step", 1)
+    parts = step_time.sharding_time(timed, "step", 1)
     assert fsdp > 0 and parts.ends > 0 and parts.ends + parts.last + parts.rest == pytest.approx(fsdp)
-    assert planner.exposed_communication(config, layout, 0.0, H100, 8)["fsdp"] == pytest.approx(fsdp)
+    assert step_time.exposed_communication(config, layout, 0.0, H100, 8)["fsdp"] == pytest.approx(fsdp)
     hidden = parts.last + parts.rest
-    assert planner.exposed_communication(config, layout, 100 * fsdp, H100, 8)["fsdp"] == pytest.approx(
+    assert step_time.exposed_communication(config, layout, 100 * fsdp, H100, 8)["fsdp"] == pytest.approx(
         parts.ends + 0.28 * hidden)
     no_slowdown = dataclasses.replace(H100, overlap_slowdown=0.0)
-    assert planner.exposed_communication(config, layout, 100 * fsdp, no_slowdown, 8)["fsdp"] == pytest.approx(
+    assert step_time.exposed_communication(config, layout, 100 * fsdp, no_slowdown, 8)["fsdp"] == pytest.approx(
         parts.ends)
     # ranks sharing CPU cores: no idle core to overlap on, all of it shows
     shared = dataclasses.replace(H100, sharing=2.0)
-    assert planner.exposed_communication(config, layout, 2 * fsdp, shared, 8)["fsdp"] == pytest.approx(fsdp)
+    assert step_time.exposed_communication(config, layout, 2 * fsdp, shared, 8)["fsdp"] == pytest.approx(fsdp)
 
 
 def test_the_last_micro_batchs_gradient_reductions_hide_only_behind_its_backward():
@@ -220,9 +220,9 @@ def test_the_last_micro_batchs_gradient_reductions_hide_only_behind_its_backward
             s / i.calls for i, s in gathers)
         rest = sum(s for _, s in timed) - ends - last
         compute = 3 * last  # the last backward, compute / 2 * 2 / 3, hides exactly its reductions
-        exposed = planner.exposed_communication(config, layout, compute, hardware, 8, microbatches=2)["fsdp"]
+        exposed = step_time.exposed_communication(config, layout, compute, hardware, 8, microbatches=2)["fsdp"]
         assert exposed == pytest.approx(ends + max(0.0, rest - (compute - last)))
-        exposed = planner.exposed_communication(config, layout, 1.5 * last, hardware, 8, microbatches=2)["fsdp"]
+        exposed = step_time.exposed_communication(config, layout, 1.5 * last, hardware, 8, microbatches=2)["fsdp"]
         assert exposed == pytest.approx(ends + last / 2 + max(0.0, rest - last), rel=1e-9, abs=1e-12)
 
 
@@ -263,7 +263,7 @@ def test_context_parallel_exchange_waits_in_full_and_the_search_weighs_cp_where_
     config = _config(layout, overrides=dropless)
     items = [i for i in communication.predict(config, layout, 0, "bf16") if i.dimension == "cp"]
     assert {i.collective for i in items} == {"all_gather", "reduce_scatter", "all_reduce"}
-    exposed = planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)
+    exposed = step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)
     assert exposed["cp"] == pytest.approx(sum(i.bus_bytes for i in items) / (0.8 * H100.intra_node))
     plans, _ = planner.plan(load_config("moe-8x", dropless), 8, device_memory=80 * planner.GIB)
     assert any(p.layout.cp > 1 for p in plans)
@@ -279,7 +279,7 @@ def test_mixtral_does_not_fit_on_eight_80_gib_gpus():
     # the closest miss is the least memory of all candidates, as the memory model counts it
     candidate, need = found.closest
     assert need == min(planner.memory_bytes(c.config, c.layout)[0]
-                       for c in planner.candidates(config, 8, H100, planner.EFFICIENCY))
+                       for c in planner.candidates(config, 8, H100, step_time.EFFICIENCY))
     assert need > 46.7e9 * 16 / 8
     text = planner.format_plans(config, found, 8, 80 * planner.GIB, H100, 0.5, 10)
     described = planner.evaluate(candidate.config, candidate.layout, H100, 8, 0.5, need).describe()
@@ -303,12 +303,12 @@ def test_hardware_presets_and_overrides_reach_the_estimate():
     layout = Layout.resolve(8, dp_shard=2, tp=4)
     config = _config(layout)
     h800 = _bandwidth_only(communication.HARDWARE["h800"])
-    on_h100 = planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)["tp"]
-    on_h800 = planner.exposed_communication(config, layout, 0.0, h800, gpus_per_node=8)["tp"]
+    on_h100 = step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)["tp"]
+    on_h800 = step_time.exposed_communication(config, layout, 0.0, h800, gpus_per_node=8)["tp"]
     assert on_h800 == pytest.approx(on_h100 * 450 / 200)
     b200 = communication.HARDWARE["b200"]
-    assert (planner.compute_seconds(config, layout, H100.bf16_flops)
-            == pytest.approx(planner.compute_seconds(config, layout, b200.bf16_flops) * 2250 / 989))
+    assert (step_time.compute_seconds(config, layout, H100.bf16_flops)
+            == pytest.approx(step_time.compute_seconds(config, layout, b200.bf16_flops) * 2250 / 989))
     custom = communication.hardware_with("h100", nvlink_gbps=100, memory_gib=40)
     assert (custom.intra_node, custom.memory_gib, custom.inter_node) == (100e9, 40, H100.inter_node)
     with pytest.raises(ConfigError, match="--gpu 'v100' is not a preset"):
@@ -332,9 +332,9 @@ def test_ranks_sharing_cores_fill_the_bubble_until_the_critical_path_at_the_unsh
     critical path, 1.375 × compute / 2, within the shared compute: no bubble; at sharing 1.25 it is 1.1 × compute,
     0.1 × compute longer."""
     layout = Layout.resolve(8, pp=4, dp_shard=2)
-    assert planner.bubble_seconds(8.0, layout, microbatches=8) == pytest.approx(3.0)
-    assert planner.bubble_seconds(8.0, layout, microbatches=8, sharing=2.0) == 0.0
-    assert planner.bubble_seconds(8.0, layout, microbatches=8, sharing=1.25) == pytest.approx(0.8)
+    assert step_time.bubble_seconds(8.0, layout, microbatches=8) == pytest.approx(3.0)
+    assert step_time.bubble_seconds(8.0, layout, microbatches=8, sharing=2.0) == 0.0
+    assert step_time.bubble_seconds(8.0, layout, microbatches=8, sharing=1.25) == pytest.approx(0.8)
 
 
 def test_ranks_sharing_cores_take_the_mean_stage_s_work_not_the_busiest_s():
@@ -346,16 +346,16 @@ def test_ranks_sharing_cores_take_the_mean_stage_s_work_not_the_busiest_s():
                                  schedule=("gpipe", 1), micro_batch_size=4)
     block, head = (block_flops_per_token(config.model, config.moe, True), head_flops_per_token(config.model))
     balance = (4 * block + head) / 4 / (block + head)
-    assert planner.shared_balance(config, layout, sharing=2.0) == pytest.approx(balance)
-    assert planner.shared_balance(config, layout, sharing=1.0) == 1.0
-    assert planner.shared_balance(_config(Layout.resolve(4, dp_shard=4)), Layout.resolve(4, dp_shard=4), 2.0) == 1.0
+    assert step_time.shared_balance(config, layout, sharing=2.0) == pytest.approx(balance)
+    assert step_time.shared_balance(config, layout, sharing=1.0) == 1.0
+    assert step_time.shared_balance(_config(Layout.resolve(4, dp_shard=4)), Layout.resolve(4, dp_shard=4), 2.0) == 1.0
     cpu = dataclasses.replace(_bandwidth_only(H100), sharing=2.0)
     plan = planner.evaluate(config, layout, cpu, 8, efficiency=0.5, memory_total=0)
-    busiest = planner.compute_seconds(config, layout, cpu.bf16_flops * 0.5, cpu.memory_bandwidth)
+    busiest = step_time.compute_seconds(config, layout, cpu.bf16_flops * 0.5, cpu.memory_bandwidth)
     assert plan.compute == pytest.approx(busiest * balance)
     # 8 micro-batches, bubble 3/8: the critical path 1.375 × busiest / 2 is within the mean's time: no bubble
     assert plan.bubble == 0.0
-    assert planner.bubble_seconds(busiest * balance, layout, 8, sharing=1.25, balance=balance) == pytest.approx(
+    assert step_time.bubble_seconds(busiest * balance, layout, 8, sharing=1.25, balance=balance) == pytest.approx(
         max(0.0, busiest * 1.375 / 1.25 - busiest * balance))
 
 
@@ -363,12 +363,12 @@ def test_interleaving_divides_the_bubble_by_v_and_each_rank_sums_its_stages():
     """Narayanan et al. 2021 sec. 2.2.2: (p − 1)/(v·m). With pp=2 and v=2 over 4 blocks, rank 0 runs stages 0 and
     2, rank 1 stages 1 and 3 and the head; together every block once."""
     layout = Layout.resolve(8, pp=2, dp_shard=4)
-    assert planner.bubble_seconds(8.0, layout, microbatches=4, virtual_stages=2) == pytest.approx(8.0 / 8)
+    assert step_time.bubble_seconds(8.0, layout, microbatches=4, virtual_stages=2) == pytest.approx(8.0 / 8)
     config = planner.with_layout(load_config("moe-8x", SMALL), layout, "none", schedule=("interleaved_1f1b", 2))
     model, moe = config.model, config.moe
     blocks = [block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers)]
     ranges = stage_layers(model, moe, 4)
-    per_rank = planner.stage_flops_per_token(config, layout)
+    per_rank = step_time.stage_flops_per_token(config, layout)
     assert per_rank[0] == pytest.approx(sum(blocks[i] for s in (0, 2) for i in ranges[s]))
     assert sum(per_rank) == pytest.approx(sum(blocks) + head_flops_per_token(model))
 
@@ -417,12 +417,12 @@ def test_traffic_floors_are_below_the_exposed_traffic_of_every_setting_they_stan
     ``every_micro_batch_size``, at most that of every size. Nodes of 4 GPUs put some groups across the network."""
     config = load_config("moe-8x", [*SMALL, "moe.capacity_factor=null", "train.global_batch_size=8"])
     floors, checked = {}, 0
-    for c in planner.candidates(config, 8, H100, planner.EFFICIENCY):
+    for c in planner.candidates(config, 8, H100, step_time.EFFICIENCY):
         try:
             resolve_layout(c.config, 8)
         except ConfigError:
             continue
-        exposed = sum(planner.evaluate(c.config, c.layout, H100, 4, planner.EFFICIENCY, 0).exposed.values())
+        exposed = sum(planner.evaluate(c.config, c.layout, H100, 4, step_time.EFFICIENCY, 0).exposed.values())
         for every_size, micro in ((False, c.micro_batch_size), (True, 8 // c.layout.dp)):
             key = (every_size, c.layout, micro, c.schedule[1])
             if key not in floors:
@@ -438,7 +438,7 @@ def test_the_micro_batch_of_one_bounds_the_memory_of_larger_ones_where_the_plann
     with micro-batches of one is at most that of the larger size (GPipe, where it fails, is left out)."""
     config = load_config("moe-8x", [*SMALL, "train.global_batch_size=32"])
     pairs = 0
-    for c in planner.candidates(config, 8, H100, planner.EFFICIENCY):
+    for c in planner.candidates(config, 8, H100, step_time.EFFICIENCY):
         smallest = planner.smallest_micro_batch(c)
         if smallest is None:
             continue
@@ -462,7 +462,7 @@ def test_exposed_communication_is_the_busiest_stages_traffic_though_alike_stages
         for stage in range(4):
             items = communication.predict(planned, layout, stage * 2, "bf16")
             totals.append(sum(communication.seconds(i, H100, 2) for i in items))
-        exposed = planner.exposed_communication(planned, layout, 0.0, H100, 2, microbatches=8)
+        exposed = step_time.exposed_communication(planned, layout, 0.0, H100, 2, microbatches=8)
         assert sum(exposed.values()) == pytest.approx(max(totals), rel=1e-12)
 
 
@@ -470,7 +470,7 @@ def test_exposed_communication_is_the_busiest_stages_traffic_though_alike_stages
 def test_latent_attention_gemms_are_its_projections(query_rank):
     """A block's attention matmuls do 2·T FLOPs per weight of its projections (the accounting's count, less the
     latent norms); under tp=2 the per-head projections halve and the latent ones stay whole on each rank."""
-    from analysis.planner import block_gemms
+    from analysis.step_time import block_gemms
     from moe.accounting import attention_parameters
 
     config = load_config("moe-8x", ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=null",
@@ -518,7 +518,7 @@ def test_overrides_name_only_what_the_plan_changed_and_nodes_split_the_world():
         "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2",
         "parallel.activation_checkpointing=moe", "parallel.sequence_parallel=true", "parallel.grad_reduce=microbatch",
         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2", "train.micro_batch_size=2"]
-    assert [planner.node_shape(w, 8) for w in (8, 64, 4, 12, 7)] == [(1, 8), (8, 8), (1, 4), (2, 6), (1, 7)]
+    assert [step_time.node_shape(w, 8) for w in (8, 64, 4, 12, 7)] == [(1, 8), (8, 8), (1, 4), (2, 6), (1, 7)]
 
 
 def test_headroom_is_applied_shown_and_checked(capsys):
@@ -541,7 +541,7 @@ def test_muons_gathers_wait_in_full_and_the_search_runs_with_muon():
     config = _config(layout, overrides=[*SMALL, "train.optimizer=muon"])
     items = [i for i in communication.predict(config, layout, 0, "bf16") if i.dimension == "muon"]
     assert {i.collective for i in items} == {"all_gather", "reduce_scatter"}
-    exposed = planner.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)
+    exposed = step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)
     assert exposed["muon"] == pytest.approx(sum(i.bus_bytes for i in items) / (0.8 * H100.intra_node))
     plans, _ = planner.plan(load_config("moe-8x", [*SMALL, "train.optimizer=muon"]), 8, device_memory=80 * planner.GIB)
     assert plans and any(p.exposed["muon"] > 0 for p in plans)
