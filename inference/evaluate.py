@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from config.cli import command_parser, run_command
 from config.errors import ConfigError
@@ -33,7 +34,7 @@ from inference.load import inference_config, load_model, model_tokenizer, weight
 from inference.parallel_eval import batch_tensor, dealt_rows, evaluate_under_layout, layout_config
 from moe.transformer import MoETransformer
 from parallel.runtime import launch_environment
-from parallel.tensor import lm_loss, loss_context
+from parallel.tensor import IGNORED, lm_loss, loss_context
 
 
 @dataclass
@@ -61,7 +62,8 @@ def evaluate_tokens(model: MoETransformer, tokens: np.ndarray, batch_size: int =
     """``model``'s loss on ``tokens`` [N] (see the module docstring), ``batch_size`` windows per forward pass.
 
     Under a parallel layout (``inference/parallel_eval.py``) each batch's windows are dealt out over the
-    ``dp_size`` data-parallel ranks and the sums added over ``dp_group``: the same windows, the same figure."""
+    ``dp_size`` data-parallel ranks and the sums added over ``dp_group`` (with context parallelism the ranks holding
+    the windows' other positions too): the same windows, the same figure."""
     seq_len = model.rope_cos.shape[0]
     if len(tokens) < 2:
         raise ConfigError(f"the text is {len(tokens)} token(s): at least 2 are needed, one to predict the next")
@@ -70,15 +72,21 @@ def evaluate_tokens(model: MoETransformer, tokens: np.ndarray, batch_size: int =
     by_length: dict[int, list[tuple[int, int]]] = {}
     for start, end in windows(len(tokens), seq_len):  # only the last window may be shorter: a batch of its own
         by_length.setdefault(end - start, []).append((start, end))
-    for length, group in by_length.items():
+    shards = model.sequence_shards  # under context parallelism this rank's positions of each window
+    for group in by_length.values():
         for first in range(0, len(group), batch_size):
             rows, counted = dealt_rows(group[first:first + batch_size], dp_rank, dp_size)
             batch = batch_tensor(tokens, rows, device)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            if shards is not None:  # whole chunks for every rank: a shorter window's tail padded, its targets ignored
+                pad = -inputs.shape[1] % (2 * shards.cp)  # (causal: the padding comes after every real position)
+                inputs, targets = F.pad(inputs, (0, pad)), F.pad(targets, (0, pad), value=IGNORED)
+                inputs, targets = shards.shard(inputs), shards.shard(targets)
             with loss_context(vocab_parallel):
-                loss = lm_loss(model(batch[:, :-1]).float(), batch[:, 1:])
+                loss = lm_loss(model(inputs).float(), targets, reduction="sum")
             if counted:
-                predicted = batch.shape[0] * (length - 1)
-                sums += torch.tensor([float(loss) * predicted, predicted], dtype=torch.float64)
+                predicted = int((targets != IGNORED).sum())
+                sums += torch.tensor([float(loss), predicted], dtype=torch.float64)
     if dp_group is not None:
         dist.all_reduce(sums, group=dp_group)
     total, count = float(sums[0]), int(sums[1])

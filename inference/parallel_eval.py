@@ -8,8 +8,10 @@ Hugging Face folder (``inference.load.weights_of``). The windows are those of on
 are dealt out over the data-parallel ranks and the summed losses and counts added up over them, so the figure is
 the single process's, whatever the layout (``tests/inference/test_evaluate.py`` holds it to that).
 
-Not yet: pipeline stages (their schedule needs equal micro-batches; the last window may be shorter), sequence
-parallelism (a window's length must then divide over tp) and context parallelism (over 2 x cp), refused by name.
+Under context parallelism each cp rank takes its positions of every window (``moe/sequence_shards.py``), a
+shorter last window padded to whole chunks with its padding's targets ignored. Not yet: pipeline stages (their
+schedule needs equal micro-batches; the last window may be shorter) and sequence parallelism (a window's length
+must then divide over tp), refused by name.
 """
 
 from __future__ import annotations
@@ -49,9 +51,6 @@ def layout_config(config: RunConfig, overrides: list[str], world_size: int) -> t
     if layout.pp > 1:
         raise ConfigError(f"moe-evaluate under pipeline parallelism (parallel.pp={layout.pp}) is not supported "
                           "yet: evaluate under a layout without pp (e.g. more parallel.ep or parallel.tp)")
-    if layout.cp > 1:
-        raise ConfigError(f"moe-evaluate under context parallelism (parallel.cp={layout.cp}) is not supported yet: "
-                          "the last window may be shorter than 2 x cp whole chunks; evaluate without cp")
     if par.sequence_parallel:
         raise ConfigError("moe-evaluate under parallel.sequence_parallel=true (the sequence cut over tp) is not "
                           "supported yet: the last window may be shorter than a whole cut; set it false")
@@ -70,8 +69,9 @@ def evaluate_under_layout(config: RunConfig, resolved: ResolvedLayout, fill: Cal
         fill(model)
         model.eval()
         layout = resolved.layout
-        dp_group = groups.group("dp") if layout.dp > 1 else None
-        result = evaluate(model, groups.coords()["dp"], layout.dp, dp_group, config.parallel.vocab_parallel)
+        # the windows are dealt over dp; their sums are added over dp × cp (a cp rank holds part of each window)
+        sum_group = groups.group("dp_cp") if layout.dp_cp > 1 else None
+        result = evaluate(model, groups.coords()["dp"], layout.dp, sum_group, config.parallel.vocab_parallel)
         return result if runtime.is_main else None
     finally:
         if joined_here:

@@ -370,11 +370,16 @@ def gather_rows(part: Tensor, bounds: list[int], tp_mesh: DeviceMesh, ranks_per_
     return _GatherRows.apply(part, bounds, share, ranks_per_share, tp_mesh.get_group())
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: logits [B, S, V], targets [B, S].
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Mean next-token cross-entropy (or with ``reduction="sum"`` the sum): logits [B, S, V], targets [B, S];
+    targets of ``IGNORED`` (padding) count for nothing.
 
     Vocabulary-parallel logits (a DTensor sharded over V) need ``parallel.tensor.loss_context`` around this
     and the backward; the loss, replicated over tp, comes back as a plain tensor.
     """
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORED,
+                           reduction=reduction)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+IGNORED = -100  # a target that is no token: padding the loss skips (``F.cross_entropy``'s ignore_index)

@@ -77,7 +77,9 @@ def test_the_command_reports_the_figures_and_refuses_bad_input_with_status_2(tra
 # Layouts of 2 ranks a run could train under: tensor parallelism with vocabulary-sharded logits, and FSDP with the
 # experts spread over its ranks (windows dealt over the data-parallel ranks, one rank given none in the last batch).
 LAYOUTS = [["parallel.tp=2", "parallel.dp_shard=1", "parallel.vocab_parallel=true"],
-           ["parallel.dp_shard=2", "parallel.ep=2"]]
+           ["parallel.dp_shard=2", "parallel.ep=2"],
+           # each window's positions cut over 2 ranks, the shorter last window padded to whole chunks
+           ["parallel.cp=2", "parallel.dp_shard=1"]]
 
 
 def _evaluate_under_layouts(rank: int, run_dir: str, text: str, expected: str) -> None:
@@ -99,7 +101,7 @@ def _evaluate_under_layouts(rank: int, run_dir: str, text: str, expected: str) -
 
 def test_the_command_gives_one_processs_figure_under_every_layout(trained_run, tmp_path, capsys, monkeypatch):
     """torchrun ... -m inference.evaluate RUN --set parallel.*: each rank builds and reads only its shards, and the
-    figure is the one process's for FSDP, tensor (vocabulary-parallel) and expert parallelism."""
+    figure is the one process's for FSDP, tensor (vocabulary-parallel), expert and context parallelism."""
     from tests.spawn import spawn
 
     text = tmp_path / "held_out.txt"
