@@ -753,9 +753,10 @@ def _muon_gathers(param: ParamTensor, step: _Step, has_moe: bool) -> list[tuple[
         etp_dim = param.expert_hidden_dim if layout.etp > 1 else None
         fsdp_dim = expert_fsdp_dim(shape[0], layout.edp, etp_dim) \
             if experts_spread(layout, has_moe) and experts_replicated(layout) else 0
-        inner, outer, outer_parts = ("etp", etp_dim), ("edp", fsdp_dim or None), layout.edp
+        inner, inner_parts = ("etp", etp_dim), layout.etp
+        outer, outer_parts = ("edp", fsdp_dim or None), layout.edp
     else:
-        inner = ("tp", param.tp_dim if layout.tp > 1 else None)
+        inner, inner_parts = ("tp", param.tp_dim if layout.tp > 1 else None), layout.tp
         outer, outer_parts = ("dp_shard_cp", 0 if layout.dp_shard_cp > 1 else None), layout.dp_shard_cp
     if outer[1] is None:
         return [(inner[0], shape)] if inner[1] is not None else []
@@ -764,8 +765,7 @@ def _muon_gathers(param: ParamTensor, step: _Step, has_moe: bool) -> list[tuple[
     if inner[1] is None:
         return [(outer[0], whole)]
     if inner[1] == outer[1]:  # FSDP's strided shards within each tp shard: gathered first, one tp shard's rows
-        parts = {"tp": layout.tp, "etp": layout.etp}[inner[0]]
-        rows = largest_chunk(shape[outer[1]] // parts, outer_parts) * outer_parts
+        rows = largest_chunk(shape[outer[1]] // inner_parts, outer_parts) * outer_parts
         return [(outer[0], [*shape[:outer[1]], rows, *shape[outer[1] + 1:]]), (inner[0], shape)]
     mine = [*shape]
     mine[outer[1]] = _chunk(shape[outer[1]], outer_parts, step.group(outer[0]).index(step.rank))

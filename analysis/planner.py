@@ -324,7 +324,8 @@ def traffic_floor(config: RunConfig, layout: Layout, hardware: communication.Har
     Each term is at most what the estimate counts for every one of those settings:
 
     - the estimate is the largest stage's sum, so at least the first stage's (rank 0's), the only one counted here;
-    - tp, cp, ep and pp traffic waits in full. Recompute only multiplies an item's calls by 1 + (its layer is
+    - tp, cp, ep and pp traffic and Muon's optimizer-step gathers wait in full (Muon's depend on none of these
+      settings). Recompute only multiplies an item's calls by 1 + (its layer is
       recomputed), ``microbatch`` only the sequence-parallel norms' gradient all-reduces' calls by m
       (``communication._gradient_syncs``), neither changes a call's bytes or group, and the schedule's name
       changes no item: each item's seconds (latency and bytes per call, times the calls) are least under

@@ -370,6 +370,9 @@ def gather_rows(part: Tensor, bounds: list[int], tp_mesh: DeviceMesh, ranks_per_
     return _GatherRows.apply(part, bounds, share, ranks_per_share, tp_mesh.get_group())
 
 
+IGNORED = -100  # a target that is no token: padding the loss skips (``F.cross_entropy``'s ignore_index)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Mean next-token cross-entropy (or with ``reduction="sum"`` the sum): logits [B, S, V], targets [B, S];
     targets of ``IGNORED`` (padding) count for nothing.
@@ -381,5 +384,3 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
                            reduction=reduction)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
-
-IGNORED = -100  # a target that is no token: padding the loss skips (``F.cross_entropy``'s ignore_index)
