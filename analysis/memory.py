@@ -86,8 +86,8 @@ from config.cli import (
 from config.errors import ConfigError
 from config.run import RunConfig, load_config
 from moe.accounting import parameter_counts
+from moe.attention.kernel import attends_by_chunks
 from moe.experts import ComputeCopies
-from moe.sequence_shards import attends_by_chunks
 from parallel.groups import Layout
 from parallel.hardware import planned_precision
 from parallel.layout import resolve_layout

@@ -12,7 +12,8 @@ tensor itself, which k and v are views of; for latent attention the gathered lat
 up-projected keys and values of all S positions), and it attends under a boolean [1, 1, S/cp, S] mask (its
 queries are not one run of positions), which SDPA saves as an additive mask in the compute dtype, one per layer;
 whole sequences in a model without windows or sinks attend by chunks instead, each chunk's keys up to its end,
-with no whole-sequence mask (``_causal_shard_extras``).
+with no whole-sequence mask (``moe.attention.kernel.kernel_saved_bytes``). Each attention kind states its own
+bytes (``saved_bytes`` beside its forward, ``moe/attention/``), and the kernel core what its kernel saves.
 The forward also gathers its queries' rows of the rotary tables once ([1, 1, S/cp, r/2], cos and sin, fp32),
 which every layer's RoPE saves.
 """
@@ -22,13 +23,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
 from analysis.dispatch_reach import exchange_counts, node_exchange_counts
 from analysis.memory_states import (
-    FP32,
     Block,
     in_fsdp_unit,
     largest_chunk,
@@ -37,158 +36,19 @@ from analysis.memory_states import (
     root_tensors,
     tp_local_shape,
 )
-from config.model import ModelConfig, MoEConfig
+from config.model import LayerSpec, ModelConfig, MoEConfig
 from config.run import RunConfig
+from moe.attention import attention_kind
 from moe.dispatch import expert_capacity
 from moe.experts import padded_rows, row_multiple_on
+from moe.feed_forward import FeedForward
 from moe.norm import uses_fused_backward
-from moe.sequence_shards import attends_by_chunks
-from moe.transformer import SINK_CHANNELS, blocked_window
+from moe.saved_activations import FP32, INDEX, MicroBatch, linear_input_bytes, norm_bytes
 from parallel.expert import exchanges_by_node, exchanges_pairs
 from parallel.groups import ExpertNodes, Layout, expert_nodes
 
-INDEX = 8  # int64 ids and indices
 OFFSET = 4  # the grouped GEMM's int32 group offsets
 COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch on one rank: T = b·s tokens (s = S/cp under context parallelism), ``stream`` of them in
-    the residual stream (T/tp under SP); attention's keys are cp times its queries."""
-
-    tokens: int
-    stream: int
-    sequences: int
-    compute: int  # bytes of the compute dtype
-    bf16: bool
-    bf16_weights: bool = False  # dense weights in FSDP units gathering bf16 (``parallel.sharding.mixed_precision``)
-    group_rows: int = 1  # experts' groups padded to a multiple of this many rows (``moe.experts.row_multiple_on``)
-    cp: int = 1  # context-parallel ranks: the keys of a sequence are cp times this rank's positions of it
-    cp_rank: int | None = None  # which context-parallel rank (None: the one that saves the most)
-    cpu: bool = False  # on a CPU a cp rank's chunks attend without masks (``moe.sequence_shards._ChunkAttention``)
-
-
-def _norm(rows: int, d: int, fused: bool) -> int:
-    """RMSNorm over ``rows`` rows of ``d``, all saved in fp32: the input and the [rows] rstd where its backward
-    is fused (``moe.norm.uses_fused_backward``: an fp32 plain-tensor input); the normalised input too where
-    autograd differentiates the decomposed ops (DTensor inputs under tensor parallelism; bf16 inputs, q/k under
-    autocast and the residual stream under FSDP's bf16 weights, whose fp32 upcast is what it saves)."""
-    return rows * ((1 if fused else 2) * d + 1) * FP32
-
-
-def _linear_inputs(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool = True) -> int:
-    """The [T, d] input of ``consumers`` column-parallel projections: one fp32 tensor, or one bf16 cast each
-    (autocast casting it per matmul), or one bf16 cast they share when their weights are gathered in bf16
-    (measured: ``tests/analysis/test_memory.py``'s bf16 FSDP layouts)."""
-    if mb.bf16 and mb.bf16_weights:
-        return mb.tokens * d * mb.compute
-    if mb.bf16:
-        return consumers * mb.tokens * d * mb.compute
-    return mb.tokens * d * FP32 if saved_in_fp32 else 0
-
-
-def _attention(model: ModelConfig, tp: int, mb: MicroBatch, window: int | None = None) -> int:
-    """wq/wk/wv input; SDPA's q, k (after RoPE), v, output and [b, heads, s] logsumexp; wo's input; with
-    ``qk_norm`` the per-head norms of q and k (each of the T·heads rows of hd, as an RMSNorm saves them).
-
-    GPT-OSS's options (``moe/transformer.py``): a layer with a ``window`` or ``attention_sinks`` attends under a
-    boolean mask, which SDPA saves as an additive mask in the compute dtype: [S, K] shared by heads and
-    sequences, or per block of a blocked window, whose b·nb blocks of W queries each see 2W keys (their k and v
-    saved per block). The sink adds one key and ``SINK_CHANNELS`` channels to q, k, v and the output.
-    wo's input is the output made contiguous, a copy unless one head per rank makes it a view.
-    Under context parallelism the S/cp queries attend to all S keys: k and v are views of the gathered
-    [b, kv_heads, S, 2·hd] tensor, or, by chunks (``_causal_shard_extras``), copies in position order of the same
-    bytes; either way k and v count those bytes.
-    """
-    heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
-    sink = 1 if model.attention_sinks else 0
-    seq = mb.tokens // mb.sequences  # positions per sequence: S (S/cp), or S - k in multi-token prediction's module k
-    blocked = blocked_window(seq, window) and mb.cp == 1  # a cp rank's queries take the masked path
-    if blocked:
-        batches, queries, keys = mb.sequences * -(-seq // window), window, 2 * window
-    else:
-        batches, queries, keys = mb.sequences, seq, seq * mb.cp
-    keys, width = keys + sink, hd + sink * SINK_CHANNELS
-    sdpa = batches * width * (queries * 2 * heads + keys * 2 * kv_heads) * mb.compute  # q and output, k and v
-    logsumexp = batches * queries * heads * FP32
-    chunked = _causal_shards(model, mb)
-    masked = sink or window is not None or (mb.cp > 1 and not chunked)
-    mask = (batches if blocked else 1) * queries * keys * mb.compute if masked else 0
-    mask += _causal_shard_extras(mb) if chunked else 0
-    wo_input = 0 if heads == 1 and not (sink or blocked) else mb.tokens * heads * hd * mb.compute
-    fused = uses_fused_backward(torch.bfloat16 if mb.bf16 else torch.float32, distributed=tp > 1)
-    qk_norms = _norm(mb.tokens * heads, hd, fused) + _norm(mb.tokens * kv_heads, hd, fused) if model.qk_norm else 0
-    return _linear_inputs(mb, model.d_model, 3) + sdpa + logsumexp + mask + wo_input + qk_norms
-
-
-def _causal_shards(model: ModelConfig, mb: MicroBatch) -> bool:
-    """Whether a context-parallel rank attends by chunks without a whole-sequence mask
-    (``moe.sequence_shards.SequenceShards.causal_attention``): whole sequences (document masks are not modelled
-    here) in a model with no window and no sinks, whose layers would need the mask (``MoETransformer.forward``)."""
-    return mb.cp > 1 and attends_by_chunks(model)
-
-
-def _causal_shard_extras(mb: MicroBatch) -> int:
-    """What attending by chunks saves beyond q, k, v, the outputs and their log-sum-exps, per layer: the keys'
-    order (S int64, one index for k and v) and, but on a CPU (two flash calls merged, no mask), each chunk's
-    additive [C, end] mask in the compute dtype (C = S/(2·cp) queries, the keys up to the chunk's end), but for the
-    first rank's front chunk, the square causal case with no mask."""
-    chunk, cp = mb.tokens // mb.sequences // 2, mb.cp
-    if mb.cpu:
-        return 2 * cp * chunk * INDEX
-
-    def masks(rank: int) -> int:
-        ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
-        return sum(chunk * end for end in ends if end != chunk) * mb.compute
-
-    ranks = range(cp) if mb.cp_rank is None else [mb.cp_rank]
-    return 2 * cp * chunk * INDEX + max(masks(rank) for rank in ranks)
-
-
-def _latent_attention(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
-    """Latent attention (``moe/latent_attention.py``) on this rank's nh/tp heads.
-
-    Saved: the block's input (read by ``wq`` or ``wq_a``, and ``wkv_a``); with a query bottleneck its norm's input
-    and rstd and ``wq_b``'s input; in fp32 ``wkv_a``'s whole [T, c + r] output, which the latent norm saves (its
-    input is a view of it), with rstd (under bf16 autocast the norm's fp32 upcast and output instead); ``wkv_b``'s
-    input; SDPA's q, k, v, output and logsumexp, heads w = max(n + r, v) wide (the narrower side zero-padded), where
-    v is a view of ``wkv_b``'s [T, nh·(n + v)] output, whose storage it keeps, unless padded (a new tensor);
-    ``wo``'s input (a copy, but of one unpadded head).
-
-    Under context parallelism the keys and values are the whole sequence's, K = cp·T positions: ``wkv_b``'s input
-    is then a copy of the gathered [B, S, c + r] tensor's latent columns (K·c; the gathered tensor itself is not
-    saved), k and v are K positions long, and SDPA saves its additive [S/cp, S] mask.
-    """
-    heads, nope, rope, v = model.n_heads // tp, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
-    t, latent, a = mb.tokens, model.kv_lora_rank, mb.compute
-    keys = t * mb.cp
-    width = max(nope + rope, v)
-    total = _linear_inputs(mb, model.d_model, 2)
-    if model.q_lora_rank is not None:
-        rank = model.q_lora_rank
-        total += _norm(t, rank, fused=not mb.bf16) + t * rank * a
-    if mb.bf16:  # the norm's bf16 input upcast: saved as a new fp32 tensor, with the normalised one (decomposed)
-        total += _norm(t, latent, fused=False)
-    else:  # fused: its input, a view of wkv_a's fp32 [T, c + r] output, keeps that storage; rstd
-        total += t * (latent + rope) * FP32 + t * FP32
-    total += keys * latent * a  # wkv_b's input
-    chunked = _causal_shards(model, mb)
-    # padded, or the up-projection's output it is a view of; by chunks a copy in position order, w wide
-    values = width if v < width or chunked else nope + v
-    total += (2 * t + keys) * heads * width * a + keys * heads * values * a  # q, out; k; v
-    total += t * heads * FP32  # logsumexp
-    if chunked:
-        total += _causal_shard_extras(mb)
-    elif mb.cp > 1:  # the additive mask of this rank's queries over every key
-        total += (t // mb.sequences) * (keys // mb.sequences) * a
-    wo_input = 0 if heads == 1 and v == width else t * heads * v * a
-    return total + wo_input
-
-
-def _feed_forward(mb: MicroBatch, d: int, hidden: int, input_saved: bool = True) -> int:
-    """SwiGLU: its input, then the gate pre-activation, silu(gate), the up projection and their product."""
-    return _linear_inputs(mb, d, 2, input_saved) + 4 * mb.tokens * hidden * mb.compute
 
 
 def kept_assignments(tokens: int, moe: MoEConfig) -> int:
@@ -257,7 +117,7 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
     elif pairs:
         parts["MoE combine"] = _pair_combine(moe, layout, mb, d)
     if moe.num_shared_experts:
-        parts["shared experts"] = _feed_forward(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
+        parts["shared experts"] = FeedForward.saved_bytes(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
     return parts
 
 
@@ -311,8 +171,8 @@ def _mtp_extras(model: ModelConfig, mb: MicroBatch, sequences: int, k: int, fuse
     normalised input too (the decomposed path)."""
     d, scored = model.d_model, sequences * (model.seq_len - k - 1)
     upcasts = int(stream_bf16) + int(stream_bf16 or (mb.bf16 and k > 1))  # of the embedding, of the hidden states
-    return (2 * mb.tokens * FP32 + upcasts * 2 * mb.tokens * d * FP32 + _linear_inputs(mb, 2 * d, 1)
-            + _norm(mb.tokens, d, fused) + scored * d * mb.compute + scored * vocab * FP32
+    return (2 * mb.tokens * FP32 + upcasts * 2 * mb.tokens * d * FP32 + linear_input_bytes(mb, 2 * d, 1)
+            + norm_bytes(mb.tokens, d, fused) + scored * d * mb.compute + scored * vocab * FP32
             + scored * INDEX + FP32)
 
 
@@ -386,7 +246,7 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     layer work on the gathered sequence. Context parallelism gives every part S/cp positions of each sequence, and
     attention the whole sequence's keys (the module docstring).
     """
-    model, moe, par = config.model, config.moe, config.parallel
+    model, par = config.model, config.parallel
     layers, first, last = local_layers(config, layout, pp_rank)
     tokens = micro_batch_size * model.seq_len // layout.cp
     stream = tokens // layout.tp if par.sequence_parallel else tokens
@@ -394,59 +254,96 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     mb = MicroBatch(tokens, stream, micro_batch_size, dtype.itemsize, precision == "bf16",
                     precision == "bf16" and layout.dp_cp > 1, row_multiple_on(device_type, dtype), layout.cp, cp_rank,
                     device_type == "cpu")
-    d, parts = model.d_model, {}
+    parts = _Parts(config, layout)
     stream_dtype = torch.bfloat16 if mb.bf16_weights else torch.float32  # the embedding's output: FSDP gathers it bf16
     fused_norms = uses_fused_backward(stream_dtype, distributed=par.sequence_parallel and layout.tp > 1)
+    # each kind of block on this rank (its layer pattern's attention, window and feed-forward) saves the same
+    for block, count in rank_blocks(model, config.moe, [i for i in layers if i < model.n_layers]):
+        parts.add_blocks(block.layer, count, mb, fused_norms)
+    mtp = any(i >= model.n_layers for i in layers)
+    vocab = largest_chunk(model.vocab_size, layout.tp) if par.vocab_parallel else model.vocab_size  # a rank's logits
+    if mtp:
+        _add_mtp(parts, mb, layers, micro_batch_size, first, stream_dtype, vocab)
+    parts.add_offloaded()
+    if layout.cp > 1 and any(i < model.n_layers for i in layers):  # the cos and sin rows of this rank's positions
+        parts.add("rotary tables (cp positions)", 2 * (tokens // micro_batch_size) * (model.rope_dim // 2) * FP32)
+    if first:
+        parts.add("embedding", tokens * INDEX)  # the token ids
+    if last:
+        # final norm (on the gathered whole sequence beside multi-token prediction's modules, which share the head),
+        # the head's input, log-softmax output (fp32), targets and nll's total weight
+        mtp_fused_norms = uses_fused_backward(stream_dtype, distributed=False)
+        norm = norm_bytes(tokens, model.d_model, mtp_fused_norms) if mtp else norm_bytes(stream, model.d_model,
+                                                                                         fused_norms)
+        parts.add("head + loss", norm + linear_input_bytes(mb, model.d_model, 1) + tokens * vocab * FP32
+                  + tokens * INDEX + FP32)
+    if mb.bf16:
+        parts.add("bf16 weight copies", _weight_copies(config, layout, layers, first, last))
+    return parts.bytes
 
-    def add(name: str, nbytes: int) -> None:
-        parts[name] = parts.get(name, 0) + nbytes
 
-    offloaded = []  # (one offloaded module's saved bytes, how many such modules) (``parallel/activation_offload.py``)
+class _Parts:
+    """The saved bytes of one micro-batch on one rank, by part, as ``micro_batch_activations`` adds them up."""
 
-    def add_blocks(is_moe: bool, count: int, mb: MicroBatch, fused_norms: bool, stream_bytes: int = FP32,
-                   prefix: str = "", window: int | None = None) -> None:
-        """``count`` blocks of one kind (each saves the same) on ``mb``'s tokens, their residual stream in elements
-        of ``stream_bytes`` (fp32; a multi-token-prediction module's is its projection's output, bf16 under bf16
-        autocast), attending within ``window`` (GPT-OSS's sliding layers) or causally."""
+    def __init__(self, config: RunConfig, layout: Layout):
+        self.config, self.layout = config, layout
+        self.bytes: dict[str, int] = {}
+        # (one offloaded module's saved bytes, how many such modules) (``parallel/activation_offload.py``)
+        self.offloaded: list[tuple[int, int]] = []
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.bytes[name] = self.bytes.get(name, 0) + nbytes
+
+    def add_blocks(self, layer: LayerSpec, count: int, mb: MicroBatch, fused_norms: bool, stream_bytes: int = FP32,
+                   prefix: str = "") -> None:
+        """``count`` blocks of ``layer``'s kinds (each saves the same) on ``mb``'s tokens, their residual stream in
+        elements of ``stream_bytes`` (fp32; a multi-token-prediction module's is its projection's output, bf16
+        under bf16 autocast): the norms, what the attention kind states (``moe/attention/``), and the
+        feed-forward's."""
+        model, par, layout, d = self.config.model, self.config.parallel, self.layout, self.config.model.d_model
         if par.activation_checkpointing == "full":
-            add(f"{prefix}block inputs (recompute)", count * mb.stream * d * stream_bytes)
+            self.add(f"{prefix}block inputs (recompute)", count * mb.stream * d * stream_bytes)
             return
-        attention = _latent_attention(model, layout.tp, mb) if model.latent_attention else \
-            _attention(model, layout.tp, mb, window)
-        block = {"norms": 2 * _norm(mb.stream, d, fused_norms), "attention": attention}
-        if not is_moe:
-            block["dense FFN"] = _feed_forward(mb, d, model.ffn_hidden // layout.tp)
+        block = {"norms": 2 * norm_bytes(mb.stream, d, fused_norms),
+                 "attention": attention_kind(layer).saved_bytes(model, layer, layout.tp, mb)}
+        if not layer.is_moe:
+            block["dense FFN"] = FeedForward.saved_bytes(mb, d, model.ffn_hidden // layout.tp)
         elif par.activation_checkpointing == "moe":
             block["MoE inputs (recompute)"] = mb.tokens * d * stream_bytes
         else:
-            moe_parts = _moe(model, moe, layout, mb, par.ranks_per_node)
+            moe_parts = _moe(model, self.config.moe, layout, mb, par.ranks_per_node)
             if par.activation_offload == "moe":
-                offloaded.append((sum(moe_parts.values()), count))
+                self.offloaded.append((sum(moe_parts.values()), count))
             else:
                 block.update(moe_parts)
         if par.activation_offload == "blocks":
-            offloaded.append((sum(block.values()), count))
+            self.offloaded.append((sum(block.values()), count))
             return
         for name, nbytes in block.items():
-            add(prefix + name, count * nbytes)
+            self.add(prefix + name, count * nbytes)
 
-    # MoE or dense, and the attention's window: how many of this rank's blocks (each kind saves the same)
-    kinds: dict[tuple[bool, int | None], int] = {}
-    for block, count in rank_blocks(model, moe, [i for i in layers if i < model.n_layers]):
-        kinds[block.is_moe, block.window] = kinds.get((block.is_moe, block.window), 0) + count
-    for (is_moe, window), count in kinds.items():
-        add_blocks(is_moe, count, mb, fused_norms, window=window)
-    # the multi-token-prediction modules (``moe/mtp.py``), module k on S - k positions, always on the whole sequence
-    # (``parallel.tensor._ends_plan``): their norms' inputs are plain tensors under sequence parallelism too
-    mtp_fused_norms = uses_fused_backward(stream_dtype, distributed=False)
-    mtp = any(i >= model.n_layers for i in layers)
-    vocab = largest_chunk(model.vocab_size, layout.tp) if par.vocab_parallel else model.vocab_size  # a rank's logits
-    if mtp and par.sequence_parallel and layout.tp > 1:
+    def add_offloaded(self) -> None:
+        """About two offloaded modules' at a time: one arriving (or leaving) while the next computes."""
+        if self.offloaded:
+            modules = sum(count for _, count in self.offloaded)
+            self.add(f"offloaded {self.config.parallel.activation_offload} in flight",
+                     min(2, modules) * max(nbytes for nbytes, _ in self.offloaded))
+
+
+def _add_mtp(parts: _Parts, mb: MicroBatch, layers: list[int], micro_batch_size: int, first: bool,
+             stream_dtype: torch.dtype, vocab: int) -> None:
+    """The multi-token-prediction modules (``moe/mtp.py``) among ``layers``, module k on S - k positions, always on
+    the whole sequence (``parallel.tensor._ends_plan``): their norms' inputs are plain tensors under sequence
+    parallelism too."""
+    model, par, layout, d = parts.config.model, parts.config.parallel, parts.layout, parts.config.model.d_model
+    tokens = mb.tokens
+    if par.sequence_parallel and layout.tp > 1:
         # their one call gathers the last hidden states and Emb(t), saved by the input norms; outside sequence
         # parallelism those are the final norm's and the first block's inputs, saved already
-        add("MTP gathered inputs", 2 * tokens * d * stream_dtype.itemsize)
-    if mtp and not first:  # the last pipeline stage looks the tokens up in its copy of the embedding
-        add("MTP embedding copy", tokens * INDEX + tokens * d * stream_dtype.itemsize)
+        parts.add("MTP gathered inputs", 2 * tokens * d * stream_dtype.itemsize)
+    if not first:  # the last pipeline stage looks the tokens up in its copy of the embedding
+        parts.add("MTP embedding copy", tokens * INDEX + tokens * d * stream_dtype.itemsize)
+    mtp_fused = uses_fused_backward(stream_dtype, distributed=False) and not mb.bf16
     for i in layers:
         if i >= model.n_layers:
             k = i - model.n_layers + 1
@@ -454,26 +351,10 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
             # under bf16 autocast the module's stream is the projection's bf16 output: its norms are decomposed and
             # return bf16, which the projections after them share uncast (as under FSDP's bf16 weights)
             mb_k = dataclasses.replace(mb, tokens=positions, stream=positions, bf16_weights=mb.bf16)
-            mtp_fused = mtp_fused_norms and not mb.bf16
-            add_blocks(model.is_moe_layer(i), 1, mb_k, mtp_fused, mb.compute if mb.bf16 else FP32, prefix="MTP ")
-            add("MTP projection, norms, head + loss", _mtp_extras(model, mb_k, micro_batch_size, k, mtp_fused,
-                                                                    mb.bf16_weights, vocab)
-                + (FP32 if k == 1 else 0))  # the modules' mean loss, which ``attach_loss`` keeps
-    if offloaded:  # about two modules' at a time: one arriving (or leaving) while the next computes
-        modules = sum(count for _, count in offloaded)
-        add(f"offloaded {par.activation_offload} in flight", min(2, modules) * max(nbytes for nbytes, _ in offloaded))
-    if layout.cp > 1 and any(i < model.n_layers for i in layers):  # the cos and sin rows of this rank's positions
-        add("rotary tables (cp positions)", 2 * (tokens // micro_batch_size) * (model.rope_dim // 2) * FP32)
-    if first:
-        add("embedding", tokens * INDEX)  # the token ids
-    if last:
-        # final norm (on the gathered whole sequence beside multi-token prediction's modules, which share the head),
-        # the head's input, log-softmax output (fp32), targets and nll's total weight
-        norm = _norm(tokens, d, mtp_fused_norms) if mtp else _norm(stream, d, fused_norms)
-        add("head + loss", norm + _linear_inputs(mb, d, 1) + tokens * vocab * FP32 + tokens * INDEX + FP32)
-    if mb.bf16:
-        add("bf16 weight copies", _weight_copies(config, layout, layers, first, last))
-    return parts
+            parts.add_blocks(model.layer(i), 1, mb_k, mtp_fused, mb.compute if mb.bf16 else FP32, prefix="MTP ")
+            parts.add("MTP projection, norms, head + loss", _mtp_extras(model, mb_k, micro_batch_size, k, mtp_fused,
+                                                                          mb.bf16_weights, vocab)
+                      + (FP32 if k == 1 else 0))  # the modules' mean loss, which ``attach_loss`` keeps
 
 
 def in_flight(config: RunConfig, layout: Layout, microbatches: int, pp_rank: int = 0) -> float:

@@ -28,36 +28,16 @@ import functools
 import math
 from dataclasses import dataclass
 
-from config.model import ModelConfig, MoEConfig
+from config.model import LayerSpec, ModelConfig, MoEConfig
 from config.run import RunConfig
-from moe.accounting import per_model
+from moe.accounting import block_tensors, per_model
+from moe.param_tensors import ParamTensor
 from parallel.groups import Layout
 from parallel.pipeline import stage_layers
 from parallel.sharding import expert_fsdp_dim, experts_replicated, experts_spread
 
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 like the parameter
-
-
-@dataclass(frozen=True)
-class ParamTensor:
-    """One parameter tensor of the model and how tensor / expert parallelism cut it."""
-
-    kind: str  # norm, attention, ffn (dense or shared experts), router, experts, embedding, head, projection (MTP's)
-    layer: int | None  # block index; None for the embedding, final norm and head
-    shape: tuple[int, ...]
-    tp_dim: int | None = None  # dim split over tp (column-parallel: 0 of [out, in]; row-parallel: 1)
-    expert_hidden_dim: int | None = None  # routed-expert stacks [E, ...]: dim 0 over ep, this dim over etp
-
-    @property
-    def expert(self) -> bool:
-        return self.kind == "experts"
-
-    @property
-    def autocast_copy(self) -> bool:
-        """Whether bf16 autocast casts it for a matmul that saves the copy (not the fp32 router, norms, lookup; not
-        a Linear's bias, which its backward does not need, nor the sinks, cast into the queries)."""
-        return self.kind in ("attention", "ffn", "experts", "head", "projection") and len(self.shape) > 1
 
 
 def parameter_tensors(model: ModelConfig, moe: MoEConfig) -> tuple[ParamTensor, ...]:
@@ -86,8 +66,11 @@ class Block:
     and hashed by identity), so per-block figures are remembered once per kind, not per layer."""
 
     params: tuple[ParamTensor, ...]
-    is_moe: bool
-    window: int | None = None  # its attention's sliding window (``model.attention_window``): same tensors, other saves
+    layer: LayerSpec  # its place in the layer pattern: attention kind and window, feed-forward kind
+
+    @property
+    def is_moe(self) -> bool:
+        return self.layer.is_moe
 
 
 def rank_blocks(model: ModelConfig, moe: MoEConfig, layers: list[int]) -> list[tuple[Block, int]]:
@@ -98,9 +81,8 @@ def rank_blocks(model: ModelConfig, moe: MoEConfig, layers: list[int]) -> list[t
         for layer, params in tensors_by_layer(model, moe).items():
             if layer is not None:
                 canonical = tuple(dataclasses.replace(p, layer=None) for p in params)
-                window = model.attention_window(layer)
-                of_layer[layer] = kinds.setdefault((canonical, window),
-                                                   Block(canonical, model.is_moe_layer(layer), window))
+                spec = model.layer(layer)
+                of_layer[layer] = kinds.setdefault((canonical, spec), Block(canonical, spec))
         return of_layer
 
     of_layer, known = per_model(_BLOCKS, model, moe, lambda: (build(), {}))
@@ -130,43 +112,13 @@ _BLOCKS: dict = {}
 _ROOTS: dict = {}
 
 
-def _attention_tensors(model: ModelConfig, i: int) -> list[ParamTensor]:
-    """Block i's attention weights and how tp cuts them (``parallel/tensor.py``): grouped-query projections
-    column- (wq, wk, wv, their biases) and row-parallel (wo), q/k norms whole; or latent attention's per-head
-    projections column- (wq or wq_b, wkv_b) and row-parallel (wo), its latent projections and norms whole."""
-    d, heads = model.d_model, model.n_heads
-    if model.latent_attention:
-        qk, rank = model.qk_nope_head_dim + model.qk_rope_head_dim, model.q_lora_rank
-        query = [ParamTensor("attention", i, (heads * qk, d), 0)] if rank is None else [
-            ParamTensor("attention", i, (rank, d)), ParamTensor("norm", i, (rank,)),
-            ParamTensor("attention", i, (heads * qk, rank), 0)]
-        latent = model.kv_lora_rank
-        return [*query, ParamTensor("attention", i, (latent + model.qk_rope_head_dim, d)),
-                ParamTensor("norm", i, (latent,)),
-                ParamTensor("attention", i, (heads * (model.qk_nope_head_dim + model.v_head_dim), latent), 0),
-                ParamTensor("attention", i, (d, heads * model.v_head_dim), 1)]
-    hd = model.head_size
-    out = [ParamTensor("attention", i, (heads * hd, d), 0), ParamTensor("attention", i, (model.kv_heads * hd, d), 0),
-           ParamTensor("attention", i, (model.kv_heads * hd, d), 0), ParamTensor("attention", i, (d, heads * hd), 1)]
-    if model.qkv_bias:  # column-parallel with their projections
-        out += [ParamTensor("attention", i, (heads * hd,), 0), ParamTensor("attention", i, (model.kv_heads * hd,), 0),
-                ParamTensor("attention", i, (model.kv_heads * hd,), 0)]
-    if model.attn_output_bias:  # added after wo's row-parallel sum: whole on every tp rank
-        out.append(ParamTensor("attention", i, (d,)))
-    if model.attention_sinks:  # one per query head: split with the heads
-        out.append(ParamTensor("attention", i, (heads,), 0))
-    if model.qk_norm:  # per-head query and key norms, whole on every tp rank
-        out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
-    return out
-
-
 def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
     d, out = model.d_model, []
     for i in range(model.n_layers):
-        out += _block_tensors(model, moe, i)
+        out += block_tensors(model, moe, model.layer(i), i)
     for i in mtp_layers(model):  # each module: its block, the two input norms, the 2d -> d projection, its final norm
-        out += [*_block_tensors(model, moe, i), ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)),
-                ParamTensor("projection", i, (d, 2 * d)), ParamTensor("norm", i, (d,))]
+        out += [*block_tensors(model, moe, model.layer(i), i), ParamTensor("norm", i, (d,)),
+                ParamTensor("norm", i, (d,)), ParamTensor("projection", i, (d, 2 * d)), ParamTensor("norm", i, (d,))]
     out += [ParamTensor("embedding", None, (model.vocab_size, d)), ParamTensor("norm", None, (d,))]
     if not model.tie_embeddings:
         out.append(ParamTensor("head", None, (model.vocab_size, d)))
@@ -177,30 +129,6 @@ def mtp_layers(model: ModelConfig) -> range:
     """The multi-token-prediction modules as layer indices n_layers + k (``MoETransformer.moe_layers`` numbers
     their MoE layers so): each one block of that layer's kind, plus its projection and norms."""
     return range(model.n_layers, model.n_layers + model.mtp_depth)
-
-
-def _block_tensors(model: ModelConfig, moe: MoEConfig, i: int) -> list[ParamTensor]:
-    """Block i's tensors: two norms, attention, and its dense FFN or MoE layer (router, experts, shared experts)."""
-    d = model.d_model
-    out = [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)), *_attention_tensors(model, i)]
-    hidden = model.ffn_hidden
-    if model.is_moe_layer(i):
-        e, h = moe.num_experts, moe.expert_hidden
-        out += [ParamTensor("router", i, (e, d)),
-                ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2),
-                ParamTensor("experts", i, (e, h, d), expert_hidden_dim=1)]
-        if moe.gated:
-            out.append(ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2))
-        if moe.router_bias:
-            out.append(ParamTensor("router", i, (e,)))
-        if moe.expert_proj_bias:  # up (and gate) biases split over etp with their hidden units; down's not
-            out += [ParamTensor("experts", i, (e, h), expert_hidden_dim=1) for _ in range(1 + moe.gated)]
-            out.append(ParamTensor("experts", i, (e, d)))
-        hidden = moe.shared_hidden if moe.num_shared_experts else 0
-    if hidden:
-        out += [ParamTensor("ffn", i, (hidden, d), 0), ParamTensor("ffn", i, (hidden, d), 0),
-                ParamTensor("ffn", i, (d, hidden), 1)]
-    return out
 
 
 def on_rank(param: ParamTensor, layers: list[int], embedding: bool, last: bool) -> bool:

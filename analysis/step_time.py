@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 from analysis import communication
 from analysis.memory_states import local_layers, rank_blocks
-from config.model import ModelConfig
+from config.model import LayerSpec
 from config.run import RunConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, per_model
+from moe.attention import attention_kind
 from parallel.groups import Layout
 from parallel.layout import micro_batching
 from parallel.pipeline import stage_layers
@@ -62,9 +63,9 @@ def stage_flops_per_token(config: RunConfig, layout: Layout) -> list[float]:
     return [sum(flops for flops, _ in rank) for rank in _rank_block_flops(config, layout)]
 
 
-def _rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
-    """Each pipeline rank's (training FLOPs per token, is-MoE) of its blocks, recompute included; the head last
-    (is-MoE None: no roofline, its matmul is the largest of the model)."""
+def _rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, LayerSpec | None]]]:
+    """Each pipeline rank's (training FLOPs per token, kind of block) of its blocks, recompute included; the head last
+    (kind None: no roofline, its matmul is the largest of the model)."""
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
     key = (layout.pp, config.parallel.pp_virtual_stages, recompute)
     known = per_model(_RANK_BLOCK_FLOPS, model, moe, dict)
@@ -76,46 +77,31 @@ def _rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[floa
 _RANK_BLOCK_FLOPS: dict = {}  # a per_model store of _rank_block_flops by (pp, v, recompute)
 
 
-def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, bool | None]]]:
+def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, LayerSpec | None]]]:
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
     stages = layout.pp * config.parallel.pp_virtual_stages
     ranges = stage_layers(model, moe, stages) if layout.pp > 1 else [range(model.n_layers)]
-    dense, sparse = (block_flops_per_token(model, moe, kind) for kind in (False, True))
-    ranks: list[list[tuple[float, bool | None]]] = [[] for _ in ranges[:layout.pp]]
+    ranks: list[list[tuple[float, LayerSpec | None]]] = [[] for _ in ranges[:layout.pp]]
+
+    def block(i: int) -> tuple[float, LayerSpec]:
+        """Block i's FLOPs per token, its forward again where recomputed (2 of 6 FLOPs per parameter)."""
+        layer = model.layer(i)
+        recomputed = recompute == "full" or (recompute == "moe" and layer.is_moe)
+        return block_flops_per_token(model, moe, layer) * (4 / 3 if recomputed else 1), layer
+
     for index, layers in enumerate(ranges):
-        for i in layers:
-            is_moe = model.is_moe_layer(i)
-            recomputed = recompute == "full" or (recompute == "moe" and is_moe)
-            # the forward again: 2 of 6 FLOPs per parameter
-            ranks[index % layout.pp].append(((sparse if is_moe else dense) * (4 / 3 if recomputed else 1), is_moe))
+        ranks[index % layout.pp].extend(block(i) for i in layers)
     last = ranks[(len(ranges) - 1) % layout.pp]
     last.append((head_flops_per_token(model), None))
     d = model.d_model
     for k in range(model.mtp_depth):  # the multi-token-prediction modules, beside the head: a block of layer
         # n_layers + k's kind, and its projection and norms with the head's second pass (no roofline, as the head)
-        is_moe = model.is_moe_layer(model.n_layers + k)
-        recomputed = recompute == "full" or (recompute == "moe" and is_moe)
-        last.append(((sparse if is_moe else dense) * (4 / 3 if recomputed else 1), is_moe))
+        last.append(block(model.n_layers + k))
         last.append((6.0 * (2 * d * d + 3 * d + model.vocab_size * d), None))
     return ranks
 
 
-def _attention_gemms(model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
-    """Attention's projections on one rank (``parallel/tensor.py``): grouped-query wq, wk, wv split by heads and wo
-    by its input; latent attention's per-head projections split so, its latent projections (``wq_a``, ``wkv_a``)
-    whole on every rank."""
-    d, heads = model.d_model, model.n_heads // tp
-    if not model.latent_attention:
-        hd = model.head_size
-        return [(1, tokens, d, heads * hd), (2, tokens, d, model.kv_heads * hd // tp), (1, tokens, heads * hd, d)]
-    qk, rank, latent = model.qk_nope_head_dim + model.qk_rope_head_dim, model.q_lora_rank, model.kv_lora_rank
-    query = [(1, tokens, d, heads * qk)] if rank is None else [(1, tokens, d, rank), (1, tokens, rank, heads * qk)]
-    return [*query, (1, tokens, d, latent + model.qk_rope_head_dim),
-            (1, tokens, latent, heads * (model.qk_nope_head_dim + model.v_head_dim)),
-            (1, tokens, heads * model.v_head_dim, d)]
-
-
-def block_gemms(config: RunConfig, layout: Layout, tokens: int, is_moe: bool) -> list[tuple[float, int, int, int]]:
+def block_gemms(config: RunConfig, layout: Layout, tokens: int, layer: LayerSpec) -> list[tuple[float, int, int, int]]:
     """The matmuls one rank runs in one block's forward on ``tokens`` tokens: (count, M, K, N).
 
     Column- and row-parallel projections split N or K over tp; the routed experts get T·k/E rows each (balanced
@@ -123,9 +109,9 @@ def block_gemms(config: RunConfig, layout: Layout, tokens: int, is_moe: bool) ->
     """
     model, moe, tp = config.model, config.moe, layout.tp
     d = model.d_model
-    out = _attention_gemms(model, tp, tokens)
+    out = attention_kind(layer).projection_gemms(model, tp, tokens)  # as the attention kind states them
     hidden = model.ffn_hidden
-    if is_moe:
+    if layer.is_moe:
         rows = tokens * moe.top_k * layout.ep / moe.num_experts / (tp // layout.etp)
         experts, expert_hidden = moe.num_experts // layout.ep, moe.expert_hidden // layout.etp
         out += [(1, tokens, d, moe.num_experts), (experts * (2 if moe.activation == "swiglu" else 1), rows, d,
@@ -158,15 +144,15 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: f
 
 
 def block_slowdowns(config: RunConfig, layout: Layout, tokens: int, peak: float,
-                    bandwidth: float) -> dict[bool | None, float]:
-    """``roofline_slowdown`` of a dense block (False), an MoE block (True) and the head (None: 1) on ``tokens``
+                    bandwidth: float) -> dict[LayerSpec | None, float]:
+    """``roofline_slowdown`` of each kind of block of the layer pattern and the head (None: 1) on ``tokens``
     tokens a micro-batch. Remembered per model and (tp, ep, etp, tokens, peak, bandwidth): the planner's
     candidates share a few of these among tens of thousands of settings."""
     key = (layout.tp, layout.ep, layout.etp, tokens, peak, bandwidth)
     known = per_model(_BLOCK_SLOWDOWNS, config.model, config.moe, dict)
     if key not in known:
         known[key] = {kind: roofline_slowdown(block_gemms(config, layout, tokens, kind), peak, bandwidth)
-                      if bandwidth < math.inf else 1.0 for kind in (False, True)} | {None: 1.0}
+                      if bandwidth < math.inf else 1.0 for kind in set(config.model.layer_pattern)} | {None: 1.0}
     return known[key]
 
 

@@ -141,8 +141,9 @@ def gemm_shapes(config: RunConfig) -> list[tuple[float, int, int, int]]:
     micro = config.train.micro_batch_size or config.train.global_batch_size
     tokens = micro * config.model.seq_len
     out = []
-    for is_moe in sorted({config.model.is_moe_layer(i) for i in range(config.model.n_layers)}):
-        out += step_time.block_gemms(config, layout, tokens, is_moe)
+    kinds = {layer.feed_forward: layer for layer in config.model.layer_pattern[:config.model.n_layers]}
+    for layer in sorted(kinds.values(), key=lambda layer: layer.is_moe):  # a window changes no matmul
+        out += step_time.block_gemms(config, layout, tokens, layer)
     out.append((1, tokens, config.model.d_model, config.model.vocab_size))
     return out
 
@@ -254,7 +255,7 @@ def chunk_between_calls(config: RunConfig, world: int) -> list[tuple[float, int,
     forward matmuls on a data-parallel rank's share of the batch, which is what runs between FSDP's gathers of
     consecutive blocks (one unit per block)."""
     tokens = config.train.global_batch_size // world * config.model.seq_len
-    return step_time.block_gemms(config, Layout.resolve(1), tokens, config.model.is_moe_layer(0))
+    return step_time.block_gemms(config, Layout.resolve(1), tokens, config.model.layer(0))
 
 
 def measure_machine(config: RunConfig, world: int, blocks: int = 7, calls: int = 4) -> dict:

@@ -9,7 +9,7 @@ layers as the memory model says fit the GPU's free memory. Steps are timed after
 step runs under the torch profiler, and each operator's self time (CPU time on a CPU, kernel time on a GPU)
 is put in a category:
 
-- attention: everything inside the ``Attention`` modules (projections, RoPE, ``scaled_dot_product_attention``)
+- attention: everything inside the attention modules (``moe/attention/``: projections, RoPE, the kernel)
 - expert GEMMs: inside ``GroupedExperts`` (the grouped GEMMs, the activation between them, weight copies)
 - routing and permutation: the rest of each ``MoELayer`` (router, dispatch plan, permute, combine, balancing
   losses, statistics)
@@ -50,9 +50,10 @@ sys.path.insert(0, str(ROOT))
 
 from config.run import load_config  # noqa: E402
 from moe.accounting import parameter_counts, training_flops_per_token  # noqa: E402
+from moe.attention import AttentionKind  # noqa: E402
 from moe.experts import GroupedExperts  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
-from moe.transformer import Attention, MoETransformer  # noqa: E402
+from moe.transformer import MoETransformer  # noqa: E402
 from parallel.compile import apply_compile  # noqa: E402
 from parallel.expert import ExpertParallelExperts  # noqa: E402
 from parallel.hardware import GPU_BF16_PEAK, choose_precision, keep_freed_memory  # noqa: E402
@@ -77,7 +78,7 @@ def label_modules(model: MoETransformer) -> list:
         handles.append(module.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None)))
 
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, AttentionKind):
             label(module, "attention")
         elif isinstance(module, GroupedExperts | ExpertParallelExperts):
             label(module, "expert GEMMs")

@@ -1,11 +1,11 @@
 """Sliding-window attention's cost against SDPA's full causal attention (GPT-OSS's windowed layers).
 
-What is measured. ``Attention._masked_attention`` of a layer with a 128-position window, with and without the
-attention sinks, forward and backward in fp32 on CPU, at sequence 4,096 (8 heads of 64, one sequence, 2 threads
-by default), against SDPA's full causal attention (``is_causal=True``) on the same tensors: the cost of a full
-layer. Also timed: the same window as one masked SDPA over the whole causal score matrix (what the windowed
-layer would cost without the blocked path), to show what the blocking saves; and a full layer with sinks (GPT-OSS's
-other kind: one SDPA under the causal mask, the sink folded in).
+What is measured. The kernel core's attention (``moe.attention.kernel.attend``) of a layer with a 128-position
+window, with and without the attention sinks, forward and backward in fp32 on CPU, at sequence 4,096 (8 heads of
+64, one sequence, 2 threads by default), against SDPA's full causal attention (``is_causal=True``) on the same
+tensors: the cost of a full layer. Also timed: the same window as one masked SDPA over the whole causal score
+matrix (what the windowed layer would cost without the blocked path), to show what the blocking saves; and a full
+layer with sinks (GPT-OSS's other kind: one SDPA under the causal mask, the sink folded in).
 
 Why. A windowed layer sees 128 keys per query; it should cost a fraction of the full layer's S/2, not the same.
 The blocked path computes 2W scores per query (the W before its block and its block), so against full causal
@@ -26,8 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from config.model import ModelConfig
-from moe.transformer import Attention
+from moe.attention.kernel import attend
 
 
 def timed_step(fn, q, k, v) -> float:
@@ -51,23 +50,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    def layer(sinks: bool, window: int | None = args.window) -> Attention:
-        config = ModelConfig(d_model=args.heads * args.head_dim, n_heads=args.heads, seq_len=args.seq,
-                             attention_sinks=sinks, sliding_window=args.window)
-        attention = Attention(config, window)
-        if sinks:
-            torch.nn.init.normal_(attention.sinks)
-        return attention
-
-    windowed, windowed_sinks, full_sinks = layer(False), layer(True), layer(True, window=None)
+    scale, sinks = args.head_dim ** -0.5, torch.randn(args.heads)
     pos = torch.arange(args.seq)
     window_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - args.window)
     variants = {
         "full causal SDPA": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "window, one masked SDPA": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask),
-        "window (blocked)": lambda q, k, v: windowed._masked_attention(q, k, v, 0),
-        "window + sinks (blocked)": lambda q, k, v: windowed_sinks._masked_attention(q, k, v, 0),
-        "full causal + sinks (masked)": lambda q, k, v: full_sinks._masked_attention(q, k, v, 0),
+        "window (blocked)": lambda q, k, v: attend(q, k, v, scale, window=args.window),
+        "window + sinks (blocked)": lambda q, k, v: attend(q, k, v, scale, window=args.window, sinks=sinks),
+        "full causal + sinks (masked)": lambda q, k, v: attend(q, k, v, scale, sinks=sinks),
     }
     q, k, v = (torch.randn(1, args.heads, args.seq, args.head_dim) for _ in range(3))
     for fn in variants.values():  # warm up

@@ -11,6 +11,25 @@ from typing import Literal
 
 from config.schema import require
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # ``layer_types``' words (Hugging Face's)
+FEED_FORWARD_LAYER_TYPES = ("dense", "moe")  # ``mlp_layer_types``' words
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer of the model's layer pattern (``ModelConfig.layer``): which attention kind it has (a module of
+    ``moe/attention/``: ``grouped_query`` or ``latent``) with that attention's sliding window, and which
+    feed-forward kind (``dense`` or ``moe``). Blocks are built from it, and the accounting sums over it; layers of
+    one spec cost the same."""
+
+    attention: str
+    feed_forward: str
+    window: int | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.feed_forward == "moe"
+
 
 @dataclass
 class ModelConfig:
@@ -28,15 +47,20 @@ class ModelConfig:
     # GPT-OSS's attention sinks: one learned logit per head that joins each softmax's denominator, with no value
     # (a query may attend to "nothing"; Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks")
     attention_sinks: bool = False
-    # sliding-window attention: in a "sliding_attention" layer a query sees itself and the sliding_window - 1
-    # positions before it. layer_types gives each layer's kind ("full_attention" or "sliding_attention", GPT-OSS:
-    # alternating from a sliding first layer); null with a sliding_window = every layer slides
+    # The layer pattern (``layer``): each layer's attention and feed-forward, as Hugging Face's layer_types and
+    # mlp_layer_types say them. Sliding-window attention: in a "sliding_attention" layer a query sees itself and the
+    # sliding_window - 1 positions before it. layer_types gives each layer's attention ("full_attention" or
+    # "sliding_attention", GPT-OSS: alternating from a sliding first layer); null with a sliding_window = every
+    # layer slides. mlp_layer_types gives each layer's feed-forward ("dense" or "moe"); null = the shorthand
+    # moe_every / first_moe_layer below
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    mlp_layer_types: list[str] | None = None
     rotary_dim: int | None = None  # RoPE rotates the first rotary_dim channels of each head; None = all (GLM-4.5: half)
     seq_len: int = 256  # training context length
     ffn_hidden: int = 512  # hidden size of the dense SwiGLU FFN blocks
-    moe_every: int = 1  # every moe_every-th layer (from first_moe_layer on) is MoE; 0 = no MoE layer
+    # shorthand for mlp_layer_types: every moe_every-th layer (from first_moe_layer on) is MoE; 0 = no MoE layer
+    moe_every: int = 1
     first_moe_layer: int = 0  # layers before it are dense (DeepSeek-V3 keeps its first 3 dense)
     tie_embeddings: bool = False
     # multi-token prediction (DeepSeek-V3 sec. 2.2): mtp_depth modules, module k predicting the token k+1 ahead from
@@ -106,17 +130,36 @@ class ModelConfig:
         return None
 
     def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index``'s feed-forward is MoE: ``mlp_layer_types``' word, or the shorthand's rule. The
+        multi-token-prediction modules' blocks (``index`` >= n_layers) are of the kind the layers after the last
+        would be: the shorthand's rule continued, or the last layer's word."""
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[min(index, self.n_layers - 1)] == "moe"
         if self.moe_every == 0 or index < self.first_moe_layer:
             return False
         return (index - self.first_moe_layer) % self.moe_every == 0
 
     @property
     def n_moe_layers(self) -> int:
-        """The layers ``is_moe_layer`` picks: every ``moe_every``-th from ``first_moe_layer`` (counted, not looped:
-        the planner asks millions of times)."""
+        """The layers ``is_moe_layer`` picks among the n_layers (counted, not looped: the planner asks millions of
+        times)."""
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types.count("moe")
         if self.moe_every == 0:
             return 0
         return len(range(self.first_moe_layer, self.n_layers, self.moe_every))
+
+    def layer(self, index: int) -> LayerSpec:
+        """Layer ``index``'s place in the layer pattern; indices n_layers + k are the multi-token-prediction modules'
+        blocks (full attention, the feed-forward ``is_moe_layer`` says)."""
+        attention = "latent" if self.latent_attention else "grouped_query"
+        window = self.attention_window(index) if index < self.n_layers else None
+        return LayerSpec(attention, "moe" if self.is_moe_layer(index) else "dense", window)
+
+    @property
+    def layer_pattern(self) -> tuple[LayerSpec, ...]:
+        """Every block's ``LayerSpec``: the n_layers layers, then the multi-token-prediction modules' blocks."""
+        return tuple(self.layer(i) for i in range(self.n_layers + self.mtp_depth))
 
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "ffn_hidden"):
@@ -138,6 +181,7 @@ class ModelConfig:
             self.n_kv_heads is None or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
             f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}",
         )
+        self._validate_mlp_layer_types()
         require(self.moe_every >= 0, f"model.moe_every must be >= 0, got {self.moe_every}")
         require(
             0 <= self.first_moe_layer < self.n_layers or self.moe_every == 0,
@@ -155,8 +199,22 @@ class ModelConfig:
         self._validate_latent_attention()
         self._validate_sliding_window()
 
+    def _validate_mlp_layer_types(self) -> None:
+        if self.mlp_layer_types is None:
+            return
+        require(len(self.mlp_layer_types) == self.n_layers,
+                f"model.mlp_layer_types has {len(self.mlp_layer_types)} entries; it needs one per layer "
+                f"(model.n_layers={self.n_layers})")
+        for index, kind in enumerate(self.mlp_layer_types):
+            require(kind in FEED_FORWARD_LAYER_TYPES, f"model.mlp_layer_types[{index}]={kind!r} is not a feed-forward "
+                                                      f"kind; valid: {list(FEED_FORWARD_LAYER_TYPES)}")
+        require((self.moe_every, self.first_moe_layer) == (1, 0),
+                f"model.mlp_layer_types gives each layer's feed-forward; model.moe_every={self.moe_every} and "
+                f"model.first_moe_layer={self.first_moe_layer} are its shorthand: set one or the other (leave "
+                "moe_every at 1 and first_moe_layer at 0 with mlp_layer_types)")
+
     def _validate_sliding_window(self) -> None:
-        kinds = ("full_attention", "sliding_attention")
+        kinds = ATTENTION_LAYER_TYPES
         if self.sliding_window is not None:
             require(0 < self.sliding_window <= self.seq_len,
                     f"model.sliding_window={self.sliding_window} must be between 1 and model.seq_len={self.seq_len} "

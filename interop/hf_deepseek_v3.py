@@ -1,7 +1,7 @@
 """The DeepSeek-V3 family (Hugging Face ``DeepseekV3ForCausalLM``: DeepSeek-V3/V3.1, and Kimi K2, whose config.json
 names this architecture with ``model_type: kimi_k2``) in our terms: config mapping and tensor names.
 
-DeepSeek-V3 is our model with latent attention (``model.kv_lora_rank`` ...; ``moe/latent_attention.py``), YaRN
+DeepSeek-V3 is our model with latent attention (``model.kv_lora_rank`` ...; ``moe/attention/latent.py``), YaRN
 where ``rope_scaling`` says so, its first ``first_k_dense_replace`` layers dense (``model.first_moe_layer``,
 width ``intermediate_size`` = ``model.ffn_hidden``) and the rest MoE: sigmoid scores, the correction bias
 ``e_score_correction_bias`` (our router's ``expert_bias``), group-limited top-k (``n_group``, ``topk_group``),

@@ -1,8 +1,8 @@
-"""Parameter and FLOP counts from a config alone, without building the model.
+"""Parameter and FLOP counts from a config alone, without building the model: the module kinds' own statements
+(``moe/attention/``, ``moe/feed_forward.py``, ``moe/layer.py``) summed over the layer pattern.
 
-Used for MFU in training logs and by the memory model and planner in ``analysis/``,
-so they must agree exactly with the modules in ``moe/`` (a test checks the totals
-against a built model).
+Used for MFU in training logs and by the memory model and planner in ``analysis/``, so they must agree exactly with
+the modules in ``moe/`` (a test checks the totals against a built model).
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from config.model import ModelConfig, MoEConfig
+from config.model import LayerSpec, ModelConfig, MoEConfig
+from moe.attention import attention_kind
+from moe.block import feed_forward_kind
+from moe.param_tensors import ParamTensor
 
 T = TypeVar("T")
 
@@ -42,81 +45,62 @@ class ParameterCounts:
         return self.total - self.routed_experts
 
 
-def attention_parameters(model: ModelConfig) -> int:
-    """One block's attention weights, its norms included (``moe/transformer.py``, ``moe/latent_attention.py``).
-
-    Grouped-query: wq, wo (nh·hd wide), wk, wv (nkv·hd), their biases with ``qkv_bias``, wo's with
-    ``attn_output_bias``, one sink per head with ``attention_sinks``, and hd-wide q/k norms with ``qk_norm``. Latent:
-    the query projection (full, or c' -rank with its norm), wkv_a into c + r, the c-wide latent norm, wkv_b out
-    to nh·(n + v), and wo from nh·v.
-    """
-    d, heads = model.d_model, model.n_heads
-    if not model.latent_attention:
-        hd = model.head_size
-        biases = (heads + 2 * model.kv_heads) * hd if model.qkv_bias else 0
-        biases += d if model.attn_output_bias else 0
-        sinks = heads if model.attention_sinks else 0
-        return d * heads * hd * 2 + d * model.kv_heads * hd * 2 + (2 * hd if model.qk_norm else 0) + biases + sinks
-    qk, rank = model.qk_nope_head_dim + model.qk_rope_head_dim, model.q_lora_rank
-    query = d * heads * qk if rank is None else d * rank + rank + rank * heads * qk
-    latent = d * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
-    return query + latent + model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim) \
-        + heads * model.v_head_dim * d
+def block_tensors(model: ModelConfig, moe: MoEConfig, layer: LayerSpec, i: int | None) -> list[ParamTensor]:
+    """The tensors of block i, of ``layer``'s kinds (``moe/block.py``): its two norms, then what its attention and
+    feed-forward kinds state (i None: a block of these kinds wherever it is; the shapes do not depend on it)."""
+    d = model.d_model
+    return [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)),
+            *attention_kind(layer).parameter_tensors(model, i),
+            *feed_forward_kind(layer).parameter_tensors(model, moe, i)]
 
 
-def attention_flops_per_token(model: ModelConfig) -> float:
-    """Training FLOPs of one token's attention scores and weighted values in one block (the projections are
-    counted with the parameters): 6 · S · nh · (qk width + v width), which is PaLM's 12 · S · nh · hd
-    (Chowdhery et al. 2022, appendix B) when queries, keys and values are hd wide. Latent attention's are
-    n + r and v."""
-    if model.latent_attention:
-        width = model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim
-    else:
-        width = 2 * model.head_size
-    return 6.0 * model.n_heads * width * model.seq_len
-
-
-def expert_parameters(d_model: int, moe: MoEConfig) -> int:
-    """One routed expert's weights: gate (gated activations only), up and down; with ``moe.expert_proj_bias`` a
-    bias per hidden unit of gate and up and per output of down."""
-    matrices = 3 if moe.gated else 2
-    biases = (matrices - 1) * moe.expert_hidden + d_model if moe.expert_proj_bias else 0
-    return matrices * d_model * moe.expert_hidden + biases
-
-
-def router_parameters(d_model: int, moe: MoEConfig) -> int:
-    """The router's gate [E, D] and, with ``moe.router_bias``, its logit bias [E]."""
-    return (d_model + (1 if moe.router_bias else 0)) * moe.num_experts
+def _block_parameters(model: ModelConfig, moe: MoEConfig, layer: LayerSpec) -> tuple[int, int, int]:
+    """(all, active, routed-expert) parameters of one block of ``layer``'s kinds: the routed experts' stacks [E, ...]
+    count top_k of E experts as active."""
+    total = active = routed = 0
+    for param in block_tensors(model, moe, layer, None):
+        total += param.numel
+        routed += param.numel if param.expert else 0
+        active += param.numel * moe.top_k // moe.num_experts if param.expert else param.numel
+    return total, active, routed
 
 
 def parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
-    d = model.d_model
-    attention = attention_parameters(model)
-    norms = 2 * d
-    dense_ffn = 3 * d * model.ffn_hidden
-    one_expert = expert_parameters(d, moe)
-    shared = 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
-    router = router_parameters(d, moe)
+    """Every block's kinds' parameters, the multi-token-prediction modules' projection and norms
+    (``moe/mtp.py``: their embedding and head are the main model's), the embedding, final norm and head."""
+    return per_model(_COUNTS, model, moe, lambda: _parameter_counts(model, moe))
 
-    # multi-token prediction: each module a block (of the kind layer n_layers + k would be), the 2d -> d projection
-    # and three norms (``moe/mtp.py``); the embedding and head are the main model's
-    mtp_moe = sum(model.is_moe_layer(model.n_layers + k) for k in range(model.mtp_depth))
-    n_moe = model.n_moe_layers + mtp_moe
-    n_blocks = model.n_layers + model.mtp_depth
-    n_dense = n_blocks - n_moe
+
+def _parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
+    d = model.d_model
     embedding = model.vocab_size * d
     head = 0 if model.tie_embeddings else model.vocab_size * d
-    common = embedding + head + d + n_blocks * (attention + norms) + n_dense * dense_ffn
-    common += model.mtp_depth * (2 * d * d + 3 * d)
-    common += n_moe * (router + shared)
-    routed_total = n_moe * moe.num_experts * one_expert
-    routed_active = n_moe * moe.top_k * one_expert
-    return ParameterCounts(
-        total=common + routed_total,
-        active=common + routed_active,
-        embedding=embedding,
-        routed_experts=routed_total,
-    )
+    total = embedding + d + head + model.mtp_depth * (2 * d * d + 3 * d)  # the final norm; MTP's projections, norms
+    active, routed = total, 0
+    for layer in model.layer_pattern:
+        block_total, block_active, block_routed = _block_kind_parameters(model, moe, layer)
+        total, active, routed = total + block_total, active + block_active, routed + block_routed
+    return ParameterCounts(total=total, active=active, embedding=embedding, routed_experts=routed)
+
+
+def _block_kind_parameters(model: ModelConfig, moe: MoEConfig, layer: LayerSpec) -> tuple[int, int, int]:
+    """``_block_parameters`` remembered per kind of block."""
+    known = per_model(_KIND_PARAMETERS, model, moe, dict)
+    if layer not in known:
+        known[layer] = _block_parameters(model, moe, layer)
+    return known[layer]
+
+
+_COUNTS: dict = {}  # per_model stores
+_KIND_PARAMETERS: dict = {}
+
+
+def attention_flops_per_token(model: ModelConfig, layer: LayerSpec) -> float:
+    """Training FLOPs of one token's attention scores and weighted values in one block of ``layer``'s kind (the
+    projections are counted with the parameters): 6 · S · nh · (qk width + v width), which is PaLM's
+    12 · S · nh · hd (Chowdhery et al. 2022, appendix B) when queries, keys and values are hd wide; each kind
+    states its widths (``score_width``)."""
+    return 6.0 * model.n_heads * attention_kind(layer).score_width(model) * model.seq_len
 
 
 def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
@@ -133,25 +117,17 @@ def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
     if model.tie_embeddings:
         matmul_params += model.vocab_size * model.d_model
     matmul_params += model.mtp_depth * model.vocab_size * model.d_model  # the shared head, once per MTP module
-    return 6.0 * matmul_params + (model.n_layers + model.mtp_depth) * attention_flops_per_token(model)
+    return 6.0 * matmul_params + sum(attention_flops_per_token(model, layer) for layer in model.layer_pattern)
 
 
-def block_flops_per_token(model: ModelConfig, moe: MoEConfig, is_moe: bool) -> float:
-    """Training FLOPs of one token through one transformer block, on the terms of ``training_flops_per_token``.
-
-    ``6 *`` the block's active matmul parameters (attention, its two norms, and the dense FFN or
-    the router, shared experts and top_k routed experts) ``+ attention_flops_per_token``.
+def block_flops_per_token(model: ModelConfig, moe: MoEConfig, layer: LayerSpec) -> float:
+    """Training FLOPs of one token through one transformer block of ``layer``'s kinds, on the terms of
+    ``training_flops_per_token``: ``6 *`` the block's active matmul parameters (attention, its two norms, and the
+    dense FFN or the router, shared experts and top_k routed experts) ``+ attention_flops_per_token``.
     A MoE block with top_k experts of the dense FFN's size costs more than a dense block; the
     pipeline split (``parallel/pipeline.py``) balances stages by these numbers.
     """
-    d = model.d_model
-    params = attention_parameters(model) + 2 * d
-    if is_moe:
-        params += router_parameters(d, moe) + moe.top_k * expert_parameters(d, moe)
-        params += 3 * d * moe.shared_hidden if moe.num_shared_experts else 0
-    else:
-        params += 3 * d * model.ffn_hidden
-    return 6.0 * params + attention_flops_per_token(model)
+    return 6.0 * _block_kind_parameters(model, moe, layer)[1] + attention_flops_per_token(model, layer)
 
 
 def head_flops_per_token(model: ModelConfig) -> float:
@@ -161,9 +137,9 @@ def head_flops_per_token(model: ModelConfig) -> float:
 
 def mtp_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
     """Training FLOPs of one token through the multi-token-prediction modules (``moe/mtp.py``), on the terms of
-    ``training_flops_per_token``: each module a block of its kind (``ModelConfig.is_moe_layer(n_layers + k)``), its
+    ``training_flops_per_token``: each module a block of its kind (``ModelConfig.layer(n_layers + k)``), its
     2d -> d projection and three norms, and the shared head once more. They run beside the head, on the last
     pipeline stage, which the stage split weighs with them (``parallel/pipeline.py``)."""
     d = model.d_model
-    return sum(block_flops_per_token(model, moe, model.is_moe_layer(model.n_layers + k))
+    return sum(block_flops_per_token(model, moe, model.layer(model.n_layers + k))
                + 6.0 * (2 * d * d + 3 * d + model.vocab_size * d) for k in range(model.mtp_depth))

@@ -418,16 +418,3 @@ class _MoveRows(torch.autograd.Function):
         destination, *padding_rows = ctx.saved_tensors
         padding_rows = padding_rows[0] if padding_rows else None
         return _MoveRows.apply(grad, destination, padding_rows, ctx.num_rows), None, None, None
-
-
-class FeedForward(nn.Module):
-    """A dense SwiGLU feed-forward: the FFN of dense blocks and the shared experts of MoE layers."""
-
-    def __init__(self, d_model: int, hidden: int):
-        super().__init__()
-        self.w_in = nn.Linear(d_model, hidden, bias=False)
-        self.w_gate = nn.Linear(d_model, hidden, bias=False)
-        self.w_out = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_out(swiglu(self.w_gate(x), self.w_in(x)))

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from config.model import MoEConfig
+from config.model import ModelConfig, MoEConfig
 from moe.dispatch import count_per_expert, expert_capacity, permute, plan_dispatch, unpermute_and_combine
-from moe.experts import FeedForward, GroupedExperts, compute_dtype
+from moe.experts import GroupedExperts, compute_dtype
+from moe.feed_forward import FeedForward
 from moe.losses import attach_loss, load_balancing_loss, z_loss
+from moe.param_tensors import ParamTensor
 from moe.router import TopKRouter
 
 
@@ -64,6 +66,8 @@ class MoELayer(nn.Module):
     with identical values rather than counting twice.
     """
 
+    block_attribute = "moe"  # its name in a block (``moe/block.py``): parameter names say ``layers.i.moe.*``
+
     def __init__(self, d_model: int, config: MoEConfig):
         super().__init__()
         self.config = config
@@ -77,6 +81,32 @@ class MoELayer(nn.Module):
         # (``parallel/context.py``); None: this rank holds whole sequences
         self.reduce_counts: Callable[[Tensor], Tensor] | None = None
         self.last_stats: RoutingStats | None = None
+
+    @classmethod
+    def for_block(cls, model: ModelConfig, moe: MoEConfig) -> MoELayer:
+        """An MoE block's feed-forward."""
+        return cls(model.d_model, moe)
+
+    @staticmethod
+    def parameter_tensors(model: ModelConfig, moe: MoEConfig, i: int | None) -> list[ParamTensor]:
+        """What this kind costs, stated beside its forward: the router's gate [E, D] (and logit bias), the routed
+        experts' stacks [E, ...] (dim 0 over ep, their hidden dim over etp: up and down, the gate where the
+        activation is gated, and with ``expert_proj_bias`` their biases, the output's whole under etp), and the
+        shared experts as a dense FFN of their width. Their saved activations depend on the exchange expert
+        parallelism chooses (``parallel/expert.py``), so ``analysis/memory_activations.py`` states those."""
+        d, e, h = model.d_model, moe.num_experts, moe.expert_hidden
+        out = [ParamTensor("router", i, (e, d)), ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2),
+               ParamTensor("experts", i, (e, h, d), expert_hidden_dim=1)]
+        if moe.gated:
+            out.append(ParamTensor("experts", i, (e, d, h), expert_hidden_dim=2))
+        if moe.router_bias:
+            out.append(ParamTensor("router", i, (e,)))
+        if moe.expert_proj_bias:
+            out += [ParamTensor("experts", i, (e, h), expert_hidden_dim=1) for _ in range(1 + moe.gated)]
+            out.append(ParamTensor("experts", i, (e, d)))
+        if moe.num_shared_experts:
+            out += FeedForward.parameter_tensors(model, moe, i, moe.shared_hidden)
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, S, D] -> [B, S, D]."""

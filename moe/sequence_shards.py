@@ -10,7 +10,7 @@ Keys and values reach every rank by an all-gather over the cp ranks (``parallel.
 concatenates the ranks' slices in rank order: the gathered keys' positions are ``key_positions``. Where a mask is
 needed (packed documents, sliding windows, attention sinks) it is built from the positions themselves
 (``moe.documents.documents_of``); whole sequences under the plain causal mask take ``causal_attention``, which
-needs none.
+needs none (``moe.attention.kernel.choose_kernel``).
 
 Plain PyTorch, no process groups: the one rule both the model and the training loop cut by.
 Shapes: B sequences, S positions of the whole sequence, S / cp on a rank.
@@ -23,15 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from config.model import ModelConfig
-
-
-def attends_by_chunks(model: ModelConfig) -> bool:
-    """Whether a context-parallel rank's whole sequences attend by chunks, with no mask over the whole sequence
-    (``SequenceShards.causal_attention``): in a model without windows and sinks, whose layers need that mask. The
-    one rule the model, the memory model and its mask bytes follow; packed documents need the mask too."""
-    return not (model.attention_sinks or model.sliding_window is not None)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ windows and sinks under a mask built from positions.
 Why the all-gather rather than a ring or Ulysses' all-to-all over heads: with grouped-query attention the gathered
 key/value heads are a fraction of the query heads (what would cross a ring is the same bytes in cp - 1 steps, with
 an online softmax to merge); with latent attention it gathers the compressed latent and the shared rotary key,
-c + r numbers per token (``moe/latent_attention.py``), far fewer than any scheme that moves per-head keys; document
+c + r numbers per token (``moe/attention/latent.py``), far fewer than any scheme that moves per-head keys; document
 masks, sliding windows and attention sinks need nothing beyond the mask each rank already builds; and Ulysses needs
 the heads to divide by cp (times tp), which GQA's few key/value heads and an attention sink's per-head logit
 often do not. The price is memory: one layer's whole-sequence keys and values live on each rank while the layer

@@ -126,7 +126,7 @@ def stage_layers(model: ModelConfig, moe: MoEConfig, num_stages: int) -> list[ra
 
 def _layer_costs(model: ModelConfig, moe: MoEConfig) -> tuple[float, ...]:
     """Each block's training FLOPs per token, remembered per model (the planner asks once per candidate)."""
-    return per_model(_COSTS, model, moe, lambda: tuple(block_flops_per_token(model, moe, model.is_moe_layer(i))
+    return per_model(_COSTS, model, moe, lambda: tuple(block_flops_per_token(model, moe, model.layer(i))
                                                          for i in range(model.n_layers)))
 
 

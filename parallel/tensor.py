@@ -13,7 +13,7 @@ column-parallel input).
   query/key norms (``model.qk_norm``) stay whole on every rank and run on its local heads: DTensor's
   ``SequenceParallel`` style over the heads dim, so their weights' gradients, each rank's sum over its own
   heads, are summed over tp like the sequence-parallel norms'. Latent attention
-  (``moe/latent_attention.py``) splits its per-head projections the same way and keeps its latent projections
+  (``moe/attention/latent.py``) splits its per-head projections the same way and keeps its latent projections
   whole (``_latent_attention_plan``).
 - dense SwiGLU FFN and the MoE layer's shared experts: ``w_in`` and ``w_gate`` column-parallel (split on
   the hidden dim), ``w_out`` row-parallel.
@@ -72,8 +72,9 @@ from torch.distributed.tensor.parallel import (
 
 from config.errors import ConfigError
 from config.model import ModelConfig
-from moe.latent_attention import LatentAttention
-from moe.transformer import Block, MoETransformer
+from moe.attention import GroupedQueryAttention, LatentAttention
+from moe.block import Block
+from moe.transformer import MoETransformer
 
 
 def check_tensor_parallel(tp: int, model: ModelConfig, sequence_parallel: bool, vocab_parallel: bool) -> None:
@@ -142,18 +143,26 @@ def _latent_attention_plan(block: Block, stream: Placement) -> dict:
     return plan
 
 
+def _grouped_query_plan(block: Block, stream: Placement) -> dict:
+    """Grouped-query attention split by heads: ``wq``, ``wk``, ``wv`` column-, ``wo`` row-parallel; the per-head
+    q/k norms see this rank's heads, a shard of dim 2 of [B, S, heads, hd]."""
+    plan = {"attn": _shared_input(stream, num_inputs=3), "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=stream)}
+    if block.attn.q_norm is not None:
+        plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                     "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+    return plan
+
+
+# each attention kind's split over the tp ranks (a new kind adds its plan here)
+ATTENTION_PLANS = {GroupedQueryAttention: _grouped_query_plan, LatentAttention: _latent_attention_plan}
+
+
 def _block_plan(block: Block, sequence_parallel: bool) -> dict:
     """How one block's modules are split; ``sequence_parallel``: the residual stream is a sequence slice."""
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout over tp
-    if isinstance(block.attn, LatentAttention):
-        plan = _latent_attention_plan(block, stream)
-    else:
-        plan = {"attn": _shared_input(stream, num_inputs=3), "attn.wq": ColwiseParallel(),
-                "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel(output_layouts=stream)}
-        if block.attn.q_norm is not None:  # [B, S, heads, hd]: this rank's heads are a shard of dim 2
-            plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                         "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+    plan = ATTENTION_PLANS[type(block.attn)](block, stream)
     if block.ffn is not None:
         plan.update(_feed_forward_plan("ffn", stream))
     elif block.moe.shared_experts is not None:  # inside the MoE layer, which sees the whole sequence

@@ -34,9 +34,10 @@ ALLOWED = {
 def modules() -> dict[str, Path]:
     """Every module of ours by dotted name (``parallel`` for ``parallel/__init__.py``)."""
     found = {name: ROOT / f"{name}.py" for name in TOP}
-    for package in PACKAGES:
-        for path in (ROOT / package).glob("*.py"):
-            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    for package in PACKAGES:  # and their subpackages (moe.attention)
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
@@ -144,3 +145,46 @@ def test_every_command_is_a_console_script_through_the_one_contract():
     assert with_main == set(listed), f"commands without a console script: {sorted(with_main - set(listed))}"
     for module in with_main:  # each ends through config/cli.py's run_command, which maps errors to exit statuses
         assert "run_command(" in every[module].read_text(encoding="utf-8"), f"{module}.main bypasses run_command"
+
+
+def test_attention_runs_through_the_one_kernel_core():
+    """One rule picks the kernel (``moe.attention.kernel.choose_kernel``), and SDPA is called only there and by the
+    chunks of context parallelism's shards, which the kernel core chooses (``moe/sequence_shards.py``); every
+    attention kind attends through ``attend``, and the memory model asks the kinds, which ask ``choose_kernel``."""
+    assert definitions(ast.FunctionDef, "choose_kernel") == ["moe.attention.kernel"]
+    callers = sorted(module for module, path in modules().items()
+                     if "scaled_dot_product_attention(" in path.read_text(encoding="utf-8"))
+    assert callers == ["moe.attention.kernel", "moe.sequence_shards"]
+    kinds = [m for m in modules() if m.startswith("moe.attention.") and m not in ("moe.attention.kernel",
+                                                                                   "moe.attention.base")]
+    assert kinds
+    for module in kinds:
+        source = modules()[module].read_text(encoding="utf-8")
+        assert "attend(" in source and "choose_kernel(" in source, f"{module} bypasses the kernel core"
+
+
+def test_the_model_and_block_name_no_family_and_no_attention_option():
+    """The model and its blocks dispatch on the layer pattern alone: no attention option or family name in them
+    (those live in the kinds' modules and the config's pattern)."""
+    options = ("latent_attention", "attention_sinks", "sliding_window", "qk_norm", "kv_lora_rank", "qkv_bias",
+               "attn_output_bias", "rotary_dim", "layer_types", "is_moe_layer", "deepseek", "mixtral", "qwen",
+               "gpt_oss", "glm")
+    for module in ("moe.transformer", "moe.block"):
+        code = [node for node in ast.walk(ast.parse(modules()[module].read_text(encoding="utf-8")))
+                if isinstance(node, ast.Name | ast.Attribute | ast.Constant)]
+        named = {getattr(node, "id", None) or getattr(node, "attr", None) for node in code}
+        named |= {node.value.lower() for node in code if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+        assert not {word for word in named if word and any(option == word for option in options)}, module
+
+
+def test_modules_and_functions_stay_readable():
+    """No module of the packages over 500 lines, no function over 80 (docs/architecture.md: one concept per room)."""
+    long = []
+    for module, path in modules().items():
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > 500:
+            long.append(f"{module}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, "\n".join(long)

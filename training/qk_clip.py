@@ -8,15 +8,16 @@ query and key weights are scaled so that the same inputs give ``S_max^h = tau``:
 step was computed, so it applies under AdamW as under Muon (``train.qk_clip_threshold``, either optimizer): Kimi K2
 needed it with Muon, but AdamW's logits can grow too, and the clip costs nothing where no head fires.
 
-What is scaled, per attention kind (each scaling multiplies the head's logits by exactly gamma, so its largest
-logit on the step's inputs becomes tau; every other head's weights stay bit for bit):
+What is scaled, per attention kind (each kind states its tensors: ``AttentionKind.heads_to_clip``; each scaling
+multiplies the head's logits by exactly gamma, so its largest logit on the step's inputs becomes tau; every other
+head's weights stay bit for bit):
 - multi-head attention (a key head per query head): the head's rows of ``wq`` and ``wk`` (and their biases,
   ``model.qkv_bias``: q = W x + b, so scaling both scales q) by sqrt(gamma), Kimi K2's split.
 - grouped-query attention (a key head shared by g query heads): the query head's rows of ``wq`` by gamma, the shared
   key left alone. Scaling the key by the group's smallest sqrt(gamma) would shrink the logits of the group's other
   heads, clipped or not; scaling it by anything else leaves some query head needing a factor above 1. Query-only
   is the one split that brings every head to exactly tau and leaves the unclipped heads as they were.
-- latent attention (``moe/latent_attention.py``), as Kimi K2 does for its MLA: the head-specific parts alone. The
+- latent attention (``moe/attention/latent.py``), as Kimi K2 does for its MLA: the head-specific parts alone. The
   nope query and key channels (``wq``/``wq_b``'s and ``wkv_b``'s first n rows of the head) by sqrt(gamma), the
   head's rotary query channels by gamma, and the rotary key, one for all heads, left alone.
 With ``model.qk_norm`` the per-head RMSNorm undoes any scaling of the weights, so the config refuses the two
@@ -45,29 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe.latent_attention import LatentAttention
+from moe.attention import AttentionKind
 from moe.max_logits import LogitTracker
-from moe.transformer import Attention
 from parallel.groups import ParallelGroups
 from parallel.materialize import locate
-
-
-def head_scalings(attention: Attention | LatentAttention) -> list[tuple[Tensor, Tensor]]:
-    """The tensors QK-clip scales in ``attention``, each with the exponent of gamma for each of a head's rows: the
-    tensor's rows come in heads of ``len(exponents)`` consecutive rows, and row r of head h is multiplied by
-    ``gamma_h ** exponents[r]`` (the module docstring says why these)."""
-    if isinstance(attention, LatentAttention):
-        nope, rope, v = attention.nope_dim, attention.rope_dim, attention.v_dim
-        query = attention.wq if attention.wq is not None else attention.wq_b
-        return [(query.weight, torch.tensor([0.5] * nope + [1.0] * rope)),
-                (attention.wkv_b.weight, torch.tensor([0.5] * nope + [0.0] * v))]
-    hd = attention.head_dim
-    if attention.n_kv_heads == attention.n_heads:
-        projections = [(attention.wq, 0.5), (attention.wk, 0.5)]
-    else:
-        projections = [(attention.wq, 1.0)]
-    return [(tensor, torch.full((hd,), exponent)) for linear, exponent in projections
-            for tensor in (linear.weight, linear.bias) if tensor is not None]
 
 
 def head_rows(tensor: Tensor, exponents: Tensor, tp_rank: int, tp: int) -> tuple[Tensor, Tensor]:
@@ -92,7 +74,7 @@ class QKClip:
 
     def __init__(self, model: nn.Module, threshold: float, groups: ParallelGroups):
         self.threshold = threshold
-        self.attentions = [m for m in model.modules() if isinstance(m, Attention | LatentAttention)]
+        self.attentions = [m for m in model.modules() if isinstance(m, AttentionKind)]
         for attention in self.attentions:
             attention.logit_tracker = LogitTracker()
         # the ranks holding other queries of the same model: data-parallel replicas, and under context parallelism
@@ -102,7 +84,7 @@ class QKClip:
         tp_rank, tp = groups.coords()["tp"], groups.layout.tp
         # per attention module: each tensor to scale, its rows' heads and exponents (computed once)
         self.rows = [[(tensor, *head_rows(tensor, exponents, tp_rank, tp))
-                      for tensor, exponents in head_scalings(attention)] for attention in self.attentions]
+                      for tensor, exponents in attention.heads_to_clip()] for attention in self.attentions]
         device = next(model.parameters()).device
         self.clipped = torch.zeros((), dtype=torch.int64, device=device)  # head clips since the last metrics
         self.max_logit = torch.tensor(-math.inf, dtype=torch.float64, device=device)  # the largest S_max since then

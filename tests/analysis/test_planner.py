@@ -49,7 +49,7 @@ def test_compute_without_pipeline_is_the_models_flops_spread_over_every_rank(deg
 def test_recompute_adds_the_forward_of_the_recomputed_blocks():
     layout = Layout.resolve(1)
     model, moe = _config(layout).model, _config(layout).moe
-    blocks = [block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers)]
+    blocks = [block_flops_per_token(model, moe, model.layer(i)) for i in range(model.n_layers)]
     head = head_flops_per_token(model)
     assert step_time.stage_flops_per_token(_config(layout), layout) == [pytest.approx(sum(blocks) + head)]
     full = step_time.stage_flops_per_token(_config(layout, "full"), layout)
@@ -82,7 +82,7 @@ def test_multi_token_prediction_weighs_on_the_last_stage_and_its_embedding_copy_
     assert len(last) < len(stage_layers(plain.model, plain.moe, 2)[1])
     with_mtp = step_time.stage_flops_per_token(mtp, layout)
     assert sum(with_mtp) == pytest.approx(training_flops_per_token(model, moe))
-    blocks = sum(block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in last)
+    blocks = sum(block_flops_per_token(model, moe, model.layer(i)) for i in last)
     assert with_mtp[1] == pytest.approx(blocks + head_flops_per_token(model) + mtp_flops_per_token(model, moe))
     pp_time = [step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)["pp"]
                for config in (plain, mtp)]
@@ -344,7 +344,8 @@ def test_ranks_sharing_cores_take_the_mean_stage_s_work_not_the_busiest_s():
     layout = Layout.resolve(4, pp=4)
     config = planner.with_layout(load_config("moe-8x", ["train.precision=fp32"]), layout, "none",
                                  schedule=("gpipe", 1), micro_batch_size=4)
-    block, head = (block_flops_per_token(config.model, config.moe, True), head_flops_per_token(config.model))
+    block = block_flops_per_token(config.model, config.moe, config.model.layer(0))
+    head = head_flops_per_token(config.model)
     balance = (4 * block + head) / 4 / (block + head)
     assert step_time.shared_balance(config, layout, sharing=2.0) == pytest.approx(balance)
     assert step_time.shared_balance(config, layout, sharing=1.0) == 1.0
@@ -366,7 +367,7 @@ def test_interleaving_divides_the_bubble_by_v_and_each_rank_sums_its_stages():
     assert step_time.bubble_seconds(8.0, layout, microbatches=4, virtual_stages=2) == pytest.approx(8.0 / 8)
     config = planner.with_layout(load_config("moe-8x", SMALL), layout, "none", schedule=("interleaved_1f1b", 2))
     model, moe = config.model, config.moe
-    blocks = [block_flops_per_token(model, moe, model.is_moe_layer(i)) for i in range(model.n_layers)]
+    blocks = [block_flops_per_token(model, moe, model.layer(i)) for i in range(model.n_layers)]
     ranges = stage_layers(model, moe, 4)
     per_rank = step_time.stage_flops_per_token(config, layout)
     assert per_rank[0] == pytest.approx(sum(blocks[i] for s in (0, 2) for i in ranges[s]))
@@ -471,17 +472,18 @@ def test_latent_attention_gemms_are_its_projections(query_rank):
     """A block's attention matmuls do 2·T FLOPs per weight of its projections (the accounting's count, less the
     latent norms); under tp=2 the per-head projections halve and the latent ones stay whole on each rank."""
     from analysis.step_time import block_gemms
-    from moe.accounting import attention_parameters
+    from moe.attention import LatentAttention
 
     config = load_config("moe-8x", ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=null",
                                     f"model.q_lora_rank={query_rank or 'null'}", "model.kv_lora_rank=12",
                                     "model.qk_nope_head_dim=6", "model.qk_rope_head_dim=4", "model.v_head_dim=5",
                                     "model.moe_every=0", "model.ffn_hidden=48"])
     tokens, model = 64, config.model
-    attention = block_gemms(config, Layout.resolve(1), tokens, False)[:-2]  # the dense FFN's two entries last
-    weights = attention_parameters(model) - (query_rank or 0) - model.kv_lora_rank
+    layer = model.layer(0)
+    attention = block_gemms(config, Layout.resolve(1), tokens, layer)[:-2]  # the dense FFN's two entries last
+    weights = sum(p.numel for p in LatentAttention.parameter_tensors(model, 0)) - (query_rank or 0) - model.kv_lora_rank
     assert sum(c * 2 * m * k * n for c, m, k, n in attention) == 2 * tokens * weights
-    split = block_gemms(config, Layout.resolve(2, tp=2), tokens, False)[:-2]
+    split = block_gemms(config, Layout.resolve(2, tp=2), tokens, layer)[:-2]
     latent = 32 * (query_rank or 0) + 32 * 16
     per_head = weights - latent
     assert sum(c * 2 * m * k * n for c, m, k, n in split) == 2 * tokens * (latent + per_head // 2)

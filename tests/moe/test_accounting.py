@@ -124,13 +124,14 @@ def test_a_dense_model_has_no_inactive_parameters():
 
 @pytest.mark.parametrize("model_config, moe_config", SMALL)
 def test_block_and_head_flops_add_up_to_the_model(model_config, moe_config):
-    blocks = sum(block_flops_per_token(model_config, moe_config, model_config.is_moe_layer(i))
+    blocks = sum(block_flops_per_token(model_config, moe_config, model_config.layer(i))
                  for i in range(model_config.n_layers))
     total = blocks + head_flops_per_token(model_config)
     assert total == pytest.approx(training_flops_per_token(model_config, moe_config), rel=1e-12)
     if model_config.n_moe_layers and model_config.n_moe_layers < model_config.n_layers:
-        assert block_flops_per_token(model_config, moe_config, True) != block_flops_per_token(
-            model_config, moe_config, False)
+        kinds = {layer.is_moe: layer for layer in model_config.layer_pattern}
+        assert block_flops_per_token(model_config, moe_config, kinds[True]) != block_flops_per_token(
+            model_config, moe_config, kinds[False])
 
 
 @pytest.mark.parametrize("name, total, active", [("deepseek-v3", 671e9, 37e9), ("kimi-k2", 1e12, 32e9)])

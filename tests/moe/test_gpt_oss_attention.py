@@ -11,9 +11,10 @@ import torch
 
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
+from moe.attention import GroupedQueryAttention
 from moe.kv_cache import LayerCache
 from moe.rope import rope_tables, yarn_attention_factor, yarn_inverse_frequencies
-from moe.transformer import Attention, MoETransformer
+from moe.transformer import MoETransformer
 
 gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
 from transformers import GptOssConfig  # noqa: E402
@@ -47,7 +48,7 @@ def pair(n_heads: int, n_kv_heads: int, head_dim: int, window: int | None, seq: 
                               seq_len=seq, qkv_bias=True, attn_output_bias=True, attention_sinks=True,
                               sliding_window=window, layer_types=["sliding_attention" if window else "full_attention"])
     ours_config.validate()
-    ours = Attention(ours_config, ours_config.attention_window(0))
+    ours = GroupedQueryAttention(ours_config, ours_config.layer(0))
     names = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
     with torch.no_grad():
         for mine, their in names.items():

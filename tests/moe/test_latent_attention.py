@@ -9,7 +9,7 @@ import torch
 
 from config.errors import ConfigError
 from config.model import ModelConfig
-from moe.latent_attention import LatentAttention
+from moe.attention.latent import LatentAttention
 from moe.rope import rope_tables, yarn_attention_factor, yarn_inverse_frequencies
 
 transformers = pytest.importorskip("transformers")
@@ -68,7 +68,7 @@ def test_latent_attention_matches_transformers(settings):
     torch.manual_seed(0)
     model = ModelConfig(**MLA, **settings)
     model.validate()
-    ours = LatentAttention(model)
+    ours = LatentAttention(model, model.layer(0))
     for name, param in ours.named_parameters():
         with torch.no_grad():
             param.copy_(1 + 0.2 * torch.randn_like(param) if "norm" in name else torch.randn_like(param) * 0.3)
@@ -111,12 +111,12 @@ def test_partial_rotary_and_biases_match_transformers_glm(settings):
     """GLM-4.5's attention: RoPE on the first rotary_dim channels of each head, biases on q/k/v, q/k norms."""
     from transformers.models.glm4_moe import modeling_glm4_moe as hf_glm
 
-    from moe.transformer import Attention
+    from moe.attention import GroupedQueryAttention
 
     torch.manual_seed(0)
     model = ModelConfig(d_model=32, n_heads=4, seq_len=16, rope_theta=500.0, **settings)
     model.validate()
-    ours = Attention(model)
+    ours = GroupedQueryAttention(model, model.layer(0))
     for name, param in ours.named_parameters():
         with torch.no_grad():
             param.copy_(1 + 0.2 * torch.randn_like(param) if "norm" in name else torch.randn_like(param) * 0.3)

@@ -11,7 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 from config.run import load_config
-from moe.transformer import Attention, MoETransformer
+from moe.attention import AttentionKind
+from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.groups import Layout, ParallelGroups
 from parallel.tensor import lm_loss
@@ -36,7 +37,7 @@ def _observe(rank: int, results: dict) -> None:
         seen["experts"].add(str(module.w_in.dtype))
 
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, AttentionKind):
             module.register_forward_pre_hook(attention)
     for layer in model.moe_layers().values():
         layer.router.register_forward_pre_hook(router)

@@ -10,8 +10,8 @@ import torch
 import moe.max_logits
 from config.errors import ConfigError
 from config.run import TrainConfig, load_config
+from moe.attention.latent import LatentAttention
 from moe.documents import document_ids
-from moe.latent_attention import LatentAttention
 from moe.rope import apply_rope
 from moe.transformer import MoETransformer
 from parallel.groups import Layout, ParallelGroups

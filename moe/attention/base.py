@@ -1,0 +1,62 @@
+"""What every attention kind shares: one interface, and the context it attends in.
+
+A kind (``moe/attention/grouped_query.py``, ``moe/attention/latent.py``, the kinds the next families add) owns its
+projections and parameters and makes its queries, keys and values; the rest is the same for all and lives here
+once: the rotary tables of its positions, generation's cache, the gather of every context-parallel rank's keys, the
+logit tracker of QK-clip, and the kernel (``moe/attention/kernel.py``).
+
+The interface: ``forward(x [B, S, D], cos, sin, cache=None, documents=None) -> [B, S, D]``, with ``cos``, ``sin``
+the model's rotary tables (``moe/rope.py``), ``cache`` a ``LayerCache`` in generation (``moe/kv_cache.py``) and
+``documents`` the batch's packed documents or this rank's share of each sequence under context parallelism
+(``moe/documents.py``, ``moe/sequence_shards.py``). Tensor parallelism's input hooks count the positional
+arguments, so a block passes the cache only when there is one and the documents by name.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from moe.documents import Documents, rotary_tables
+from moe.kv_cache import LayerCache
+from moe.max_logits import LogitTracker, max_attention_logits
+
+
+class AttentionKind(nn.Module):
+    """The base of every attention kind: the context protocol, which a kind's ``forward`` calls in its order.
+
+    ``gather_sequence`` is an identity here; ``parallel/context.py`` makes it an all-gather over the
+    context-parallel ranks (its backward sums each gathered position's gradient from every rank's queries).
+    ``logit_tracker`` is set by QK-clip (``training/qk_clip.py``): each training forward then records every head's
+    largest logit over the keys its queries may see.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gather_sequence = nn.Identity()
+        self.logit_tracker: LogitTracker | None = None
+
+    @staticmethod
+    def positions(x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None,
+                  documents: Documents | None) -> tuple[int, Tensor, Tensor]:
+        """The first position of x's S positions (after the cached ones in generation) and the rotary tables they
+        turn by: the model's tables [L, r/2] at positions start.., or each position's place in its document."""
+        start = 0 if cache is None else cache.length
+        cos, sin = rotary_tables(cos, sin, start, x.shape[1], documents)
+        return start, cos, sin
+
+    def gather(self, x: Tensor, documents: Documents | None) -> Tensor:
+        """Every context-parallel rank's positions of ``x`` [.., S / cp, C] -> [.., S, C] in the gather's rank order
+        (``SequenceShards.key_positions``), in one exchange; x itself outside context parallelism."""
+        return self.gather_sequence(x) if documents is not None and documents.sharded else x
+
+    def track(self, q: Tensor, k: Tensor, scale: float, cache: LayerCache | None, documents: Documents | None,
+              window: int | None = None) -> None:
+        """Record each head's largest logit for QK-clip, in a training forward with a tracker (not in generation):
+        q [B, h, Sq, d] and k [B, hkv, K, d] after RoPE, over the keys each query may see."""
+        if self.logit_tracker is not None and self.training and cache is None:
+            self.logit_tracker.record(max_attention_logits(q, k, scale, window, documents))
+
+    def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
+        """The tensors QK-clip scales, each with the exponent of gamma for each row of a head (``training/qk_clip.py``
+        says why these): a kind's statement of where its query and key heads live."""
+        raise NotImplementedError(f"{type(self).__name__} states no heads for QK-clip")
