@@ -92,8 +92,9 @@ def sigmoid_moe_shape(hf: dict, family: str, n_layers: int) -> tuple[dict, dict]
 def sigmoid_moe_refusals(model: ModelConfig, moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
     """What the HF sigmoid group-limited MoE cannot express of ours."""
     return [
-        (model.moe_every not in (0, 1), f"model.moe_every={model.moe_every}: {family}'s layers are MoE from "
-                                        "first_k_dense_replace on (model.moe_every=1)"),
+        (not _dense_then_moe(model), f"MoE layers {[i for i in range(model.n_layers) if model.is_moe_layer(i)]}: "
+                                     f"{family}'s layers are MoE from first_k_dense_replace on (model.moe_every=1 "
+                                     "from model.first_moe_layer)"),
         (moe.activation != "swiglu", f"moe.activation={moe.activation!r}: {family} experts are SwiGLU"),
         (moe.score_func != "sigmoid", f"moe.score_func={moe.score_func!r}: {family}'s router scores by sigmoid"),
         (moe.num_shared_experts == 0 or moe.shared_hidden % moe.expert_hidden != 0,
@@ -114,7 +115,12 @@ def sigmoid_moe_config(model: ModelConfig, moe: MoEConfig) -> dict:
             "n_shared_experts": moe.shared_hidden // moe.expert_hidden, "n_group": moe.n_group,
             "topk_group": moe.groups_per_token, "routed_scaling_factor": moe.routed_scaling_factor,
             "norm_topk_prob": moe.renormalize, "num_nextn_predict_layers": model.mtp_depth,
-            "first_k_dense_replace": model.first_moe_layer if model.moe_every else model.n_layers}
+            "first_k_dense_replace": model.n_layers - model.n_moe_layers}
+
+
+def _dense_then_moe(model: ModelConfig) -> bool:
+    """Whether the layer pattern is dense layers first, then MoE layers to the last (or no MoE layer at all)."""
+    return all(model.is_moe_layer(i) == (i >= model.n_layers - model.n_moe_layers) for i in range(model.n_layers))
 
 
 def sigmoid_moe_sources(model: ModelConfig, moe: MoEConfig, i: int, ours: str, theirs: str) -> dict[str, Source]:

@@ -207,6 +207,7 @@ def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False, 
             "v_head_dim": None,
             # GPT-OSS's attention options, off unless the family sets them (a base config's would stay)
             "attn_output_bias": False, "attention_sinks": False, "sliding_window": None, "layer_types": None,
+            "mlp_layer_types": None,  # the family's MoE layers come as the moe_every shorthand
             "norm_eps": float(get_key(hf, "rms_norm_eps", family, 1e-5, required=False))}
 
 

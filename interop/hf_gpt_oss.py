@@ -99,8 +99,8 @@ def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
         (not model.attention_sinks, "model.attention_sinks=false: GPT-OSS has a sink logit on every head"),
         (model.qkv_bias != model.attn_output_bias, f"model.qkv_bias={model.qkv_bias} with model.attn_output_bias="
                                                    f"{model.attn_output_bias}: GPT-OSS's attention_bias sets both"),
-        (model.moe_every != 1 or model.first_moe_layer != 0, "every layer must be MoE (model.moe_every=1, "
-                                                             "model.first_moe_layer=0)"),
+        (model.n_moe_layers != model.n_layers, "every layer must be MoE (model.moe_every=1, "
+                                               "model.first_moe_layer=0, or model.mlp_layer_types all moe)"),
         (model.latent_attention, f"model.kv_lora_rank={model.kv_lora_rank}: GPT-OSS has no latent attention"),
         (model.qk_norm, "model.qk_norm=true: GPT-OSS has no query/key norms"),
         (model.rotary_dim is not None, f"model.rotary_dim={model.rotary_dim}: GPT-OSS rotates whole heads"),

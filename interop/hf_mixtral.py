@@ -48,8 +48,8 @@ def shape_from_hf(hf: dict) -> HFShape:
 def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
     """The config.json of our model as a Mixtral; settings Mixtral cannot express are errors."""
     refuse(ARCHITECTURE, [
-        (model.moe_every != 1 or model.first_moe_layer != 0, "every layer must be MoE (model.moe_every=1, "
-                                                             "model.first_moe_layer=0)"),
+        (model.n_moe_layers != model.n_layers, "every layer must be MoE (model.moe_every=1, "
+                                               "model.first_moe_layer=0, or model.mlp_layer_types all moe)"),
         (model.qk_norm, "model.qk_norm=true: Mixtral has no query/key norms"),
         (not moe.renormalize, "moe.renormalize=false: Mixtral renormalises the top-k weights"),
         *router_refusals(moe, "Mixtral"), *attention_refusals(model, "Mixtral")])

@@ -58,8 +58,10 @@ def attends_by_chunks(model: ModelConfig) -> bool:
     layer's kernel is then ``chunks`` (no layer has a window or sinks, whose kernel is ``masked``). The one rule the
     model (``moe.documents.documents_of``'s ``masked``) and the memory model's mask bytes follow; packed documents
     need the mask anyway."""
-    return all(choose_kernel(model.seq_len, layer.window, model.attention_sinks, sharded=True) == CHUNKS
-               for layer in model.layer_pattern[:model.n_layers])
+    slides = model.sliding_window is not None and (model.layer_types is None
+                                                   or "sliding_attention" in model.layer_types)
+    window = model.sliding_window if slides else None  # some layer's window (each layer's alike: ``model.layer``)
+    return choose_kernel(model.seq_len, window, model.attention_sinks, sharded=True) == CHUNKS
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, start: int = 0, window: int | None = None,
