@@ -45,7 +45,8 @@ from moe.norm import uses_fused_backward
 from moe.sequence_shards import attends_by_chunks
 from moe.transformer import SINK_CHANNELS, blocked_window
 from parallel.expert import exchanges_by_node, exchanges_pairs
-from parallel.groups import ExpertNodes, Layout, expert_nodes
+from parallel.layout import Layout
+from parallel.ranks import ExpertNodes, expert_nodes
 
 INDEX = 8  # int64 ids and indices
 OFFSET = 4  # the grouped GEMM's int32 group offsets

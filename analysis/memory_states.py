@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig
 from moe.accounting import per_model
-from parallel.groups import Layout
+from parallel.layout import Layout
 from parallel.pipeline import stage_layers
 from parallel.sharding import expert_fsdp_dim, experts_replicated, experts_spread
 

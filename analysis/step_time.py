@@ -42,9 +42,9 @@ from analysis.memory_states import local_layers, rank_blocks
 from config.model import ModelConfig
 from config.run import RunConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, per_model
-from parallel.groups import Layout
-from parallel.layout import micro_batching
+from parallel.layout import Layout
 from parallel.pipeline import stage_layers
+from parallel.resolve import micro_batching
 
 
 def node_shape(world_size: int, gpus_per_node: int) -> tuple[int, int]:

@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 from config.run import load_config
 from moe.transformer import Attention, MoETransformer
 from parallel import parallelize
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 from parallel.tensor import lm_loss
 from tests.parallel.parity import TINY
 from tests.spawn import spawn
