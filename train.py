@@ -41,7 +41,7 @@ from parallel.hardware import (
     keep_freed_memory,
     planned_precision,
 )
-from parallel.layout import ResolvedLayout, resolve_layout
+from parallel.resolve import ResolvedLayout, resolve_layout
 from parallel.runtime import exit_process, init_runtime, launch_environment, local_device, shutdown_runtime
 from training.loop import train
 from training.metrics import check_loggers

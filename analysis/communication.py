@@ -128,11 +128,12 @@ from config.errors import ConfigError
 from config.run import RunConfig
 from moe.dispatch import expert_capacity
 from parallel.expert import exchanges_by_node, exchanges_pairs
-from parallel.groups import Layout, axis_view, expert_nodes, groups_for
-from parallel.groups import coordinates as _coordinates
 from parallel.hardware import planned_precision
-from parallel.layout import micro_batching, resolve_layout
+from parallel.layout import Layout
 from parallel.pipeline import stage_layers
+from parallel.ranks import axis_view, expert_nodes, groups_for
+from parallel.ranks import coordinates as _coordinates
+from parallel.resolve import micro_batching, resolve_layout
 from parallel.sharding import expert_fsdp_dim, experts_replicated, experts_spread
 from parallel.tensor import row_bounds, share_counts
 
@@ -334,7 +335,7 @@ class _Step:
 
 @functools.lru_cache(maxsize=65536)
 def coordinates(layout: Layout, rank: int) -> dict[str, int]:
-    """``parallel.groups.coordinates``, remembered (read, never changed, here)."""
+    """``parallel.ranks.coordinates``, remembered (read, never changed, here)."""
     return _coordinates(layout, rank)
 
 

@@ -31,7 +31,8 @@ import torch
 
 from config.model import MoEConfig
 from moe.dispatch import count_per_expert, expert_capacity, plan_dispatch
-from parallel.groups import Layout, axis_view, groups_for
+from parallel.layout import Layout
+from parallel.ranks import axis_view, groups_for
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ the memory model's prediction (``analysis.memory``), whose whole-step estimate (
 activations as well) is printed too. Megatron-LM's ``--fake-init-process-group`` and torchtitan's dry run
 do the same.
 
-The layout is validated first exactly as ``train.py`` validates it (``parallel.layout.resolve_layout``), so
+The layout is validated first exactly as ``train.py`` validates it (``parallel.resolve.resolve_layout``), so
 a layout a real run would refuse fails here with the same message.
 """
 
@@ -28,8 +28,10 @@ from analysis.memory_states import ModelStates
 from config.run import RunConfig
 from moe.hidden_matrices import outside_hidden_matrices
 from parallel.build import build_model
-from parallel.groups import Layout, ParallelGroups, coordinates
-from parallel.layout import ResolvedLayout
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
+from parallel.ranks import coordinates
+from parallel.resolve import ResolvedLayout
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from analysis.memory import GIB, estimate
 from analysis.planner import plan
 from config.errors import ConfigError
 from config.run import RunConfig
-from parallel.layout import ResolvedLayout
+from parallel.resolve import ResolvedLayout
 from parallel.runtime import launch_environment
 
 

@@ -88,9 +88,9 @@ from config.run import RunConfig, load_config
 from moe.accounting import parameter_counts
 from moe.attention.kernel import attends_by_chunks
 from moe.experts import ComputeCopies
-from parallel.groups import Layout
 from parallel.hardware import planned_precision
-from parallel.layout import resolve_layout
+from parallel.layout import Layout
+from parallel.resolve import resolve_layout
 from parallel.tensor import lm_loss, loss_context
 
 GIB, MIB = 2**30, 2**20

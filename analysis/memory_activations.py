@@ -45,7 +45,8 @@ from moe.feed_forward import FeedForward
 from moe.norm import uses_fused_backward
 from moe.saved_activations import FP32, INDEX, MicroBatch, linear_input_bytes, norm_bytes
 from parallel.expert import exchanges_by_node, exchanges_pairs
-from parallel.groups import ExpertNodes, Layout, expert_nodes
+from parallel.layout import Layout
+from parallel.ranks import ExpertNodes, expert_nodes
 
 OFFSET = 4  # the grouped GEMM's int32 group offsets
 COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}

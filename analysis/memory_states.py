@@ -32,7 +32,7 @@ from config.model import LayerSpec, ModelConfig, MoEConfig
 from config.run import RunConfig
 from moe.accounting import block_tensors, per_model
 from moe.param_tensors import ParamTensor
-from parallel.groups import Layout
+from parallel.layout import Layout
 from parallel.pipeline import stage_layers
 from parallel.sharding import expert_fsdp_dim, experts_replicated, experts_spread
 

@@ -8,7 +8,7 @@ Each plan is printed with the command that runs it (torchrun ... train.py --conf
 --dry-run --world-size N`` takes its train.py part unchanged), and must fit the GPU's memory less a headroom
 (``analysis.memory.DEFAULT_HEADROOM``, 10%: what the memory model does not count).
 
-Candidates: every layout of the world size that the model allows (``parallel.groups.valid_layouts``: pp,
+Candidates: every layout of the world size that the model allows (``parallel.layout.valid_layouts``: pp,
 dp_replicate, dp_shard, cp, tp, ep, etp; the degrees a ``--set`` names are fixed), each with activation
 checkpointing none, ``moe`` (where there are MoE layers) and ``full``, with both gradient-reduction settings
 (``parallel.grad_reduce``: ``step`` holds unsharded gradients between micro-batches and reduces once;
@@ -16,7 +16,7 @@ checkpointing none, ``moe`` (where there are MoE layers) and ``full``, with both
 a single micro-batch, or no FSDP shard group of several ranks), every micro-batch size dividing the per-rank
 batch unless the config fixes it (``micro_batch_sizes``), and sequence parallelism whenever tp > 1 (it costs
 no traffic here and saves activations). Pipelines run 1F1B, GPipe, or interleaved 1F1B (``schedules``). Each
-candidate the search weighs is first held to ``train.py``'s own checks (``parallel.layout.resolve_layout``):
+candidate the search weighs is first held to ``train.py``'s own checks (``parallel.resolve.resolve_layout``):
 one it would refuse is skipped, and the reason given if none passes.
 
 For each, ``analysis.memory`` gives the memory of the busiest rank (a plan must fit ``--device-memory``)
@@ -66,9 +66,9 @@ from config.cli import (
 from config.errors import ConfigError
 from config.run import RunConfig
 from moe.accounting import parameter_counts
-from parallel.groups import Layout, valid_layouts
 from parallel.hardware import planned_precision
-from parallel.layout import micro_batching, resolve_layout
+from parallel.layout import Layout, valid_layouts
+from parallel.resolve import micro_batching, resolve_layout
 from parallel.sharding import GRAD_REDUCE
 
 RECOMPUTE = ("none", "moe", "full")

@@ -38,7 +38,7 @@ from analysis import communication, planner
 from config.cli import command_parser, run_command
 from config.errors import ConfigError
 from config.run import RunConfig, load_config
-from parallel.groups import Layout
+from parallel.layout import Layout
 
 A100 = communication.HARDWARE["a100-80gb"]
 

@@ -43,9 +43,9 @@ from config.model import LayerSpec
 from config.run import RunConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, per_model
 from moe.attention import attention_kind
-from parallel.groups import Layout
-from parallel.layout import micro_batching
+from parallel.layout import Layout
 from parallel.pipeline import stage_layers
+from parallel.resolve import micro_batching
 
 
 def node_shape(world_size: int, gpus_per_node: int) -> tuple[int, int]:

@@ -41,7 +41,8 @@ from config.run import load_config  # noqa: E402
 from data.sampler import TokenSampler  # noqa: E402
 from moe.transformer import MoETransformer  # noqa: E402
 from parallel.checkpoint import load_sharded, published_checkpoints, verify  # noqa: E402
-from parallel.groups import Layout, ParallelGroups  # noqa: E402
+from parallel.groups import ParallelGroups  # noqa: E402
+from parallel.layout import Layout  # noqa: E402
 from parallel.runtime import Runtime  # noqa: E402
 from training.checkpointing import Checkpointer  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402

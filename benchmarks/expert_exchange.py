@@ -48,7 +48,8 @@ from config.model import MoEConfig  # noqa: E402
 from moe.init import initialize  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 from parallel.expert import ExpertParallelExperts  # noqa: E402
-from parallel.groups import Layout, ParallelGroups  # noqa: E402
+from parallel.groups import ParallelGroups  # noqa: E402
+from parallel.layout import Layout  # noqa: E402
 from parallel.runtime import exit_process, free_port, init_runtime, shutdown_runtime  # noqa: E402
 
 D, HIDDEN = 512, 1024

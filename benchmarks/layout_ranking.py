@@ -59,8 +59,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from analysis import communication, planner, step_time  # noqa: E402
 from config.run import RunConfig, load_config  # noqa: E402
-from parallel.groups import Layout  # noqa: E402
-from parallel.layout import resolve_layout  # noqa: E402
+from parallel.layout import Layout  # noqa: E402
+from parallel.resolve import resolve_layout  # noqa: E402
 from parallel.runtime import free_port  # noqa: E402
 
 # The config's settings every layout shares: a step of about a second on 2 cores.

@@ -46,7 +46,7 @@ import torch
 from config.run import load_config
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
-from parallel.layout import micro_batching
+from parallel.resolve import micro_batching
 from training.loop import IntervalStats, train_step
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer

@@ -35,7 +35,8 @@ from config.parallel import ParallelConfig
 from config.run import load_config
 from moe.transformer import MoETransformer
 from parallel import parallelize
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 from parallel.runtime import free_port
 from parallel.tensor import lm_loss, loss_context
 

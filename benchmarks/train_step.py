@@ -143,7 +143,7 @@ def build(config, device: torch.device):
 def predicted_memory(config) -> int:
     """The memory model's training peak for ``config`` on one GPU in bf16, in bytes."""
     from analysis.fit_check import predicted_bytes
-    from parallel.layout import resolve_layout
+    from parallel.resolve import resolve_layout
 
     return predicted_bytes(config, resolve_layout(config, 1), "bf16")[0]
 

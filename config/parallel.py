@@ -1,6 +1,6 @@
 """The ``parallel`` section of a run's config: how the model is spread, passed whole to ``parallel/``.
 
-The degrees are defined here once (``DEGREES``); ``parallel.groups.Layout`` resolves them against a world
+The degrees are defined here once (``DEGREES``); ``parallel.layout.Layout`` resolves them against a world
 size, and ``parallelize`` and ``build_pipeline`` take this config whole rather than a flag per option.
 """
 
@@ -11,7 +11,7 @@ from typing import Literal
 
 from config.schema import require
 
-# The parallel degrees, in the order the group manager lays out ranks (``parallel/groups.py``): the one list of them
+# The parallel degrees, in the order the rank arithmetic lays out ranks (``parallel/ranks.py``): the one list of them
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
 
 
@@ -54,11 +54,11 @@ class ParallelConfig:
     ranks_per_node: int | None = None
 
     def degrees(self) -> dict[str, int]:
-        """The seven degrees, as ``parallel.groups.Layout.resolve`` takes them."""
+        """The seven degrees, as ``parallel.layout.Layout.resolve`` takes them."""
         return {name: getattr(self, name) for name in DEGREES}
 
     def validate(self) -> None:
-        """Per-key checks; the layout as a whole is checked against the world size by ``parallel.groups``."""
+        """Per-key checks; the layout as a whole is checked against the world size by ``parallel.layout``."""
         for name in DEGREES:
             value = getattr(self, name)
             require(value >= 1 or value == -1, f"parallel.{name} must be >= 1, or -1 for the rest; got {value}")

@@ -28,7 +28,7 @@ from config.run import RunConfig, config_from_dict
 from config.schema import apply_override
 from parallel.build import build_model
 from parallel.groups import ParallelGroups
-from parallel.layout import ResolvedLayout, resolve_layout
+from parallel.resolve import ResolvedLayout, resolve_layout
 from parallel.runtime import init_runtime, shutdown_runtime
 
 

@@ -37,8 +37,9 @@ from moe.dispatch import DispatchPlan, permute, unpermute_and_combine
 from moe.experts import ComputeCopies, ExpertBiases, GroupedExperts, expert_ffn
 from moe.transformer import MoETransformer
 from parallel.expert_dispatch import all_to_all_rows, exchange_pairs
-from parallel.groups import Layout, expert_nodes
+from parallel.layout import Layout
 from parallel.node_dispatch import exchange_by_node
+from parallel.ranks import expert_nodes
 from parallel.tensor import gather_rows, scatter_rows
 
 
@@ -68,7 +69,7 @@ def exchanges_pairs(ep: int, tp: int, top_k: int) -> bool:
 def exchanges_by_node(layout: Layout, top_k: int, ranks_per_node: int) -> bool:
     """Whether the pair exchange goes in two hops, once per node across the network, then per rank inside it
     (``parallel/node_dispatch.py``): where it is the pair exchange and the ep groups span nodes of
-    ``ranks_per_node`` ranks with several ep ranks in each (``parallel.groups.expert_nodes``). The one rule the
+    ``ranks_per_node`` ranks with several ep ranks in each (``parallel.ranks.expert_nodes``). The one rule the
     layer's construction, the memory model and the communication model follow."""
     return exchanges_pairs(layout.ep, layout.tp, top_k) and expert_nodes(layout, ranks_per_node) is not None
 

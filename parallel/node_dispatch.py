@@ -26,7 +26,7 @@ backward crosses the network once per (token, node) too. Each hop exchanges its 
 the host (two syncs per forward, where the one-hop exchange has one: hop 2's counts depend on what hop 1 brought).
 
 The rule for when it runs (``parallel.expert.exchanges_by_node``): the pair exchange runs (``exchanges_pairs``),
-and ``parallel.groups.expert_nodes`` cuts every ep group into at least 2 nodes with the same number, at least 2,
+and ``parallel.ranks.expert_nodes`` cuts every ep group into at least 2 nodes with the same number, at least 2,
 of its ranks in each (nodes of ``ranks_per_node`` consecutive ranks). Within one node, or with one ep rank per node
 (there the pair exchange already crosses once per node), the one-hop pair exchange stays: a second hop would only
 add an in-node copy. What it costs: the in-node hop moves each (token, rank) pair's row over NVLink that the

@@ -143,7 +143,7 @@ def check_pipeline(pp: int, model: ModelConfig, schedule: str, virtual_stages: i
     """Refuse, before any process group exists, a pipeline the schedules cannot run.
 
     ``microbatches`` is the number of micro-batches per optimizer step on one pipeline
-    (``parallel.layout.micro_batching``). The micro-batch rules are torch's: 1F1B needs at least one
+    (``parallel.resolve.micro_batching``). The micro-batch rules are torch's: 1F1B needs at least one
     micro-batch per stage to fill the pipe; interleaved 1F1B runs rounds of ``pp`` micro-batches and
     needs their count to split evenly into ``max(1, microbatches // pp)`` rounds.
     """

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.transformer import MoETransformer
-from parallel.groups import Layout
+from parallel.layout import Layout
 
 
 def shard_experts(model: MoETransformer, expert_dp_mesh: DeviceMesh | None, dp_size: int,

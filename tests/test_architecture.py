@@ -126,7 +126,7 @@ def test_one_definition_of_the_error_type_the_degrees_and_the_precision_rule():
     assert definitions(ast.FunctionDef, "auto_precision") == ["parallel.hardware"]
     assert definitions(ast.FunctionDef, "require") == ["config.schema"]
     assert definitions(ast.FunctionDef, "_require") == []
-    assert definitions(ast.FunctionDef, "resolve_layout") == ["parallel.layout"]
+    assert definitions(ast.FunctionDef, "resolve_layout") == ["parallel.resolve"]
 
 
 def test_every_command_is_a_console_script_through_the_one_contract():

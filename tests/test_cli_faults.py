@@ -138,7 +138,7 @@ def test_the_communication_tool_refuses_bad_flags_naming_them(capsys, argv, mess
 def test_a_refused_layout_suggests_only_layouts_that_train_py_accepts(capsys):
     from analysis import memory
     from config.run import load_config
-    from parallel.layout import resolve_layout
+    from parallel.resolve import resolve_layout
     # 9 ranks, tp=2: the layouts of 9 ranks that ignore the model include tp=3 ep=3 (8 experts) and pp=9 (4 layers)
     for settings in (["parallel.ep=2", "parallel.tp=2", "train.global_batch_size=9"],
                      ["parallel.pp=2", "train.global_batch_size=9"], ["parallel.ep=4", "train.global_batch_size=9"]):

@@ -38,9 +38,9 @@ from parallel.checkpoint import write_text_atomic
 from parallel.context import sequence_shards
 from parallel.groups import ParallelGroups
 from parallel.hardware import PrecisionChoice, choose_precision, memory_per_rank
-from parallel.layout import ResolvedLayout, micro_batching
 from parallel.materialize import InitialWeights
 from parallel.pipeline import PipelineModel
+from parallel.resolve import ResolvedLayout, micro_batching
 from parallel.runtime import Runtime
 from parallel.tensor import lm_loss, loss_context
 from training.banner import describe_sources, finished_run_note, plan_lines

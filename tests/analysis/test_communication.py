@@ -27,9 +27,11 @@ from analysis.communication import (
 from config.errors import ConfigError
 from config.run import load_config
 from moe.accounting import parameter_counts
-from parallel.groups import Layout, ParallelGroups, axis_view, groups_for
+from parallel.groups import ParallelGroups
 from parallel.hardware import PrecisionChoice
-from parallel.layout import resolve_layout
+from parallel.layout import Layout
+from parallel.ranks import axis_view, groups_for
+from parallel.resolve import resolve_layout
 from parallel.runtime import init_runtime
 from tests.parallel.parity import TINY
 from tests.spawn import spawn

@@ -28,7 +28,8 @@ from config.run import load_config
 from moe.init import initialize
 from moe.layer import MoELayer
 from parallel.expert import ExpertParallelExperts
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 
 D, TOKENS = 16, 8  # tokens per rank
 SETTINGS = {"plain top-2": 2, "topk_group=1 of 2": 1}  # 8 experts in 2 groups of 4, a group per ep rank

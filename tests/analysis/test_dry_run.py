@@ -20,7 +20,7 @@ from analysis.memory_states import parameter_tensors, tp_local_shape
 from analysis.planner import plan
 from config.errors import ConfigError
 from config.run import load_config
-from parallel.layout import resolve_layout
+from parallel.resolve import resolve_layout
 
 MODEL = ["model.d_model=96", "model.n_layers=4", "model.n_heads=6", "model.n_kv_heads=2", "model.seq_len=64",
          "model.ffn_hidden=160", "model.vocab_size=1000", "moe.num_experts=6", "moe.expert_hidden=80",

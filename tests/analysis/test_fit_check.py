@@ -13,7 +13,7 @@ from analysis.fit_check import check_fits, predicted_bytes
 from analysis.memory import GIB
 from config.errors import ConfigError
 from config.run import load_config
-from parallel.layout import resolve_layout
+from parallel.resolve import resolve_layout
 
 MODEL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
          "moe.num_experts=4", "moe.expert_hidden=64", "train.global_batch_size=16", "train.precision=fp32"]

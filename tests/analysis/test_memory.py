@@ -31,8 +31,9 @@ from moe.accounting import parameter_counts
 from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
 from parallel.activation_checkpoint import apply_activation_checkpointing
-from parallel.groups import Layout, ParallelGroups
-from parallel.layout import resolve_layout
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
+from parallel.resolve import resolve_layout
 from parallel.tensor import lm_loss
 from tests.spawn import spawn
 

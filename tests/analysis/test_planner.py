@@ -17,9 +17,9 @@ from moe.accounting import (
     mtp_flops_per_token,
     training_flops_per_token,
 )
-from parallel.groups import Layout
-from parallel.layout import resolve_layout
+from parallel.layout import Layout
 from parallel.pipeline import stage_layers
+from parallel.resolve import resolve_layout
 
 H100 = communication.HARDWARE["h100"]
 SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
@@ -386,7 +386,7 @@ def test_pipelines_are_planned_with_every_schedule_and_dense_models_without_moe_
 
 def test_micro_batch_size_is_searched_unless_fixed_and_every_plan_passes_train_pys_checks():
     """Global batch 16 on 8 GPUs: micro-batches of 1 and 2 for dp=8, up to 8 for dp=2; each ranked plan is a
-    config ``parallel.layout.resolve_layout`` accepts with its micro-batch size set. A --set size is kept."""
+    config ``parallel.resolve.resolve_layout`` accepts with its micro-batch size set. A --set size is kept."""
     config = load_config("moe-8x", SMALL)
     plans, _ = planner.plan(config, 8, 80 * planner.GIB, top=400)
     sizes = {(p.layout.dp, p.config.train.micro_batch_size) for p in plans}

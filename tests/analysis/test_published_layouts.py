@@ -9,7 +9,7 @@ import pytest
 from analysis import communication, planner, published_layouts, step_time
 from analysis.published_layouts import A100, TABLE1, Published, gpt_config, is_published, paper_flops
 from moe.accounting import parameter_counts
-from parallel.groups import Layout
+from parallel.layout import Layout
 
 
 def test_a_rows_rank_is_its_place_in_the_full_ranking_the_cli_prints():

@@ -4,7 +4,7 @@ import pytest
 
 from config.errors import ConfigError
 from config.run import CONFIG_DIR, load_config
-from parallel.layout import micro_batching
+from parallel.resolve import micro_batching
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))

@@ -7,7 +7,7 @@ from analysis.fit_check import check_fits
 from config.errors import ConfigError
 from config.run import load_config
 from parallel.hardware import check_hardware
-from parallel.layout import resolve_layout
+from parallel.resolve import resolve_layout
 from tests.test_cli_faults import refused
 
 H100_BYTES = 80 * 2**30

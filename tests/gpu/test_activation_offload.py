@@ -13,7 +13,7 @@ import torch
 from analysis.memory_activations import micro_batch_activations
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.activation_offload import apply_activation_offload
-from parallel.layout import resolve_layout
+from parallel.resolve import resolve_layout
 from parallel.tensor import lm_loss
 from tests.gpu.helpers import batch, moe_8x
 

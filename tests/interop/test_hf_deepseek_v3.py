@@ -261,7 +261,8 @@ def test_init_from_deepseek_under_parallel_layouts(tmp_path, world, layout, quan
     from config.run import load_config as load
     from interop.hf import hf_run_config
     from interop.weights import initial_weights
-    from parallel.groups import Layout, ParallelGroups
+    from parallel.groups import ParallelGroups
+    from parallel.layout import Layout
     from parallel.runtime import Runtime
     from tests.interop.test_hf import TINY_RUN, _hf_run
     from tests.parallel.parity import full_state

@@ -18,7 +18,8 @@ from config.errors import ConfigError
 from config.run import load_config
 from interop.hf import export_family, export_folder, hf_run_config, import_folder, main
 from interop.weights import initial_weights
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 from parallel.runtime import Runtime
 from tests.interop.hf_models import (
     assert_each_edit_refused,

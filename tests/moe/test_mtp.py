@@ -86,7 +86,7 @@ def test_bad_settings_are_refused_by_name():
         ModelConfig(**MODEL, mtp_depth=11).validate()
     with pytest.raises(ConfigError, match="model.mtp_loss_weight must be >= 0"):
         ModelConfig(**MODEL, mtp_loss_weight=-1.0).validate()
-    from parallel.layout import resolve_layout
+    from parallel.resolve import resolve_layout
 
     # pipeline stages (the modules on the last), sequence slices (the modules on the whole sequence) and the
     # vocabulary-split head are taken (each proved by a parity row)

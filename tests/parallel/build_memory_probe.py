@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from config.run import load_config  # noqa: E402
 from parallel.build import build_model  # noqa: E402
 from parallel.groups import ParallelGroups  # noqa: E402
-from parallel.layout import resolve_layout  # noqa: E402
+from parallel.resolve import resolve_layout  # noqa: E402
 
 
 def resident(key: str) -> int:

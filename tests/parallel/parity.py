@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from config.run import load_config
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 from parallel.runtime import Runtime, init_runtime
 from tests.spawn import spawn
 from training.loop import train

@@ -17,7 +17,7 @@ from config.run import load_config
 from moe.transformer import MoETransformer
 from parallel.activation_offload import ActivationOffloader, apply_activation_offload
 from parallel.hardware import check_hardware
-from parallel.layout import resolve_layout
+from parallel.resolve import resolve_layout
 from parallel.tensor import lm_loss
 from tests.test_cli_faults import refused
 from tests.training.test_data_loss import TINY

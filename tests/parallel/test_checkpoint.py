@@ -27,7 +27,8 @@ from config.run import load_config
 from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.checkpoint import load_sharded, stateful_module
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 from parallel.runtime import Runtime, init_runtime
 from tests.parallel.parity import TINY, full_state
 from tests.spawn import spawn

@@ -17,7 +17,7 @@ from moe.documents import document_ids
 from moe.sequence_shards import SequenceShards, _ChunkAttention
 from moe.transformer import MoETransformer
 from parallel.context import apply_context_parallel
-from parallel.layout import resolve_layout
+from parallel.resolve import resolve_layout
 from tests.parallel.parity import GPT_OSS, TINY
 from tests.spawn import spawn
 

@@ -25,7 +25,8 @@ from moe.dispatch import expert_capacity, plan_dispatch
 from moe.init import initialize
 from moe.layer import MoELayer
 from parallel.expert import ExpertParallelExperts, expert_major_index
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 from parallel.sharding import clip_grad_norm_
 from tests.analysis.test_dispatch_reach import check_counted_reach
 from tests.spawn import spawn

@@ -14,22 +14,9 @@ import torch.multiprocessing as mp
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.parallel import DEGREES
-from parallel.groups import (
-    AXES,
-    DENSE,
-    EXPERT,
-    VIEWS,
-    Layout,
-    ParallelGroups,
-    axis_view,
-    coordinates,
-    describe_layout,
-    groups_for,
-    pipeline_ends,
-    rank_grid,
-    valid_layouts,
-    validate_for_model,
-)
+from parallel.groups import ParallelGroups
+from parallel.layout import AXES, DENSE, EXPERT, VIEWS, Layout, valid_layouts, validate_for_model
+from parallel.ranks import axis_view, coordinates, describe_layout, groups_for, pipeline_ends, rank_grid
 from parallel.runtime import exit_process
 
 # ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from moe.init import Slice, _chunks, fill_normal_
 from moe.transformer import MoETransformer
 from parallel.build import build_model
 from parallel.groups import ParallelGroups
-from parallel.layout import resolve_layout
+from parallel.resolve import resolve_layout
 from tests.parallel.parity import TINY, full_state
 from tests.spawn import spawn
 

@@ -14,7 +14,8 @@ from config.run import load_config
 from moe.attention import AttentionKind
 from moe.transformer import MoETransformer
 from parallel import parallelize
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 from parallel.tensor import lm_loss
 from tests.parallel.parity import TINY
 from tests.spawn import spawn

@@ -25,8 +25,10 @@ from moe.layer import MoELayer
 from moe.transformer import MoETransformer
 from parallel import parallelize
 from parallel.expert import ExpertParallelExperts
-from parallel.groups import Layout, ParallelGroups, expert_nodes
-from parallel.layout import resolve_layout
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
+from parallel.ranks import expert_nodes
+from parallel.resolve import resolve_layout
 from tests.analysis.test_memory import SPAWNED_MODEL, _measure, _tiny
 from tests.parallel.test_expert import _full_grads, _run, reference_results
 from tests.spawn import spawn

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from config.parallel import DEGREES
-from parallel.groups import Layout
+from parallel.layout import Layout
 from tests.parallel.parity import DOCUMENT_MASK, GPT_OSS, run
 from training.metrics import read_metrics
 

@@ -24,7 +24,8 @@ from config.model import ModelConfig, MoEConfig
 from config.parallel import ParallelConfig
 from moe.transformer import MoETransformer
 from parallel import expert, parallelize
-from parallel.groups import Layout, ParallelGroups, validate_for_model
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout, validate_for_model
 from parallel.sharding import clip_grad_norm_
 from parallel.tensor import check_tensor_parallel, lm_loss, loss_context, row_bounds, share_counts
 from tests.spawn import spawn

@@ -29,7 +29,8 @@ from parallel.checkpoint import (
     verify,
     write_manifest,
 )
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 from parallel.runtime import Runtime
 from tests.parallel.parity import TINY, run
 from training.checkpointing import Checkpointer

@@ -10,8 +10,8 @@ from analysis.memory_states import model_states
 from config.errors import ConfigError
 from config.run import TrainConfig, load_config
 from moe.transformer import MoETransformer
-from parallel.groups import Layout
-from parallel.layout import resolve_layout
+from parallel.layout import Layout
+from parallel.resolve import resolve_layout
 from tests.parallel.parity import TINY as PARITY_TINY
 from tests.parallel.parity import run
 from training.checkpointing import Checkpointer

@@ -14,7 +14,8 @@ from moe.attention.latent import LatentAttention
 from moe.documents import document_ids
 from moe.rope import apply_rope
 from moe.transformer import MoETransformer
-from parallel.groups import Layout, ParallelGroups
+from parallel.groups import ParallelGroups
+from parallel.layout import Layout
 from tests.parallel.parity import TINY
 from training.qk_clip import QKClip
 
