@@ -92,9 +92,8 @@ def sigmoid_moe_shape(hf: dict, family: str, n_layers: int) -> tuple[dict, dict]
 def sigmoid_moe_refusals(model: ModelConfig, moe: MoEConfig, family: str) -> list[tuple[bool, str]]:
     """What the HF sigmoid group-limited MoE cannot express of ours."""
     return [
-        (not _dense_then_moe(model), f"MoE layers {[i for i in range(model.n_layers) if model.is_moe_layer(i)]}: "
-                                     f"{family}'s layers are MoE from first_k_dense_replace on (model.moe_every=1 "
-                                     "from model.first_moe_layer)"),
+        (not _dense_then_moe(model), f"{_pattern_keys(model)}: {family}'s layers are MoE from first_k_dense_replace "
+                                     "on (model.moe_every=1 from model.first_moe_layer)"),
         (moe.activation != "swiglu", f"moe.activation={moe.activation!r}: {family} experts are SwiGLU"),
         (moe.score_func != "sigmoid", f"moe.score_func={moe.score_func!r}: {family}'s router scores by sigmoid"),
         (moe.num_shared_experts == 0 or moe.shared_hidden % moe.expert_hidden != 0,
@@ -116,6 +115,13 @@ def sigmoid_moe_config(model: ModelConfig, moe: MoEConfig) -> dict:
             "topk_group": moe.groups_per_token, "routed_scaling_factor": moe.routed_scaling_factor,
             "norm_topk_prob": moe.renormalize, "num_nextn_predict_layers": model.mtp_depth,
             "first_k_dense_replace": model.n_layers - model.n_moe_layers}
+
+
+def _pattern_keys(model: ModelConfig) -> str:
+    """The keys that gave the model its MoE layers, as the user wrote them."""
+    if model.mlp_layer_types is not None:
+        return f"model.mlp_layer_types={model.mlp_layer_types}"
+    return f"model.moe_every={model.moe_every} (model.first_moe_layer={model.first_moe_layer})"
 
 
 def _dense_then_moe(model: ModelConfig) -> bool:
