@@ -14,7 +14,7 @@ from pathlib import Path
 
 from config.cli import check_outputs
 from config.errors import ConfigError
-from parallel.checkpoint import atomic_output
+from storage.files import atomic_output
 
 GIB = 2**30
 COLOURS = ("tab:blue", "tab:cyan", "tab:purple", "tab:olive", "tab:orange")

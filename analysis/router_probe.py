@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from moe.transformer import MoETransformer
-from parallel.checkpoint import atomic_output
+from storage.files import atomic_output
 
 CATEGORIES = ("letter", "digit", "whitespace", "punctuation", "keyword", "other")
 _KEYWORD_PATTERN = re.compile(r"\b(?:" + "|".join(sorted(keyword.kwlist, key=len, reverse=True)) + r")\b")

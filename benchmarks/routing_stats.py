@@ -47,7 +47,7 @@ from config.run import load_config
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel.resolve import micro_batching
-from training.loop import IntervalStats, train_step
+from training.loop import IntervalStats, StepContext, train_step
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer
 from training.routing_log import RoutingLog, log_routing_charts
@@ -97,8 +97,8 @@ def main() -> None:
     inputs, targets = batch[:, :-1], batch[:, 1:]
     autocast = ((lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.precision == "bf16"
                 else contextlib.nullcontext)
-    step = lambda interval: train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip,  # noqa: E731
-                                       autocast, interval)
+    context = StepContext(model, optimizer, micro, config.train.grad_clip, autocast)
+    step = lambda interval: train_step(context, inputs, targets, interval)  # noqa: E731
 
     # the A/B by whole steps, interleaved (which side goes first alternates); in the steps with
     # statistics, the time spent inside the per-pass statistics and the accumulation is clocked too

@@ -57,7 +57,7 @@ from moe.transformer import MoETransformer  # noqa: E402
 from parallel.compile import apply_compile  # noqa: E402
 from parallel.expert import ExpertParallelExperts  # noqa: E402
 from parallel.hardware import GPU_BF16_PEAK, choose_precision, keep_freed_memory  # noqa: E402
-from training.loop import IntervalStats, train_step  # noqa: E402
+from training.loop import IntervalStats, StepContext, train_step  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 
 CATEGORIES = ("attention", "expert GEMMs", "routing and permutation", "optimizer", "the rest")
@@ -196,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens = torch.randint(0, config.model.vocab_size, (batch, config.model.seq_len + 1), generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
+    context = StepContext(model, optimizer, micro, config.train.grad_clip, autocast)
+
     def step():
-        train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip, autocast, IntervalStats())
+        train_step(context, inputs, targets, IntervalStats())
         if device.type == "cuda":
             torch.cuda.synchronize()
 

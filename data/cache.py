@@ -27,6 +27,7 @@ from data.corpus import VALID_SOURCES, Document, list_corpus, signature, skipped
 from data.formats import CHUNK_BYTES, read_documents
 from data.tokenizer import AUTO, BYTES, DocumentEnd, Tokenizer, document_end, load_tokenizer
 from data.workers import in_workers as _in_workers
+from storage.files import atomic_output, sha256_file
 
 TOKEN_DTYPES = ("uint16", "uint32")
 
@@ -143,8 +144,49 @@ def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: To
     files and rebuilds if one differs.
     """
     racy_after = time.time_ns() - int(RACY_SECONDS * 1e9)
-    partial = dest.parent / f".{dest.name}.partial"
     progress_file = dest.parent / f".{dest.name}.progress.json"
+    fd, partial, done = _open_partial(dest, progress_file, source, len(docs), resumable)
+    digests: dict[str, str] = dict(done["digests"])
+    stream = tokenizer.stream(end)
+    report = Progress(source, len(docs), sum(doc.stat.st_size for doc in docs),
+                      sum(doc.stat.st_size for doc in docs[:done["files"]]))
+    read_bytes, checkpointed, discard = report.start_bytes, time.monotonic(), False
+    try:
+        with os.fdopen(fd, "wb") as out:
+            files = _tokenised_files(docs, done["files"], text_key, tokenizer, end, stream, out, digests, racy_after,
+                                     workers, dest)
+            for number in _discarding_bad_input(files, lambda: done.update(discard=True)):
+                read_bytes += docs[number].stat.st_size
+                report.update(number + 1, read_bytes, out.tell() // tokenizer.dtype.itemsize)
+                if resumable and time.monotonic() - checkpointed >= CHECKPOINT_SECONDS:
+                    _save_progress(out, stream, progress_file, number + 1, digests)
+                    checkpointed = time.monotonic()
+            out.write(stream.finish())
+            tokens = out.tell() // tokenizer.dtype.itemsize
+            out.flush()
+            os.fsync(out.fileno())
+        if tokens:
+            _publish(partial, dest, digests)
+        discard = True
+    except OSError as error:  # writing (reading errors are ValueErrors by now): a full disk, say
+        raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write the token cache there "
+                         f"({error.strerror}); free space or use another folder (the work so far is kept)") from error
+    finally:
+        if discard or done.get("discard") or not resumable:
+            partial.unlink(missing_ok=True)
+            progress_file.unlink(missing_ok=True)
+    return tokens
+
+
+def _open_partial(dest: Path, progress_file: Path, source: str, files: int,
+                  resumable: bool) -> tuple[int, Path, dict]:
+    """The partial file of ``dest``'s build, opened for writing at its end: (descriptor, path, what it holds).
+
+    ``resumable``: an interrupted build's partial file (``.<cache>.partial``) is cut back to what its progress
+    record vouches for (files, bytes, racy digests) and carried on, or made afresh; otherwise a temporary file
+    of its own is made. Either way it is made readable by every user (a shared cache).
+    """
+    partial = dest.parent / f".{dest.name}.partial"
     done = _resume_point(partial, progress_file) if resumable else None
     try:
         if done is None:
@@ -159,53 +201,41 @@ def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: To
             fd = os.open(partial, os.O_WRONLY)
             os.ftruncate(fd, done["bytes"])
             os.lseek(fd, done["bytes"], os.SEEK_SET)
-            print(f"resuming the token cache of {source} after {done['files']} of {len(docs)} files", file=sys.stderr)
+            print(f"resuming the token cache of {source} after {done['files']} of {files} files", file=sys.stderr)
         os.fchmod(fd, 0o644)  # a shared cache must be readable by every user's ranks
     except OSError as error:
         raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write there ({error.strerror}); use a "
                          "writable folder") from error
-    digests: dict[str, str] = dict(done["digests"])
-    stream = tokenizer.stream(end)
-    report = Progress(source, len(docs), sum(doc.stat.st_size for doc in docs),
-                      sum(doc.stat.st_size for doc in docs[:done["files"]]))
-    read_bytes, checkpointed, discard = report.start_bytes, time.monotonic(), False
-    try:
-        with os.fdopen(fd, "wb") as out:
-            if workers > 1 and len(docs) - done["files"] > 1:
-                files = _in_workers(_tokenise_file, docs, done["files"], text_key, tokenizer, end, out, digests,
-                                    racy_after, workers, dest.parent / f".{dest.name}.file-")
-            else:
-                files = _in_process(docs, done["files"], text_key, stream, out, digests, racy_after)
-            for number in _discarding_bad_input(files, lambda: done.update(discard=True)):
-                doc = docs[number]
-                read_bytes += doc.stat.st_size
-                report.update(number + 1, read_bytes, out.tell() // tokenizer.dtype.itemsize)
-                if resumable and time.monotonic() - checkpointed >= CHECKPOINT_SECONDS:
-                    out.write(stream.finish())  # pieces are encoded one by one: draining here changes no token
-                    out.flush()
-                    os.fsync(out.fileno())
-                    _write_json_atomic(progress_file, {"files": number + 1, "bytes": out.tell(), "digests": digests})
-                    checkpointed = time.monotonic()
-            out.write(stream.finish())
-            tokens = out.tell() // tokenizer.dtype.itemsize
-            out.flush()
-            os.fsync(out.fileno())
-        if tokens:
-            racy = _racy_record(dest)
-            if digests:
-                _write_json_atomic(racy, digests)
-            else:
-                racy.unlink(missing_ok=True)
-            os.replace(partial, dest)
-        discard = True
-    except OSError as error:  # writing (reading errors are ValueErrors by now): a full disk, say
-        raise ValueError(f"data.cache_dir={str(dest.parent)!r}: cannot write the token cache there "
-                         f"({error.strerror}); free space or use another folder (the work so far is kept)") from error
-    finally:
-        if discard or done.get("discard") or not resumable:
-            partial.unlink(missing_ok=True)
-            progress_file.unlink(missing_ok=True)
-    return tokens
+    return fd, partial, done
+
+
+def _tokenised_files(docs: list[Document], start: int, text_key: str, tokenizer: Tokenizer, end: DocumentEnd,
+                     stream, out, digests: dict[str, str], racy_after: int, workers: int,
+                     dest: Path) -> Iterator[int]:
+    """Files ``start..`` tokenised into ``out`` in corpus order, yielding each one's number once it is written: in
+    ``workers`` processes (``data/workers.py``) when more than one file is left, else here."""
+    if workers > 1 and len(docs) - start > 1:
+        return _in_workers(_tokenise_file, docs, start, text_key, tokenizer, end, out, digests, racy_after, workers,
+                           dest.parent / f".{dest.name}.file-")
+    return _in_process(docs, start, text_key, stream, out, digests, racy_after)
+
+
+def _save_progress(out, stream, progress_file: Path, files: int, digests: dict[str, str]) -> None:
+    """Make the partial file ``out`` resumable after its first ``files`` files: sync it, then record them."""
+    out.write(stream.finish())  # pieces are encoded one by one: draining here changes no token
+    out.flush()
+    os.fsync(out.fileno())
+    _write_record(progress_file, {"files": files, "bytes": out.tell(), "digests": digests})
+
+
+def _publish(partial: Path, dest: Path, digests: dict[str, str]) -> None:
+    """Rename the finished ``partial`` over ``dest``, its racy files' digests recorded first (none: no record)."""
+    racy = _racy_record(dest)
+    if digests:
+        _write_record(racy, digests)
+    else:
+        racy.unlink(missing_ok=True)
+    os.replace(partial, dest)
 
 
 def _in_process(docs: list[Document], start: int, text_key: str, stream, out, digests: dict[str, str],
@@ -241,7 +271,7 @@ def _tokenise_file(doc: Document, text_key: str, stream, out, digests: dict[str,
                     out.write(stream.feed(chunk))
                 out.write(stream.end_document())
         if max(doc.stat.st_mtime_ns, doc.stat.st_ctime_ns) >= racy_after:
-            digests[str(doc.path)] = _file_digest(doc.path)
+            digests[str(doc.path)] = sha256_file(doc.path)
             if signature(doc.path.stat()) != signature(doc.stat):
                 raise changed
     except OSError as error:
@@ -260,28 +290,15 @@ def _resume_point(partial: Path, progress_file: Path) -> dict | None:
     return None
 
 
-def _file_digest(path: Path | str) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as doc:
-        while chunk := doc.read(CHUNK_BYTES):
-            hasher.update(chunk)
-    return hasher.hexdigest()
-
-
 def _racy_record(cache_file: Path) -> Path:
     return cache_file.with_suffix(".racy.json")
 
 
-def _write_json_atomic(path: Path, value: dict) -> None:
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o644)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(value, out)
-        os.replace(tmp_name, path)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+def _write_record(path: Path, value: dict) -> None:
+    """Replace the JSON record ``path`` whole (the cache's records, as they have always been written: readable by
+    every user, a ``.tmp`` temporary beside it, not synced)."""
+    with atomic_output(path, "w", encoding="utf-8", permissions=0o644, durable=False, suffix="tmp") as out:
+        json.dump(value, out)
 
 
 def _racy_files_unchanged(cache_file: Path) -> bool:
@@ -295,7 +312,7 @@ def _racy_files_unchanged(cache_file: Path) -> bool:
         return False  # a damaged record: rebuild, which rewrites it
     for name, digest in digests.items():
         try:
-            if _file_digest(name) != digest:
+            if sha256_file(name) != digest:
                 return False
         except OSError:
             return False  # rebuilding names the error
@@ -330,5 +347,5 @@ def _largest_token_id(path: Path, tokens: np.memmap, cache_dir: Path) -> int:
     largest = max(int(tokens[start:start + step].max()) for start in range(0, len(tokens), step))
     with contextlib.suppress(OSError):
         cache_dir.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(record, {"max_id": largest})
+        _write_record(record, {"max_id": largest})
     return largest

@@ -35,6 +35,7 @@ import numpy as np
 
 from config.cli import add_overwrite, check_outputs, command_parser, run_command
 from config.errors import ConfigError
+from storage.files import write_text_atomic
 
 BYTES = "bytes"
 DOCUMENT_SEPARATOR = "\n\n"  # the text that ends a document when the tokenizer has no end-of-text token
@@ -277,8 +278,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
 
 def write_tokenizer(tokenizer, out: Path) -> None:
     """Save atomically: a run reading ``out`` never sees half a file (the same text ``Tokenizer.save`` writes)."""
-    from parallel.checkpoint import write_text_atomic  # noqa: PLC0415 - torch's distributed stack, for the CLI alone
-
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, tokenizer.to_str(pretty=True))
 

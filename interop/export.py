@@ -38,12 +38,12 @@ from parallel.checkpoint import (
     CheckpointCorruptError,
     SafeFileSystemReader,
     TensorsOnlyLoadPlanner,
-    atomic_output,
     load_sharded,
     published_checkpoints,
     verify,
 )
 from parallel.materialize import checked_weight
+from storage.files import atomic_output
 
 CONFIG_METADATA_KEY = "config.yaml"
 

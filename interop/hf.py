@@ -49,8 +49,8 @@ from interop.hf_tokenizer import (
     write_tokenizer_files,
 )
 from moe.transformer import MoETransformer
-from parallel.checkpoint import atomic_folder
 from parallel.materialize import load_weights
+from storage.files import atomic_folder
 
 # the families we convert, by the architecture config.json names; export tries them in this order
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (

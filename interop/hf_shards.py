@@ -20,7 +20,7 @@ import torch
 
 from config.errors import ConfigError
 from interop.export import write_safetensors_streaming
-from parallel.checkpoint import write_text_atomic
+from storage.files import write_text_atomic
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -57,7 +57,7 @@ from interop.hf import expected_tensors
 from interop.hf_dense import dense_tensors, open_dense_folder
 from interop.hf_family import check_context
 from moe.init import chunk_seed
-from parallel.checkpoint import write_text_atomic
+from storage.files import write_text_atomic
 
 EXPERT_STACKS = ("w_gate", "w_in", "w_out")
 

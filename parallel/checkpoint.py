@@ -18,17 +18,14 @@ and only tensors are saved through DCP (non-tensor values would be unpickled fre
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import pickle
-import secrets
 import shutil
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,12 +43,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from config.errors import UserError
+from storage.files import fsync_dir, sha256_file
 
 # DCP warns on every call without a process group that it assumes a single process: here that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 MANIFEST = "manifest.json"
-_HASH_CHUNK = 1 << 22
 
 # A folder of checkpoints (a run's ``checkpoints/``): ``step_NNNNNNN`` folders, each published whole, a
 # ``.tmp_`` folder while one is written, ``latest`` naming the newest; each holds the resolved config it was
@@ -181,22 +178,6 @@ def async_save_sharded(state: dict[str, Any], directory: Path, process_group: di
     return dcp.async_save(state, storage_writer=writer, process_group=process_group)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _manifest_digest(files: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
@@ -221,64 +202,7 @@ def publish(tmp_dir: Path, final_dir: Path) -> None:
     if final_dir.exists():  # an older save of the same step (e.g. before a crash and replay): replaced whole
         shutil.rmtree(final_dir)
     os.replace(tmp_dir, final_dir)
-    _fsync_dir(final_dir.parent)
-
-
-@contextlib.contextmanager
-def atomic_output(path: Path, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:
-    """A file to write ``path``'s new content into, published whole when the block ends without an error.
-
-    The content goes to a temporary file of its own beside ``path`` (a unique name: two writers of one path at
-    once never write into the same file) and is renamed over ``path`` once written and synced, so a reader
-    sees the old or the new content, never a mix, and of two concurrent writers the last to finish wins whole.
-    On an error (a full disk, an interrupt) the temporary file is removed and ``path`` is left as it was.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
-    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
-    try:
-        with os.fdopen(descriptor, mode, encoding=encoding) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-@contextlib.contextmanager
-def atomic_folder(path: Path) -> Iterator[Path]:
-    """A folder to write ``path``'s new content into, published whole when the block ends without an error: the
-    folder ``atomic_output`` is for a file. An existing ``path`` is renamed aside, the new folder renamed into
-    place, then the old one removed: a reader finds the old folder, the new one or (for that instant) none, never
-    a mix of two exports; of two concurrent writers the last to publish wins whole. On an error (a full disk, an
-    interrupt) the new folder is removed and ``path`` is left as it was."""
-    tag = f"{os.getpid()}.{secrets.token_hex(4)}"
-    tmp, old = path.with_name(f".{path.name}.{tag}.partial"), path.with_name(f".{path.name}.{tag}.replaced")
-    tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        if path.exists():
-            os.replace(path, old)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            if old.exists():
-                os.replace(old, path)
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(path.parent)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so a reader sees the old or the new content, never a mix."""
-    with atomic_output(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
+    fsync_dir(final_dir.parent)
 
 
 # --- verifying and reading ---------------------------------------------------------------------------

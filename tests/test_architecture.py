@@ -13,21 +13,23 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("config", "moe", "parallel", "data", "interop", "training", "analysis", "inference")
+PACKAGES = ("storage", "config", "moe", "parallel", "data", "interop", "training", "analysis", "inference")
 TOP = ("train", "launch")  # the scripts at the top, which may import everything
 # analysis/ has two halves: planning (imports config, moe, parallel only) and router analysis (reads run directories)
 ROUTER_ANALYSIS = {"analysis.router", "analysis.router_probe", "analysis.router_plots"}
-# what each package (or half of one) may import of ours, beside itself
+# what each package (or half of one) may import of ours, beside itself; storage/ (atomic writes, file digests) is
+# at the bottom beside config/: it imports nothing of ours, and every package but config/ may import it
 ALLOWED = {
+    "storage": set(),
     "config": set(),
-    "moe": {"config"},
-    "parallel": {"config", "moe"},
-    "data": {"config", "parallel"},
-    "interop": {"config", "moe", "parallel"},
-    "training": {"config", "moe", "parallel", "data"},
-    "analysis": {"config", "moe", "parallel"},
-    "inference": {"config", "moe", "parallel", "data", "interop"},
-    "analysis/router": {"config", "moe", "parallel", "data", "interop", "training"},
+    "moe": {"config", "storage"},
+    "parallel": {"config", "moe", "storage"},
+    "data": {"config", "storage"},
+    "interop": {"config", "moe", "parallel", "storage"},
+    "training": {"config", "moe", "parallel", "data", "storage"},
+    "analysis": {"config", "moe", "parallel", "storage"},
+    "inference": {"config", "moe", "parallel", "data", "interop", "storage"},
+    "analysis/router": {"config", "moe", "parallel", "data", "interop", "training", "storage"},
 }
 
 
@@ -127,6 +129,13 @@ def test_one_definition_of_the_error_type_the_degrees_and_the_precision_rule():
     assert definitions(ast.FunctionDef, "require") == ["config.schema"]
     assert definitions(ast.FunctionDef, "_require") == []
     assert definitions(ast.FunctionDef, "resolve_layout") == ["parallel.resolve"]
+
+
+def test_one_home_of_atomic_writes_and_file_digests():
+    for name in ("atomic_output", "atomic_folder", "write_text_atomic", "sha256_file", "fsync_dir"):
+        assert definitions(ast.FunctionDef, name) == ["storage.files"], name
+    for name in ("_write_json_atomic", "_file_digest", "_fsync_dir"):
+        assert definitions(ast.FunctionDef, name) == [], name
 
 
 def test_every_command_is_a_console_script_through_the_one_contract():

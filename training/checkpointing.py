@@ -54,11 +54,11 @@ from parallel.checkpoint import (
     sharded_state,
     step_dir_name,
     write_manifest,
-    write_text_atomic,
 )
 from parallel.groups import ParallelGroups
 from parallel.materialize import InitialWeights
 from parallel.runtime import Runtime
+from storage.files import write_text_atomic
 from training.checkpoint_interval import AutoInterval
 from training.optim import restretch_note
 from training.resume import (

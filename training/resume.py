@@ -27,9 +27,9 @@ from parallel.checkpoint import (
     published_checkpoints,
     stateful_module,
     verify,
-    write_text_atomic,
 )
 from parallel.runtime import Runtime
+from storage.files import write_text_atomic
 from training.routing_stats import truncate_routing
 
 TRAINER_STATE = "trainer_state.json"

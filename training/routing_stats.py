@@ -39,7 +39,7 @@ import torch.distributed as dist
 from numpy.lib import format as npy
 
 from moe.layer import RoutingStats
-from parallel.checkpoint import atomic_output
+from storage.files import atomic_output
 
 ROUTING_DIR = "routing"
 # order of the scalars packed after tokens_per_expert: dropped, tokens, sum of entropy, sum of top1_prob,

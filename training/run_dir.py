@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from config.errors import ConfigError
-from parallel.checkpoint import published_checkpoints, write_text_atomic
+from parallel.checkpoint import published_checkpoints
 from parallel.runtime import Runtime
+from storage.files import write_text_atomic
 
 LOCK = "run.lock"
 OWNER = "owner.txt"  # in a checkpoint.dir outside its run directory: that run directory's resolved path

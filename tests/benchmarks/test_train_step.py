@@ -14,7 +14,7 @@ import train_step as benchmark  # noqa: E402
 
 from config.run import load_config  # noqa: E402
 from tests.training.test_data_loss import TINY  # noqa: E402
-from training.loop import IntervalStats, train_step  # noqa: E402
+from training.loop import IntervalStats, StepContext, train_step  # noqa: E402
 
 
 def test_backward_operators_take_their_forward_modules_category():
@@ -24,7 +24,8 @@ def test_backward_operators_take_their_forward_modules_category():
     benchmark.label_optimizer(optimizer)
     tokens = torch.randint(0, 256, (2, config.model.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], 2, 1.0, contextlib.nullcontext, IntervalStats())
+        train_step(StepContext(model, optimizer, 2, 1.0, contextlib.nullcontext), tokens[:, :-1], tokens[:, 1:],
+                   IntervalStats())
     found = {}
     for event, part in benchmark.categorized(prof):
         if event.name.startswith("autograd::engine::evaluate_function: "):

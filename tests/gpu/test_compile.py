@@ -18,7 +18,7 @@ import torch._dynamo
 
 from parallel.compile import apply_compile, compile_unavailable
 from tests.gpu.helpers import batch, moe_8x
-from training.loop import IntervalStats, train_step
+from training.loop import IntervalStats, StepContext, train_step
 from training.optim import build_optimizer
 
 STEPS = 4
@@ -29,8 +29,8 @@ def losses(model, config, inputs, targets) -> list[float]:
     optimizer = build_optimizer(model, config.train)
     autocast = lambda: torch.autocast(inputs.device.type, dtype=torch.bfloat16)  # noqa: E731
     micro = config.train.micro_batch_size or inputs.shape[0]
-    return [train_step(model, optimizer, inputs, targets, micro, config.train.grad_clip, autocast,
-                       IntervalStats())[0] for _ in range(STEPS)]
+    context = StepContext(model, optimizer, micro, config.train.grad_clip, autocast)
+    return [train_step(context, inputs, targets, IntervalStats())[0] for _ in range(STEPS)]
 
 
 @pytest.mark.parametrize("routing, breaks", [("moe.capacity_factor=null", set()),

@@ -14,7 +14,7 @@ import torch
 from moe.experts import megablocks_unavailable
 from parallel.tensor import lm_loss
 from tests.gpu.helpers import batch, host_syncs, moe_8x
-from training.loop import IntervalStats, train_step
+from training.loop import IntervalStats, StepContext, train_step
 from training.optim import build_optimizer
 
 CASES = {"dropless": (["moe.capacity_factor=null", "moe.backend=torch"], 0),
@@ -51,9 +51,11 @@ def test_syncs_of_a_whole_training_step():
     optimizer = build_optimizer(model, config.train)
     inputs, targets = batch(config, "cuda", sequences=config.train.global_batch_size)
 
+    context = StepContext(model, optimizer, inputs.shape[0], config.train.grad_clip,
+                          lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+
     def step():
-        train_step(model, optimizer, inputs, targets, inputs.shape[0], config.train.grad_clip,
-                   lambda: torch.autocast("cuda", dtype=torch.bfloat16), IntervalStats())
+        train_step(context, inputs, targets, IntervalStats())
 
     step()  # warm-up: the optimizer's state is created on the first step
     syncs = host_syncs(step)

@@ -60,7 +60,7 @@ def folder_bytes(folder):
 
 
 def test_a_folder_export_interrupted_leaves_the_earlier_folder_whole(tmp_path):
-    from parallel.checkpoint import atomic_folder
+    from storage.files import atomic_folder
 
     out = tmp_path / "hf"
     with atomic_folder(out) as folder:  # an earlier export: two shards and an index
@@ -74,7 +74,7 @@ def test_a_folder_export_interrupted_leaves_the_earlier_folder_whole(tmp_path):
 
 
 def test_two_folder_exports_at_once_never_mix_and_the_last_to_publish_wins_whole(tmp_path):
-    from parallel.checkpoint import atomic_folder
+    from storage.files import atomic_folder
 
     out = tmp_path / "hf"
     with atomic_folder(out) as first:

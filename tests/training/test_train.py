@@ -14,7 +14,7 @@ import yaml
 import train
 from config.run import load_config
 from moe.transformer import MoETransformer
-from training.loop import IntervalStats, train_step
+from training.loop import IntervalStats, StepContext, train_step
 from training.metrics import read_metrics
 from training.optim import build_optimizer
 
@@ -168,8 +168,8 @@ def test_aux_loss_free_bias_follows_the_whole_steps_load():
     step_load = loads[0] + loads[1]
     expected = rate * torch.sign(step_load.mean() - step_load)
 
-    train_step(model, build_optimizer(model, config.train), inputs, inputs, 4, 1.0, contextlib.nullcontext,
-               IntervalStats())
+    train_step(StepContext(model, build_optimizer(model, config.train), 4, 1.0, contextlib.nullcontext), inputs,
+               inputs, IntervalStats())
     torch.testing.assert_close(model.moe_layers()[0].router.expert_bias, expected)
     assert not torch.equal(torch.sign(loads[1].mean() - loads[1]), torch.sign(step_load.mean() - step_load))
 
