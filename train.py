@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from analysis import fit_check
-from analysis.communication import HARDWARE, Hardware, hardware_with
 from analysis.dry_run import dry_run, format_dry_run
+from analysis.gpu_presets import HARDWARE, Hardware, hardware_with
 from analysis.memory import DEFAULT_HEADROOM, usable_bytes
 from config.cli import add_config_arguments, add_world_size, command_parser, load_config_from, print_error, run_command
 from config.errors import USER_ERROR, ConfigError

@@ -1,7 +1,7 @@
-"""The measured side of ``analysis/communication.py``: every collective a rank really runs, in its terms.
+"""The measured side of ``analysis/traffic.py``: every collective a rank really runs, in its terms.
 
 ``CollectiveCounter`` is active around a training step on each rank of a real (gloo) run; its
-``totals`` are compared with ``analysis.communication.predict``'s in ``tests/analysis/test_communication.py``.
+``totals`` are compared with ``analysis.traffic.predict``'s in ``tests/analysis/test_communication.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from analysis.communication import Traffic, bus_bytes, totals
+from analysis.traffic_items import Traffic, bus_bytes, totals
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ and a SwiGLU FFN of hidden 8h/3 (rounded to 64), which has the parameters and FL
 For each row (``published_row``):
 
 - **rank**: 1 + the layouts (degrees, schedule and virtual stages; ``layout_of``) whose fastest setting
-  ``analysis.planner.search`` estimates strictly faster than the published layout's fastest setting (any
+  ``analysis.layout_search.search`` estimates strictly faster than the published layout's fastest setting (any
   micro-batch size, recompute and gradient-reduction setting with the published tp, pp, replicas and schedule)
   among all that fit 80 GiB: the ranking the planner's CLI prints, each layout counted once.
 - **rank without FSDP**: the same among layouts without sharded data parallelism (dp_shard = 1), the space the
@@ -34,13 +34,14 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from analysis import communication, planner
+from analysis import gpu_presets, layout_search, link_time, planner, traffic_items
+from analysis.traffic import predict
 from config.cli import command_parser, run_command
 from config.errors import ConfigError
 from config.run import RunConfig, load_config
 from parallel.layout import Layout
 
-A100 = communication.HARDWARE["a100-80gb"]
+A100 = gpu_presets.HARDWARE["a100-80gb"]
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,13 @@ TABLE1 = [Published("1.7", 24, 2304, 24, 1, 1, 32, 512, 137), Published("3.6", 3
           Published("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148)]
 
 
-def layout_of(p: planner.Plan) -> tuple:
+def layout_of(p: layout_search.Plan) -> tuple:
     """What a layout is here: the six degrees, the pipeline schedule and its virtual stages per rank."""
     layout, par = p.layout, p.config.parallel
     return layout, par.pp_schedule, par.pp_virtual_stages
 
 
-def layouts_ahead(plans: list[planner.Plan], step: float) -> list[planner.Plan]:
+def layouts_ahead(plans: list[layout_search.Plan], step: float) -> list[layout_search.Plan]:
     """The fastest setting of each layout (``layout_of``) estimated strictly faster than ``step``, fastest first:
     a layout's other micro-batch sizes, recompute and reduction settings do not push the published one down."""
     seen, out = set(), []
@@ -99,7 +100,7 @@ def paper_flops(row: Published) -> float:
     return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
-def is_published(p: planner.Plan, row: Published) -> bool:
+def is_published(p: layout_search.Plan, row: Published) -> bool:
     """Whether a plan has the row's tp, pp, replicas (no FSDP shards) and, with a pipeline, the interleaved
     schedule."""
     layout = p.layout
@@ -111,27 +112,27 @@ def is_published(p: planner.Plan, row: Published) -> bool:
 @dataclass(frozen=True)
 class RowResult:
     row: Published
-    best: planner.Plan  # the published layout's fastest setting
-    paper_setting: planner.Plan  # with full recompute, as the paper ran it
+    best: layout_search.Plan  # the published layout's fastest setting
+    paper_setting: layout_search.Plan  # with full recompute, as the paper ran it
     rank: int
     rank_without_fsdp: int
     rank_same_dp: int  # among the splits of the published data-parallel degree into tp and pp
-    first: planner.Plan  # the planner's first choice
+    first: layout_search.Plan  # the planner's first choice
     considered: int
     setting_rank: int  # 1 + the settings (not layouts) estimated faster
 
 
-def published_row(row: Published, hardware: communication.Hardware = A100) -> RowResult:
+def published_row(row: Published, hardware: gpu_presets.Hardware = A100) -> RowResult:
     config = gpt_config(row)
     memory = hardware.memory_gib * planner.GIB
     fixed = dict(tp=row.tp, pp=row.pp, dp_replicate=row.gpus // (row.tp * row.pp), dp_shard=1)
-    mine = [p for p in planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware,
-                                      fixed=fixed).plans if is_published(p, row)]
+    mine = [p for p in layout_search.search(config, row.gpus, memory, hardware.gpus_per_node, hardware,
+                                            fixed=fixed).plans if is_published(p, row)]
     if not mine:
         raise ValueError(f"the published layout of the {row.name}B row does not fit {hardware.memory_gib} GiB here")
     best = mine[0]
     paper_setting = next(p for p in mine if p.config.parallel.activation_checkpointing == "full")
-    faster = planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, faster_than=best.step)
+    faster = layout_search.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, faster_than=best.step)
     ahead = layouts_ahead(faster.plans, best.step)
     first = ahead[0] if ahead else best
     replicas = row.gpus // (row.tp * row.pp)
@@ -155,17 +156,17 @@ def published_step(row: Published) -> float:
     return paper_flops(row) / (row.gpus * row.tflops * 1e12)
 
 
-def zero3_plan(row: Published, hardware: communication.Hardware = A100) -> planner.Plan:
+def zero3_plan(row: Published, hardware: gpu_presets.Hardware = A100) -> layout_search.Plan:
     """The planner's estimate of a Table 2 row as the paper ran it: FSDP over every GPU, full recompute, one
     micro-batch per step."""
     layout = Layout.resolve(row.gpus, dp_shard=row.gpus)
-    config = planner.with_layout(gpt_config(row), layout, "full", micro_batch_size=row.batch // row.gpus)
-    return planner.evaluate(config, layout, hardware, hardware.gpus_per_node)
+    config = layout_search.with_layout(gpt_config(row), layout, "full", micro_batch_size=row.batch // row.gpus)
+    return layout_search.evaluate(config, layout, hardware, hardware.gpus_per_node)
 
 
-def fsdp_items(plan: planner.Plan, hardware: communication.Hardware = A100) -> list[communication.Traffic]:
-    """The FSDP traffic of ``plan``'s first rank (``communication.predict``) in ``hardware``'s precision."""
-    return [item for item in communication.predict(plan.config, plan.layout, 0, hardware.precision)
+def fsdp_items(plan: layout_search.Plan, hardware: gpu_presets.Hardware = A100) -> list[traffic_items.Traffic]:
+    """The FSDP traffic of ``plan``'s first rank (``analysis.traffic.predict``) in ``hardware``'s precision."""
+    return [item for item in predict(plan.config, plan.layout, 0, hardware.precision)
             if item.dimension == "fsdp"]
 
 
@@ -174,23 +175,23 @@ def communication_bound(row: Published, rows: list[Published] = TABLE2) -> bool:
     return row.gpus > min(r.gpus for r in rows if r.name == row.name)
 
 
-def calibrated_network_efficiency(rows: list[Published] = TABLE2, hardware: communication.Hardware = A100) -> float:
-    """The share of its adapter's line rate a rank's traffic across nodes gets (``communication.NETWORK_EFFICIENCY``),
+def calibrated_network_efficiency(rows: list[Published] = TABLE2, hardware: gpu_presets.Hardware = A100) -> float:
+    """The share of its adapter's line rate a rank's traffic across nodes gets (``gpu_presets.NETWORK_EFFICIENCY``),
     from the communication-bound ``rows`` of Table 2: there the step is its FSDP traffic (``predict``'s bus bytes of
     one rank, 8 per parameter: bf16 gathers in forward and backward, fp32 gradient reduce-scatters), so each row's
-    bytes over its published step less NCCL's latency (``communication.startup``) is the rate; their mean."""
+    bytes over its published step less NCCL's latency (``link_time.startup``) is the rate; their mean."""
     rates = []
     for row in rows:
         if communication_bound(row, rows):
             plan = zero3_plan(row, hardware)
             items = fsdp_items(plan, hardware)
-            latency = sum(communication.startup(i, hardware, hardware.gpus_per_node) for i in items)
+            latency = sum(link_time.startup(i, hardware, hardware.gpus_per_node) for i in items)
             rates.append(sum(i.bus_bytes for i in items) / (published_step(row) - latency) / hardware.inter_node)
     return sum(rates) / len(rates)
 
 
-def calibrated_overlap_slowdown(rows: list[Published] = TABLE2, hardware: communication.Hardware = A100) -> float:
-    """``communication.OVERLAP_SLOWDOWN`` from the ``rows`` of Table 2 whose compute outlasts their traffic (each
+def calibrated_overlap_slowdown(rows: list[Published] = TABLE2, hardware: gpu_presets.Hardware = A100) -> float:
+    """``gpu_presets.OVERLAP_SLOWDOWN`` from the ``rows`` of Table 2 whose compute outlasts their traffic (each
     model's smallest; the traffic at ``hardware``'s network efficiency): the published step less the estimate
     without slowdown, over the overlapped traffic's seconds (the estimate's growth from slowdown 0 to 1, linear
     in between while compute outlasts the traffic); their mean."""
@@ -203,14 +204,14 @@ def calibrated_overlap_slowdown(rows: list[Published] = TABLE2, hardware: commun
     return sum(slowdowns) / len(slowdowns)
 
 
-def format_zero3_rows(plans: list[tuple[Published, planner.Plan]]) -> str:
+def format_zero3_rows(plans: list[tuple[Published, layout_search.Plan]]) -> str:
     lines = ["| params (B) | GPUs | batch (micro) | est. compute s | est. FSDP traffic s | est. step s | "
              "published step s | est. TFLOP/s | published | error | fits 80 GiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row, p in plans:
         estimate = paper_flops(row) / (p.step * row.gpus) / 1e12
         fits = "yes" if p.memory <= A100.memory_gib * planner.GIB else f"no ({p.memory / planner.GIB:.0f} GiB)"
-        traffic = sum(communication.seconds(i, A100, A100.gpus_per_node) for i in fsdp_items(p))
+        traffic = sum(link_time.seconds(i, A100, A100.gpus_per_node) for i in fsdp_items(p))
         lines.append(f"| {row.name} | {row.gpus} | {row.batch} ({row.batch // row.gpus}) | {p.compute:.1f} | "
                      f"{traffic:.1f} | {p.step:.1f} | {published_step(row):.1f} | {estimate:.0f} | "
                      f"{row.tflops:.0f} | {(estimate - row.tflops) / row.tflops:+.0%} | "
@@ -251,9 +252,9 @@ MOE = [PublishedMoE("Mixtral 8x7B", "mixtral-8x7b", (), "h100", 64, 256, 1, 4, 8
 @dataclass(frozen=True)
 class MoEResult:
     row: PublishedMoE
-    best: planner.Plan
+    best: layout_search.Plan
     rank: int
-    first: planner.Plan
+    first: layout_search.Plan
     considered: int
     setting_rank: int
 
@@ -262,15 +263,16 @@ def published_moe_row(row: PublishedMoE) -> MoEResult:
     """The rank of the mapping's fastest setting (its tp, pp, ep, etp and v; any split of its data-parallel ranks
     into replicas and FSDP shards: Megatron's distributed optimizer shards only the optimizer, which this
     toolkit does not offer) among every plan that fits."""
-    hardware = communication.HARDWARE[row.gpu]
+    hardware = gpu_presets.HARDWARE[row.gpu]
     config = load_config(row.config, [*row.overrides, f"train.global_batch_size={row.batch}"])
     memory = hardware.memory_gib * planner.GIB
     fixed = dict(tp=row.tp, pp=row.pp, ep=row.ep, etp=row.etp)
-    mine = [p for p in planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, fixed=fixed).plans
+    mine = [p for p in layout_search.search(config, row.gpus, memory, hardware.gpus_per_node, hardware,
+                                            fixed=fixed).plans
             if p.config.parallel.pp_virtual_stages == row.v]
     if not mine:
         raise ValueError(f"the published mapping of {row.name} does not fit {hardware.memory_gib} GiB here")
-    faster = planner.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, faster_than=mine[0].step)
+    faster = layout_search.search(config, row.gpus, memory, hardware.gpus_per_node, hardware, faster_than=mine[0].step)
     ahead = layouts_ahead(faster.plans, mine[0].step)
     return MoEResult(row, mine[0], 1 + len(ahead), ahead[0] if ahead else mine[0], faster.considered,
                      1 + sum(p.step < mine[0].step for p in faster.plans))

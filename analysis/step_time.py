@@ -1,5 +1,5 @@
 """The step time of a training layout, as the planner (``analysis.planner``) ranks layouts by it, on a hardware preset
-of ``analysis.communication.HARDWARE``: step = compute + bubble + exposed communication.
+of ``analysis.gpu_presets.HARDWARE``: step = compute + bubble + exposed communication.
 
 - **compute**: the training FLOPs of the busiest pipeline rank in one step (``moe.accounting``: 6 × active
   matmul parameters + attention, per token) over the global batch's tokens / (dp × cp: a context-parallel rank
@@ -12,8 +12,8 @@ of ``analysis.communication.HARDWARE``: step = compute + bubble + exposed commun
   (p − 1)/(v·m) (Narayanan et al. 2021, sec. 2.2; REFERENCES.md); the extra pipeline traffic of interleaving
   (v times the stage boundaries) is in the communication model's pp term.
 - **exposed communication**: the tp, cp, ep and pp traffic of ``analysis.communication`` at the bandwidth NCCL
-  gets of its links (``communication.bandwidth``: NVLink in a node, the rank's own adapter across nodes) plus
-  each call's latency (NCCL's ring model, ``communication.startup``), on the critical path (each waits for the
+  gets of its links (``link_time.bandwidth``: NVLink in a node, the rank's own adapter across nodes) plus
+  each call's latency (NCCL's ring model, ``link_time.startup``), on the critical path (each waits for the
   layer before it); FSDP's gathers and reduce-scatters are prefetched and overlap compute (``ShardingTime``):
   the first unit's gather and the last unit's reduction show in full, the last micro-batch's gradient
   reductions (the only reduce-scatter under ``grad_reduce=step``, the last of m under ``microbatch``, and
@@ -37,8 +37,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from analysis import communication
+from analysis import gpu_presets, link_time, traffic_items
 from analysis.memory_states import local_layers, rank_blocks
+from analysis.traffic import predict
 from config.model import LayerSpec
 from config.run import RunConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, per_model
@@ -182,7 +183,7 @@ def shared_balance(config: RunConfig, layout: Layout, sharing: float) -> float:
     return sum(ranks) / len(ranks) / max(ranks)
 
 
-def in_last_backward(item: communication.Traffic, grad_reduce: str, microbatches: int) -> float:
+def in_last_backward(item: traffic_items.Traffic, grad_reduce: str, microbatches: int) -> float:
     """The share of an FSDP collective's traffic that runs in the last micro-batch's backward, after which
     the optimizer waits for it: HSDP's all-reduce and the gradient reduce-scatter under ``grad_reduce=step``
     all of it, the reduce-scatter under ``microbatch`` its last of m rounds, the all-gathers none."""
@@ -210,7 +211,7 @@ class ShardingTime:
         return self.ends + self.last - hidden_last + max(overlapped - compute, slowdown * overlapped)
 
 
-def sharding_time(timed: list[tuple[communication.Traffic, float]], grad_reduce: str,
+def sharding_time(timed: list[tuple[traffic_items.Traffic, float]], grad_reduce: str,
                   microbatches: int) -> ShardingTime:
     """``ShardingTime`` of a stage's FSDP items, each with its seconds on its links.
 
@@ -226,7 +227,7 @@ def sharding_time(timed: list[tuple[communication.Traffic, float]], grad_reduce:
     return ShardingTime(first + final, max(0.0, last - final), max(0.0, total - last - first))
 
 
-def exposed_communication(config: RunConfig, layout: Layout, compute: float, hardware: communication.Hardware,
+def exposed_communication(config: RunConfig, layout: Layout, compute: float, hardware: gpu_presets.Hardware,
                           gpus_per_node: int, microbatches: int = 1) -> dict[str, float]:
     """Seconds of communication the step waits for, by dimension, on the slowest of the stages' first ranks.
 
@@ -258,18 +259,18 @@ def exposed_communication(config: RunConfig, layout: Layout, compute: float, har
     return max(stages, key=lambda by_dim: sum(by_dim.values()))
 
 
-def stage_traffic(config: RunConfig, layout: Layout, rank: int, hardware: communication.Hardware,
-                  gpus_per_node: int) -> tuple[list[tuple[communication.Traffic, float]],
-                                               list[tuple[communication.Traffic, float]]]:
+def stage_traffic(config: RunConfig, layout: Layout, rank: int, hardware: gpu_presets.Hardware,
+                  gpus_per_node: int) -> tuple[list[tuple[traffic_items.Traffic, float]],
+                                               list[tuple[traffic_items.Traffic, float]]]:
     """``rank``'s traffic in one step, each item with its seconds on its links: what waits in full (tp, cp, ep, pp
     and Muon's optimizer-step gathers), and FSDP's (``sharding_time`` splits it by what it can hide behind). The run
     is launched with ``gpus_per_node`` processes per node, which decides whether the experts' exchange goes in two
     hops (``parallel/node_dispatch.py``)."""
     waiting, sharding = [], []
-    for item in communication.predict(config, layout, rank, precision=hardware.precision,
-                                      ranks_per_node=node_shape(layout.world_size, gpus_per_node)[1]):
+    for item in predict(config, layout, rank, precision=hardware.precision,
+                        ranks_per_node=node_shape(layout.world_size, gpus_per_node)[1]):
         (sharding if item.dimension == "fsdp" else waiting).append(
-            (item, communication.seconds(item, hardware, gpus_per_node)))
+            (item, link_time.seconds(item, hardware, gpus_per_node)))
     return waiting, sharding
 
 
@@ -283,11 +284,11 @@ def calibrated_efficiency() -> float:
     matmuls (and the small element-wise work between them): 56% of the peak.
     """
     h, s, b, t = 6144, 2048, 4, 8
-    a100 = communication.HARDWARE["a100-80gb"]
+    a100 = gpu_presets.HARDWARE["a100-80gb"]
     flops = 3 * (24 * b * s * h * h + 4 * b * s * s * h) / t
-    all_reduce = communication.Traffic("tp", "all_reduce", "", 4, 4 * communication.bus_bytes(
+    all_reduce = traffic_items.Traffic("tp", "all_reduce", "", 4, 4 * traffic_items.bus_bytes(
         "all_reduce", b * s * h * 2, t), tuple(range(t)))
-    return flops / ((19.6e-3 - communication.seconds(all_reduce, a100, 8)) * a100.bf16_flops)
+    return flops / ((19.6e-3 - link_time.seconds(all_reduce, a100, 8)) * a100.bf16_flops)
 
 
 EFFICIENCY = calibrated_efficiency()

@@ -1,6 +1,6 @@
 """Does the planner order layouts as they run? Its estimate against measured step times, on this machine's CPU.
 
-The planner's step estimate (``analysis.planner.evaluate``, the same code that ranks GPU layouts) is given a
+The planner's step estimate (``analysis.layout_search.evaluate``, the same code that ranks GPU layouts) is given a
 preset of this machine built from measured figures, for each world size (4 and 8 gloo processes by default):
 
 - **matmul FLOP/s alone**: the config's own matmuls (``step_time.block_gemms`` of each kind of block on one
@@ -21,9 +21,9 @@ preset of this machine built from measured figures, for each world size (4 and 8
   all-gather, reduce-scatter, all-to-all, pairwise send/recv). A small buffer's call is timed after the compute
   a step runs between two calls, as its cost beyond that compute: on shared cores the ranks drift apart while
   they compute, and a call waits for the last. The bandwidth is a large buffer's extra bus bytes
-  (``communication.bus_bytes``) over their extra time in a loop of calls alone; the latency
-  (``communication.Latency``) is fitted by least squares to the small buffers' times under load with the
-  ring-step counts of ``communication.ring_steps`` (a call's cost and one per step). One figure each for the
+  (``traffic_items.bus_bytes``) over their extra time in a loop of calls alone; the latency
+  (``gpu_presets.Latency``) is fitted by least squares to the small buffers' times under load with the
+  ring-step counts of ``link_time.ring_steps`` (a call's cost and one per step). One figure each for the
   whole world size: the planner has one link here, as on a GPU node.
 
 Then every layout of ``LAYOUTS`` trains ``--config`` for ``--warmup`` + ``--steps`` steps with
@@ -57,7 +57,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from analysis import communication, planner, step_time  # noqa: E402
+from analysis import gpu_presets, layout_search, link_time, step_time, traffic_items  # noqa: E402
 from config.run import RunConfig, load_config  # noqa: E402
 from parallel.layout import Layout  # noqa: E402
 from parallel.resolve import resolve_layout  # noqa: E402
@@ -117,7 +117,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
 
 
-def fit_latency(points: list[tuple[int, float]]) -> communication.Latency:
+def fit_latency(points: list[tuple[int, float]]) -> gpu_presets.Latency:
     """Least-squares (call, per-step) seconds from (ring steps, seconds per call) of small-buffer collectives."""
     n = len(points)
     mean_s = sum(s for s, _ in points) / n
@@ -126,7 +126,7 @@ def fit_latency(points: list[tuple[int, float]]) -> communication.Latency:
     step = sum((s - mean_s) * (t - mean_t) for s, t in points) / var if var else 0.0
     step = max(step, 0.0)
     call = max(mean_t - step * mean_s, 0.0)
-    return communication.Latency(call, step, step)
+    return gpu_presets.Latency(call, step, step)
 
 
 # ---------------------------------------------------------------------------
@@ -291,22 +291,22 @@ def single_rank_flops(config: RunConfig, seconds: float = 3.0) -> float:
 
 
 def preset(world: int, flops: float, times: dict, sharing: float = 1.0
-           ) -> tuple[communication.Hardware, dict[str, float]]:
+           ) -> tuple[gpu_presets.Hardware, dict[str, float]]:
     """This machine as the planner's hardware for ``world`` ranks (one node) whose matmuls run at ``flops`` each
     when all run and ``sharing`` times that alone, and each collective's bus bytes/s from its ``times``."""
     rates, small_calls = {}, []
     for name in COLLECTIVES:
         members = (0, 1) if name == "send" else tuple(range(world))
-        big, small = (communication.bus_bytes(name, max(size // 4 // world * world, world) * 4, len(members))
+        big, small = (traffic_items.bus_bytes(name, max(size // 4 // world * world, world) * 4, len(members))
                       for size in (LARGE, SMALL))
         calls = 2 if name == "send" else 1  # a send and a receive each way
         extra = times[name, LARGE] - times[name, SMALL]
         rates[name] = calls * (big - small) / extra if extra > 0 else math.inf
-        steps = communication.ring_steps(communication.Traffic("", name, "", 1, 0, members), world)[0]
+        steps = link_time.ring_steps(traffic_items.Traffic("", name, "", 1, 0, members), world)[0]
         small_calls.append((steps, times[name, SMALL] / calls, small))
     bandwidth = statistics.median(rates.values())
     points = [(steps, seconds - small / bandwidth) for steps, seconds, small in small_calls]  # less the bytes' time
-    hardware = communication.Hardware(
+    hardware = gpu_presets.Hardware(
         f"this CPU, {world} gloo ranks", world, bandwidth, bandwidth, flops, 64, math.inf,
         "measured by benchmarks/layout_ranking.py", fit_latency(points), "fp32", max(sharing, 1.0),
         intra_efficiency=1.0)  # the rate is gloo's own, measured: nothing more to take off
@@ -382,12 +382,12 @@ def step_efficiency(config_name: str, overrides: list[str], alone: float, steps:
     return flops / seconds / alone, seconds
 
 
-def predicted(config_name: str, overrides: list[str], world: int, hardware: communication.Hardware,
-              efficiency: float) -> planner.Plan:
+def predicted(config_name: str, overrides: list[str], world: int, hardware: gpu_presets.Hardware,
+              efficiency: float) -> layout_search.Plan:
     """The planner's estimate of the layout on the measured preset, its matmuls at ``efficiency`` of the rate."""
     config = load_config(config_name, overrides)
     layout = resolve_layout(config, world)[0]
-    return planner.evaluate(config, layout, hardware, world, efficiency=efficiency, memory_total=0)
+    return layout_search.evaluate(config, layout, hardware, world, efficiency=efficiency, memory_total=0)
 
 
 def main(argv: list[str] | None = None) -> int:

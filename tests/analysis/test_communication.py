@@ -17,13 +17,10 @@ import pytest
 
 import training.loop as loop
 from analysis.collective_count import CollectiveCounter
-from analysis.communication import (
-    bus_bytes,
-    kept_per_expert,
-    main,
-    predict,
-    totals,
-)
+from analysis.communication import main
+from analysis.traffic import predict
+from analysis.traffic_activations import kept_per_expert
+from analysis.traffic_items import bus_bytes, totals
 from config.errors import ConfigError
 from config.run import load_config
 from moe.accounting import parameter_counts

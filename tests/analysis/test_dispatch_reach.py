@@ -9,8 +9,8 @@ placement in small). For plain top-2 and for ``topk_group=1``:
   send splits name are the ranks that token reaches. The most any token reaches must equal the bound (attained,
   never exceeded): 2, then 1.
 - bytes: a forward and backward of all the rank's tokens under ``CollectiveCounter``; every all-to-all's calls and
-  bytes must equal ``analysis.communication.pair_exchange_traffic`` on both ranks' routings (``routing_pairs``: one
-  row per (token, rank) pair). The row exchange would send a row per assignment, which that count tells apart
+  bytes must equal ``analysis.traffic_activations.pair_exchange_traffic`` on both ranks' routings (``routing_pairs``:
+  one row per (token, rank) pair). The row exchange would send a row per assignment, which that count tells apart
   (asserted: pairs < assignments), and the bytes must fall with ``topk_group``.
 """
 
@@ -21,8 +21,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from analysis.collective_count import CollectiveCounter
-from analysis.communication import pair_exchange_traffic, totals
 from analysis.dispatch_reach import dispatch_reach, exchange_counts, routing_pairs
+from analysis.traffic_activations import pair_exchange_traffic
+from analysis.traffic_items import totals
 from config.model import MoEConfig
 from config.run import load_config
 from moe.init import initialize

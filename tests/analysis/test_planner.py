@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 import train
-from analysis import communication, memory, planner, step_time
+from analysis import gpu_presets, layout_search, link_time, memory, planner, step_time, traffic, traffic_items
 from config.errors import ConfigError
 from config.run import load_config
 from moe.accounting import (
@@ -21,18 +21,18 @@ from parallel.layout import Layout
 from parallel.pipeline import stage_layers
 from parallel.resolve import resolve_layout
 
-H100 = communication.HARDWARE["h100"]
+H100 = gpu_presets.HARDWARE["h100"]
 SMALL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "model.ffn_hidden=128",
          "moe.num_experts=4", "moe.expert_hidden=64", "train.global_batch_size=16", "train.precision=bf16"]
 
 
-def _bandwidth_only(hardware: communication.Hardware) -> communication.Hardware:
+def _bandwidth_only(hardware: gpu_presets.Hardware) -> gpu_presets.Hardware:
     """The preset without latency: its traffic's time is then its bytes over the links' bandwidth."""
-    return dataclasses.replace(hardware, latency=communication.Latency(0.0, 0.0, 0.0))
+    return dataclasses.replace(hardware, latency=gpu_presets.Latency(0.0, 0.0, 0.0))
 
 
 def _config(layout: Layout, recompute: str = "none", overrides: list[str] = SMALL):
-    return planner.with_layout(load_config("moe-8x", overrides), layout, recompute)
+    return layout_search.with_layout(load_config("moe-8x", overrides), layout, recompute)
 
 
 @pytest.mark.parametrize("degrees", [dict(dp_shard=8), dict(dp_shard=4, tp=2), dict(dp_shard=2, tp=4, ep=4),
@@ -87,7 +87,7 @@ def test_multi_token_prediction_weighs_on_the_last_stage_and_its_embedding_copy_
     pp_time = [step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)["pp"]
                for config in (plain, mtp)]
     assert pp_time[1] > pp_time[0]
-    found = planner.search(load_config("moe-8x", [*SMALL, "model.mtp_depth=1"]), 8, 80 * planner.GIB, top=1)
+    found = layout_search.search(load_config("moe-8x", [*SMALL, "model.mtp_depth=1"]), 8, 80 * planner.GIB, top=1)
     assert found.plans
 
 
@@ -107,24 +107,24 @@ def test_link_bandwidth_is_nccls_share_of_nvlink_or_of_the_ranks_own_adapter():
     """80% of NVLink's line rate (NCCL's protocol overhead); across nodes every collective, rings with several
     ranks per node included, gets 92% of the rank's own adapter (calibrated from Narayanan et al. 2021 Table 2)."""
     def item(collective, group):
-        return communication.Traffic("dp", collective, "", 1, 10**9, tuple(group))
-    assert communication.bandwidth(item("all_reduce", range(8)), H100, 8) == pytest.approx(0.8 * 450e9)
+        return traffic_items.Traffic("dp", collective, "", 1, 10**9, tuple(group))
+    assert link_time.bandwidth(item("all_reduce", range(8)), H100, 8) == pytest.approx(0.8 * 450e9)
     for collective, group in (("all_reduce", range(0, 64, 8)), ("all_gather", range(0, 64, 2)),
                               ("reduce_scatter", range(64)), ("all_to_all", range(64))):
-        assert communication.bandwidth(item(collective, group), H100, 8) == pytest.approx(0.92 * 50e9)
-    a100 = communication.HARDWARE["a100-80gb"]
-    assert communication.bandwidth(item("all_gather", range(64)), a100, 8) == pytest.approx(0.92 * 25e9)
+        assert link_time.bandwidth(item(collective, group), H100, 8) == pytest.approx(0.92 * 50e9)
+    a100 = gpu_presets.HARDWARE["a100-80gb"]
+    assert link_time.bandwidth(item("all_gather", range(64)), a100, 8) == pytest.approx(0.92 * 25e9)
     # a send across nodes: one call and one network step of NCCL's latency, then its bytes
-    assert communication.seconds(item("send", (0, 8)), H100, 8) == pytest.approx(8.4e-6 + 9.6e-6 + 1e9 / (0.92 * 50e9))
+    assert link_time.seconds(item("send", (0, 8)), H100, 8) == pytest.approx(8.4e-6 + 9.6e-6 + 1e9 / (0.92 * 50e9))
 
 
 def test_the_presets_precision_sets_the_bytes_its_traffic_carries():
-    """A preset that trains in fp32 (the CPU's) prices the traffic ``communication.predict`` counts in fp32."""
+    """A preset that trains in fp32 (the CPU's) prices the traffic ``traffic.predict`` counts in fp32."""
     layout = Layout.resolve(8, dp_shard=4, tp=2)
     config = _config(layout)
     fp32 = dataclasses.replace(_bandwidth_only(H100), precision="fp32")
     for hardware in (_bandwidth_only(H100), fp32):
-        items = communication.predict(config, layout, 0, hardware.precision)
+        items = traffic.predict(config, layout, 0, hardware.precision)
         tp = sum(i.bus_bytes for i in items if i.dimension == "tp") / (0.8 * H100.intra_node)
         assert step_time.exposed_communication(config, layout, 0.0, hardware, 8)["tp"] == pytest.approx(tp)
     assert (step_time.exposed_communication(config, layout, 0.0, fp32, 8)["tp"]
@@ -136,21 +136,21 @@ def test_collective_latency_is_nccls_ring_model_per_call():
     crosses nodes; an all-reduce of n ranks on k nodes runs 2(n − 1) steps, 2(k − 1) of them across; an
     all-to-all's exchanges with its peers are posted together (one step)."""
     def item(collective, group, calls=3):
-        return communication.Traffic("dp", collective, "", calls, 0, tuple(group))
+        return traffic_items.Traffic("dp", collective, "", calls, 0, tuple(group))
     us = 1e-6
-    assert communication.startup(item("all_reduce", range(16)), H100, 8) == pytest.approx(
+    assert link_time.startup(item("all_reduce", range(16)), H100, 8) == pytest.approx(
         3 * (8.4 + 28 * 3.4 + 2 * 9.6) * us)
-    assert communication.startup(item("all_gather", range(8)), H100, 8) == pytest.approx(3 * (8.4 + 7 * 3.4) * us)
-    assert communication.startup(item("reduce_scatter", range(0, 32, 8)), H100, 8) == pytest.approx(
+    assert link_time.startup(item("all_gather", range(8)), H100, 8) == pytest.approx(3 * (8.4 + 7 * 3.4) * us)
+    assert link_time.startup(item("reduce_scatter", range(0, 32, 8)), H100, 8) == pytest.approx(
         3 * (8.4 + 3 * 9.6) * us)
     # an all-to-all waits for its 7 peers together: one step, across nodes when some peer is in another node
-    assert communication.startup(item("all_to_all", range(8)), H100, 4) == pytest.approx(3 * (8.4 + 9.6) * us)
-    assert communication.startup(item("all_to_all", range(8)), H100, 8) == pytest.approx(3 * (8.4 + 3.4) * us)
-    assert communication.startup(item("send", (0, 1), calls=1), H100, 8) == pytest.approx((8.4 + 3.4) * us)
+    assert link_time.startup(item("all_to_all", range(8)), H100, 4) == pytest.approx(3 * (8.4 + 9.6) * us)
+    assert link_time.startup(item("all_to_all", range(8)), H100, 8) == pytest.approx(3 * (8.4 + 3.4) * us)
+    assert link_time.startup(item("send", (0, 1), calls=1), H100, 8) == pytest.approx((8.4 + 3.4) * us)
 
 
 def _fsdp_item(collective, calls, what=""):
-    return communication.Traffic("fsdp", collective, what, calls, 0, tuple(range(8)))
+    return traffic_items.Traffic("fsdp", collective, what, calls, 0, tuple(range(8)))
 
 
 def test_sharding_time_splits_the_ends_the_last_backward_and_the_rest_by_hand():
@@ -184,7 +184,7 @@ def test_overlapped_traffic_shows_beyond_the_compute_or_as_the_compute_it_slows(
 def test_fsdp_traffic_shows_only_beyond_the_compute_it_overlaps():
     layout = Layout.resolve(8, dp_shard=8)
     config = _config(layout)
-    timed = [(item, communication.seconds(item, H100, 8)) for item in communication.predict(config, layout, 0, "bf16")
+    timed = [(item, link_time.seconds(item, H100, 8)) for item in traffic.predict(config, layout, 0, "bf16")
              if item.dimension == "fsdp"]
     fsdp = sum(seconds for _, seconds in timed)
     parts = step_time.sharding_time(timed, "step", 1)
@@ -210,8 +210,8 @@ def test_the_last_micro_batchs_gradient_reductions_hide_only_behind_its_backward
     hardware = dataclasses.replace(H100, overlap_slowdown=0.0)
     for grad_reduce in ("step", "microbatch"):
         config = _config(layout, overrides=[*SMALL, "train.micro_batch_size=1"])
-        config = planner.with_layout(config, layout, "none", grad_reduce)
-        timed = [(i, communication.seconds(i, H100, 8)) for i in communication.predict(config, layout, 0, "bf16")
+        config = layout_search.with_layout(config, layout, "none", grad_reduce)
+        timed = [(i, link_time.seconds(i, H100, 8)) for i in traffic.predict(config, layout, 0, "bf16")
                  if i.dimension == "fsdp"]
         reduces = [(i, s) for i, s in timed if i.collective == "reduce_scatter"]
         gathers = [(i, s) for i, s in timed if i.collective == "all_gather"]
@@ -261,7 +261,7 @@ def test_context_parallel_exchange_waits_in_full_and_the_search_weighs_cp_where_
     dropless = [*SMALL, "moe.capacity_factor=null"]
     layout = Layout.resolve(8, dp_shard=2, cp=2, tp=2)
     config = _config(layout, overrides=dropless)
-    items = [i for i in communication.predict(config, layout, 0, "bf16") if i.dimension == "cp"]
+    items = [i for i in traffic.predict(config, layout, 0, "bf16") if i.dimension == "cp"]
     assert {i.collective for i in items} == {"all_gather", "reduce_scatter", "all_reduce"}
     exposed = step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)
     assert exposed["cp"] == pytest.approx(sum(i.bus_bytes for i in items) / (0.8 * H100.intra_node))
@@ -274,15 +274,15 @@ def test_context_parallel_exchange_waits_in_full_and_the_search_weighs_cp_where_
 def test_mixtral_does_not_fit_on_eight_80_gib_gpus():
     """46.7B parameters × 16 bytes of model state / 8 GPUs = 93 GB > 80 GiB (86 GB), whatever the layout."""
     config = load_config("mixtral-8x7b", ["train.micro_batch_size=1"])
-    found = planner.search(config, 8, device_memory=80 * planner.GIB)
+    found = layout_search.search(config, 8, device_memory=80 * planner.GIB)
     assert found.considered > 0 and found.plans == [] and found.complete
     # the closest miss is the least memory of all candidates, as the memory model counts it
     candidate, need = found.closest
-    assert need == min(planner.memory_bytes(c.config, c.layout)[0]
-                       for c in planner.candidates(config, 8, H100, step_time.EFFICIENCY))
+    assert need == min(layout_search.memory_bytes(c.config, c.layout)[0]
+                       for c in layout_search.candidates(config, 8, H100, step_time.EFFICIENCY))
     assert need > 46.7e9 * 16 / 8
     text = planner.format_plans(config, found, 8, 80 * planner.GIB, H100, 0.5, 10)
-    described = planner.evaluate(candidate.config, candidate.layout, H100, 8, 0.5, need).describe()
+    described = layout_search.evaluate(candidate.config, candidate.layout, H100, 8, 0.5, need).describe()
     assert f"none fits: the closest, {described}, " in text
     assert f"needs {need / planner.GIB:.1f} GiB per GPU, {need / planner.GIB - 80:.1f} GiB more than 80 GiB" in text
 
@@ -298,23 +298,23 @@ def test_cli_prints_the_ranking_and_refuses_bad_arguments(capsys):
 def test_hardware_presets_and_overrides_reach_the_estimate():
     """Each preset names its source; H800's NVLink (200 GB/s a direction against H100's 450) stretches the same
     tp traffic by 450/200; B200's peak shortens compute by 2250/989; overrides replace one figure, bad ones refused."""
-    assert set(communication.HARDWARE) == {"a100-40gb", "a100-80gb", "h100", "h800", "h200", "b200"}
-    assert all(h.source and h.memory_gib > 0 and h.gpus_per_node == 8 for h in communication.HARDWARE.values())
+    assert set(gpu_presets.HARDWARE) == {"a100-40gb", "a100-80gb", "h100", "h800", "h200", "b200"}
+    assert all(h.source and h.memory_gib > 0 and h.gpus_per_node == 8 for h in gpu_presets.HARDWARE.values())
     layout = Layout.resolve(8, dp_shard=2, tp=4)
     config = _config(layout)
-    h800 = _bandwidth_only(communication.HARDWARE["h800"])
+    h800 = _bandwidth_only(gpu_presets.HARDWARE["h800"])
     on_h100 = step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), gpus_per_node=8)["tp"]
     on_h800 = step_time.exposed_communication(config, layout, 0.0, h800, gpus_per_node=8)["tp"]
     assert on_h800 == pytest.approx(on_h100 * 450 / 200)
-    b200 = communication.HARDWARE["b200"]
+    b200 = gpu_presets.HARDWARE["b200"]
     assert (step_time.compute_seconds(config, layout, H100.bf16_flops)
             == pytest.approx(step_time.compute_seconds(config, layout, b200.bf16_flops) * 2250 / 989))
-    custom = communication.hardware_with("h100", nvlink_gbps=100, memory_gib=40)
+    custom = gpu_presets.hardware_with("h100", nvlink_gbps=100, memory_gib=40)
     assert (custom.intra_node, custom.memory_gib, custom.inter_node) == (100e9, 40, H100.inter_node)
     with pytest.raises(ConfigError, match="--gpu 'v100' is not a preset"):
-        communication.hardware_with("v100")
+        gpu_presets.hardware_with("v100")
     with pytest.raises(ConfigError, match="--peak-tflops must be a positive number of TFLOP/s, got -1"):
-        communication.hardware_with("h100", peak_tflops=-1)
+        gpu_presets.hardware_with("h100", peak_tflops=-1)
 
 
 def test_the_cli_plans_for_a_preset_and_its_memory(capsys):
@@ -342,8 +342,8 @@ def test_ranks_sharing_cores_take_the_mean_stage_s_work_not_the_busiest_s():
     work at the shared rate: the mean rank's time, (3 blocks + (block + head)) / 4 of the busiest's. Not on GPUs,
     and not without pipelining. The bubble's critical path is still the busiest rank's at the unshared rate."""
     layout = Layout.resolve(4, pp=4)
-    config = planner.with_layout(load_config("moe-8x", ["train.precision=fp32"]), layout, "none",
-                                 schedule=("gpipe", 1), micro_batch_size=4)
+    config = layout_search.with_layout(load_config("moe-8x", ["train.precision=fp32"]), layout, "none",
+                                       schedule=("gpipe", 1), micro_batch_size=4)
     block = block_flops_per_token(config.model, config.moe, config.model.layer(0))
     head = head_flops_per_token(config.model)
     balance = (4 * block + head) / 4 / (block + head)
@@ -351,7 +351,7 @@ def test_ranks_sharing_cores_take_the_mean_stage_s_work_not_the_busiest_s():
     assert step_time.shared_balance(config, layout, sharing=1.0) == 1.0
     assert step_time.shared_balance(_config(Layout.resolve(4, dp_shard=4)), Layout.resolve(4, dp_shard=4), 2.0) == 1.0
     cpu = dataclasses.replace(_bandwidth_only(H100), sharing=2.0)
-    plan = planner.evaluate(config, layout, cpu, 8, efficiency=0.5, memory_total=0)
+    plan = layout_search.evaluate(config, layout, cpu, 8, efficiency=0.5, memory_total=0)
     busiest = step_time.compute_seconds(config, layout, cpu.bf16_flops * 0.5, cpu.memory_bandwidth)
     assert plan.compute == pytest.approx(busiest * balance)
     # 8 micro-batches, bubble 3/8: the critical path 1.375 × busiest / 2 is within the mean's time: no bubble
@@ -365,7 +365,7 @@ def test_interleaving_divides_the_bubble_by_v_and_each_rank_sums_its_stages():
     2, rank 1 stages 1 and 3 and the head; together every block once."""
     layout = Layout.resolve(8, pp=2, dp_shard=4)
     assert step_time.bubble_seconds(8.0, layout, microbatches=4, virtual_stages=2) == pytest.approx(8.0 / 8)
-    config = planner.with_layout(load_config("moe-8x", SMALL), layout, "none", schedule=("interleaved_1f1b", 2))
+    config = layout_search.with_layout(load_config("moe-8x", SMALL), layout, "none", schedule=("interleaved_1f1b", 2))
     model, moe = config.model, config.moe
     blocks = [block_flops_per_token(model, moe, model.layer(i)) for i in range(model.n_layers)]
     ranges = stage_layers(model, moe, 4)
@@ -404,8 +404,8 @@ def test_the_bounded_search_returns_the_same_first_plans_as_the_full_one():
     with context parallelism (a dropless model: train.py accepts cp)."""
     config = load_config("moe-8x", [*SMALL, "moe.capacity_factor=null"])
     for hardware in (_bandwidth_only(H100), H100):
-        full = planner.search(config, 8, 80 * planner.GIB, hardware=hardware)
-        bounded = planner.search(config, 8, 80 * planner.GIB, hardware=hardware, top=5)
+        full = layout_search.search(config, 8, 80 * planner.GIB, hardware=hardware)
+        bounded = layout_search.search(config, 8, 80 * planner.GIB, hardware=hardware, top=5)
         assert full.complete and any(p.layout.cp > 1 for p in full.plans)
         assert not bounded.complete and bounded.evaluated < full.evaluated / 10
         assert [(p.describe(), p.step, p.memory) for p in bounded.plans] == \
@@ -418,18 +418,18 @@ def test_traffic_floors_are_below_the_exposed_traffic_of_every_setting_they_stan
     ``every_micro_batch_size``, at most that of every size. Nodes of 4 GPUs put some groups across the network."""
     config = load_config("moe-8x", [*SMALL, "moe.capacity_factor=null", "train.global_batch_size=8"])
     floors, checked = {}, 0
-    for c in planner.candidates(config, 8, H100, step_time.EFFICIENCY):
+    for c in layout_search.candidates(config, 8, H100, step_time.EFFICIENCY):
         try:
             resolve_layout(c.config, 8)
         except ConfigError:
             continue
-        exposed = sum(planner.evaluate(c.config, c.layout, H100, 4, step_time.EFFICIENCY, 0).exposed.values())
+        exposed = sum(layout_search.evaluate(c.config, c.layout, H100, 4, step_time.EFFICIENCY, 0).exposed.values())
         for every_size, micro in ((False, c.micro_batch_size), (True, 8 // c.layout.dp)):
             key = (every_size, c.layout, micro, c.schedule[1])
             if key not in floors:
-                least = planner.with_layout(config, c.layout, "none", "step", c.schedule, micro)
-                floors[key] = planner.traffic_floor(least, c.layout, H100, 4, every_size)
-            assert floors[key] <= exposed * (1 + planner.ROUNDING), (c.setting, every_size)
+                least = layout_search.with_layout(config, c.layout, "none", "step", c.schedule, micro)
+                floors[key] = layout_search.traffic_floor(least, c.layout, H100, 4, every_size)
+            assert floors[key] <= exposed * (1 + layout_search.ROUNDING), (c.setting, every_size)
         checked += c.layout.cp > 1 and c.layout.pp > 1
     assert checked > 100
 
@@ -439,12 +439,13 @@ def test_the_micro_batch_of_one_bounds_the_memory_of_larger_ones_where_the_plann
     with micro-batches of one is at most that of the larger size (GPipe, where it fails, is left out)."""
     config = load_config("moe-8x", [*SMALL, "train.global_batch_size=32"])
     pairs = 0
-    for c in planner.candidates(config, 8, H100, step_time.EFFICIENCY):
-        smallest = planner.smallest_micro_batch(c)
+    for c in layout_search.candidates(config, 8, H100, step_time.EFFICIENCY):
+        smallest = layout_search.smallest_micro_batch(c)
         if smallest is None:
             continue
         try:
-            needs = [planner.memory_bytes(x.config, x.layout, resolve_layout(x.config, 8))[0] for x in (smallest, c)]
+            needs = [layout_search.memory_bytes(x.config, x.layout, resolve_layout(x.config, 8))[0]
+                     for x in (smallest, c)]
         except ConfigError:
             continue
         assert needs[0] <= needs[1], c.setting
@@ -458,11 +459,11 @@ def test_exposed_communication_is_the_busiest_stages_traffic_though_alike_stages
     config = load_config("moe-8x", [*SMALL, "model.n_layers=8", "train.micro_batch_size=1"])
     for schedule in (("1f1b", 1), ("interleaved_1f1b", 2)):
         layout = Layout.resolve(8, pp=4, dp_shard=2)
-        planned = planner.with_layout(config, layout, "none", schedule=schedule)
+        planned = layout_search.with_layout(config, layout, "none", schedule=schedule)
         totals = []
         for stage in range(4):
-            items = communication.predict(planned, layout, stage * 2, "bf16")
-            totals.append(sum(communication.seconds(i, H100, 2) for i in items))
+            items = traffic.predict(planned, layout, stage * 2, "bf16")
+            totals.append(sum(link_time.seconds(i, H100, 2) for i in items))
         exposed = step_time.exposed_communication(planned, layout, 0.0, H100, 2, microbatches=8)
         assert sum(exposed.values()) == pytest.approx(max(totals), rel=1e-12)
 
@@ -497,7 +498,7 @@ def test_each_printed_command_dry_runs_unchanged_to_its_plans_layout_and_memory(
     out = capsys.readouterr().out
     assert "80 GiB each (72.0 usable: 10% headroom" in out
     config = load_config("moe-8x", [*SMALL, "train.seed=3"])
-    found = planner.search(config, 8, 0.9 * 80 * planner.GIB, top=4)
+    found = layout_search.search(config, 8, 0.9 * 80 * planner.GIB, top=4)
     commands = [line.split(maxsplit=1)[1] for line in out.splitlines()[-4:]]
     assert len(found.plans) == 4 and all(p.memory <= 0.9 * 80 * planner.GIB for p in found.plans)
     for plan, command in zip(found.plans, commands, strict=True):
@@ -513,9 +514,10 @@ def test_each_printed_command_dry_runs_unchanged_to_its_plans_layout_and_memory(
 
 def test_overrides_name_only_what_the_plan_changed_and_nodes_split_the_world():
     config = load_config("moe-8x", SMALL)
-    plan = planner.evaluate(planner.with_layout(config, Layout.resolve(8, pp=2, dp_shard=2, tp=2, ep=2), "moe",
-                                                "microbatch", ("interleaved_1f1b", 2), 2),
-                            Layout.resolve(8, pp=2, dp_shard=2, tp=2, ep=2), H100, 8)
+    layout = Layout.resolve(8, pp=2, dp_shard=2, tp=2, ep=2)
+    plan = layout_search.evaluate(layout_search.with_layout(config, layout, "moe", "microbatch",
+                                                            ("interleaved_1f1b", 2), 2),
+                                  layout, H100, 8)
     assert planner.plan_overrides(plan, config) == [
         "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2",
         "parallel.activation_checkpointing=moe", "parallel.sequence_parallel=true", "parallel.grad_reduce=microbatch",
@@ -530,7 +532,7 @@ def test_headroom_is_applied_shown_and_checked(capsys):
     assert planner.main([*args, "--headroom", "1"]) == 2
     assert "--headroom must be a fraction in [0, 1), got 1.0" in capsys.readouterr().err
     mixtral = load_config("mixtral-8x7b", ["train.micro_batch_size=1"])
-    found = planner.search(mixtral, 8, 0.9 * 80 * planner.GIB)
+    found = layout_search.search(mixtral, 8, 0.9 * 80 * planner.GIB)
     text = planner.format_plans(mixtral, found, 8, 80 * planner.GIB, H100, 0.5, 10, usable=0.9 * 80 * planner.GIB)
     _, need = found.closest
     assert f"{need / planner.GIB - 72:.1f} GiB more than the 72.0 GiB usable of 80 GiB" in text
@@ -541,7 +543,7 @@ def test_muons_gathers_wait_in_full_and_the_search_runs_with_muon():
     charges their seconds whole (it failed on them before: no "muon" entry), and plans under Muon."""
     layout = Layout.resolve(8, dp_shard=4, tp=2)
     config = _config(layout, overrides=[*SMALL, "train.optimizer=muon"])
-    items = [i for i in communication.predict(config, layout, 0, "bf16") if i.dimension == "muon"]
+    items = [i for i in traffic.predict(config, layout, 0, "bf16") if i.dimension == "muon"]
     assert {i.collective for i in items} == {"all_gather", "reduce_scatter"}
     exposed = step_time.exposed_communication(config, layout, 0.0, _bandwidth_only(H100), 8)
     assert exposed["muon"] == pytest.approx(sum(i.bus_bytes for i in items) / (0.8 * H100.intra_node))

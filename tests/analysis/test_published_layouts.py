@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from analysis import communication, planner, published_layouts, step_time
+from analysis import gpu_presets, layout_search, planner, published_layouts, step_time, traffic
 from analysis.published_layouts import A100, TABLE1, Published, gpt_config, is_published, paper_flops
 from moe.accounting import parameter_counts
 from parallel.layout import Layout
@@ -17,7 +17,7 @@ def test_a_rows_rank_is_its_place_in_the_full_ranking_the_cli_prints():
     fastest setting among every plan that fits, found without bounds."""
     row = Published("tiny", 4, 256, 4, 2, 2, 8, 16, 100.0)
     result = published_layouts.published_row(row)
-    full = planner.search(gpt_config(row), 8, 80 * planner.GIB, 8, A100)
+    full = layout_search.search(gpt_config(row), 8, 80 * planner.GIB, 8, A100)
     assert full.complete and len(full.plans) > 20
     position = next(i for i, p in enumerate(full.plans, 1) if is_published(p, row))
     assert result.best.step == full.plans[position - 1].step
@@ -35,7 +35,7 @@ def test_a_rows_rank_is_its_place_in_the_full_ranking_the_cli_prints():
 def test_eq3_agrees_with_the_toolkits_flop_count_under_full_recompute(row):
     """The paper's Eq. 3 (GeLU FFN of 4h) against this toolkit's count of the row's model (SwiGLU of 8h/3, rounded)
     with every block recomputed: within 0.5%."""
-    config = planner.with_layout(gpt_config(row), Layout.resolve(1), "full")
+    config = layout_search.with_layout(gpt_config(row), Layout.resolve(1), "full")
     ours = sum(step_time.stage_flops_per_token(config, Layout.resolve(1))) * row.batch * 2048
     assert ours == pytest.approx(paper_flops(row), rel=5e-3)
 
@@ -43,7 +43,7 @@ def test_eq3_agrees_with_the_toolkits_flop_count_under_full_recompute(row):
 def test_rank_among_the_published_data_parallel_degree_counts_only_its_tp_pp_splits():
     row = Published("tiny", 4, 256, 4, 2, 2, 8, 16, 100.0)
     result = published_layouts.published_row(row)
-    full = planner.search(gpt_config(row), 8, 80 * planner.GIB, 8, A100)
+    full = layout_search.search(gpt_config(row), 8, 80 * planner.GIB, 8, A100)
     faster = {(p.layout, p.config.parallel.pp_schedule, p.config.parallel.pp_virtual_stages) for p in full.plans
               if p.step < result.best.step and (p.layout.dp_shard, p.layout.dp_replicate) == (1, 2)}
     assert result.rank_same_dp == 1 + len(faster)
@@ -55,7 +55,7 @@ def test_a_published_moe_mappings_rank_is_its_place_in_the_full_ranking():
     row = published_layouts.PublishedMoE("tiny", "moe-8x", small, "h100", 8, 16, 1, 2, 2, 1, 2, "a test")
     result = published_layouts.published_moe_row(row)
     config = published_layouts.load_config("moe-8x", [*small, "train.global_batch_size=16"])
-    full = planner.search(config, 8, 80 * planner.GIB, 8, published_layouts.communication.HARDWARE["h100"])
+    full = layout_search.search(config, 8, 80 * planner.GIB, 8, gpu_presets.HARDWARE["h100"])
     mine = [p for p in full.plans if (p.layout.tp, p.layout.pp, p.layout.ep, p.layout.etp,
                                       p.config.parallel.pp_virtual_stages) == (1, 2, 2, 1, 2)]
     assert result.best.step == mine[0].step
@@ -70,7 +70,7 @@ def test_zero3_rows_move_8_bytes_per_parameter_per_step():
     what DeepSpeed's ZeRO-3 moves with recompute too (3 fp16 gathers, one fp16 reduce-scatter)."""
     row = published_layouts.TABLE2[0]
     plan = published_layouts.zero3_plan(row)
-    items = [i for i in published_layouts.communication.predict(plan.config, plan.layout, 0, "bf16")
+    items = [i for i in traffic.predict(plan.config, plan.layout, 0, "bf16")
              if i.dimension == "fsdp"]
     params = parameter_counts(plan.config.model, plan.config.moe).total
     assert sum(i.bus_bytes for i in items) == pytest.approx(8 * params * (row.gpus - 1) / row.gpus, rel=1e-2)
@@ -79,8 +79,8 @@ def test_zero3_rows_move_8_bytes_per_parameter_per_step():
 
 def test_the_network_and_overlap_figures_are_table_2s_calibration():
     """The constants the estimate uses are what the calibration from the published rows gives (to 2 digits)."""
-    assert round(published_layouts.calibrated_network_efficiency(), 2) == communication.NETWORK_EFFICIENCY
-    assert round(published_layouts.calibrated_overlap_slowdown(), 2) == communication.OVERLAP_SLOWDOWN
+    assert round(published_layouts.calibrated_network_efficiency(), 2) == gpu_presets.NETWORK_EFFICIENCY
+    assert round(published_layouts.calibrated_overlap_slowdown(), 2) == gpu_presets.OVERLAP_SLOWDOWN
 
 
 def test_zero3_estimates_follow_table_2_within_15_percent_and_the_traffic_bound_rows_do_not_speed_up():

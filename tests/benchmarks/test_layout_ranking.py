@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import layout_ranking as benchmark  # noqa: E402
 
-from analysis import communication  # noqa: E402
+from analysis import link_time, traffic_items  # noqa: E402
 
 
 def test_spearman_matches_the_textbook_formula_and_averages_ties():
@@ -40,11 +40,11 @@ def test_preset_takes_the_median_collective_rate_and_the_planner_prices_a_layout
     for name in benchmark.COLLECTIVES:
         members = (0, 1) if name == "send" else tuple(range(world))
         calls = 2 if name == "send" else 1
-        item = communication.Traffic("", name, "", 1, 0, members)
-        steps = communication.ring_steps(item, world)[0]
+        item = traffic_items.Traffic("", name, "", 1, 0, members)
+        steps = link_time.ring_steps(item, world)[0]
         for nbytes in (benchmark.SMALL, benchmark.LARGE):
             buffer = max(nbytes // 4 // world * world, world) * 4
-            times[name, nbytes] = calls * (call + steps * step + communication.bus_bytes(name, buffer,
+            times[name, nbytes] = calls * (call + steps * step + traffic_items.bus_bytes(name, buffer,
                                                                                         len(members)) / rate)
     hardware, rates = benchmark.preset(world, 5e10, times)
     assert all(r == pytest.approx(rate) for r in rates.values())
