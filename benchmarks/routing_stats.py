@@ -47,11 +47,11 @@ from config.run import load_config
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel.resolve import micro_batching
-from training.loop import IntervalStats, StepContext, train_step
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer
 from training.routing_log import RoutingLog, log_routing_charts
 from training.routing_stats import RoutingAccumulator, routing_metrics
+from training.step import IntervalStats, StepContext, train_step
 
 
 def _time(fn, repeats: int) -> float:

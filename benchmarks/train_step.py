@@ -1,7 +1,7 @@
 """One training step end to end, and where its time goes: attention, expert GEMMs, routing and permutation,
 the optimizer, the rest.
 
-What is measured. ``training.loop.train_step`` (micro-batches, backward, gradient clipping, AdamW) on one
+What is measured. ``training.step.train_step`` (micro-batches, backward, gradient clipping, AdamW) on one
 process: on CPU ``configs/moe-8x.yaml`` as it is (its precision choice included); on CUDA a Mixtral-shaped
 slice (Mixtral 8x7B's d_model 4096, 32 heads with 8 KV heads, 8 experts of hidden 14336, top-2, dropless,
 vocabulary 32000, sequences of 4096 tokens, bf16; 8 sequences per step in micro-batches of one) with as many
@@ -57,8 +57,8 @@ from moe.transformer import MoETransformer  # noqa: E402
 from parallel.compile import apply_compile  # noqa: E402
 from parallel.expert import ExpertParallelExperts  # noqa: E402
 from parallel.hardware import GPU_BF16_PEAK, choose_precision, keep_freed_memory  # noqa: E402
-from training.loop import IntervalStats, StepContext, train_step  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
+from training.step import IntervalStats, StepContext, train_step  # noqa: E402
 
 CATEGORIES = ("attention", "expert GEMMs", "routing and permutation", "optimizer", "the rest")
 MIXTRAL_SLICE = ["model.vocab_size=32000", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8",

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import training.loop as loop
+import training.step as step
 from analysis.collective_count import CollectiveCounter
 from analysis.communication import main
 from analysis.traffic import predict
@@ -144,7 +145,7 @@ def _key(key: tuple[str, tuple[int, ...]]) -> str:
 def _worker(rank: int, world_size: int, cases: dict[str, list[str]], out: str) -> None:
     runtime = init_runtime()
     counters: list[CollectiveCounter] = []
-    original_step, original_clip = loop.train_step, loop.clip_grad_norm_
+    original_step, original_clip = loop.train_step, step.clip_grad_norm_
 
     def counted_step(*args, **kwargs):
         counters.append(CollectiveCounter())
@@ -162,7 +163,7 @@ def _worker(rank: int, world_size: int, cases: dict[str, list[str]], out: str) -
             return original_muon_step(self, *args, **kwargs)
 
     original_precision = loop.choose_precision
-    loop.train_step, loop.clip_grad_norm_, Muon._muon = counted_step, counted_clip, counted_muon_step
+    loop.train_step, step.clip_grad_norm_, Muon._muon = counted_step, counted_clip, counted_muon_step
     # train.precision=bf16 on a CPU measures a bf16 matmul for the MFU peak (seconds where bf16 is emulated)
     loop.choose_precision = lambda requested, device: PrecisionChoice(requested, "test", 1.0, "test")
     results = {}
@@ -183,7 +184,7 @@ def _worker(rank: int, world_size: int, cases: dict[str, list[str]], out: str) -
                              "small": sum(sent for _, sent in counters[-1].totals("small").values()),
                              "seconds": time.perf_counter() - started}
     finally:
-        loop.train_step, loop.clip_grad_norm_, loop.choose_precision = original_step, original_clip, original_precision
+        loop.train_step, step.clip_grad_norm_, loop.choose_precision = original_step, original_clip, original_precision
         Muon._muon = original_muon_step
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 

@@ -14,7 +14,7 @@ import train_step as benchmark  # noqa: E402
 
 from config.run import load_config  # noqa: E402
 from tests.training.test_data_loss import TINY  # noqa: E402
-from training.loop import IntervalStats, StepContext, train_step  # noqa: E402
+from training.step import IntervalStats, StepContext, train_step  # noqa: E402
 
 
 def test_backward_operators_take_their_forward_modules_category():

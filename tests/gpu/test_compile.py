@@ -18,8 +18,8 @@ import torch._dynamo
 
 from parallel.compile import apply_compile, compile_unavailable
 from tests.gpu.helpers import batch, moe_8x
-from training.loop import IntervalStats, StepContext, train_step
 from training.optim import build_optimizer
+from training.step import IntervalStats, StepContext, train_step
 
 STEPS = 4
 RELATIVE = 0.02

@@ -14,8 +14,8 @@ import torch
 from moe.experts import megablocks_unavailable
 from parallel.tensor import lm_loss
 from tests.gpu.helpers import batch, host_syncs, moe_8x
-from training.loop import IntervalStats, StepContext, train_step
 from training.optim import build_optimizer
+from training.step import IntervalStats, StepContext, train_step
 
 CASES = {"dropless": (["moe.capacity_factor=null", "moe.backend=torch"], 0),
          "capacity": (["moe.backend=torch"], 1),

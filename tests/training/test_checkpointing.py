@@ -15,6 +15,7 @@ import torch
 import yaml
 
 import training.loop
+import training.step
 from config.errors import ConfigError
 from config.run import load_config
 from data.sampler import TokenSampler
@@ -190,14 +191,14 @@ def test_metadata_loading_runs_no_code(tmp_path, monkeypatch):
 
 def test_non_finite_steps_are_skipped_then_the_run_stops_naming_the_last_good_state(tmp_path, monkeypatch, capsys):
     calls = {"n": 0}
-    real_loss = training.loop.lm_loss
+    real_loss = training.step.lm_loss
 
     def poisoned(logits, targets):  # from the third step on, the loss is NaN
         calls["n"] += 1
         loss = real_loss(logits, targets)
         return loss * float("nan") if calls["n"] > 2 else loss
 
-    monkeypatch.setattr(training.loop, "lm_loss", poisoned)
+    monkeypatch.setattr(training.step, "lm_loss", poisoned)
     settings = ["train.steps=8", "checkpoint.interval=1", "train.max_bad_steps=3", "train.eval_batches=1"]
     with pytest.raises(training.loop.NonFiniteLossError, match="3 non-finite steps in a row") as error:
         run(settings, 1, tmp_path)

@@ -14,9 +14,9 @@ import yaml
 import train
 from config.run import load_config
 from moe.transformer import MoETransformer
-from training.loop import IntervalStats, StepContext, train_step
 from training.metrics import read_metrics
 from training.optim import build_optimizer
+from training.step import IntervalStats, StepContext, train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 
