@@ -12,9 +12,10 @@ from collections import defaultdict
 import torch
 
 from analysis.dispatch_reach import exchange_counts, node_exchange_counts
-from analysis.memory_states import root_tensors, sharded_numel
+from analysis.memory_states import rank_blocks, root_tensors, sharded_numel
 from analysis.traffic_items import Traffic, _add, _gradient_syncs, _Step, coordinates
 from config.run import RunConfig
+from moe.attention import attention_kind
 from moe.dispatch import expert_capacity
 from parallel.expert import exchanges_by_node, exchanges_pairs
 from parallel.ranks import expert_nodes
@@ -74,26 +75,39 @@ def _tp_pair(out: list[Traffic], step: _Step, what: str, n_layers: int, recomput
     else:
         _add(out, "tp", "all_reduce", f"{what} output (forward)", n_layers * m * (1 + recompute_out),
              full * act, group)
-    if what == "attention" and model.latent_attention:
-        _latent_gradients(out, step, len(step.layers))
+    if what == "attention":
+        _attention_input_gradients(out, step)
         return
     _add(out, "tp", "reduce_scatter" if sp else "all_reduce", f"{what} input gradient (backward)",
          n_layers * m, full * fp32, group)
 
 
-def _latent_gradients(out: list[Traffic], step: _Step, n_layers: int) -> None:
-    """Latent attention's input gradient (``parallel/tensor.py``): whole on every rank, so no collective at
-    the block's input; instead the inputs each rank's heads use in part have their gradients summed: the
-    query's (the latent [T, c'], or the block input [T, D] without a bottleneck), the key/value latent's
-    [T, c] and the shared rotary key's [T, r], all in the activations' dtype (counted: under bf16 autocast the
-    column-parallel projections reduce their input's gradient before it is cast back to fp32, and RoPE
-    returns its input's dtype)."""
+def _attention_kinds(step: _Step) -> dict[type, int]:
+    """This rank's attention layers (its blocks', the multi-token-prediction modules' among them) by kind."""
+    kinds: dict[type, int] = {}
+    for block, count in rank_blocks(step.config.model, step.config.moe, list(step.layers)):
+        kind = attention_kind(block.layer)
+        kinds[kind] = kinds.get(kind, 0) + count
+    return kinds
+
+
+def _attention_input_gradients(out: list[Traffic], step: _Step) -> None:
+    """Each attention kind's input gradient under tp, as the kind states it (``input_gradient_sums``): the block
+    input's, reduced as any column-parallel input's (fp32), or, where the input's gradient is whole on every rank
+    (latent attention, ``parallel/tensor.py``), the sums of the inputs each rank's heads use in part, in the
+    activations' dtype (counted: under bf16 autocast the column-parallel projections reduce their input's gradient
+    before it is cast back to fp32, and RoPE returns its input's dtype)."""
     model, m, group, act = step.config.model, step.microbatches, step.group("tp"), step.act
-    query = model.q_lora_rank or model.d_model
-    for name, width in (("query latent", query), ("key/value latent", model.kv_lora_rank),
-                        ("shared rotary key", model.qk_rope_head_dim)):
-        _add(out, "tp", "all_reduce", f"attention {name} gradient (backward)", n_layers * m,
-             step.tokens * width * act, group)
+    sp = step.config.parallel.sequence_parallel
+    for kind, n_layers in _attention_kinds(step).items():
+        sums = kind.input_gradient_sums(model)
+        if sums is None:
+            _add(out, "tp", "reduce_scatter" if sp else "all_reduce", "attention input gradient (backward)",
+                 n_layers * m, step.tokens * model.d_model * 4, group)
+            continue
+        for name, width in sums:
+            _add(out, "tp", "all_reduce", f"attention {name} gradient (backward)", n_layers * m,
+                 step.tokens * width * act, group)
 
 
 def _tp_moe(out: list[Traffic], step: _Step) -> None:
@@ -176,14 +190,13 @@ def context_parallel_traffic(step: _Step) -> list[Traffic]:
     if layout.cp == 1:
         return out
     group, m, seq = step.group("cp"), step.microbatches, model.seq_len
-    if model.latent_attention:  # the normalised latent and the rotated shared key of every position
-        gathered = step.micro * seq * (model.kv_lora_rank + model.qk_rope_head_dim) * step.act
-    else:  # k and v of this tp rank's key/value heads, on the channel dim
-        gathered = step.micro * (model.kv_heads // layout.tp) * seq * 2 * model.head_size * step.act
-    attention_runs = len(step.layers) * m * (1 + int(step.config.parallel.activation_checkpointing == "full"))
-    _add(out, "cp", "all_gather", "keys and values of the sequence (forward)", attention_runs, gathered, group)
-    _add(out, "cp", "reduce_scatter", "keys' and values' gradients (backward)", len(step.layers) * m, gathered,
-         group)
+    for kind, n_layers in _attention_kinds(step).items():
+        # what the kind gathers of every position (``sequence_gather_width``): k and v of this tp rank's key/value
+        # heads; the normalised latent and the rotated shared key of latent attention
+        gathered = step.micro * seq * kind.sequence_gather_width(model, layout.tp) * step.act
+        attention_runs = n_layers * m * (1 + int(step.config.parallel.activation_checkpointing == "full"))
+        _add(out, "cp", "all_gather", "keys and values of the sequence (forward)", attention_runs, gathered, group)
+        _add(out, "cp", "reduce_scatter", "keys' and values' gradients (backward)", n_layers * m, gathered, group)
     moe_layers = sum(model.is_moe_layer(i) for i in step.layers)
     sequences = step.micro if moe.aux_loss_scope == "sequence" else 1
     _add(out, "cp", "all_reduce", "balancing loss's assignment counts (forward)",
