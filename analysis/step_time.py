@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from analysis import gpu_presets, link_time, traffic_items
 from analysis.memory_states import local_layers, rank_blocks
 from analysis.traffic import predict
-from config.model import LayerSpec
+from config.model import LayerSpec, ModelConfig
 from config.run import RunConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, per_model
 from moe.attention import attention_kind
@@ -64,9 +64,10 @@ def stage_flops_per_token(config: RunConfig, layout: Layout) -> list[float]:
     return [sum(flops for flops, _ in rank) for rank in _rank_block_flops(config, layout)]
 
 
-def _rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, LayerSpec | None]]]:
-    """Each pipeline rank's (training FLOPs per token, kind of block) of its blocks, recompute included; the head last
-    (kind None: no roofline, its matmul is the largest of the model)."""
+def _rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, int | None]]]:
+    """Each pipeline rank's (training FLOPs per token, kind of block) of its blocks, recompute included, the kind as
+    its index in ``block_kinds`` (a small int: the planner looks each up millions of times); the head last (kind
+    None: no roofline, its matmul is the largest of the model)."""
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
     key = (layout.pp, config.parallel.pp_virtual_stages, recompute)
     known = per_model(_RANK_BLOCK_FLOPS, model, moe, dict)
@@ -78,17 +79,19 @@ def _rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[floa
 _RANK_BLOCK_FLOPS: dict = {}  # a per_model store of _rank_block_flops by (pp, v, recompute)
 
 
-def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, LayerSpec | None]]]:
+def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, int | None]]]:
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
     stages = layout.pp * config.parallel.pp_virtual_stages
     ranges = stage_layers(model, moe, stages) if layout.pp > 1 else [range(model.n_layers)]
-    ranks: list[list[tuple[float, LayerSpec | None]]] = [[] for _ in ranges[:layout.pp]]
+    ranks: list[list[tuple[float, int | None]]] = [[] for _ in ranges[:layout.pp]]
 
-    def block(i: int) -> tuple[float, LayerSpec]:
+    kinds = block_kinds(model)
+
+    def block(i: int) -> tuple[float, int]:
         """Block i's FLOPs per token, its forward again where recomputed (2 of 6 FLOPs per parameter)."""
         layer = model.layer(i)
         recomputed = recompute == "full" or (recompute == "moe" and layer.is_moe)
-        return block_flops_per_token(model, moe, layer) * (4 / 3 if recomputed else 1), layer
+        return block_flops_per_token(model, moe, layer) * (4 / 3 if recomputed else 1), kinds.index(layer)
 
     for index, layers in enumerate(ranges):
         ranks[index % layout.pp].extend(block(i) for i in layers)
@@ -100,6 +103,11 @@ def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tupl
         last.append(block(model.n_layers + k))
         last.append((6.0 * (2 * d * d + 3 * d + model.vocab_size * d), None))
     return ranks
+
+
+def block_kinds(model: ModelConfig) -> tuple[LayerSpec, ...]:
+    """The kinds of block of the layer pattern, in the order they first appear."""
+    return tuple(dict.fromkeys(model.layer_pattern))
 
 
 def block_gemms(config: RunConfig, layout: Layout, tokens: int, layer: LayerSpec) -> list[tuple[float, int, int, int]]:
@@ -145,15 +153,16 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: f
 
 
 def block_slowdowns(config: RunConfig, layout: Layout, tokens: int, peak: float,
-                    bandwidth: float) -> dict[LayerSpec | None, float]:
-    """``roofline_slowdown`` of each kind of block of the layer pattern and the head (None: 1) on ``tokens``
-    tokens a micro-batch. Remembered per model and (tp, ep, etp, tokens, peak, bandwidth): the planner's
+                    bandwidth: float) -> dict[int | None, float]:
+    """``roofline_slowdown`` of each kind of block (by its index in ``block_kinds``) and the head (None: 1) on
+    ``tokens`` tokens a micro-batch. Remembered per model and (tp, ep, etp, tokens, peak, bandwidth): the planner's
     candidates share a few of these among tens of thousands of settings."""
     key = (layout.tp, layout.ep, layout.etp, tokens, peak, bandwidth)
     known = per_model(_BLOCK_SLOWDOWNS, config.model, config.moe, dict)
     if key not in known:
-        known[key] = {kind: roofline_slowdown(block_gemms(config, layout, tokens, kind), peak, bandwidth)
-                      if bandwidth < math.inf else 1.0 for kind in set(config.model.layer_pattern)} | {None: 1.0}
+        known[key] = {index: roofline_slowdown(block_gemms(config, layout, tokens, kind), peak, bandwidth)
+                      if bandwidth < math.inf else 1.0 for index, kind in enumerate(block_kinds(config.model))}
+        known[key][None] = 1.0
     return known[key]
 
 
