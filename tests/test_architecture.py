@@ -197,3 +197,12 @@ def test_modules_and_functions_stay_readable():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80:
                 long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, "\n".join(long)
+
+
+def test_every_package_and_subpackage_is_installed():
+    """pyproject.toml lists packages explicitly, and setuptools installs no subpackage it is not told of: a wheel
+    without ``moe.attention`` would import nothing."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(path.parent.relative_to(ROOT).parts) for package in PACKAGES
+             for path in (ROOT / package).rglob("__init__.py")}
+    assert listed == found
