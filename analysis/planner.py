@@ -24,11 +24,11 @@ and ``analysis.step_time`` its step time on the ``--gpu`` preset of ``analysis.g
 GB, H100, H800, H200, B200: datasheet bandwidths, peak, memory and HBM bandwidth, each figure's source named there;
 any figure but the HBM's can be overridden): compute, pipeline bubble and exposed communication.
 
-step = compute + bubble + exposed communication. ``search`` orders the candidates by compute + bubble, a
-bound no step goes below, raises the bound of those still within reach by the least traffic their layout can
-have (``traffic_floor``), and estimates memory and traffic only for those that can still enter the first
-``--top``. The times are estimates for comparing layouts, not promises. Not modelled: kernel-launch
-and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
+step = compute + bubble + exposed communication. ``search`` (``analysis/layout_search.py``) orders the candidates
+by compute + bubble, a bound no step goes below, raises the bound of those still within reach by the least traffic
+their layout can have (``layout_search.traffic_floor``), and estimates memory and traffic only for those that can
+still enter the first ``--top``. The times are estimates for comparing layouts, not promises. Not modelled: kernel-
+launch and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
 """
 
 from __future__ import annotations
