@@ -27,8 +27,8 @@ any figure but the HBM's can be overridden): compute, pipeline bubble and expose
 step = compute + bubble + exposed communication. ``search`` (``analysis/layout_search.py``) orders the candidates
 by compute + bubble, a bound no step goes below, raises the bound of those still within reach by the least traffic
 their layout can have (``layout_search.traffic_floor``), and estimates memory and traffic only for those that can
-still enter the first ``--top``. The times are estimates for comparing layouts, not promises. Not modelled: kernel-
-launch and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
+still enter the first ``--top``. The times are estimates for comparing layouts, not promises. Not modelled:
+kernel-launch and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
 """
 
 from __future__ import annotations
