@@ -129,6 +129,12 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    @property
+    def slides(self) -> bool:
+        """Whether some layer attends within a sliding window (``attention_window``'s rule, without a loop)."""
+        return self.sliding_window is not None and (self.layer_types is None
+                                                    or "sliding_attention" in self.layer_types)
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index``'s feed-forward is MoE: ``mlp_layer_types``' word, or the shorthand's rule. The
         multi-token-prediction modules' blocks (``index`` >= n_layers) are of the kind the layers after the last
@@ -202,32 +208,30 @@ class ModelConfig:
     def _validate_mlp_layer_types(self) -> None:
         if self.mlp_layer_types is None:
             return
-        require(len(self.mlp_layer_types) == self.n_layers,
-                f"model.mlp_layer_types has {len(self.mlp_layer_types)} entries; it needs one per layer "
-                f"(model.n_layers={self.n_layers})")
-        for index, kind in enumerate(self.mlp_layer_types):
-            require(kind in FEED_FORWARD_LAYER_TYPES, f"model.mlp_layer_types[{index}]={kind!r} is not a feed-forward "
-                                                      f"kind; valid: {list(FEED_FORWARD_LAYER_TYPES)}")
+        self._require_one_per_layer("mlp_layer_types", FEED_FORWARD_LAYER_TYPES, "feed-forward kind")
         require((self.moe_every, self.first_moe_layer) == (1, 0),
                 f"model.mlp_layer_types gives each layer's feed-forward; model.moe_every={self.moe_every} and "
                 f"model.first_moe_layer={self.first_moe_layer} are its shorthand: set one or the other (leave "
                 "moe_every at 1 and first_moe_layer at 0 with mlp_layer_types)")
 
     def _validate_sliding_window(self) -> None:
-        kinds = ATTENTION_LAYER_TYPES
         if self.sliding_window is not None:
             require(0 < self.sliding_window <= self.seq_len,
                     f"model.sliding_window={self.sliding_window} must be between 1 and model.seq_len={self.seq_len} "
                     "(a window of the whole sequence is full attention: leave it null)")
         if self.layer_types is None:
             return
-        require(len(self.layer_types) == self.n_layers,
-                f"model.layer_types has {len(self.layer_types)} entries; it needs one per layer "
-                f"(model.n_layers={self.n_layers})")
-        for index, kind in enumerate(self.layer_types):
-            require(kind in kinds, f"model.layer_types[{index}]={kind!r} is not a layer type; valid: {list(kinds)}")
+        self._require_one_per_layer("layer_types", ATTENTION_LAYER_TYPES, "layer type")
         require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
                 "model.layer_types has sliding_attention layers: set model.sliding_window (GPT-OSS: 128)")
+
+    def _require_one_per_layer(self, key: str, valid: tuple[str, ...], what: str) -> None:
+        """A per-layer list of the pattern (``layer_types``, ``mlp_layer_types``): one word per layer, each valid."""
+        words = getattr(self, key)
+        require(len(words) == self.n_layers,
+                f"model.{key} has {len(words)} entries; it needs one per layer (model.n_layers={self.n_layers})")
+        for index, word in enumerate(words):
+            require(word in valid, f"model.{key}[{index}]={word!r} is not a {what}; valid: {list(valid)}")
 
     def _validate_rope_scaling(self) -> None:
         yarn_keys = ("rope_original_seq_len", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor")

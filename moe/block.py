@@ -37,7 +37,6 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelConfig, moe_config: MoEConfig, layer: LayerSpec):
         super().__init__()
-        self.layer = layer
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = build_attention(config, layer)
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps)

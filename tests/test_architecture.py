@@ -169,7 +169,8 @@ def test_attention_runs_through_the_one_kernel_core():
     assert kinds
     for module in kinds:
         source = modules()[module].read_text(encoding="utf-8")
-        assert "attend(" in source and "choose_kernel(" in source, f"{module} bypasses the kernel core"
+        # they attend through ``attend`` and count their bytes by ``training_kernel``, both ``choose_kernel``'s
+        assert "attend(" in source and "training_kernel(" in source, f"{module} bypasses the kernel core"
 
 
 def test_the_model_and_block_name_no_family_and_no_attention_option():

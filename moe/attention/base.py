@@ -24,8 +24,10 @@ from moe.max_logits import LogitTracker, max_attention_logits
 class AttentionKind(nn.Module):
     """The base of every attention kind: the context protocol, which a kind's ``forward`` calls in its order.
 
-    ``gather_sequence`` is an identity here; ``parallel/context.py`` makes it an all-gather over the
-    context-parallel ranks (its backward sums each gathered position's gradient from every rank's queries).
+    ``gather_sequence`` ([.., S / cp, C] -> [.., S, C], the ranks' positions in ``SequenceShards.key_positions``'
+    order) is an identity here; ``parallel/context.py`` makes it an all-gather over the context-parallel ranks (its
+    backward sums each gathered position's gradient from every rank's queries). A kind calls it, once per layer,
+    on what its queries need of every position, when ``documents.sharded``.
     ``logit_tracker`` is set by QK-clip (``training/qk_clip.py``): each training forward then records every head's
     largest logit over the keys its queries may see.
     """
@@ -43,11 +45,6 @@ class AttentionKind(nn.Module):
         start = 0 if cache is None else cache.length
         cos, sin = rotary_tables(cos, sin, start, x.shape[1], documents)
         return start, cos, sin
-
-    def gather(self, x: Tensor, documents: Documents | None) -> Tensor:
-        """Every context-parallel rank's positions of ``x`` [.., S / cp, C] -> [.., S, C] in the gather's rank order
-        (``SequenceShards.key_positions``), in one exchange; x itself outside context parallelism."""
-        return self.gather_sequence(x) if documents is not None and documents.sharded else x
 
     def track(self, q: Tensor, k: Tensor, scale: float, cache: LayerCache | None, documents: Documents | None,
               window: int | None = None) -> None:

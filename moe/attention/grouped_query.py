@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
-from moe.attention.kernel import BLOCKED_WINDOW, attend, attends_by_chunks, choose_kernel, kernel_saved_bytes
+from moe.attention.kernel import BLOCKED_WINDOW, attend, kernel_saved_bytes, training_kernel
 from moe.documents import Documents
 from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm
@@ -69,7 +69,7 @@ class GroupedQueryAttention(AttentionKind):
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         k, v, cache_mask = (k, v, None) if cache is None else cache.extend(k, v)
         if documents is not None and documents.sharded:  # every context-parallel rank's k and v, in one exchange
-            k, v = self.gather(torch.cat((k, v), dim=-1), documents).chunk(2, dim=-1)
+            k, v = self.gather_sequence(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
         scale = self.head_dim ** -0.5
         self.track(q, k, scale, cache, documents, self.window)
         out = attend(q, k, v, scale, start, self.window, self.sinks, cache_mask, documents)
@@ -143,8 +143,7 @@ class GroupedQueryAttention(AttentionKind):
         gathered [b, kv_heads, S, 2·hd] tensor, or, by chunks, copies in position order of the same bytes."""
         heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
         sink = model.attention_sinks
-        kernel = choose_kernel(mb.positions, layer.window, sink, sharded=mb.cp > 1,
-                               documents_masked=mb.cp > 1 and not attends_by_chunks(model))
+        kernel = training_kernel(model, mb, layer.window, sink)
         total = linear_input_bytes(mb, model.d_model, 3)
         total += kernel_saved_bytes(kernel, mb, heads, kv_heads, hd, window=layer.window, sink=sink)
         contiguous_view = heads == 1 and not (sink or kernel == BLOCKED_WINDOW)

@@ -58,10 +58,17 @@ def attends_by_chunks(model: ModelConfig) -> bool:
     layer's kernel is then ``chunks`` (no layer has a window or sinks, whose kernel is ``masked``). The one rule the
     model (``moe.documents.documents_of``'s ``masked``) and the memory model's mask bytes follow; packed documents
     need the mask anyway."""
-    slides = model.sliding_window is not None and (model.layer_types is None
-                                                   or "sliding_attention" in model.layer_types)
-    window = model.sliding_window if slides else None  # some layer's window (each layer's alike: ``model.layer``)
+    window = model.sliding_window if model.slides else None  # some layer's window (every sliding layer's alike)
     return choose_kernel(model.seq_len, window, model.attention_sinks, sharded=True) == CHUNKS
+
+
+def training_kernel(model: ModelConfig, mb: MicroBatch, window: int | None = None, sinks: bool = False) -> str:
+    """The kernel a layer runs on a training micro-batch of whole sequences (packed documents' masks are not in
+    the memory model), ``choose_kernel``'s answer that the kinds' ``saved_bytes`` count: a context-parallel rank's
+    positions of them attend by chunks, or under the whole-sequence mask where some layer needs one."""
+    sharded = mb.cp > 1
+    return choose_kernel(mb.positions, window, sinks, sharded=sharded,
+                         documents_masked=sharded and not attends_by_chunks(model))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, start: int = 0, window: int | None = None,

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
-from moe.attention.kernel import CHUNKS, attend, attends_by_chunks, choose_kernel, kernel_saved_bytes
+from moe.attention.kernel import CHUNKS, attend, kernel_saved_bytes, training_kernel
 from moe.documents import Documents
 from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm
@@ -89,7 +89,7 @@ class LatentAttention(AttentionKind):
         latent = self.kv_latent_norm(latent)
         k_rope = self.shared_rope_key(apply_rope(k_rope.unsqueeze(1), cos, sin))  # [B, 1, S, r]
         if documents is not None and documents.sharded:  # every context-parallel rank's latents and rotary keys
-            both = self.gather(torch.cat((latent, k_rope.squeeze(1).to(latent.dtype)), dim=-1), documents)
+            both = self.gather_sequence(torch.cat((latent, k_rope.squeeze(1).to(latent.dtype)), dim=-1))
             latent, gathered_rope = both.split([self.kv_rank, self.rope_dim], dim=-1)
             k_rope = gathered_rope.unsqueeze(1).to(k_rope.dtype)
         kv = self.wkv_b(latent).view(batch, latent.shape[1], -1, self.nope_dim + self.v_dim)
@@ -185,8 +185,7 @@ class LatentAttention(AttentionKind):
         else:  # fused: its input, a view of wkv_a's fp32 [T, c + r] output, keeps that storage; rstd
             total += t * (latent + rope) * FP32 + t * FP32
         total += t * mb.cp * latent * a  # wkv_b's input
-        kernel = choose_kernel(mb.positions, sharded=mb.cp > 1,
-                               documents_masked=mb.cp > 1 and not attends_by_chunks(model))
+        kernel = training_kernel(model, mb)
         values = width if v < width or kernel == CHUNKS else nope + v
         total += kernel_saved_bytes(kernel, mb, heads, heads, width, value_width=values)
         return total + (0 if heads == 1 and v == width else t * heads * v * a)  # wo's input
