@@ -110,7 +110,7 @@ def _spawn_run(overrides: list[str], world_size: int, run_dir: Path, out: Path) 
 
     A process that dies by a signal did not fail a Python check: the parity rows' code is Python over torch
     and gloo, and a signal is a crash inside them (seen once on the CI machine: ``malloc(): unaligned tcache
-    chunk detected``, SIGABRT, in a cp=2 row that passed in each of 18 reruns here, alone and beside its cp
+    chunk detected``, SIGABRT, in a cp=2 row that passed in each of 16 reruns here, alone and beside its cp
     rows). One rerun keeps such a crash from failing an unrelated change; a second crash fails the row, and
     any Python exception (a wrong number, a refused layout) fails it the first time.
     """
