@@ -58,6 +58,7 @@ layer's is what the unfused bias passes and the biased router add.
 
     python benchmarks/moe_layer.py [--device cpu|cuda] [--repeats N] [--precision fp32|bf16|both] [--quick]
                                    [--gpt-oss] [--json PATH]
+    python benchmarks/moe_layer.py --library [--processes N] [--tuned-allocator]   (benchmarks/moe_layer_library.py)
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -73,12 +75,15 @@ from pathlib import Path
 
 import torch
 
-from config.model import MoEConfig
-from moe.dispatch import expert_capacity
-from moe.experts import clamped_swiglu, grouped_matmul, megablocks_unavailable, swiglu
-from moe.init import initialize
-from moe.layer import MoELayer
-from parallel.hardware import GPU_BF16_PEAK, keep_freed_memory
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+
+from benchmarks.moe_layer_library import measure, print_results  # noqa: E402
+from config.model import MoEConfig  # noqa: E402
+from moe.dispatch import expert_capacity  # noqa: E402
+from moe.experts import clamped_swiglu, grouped_matmul, megablocks_unavailable, swiglu  # noqa: E402
+from moe.init import initialize  # noqa: E402
+from moe.layer import MoELayer  # noqa: E402
+from parallel.hardware import GPU_BF16_PEAK, keep_freed_memory  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -331,7 +336,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the settings and results here")
     parser.add_argument("--gpt-oss", action="store_true",
                         help="also the standard layer with GPT-OSS's router and expert biases and clamped SwiGLU")
+    parser.add_argument("--library", action="store_true",
+                        help="the library protocol instead (benchmarks/moe_layer_library.py): fresh processes, "
+                             "the default allocator, the standard layer on CPU")
+    parser.add_argument("--processes", type=int, default=5, help="--library: processes per figure (default 5)")
+    parser.add_argument("--tuned-allocator", action="store_true",
+                        help="--library: glibc's thresholds set as parallel.hardware.keep_freed_memory sets them")
     args = parser.parse_args()
+    if args.library:
+        if args.device != "cpu":
+            parser.error("--library measures the CPU layer")
+        precisions = ("fp32", "bf16") if args.precision in (None, "both") else (args.precision,)
+        results = measure(precisions, args.processes, args.tuned_allocator)
+        print_results(results, args.processes, args.tuned_allocator)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"protocol": "library", "results": results}, indent=2))
+        return
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
