@@ -23,8 +23,8 @@ def _run_with_a_known_peak(rank, run_dir):
     parallel.hardware.measure_matmul_flops = lambda *args, **kwargs: PEAK
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        status = train.main(["--run-dir", run_dir, "--set", *TINY, "train.steps=2", "parallel.cp=2", "moe.capacity_factor=null",
-                             "checkpoint.interval=null", "checkpoint.final=false"])
+        status = train.main(["--run-dir", run_dir, "--set", *TINY, "train.steps=2", "parallel.cp=2",
+                             "moe.capacity_factor=null", "checkpoint.interval=null", "checkpoint.final=false"])
     assert status == 0, err.getvalue()
 
 
