@@ -92,6 +92,22 @@ def verdict_headroom(args: argparse.Namespace) -> float:
     return DEFAULT_HEADROOM if args.headroom is None else args.headroom
 
 
+# above this, a learning rate is a pre-training one: fine-tuning a trained model takes about 1e-6 to 5e-5 (Llama 2's
+# supervised fine-tuning 2e-5, Touvron et al. 2023 sec. 3.1); DeepSeek-V3 pre-trained at 2.2e-4
+FINE_TUNING_LR_LIMIT = 1e-4
+
+
+def fine_tuning_lr_warning(config: RunConfig) -> str | None:
+    """The warning for a run that starts from a published model (``--init-from hf:DIR``) at a pre-training rate,
+    which can undo in a few hundred steps what the model learnt; None for a fine-tuning rate."""
+    lr = config.train.lr
+    if lr <= FINE_TUNING_LR_LIMIT:
+        return None
+    return (f"warning: --init-from hf: fine-tunes a trained model at train.lr={lr:g}, a pre-training rate (above "
+            f"{FINE_TUNING_LR_LIMIT:g}) that can wreck its weights in the first steps; fine-tuning takes about "
+            "1e-5 to 5e-5 (--set train.lr=2e-5)")
+
+
 def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunConfig, ResolvedLayout]:
     """The config and its layout on ``world_size`` ranks (default: ``--world-size``, WORLD_SIZE, or 1), after every
     check that needs no process; a ConfigError (or ValueError) otherwise. The layout is resolved here once and
@@ -102,6 +118,8 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
         config = hf_run_config(config, hf_folder)  # and the folder's tokenizer.json for the data
         check_vocabularies(config, hf_folder)
+        if (warning := fine_tuning_lr_warning(config)) and os.environ.get("RANK", "0") == "0":
+            print(warning, file=sys.stderr)
     elif args.init_from is not None and not Path(args.init_from).is_file():
         raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
                           "interop.export writes, or hf:DIR for a Hugging Face folder)")
