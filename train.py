@@ -161,14 +161,20 @@ def process_baseline_bytes(device) -> int:
 
 
 def memory_banner(needs: list[int], held: int, precision: str) -> str:
-    """The start-up line that predicts the peak the run will log as perf/memory_peak_gib."""
+    """The start-up line that predicts the peak the run will log as perf/memory_peak_gib, saying what it counts:
+    the memory model counts live tensor bytes (a GPU's allocated memory, not the caching allocator's reserve); a
+    CPU's logged peak is the resident set, which also holds what glibc keeps of freed memory (asked to, by
+    ``keep_freed_memory``) and oneDNN's primitive cache, neither counted (docs/planning-validation.md)."""
     stages = " per rank of each pipeline stage" if len(needs) > 1 else " per rank"
-    text = "memory model: " + ", ".join(f"{need / 2**30:.2f} GiB" for need in needs) + f"{stages} ({precision}"
+    text = ("memory model: " + ", ".join(f"{need / 2**30:.2f} GiB" for need in needs)
+            + f" of live tensors{stages} ({precision}")
     if held:
         text += (f"; plus the {held / 2**30:.2f} GiB this process holds already (interpreter, torch and its "
-                 "libraries), counted in a CPU's resident peak: " + ", ".join(f"{(need + held) / 2**30:.2f} GiB"
-                                                                           for need in needs) + " expected")
-    return text + "; the run logs perf/memory_peak_gib to compare)"
+                 "libraries): " + ", ".join(f"{(need + held) / 2**30:.2f} GiB" for need in needs)
+                 + "; the resident peak a CPU run logs as perf/memory_peak_gib also holds freed memory glibc keeps "
+                 "for reuse and oneDNN's caches, which this does not count, and grows with the steps)")
+        return text
+    return text + "; allocated, not reserved: the run logs perf/memory_peak_gib to compare)"
 
 
 def main(argv: list[str] | None = None) -> int:
