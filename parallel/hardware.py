@@ -22,8 +22,8 @@ from parallel.compile import compile_unavailable
 # a part of the name torch reports. The first key found in the name wins, so a variant comes before its family:
 # the H100 PCIe (756) and the NVL parts (835) clock lower than the SXM parts (989), whose names ("NVIDIA H100 80GB
 # HBM3", "NVIDIA H200") carry no form factor.
-GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H200": 989e12, "H100": 989e12,
-                 "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H800 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H200": 989e12,
+                 "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 # bf16 must beat fp32 by this much to be worth its rounding on a CPU.
 BF16_SPEEDUP_THRESHOLD = 1.5

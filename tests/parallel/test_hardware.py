@@ -57,7 +57,8 @@ def test_an_allocator_setting_from_the_environment_wins(monkeypatch):
 
 def test_the_datasheet_peak_tells_the_h100_variants_apart():
     names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-             "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
+             "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA H800": 989e12, "NVIDIA H800 PCIe": 756e12,
+             "NVIDIA A100-SXM4-80GB": 312e12,
              "NVIDIA A10": 125e12, "NVIDIA GeForce RTX 4090": None}
     assert {name: datasheet_bf16_peak(name) for name in names} == names
 
