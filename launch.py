@@ -10,6 +10,8 @@ shell as a torchrun traceback. No worker can change that: the error-file mechani
 (``torch.distributed.elastic.multiprocessing.errors.record``) only puts a worker's message inside the same report,
 and a worker exiting 0 to avoid it would report a failed run as a success. So this launcher
 
+- refuses process and node counts torchrun would stop on with an ``AssertionError`` traceback (``--nproc-per-node
+  0``, ``--nnodes 0``, ``--nnodes 2:1``), naming the option;
 - checks ``train.py``'s config and layout before any worker starts (one message, exit 2, no worker started),
   when the world size is fixed (``--nnodes N`` and a number for ``--nproc-per-node``; the config alone otherwise);
 - exits with the first failed worker's status when it is one of the CLI's own (2 a user error, 3 a diverged run,
@@ -27,13 +29,37 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, parse_min_max_nnodes, run
 
 from config.cli import run_command
-from config.errors import DIVERGED, INTERRUPTED, USER_ERROR, describe, exit_status
+from config.errors import DIVERGED, INTERRUPTED, USER_ERROR, ConfigError, describe, exit_status
 
 # train.py's own exit statuses: the worker said what happened
 CLI_STATUSES = {USER_ERROR, DIVERGED, INTERRUPTED}
 # the elastic agent logs every worker failure at ERROR before anyone can tell a user error from a crash; a crash's
 # details are printed below from the same failure record
 AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+# what torchrun takes for --nproc-per-node besides a number: one process per device of that kind
+NPROC_NAMES = ("auto", "cpu", "gpu", "xpu")
+
+
+def check_counts(nnodes: str, nproc_per_node: str) -> None:
+    """Refuse a count of nodes or processes per node below one, or not a count, by its option (torchrun's own
+    checks end in an ``AssertionError`` traceback far from the option's name)."""
+    if nproc_per_node not in NPROC_NAMES:
+        try:
+            count = int(nproc_per_node)
+        except ValueError:
+            count = None
+        if count is None or count < 1:
+            raise ConfigError(f"--nproc-per-node {nproc_per_node}: give the processes to start on each node, at "
+                              f"least 1 (or one of {', '.join(NPROC_NAMES)}: one per device of that kind)")
+    try:
+        low, high = parse_min_max_nnodes(nnodes)
+    except (ValueError, RuntimeError):
+        low = high = None
+    if low is None or not 1 <= low <= high:
+        raise ConfigError(f"--nnodes {nnodes}: give the number of nodes, at least 1, or a range MIN:MAX with "
+                          "1 <= MIN <= MAX")
 
 
 def fixed_world_size(nnodes: str, nproc_per_node: str) -> int | None:
@@ -63,6 +89,7 @@ def precheck(args) -> str | None:
 
 def launch(args) -> int:
     """Check, then run torchrun's launcher; the exit status."""
+    check_counts(args.nnodes, args.nproc_per_node)
     sys.path.insert(0, str(Path(args.training_script).resolve().parent))
     message = precheck(args)
     if message is not None:

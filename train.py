@@ -92,6 +92,22 @@ def verdict_headroom(args: argparse.Namespace) -> float:
     return DEFAULT_HEADROOM if args.headroom is None else args.headroom
 
 
+# above this, a learning rate is a pre-training one: fine-tuning a trained model takes about 1e-6 to 5e-5 (Llama 2's
+# supervised fine-tuning 2e-5, Touvron et al. 2023 sec. 3.1); DeepSeek-V3 pre-trained at 2.2e-4
+FINE_TUNING_LR_LIMIT = 1e-4
+
+
+def fine_tuning_lr_warning(config: RunConfig) -> str | None:
+    """The warning for a run that starts from a published model (``--init-from hf:DIR``) at a pre-training rate,
+    which can undo in a few hundred steps what the model learnt; None for a fine-tuning rate."""
+    lr = config.train.lr
+    if lr <= FINE_TUNING_LR_LIMIT:
+        return None
+    return (f"warning: --init-from hf: fine-tunes a trained model at train.lr={lr:g}, a pre-training rate (above "
+            f"{FINE_TUNING_LR_LIMIT:g}) that can wreck its weights in the first steps; fine-tuning takes about "
+            "1e-5 to 5e-5 (--set train.lr=2e-5)")
+
+
 def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunConfig, ResolvedLayout]:
     """The config and its layout on ``world_size`` ranks (default: ``--world-size``, WORLD_SIZE, or 1), after every
     check that needs no process; a ConfigError (or ValueError) otherwise. The layout is resolved here once and
@@ -102,6 +118,8 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
         config = hf_run_config(config, hf_folder)  # and the folder's tokenizer.json for the data
         check_vocabularies(config, hf_folder)
+        if (warning := fine_tuning_lr_warning(config)) and os.environ.get("RANK", "0") == "0":
+            print(warning, file=sys.stderr)
     elif args.init_from is not None and not Path(args.init_from).is_file():
         raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
                           "interop.export writes, or hf:DIR for a Hugging Face folder)")
@@ -143,14 +161,20 @@ def process_baseline_bytes(device) -> int:
 
 
 def memory_banner(needs: list[int], held: int, precision: str) -> str:
-    """The start-up line that predicts the peak the run will log as perf/memory_peak_gib."""
+    """The start-up line that predicts the peak the run will log as perf/memory_peak_gib, saying what it counts:
+    the memory model counts live tensor bytes (a GPU's allocated memory, not the caching allocator's reserve); a
+    CPU's logged peak is the resident set, which also holds what glibc keeps of freed memory (asked to, by
+    ``keep_freed_memory``) and oneDNN's primitive cache, neither counted (docs/planning-validation.md)."""
     stages = " per rank of each pipeline stage" if len(needs) > 1 else " per rank"
-    text = "memory model: " + ", ".join(f"{need / 2**30:.2f} GiB" for need in needs) + f"{stages} ({precision}"
+    text = ("memory model: " + ", ".join(f"{need / 2**30:.2f} GiB" for need in needs)
+            + f" of live tensors{stages} ({precision}")
     if held:
         text += (f"; plus the {held / 2**30:.2f} GiB this process holds already (interpreter, torch and its "
-                 "libraries), counted in a CPU's resident peak: " + ", ".join(f"{(need + held) / 2**30:.2f} GiB"
-                                                                           for need in needs) + " expected")
-    return text + "; the run logs perf/memory_peak_gib to compare)"
+                 "libraries): " + ", ".join(f"{(need + held) / 2**30:.2f} GiB" for need in needs)
+                 + "; the resident peak a CPU run logs as perf/memory_peak_gib also holds freed memory glibc keeps "
+                 "for reuse and oneDNN's caches, which this does not count, and grows with the steps)")
+        return text
+    return text + "; allocated, not reserved: the run logs perf/memory_peak_gib to compare)"
 
 
 def main(argv: list[str] | None = None) -> int:

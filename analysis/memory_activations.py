@@ -340,9 +340,13 @@ def _add_mtp(parts: _Parts, mb: MicroBatch, layers: list[int], micro_batch_size:
     model, par, layout, d = parts.config.model, parts.config.parallel, parts.layout, parts.config.model.d_model
     tokens = mb.tokens
     if par.sequence_parallel and layout.tp > 1:
-        # their one call gathers the last hidden states and Emb(t), saved by the input norms; outside sequence
-        # parallelism those are the final norm's and the first block's inputs, saved already
-        parts.add("MTP gathered inputs", 2 * tokens * d * stream_dtype.itemsize)
+        # their one call gathers Emb(t), saved by the embedding norm; outside sequence parallelism it is the first
+        # block's input, saved already (the hidden states come whole from the final norm, which gathered its input)
+        parts.add("MTP gathered inputs", tokens * d * stream_dtype.itemsize)
+    if mb.bf16 and not mb.bf16_weights:
+        # module 1's hidden input is the final norm's fp32 output, which the head keeps only as its bf16 copy: the
+        # hidden norm saves it (in fp32, and with bf16 weights, the head saves that tensor itself)
+        parts.add("MTP normed hidden states", tokens * d * FP32)
     if not first:  # the last pipeline stage looks the tokens up in its copy of the embedding
         parts.add("MTP embedding copy", tokens * INDEX + tokens * d * stream_dtype.itemsize)
     mtp_fused = uses_fused_backward(stream_dtype, distributed=False) and not mb.bf16

@@ -47,8 +47,8 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
   sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
   the micro-batch losses (float64) from the last stage.
 - multi-token prediction (``moe/mtp.py``, on the last stage): module k's block as a block of its kind on S − k
-  positions, never sequence-parallel (``mtp_traffic``); under sequence parallelism an all-gather of the last hidden
-  states and one of Emb(t) per micro-batch (the final norm's input gathered in place of the head's); under pp
+  positions, never sequence-parallel (``mtp_traffic``); under sequence parallelism an all-gather of Emb(t) per
+  micro-batch (the final norm's input gathered in place of the head's; its whole output is the modules' input); under pp
   each micro-batch's MTP loss broadcast with its LM loss and, once per step, the all-reduce of the embedding's
   gradient between the first stage and the last stage's copy (``parallel/pipeline.py``).
 - Muon (``train.optimizer=muon``, ``training/muon.py``): per optimizer step, for each matrix it updates that

@@ -171,10 +171,9 @@ def _tp_embedding_and_head(out: list[Traffic], step: _Step) -> None:
     if step.last:
         if sp:  # at the final norm's input beside MTP (which runs the norm whole), at the head's otherwise
             _add(out, "tp", "all_gather", "head input sequence (forward)", m, full * fp32, group)
-        if sp and step.mtp:  # their one call gathers the last hidden states and Emb(t); their gradients come back
-            # as this rank's slices, with no collective
-            _add(out, "tp", "all_gather", "MTP inputs: hidden states and Emb(t) (forward)", 2 * m, full * fp32,
-                 group)
+        if sp and step.mtp:  # their one call gathers Emb(t) (the hidden states come whole from the final norm);
+            # its gradient comes back as this rank's slice, with no collective
+            _add(out, "tp", "all_gather", "MTP input: Emb(t) (forward)", m, full * fp32, group)
         if par.vocab_parallel:  # beside MTP the head takes the whole sequence (the final norm gathers it)
             _add(out, "tp", "reduce_scatter" if sp and not step.mtp else "all_reduce",
                  "head input gradient (backward)", m, full * fp32, group)

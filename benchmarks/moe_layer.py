@@ -50,7 +50,7 @@ Mixtral-shaped one (d_model 4096, expert hidden 14336, 8 experts, top-2, 8192 to
 backend and, where it is installed, megablocks' grouped GEMM (``moe.backend``), against the floor computed
 with the same backend. Steps are timed between device synchronisations. ``TFLOP/s`` is the expert math's
 FLOPs (18·rows·D·H for SwiGLU: three GEMMs forward, twice that backward) over the layer step, and ``peak``
-its fraction of the GPU's dense bf16 datasheet figure (``parallel.hardware.GPU_BF16_PEAK``).
+its fraction of the GPU's dense bf16 datasheet figure (``parallel.hardware.datasheet_bf16_peak``).
 
 GPT-OSS (``--gpt-oss``): the standard layer again with router and expert biases and the clamped SwiGLU, its floor
 the clamped SwiGLU's expert math without bias adds (what fused biases would cost); its ratio beside the standard
@@ -83,7 +83,7 @@ from moe.dispatch import expert_capacity  # noqa: E402
 from moe.experts import clamped_swiglu, grouped_matmul, megablocks_unavailable, swiglu  # noqa: E402
 from moe.init import initialize  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
-from parallel.hardware import GPU_BF16_PEAK, keep_freed_memory  # noqa: E402
+from parallel.hardware import datasheet_bf16_peak, keep_freed_memory  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in GPU_BF16_PEAK.items() if key in name), None)
+    return datasheet_bf16_peak(name)
 
 
 def run_case(shape: Shape, backend: str, precision: str, mode: str, routing: str, repeats: int,

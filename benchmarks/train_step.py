@@ -21,7 +21,7 @@ forward hooks open and close); a backward operator takes its forward operator's,
 sequence numbers. The printed line ``outside expert GEMMs and attention: N%`` is the share of the step that is
 neither (goal: under 15% on CPU). On CUDA it also prints model FLOP utilisation: model FLOPs per token from the
 active parameters (as ``perf/mfu`` counts them, ``moe.accounting.training_flops_per_token``) times tokens per
-second, over the GPU's dense bf16 datasheet peak (``parallel.hardware.GPU_BF16_PEAK``). A measurement, never a
+second, over the GPU's dense bf16 datasheet peak (``parallel.hardware.datasheet_bf16_peak``). A measurement, never a
 pass/fail test; the profiler adds its own overhead to the profiled step (the timed steps run without it).
 
 ``--compile`` then compiles the blocks as ``train.compile`` does (``parallel/compile.py``) and times the same
@@ -49,14 +49,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from config.run import load_config  # noqa: E402
-from moe.accounting import parameter_counts, training_flops_per_token  # noqa: E402
+from moe.accounting import (  # noqa: E402
+    attention_flops_per_token,
+    head_flops_per_token,
+    parameter_counts,
+    training_flops_per_token,
+)
 from moe.attention import AttentionKind  # noqa: E402
 from moe.experts import GroupedExperts  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 from moe.transformer import MoETransformer  # noqa: E402
 from parallel.compile import apply_compile  # noqa: E402
 from parallel.expert import ExpertParallelExperts  # noqa: E402
-from parallel.hardware import GPU_BF16_PEAK, choose_precision, keep_freed_memory  # noqa: E402
+from parallel.hardware import choose_precision, datasheet_bf16_peak, keep_freed_memory  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.step import IntervalStats, StepContext, train_step  # noqa: E402
 
@@ -148,6 +153,40 @@ def predicted_memory(config) -> int:
     return predicted_bytes(config, resolve_layout(config, 1), "bf16")[0]
 
 
+def mfu_figures(config, tokens_per_s: float, peak: float | None) -> dict:
+    """MFU on one device under the conventions in use, with what separates them (each a figure in the result).
+
+    ``mfu``: ``perf/mfu``'s convention (``moe.accounting.training_flops_per_token``): 6 FLOPs per active matmul
+    parameter and token, attention's scores and values counted whole (PaLM's 12 · S · nh · hd per layer, no
+    halving for the causal mask), the LM head counted. ``mfu_causal_halved``: attention's share halved, as the
+    causal kernel skips the masked half (FlashAttention's benchmarks count so). ``mfu_without_head``: the LM
+    head's FLOPs left out (its time stays in): on a slice of a few layers the head is a far larger share of the
+    FLOPs than in the whole model (``head_share`` against ``head_share_whole_model``, the same shapes at
+    Mixtral 8x7B's 32 layers), and its large dense GEMM runs near the peak, so ``mfu`` flatters the slice."""
+    model, moe = config.model, config.moe
+    total = training_flops_per_token(model, moe)
+    attention = sum(attention_flops_per_token(model, layer) for layer in model.layer_pattern)
+    head = head_flops_per_token(model)
+    whole = load_config("moe-8x", [*MIXTRAL_SLICE, "model.n_layers=32"])
+    figures = {"model_tflops": total * tokens_per_s / 1e12, "head_share": head / total,
+               "head_share_whole_model": head / training_flops_per_token(whole.model, whole.moe)}
+    for name, flops in (("mfu", total), ("mfu_causal_halved", total - attention / 2), ("mfu_without_head",
+                                                                                         total - head)):
+        figures[name] = flops * tokens_per_s / peak if peak else None
+    return figures
+
+
+def mfu_lines(result: dict) -> str:
+    """The MFU figures of ``mfu_figures``, each beside its convention."""
+    if result["mfu"] is None:
+        return f"model FLOPs {result['model_tflops']:.0f} TFLOP/s; MFU unknown (no datasheet peak for this GPU)"
+    return (f"model FLOPs {result['model_tflops']:.0f} TFLOP/s on one device, against its datasheet dense bf16 "
+            f"peak: MFU {result['mfu']:.1%} (perf/mfu's count: causal attention counted whole, LM head counted); "
+            f"{result['mfu_causal_halved']:.1%} with causal attention halved; {result['mfu_without_head']:.1%} "
+            f"without the LM head's FLOPs (the head is {result['head_share']:.1%} of this slice's FLOPs, "
+            f"{result['head_share_whole_model']:.1%} of the whole 32-layer model's)")
+
+
 def layers_that_fit(overrides: list[str], device: torch.device, largest: int = 32) -> int:
     """The most layers of the slice whose training memory (the memory model's) fits the GPU's free memory,
     with 10% left for the allocator."""
@@ -229,10 +268,8 @@ def main(argv: list[str] | None = None) -> int:
               "outside expert GEMMs and attention": 1 - (parts["expert GEMMs"] + parts["attention"]) / total,
               "rest_heaviest": ", ".join(f"{op} {t:.3f} s" for op, t in rest.most_common(6))}
     if device.type == "cuda":
-        peak = next((flops for key, flops in GPU_BF16_PEAK.items() if key in result["device"]), None)
-        model_flops = training_flops_per_token(config.model, config.moe) * tokens_per_s
-        result.update({"model_tflops": model_flops / 1e12, "mfu": model_flops / peak if peak else None,
-                       "memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        result.update(mfu_figures(config, tokens_per_s, datasheet_bf16_peak(result["device"])))
+        result.update({"memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
                        "memory_predicted_gib": predicted_memory(config) / 2**30})
 
     print(f"{name} on {result['device']} ({precision.precision}, torch {torch.__version__}): "
@@ -244,9 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  the rest's heaviest operators: {result['rest_heaviest']}")
     print(f"outside expert GEMMs and attention: {result['outside expert GEMMs and attention']:.1%}")
     if device.type == "cuda":
-        mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "unknown peak"
-        print(f"model FLOPs {result['model_tflops']:.0f} TFLOP/s, MFU {mfu} of the datasheet's dense bf16 peak; "
-              f"peak memory {result['memory_peak_gib']:.1f} GiB "
+        print(mfu_lines(result))
+        print(f"peak memory {result['memory_peak_gib']:.1f} GiB allocated "
               f"(memory model: {result['memory_predicted_gib']:.1f} GiB)")
     if args.compile:
         for handle in labels:

@@ -40,13 +40,22 @@ class PredictionModule(nn.Module):
 class PredictionModules(nn.ModuleList):
     """The D modules, run in sequence on the main model's outputs by one call, each module keeping its name
     (``mtp.0``, ``mtp.1``, ...). One call so that a parallel plan can prepare the inputs of all of them at one
-    place: sequence parallelism gathers the hidden states and the embeddings here (``parallel/tensor.py``)."""
+    place: sequence parallelism gathers the embeddings here (``parallel/tensor.py``).
+
+    Module 1's h^0 is the main model's hidden state after its final norm (the head's input), not the last block's
+    raw output: the paper's eq. 21 leaves it open and DeepSeek's own inference code has no MTP module
+    (``inference/model.py`` of deepseek-ai/DeepSeek-V3; ``convert.py`` drops layer 61, the MTP weights; its
+    README sends MTP to SGLang). The engines that serve the released MTP weights for speculative decoding, vLLM
+    and SGLang (``deepseek_mtp.py``, ``deepseek_nextn.py``), give ``hnorm`` the hidden states their main model
+    returns, which it returns after its final norm. So an imported DeepSeek-V3 or GLM-4.5 module sees the inputs
+    it served with."""
 
     def forward(self, hidden: Tensor, embedded: Tensor, tokens: Tensor, head: nn.Module, cos: Tensor,
                 sin: Tensor) -> Tensor:
         """L^k_MTP for k = 1..D (eq. 24): [D] fp32.
 
-        hidden: the main model's last hidden states h^0 [B, S, D] (before its final norm); embedded: Emb(t) [B, S, D];
+        hidden: the main model's last hidden states h^0 [B, S, D] after its final norm, the input of its head (see
+        below); embedded: Emb(t) [B, S, D];
         tokens: the input t [B, S]. Module k predicts t_{i+k+1} at position i; within the input that is known for
         i <= S-k-2, so each module's loss is over S-k-1 positions (the paper also uses t_{S+1}, the target after
         the input: one position more per sequence). ``head``'s logits may be split over the vocabulary (a DTensor,

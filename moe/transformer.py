@@ -121,12 +121,13 @@ class MoETransformer(nn.Module):
         for name, block in self.layers.items():
             x = (block(x, self.rope_cos, self.rope_sin, documents=docs) if cache is None
                  else block(x, self.rope_cos, self.rope_sin, cache.layer(name)))
-        logits = self.output(self.norm(x)).float()
+        normed = self.norm(x)
+        logits = self.output(normed).float()
         if self.mtp is not None and self.training and cache is None:
             # the modules' mean loss, weighted, reaches backward through the logits (as the balancing losses do)
             if ids is not None:
                 tokens, embedded = ids, self.tok_embeddings(ids)
-            losses = self.mtp(x, embedded, tokens, self.output, self.rope_cos, self.rope_sin)
+            losses = self.mtp(normed, embedded, tokens, self.output, self.rope_cos, self.rope_sin)
             self.last_mtp_losses = losses.detach()
             logits = attach_loss(logits, losses.mean(), self.config.mtp_loss_weight * self.aux_loss_scale)
         return logits

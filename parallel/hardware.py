@@ -18,8 +18,12 @@ from config.errors import ConfigError
 from moe.experts import check_backend
 from parallel.compile import compile_unavailable
 
-# Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), FLOP/s.
-GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (no sparsity: half the "with sparsity" figure), FLOP/s, by
+# a part of the name torch reports. The first key found in the name wins, so a variant comes before its family:
+# the H100 PCIe (756) and the NVL parts (835) clock lower than the SXM parts (989), whose names ("NVIDIA H100 80GB
+# HBM3", "NVIDIA H200") carry no form factor.
+GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H800 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H200": 989e12,
+                 "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 # bf16 must beat fp32 by this much to be worth its rounding on a CPU.
 BF16_SPEEDUP_THRESHOLD = 1.5
@@ -31,6 +35,18 @@ class PrecisionChoice:
     reason: str
     peak_flops: float  # FLOP/s of dense matmuls in that precision, for MFU
     peak_source: str  # "datasheet" or "measured"
+
+
+def datasheet_bf16_peak(device_name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the GPU torch calls ``device_name``, from ``GPU_BF16_PEAK``; None if unknown."""
+    return next((flops for key, flops in GPU_BF16_PEAK.items() if key in device_name), None)
+
+
+def model_flops_utilization(tokens_per_s: float, flops_per_token: float, peak_flops: float, devices: int) -> float:
+    """MFU per device: the model FLOPs the whole job does per second (its ``tokens_per_s`` over all ranks times
+    ``flops_per_token``) over what its ``devices`` together could do at ``peak_flops`` each. Dividing by one
+    device's peak would report N times the figure on N ranks (each rank computes a share of every token)."""
+    return tokens_per_s * flops_per_token / (peak_flops * devices)
 
 
 def keep_freed_memory(device_type: str) -> bool:
@@ -113,7 +129,7 @@ def choose_precision(requested: str, device: torch.device) -> PrecisionChoice:
         name = torch.cuda.get_device_name(device)
         bf16_ok = torch.cuda.is_bf16_supported()
         precision = requested if requested != "auto" else (auto_precision("cuda") if bf16_ok else "fp32")
-        peak = next((flops for key, flops in GPU_BF16_PEAK.items() if key in name), None)
+        peak = datasheet_bf16_peak(name)
         if peak is not None and precision == "bf16":
             return PrecisionChoice(precision, f"{name}: bf16 tensor cores", peak, "datasheet")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32

@@ -181,9 +181,9 @@ def _ends_plan(model: MoETransformer, sequence_parallel: bool, vocab_parallel: b
 
     Under sequence parallelism the multi-token-prediction modules run on the whole sequence, replicated over tp
     as without the option: module k shifts the hidden states and embeddings by k positions and works on S - k
-    of them, which a slice of S / tp positions per rank could not cut evenly. Their one call (``mtp``) gathers
-    the last block's hidden states and the embedding's output, and its backward keeps this rank's slice of
-    their gradients (whole and the same on every rank, as the replicated modules' are). The shared head then
+    of them, which a slice of S / tp positions per rank could not cut evenly. Their one call (``mtp``) takes the
+    final norm's whole output and gathers the embedding's, and its backward keeps this rank's slice of the
+    embedding's gradient (whole and the same on every rank, as the replicated modules' are). The shared head then
     gets whole sequences from both callers: the final norm gathers its input and runs whole (its weight's
     gradient then is whole on every rank too), and the head is a plain replicated projection.
     """
@@ -191,7 +191,8 @@ def _ends_plan(model: MoETransformer, sequence_parallel: bool, vocab_parallel: b
     whole_head = sequence_parallel and model.mtp is not None
     plan = {}
     if whole_head:
-        plan["mtp"] = PrepareModuleInput(input_layouts=(Shard(1), Shard(1), None, None, None, None),
+        # the final norm's output comes whole (it gathers its input, below); the embedding's is a slice
+        plan["mtp"] = PrepareModuleInput(input_layouts=(Replicate(), Shard(1), None, None, None, None),
                                          desired_input_layouts=(Replicate(), Replicate(), None, None, None, None),
                                          use_local_output=True)
     if isinstance(model.tok_embeddings, nn.Embedding):

@@ -10,6 +10,7 @@ cache's racy-file records hold them, so the algorithm and format are part of tho
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import secrets
@@ -19,6 +20,9 @@ from pathlib import Path
 from typing import IO
 
 HASH_CHUNK = 1 << 22  # bytes read at a time while hashing; the digest does not depend on it
+# open()'s modes for the files a run writes in place (its lock, its appended logs), as os.open flags
+_OWN_FILE_FLAGS = {"a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND,
+                   "r+b": os.O_RDWR}
 
 
 def sha256_file(path: Path | str) -> str:
@@ -98,6 +102,31 @@ def atomic_folder(path: Path) -> Iterator[Path]:
         raise
     shutil.rmtree(old, ignore_errors=True)
     fsync_dir(path.parent)
+
+
+def open_own_file(path: Path, mode: str, encoding: str | None = None, errors: str | None = None) -> IO:
+    """Open ``path``, a file its caller owns and writes in place (a run's lock, its appended logs), without
+    following a symbolic link there: a link in a run directory must not make a run empty or extend a file
+    elsewhere (its target may be anything the user can write). A link is refused with an ``OSError`` that names
+    the path and says what to do. ``mode``: "a", "a+" (text) or "r+b"."""
+    try:
+        descriptor = os.open(path, _OWN_FILE_FLAGS[mode] | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "is a symbolic link; a run writes only files of its own and does not follow "
+                          "links there: remove the link (its target is left as it is)", str(path)) from None
+        raise
+    return os.fdopen(descriptor, mode, encoding=encoding, errors=errors)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove the folder ``path`` that its caller owns (a temporary folder it is about to write again), or a
+    symbolic link standing in its place: the link alone, never what it points to (``shutil.rmtree`` refuses a
+    link, and writing into the path afterwards would follow it). Whatever cannot be removed is left."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -58,7 +58,7 @@ from parallel.checkpoint import (
 from parallel.groups import ParallelGroups
 from parallel.materialize import InitialWeights
 from parallel.runtime import Runtime
-from storage.files import write_text_atomic
+from storage.files import remove_tree, write_text_atomic
 from training.checkpoint_interval import AutoInterval
 from training.optim import restretch_note
 from training.resume import (
@@ -164,7 +164,7 @@ class Checkpointer:
         if self.runtime.is_main:
             for stale in self.root.glob(f"{TMP_PREFIX}*") if self.root.is_dir() else []:
                 self.say(f"removing {stale}: an incomplete save (the job stopped before it was written and known good)")
-                shutil.rmtree(stale, ignore_errors=True)
+                remove_tree(stale)
         found, exact = candidates(self.resume, self.root, self.policy.dir)
         for _, path in found:
             error = verified(path, self.runtime)
@@ -350,7 +350,7 @@ class Checkpointer:
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
 
         def start() -> None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)  # a link standing there is removed, not written through
             (tmp / "rng").mkdir(parents=True)
             trainer_state = {"step": step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
                              "sampler": sampler.state_dict(), "world_size": self.runtime.world_size,
@@ -382,7 +382,7 @@ class Checkpointer:
             return
         if pending.future is not None:
             self._on_every_rank(pending.future.result, pending.step, pending.tmp)
-        self._on_every_rank(lambda: shutil.rmtree(pending.tmp, ignore_errors=True), pending.step, pending.tmp,
+        self._on_every_rank(lambda: remove_tree(pending.tmp), pending.step, pending.tmp,
                             main_only=True)
         self.last_saved_step = None
         self.say(f"checkpoint {step_dir_name(pending.step)} discarded: the state it holds gives non-finite values")
@@ -440,7 +440,7 @@ class Checkpointer:
             return result
         self._pending = None
         if self.runtime.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
         elif error is not None:
             print(f"rank {self.runtime.rank}: checkpoint {step_dir_name(step)}: {_cause(error)}", file=sys.stderr)
         newest = published_checkpoints(self.root)
@@ -456,7 +456,7 @@ class Checkpointer:
         for _, path in published_checkpoints(self.root)[self.policy.keep:]:
             shutil.rmtree(path, ignore_errors=True)
         for stale in self.root.glob(f"{TMP_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_tree(stale)
 
 
 def check_same_optimizer(path: Path, saved_config: dict, config: RunConfig) -> None:

@@ -30,7 +30,7 @@ from moe.transformer import MoETransformer
 from parallel.build import build_model
 from parallel.context import sequence_shards
 from parallel.groups import ParallelGroups
-from parallel.hardware import PrecisionChoice, choose_precision, memory_per_rank
+from parallel.hardware import PrecisionChoice, choose_precision, memory_per_rank, model_flops_utilization
 from parallel.materialize import InitialWeights
 from parallel.pipeline import PipelineModel
 from parallel.resolve import ResolvedLayout, micro_batching
@@ -282,7 +282,8 @@ class _Run:
         record = self.interval.record(context.dp_group, context.pp_group, balancing_biases(context.model),
                                       sampler.names if sampler.mixture else None)
         record.update({"train/lr": lr, "train/grad_norm": grad_norm,
-                       "perf/mfu": record["perf/tokens_per_s"] * self.flops_per_token / self.precision.peak_flops,
+                       "perf/mfu": model_flops_utilization(record["perf/tokens_per_s"], self.flops_per_token,
+                                                           self.precision.peak_flops, self.runtime.world_size),
                        "perf/memory_peak_gib": max(memory_per_rank(self.runtime.device)) / 2**30,
                        **(context.qk_clip.metrics() if context.qk_clip is not None else {})})
         if sampler.mixture:  # the realised mixture: each source's share of the samples drawn so far

@@ -30,13 +30,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from config.errors import ConfigError, UserError
+from storage.files import atomic_output, open_own_file
 
 
 class LogWriteError(UserError):
@@ -128,7 +127,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file = open_own_file(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # closed in close()
         try:
             if wandb_mode != "disabled":
                 self._run = self._start_wandb(config, run_name, wandb_mode, wandb_project)
@@ -210,14 +209,8 @@ class MetricsLogger:
             return
         plain = {key: _plain(value) for key, value in metrics.items()}
         text = json.dumps(_json_safe(plain), indent=2, allow_nan=False) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=".summary.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.replace(tmp, self.run_dir / "summary.json")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_output(self.run_dir / "summary.json", "w", encoding="utf-8", durable=False) as handle:
+            handle.write(text)
         if self._run is not None:
             self._run.summary.update(_wandb_scalars(plain))
 

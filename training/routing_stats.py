@@ -29,7 +29,6 @@ and the header's shape rewritten; numpy pads the header so that the shape can gr
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from numpy.lib import format as npy
 
 from moe.layer import RoutingStats
-from storage.files import atomic_output
+from storage.files import atomic_output, open_own_file
 
 ROUTING_DIR = "routing"
 # order of the scalars packed after tokens_per_expert: dropped, tokens, sum of entropy, sum of top1_prob,
@@ -212,7 +211,7 @@ def append_rows(path: Path, rows: np.ndarray) -> None:
         with atomic_output(path) as handle:
             np.save(handle, rows)
         return
-    with open(path, "r+b") as handle:
+    with open_own_file(path, "r+b") as handle:
         version = npy.read_magic(handle)
         read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
         shape, fortran_order, dtype = read_header(handle)
@@ -260,10 +259,8 @@ def truncate_routing(run_dir: Path | str, step: int) -> None:
     if keep.all() and all(len(np.load(folder / f"{name}.npy", mmap_mode="r")) == len(keep) for name in fields):
         return
     for name, values in fields.items():
-        tmp = folder / f".{name}.npy.tmp"
-        with open(tmp, "wb") as handle:
+        with atomic_output(folder / f"{name}.npy") as handle:
             np.save(handle, values[keep])
-        os.replace(tmp, folder / f"{name}.npy")
 
 
 def balancing_biases(model: torch.nn.Module) -> dict[int, torch.Tensor]:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from config.errors import ConfigError
 from parallel.checkpoint import published_checkpoints
 from parallel.runtime import Runtime
-from storage.files import write_text_atomic
+from storage.files import open_own_file, write_text_atomic
 
 LOCK = "run.lock"
 OWNER = "owner.txt"  # in a checkpoint.dir outside its run directory: that run directory's resolved path
@@ -129,9 +129,10 @@ def _lock(folder: Path, named: str) -> IO[str] | None:
     option = named.split()[0]
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        handle = open(folder / LOCK, "a+", encoding="utf-8", errors="replace")  # noqa: SIM115 - held until _release
+        handle = open_own_file(folder / LOCK, "a+", encoding="utf-8", errors="replace")  # held until _release
     except OSError as exc:
-        raise RunDirError(f"{named}: cannot create {folder / LOCK} ({exc.strerror}); use a writable {option}") from exc
+        raise RunDirError(f"{named}: cannot create {folder / LOCK} ({exc.strerror}); use a writable {option}, or "
+                          "remove what stands there") from exc
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

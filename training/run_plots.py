@@ -21,6 +21,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+from storage.files import atomic_output
 from training.metrics import read_metrics
 
 PLOTS_DIR = "plots"
@@ -112,6 +113,7 @@ def write_run_plots(run_dir: Path, name: str) -> list[Path] | str:
     folder.mkdir(exist_ok=True)
     written = []
     for file, fig in run_figures(run_dir, name).items():
-        fig.savefig(folder / file, dpi=100)
+        with atomic_output(folder / file, durable=False) as handle:  # replaces a link there, never its target
+            fig.savefig(handle, format="png", dpi=100)
         written.append(folder / file)
     return written

@@ -31,6 +31,10 @@ if [[ -z "${GPUS_PER_NODE:-}" ]]; then
         exit 2
     fi
 fi
+if ! [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: GPUS_PER_NODE must be a positive number of processes per node, got '$GPUS_PER_NODE'" >&2
+    exit 2
+fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # restarted workers must not reuse old store addresses (#135712)
 
 cd "$REPO"

@@ -53,7 +53,7 @@ def test_the_banners_memory_prediction_uses_the_precision_the_run_trains_in(tmp_
                 "checkpoint.interval=null"]
     assert train.main(["--run-dir", str(tmp_path), "--set", *settings]) == 0
     err = capsys.readouterr().err
-    predicted, banner = re.search(r"memory model: ([0-9.]+) GiB per rank \((\w+);", err).groups()
+    predicted, banner = re.search(r"memory model: ([0-9.]+) GiB of live tensors per rank \((\w+);", err).groups()
     trained = re.search(r"precision: (\w+) on cpu", err).group(1)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert banner == trained == summary["precision"]
@@ -62,3 +62,12 @@ def test_the_banners_memory_prediction_uses_the_precision_the_run_trains_in(tmp_
     config = load_config("moe-8x", settings)
     assert float(predicted) == pytest.approx(predicted_bytes(config, resolve_layout(config, 1), trained, "cpu")[0]
                                              / GIB, abs=0.006)
+
+
+def test_the_banner_says_what_its_prediction_counts():
+    """Live tensor bytes: a CPU's resident peak holds more (glibc's kept memory, oneDNN's caches), a GPU's logged
+    peak is allocated memory, not reserved."""
+    cpu, gpu = train.memory_banner([2**30], 2**29, "bf16"), train.memory_banner([2**30], 0, "bf16")
+    assert cpu.startswith("memory model: 1.00 GiB of live tensors per rank (bf16; plus the 0.50 GiB")
+    assert "1.50 GiB; the resident peak" in cpu and "glibc keeps" in cpu and "oneDNN's caches" in cpu
+    assert "allocated, not reserved" in gpu and "glibc" not in gpu

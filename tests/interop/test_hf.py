@@ -185,3 +185,16 @@ def test_init_from_hf_under_a_parallel_layout(tmp_path):
                                    rtol=0, atol=1e-6)
         torch.testing.assert_close(state["layers.0.attn.wk.weight"], hf_state["model.layers.0.self_attn.k_proj.weight"],
                                    rtol=0, atol=1e-6)
+
+
+def test_a_published_model_started_at_a_pre_training_rate_is_warned_about(tmp_path, capsys):
+    import train
+
+    make_hf(tmp_path / "hf")
+    for lr, warned in (("3e-3", True), ("2.2e-4", True), ("2e-5", False)):
+        args = train.parse_args(["--init-from", f"hf:{tmp_path / 'hf'}", "--dry-run", "--set", f"train.lr={lr}",
+                                  "model.seq_len=32"])
+        train.check(args)
+        err = capsys.readouterr().err
+        assert (f"--init-from hf: fine-tunes a trained model at train.lr={float(lr):g}, a pre-training rate" in err
+                ) == warned, err

@@ -342,3 +342,34 @@ def assert_same_tensors_dict(original: dict[str, torch.Tensor], returned: dict[s
     assert original.keys() == returned.keys()
     for name, value in original.items():
         assert torch.equal(value, returned[name]), name
+
+
+def test_an_imported_mtp_module_predicts_from_the_normalised_hidden_state_as_served(tmp_path):
+    """The stored MTP layer's loss against a reference built from transformers' parts, by the convention of the
+    engines that serve DeepSeek-V3's MTP weights (vLLM, SGLang; DeepSeek's own inference code has none): ``hnorm``
+    takes the main model's hidden state after its final norm (transformers' ``last_hidden_state``), ``enorm`` the
+    next token's embedding, ``eh_proj`` their concatenation (embedding first), then the stored decoder layer as
+    transformers runs it, ``shared_head.norm`` and the head; the cross-entropy against the token after next."""
+    hf = make_deepseek(tmp_path / "hf")
+    added = add_mtp_layer(tmp_path / "hf", 3)
+    import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x", ["model.mtp_depth=1"]),
+                  seq_len=SEQ)
+    ours = our_model(tmp_path / "ours.safetensors").train()
+    ids = tokens()
+    ours(ids)
+
+    stored = {name.removeprefix("model.layers.3."): value for name, value in added.items()}
+    # the stored layer as transformers loads a decoder layer (its experts fused as it fuses them): a model of one
+    # layer more reads it from the folder
+    layer = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", num_hidden_layers=4).model.layers[3]
+    rms = lambda x, weight: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf.config.rms_norm_eps) * weight  # noqa: E731
+    with torch.no_grad():
+        hidden = hf.model(ids).last_hidden_state  # after the main model's final norm
+        embedded = hf.model.embed_tokens(ids)
+        inputs = torch.cat((rms(embedded[:, 1:], stored["enorm.weight"]), rms(hidden[:, :-1], stored["hnorm.weight"])),
+                           -1) @ stored["eh_proj.weight"].t()  # position i: h_i with the embedding of t_{i+1}
+        positions = torch.arange(SEQ - 1).unsqueeze(0)
+        out = layer(inputs, position_ids=positions, position_embeddings=hf.model.rotary_emb(inputs, positions))
+        logits = rms(out[:, :-1], stored["shared_head.norm.weight"]) @ stored["shared_head.head.weight"].t()
+        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 2:].flatten())
+    torch.testing.assert_close(ours.last_mtp_losses[0], expected, rtol=1e-5, atol=1e-6)

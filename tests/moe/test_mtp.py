@@ -21,11 +21,13 @@ def rms(x, weight, eps):
 def reference_losses(model: MoETransformer, tokens: torch.Tensor) -> torch.Tensor:
     """Per module k: h'_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})] token by token (eq. 21), h^k =
     TRM_k(h'_{1:S-k}) (eq. 22), P_{i+k+1} = OutHead(RMSNorm(h_i^k)) (eq. 23), L^k the cross-entropy against t_{i+k+1}
-    where the input has it (eq. 24); h^0 the main model's last hidden states."""
+    where the input has it (eq. 24); h^0 the main model's last hidden states after its final norm (the head's
+    input), as the engines serving DeepSeek-V3's MTP weights give it (``moe/mtp.py`` says why)."""
     eps = model.config.norm_eps
     h = model.tok_embeddings(tokens)
     for block in model.layers.values():
         h = block(h, model.rope_cos, model.rope_sin)
+    h = rms(h, model.norm.weight, eps)
     seq, losses = tokens.shape[1], []
     for k, module in enumerate(model.mtp, start=1):
         rows = []

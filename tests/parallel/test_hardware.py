@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.hardware import keep_freed_memory
+from parallel.hardware import datasheet_bf16_peak, keep_freed_memory, model_flops_utilization
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
-from parallel.hardware import keep_freed_memory
+from parallel.hardware import datasheet_bf16_peak, keep_freed_memory, model_flops_utilization
 if {keep}:
     assert keep_freed_memory("cpu")
 def faults():
@@ -53,3 +53,17 @@ def test_an_allocator_setting_from_the_environment_wins(monkeypatch):
     assert not keep_freed_memory("cpu")
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     assert not keep_freed_memory("cuda")
+
+
+def test_the_datasheet_peak_tells_the_h100_variants_apart():
+    names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+             "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA H800": 989e12, "NVIDIA H800 PCIe": 756e12,
+             "NVIDIA A100-SXM4-80GB": 312e12,
+             "NVIDIA A10": 125e12, "NVIDIA GeForce RTX 4090": None}
+    assert {name: datasheet_bf16_peak(name) for name in names} == names
+
+
+def test_mfu_is_a_per_device_figure():
+    # 1,000 tokens/s of a 1e9-FLOP token is 1e12 FLOP/s: half of one 2e12 device, a quarter of two
+    assert model_flops_utilization(1000.0, 1e9, 2e12, devices=1) == 0.5
+    assert model_flops_utilization(1000.0, 1e9, 2e12, devices=2) == 0.25

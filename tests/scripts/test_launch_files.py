@@ -131,3 +131,25 @@ def test_the_pytorchjob_runs_launch_py_with_the_operators_variables_and_a_shared
         assert str(args.run_dir).startswith(mounts["shared"]) and cache.startswith(mounts["shared"])
         _, resolved = train.check(args, world_size=nodes * int(per_node))
         assert resolved.layout.world_size == 16
+
+
+def test_zero_counts_and_a_run_outside_slurm_are_refused_with_one_message(capsys):
+    import launch
+
+    for argv, option in ((["--nproc-per-node", "0"], "--nproc-per-node 0"), (["--nnodes", "0"], "--nnodes 0"),
+                         (["--nnodes", "2:1"], "--nnodes 2:1"), (["--nproc-per-node", "two"], "--nproc-per-node two")):
+        assert launch.main(["--standalone", *argv, "train.py"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {option}: give the" in err and "Traceback" not in err, err
+    assert launch.check_counts("1:2", "auto") is None  # torchrun's other forms pass
+    base = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "REPO": str(ROOT), "PYTHON": "false"}
+    outside = subprocess.run(["bash", str(SBATCH)], env=base, capture_output=True, text=True, timeout=60)
+    assert outside.returncode == 2 and "SLURM_JOB_ID is not set: this file runs inside a Slurm job" in outside.stderr
+    assert "unbound variable" not in outside.stderr
+    slurm = dict(SLURM_JOB_NODELIST="n1", SLURM_NNODES="1", SLURM_JOB_ID="7", GPUS_PER_NODE="0")
+    zero = subprocess.run(["bash", str(SBATCH)], env={**base, **slurm}, capture_output=True, text=True, timeout=60)
+    assert zero.returncode == 2 and "GPUS_PER_NODE must be a positive number of processes per node, got '0'" in (
+        zero.stderr)
+    zero = subprocess.run(["bash", str(MULTINODE), "1", "h"], env={**base, "GPUS_PER_NODE": "0"},
+                          capture_output=True, text=True, timeout=60)
+    assert zero.returncode == 2 and "GPUS_PER_NODE must be a positive number" in zero.stderr

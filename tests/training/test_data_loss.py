@@ -439,7 +439,8 @@ class FillsUp:
 
 
 def test_a_full_disk_while_logging_metrics_stops_with_one_message_and_the_run_resumes(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(training.metrics, "open", lambda *a, **k: FillsUp(open(*a, **k), 3), raising=False)
+    own_file = training.metrics.open_own_file
+    monkeypatch.setattr(training.metrics, "open_own_file", lambda *a, **k: FillsUp(own_file(*a, **k), 3))
     assert main(tmp_path, "train.steps=4", "checkpoint.interval=1") == 2
     err = capsys.readouterr().err
     assert f"cannot write {tmp_path / 'metrics.jsonl'} at step 3 (No space left on device)" in err, err
