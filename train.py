@@ -32,7 +32,7 @@ from data.cache import check_source
 from data.tokenizer import document_end_token
 from interop.hf import hf_run_config, split_init_from
 from interop.hf_tokenizer import check_vocabularies
-from interop.weights import initial_weights
+from interop.weights import check_file_tokenizer, initial_weights
 from parallel.groups import ParallelGroups
 from parallel.hardware import (
     check_hardware,
@@ -105,6 +105,8 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     elif args.init_from is not None and not Path(args.init_from).is_file():
         raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
                           "interop.export writes, or hf:DIR for a Hugging Face folder)")
+    elif args.init_from is not None:
+        check_file_tokenizer(Path(args.init_from), config)
     if args.world_size is not None and not args.dry_run:
         raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
     for flag, value in (("--gpu", args.gpu), ("--device-memory", args.device_memory), ("--headroom", args.headroom)):

@@ -139,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             result = evaluate_tokens(loaded.model, tokens, args.batch_size, text_bytes)
             source = loaded.source
         else:  # every check and all the data before the job is joined
-            source, config, fill = weights_of(args.model)
+            source, config, fill, trained_with = weights_of(args.model)
             config, resolved = layout_config(inference_config(config), args.overrides, world_size)
-            tokens, text_bytes = _tokens(args, text, config, model_tokenizer(config, args.tokenizer))
+            tokenizer = model_tokenizer(config, args.tokenizer, trained_with, str(source))
+            tokens, text_bytes = _tokens(args, text, config, tokenizer)
             result = evaluate_under_layout(config, resolved, fill, lambda model, *dp: evaluate_tokens(
                 model, tokens, args.batch_size, text_bytes, *dp))
             if result is None:  # not rank 0: it said nothing

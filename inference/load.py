@@ -26,9 +26,11 @@ from torch import Tensor
 
 from config.errors import ConfigError
 from config.run import RunConfig, config_from_dict, load_config
+from config.tokenizer_identity import check_same_tokenizer
 from data.tokenizer import Tokenizer, load_tokenizer
-from interop.export import model_tensors
+from interop.export import model_tensors, weights_tokenizer
 from interop.hf import hf_run_config, load_hf_weights, split_init_from
+from interop.hf_tokenizer import folder_fingerprint
 from moe.transformer import MoETransformer
 from parallel.checkpoint import CONFIG_FILE, MANIFEST, CheckpointCorruptError, published_checkpoints
 from parallel.materialize import allocate, load_weights
@@ -82,16 +84,19 @@ def resolve_source(source: str | Path) -> str | Path:
 
 
 def weights_of(source: str | Path, base_config: str = "moe-8x", seq_len: int | None = None
-               ) -> tuple[str | Path, RunConfig, Callable[[torch.nn.Module], None]]:
-    """(the resolved source, the config it was trained with, a function filling a model's tensors from it). The
-    filling reads only the box of each tensor that a module holds, so it fills a whole model or one rank's shards
-    of a parallelized one alike (``parallel.materialize.load_weights``)."""
+               ) -> tuple[str | Path, RunConfig, Callable[[torch.nn.Module], None], str | None]:
+    """(the resolved source, the config it was trained with, a function filling a model's tensors from it, the
+    fingerprint of the tokenizer it was trained with: ``config.tokenizer_identity``). The filling reads only the
+    box of each tensor that a module holds, so it fills a whole model or one rank's shards of a parallelized one
+    alike (``parallel.materialize.load_weights``)."""
     resolved = resolve_source(source)
     hf_folder = split_init_from(resolved) if isinstance(resolved, str) else None
     if hf_folder is not None:
         config = hf_run_config(load_config(base_config), hf_folder, seq_len)  # with the folder's tokenizer.json
         read_into = lambda model: load_hf_weights(model, hf_folder, config)  # noqa: E731
+        trained_with = folder_fingerprint(hf_folder)
     else:
+        trained_with = weights_tokenizer(Path(resolved))
         try:
             entries, read, config = model_tensors(Path(resolved))
         except RuntimeError as exc:  # DCP's reader on a checkpoint it cannot read
@@ -105,7 +110,7 @@ def weights_of(source: str | Path, base_config: str = "moe-8x", seq_len: int | N
             if isinstance(exc, CheckpointCorruptError):
                 raise
             raise CheckpointCorruptError(f"{resolved}: cannot read its tensors ({exc})") from exc
-    return resolved, config, fill
+    return resolved, config, fill, trained_with
 
 
 def inference_config(config: RunConfig, seq_len: int | None = None) -> RunConfig:
@@ -129,7 +134,8 @@ def load_model(source: str | Path, device: torch.device | str = "cpu", dtype: to
     tables' size; a model trained at one length may be run at another, at its own risk).
     """
     device = requested_device(device)  # before any reading: a GPU asked for where there is none is refused at once
-    resolved, config, fill = weights_of(source, base_config, seq_len)
+    resolved, config, fill, trained_with = weights_of(source, base_config, seq_len)
+    reader = model_tokenizer(config, tokenizer, trained_with, str(resolved))  # before the weights are read
     config = inference_config(config, seq_len)
     with torch.device("meta"):
         model = MoETransformer(config.model, config.moe)
@@ -140,14 +146,20 @@ def load_model(source: str | Path, device: torch.device | str = "cpu", dtype: to
         for parameter in model.parameters():  # the same objects, so the embedding stays tied to the LM head
             parameter.data = parameter.data.to(dtype)
     model.eval()
-    return LoadedModel(model, config, model_tokenizer(config, tokenizer), str(resolved))
+    return LoadedModel(model, config, reader, str(resolved))
 
 
-def model_tokenizer(config: RunConfig, tokenizer: str | None = None) -> Tokenizer | None:
+def model_tokenizer(config: RunConfig, tokenizer: str | None = None, trained_with: str | None = None,
+                    source: str = "the model") -> Tokenizer | None:
     """The tokenizer ``tokenizer`` names, which must load (and fit the model's vocabulary), else the config's
     ``data.tokenizer``, which may be missing here (the run was elsewhere): None then, and the model is still usable
-    on token ids."""
+    on token ids. Refused when it is not the tokenizer the model was trained with (``trained_with``, a fingerprint:
+    ``config.tokenizer_identity``), as after a ``moe-tokenizer train --overwrite`` of the run's own file."""
     spec = tokenizer or config.data.tokenizer
+    advice = ("give the model's own tokenizer with --tokenizer PATH" if tokenizer is not None else
+              f"data.tokenizer {spec} changed since the model was saved (retrained in place?): put the model's "
+              "tokenizer back, or give a copy of it with --tokenizer PATH")
+    check_same_tokenizer(trained_with, spec, source, advice)
     if tokenizer is not None or spec == "bytes" or Path(spec).is_file():
         return load_tokenizer(spec, config.model.vocab_size)
     return None

@@ -31,6 +31,7 @@ from config.cli import add_config_arguments, add_overwrite, check_outputs, comma
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
+from config.tokenizer_identity import FINGERPRINT_METADATA_KEY
 from interop import fp8, hf_deepseek_v3, hf_glm4_moe, hf_gpt_oss, hf_mixtral, hf_qwen3_moe, mxfp4
 from interop.export import (
     CONFIG_METADATA_KEY,
@@ -45,6 +46,7 @@ from interop.hf_tokenizer import (
     GENERATION_CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    folder_fingerprint,
     folder_tokenizer,
     write_tokenizer_files,
 )
@@ -237,6 +239,8 @@ def import_folder(folder: Path, out: Path, config: RunConfig, seq_len: int | Non
             entries[name] = (torch.Size(shape), weights.dtype(name))
         metadata = {CONFIG_METADATA_KEY: yaml.safe_dump(config.to_dict(), sort_keys=False),
                     "source": f"{HF_PREFIX}{folder}", "format": "pt"}
+        if folder_fingerprint(folder) is not None:  # what its ids mean travels with the weights
+            metadata[FINGERPRINT_METADATA_KEY] = folder_fingerprint(folder)
         write_safetensors_streaming(out, entries, lambda name: weights.read(name, ()), metadata)
     return config
 
