@@ -44,8 +44,8 @@ _INTEGER, _NUMBER, _BOOLEAN = "an integer", "a number", "true or false"
 VALUE_TYPES: dict[str, tuple[str, bool]] = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "max_position_embeddings", "intermediate_size", "moe_intermediate_size", "num_local_experts",
-                     "num_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "experts_per_token", "first_k_dense_replace",
-                     "decoder_sparse_step", "moe_layer_freq", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "num_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                     "experts_per_token", "first_k_dense_replace", "decoder_sparse_step", "moe_layer_freq", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "v_head_dim", "initial_context_length", "max_window_layers"), (_INTEGER, False)),
     **dict.fromkeys(("num_key_value_heads", "head_dim", "sliding_window", "q_lora_rank", "n_group", "topk_group",
                      "num_nextn_predict_layers", "original_max_position_embeddings"), (_INTEGER, True)),
