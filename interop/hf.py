@@ -256,6 +256,13 @@ def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = N
     return config_from_dict(tree)
 
 
+def folder_context(folder: Path | str) -> int:
+    """The context length of an HF folder's model (its ``max_position_embeddings``): what a use of the model that is
+    not a training run (an import, ``moe-generate``, ``moe-evaluate``) takes as ``model.seq_len`` unless told."""
+    with HFFolder(folder) as hf:
+        return family_of(hf.config).shape_from_hf(hf.config).max_positions
+
+
 def split_init_from(init_from: str | None) -> Path | None:
     """The folder of an ``hf:DIR`` ``--init-from``, else None."""
     return Path(init_from[len(HF_PREFIX):]) if init_from and init_from.startswith(HF_PREFIX) else None
@@ -417,10 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     def convert() -> None:
         check_outputs([args.out], [args.folder if args.command == "import" else args.checkpoint], args.overwrite)
         if args.command == "import":
-            seq_len = args.seq_len
-            if seq_len is None:
-                with HFFolder(args.folder) as hf:
-                    seq_len = family_of(hf.config).shape_from_hf(hf.config).max_positions
+            seq_len = args.seq_len if args.seq_len is not None else folder_context(args.folder)
             import_folder(args.folder, args.out, load_config_from(args), seq_len)
             print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)
         else:
