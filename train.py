@@ -45,6 +45,7 @@ from parallel.resolve import ResolvedLayout, resolve_layout
 from parallel.runtime import exit_process, init_runtime, launch_environment, local_device, shutdown_runtime
 from training.loop import train
 from training.metrics import check_loggers
+from training.run_plots import check_plots_folder
 
 # How long a worker other than its node's first waits before exiting with an error that every rank found before the
 # job was joined (see main's report); torchrun ends it sooner, when the first rank has exited.
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                                      precision.precision, device.type)
         init_weights = initial_weights(args.init_from, config) if args.init_from else None
         run_dir = args.run_dir or Path("runs") / config.name
+        if config.logging.plots:  # written at the end: a path that cannot take them is refused now
+            check_plots_folder(run_dir)
         runtime = init_runtime()
         joined = True
         try:

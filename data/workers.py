@@ -31,11 +31,11 @@ _WRITTEN: set[str] = set()  # in a worker: the temporary files it wrote (the bui
 
 
 def in_workers(tokenise: Callable, docs: list, start: int, text_key: str, tokenizer, end, out, digests: dict[str, str],
-               racy_after: int, workers: int, prefix: Path) -> Iterator[int]:
+               racy_after: int, workers: int, prefix: Path) -> Iterator[tuple[int, int]]:
     """Tokenise files ``start..`` of ``docs`` in ``workers`` processes with ``tokenise`` (``data.cache``'s one-file
     function, passed in, so that module and this one do not import each other), appending each to ``out`` in order
-    and yielding its number once it is written. A worker's error (a malformed record, an unreadable file) is raised here
-    as it was raised there, for the first file it concerns."""
+    and yielding its number, and its bytes of text, once it is written. A worker's error (a malformed record, an
+    unreadable file) is raised here as it was raised there, for the first file it concerns."""
     spec = (tokenizer.spec, getattr(tokenizer, "content", None))
     pending: deque = deque()
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_watch_builder,
@@ -52,14 +52,14 @@ def in_workers(tokenise: Callable, docs: list, start: int, text_key: str, tokeni
                 return
             number, part, future = pending.popleft()
             try:
-                digest = future.result()
+                digest, text_bytes = future.result()
                 with open(part, "rb") as tokens:
                     shutil.copyfileobj(tokens, out, COPY_BYTES)
             finally:
                 part.unlink(missing_ok=True)
             if digest is not None:
                 digests[str(docs[number].path)] = digest
-            yield number
+            yield number, text_bytes
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         for _, part, _ in pending:
@@ -80,8 +80,9 @@ def _watch_builder(builder: int) -> None:
 
 
 def _tokenise_to_file(tokenise: Callable, doc, text_key: str, spec: tuple, end, out_path: str,
-                      racy_after: int) -> str | None:
-    """In a worker: one file's tokens into ``out_path``; its digest when it was racy (see ``data/cache.py``)."""
+                      racy_after: int) -> tuple[str | None, int]:
+    """In a worker: one file's tokens into ``out_path``; its digest when it was racy (see ``data/cache.py``), and its
+    bytes of text."""
     from data.tokenizer import BYTES, ByteTokenizer, HFTokenizer  # noqa: PLC0415
 
     if spec not in _TOKENIZERS:
@@ -90,6 +91,6 @@ def _tokenise_to_file(tokenise: Callable, doc, text_key: str, spec: tuple, end, 
     digests: dict[str, str] = {}
     _WRITTEN.add(out_path)  # before it exists: a builder killed while it is written leaves nothing
     with open(out_path, "wb") as out:
-        tokenise(doc, text_key, stream, out, digests, racy_after)
+        text_bytes = tokenise(doc, text_key, stream, out, digests, racy_after)
         out.write(stream.finish())
-    return digests.get(str(doc.path))
+    return digests.get(str(doc.path)), text_bytes
