@@ -32,7 +32,7 @@ from data.cache import check_source
 from data.tokenizer import document_end_token
 from interop.hf import hf_run_config, split_init_from
 from interop.hf_tokenizer import check_vocabularies
-from interop.weights import initial_weights
+from interop.weights import check_file_tokenizer, initial_weights
 from parallel.groups import ParallelGroups
 from parallel.hardware import (
     check_hardware,
@@ -45,6 +45,7 @@ from parallel.resolve import ResolvedLayout, resolve_layout
 from parallel.runtime import exit_process, init_runtime, launch_environment, local_device, shutdown_runtime
 from training.loop import train
 from training.metrics import check_loggers
+from training.run_plots import check_plots_folder
 
 # How long a worker other than its node's first waits before exiting with an error that every rank found before the
 # job was joined (see main's report); torchrun ends it sooner, when the first rank has exited.
@@ -123,6 +124,8 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     elif args.init_from is not None and not Path(args.init_from).is_file():
         raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
                           "interop.export writes, or hf:DIR for a Hugging Face folder)")
+    elif args.init_from is not None:
+        check_file_tokenizer(Path(args.init_from), config)
     if args.world_size is not None and not args.dry_run:
         raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
     for flag, value in (("--gpu", args.gpu), ("--device-memory", args.device_memory), ("--headroom", args.headroom)):
@@ -209,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                                      precision.precision, device.type)
         init_weights = initial_weights(args.init_from, config) if args.init_from else None
         run_dir = args.run_dir or Path("runs") / config.name
+        if config.logging.plots:  # written at the end: a path that cannot take them is refused now
+            check_plots_folder(run_dir)
         runtime = init_runtime()
         joined = True
         try:

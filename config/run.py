@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -35,6 +36,11 @@ class SourceConfig:
     @property
     def label(self) -> str:
         return self.name or Path(self.path.rstrip("/")).name or self.path
+
+
+def _same_corpus(a: str, b: str) -> bool:
+    """Whether two ``data.source`` values name the same corpus (``stdlib``, or one path however it is written)."""
+    return a == b or (a != "stdlib" and b != "stdlib" and os.path.realpath(a) == os.path.realpath(b))
 
 
 @dataclass
@@ -120,6 +126,14 @@ class DataConfig:
             require((validation.token_dtype is not None) == validation.path.endswith(".bin"),
                      f"{where}.token_dtype={validation.token_dtype!r} with path {validation.path!r}: a .bin needs its "
                      "dtype stated (uint16 or uint32), and only a .bin takes one")
+            require(self.tokenizer == "bytes" or not validation.path.endswith(".bin"),
+                     f"{where}: a .bin is already tokenised (by some tokenizer), so data.tokenizer={self.tokenizer!r} "
+                     "does not say what its ids mean; give the text it came from")
+            trained = next((c for c in self.corpora() if _same_corpus(c.path, validation.path)), None)
+            require(trained is None, f"{where}.path={validation.path!r} is the training source "
+                                     f"{trained.path if trained else ''!r}: its loss would be measured on text the "
+                                     "model trains on; give held-out text (the training source's own held-out tail "
+                                     "is val/loss, data.val_fraction)")
         require(not self.document_mask or not any(c.path.endswith(".bin")
                                                   for c in self.corpora() + self.validation_sets()),
                  "data.document_mask=true finds each document's end by its data.document_end token, which a "

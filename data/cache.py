@@ -114,7 +114,8 @@ def _cached_tokens(docs: list[Document], label: str, key: list, cache_dir: str |
             if not (cache_file.exists() and _racy_files_unchanged(cache_file)) and \
                     _write_tokens(cache_file, docs, text_key, tokenizer, end, source, exclusive, workers) == 0:
                 raise ValueError(
-                    f"data.source={source!r}: no text in its {len(docs)} file(s) (empty files or no records); "
+                    f"data.source={source!r}: no text in its {len(docs)} file(s) (empty files, no records, or "
+                    "records whose text is empty); "
                     f"{VALID_SOURCES}"
                 )
     return _map_tokens(cache_file, source, tokenizer.dtype)
@@ -151,18 +152,21 @@ def _write_tokens(dest: Path, docs: list[Document], text_key: str, tokenizer: To
     report = Progress(source, len(docs), sum(doc.stat.st_size for doc in docs),
                       sum(doc.stat.st_size for doc in docs[:done["files"]]))
     read_bytes, checkpointed, discard = report.start_bytes, time.monotonic(), False
+    text_bytes = int(done.get("text", done["bytes"]))  # a record from before text was counted: its bytes
     try:
         with os.fdopen(fd, "wb") as out:
             files = _tokenised_files(docs, done["files"], text_key, tokenizer, end, stream, out, digests, racy_after,
                                      workers, dest)
-            for number in _discarding_bad_input(files, lambda: done.update(discard=True)):
+            for number, text in _discarding_bad_input(files, lambda: done.update(discard=True)):
+                text_bytes += text
                 read_bytes += docs[number].stat.st_size
                 report.update(number + 1, read_bytes, out.tell() // tokenizer.dtype.itemsize)
                 if resumable and time.monotonic() - checkpointed >= CHECKPOINT_SECONDS:
-                    _save_progress(out, stream, progress_file, number + 1, digests)
+                    _save_progress(out, stream, progress_file, number + 1, digests, text_bytes)
                     checkpointed = time.monotonic()
             out.write(stream.finish())
-            tokens = out.tell() // tokenizer.dtype.itemsize
+            # documents without text are their ends alone: nothing to train on, refused as no text at all
+            tokens = out.tell() // tokenizer.dtype.itemsize if text_bytes else 0
             out.flush()
             os.fsync(out.fileno())
         if tokens:
@@ -196,7 +200,7 @@ def _open_partial(dest: Path, progress_file: Path, source: str, files: int,
             else:
                 fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
                 partial = Path(name)
-            done = {"files": 0, "bytes": 0, "digests": {}}
+            done = {"files": 0, "bytes": 0, "digests": {}, "text": 0}
         else:
             fd = os.open(partial, os.O_WRONLY)
             os.ftruncate(fd, done["bytes"])
@@ -211,8 +215,9 @@ def _open_partial(dest: Path, progress_file: Path, source: str, files: int,
 
 def _tokenised_files(docs: list[Document], start: int, text_key: str, tokenizer: Tokenizer, end: DocumentEnd,
                      stream, out, digests: dict[str, str], racy_after: int, workers: int,
-                     dest: Path) -> Iterator[int]:
-    """Files ``start..`` tokenised into ``out`` in corpus order, yielding each one's number once it is written: in
+                     dest: Path) -> Iterator[tuple[int, int]]:
+    """Files ``start..`` tokenised into ``out`` in corpus order, yielding each one's number and bytes of text once it
+    is written: in
     ``workers`` processes (``data/workers.py``) when more than one file is left, else here."""
     if workers > 1 and len(docs) - start > 1:
         return _in_workers(_tokenise_file, docs, start, text_key, tokenizer, end, out, digests, racy_after, workers,
@@ -220,12 +225,13 @@ def _tokenised_files(docs: list[Document], start: int, text_key: str, tokenizer:
     return _in_process(docs, start, text_key, stream, out, digests, racy_after)
 
 
-def _save_progress(out, stream, progress_file: Path, files: int, digests: dict[str, str]) -> None:
-    """Make the partial file ``out`` resumable after its first ``files`` files: sync it, then record them."""
+def _save_progress(out, stream, progress_file: Path, files: int, digests: dict[str, str], text_bytes: int) -> None:
+    """Make the partial file ``out`` resumable after its first ``files`` files (``text_bytes`` of text): sync it,
+    then record them."""
     out.write(stream.finish())  # pieces are encoded one by one: draining here changes no token
     out.flush()
     os.fsync(out.fileno())
-    _write_record(progress_file, {"files": files, "bytes": out.tell(), "digests": digests})
+    _write_record(progress_file, {"files": files, "bytes": out.tell(), "digests": digests, "text": text_bytes})
 
 
 def _publish(partial: Path, dest: Path, digests: dict[str, str]) -> None:
@@ -239,11 +245,11 @@ def _publish(partial: Path, dest: Path, digests: dict[str, str]) -> None:
 
 
 def _in_process(docs: list[Document], start: int, text_key: str, stream, out, digests: dict[str, str],
-                racy_after: int) -> Iterator[int]:
-    """Tokenise files ``start..`` into ``out`` here, yielding each one's number once it is written."""
+                racy_after: int) -> Iterator[tuple[int, int]]:
+    """Tokenise files ``start..`` into ``out`` here, yielding each one's number, and its bytes of text, once it is
+    written."""
     for number in range(start, len(docs)):
-        _tokenise_file(docs[number], text_key, stream, out, digests, racy_after)
-        yield number
+        yield number, _tokenise_file(docs[number], text_key, stream, out, digests, racy_after)
 
 
 def _discarding_bad_input(files: Iterator[int], on_bad_input) -> Iterator[int]:
@@ -258,8 +264,10 @@ def _discarding_bad_input(files: Iterator[int], on_bad_input) -> Iterator[int]:
         files.close()
 
 
-def _tokenise_file(doc: Document, text_key: str, stream, out, digests: dict[str, str], racy_after: int) -> None:
-    """Append one file's documents, each with its end, to ``out``; hash it after if it was racy."""
+def _tokenise_file(doc: Document, text_key: str, stream, out, digests: dict[str, str], racy_after: int) -> int:
+    """Append one file's documents, each with its end, to ``out``; hash it after if it was racy. Returns the bytes
+    of text it held (0: empty, or records whose text is empty)."""
+    text_bytes = 0
     changed = ValueError(f"data.source: {doc.path} changed while the corpus was being read; run again once it is "
                          "written")
     try:
@@ -269,6 +277,7 @@ def _tokenise_file(doc: Document, text_key: str, stream, out, digests: dict[str,
             for chunks in read_documents(doc.path, doc.kind, doc.compression, text_key, raw):
                 for chunk in chunks:
                     out.write(stream.feed(chunk))
+                    text_bytes += len(chunk)
                 out.write(stream.end_document())
         if max(doc.stat.st_mtime_ns, doc.stat.st_ctime_ns) >= racy_after:
             digests[str(doc.path)] = sha256_file(doc.path)
@@ -276,6 +285,7 @@ def _tokenise_file(doc: Document, text_key: str, stream, out, digests: dict[str,
                 raise changed
     except OSError as error:
         raise unreadable(doc.path, error) from error
+    return text_bytes
 
 
 def _resume_point(partial: Path, progress_file: Path) -> dict | None:

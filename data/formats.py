@@ -70,14 +70,45 @@ def open_decompressed(path: Path, compression: str | None, raw: BinaryIO | None 
         elif compression == "zstd":
             import zstandard  # noqa: PLC0415 - only zstd corpora need it
 
-            # buffered: the bare reader has no readline, which jsonl needs
-            yield io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True),
-                                    1 << 20)
+            yield io.BufferedReader(_ZstdFrames(raw, zstandard), 1 << 20)  # buffered: jsonl needs readline
         else:
             yield raw
     finally:
         if own:
             raw.close()
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a zstd stream, its frames one after another. A stream that ends inside a frame (a
+    file cut short by a copy or a download) raises ``zstandard.ZstdError``: ``zstandard``'s own ``stream_reader``
+    ends there without a word, so a truncated corpus trained on the part that decompressed."""
+
+    READ_BYTES = 1 << 16  # compressed bytes fed at a time: a frame's output per call stays bounded
+
+    def __init__(self, raw: BinaryIO, zstandard):
+        self.raw, self.zstandard = raw, zstandard
+        self.frame = zstandard.ZstdDecompressor().decompressobj()
+        self.in_frame = False  # bytes of an unfinished frame were fed
+        self.pending, self.leftover = memoryview(b""), b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            data, self.leftover = self.leftover or self.raw.read(self.READ_BYTES), b""
+            if not data:
+                if self.in_frame:
+                    raise self.zstandard.ZstdError("the data ends inside a frame (the file was cut short)")
+                return 0
+            self.in_frame = True
+            self.pending = memoryview(self.frame.decompress(data))
+            if self.frame.eof:  # the frame is whole; what follows it starts the next
+                self.leftover, self.in_frame = self.frame.unused_data, False
+                self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+        count = min(len(buffer), len(self.pending))
+        buffer[:count], self.pending = self.pending[:count], self.pending[count:]
+        return count
 
 
 def looks_binary(first_chunk: bytes) -> bool:

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             tokens = load_tokens(corpus.path, data.cache_dir, config.model.vocab_size, data.tokenizer,
                                  corpus.text_key, data.skip, corpus.token_dtype, end, data.workers)
             if corpus in training:  # a named validation set is used whole
-                split_tokens(tokens, data.val_fraction, config.model.seq_len)
+                split_tokens(tokens, data.val_fraction, config.model.seq_len,
+                             f"data.sources[{corpus.name}] ({corpus.path})" if data.sources else None)
             print(f"{corpus.name}: {len(tokens):,} tokens ({tokens.dtype}) in {tokens.filename} "
                   f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
 

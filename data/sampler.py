@@ -18,14 +18,25 @@ import torch
 from data.mixture import MixtureSchedule
 
 
-def split_tokens(tokens: np.ndarray, val_fraction: float,
-                 seq_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def split_tokens(tokens: np.ndarray, val_fraction: float, seq_len: int | None = None,
+                 source: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Split the stream into (train head, validation tail); both are views of ``tokens``, not copies.
 
     A contiguous tail (rather than random windows) keeps validation text unseen by training even
     across window boundaries. Given ``seq_len``, each part must hold one window of ``seq_len + 1`` tokens:
-    checked here, before any work, not at the first evaluation (the samplers check again).
+    checked here, before any work, not at the first evaluation (the samplers check again). ``source`` names the
+    stream in the errors (a mixture's source: which one is too small).
     """
+    try:
+        return _split(tokens, val_fraction, seq_len, "data.source" if source is None else "source")
+    except ValueError as exc:
+        if source is None:
+            raise
+        raise ValueError(f"{source}: {exc}") from exc
+
+
+def _split(tokens: np.ndarray, val_fraction: float, seq_len: int | None,
+           corpus: str) -> tuple[np.ndarray, np.ndarray]:
     if not 0 < val_fraction < 1:
         raise ValueError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
     num_val = int(len(tokens) * val_fraction)  # < len(tokens) as val_fraction < 1: train is never empty
@@ -37,8 +48,8 @@ def split_tokens(tokens: np.ndarray, val_fraction: float,
     train, val = tokens[:-num_val], tokens[-num_val:]
     if seq_len is not None:
         _check_layout(seq_len, 0, 1)
-        _num_windows(train, seq_len, "training")
-        _num_windows(val, seq_len, "validation")
+        _num_windows(train, seq_len, "training", corpus)
+        _num_windows(val, seq_len, "validation", corpus)
     return train, val
 
 
@@ -201,12 +212,12 @@ def _gather(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> tuple[torc
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
-def _num_windows(tokens: np.ndarray, seq_len: int, split: str) -> int:
+def _num_windows(tokens: np.ndarray, seq_len: int, split: str, corpus: str = "data.source") -> int:
     # Window i spans tokens [i*seq_len, i*seq_len + seq_len], so it needs i*seq_len + seq_len < len.
     if len(tokens) < seq_len + 1:
         raise ValueError(
             f"the {split} split has {len(tokens):,} tokens, fewer than model.seq_len + 1 = {seq_len + 1:,}; "
-            f"use a larger data.source, model.seq_len of at most {max(len(tokens) - 1, 0):,}, or "
+            f"use a larger {corpus}, model.seq_len of at most {max(len(tokens) - 1, 0):,}, or "
             + ("a larger data.val_fraction" if split == "validation" else "a smaller data.val_fraction")
         )
     return (len(tokens) - 1) // seq_len

@@ -219,6 +219,12 @@ def load_tokenizer(spec: str, vocab_size: int | None = None, source: str = "stdl
         tokenizer = ByteTokenizer()
     else:
         path = Path(spec)
+        if path.is_dir():  # training a tokenizer "to" it would fail, or write over the folder's files
+            inside = path / "tokenizer.json"
+            raise ValueError(f"data.tokenizer={spec!r} is a folder, not a tokenizer.json; give " + (
+                f"the one in it: data.tokenizer={str(inside)!r}" if inside.is_file() else
+                f"a tokenizer.json file (train one into it with `python -m data.tokenizer train --source {source} "
+                f"--vocab-size {vocab_size or 8192} --out {inside}`)") + ", or use 'bytes'")
         if not path.is_file():
             wanted = vocab_size or 8192
             raise ValueError(
@@ -306,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--source is empty; give 'stdlib', a text file or a folder")
         if args.source.endswith(".bin"):
             raise ConfigError(f"--source {args.source}: a .bin is already tokenised; give the text it came from")
+        if args.out.is_dir():
+            raise ConfigError(f"--out {args.out} is a folder; give the path of the tokenizer.json to write (e.g. "
+                              f"{args.out / 'tokenizer.json'})")
         check_outputs([args.out], [] if args.source == "stdlib" else [Path(args.source)], args.overwrite)
         tokenizer = train_bpe(document_texts(list_corpus(args.source, args.text_key, args.skip)), args.vocab_size)
         write_tokenizer(tokenizer, args.out)

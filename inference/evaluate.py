@@ -16,6 +16,7 @@ reported for ``--text``, whose bytes are known). The model is the dropless infer
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,11 +96,29 @@ def evaluate_tokens(model: MoETransformer, tokens: np.ndarray, batch_size: int =
     return Evaluation(loss, math.exp(loss), count, bits_per_byte)
 
 
+# the data keys a --source is read with, and the flags moe-evaluate takes them as: the data pipeline's messages name
+# the keys (they are train.py's), and this command's say its own flags instead
+SOURCE_FLAGS = {"data.source": "--source", "data.text_key": "--text-key", "data.skip": "--skip",
+                "data.token_dtype": "--token-dtype", "data.cache_dir": "--cache-dir"}
+
+
+def _source_tokens(args, config: RunConfig) -> np.ndarray:
+    """The tokens of ``--source``, read as ``data.source`` is, with this command's flags for the data keys."""
+    try:
+        return np.asarray(load_tokens(args.source, args.cache_dir, config.model.vocab_size,
+                                      args.tokenizer or config.data.tokenizer, args.text_key, args.skip,
+                                      args.token_dtype))
+    except ValueError as exc:
+        message = str(exc)
+        for key, flag in SOURCE_FLAGS.items():
+            message = re.sub(rf"\b{re.escape(key)}\b", flag, message)
+        raise ConfigError(message) from exc
+
+
 def _tokens(args, text: str | None, config: RunConfig, tokenizer: Tokenizer | None) -> tuple[np.ndarray, int | None]:
     """The token ids to evaluate on, and the text's UTF-8 bytes (None for a --source)."""
     if text is None:
-        return np.asarray(load_tokens(args.source, args.cache_dir, config.model.vocab_size,
-                                      args.tokenizer or config.data.tokenizer)), None
+        return _source_tokens(args, config), None
     if tokenizer is None:
         raise ConfigError(f"the model's tokenizer {config.data.tokenizer!r} (data.tokenizer) is not there; give it "
                           "with --tokenizer PATH")
@@ -115,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json or 'bytes' (default: the model's)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     parser.add_argument("--cache-dir", default=".cache/data", help="where --source is tokenised to (as data.cache_dir)")
+    parser.add_argument("--text-key", default="text", help="the field of --source's records that holds the text "
+                                                           "(as data.text_key)")
+    parser.add_argument("--skip", nargs="+", default=[], metavar="GLOB",
+                        help="files of a --source folder to leave out (as data.skip)")
+    parser.add_argument("--token-dtype", choices=("uint16", "uint32"), default=None,
+                        help="the dtype a --source .bin's ids were written in (as data.token_dtype)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (one process; under torchrun each "
                                                         "rank takes its own device)")
     parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="parallel.KEY=V",
@@ -139,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             result = evaluate_tokens(loaded.model, tokens, args.batch_size, text_bytes)
             source = loaded.source
         else:  # every check and all the data before the job is joined
-            source, config, fill = weights_of(args.model)
+            source, config, fill, trained_with = weights_of(args.model)
             config, resolved = layout_config(inference_config(config), args.overrides, world_size)
-            tokens, text_bytes = _tokens(args, text, config, model_tokenizer(config, args.tokenizer))
+            tokenizer = model_tokenizer(config, args.tokenizer, trained_with, str(source))
+            tokens, text_bytes = _tokens(args, text, config, tokenizer)
             result = evaluate_under_layout(config, resolved, fill, lambda model, *dp: evaluate_tokens(
                 model, tokens, args.batch_size, text_bytes, *dp))
             if result is None:  # not rank 0: it said nothing

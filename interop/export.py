@@ -32,9 +32,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from config.cli import add_overwrite, check_outputs, command_parser, run_command
 from config.errors import ConfigError, UserError
 from config.run import RunConfig, config_from_dict
+from config.tokenizer_identity import FINGERPRINT_METADATA_KEY
 from moe.transformer import MoETransformer
 from parallel.checkpoint import (
     CONFIG_FILE,
+    TRAINER_STATE,
     CheckpointCorruptError,
     SafeFileSystemReader,
     TensorsOnlyLoadPlanner,
@@ -173,6 +175,24 @@ def model_tensors(source: Path) -> tuple[dict[str, tuple[torch.Size, torch.dtype
     return entries, handle.get_tensor, config_from_dict(yaml.safe_load(metadata[CONFIG_METADATA_KEY]))
 
 
+def weights_tokenizer(source: Path) -> str | None:
+    """The fingerprint of the tokenizer the weights at ``source`` were trained with (``config.tokenizer_identity``):
+    a checkpoint's ``trainer_state.json`` records it, a safetensors file of ours its metadata; None for weights
+    saved before fingerprints were recorded."""
+    if source.is_dir():
+        found = published_checkpoints(source)
+        state = (found[0][1] if found else source) / TRAINER_STATE
+        try:
+            return json.loads(state.read_text(encoding="utf-8")).get(FINGERPRINT_METADATA_KEY)
+        except (OSError, ValueError, AttributeError):
+            return None  # reading the weights themselves says what is wrong with the checkpoint
+    try:
+        with safe_open(str(source), framework="pt") as handle:
+            return (handle.metadata() or {}).get(FINGERPRINT_METADATA_KEY)
+    except (OSError, SafetensorError):
+        return None
+
+
 def export_checkpoint(checkpoint: Path, out: Path) -> int:
     """Write ``checkpoint``'s model to ``out`` (safetensors), one tensor in memory at a time; returns the count.
 
@@ -182,7 +202,11 @@ def export_checkpoint(checkpoint: Path, out: Path) -> int:
     if found:
         checkpoint = found[0][1]
     entries, read, config_text = checkpoint_tensors(checkpoint)
-    write_safetensors_streaming(out, entries, read, {CONFIG_METADATA_KEY: config_text, "checkpoint": str(checkpoint)})
+    metadata = {CONFIG_METADATA_KEY: config_text, "checkpoint": str(checkpoint)}
+    trained_with = weights_tokenizer(checkpoint)
+    if trained_with is not None:
+        metadata[FINGERPRINT_METADATA_KEY] = trained_with
+    write_safetensors_streaming(out, entries, read, metadata)
     return len(entries)
 
 

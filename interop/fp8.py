@@ -18,6 +18,7 @@ from config.errors import ConfigError
 
 FP8_CODES = {"F8_E4M3"}  # the safetensors dtypes dequantised here
 SCALE_SUFFIX = "_scale_inv"
+SCALE_CODES = {"F32", "BF16", "F16"}  # what block scales may be stored as: floats, whose meaning is their value
 
 
 def block_size(hf: dict) -> tuple[int, int] | None:
@@ -38,6 +39,35 @@ def block_size(hf: dict) -> tuple[int, int] | None:
         raise ConfigError(f"config.json quantization_config weight_block_size={block!r} must be two positive "
                           "integers (DeepSeek-V3: [128, 128])")
     return block[0], block[1]
+
+
+def check_scaled(name: str, code: str, shape: tuple[int, ...], scales: tuple[str, tuple[int, ...]] | None,
+                 block: tuple[int, int] | None) -> None:
+    """Refuse by name an fp8 weight (safetensors dtype ``code``, ``shape``) that cannot be dequantised as
+    DeepSeek-V3's: another fp8 format than the e4m3 ``quantization_config`` declares (a folder of mixed formats), no
+    block size, no ``_scale_inv`` tensor (``scales``: its dtype code and shape, or None), scales that are not
+    floats, or a scale grid other than the one ``weight_block_size`` gives the weight (each block would be scaled
+    by another block's scale, or read past the grid)."""
+    if block is None:
+        raise ConfigError(f"tensor '{name}' is {code}, but config.json has no fp8 quantization_config "
+                          "(quant_method 'fp8' with weight_block_size) saying how to dequantise it")
+    if code not in FP8_CODES:
+        raise ConfigError(f"tensor '{name}' is {code}, but quantization_config declares fp8 e4m3 (F8_E4M3) weights: "
+                          "a folder of mixed fp8 formats is not dequantised; convert it to one format")
+    if len(shape) != 2:
+        raise ConfigError(f"fp8 tensor '{name}' is not a matrix ({list(shape)}): only matrices with block scales "
+                          "are dequantised")
+    if scales is None:
+        raise ConfigError(f"fp8 tensor '{name}' comes without its block scales '{name}{SCALE_SUFFIX}'")
+    scale_code, scale_shape = scales
+    if scale_code not in SCALE_CODES:
+        raise ConfigError(f"'{name}{SCALE_SUFFIX}' holds {scale_code} values: block scales are floating point "
+                          f"({', '.join(sorted(SCALE_CODES))}); integer scales would be cast without their meaning")
+    grid = tuple(-(-size // step) for size, step in zip(shape, block, strict=True))
+    if tuple(scale_shape) != grid:
+        raise ConfigError(f"'{name}{SCALE_SUFFIX}' is {list(scale_shape)}, but weight_block_size {list(block)} over "
+                          f"'{name}' {list(shape)} gives a {list(grid)} grid of scales: the block size does not match "
+                          "the stored scales (each block would be dequantised with another block's scale)")
 
 
 def scale_box(rows: slice, cols: slice, block: tuple[int, int]) -> tuple[slice, slice]:

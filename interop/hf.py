@@ -19,6 +19,7 @@ tensors at a time, and ``--init-from hf:DIR`` converts on the fly, each rank rea
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from config.cli import add_config_arguments, add_overwrite, check_outputs, comma
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
+from config.tokenizer_identity import FINGERPRINT_METADATA_KEY
 from interop import fp8, hf_deepseek_v3, hf_glm4_moe, hf_gpt_oss, hf_mixtral, hf_qwen3_moe, mxfp4
 from interop.export import (
     CONFIG_METADATA_KEY,
@@ -45,6 +47,7 @@ from interop.hf_tokenizer import (
     GENERATION_CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    folder_fingerprint,
     folder_tokenizer,
     write_tokenizer_files,
 )
@@ -94,6 +97,7 @@ class HFWeights:
         # MXFP4 expert stacks (``interop/mxfp4.py``), or fp8 weights' scale blocks (``interop/fp8.py``), if any
         self.mxfp4 = mxfp4.declared(folder.config)
         self.block = None if self.mxfp4 else fp8.block_size(folder.config)
+        self._checked: dict[str, torch.dtype | None] = {}  # _stored_dtype's answers
 
     def _packed(self, hf_name: str) -> bool:
         """Whether HF tensor ``hf_name`` is stored as MXFP4 blocks and scales rather than under its own name."""
@@ -101,8 +105,12 @@ class HFWeights:
 
     def _hf_shape(self, hf_name: str) -> tuple[int, ...]:
         if self._packed(hf_name):
-            return mxfp4.logical_shape(hf_name, *(tuple(self.folder.slice(hf_name + suffix).get_shape())
-                                                  for suffix in (mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX)))
+            parts = [self.folder.slice(hf_name + suffix) for suffix in (mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX)]
+            try:
+                return mxfp4.logical_shape(hf_name, *(tuple(part.get_shape()) for part in parts),
+                                           tuple(part.get_dtype() for part in parts))
+            except ConfigError as exc:
+                raise ConfigError(f"{self.folder.folder}: {exc}") from None
         return tuple(self.folder.slice(hf_name).get_shape())
 
     def _hf_box(self, hf_name: str, box: tuple[slice, ...]) -> Tensor:
@@ -112,21 +120,71 @@ class HFWeights:
             self._hf_shape(hf_name)  # blocks that do not match their scales: named before any is read
             return mxfp4.read_box(self.folder.slice(hf_name + mxfp4.BLOCKS_SUFFIX),
                                   self.folder.slice(hf_name + mxfp4.SCALES_SUFFIX), box, hf_name)
+        if self._stored_dtype(hf_name) is not None:  # not fp8: read as stored
+            return self.folder.slice(hf_name)[box]
         values = self.folder.slice(hf_name)[box]
-        if values.dtype != torch.float8_e4m3fn:
-            return values
-        if values.dim() != 2:
-            raise ConfigError(f"{self.folder.folder}: fp8 tensor '{hf_name}' is not a matrix: only matrices with "
-                              "block scales are dequantised")
         rows, cols = box
         scales = self.folder.slice(hf_name + fp8.SCALE_SUFFIX)[fp8.scale_box(rows, cols, self.block)]
         return fp8.dequantize(values, scales, rows, cols, self.block)
+
+    def _stored_dtype(self, hf_name: str) -> torch.dtype | None:
+        """The dtype HF tensor ``hf_name`` is read as, None for an fp8 weight (dequantised to bf16), checked once:
+        an fp8 weight against its scales (``fp8.check_scaled``), anything else floating point (an integer weight or
+        correction bias would be cast without a word)."""
+        if hf_name not in self._checked:
+            code = self.folder.slice(hf_name).get_dtype()
+            if code.startswith("F8_"):
+                scale = hf_name + fp8.SCALE_SUFFIX
+                scales = ((self.folder.slice(scale).get_dtype(), tuple(self.folder.slice(scale).get_shape()))
+                          if scale in self.folder.files else None)
+                try:
+                    fp8.check_scaled(hf_name, code, self._hf_shape(hf_name), scales, self.block)
+                except ConfigError as exc:
+                    raise ConfigError(f"{self.folder.folder}: {exc}") from None
+            elif DTYPES.get(code) is None or not DTYPES[code].is_floating_point:
+                raise ConfigError(f"{self.folder.folder}: tensor '{hf_name}' has dtype {code}: weights (and "
+                                  "correction biases) are floating point; an integer tensor would be cast without "
+                                  "its meaning")
+            self._checked[hf_name] = DTYPES.get(code)
+        return self._checked[hf_name]
 
     @classmethod
     def of_family(cls, folder: HFFolder, model: ModelConfig, moe: MoEConfig) -> HFWeights:
         """The folder's weights under our names, through the family its config.json names."""
         family = family_of(folder.config)
-        return cls(folder, family.hf_sources(model, moe), moe.num_experts, family.architecture)
+        weights = cls(folder, family.hf_sources(model, moe), moe.num_experts, family.architecture)
+        weights.check_all_read(model)
+        return weights
+
+    def check_all_read(self, model: ModelConfig) -> None:
+        """Refuse, naming it, a tensor of the folder that the model its config.json describes does not use (a layer
+        more, q/k/v biases under ``attention_bias: false``, q/k norms under ``use_qk_norm: false``): dropped, the
+        rest would be another model than the folder's. Not read on purpose: the block scales of what is read, the
+        tied head, rotary tables, and of the multi-token-prediction layers config.json declares
+        (``num_nextn_predict_layers``, each with its ``eh_proj``) those the run does not ask for and their copies of
+        the embedding and head."""
+        read = {name for source in self.sources.values() for name in source.names}
+        missing = [name for source in self.sources.values() for name in source.names
+                   if name not in self.folder.files and not self._packed(name)]
+        if missing:  # a tensor the model needs and the folder lacks says more than one it has and the model does not
+            self.folder.slice(missing[0])  # its error names it
+        read |= {name + suffix for name in read
+                 for suffix in (fp8.SCALE_SUFFIX, mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX)}
+        declared = self.folder.config.get("num_nextn_predict_layers") or 0
+        mtp_layers = [f"model.layers.{model.n_layers + k}." for k in range(declared if isinstance(declared, int) else 0)
+                      if f"model.layers.{model.n_layers + k}.eh_proj.weight" in self.folder.files]  # one, not a block
+        spare = tuple(mtp_layers[model.mtp_depth:])
+        copies = {layer + name for layer in mtp_layers for name in ("embed_tokens.weight", "shared_head.head.weight")}
+        if model.tie_embeddings:
+            copies.add("lm_head.weight")
+        unread = sorted(name for name in self.folder.files if name not in read and name not in copies
+                        and not name.startswith(spare) and not name.endswith("rotary_emb.inv_freq"))
+        if unread:
+            raise ConfigError(f"{self.folder.folder}: tensor '{unread[0]}' is not used by the model its config.json "
+                              f"describes ({len(unread)} such tensor(s): {', '.join(unread[:4])}"
+                              f"{', ...' if len(unread) > 4 else ''}); dropping it would give another model than the "
+                              "folder's. Correct config.json (num_hidden_layers, attention_bias, use_qk_norm, ...) "
+                              "to describe every tensor, or remove the tensors the model does not have")
 
     def _source(self, name: str) -> Source:
         if name not in self.sources:
@@ -153,15 +211,10 @@ class HFWeights:
         source = self._source(name)
         if source.kind == "zeros":
             return torch.float32
-        if self._packed(source.names[0]):
-            return torch.bfloat16  # dequantised as read
-        code = self.folder.slice(source.names[0]).get_dtype()
-        if code in fp8.FP8_CODES and self.block is not None and source.names[0] + fp8.SCALE_SUFFIX in self.folder.files:
-            return torch.bfloat16  # dequantised as read
-        if DTYPES.get(code) is None:
-            raise ConfigError(f"{self.folder.folder}: tensor '{source.names[0]}' has dtype {code}, not supported"
-                              + (" without its block scales and quantization_config" if code in fp8.FP8_CODES else ""))
-        return DTYPES[code]
+        # every tensor of a stack checked (one expert may be stored otherwise); the stack has their common dtype
+        read_as = [torch.bfloat16 if self._packed(hf_name) else self._stored_dtype(hf_name) or torch.bfloat16
+                   for hf_name in source.names]  # MXFP4 and fp8 are dequantised to bf16 as read
+        return functools.reduce(torch.promote_types, read_as)
 
     def read(self, name: str, box: tuple[slice, ...]) -> Tensor:
         source = self._source(name)
@@ -203,6 +256,13 @@ def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = N
     return config_from_dict(tree)
 
 
+def folder_context(folder: Path | str) -> int:
+    """The context length of an HF folder's model (its ``max_position_embeddings``): what a use of the model that is
+    not a training run (an import, ``moe-generate``, ``moe-evaluate``) takes as ``model.seq_len`` unless told."""
+    with HFFolder(folder) as hf:
+        return family_of(hf.config).shape_from_hf(hf.config).max_positions
+
+
 def split_init_from(init_from: str | None) -> Path | None:
     """The folder of an ``hf:DIR`` ``--init-from``, else None."""
     return Path(init_from[len(HF_PREFIX):]) if init_from and init_from.startswith(HF_PREFIX) else None
@@ -237,6 +297,8 @@ def import_folder(folder: Path, out: Path, config: RunConfig, seq_len: int | Non
             entries[name] = (torch.Size(shape), weights.dtype(name))
         metadata = {CONFIG_METADATA_KEY: yaml.safe_dump(config.to_dict(), sort_keys=False),
                     "source": f"{HF_PREFIX}{folder}", "format": "pt"}
+        if folder_fingerprint(folder) is not None:  # what its ids mean travels with the weights
+            metadata[FINGERPRINT_METADATA_KEY] = folder_fingerprint(folder)
         write_safetensors_streaming(out, entries, lambda name: weights.read(name, ()), metadata)
     return config
 
@@ -362,10 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     def convert() -> None:
         check_outputs([args.out], [args.folder if args.command == "import" else args.checkpoint], args.overwrite)
         if args.command == "import":
-            seq_len = args.seq_len
-            if seq_len is None:
-                with HFFolder(args.folder) as hf:
-                    seq_len = family_of(hf.config).shape_from_hf(hf.config).max_positions
+            seq_len = args.seq_len if args.seq_len is not None else folder_context(args.folder)
             import_folder(args.folder, args.out, load_config_from(args), seq_len)
             print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)
         else:

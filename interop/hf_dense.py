@@ -98,6 +98,7 @@ def dense_tensors(folder: HFFolder, model: ModelConfig
     """(each of our dense tensors' shape and dtype, a reader of one whole tensor under our name, our name -> the
     HF name) of an open folder, read through ``HFWeights``; a missing tensor is named before any is read."""
     weights = HFWeights(folder, dense_sources(model), 0, dense_family(folder.config)[0])
+    weights.check_all_read(model)  # a tensor config.json does not describe is refused, not dropped
     entries = {ours: (torch.Size(weights.shape(ours)), weights.dtype(ours)) for ours in weights.sources}
     names = {ours: source.names[0] for ours, source in weights.sources.items()}
     return entries, lambda ours: weights.read(ours, ()), names

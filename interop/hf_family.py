@@ -36,6 +36,61 @@ DECODER_KEYS = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention
                 "attention_bias"}
 
 
+# the JSON type each number or switch of config.json must have, and whether null is allowed (it then means what the
+# key's absence means: num_key_value_heads null is multi-head attention, q_lora_rank null a full-rank query, ...);
+# checked for every family before its own code reads them (``check_value_types``), so a wrong one is named by its
+# key rather than failing in arithmetic or under our key's name. Keys of the rope dicts are checked inside them.
+_INTEGER, _NUMBER, _BOOLEAN = "an integer", "a number", "true or false"
+VALUE_TYPES: dict[str, tuple[str, bool]] = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings", "intermediate_size", "moe_intermediate_size", "num_local_experts",
+                     "num_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                     "experts_per_token", "first_k_dense_replace", "decoder_sparse_step", "moe_layer_freq",
+                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "initial_context_length",
+                     "max_window_layers"), (_INTEGER, False)),
+    **dict.fromkeys(("num_key_value_heads", "head_dim", "sliding_window", "q_lora_rank", "n_group", "topk_group",
+                     "num_nextn_predict_layers", "original_max_position_embeddings"), (_INTEGER, True)),
+    **dict.fromkeys(("rope_theta", "rms_norm_eps", "attention_dropout", "routed_scaling_factor", "swiglu_limit",
+                     "swiglu_alpha", "router_jitter_noise", "partial_rotary_factor"), (_NUMBER, False)),
+    **dict.fromkeys(("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"),
+                    (_NUMBER, True)),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob", "use_sliding_window",
+                     "rope_interleave", "mlp_bias", "truncate"), (_BOOLEAN, False)),
+}
+ROPE_DICTS = ("rope_parameters", "rope_scaling")
+
+
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "float", str: "string", list: "list", dict: "mapping"}
+
+
+def _type_error(value: object, kind: str, nullable: bool) -> str | None:
+    """The JSON type of ``value`` when it cannot be a config.json value of ``kind``, or None when it can."""
+    if value is None:
+        return None if nullable else "null"
+    if kind == _BOOLEAN:
+        accepted = isinstance(value, bool)
+    else:
+        accepted = not isinstance(value, bool) and isinstance(value, int if kind == _INTEGER else int | float)
+    return None if accepted else _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def check_value_types(hf: dict) -> None:
+    """Refuse, by its key, a config.json number or switch of another JSON type (a string, list, null or object,
+    or a float where a count belongs), before any family reads it (``VALUE_TYPES``); the rope dicts' own keys too."""
+    for where, values in [("", hf)] + [(f"{key}.", hf[key]) for key in ROPE_DICTS if isinstance(hf.get(key), dict)]:
+        for key, value in values.items():
+            if key not in VALUE_TYPES:
+                continue
+            kind, nullable = VALUE_TYPES[key]
+            found = _type_error(value, kind, nullable)
+            if found is not None:
+                raise ConfigError(f"config.json {where}{key}={value!r} is a {found}: it must be {kind}"
+                                  + (" (or null)" if nullable else ""))
+    for key in ROPE_DICTS:
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ConfigError(f"config.json {key}={hf[key]!r} must be a mapping of rope settings (or null)")
+
+
 @dataclass(frozen=True)
 class HFShape:
     """What a config.json fixes of our config: ``model``/``moe`` keys, and the longest context."""
@@ -119,8 +174,6 @@ def _yarn_keys(params: dict, hf: dict) -> dict:
     if unknown:
         raise ConfigError(f"config.json rope setting '{unknown[0]}'={params[unknown[0]]!r} is not supported by our "
                           f"YaRN (it takes {', '.join(sorted(known))})")
-    if params.get("truncate", True) not in (True, False):
-        raise ConfigError(f"config.json rope truncate={params['truncate']!r} must be true or false")
     original = params.get("original_max_position_embeddings")
     if original is None:
         raise ConfigError("config.json's yarn rope settings have no 'original_max_position_embeddings', which "

@@ -1,7 +1,7 @@
 """A Hugging Face model folder opened for reading: its config.json and its tensors by name, over one
 ``model.safetensors`` or the shards ``model.safetensors.index.json`` names (``interop/hf_shards.py`` writes
 them). Every defect a download cut short leaves (a file missing, not JSON, not safetensors) is an error naming the
-file, before any tensor is read.
+file, and a config.json value of the wrong type one naming its key, before any tensor is read.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from config.errors import ConfigError
+from interop.hf_family import check_value_types
 from interop.hf_shards import INDEX_FILE, SINGLE_FILE
 
 
@@ -29,6 +30,10 @@ class HFFolder(contextlib.AbstractContextManager):
         if not config_path.is_file():
             raise ConfigError(f"{self.folder}: no config.json (not a Hugging Face model folder)")
         self.config = _json_file(config_path, dict, "a mapping of the model's settings")
+        try:  # by config.json's own key names, before any family code reads them
+            check_value_types(self.config)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.folder}: {exc}") from None
         index = self.folder / INDEX_FILE
         if index.is_file():
             weight_map = _json_file(index, dict, 'a mapping with a "weight_map"').get("weight_map")

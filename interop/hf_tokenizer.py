@@ -15,11 +15,11 @@ from pathlib import Path
 
 from config.errors import ConfigError
 from config.run import RunConfig
+from config.tokenizer_identity import BYTES, check_same_tokenizer, readable, tokenizer_fingerprint
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-BYTES = "bytes"  # data.tokenizer's one-token-per-byte value (data/tokenizer.py)
 
 
 def gpt2_byte_symbols() -> dict[int, str]:
@@ -71,10 +71,17 @@ def write_tokenizer_files(config: RunConfig, out: Path) -> str:
     return f"wrote {', '.join(written)} (tokenizer: {'bytes' if spec == BYTES else spec})"
 
 
+def folder_fingerprint(folder: Path) -> str | None:
+    """The fingerprint of the tokenizer ``folder``'s model was trained with: its ``tokenizer.json``'s (None when it
+    has none)."""
+    found = Path(folder) / TOKENIZER_FILE
+    return tokenizer_fingerprint(str(found)) if found.is_file() else None
+
+
 def folder_tokenizer(data: dict, folder: Path) -> None:
     """Point the run config tree's ``data`` section at ``folder``'s ``tokenizer.json`` when it has one: in place of
-    the default ``bytes``, or refused when ``data.tokenizer`` names a file with other content. A pre-tokenised
-    ``.bin`` source takes no tokenizer, and is left alone."""
+    the default ``bytes``, or refused when ``data.tokenizer`` names a file of another fingerprint
+    (``config.tokenizer_identity``). A pre-tokenised ``.bin`` source takes no tokenizer, and is left alone."""
     found = folder / TOKENIZER_FILE
     if not found.is_file() or str(data.get("source", "")).endswith(".bin"):
         return
@@ -82,11 +89,12 @@ def folder_tokenizer(data: dict, folder: Path) -> None:
     if current == BYTES:
         data["tokenizer"] = str(found)
         return
-    if Path(current).is_file() and Path(current).read_bytes() == found.read_bytes():
-        return
-    raise ConfigError(f"data.tokenizer={current!r}, but the model in {folder} comes with {found}, another tokenizer: "
-                      "its embeddings mean that tokenizer's ids. Leave data.tokenizer unset (the run then uses the "
-                      f"folder's), or set it to {found}")
+    advice = (f"leave data.tokenizer unset (the run then uses the folder's), or set it to {found}")
+    if not readable(current):
+        raise ConfigError(f"data.tokenizer={current!r}, but the model in {folder} comes with {found}, and "
+                          f"{current} is not a file here: {advice}")
+    check_same_tokenizer(folder_fingerprint(folder), current, f"the model in {folder} (it comes with {found})",
+                         advice)
 
 
 def check_vocabularies(config: RunConfig, folder: Path) -> None:

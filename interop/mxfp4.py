@@ -89,9 +89,16 @@ def declared(hf: dict) -> bool:
     return True
 
 
-def logical_shape(name: str, blocks: tuple[int, ...], scales: tuple[int, ...]) -> tuple[int, ...]:
+def logical_shape(name: str, blocks: tuple[int, ...], scales: tuple[int, ...],
+                  codes: tuple[str, str] = ("U8", "U8")) -> tuple[int, ...]:
     """The [E, in, out] shape of checkpoint tensor ``name`` stored as ``name_blocks`` [E, out, G, 16] and
-    ``name_scales`` [E, out, G]; an error naming the tensor when the two do not match."""
+    ``name_scales`` [E, out, G] (``codes``: their safetensors dtypes); an error naming the tensor when the two do not
+    match, or either is not bytes (E8M0 scales are bytes by definition: a float or wider integer scale is another
+    format, which would be cast without its meaning)."""
+    for suffix, code in zip((BLOCKS_SUFFIX, SCALES_SUFFIX), codes, strict=True):
+        if code != "U8":
+            raise ConfigError(f"MXFP4 tensor '{name}{suffix}' holds {code} values: MXFP4 blocks (two E2M1 values per "
+                              "byte) and their E8M0 scales are stored as U8 bytes; another dtype is another format")
     if len(blocks) != 4 or blocks[-1] != BYTES_PER_BLOCK or tuple(blocks[:-1]) != tuple(scales):
         raise ConfigError(f"MXFP4 tensor '{name}{BLOCKS_SUFFIX}' of shape {list(blocks)} does not match "
                           f"'{name}{SCALES_SUFFIX}' of shape {list(scales)}: an expert stack's blocks are "

@@ -57,6 +57,7 @@ STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 LATEST = "latest"
 CONFIG_FILE = "config.yaml"
+TRAINER_STATE = "trainer_state.json"  # the step, sampler and tokenizer fingerprint (training/checkpointing.py)
 
 
 def step_dir_name(step: int) -> str:

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from config.errors import ConfigError
 from config.run import RunConfig
+from config.tokenizer_identity import tokenizer_fingerprint
 from data.sampler import TokenSampler
 from parallel.checkpoint import (
     CONFIG_FILE,
@@ -71,7 +72,6 @@ from training.resume import (
     rng_state,
     set_rng,
     tokenizer_change,
-    tokenizer_fingerprint,
     verified,
 )
 from training.run_dir import rank0_verdict

@@ -154,7 +154,8 @@ def _read_data(config: RunConfig, dp_rank: int, dp_size: int) -> _RunData:
     splits = [split_tokens(load_tokens(c.path, config.data.cache_dir, config.model.vocab_size,
                                        config.data.tokenizer, c.text_key, config.data.skip, c.token_dtype,
                                        config.data.document_end, config.data.workers),
-                           config.data.val_fraction, config.model.seq_len) for c in corpora]
+                           config.data.val_fraction, config.model.seq_len,
+                           f"data.sources[{c.name}] ({c.path})" if config.data.sources else None) for c in corpora]
     if config.data.sources:  # a mixture: each source's own split, drawn by weight
         train_tokens, val_tokens = [train for train, _ in splits], [val for _, val in splits]
         sampler = TokenSampler(train_tokens, config.model.seq_len, config.train.seed, dp_rank, dp_size,
@@ -167,6 +168,10 @@ def _read_data(config: RunConfig, dp_rank: int, dp_size: int) -> _RunData:
         named_val[v.name] = load_tokens(v.path, config.data.cache_dir, config.model.vocab_size,
                                         config.data.tokenizer, v.text_key, config.data.skip, v.token_dtype,
                                         config.data.document_end, config.data.workers)
+        if len(named_val[v.name]) < config.model.seq_len + 1:  # used whole: no fraction to change
+            raise ValueError(f"data.validation[{v.name}] ({v.path}) has {len(named_val[v.name]):,} tokens, fewer "
+                             f"than model.seq_len + 1 = {config.model.seq_len + 1:,}; give a longer validation text, "
+                             "or a smaller model.seq_len")
         eval_batches(named_val[v.name], config.model.seq_len, config.train.global_batch_size,
                      config.train.eval_batches, dp_rank, dp_size)  # its size checked now, not at the first eval
     return _RunData(sampler, val_tokens, named_val, end_id)

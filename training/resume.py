@@ -7,7 +7,6 @@ are written and verified by ``parallel/checkpoint.py``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -20,8 +19,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from config.errors import ConfigError
 from config.run import RunConfig
+from config.tokenizer_identity import check_same_tokenizer
 from parallel.checkpoint import (
     MANIFEST,
+    TRAINER_STATE,
     CheckpointCorruptError,
     SafeFileSystemReader,
     published_checkpoints,
@@ -32,7 +33,6 @@ from parallel.runtime import Runtime
 from storage.files import write_text_atomic
 from training.routing_stats import truncate_routing
 
-TRAINER_STATE = "trainer_state.json"
 RESUME_CHANGES = "resume_changes.yaml"
 
 
@@ -42,26 +42,20 @@ def checkpoint_root(config: RunConfig, run_dir: Path) -> Path:
     return folder if folder.is_absolute() else Path(run_dir) / folder
 
 
-def tokenizer_fingerprint(spec: str) -> str:
-    """What a token id means, recorded in each checkpoint: ``bytes``, or the SHA-256 of the tokenizer.json's content
-    (its path alone does not say: a tokenizer retrained in place keeps its path and changes every id)."""
-    return spec if spec == "bytes" else "sha256:" + hashlib.sha256(Path(spec).read_bytes()).hexdigest()
-
-
 def tokenizer_change(path: Path, trainer_state: dict, saved_config: dict, config: RunConfig,
                      now: str) -> dict[str, dict]:
     """The tokenizer's change since the checkpoint at ``path`` (``now``: this run's ``tokenizer_fingerprint``), as a
     change to record with the config's ({} when none, or when the checkpoint predates fingerprints). Refused when
-    the content changed under the same ``data.tokenizer``: the model learned the old ids, and nothing asked for new
-    ones. Given under another path the change is deliberate, and recorded."""
+    the content changed under the same ``data.tokenizer`` (``config.tokenizer_identity``'s rule): the model learned
+    the old ids, and nothing asked for new ones. Given under another path the change is deliberate, and recorded."""
     saved = trainer_state.get("tokenizer")
     if saved is None or saved == now:
         return {}
     if saved_config.get("data", {}).get("tokenizer") == config.data.tokenizer:
-        raise ConfigError(f"data.tokenizer {config.data.tokenizer} changed since {path} was saved ({saved} -> {now}): "
-                          "the model learned the old token ids. Put the old file back to resume; or, to go on with "
-                          "the new tokenizer deliberately, give it under another path (--set data.tokenizer=NEW), "
-                          f"which is recorded in {RESUME_CHANGES}")
+        check_same_tokenizer(saved, config.data.tokenizer, str(path),
+                             "data.tokenizer changed in place since the save: put the old file back to resume; or, "
+                             "to go on with the new tokenizer deliberately, give it under another path "
+                             f"(--set data.tokenizer=NEW), which is recorded in {RESUME_CHANGES}")
     return {"data.tokenizer (content)": {"saved": saved, "now": now}}
 
 

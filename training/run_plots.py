@@ -21,6 +21,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+from config.errors import ConfigError
 from storage.files import atomic_output
 from training.metrics import read_metrics
 
@@ -103,6 +104,15 @@ def run_figures(run_dir: Path, name: str) -> dict[str, object]:
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     return {"loss.png": loss_figure(records, name), "throughput.png": throughput_figure(records, name),
             "memory.png": memory_figure(summary, name), "routing.png": routing_figure(records, name)}
+
+
+def check_plots_folder(run_dir: Path) -> None:
+    """Refuse, before the run starts, a ``plots`` path in ``run_dir`` that cannot be the figures' folder (a file, a
+    dangling link): the figures are written at the end, and would fail there, after the work is done."""
+    folder = Path(run_dir) / PLOTS_DIR
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        raise ConfigError(f"{folder} is not a folder, and the run writes its figures there at the end; move it "
+                          "away, or set logging.plots=false")
 
 
 def write_run_plots(run_dir: Path, name: str) -> list[Path] | str:

@@ -135,10 +135,22 @@ def test_bad_sources_are_refused_by_the_config(sources, message):
     ("[{path: x/a}, {path: y/a}]", r"names \['a', 'a'\] must differ"),
     ("[{path: a, weight: 2}]", r"data\.validation\[a\]\.weight=2\.0: a validation set has no weight"),
     ("[{path: v.bin}]", r"data\.validation\[v\.bin\]\.token_dtype=None"),
+    ("[{path: stdlib}]", r"data\.validation\[stdlib\]\.path='stdlib' is the training source 'stdlib': its loss "
+                         r"would be measured on text the model trains on"),
 ])
 def test_bad_validation_sets_are_refused_by_the_config(validation, message):
     with pytest.raises(ConfigError, match=message):
         load_config("moe-8x", [f"data.validation={validation}"])
+
+
+def test_a_validation_set_that_is_a_training_source_or_a_bin_under_bpe_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    sources = f"[{{path: {tmp_path / 'a.txt'}}}, {{path: {tmp_path}/b}}]"
+    with pytest.raises(ConfigError, match=r"is the training source '.*a\.txt'"):  # however the path is written
+        load_config("moe-8x", [f"data.sources={sources}", f"data.validation=[{{path: {tmp_path}/./a.txt}}]"])
+    with pytest.raises(ConfigError, match=r"data\.validation\[v\.bin\]: a \.bin is already tokenised \(by some "
+                                          r"tokenizer\), so data\.tokenizer='bpe\.json' does not say"):
+        load_config("moe-8x", ["data.tokenizer=bpe.json", "data.validation=[{path: v.bin, token_dtype: uint16}]"])
 
 
 def test_a_mixture_and_data_source_together_are_refused():
@@ -160,7 +172,10 @@ def test_a_run_trains_on_a_mixture_and_logs_the_realised_shares(tmp_path, capsys
             out.write(json.dumps({"text": f"record {i}: " + "lorem ipsum " * 5}) + "\n")
     sources = f"[{{path: {tmp_path / 'code'}, weight: 3}}, {{path: {tmp_path / 'chat.jsonl'}, weight: 1, name: chat}}]"
     (tmp_path / "held.txt").write_text("held out text, never trained on. " * 40)
-    validation = f"[{{path: {tmp_path / 'held.txt'}, name: held}}, {{path: {tmp_path / 'chat.jsonl'}}}]"
+    with open(tmp_path / "chat-held.jsonl", "w") as out:  # a training source is refused as a validation set
+        for i in range(60):
+            out.write(json.dumps({"text": f"held record {i}: " + "dolor sit amet " * 5}) + "\n")
+    validation = f"[{{path: {tmp_path / 'held.txt'}, name: held}}, {{path: {tmp_path / 'chat-held.jsonl'}}}]"
     run = tmp_path / "run"
     assert train.main(["--run-dir", str(run), "--set", *TINY, f"data.sources={sources}",
                        f"data.validation={validation}", f"data.cache_dir={tmp_path / 'cache'}"]) == 0
@@ -172,7 +187,7 @@ def test_a_run_trains_on_a_mixture_and_logs_the_realised_shares(tmp_path, capsys
         assert r["train/loss/code"] != r["train/loss/chat"]
         assert 0.75 * r["train/loss/code"] + 0.25 * r["train/loss/chat"] == pytest.approx(r["train/loss"], rel=1e-6)
     final = [r for r in read_metrics(run / "metrics.jsonl") if "val/loss" in r]
-    assert len(final) == 1 and {"val/held", "val/chat.jsonl"} <= set(final[0])  # each named set, by its name
-    assert final[0]["val/held"] != final[0]["val/chat.jsonl"]
+    assert len(final) == 1 and {"val/held", "val/chat-held.jsonl"} <= set(final[0])  # each named set, by its name
+    assert final[0]["val/held"] != final[0]["val/chat-held.jsonl"]
     saved = yaml.safe_load((run / "config.yaml").read_text())["data"]
     assert [s["weight"] for s in saved["sources"]] == [3.0, 1.0] and saved["document_end"] == "\n\n"

@@ -171,7 +171,8 @@ def test_bad_input_is_named(tmp_path):
         (dict(experts_per_token=3), "num_experts_per_tok=2 and experts_per_token=3 disagree"),
         (dict(quantization_config={"quant_method": "fp8"}), "GPT-OSS folders are read unquantised or with MXFP4"),
         (dict(quantization_config={"quant_method": "mxfp4", "group_size": 16}), "setting 'group_size' is not supp"),
-        (dict(rope_parameters=YARN | {"truncate": "no"}), "rope truncate='no' must be true or false"),
+        (dict(rope_parameters=YARN | {"truncate": "no"}),
+         "rope_parameters.truncate='no' is a string: it must be true or false"),
         (dict(hidden_act="gelu"), "hidden_act must be 'silu'"),
     ]
     assert_each_edit_refused(tmp_path / "hf", cases, out, base, SEQ)

@@ -13,6 +13,7 @@ import train
 from data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe, write_tokenizer
 from interop.hf import export_folder
 from interop.hf_tokenizer import byte_tokenizer_json
+from storage.files import sha256_file
 from tests.interop.test_hf import TINY_RUN, make_hf
 
 transformers = pytest.importorskip("transformers")
@@ -60,7 +61,9 @@ def test_init_from_hf_trains_on_the_folders_tokenizer(tmp_path, capsys):
     assert train.main([*run[:2], "--run-dir", str(tmp_path / "r2"), "--set", *TINY_RUN,
                        f"data.tokenizer={other}"]) == 2
     err = capsys.readouterr().err
-    assert f"data.tokenizer='{other}', but the model in {tmp_path / 'hf'} comes with {tokenizer}" in err
+    assert (f"the model in {tmp_path / 'hf'} (it comes with {tokenizer}) was trained with the tokenizer "
+            f"sha256:{sha256_file(tokenizer)}, and would be read here with {other} "
+            f"(sha256:{sha256_file(other)})") in err
     assert "Traceback" not in err and not (tmp_path / "r2").exists()
 
 

@@ -264,7 +264,8 @@ def test_a_tokenizer_changed_under_a_run_is_refused_and_a_new_one_given_delibera
                           "--out", str(tokenizer)]) == 0  # retrained in place: same path, other ids
     assert main(run, "train.steps=3", *data) == 2
     err = capsys.readouterr().err
-    assert f"data.tokenizer {tokenizer} changed since" in err and "Traceback" not in err, err
+    assert f"would be read here with {tokenizer} (sha256:" in err and "changed in place since the save" in err, err
+    assert "Traceback" not in err
     assert snapshot(run / "checkpoints") == saved and not (run / "resume_changes.yaml").exists()
 
     other = tmp_path / "other-tok.json"  # the new tokenizer under a path of its own: deliberate, and recorded
