@@ -4,8 +4,10 @@ step so that a mistake in any of them costs seconds, not the run."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
+from config.cli import shell_command
 from config.run import RunConfig
 from data.sampler import TokenSampler
 from training.optim import schedule_summary, warmup_note
@@ -28,8 +30,22 @@ def finished_run_note(config: RunConfig, run_dir: Path, checkpoint_folder: Path,
     return (f"run '{config.name}' in {run_dir} is complete: its checkpoint in {checkpoint_folder} is at step {step} "
             f"of train.steps={config.train.steps}, so there is nothing to train. To train on, run the same command "
             f"with --set train.steps=N (N > {step}; the learning-rate schedule is stretched to N); to start over, "
-            f"use another --run-dir (or move {checkpoint_folder} away). The model: moe-generate {run_dir} "
-            f"--prompt TEXT, moe-evaluate {run_dir} --text FILE, moe-export {checkpoint_folder} model.safetensors")
+            f"use another --run-dir (or move {checkpoint_folder} away).\n"
+            + "\n".join(next_steps(config, run_dir, checkpoint_folder)))
+
+
+def next_steps(config: RunConfig, run_dir: Path, checkpoint_folder: Path) -> list[str]:
+    """What to do with the trained model, as commands that run as printed in a new shell from this folder
+    (``shell_command``: ``.venv/bin/moe-generate`` after ``make train``); FILE is the one word to replace. The
+    sample asks for as many new tokens as the context holds after its prompt (at most 200)."""
+    new_tokens = max(1, min(200, config.model.seq_len - 8))  # "def " is at most 4 tokens of any tokenizer
+    run, checkpoints = shlex.quote(str(run_dir)), shlex.quote(str(checkpoint_folder))
+    export = shlex.quote(str(run_dir / "model.safetensors"))
+    return ["next steps (each runs as printed from this folder; FILE: a text file of your own):",
+            f"  {shell_command('moe-generate', 'inference.generate')} {run} --prompt 'def ' --greedy "
+            f"--max-new-tokens {new_tokens}",
+            f"  {shell_command('moe-evaluate', 'inference.evaluate')} {run} --text FILE",
+            f"  {shell_command('moe-export', 'interop.export')} {checkpoints} {export}"]
 
 
 def plan_lines(config: RunConfig, run_dir: Path, first_step: int, checkpoint_plan: str,

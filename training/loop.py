@@ -36,7 +36,7 @@ from parallel.pipeline import PipelineModel
 from parallel.resolve import ResolvedLayout, micro_batching
 from parallel.runtime import Runtime
 from storage.files import write_text_atomic
-from training.banner import describe_sources, finished_run_note, plan_lines
+from training.banner import describe_sources, finished_run_note, next_steps, plan_lines
 from training.checkpointing import Checkpointer
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
@@ -338,4 +338,6 @@ class _Run:
             else:
                 files["plots"] = self.run_dir / "plots"
         self.progress.close(summary, files, self.run_dir)
+        if self.checkpoints.policy.enabled:
+            self.say("\n".join(next_steps(self.config, self.run_dir, self.checkpoints.root)))
         return RunResult(summary, context.model, context.optimizer)
