@@ -45,6 +45,7 @@ from parallel.resolve import ResolvedLayout, resolve_layout
 from parallel.runtime import exit_process, init_runtime, launch_environment, local_device, shutdown_runtime
 from training.loop import train
 from training.metrics import check_loggers
+from training.resume import recorded_config
 
 # How long a worker other than its node's first waits before exiting with an error that every rank found before the
 # job was joined (see main's report); torchrun ends it sooner, when the first rank has exited.
@@ -83,6 +84,11 @@ def planned_world_size(args: argparse.Namespace) -> int:
     return args.world_size if args.world_size is not None else launch_environment().world_size
 
 
+def run_dir_of(args: argparse.Namespace, config: RunConfig) -> Path:
+    """``--run-dir``, by default ``runs/<config name>``."""
+    return args.run_dir or Path("runs") / config.name
+
+
 def verdict_gpu(args: argparse.Namespace) -> Hardware:
     """The GPU a --dry-run's verdict is against: ``--gpu`` (default H100), with ``--device-memory`` if given."""
     return hardware_with(args.gpu or "h100", memory_gib=args.device_memory)
@@ -97,6 +103,9 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     check that needs no process; a ConfigError (or ValueError) otherwise. The layout is resolved here once and
     passed on whole. ``launch.py`` calls this before starting any worker."""
     launch_environment()  # torchrun's variables, when set, are well formed
+    if args.resume not in ("auto", "none") and not Path(args.resume).exists():
+        raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
+                          "them; or auto, none)")
     config = load_config_from(args)
     hf_folder = split_init_from(args.init_from)
     if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
@@ -105,6 +114,8 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     elif args.init_from is not None and not Path(args.init_from).is_file():
         raise ConfigError(f"--init-from {args.init_from}: no such file (a .safetensors file, as python -m "
                           "interop.export writes, or hf:DIR for a Hugging Face folder)")
+    if not args.dry_run:  # a resumed run goes on with its own settings, changed only where --set says
+        config = recorded_config(config, args.overrides, run_dir_of(args, config), args.resume)
     if args.world_size is not None and not args.dry_run:
         raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
     for flag, value in (("--gpu", args.gpu), ("--device-memory", args.device_memory), ("--headroom", args.headroom)):
@@ -129,9 +140,6 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
         if config.data.document_mask:  # the one token that ends each document, or a ConfigError saying what would
             document_end_token(config.data.tokenizer, resolved_end, config.model.vocab_size)
         check_hardware(config, local_device().type)
-    if args.resume not in ("auto", "none") and not Path(args.resume).exists():
-        raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
-                          "them; or auto, none)")
     return config, resolved
 
 
@@ -184,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         needs = fit_check.check_fits(config, resolved, fit_check.available_bytes_per_rank(device.type),
                                      precision.precision, device.type)
         init_weights = initial_weights(args.init_from, config) if args.init_from else None
-        run_dir = args.run_dir or Path("runs") / config.name
+        run_dir = run_dir_of(args, config)
         runtime = init_runtime()
         joined = True
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from config.errors import ConfigError
-from config.run import RunConfig
+from config.run import RunConfig, config_from_dict
+from config.schema import apply_override
 from parallel.checkpoint import (
+    CONFIG_FILE,
     MANIFEST,
     CheckpointCorruptError,
     SafeFileSystemReader,
@@ -80,6 +83,41 @@ def config_changes(saved: dict, current: dict) -> dict[str, dict[str, Any]]:
     before, after = _flatten(saved), _flatten(current)
     return {key: {"saved": before.get(key), "now": after.get(key)}
             for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)}
+
+
+# How this session runs and reports, not what the run is: a resumed run takes them from the command (a checkpoint
+# loads into any layout), and every other section from the run's own record.
+SESSION_SECTIONS = ("parallel", "logging")
+
+
+def recorded_config(config: RunConfig, overrides: list[str], run_dir: Path, resume: str) -> RunConfig:
+    """The config a run continues with: the one recorded in the checkpoint it resumes, with this command's
+    ``--set`` ``overrides`` applied on top and ``SESSION_SECTIONS`` from the command. So a setting left out of the
+    command keeps the run's value (a forgotten ``--set train.warmup_steps=1`` would otherwise redraw the schedule);
+    one the command sets explicitly is changed, and ``record_changes`` records it. A fresh start, a checkpoint of a
+    run under another config's name (``--config`` chose another), or one without a readable config keeps
+    ``config``: the changes are then recorded and checked as before (``check_fits``)."""
+    if resume == "none":
+        return config
+    found, _ = candidates(resume, checkpoint_root(config, run_dir), config.checkpoint.dir)
+    try:
+        saved = yaml.safe_load((found[0][1] / CONFIG_FILE).read_text(encoding="utf-8")) if found else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        saved = None  # a damaged checkpoint: restore skips it, names the damage, and checks the next one
+    if not isinstance(saved, dict) or saved.get("name") != config.name:
+        return config
+    tree, command = dict(saved), config.to_dict()
+    tree.update({section: command[section] for section in SESSION_SECTIONS if section in command})
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    resumed = config_from_dict(tree)
+    kept = {key: change for key, change in config_changes(resumed.to_dict(), command).items()
+            if not key.startswith(SESSION_SECTIONS) and change["now"] != "auto"}  # auto: resolved at the start
+    if kept and os.environ.get("RANK", "0") == "0":
+        print("resume: the run's own settings kept where this command's config differs (change one with --set): "
+              + ", ".join(f"{key}={change['saved']!r} (the command's config: {change['now']!r})"
+                          for key, change in kept.items()), file=sys.stderr)
+    return resumed
 
 
 def candidates(resume: str, root: Path, checkpoint_dir: str) -> tuple[list[tuple[int, Path]], bool]:
