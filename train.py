@@ -30,7 +30,7 @@ from config.errors import USER_ERROR, ConfigError
 from config.run import RunConfig
 from data.cache import check_source
 from data.tokenizer import document_end_token
-from interop.hf import hf_run_config, split_init_from
+from interop.hf import FAMILIES, hf_run_config, split_init_from
 from interop.hf_tokenizer import check_vocabularies
 from interop.weights import initial_weights
 from parallel.groups import ParallelGroups
@@ -61,8 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "none: start fresh; PATH: a checkpoint folder, or a folder of them")
     parser.add_argument("--init-from", default=None, metavar="FILE|hf:DIR",
                         help="start from the weights in a safetensors file (python -m interop.export writes one), "
-                             "or hf:DIR, a Hugging Face Mixtral or Qwen3-MoE folder whose config.json also sets "
-                             "the model shape")
+                             "or hf:DIR, a Hugging Face folder of one of the families "
+                             f"{', '.join(FAMILIES)} (Kimi K2's as DeepSeek-V3's), whose config.json also sets the "
+                             "model shape")
     parser.add_argument("--dry-run", action="store_true",
                         help="build every rank's model on the meta device under a fake process group, print each "
                              "rank's model-state bytes beside the memory model's prediction and a verdict on "

@@ -10,6 +10,7 @@ from pathlib import Path
 from config.cli import shell_command
 from config.run import RunConfig
 from data.sampler import TokenSampler
+from parallel.layout import Layout
 from training.optim import schedule_summary, warmup_note
 from training.run_plots import PLOTS_DIR
 
@@ -22,6 +23,12 @@ def describe_sources(config: RunConfig, sampler: TokenSampler) -> str:
     return "mixture of " + ", ".join(
         f"{name} (weight {weight / total:.4f}, realised {share:.4f})"
         for name, weight, share in zip(sampler.names, sampler.weights, sampler.schedule.proportions, strict=True))
+
+
+def layout_text(layout: Layout) -> str:
+    """``1 rank``, or ``2 ranks: pp=1 dp_replicate=1 dp_shard=1 cp=2 tp=1 ep=1 etp=1``: every rank the run has
+    (under context or tensor parallelism more than its data-parallel ranks) and the degrees that spread it."""
+    return "1 rank" if layout.world_size == 1 else f"{layout.world_size} ranks: {layout.degrees()}"
 
 
 def finished_run_note(config: RunConfig, run_dir: Path, checkpoint_folder: Path, step: int) -> str:

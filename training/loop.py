@@ -37,7 +37,7 @@ from parallel.pipeline import PipelineModel
 from parallel.resolve import ResolvedLayout, micro_batching
 from parallel.runtime import Runtime
 from storage.files import write_text_atomic
-from training.banner import describe_sources, finished_run_note, next_steps, plan_lines
+from training.banner import describe_sources, finished_run_note, layout_text, next_steps, plan_lines
 from training.checkpointing import Checkpointer
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
@@ -227,12 +227,6 @@ class _Run:
         self.summary: dict[str, float] = {}
         self.total_tokens = 0
 
-    @property
-    def layout_text(self) -> str:
-        """``1 rank``, or ``2 ranks: cp=2`` (every rank the run has, and the degrees that spread it)."""
-        world = self.layout.world_size
-        return "1 rank" if world == 1 else f"{world} ranks: {self.layout.degrees()}"
-
     def announce(self, resolved: ResolvedLayout, first_step: int) -> None:
         """The start-up banner: the model, the data and batch, the precision, the plan (rank 0's stderr)."""
         config, say, sampler, model = self.config, self.say, self.data.sampler, self.context.model
@@ -244,7 +238,8 @@ class _Run:
         say(f"data: {describe_sources(config, sampler)}, tokenizer {config.data.tokenizer} "
             f"({sum(map(len, sampler.sources)):,} train / {sum(val_sizes):,} val tokens); "
             f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {self.dp_size} data-parallel "
-            f"rank(s) x {resolved.microbatches} micro-batch(es) of {resolved.micro_batch_size}; {self.layout_text}")
+            f"rank(s) x {resolved.microbatches} micro-batch(es) of {resolved.micro_batch_size}; "
+            f"{layout_text(self.layout)}")
         say(f"precision: {self.precision.precision} on {self.runtime.device} ({self.precision.reason})")
         for line in plan_lines(config, self.run_dir, first_step, self.checkpoints.plan(), self.logger.destinations):
             say(line)
@@ -329,7 +324,7 @@ class _Run:
         peaks = [peak / 2**30 for peak in memory_per_rank(self.runtime.device)]
         summary = self.summary
         summary.update({"run": self.run_dir.name, "config": config.name, "optimizer": config.train.optimizer,
-                        "layout": self.layout_text, "val/loss": val, **named,
+                        "layout": layout_text(self.layout), "val/loss": val, **named,
                         "perf/tokens_per_s": self.total_tokens / elapsed, "time_s": elapsed,
                         "steps": config.train.steps, "precision": self.precision.precision,
                         "perf/memory_peak_gib": max(peaks), "perf/memory_peak_gib_per_rank": peaks,
