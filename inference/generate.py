@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                               "give it with --tokenizer PATH")
         prompt = prompt_ids(loaded.tokenizer.encode(args.prompt))
         check_lengths(len(prompt), args.max_new_tokens, loaded.config.model.seq_len)
-        written = generate(loaded.model, prompt, args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed)
+        stop = loaded.config.model.eos_token_ids or ()  # an imported model's end of sequence ends the sample
+        written = generate(loaded.model, prompt, args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed,
+                           stop=stop)
         print(loaded.tokenizer.decode(prompt + written))
         print(f"{len(written)} tokens from {loaded.source}", file=sys.stderr)
 

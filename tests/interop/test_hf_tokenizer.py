@@ -101,18 +101,20 @@ def test_export_writes_a_tokenizer_transformers_loads_and_a_generation_config(tm
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_max_length"] == 16
 
 
-def test_an_export_keeps_the_imported_context_and_special_tokens_and_generates_until_eos(tmp_path):
+def test_an_export_keeps_the_imported_context_and_special_tokens_and_generates_until_eos(tmp_path, capsys):
     """docs/huggingface.md's import at a shorter seq_len, then export: config.json keeps the folder's
     max_position_embeddings and its bos/eos tokens, generation_config.json has them too, and transformers'
     generate on the export stops at the end-of-sequence token. The reference: the source folder's own greedy
     tokens, generated without an end (the end token is picked among them: the first new token not seen before)."""
+    from inference.generate import main as generate_main
     from interop.hf import main as hf_main
 
     source = make_hf(tmp_path / "hf", vocab_size=300, max_position_embeddings=64, bos_token_id=None,
                      eos_token_id=None)
-    bpe(tmp_path / "hf")
-    prompt = torch.tensor([[5, 17, 42, 7]])
-    free = source.generate(prompt, max_new_tokens=10, do_sample=False)[0, 4:].tolist()  # no end token: all 10
+    tokenizer = HFTokenizer(bpe(tmp_path / "hf"), (tmp_path / "hf" / "tokenizer.json").read_bytes())
+    ids = tokenizer.encode("def square").tolist()
+    prompt, count = torch.tensor([ids]), len(ids)
+    free = source.generate(prompt, max_new_tokens=10, do_sample=False)[0, count:].tolist()  # no end token: all 10
     stop_at = next(i for i in range(2, 10) if free[i] not in free[:i])
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     config.update(bos_token_id=1, eos_token_id=free[stop_at])
@@ -127,8 +129,13 @@ def test_an_export_keeps_the_imported_context_and_special_tokens_and_generates_u
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (1, free[stop_at])
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, free[stop_at])
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    written = theirs.generate(prompt, max_new_tokens=10, do_sample=False)[0, 4:].tolist()
+    written = theirs.generate(prompt, max_new_tokens=10, do_sample=False)[0, count:].tolist()
     assert written == free[:stop_at + 1]  # stopped at the end token, after the same greedy tokens
+    capsys.readouterr()
+    assert generate_main([str(ours), "--prompt", "def square", "--greedy", "--max-new-tokens", "10"]) == 0
+    out, err = capsys.readouterr()
+    assert out == tokenizer.decode(ids + free[:stop_at + 1]) + "\n"  # moe-generate stops there too
+    assert err.startswith(f"{stop_at + 1} tokens from")
 
 
 def test_an_export_of_a_run_takes_the_end_of_text_token_its_documents_ended_with(tmp_path):
