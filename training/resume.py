@@ -95,8 +95,8 @@ def recorded_config(config: RunConfig, overrides: list[str], run_dir: Path, resu
     ``--set`` ``overrides`` applied on top and ``SESSION_SECTIONS`` from the command. So a setting left out of the
     command keeps the run's value (a forgotten ``--set train.warmup_steps=1`` would otherwise redraw the schedule);
     one the command sets explicitly is changed, and ``record_changes`` records it. A fresh start, a checkpoint of a
-    run under another config's name (``--config`` chose another), or one without a readable config keeps
-    ``config``: the changes are then recorded and checked as before (``check_fits``)."""
+    run under another config's name (``--config`` chose another), or one without a readable config (or one this
+    version cannot load) keeps ``config``: the changes are then recorded and checked as before (``check_fits``)."""
     if resume == "none":
         return config
     found, _ = candidates(resume, checkpoint_root(config, run_dir), config.checkpoint.dir)
@@ -108,16 +108,27 @@ def recorded_config(config: RunConfig, overrides: list[str], run_dir: Path, resu
         return config
     tree, command = dict(saved), config.to_dict()
     tree.update({section: command[section] for section in SESSION_SECTIONS if section in command})
-    for assignment in overrides:
-        apply_override(tree, assignment)
-    resumed = config_from_dict(tree)
+    try:
+        for assignment in overrides:
+            apply_override(tree, assignment)
+        resumed = config_from_dict(tree)
+    except ConfigError as exc:  # a record this version no longer reads (a key renamed since): the command's config
+        _say_once(f"resume: the checkpoint's config does not load here ({exc}); going on with this command's config, "
+                  "its differences recorded")
+        return config
     kept = {key: change for key, change in config_changes(resumed.to_dict(), command).items()
             if not key.startswith(SESSION_SECTIONS) and change["now"] != "auto"}  # auto: resolved at the start
-    if kept and os.environ.get("RANK", "0") == "0":
-        print("resume: the run's own settings kept where this command's config differs (change one with --set): "
-              + ", ".join(f"{key}={change['saved']!r} (the command's config: {change['now']!r})"
-                          for key, change in kept.items()), file=sys.stderr)
+    if kept:
+        _say_once("resume: the run's own settings kept where this command's config differs (change one with --set): "
+                  + ", ".join(f"{key}={change['saved']!r} (the command's config: {change['now']!r})"
+                              for key, change in kept.items()))
     return resumed
+
+
+def _say_once(text: str) -> None:
+    """On stderr, by the first rank only (this runs before the job's process group exists)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(text, file=sys.stderr)
 
 
 def candidates(resume: str, root: Path, checkpoint_dir: str) -> tuple[list[tuple[int, Path]], bool]:
