@@ -29,13 +29,14 @@ def new_shell() -> dict[str, str]:
 
 def test_the_next_steps_a_run_prints_run_as_printed_in_a_new_shell(tmp_path, monkeypatch, capsys):
     (tmp_path / "corpus.txt").write_text((ROOT / "README.md").read_text() * 3)
+    (tmp_path / "held_out.txt").write_text((ROOT / "docs" / "journeys.md").read_text()[:2000])
     monkeypatch.chdir(tmp_path)
     assert train.main(["--run-dir", "runs/tiny", "--set", *TINY]) == 0
     lines = capsys.readouterr().err.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("next steps"))
     commands = [line.strip() for line in lines[start + 1:start + 4]]
     assert [shlex.split(c)[1] for c in commands] == ["runs/tiny"] * 2 + ["runs/tiny/checkpoints"]
-    script = " && ".join(c.replace("FILE", "corpus.txt") for c in commands)  # the one word the message says to replace
+    script = " && ".join(c.replace("FILE", "held_out.txt") for c in commands)  # the word the message says to replace
     done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=new_shell(), capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, (script, done.stderr)
