@@ -30,7 +30,7 @@ from config.errors import USER_ERROR, ConfigError
 from config.run import RunConfig
 from data.cache import check_source
 from data.tokenizer import document_end_token
-from interop.hf import hf_run_config, split_init_from
+from interop.hf import FAMILIES, hf_run_config, split_init_from
 from interop.hf_tokenizer import check_vocabularies
 from interop.weights import check_file_tokenizer, initial_weights
 from parallel.groups import ParallelGroups
@@ -46,6 +46,7 @@ from parallel.runtime import exit_process, init_runtime, launch_environment, loc
 from training.loop import train
 from training.metrics import check_loggers
 from training.run_plots import check_plots_folder
+from training.resume import recorded_config
 
 # How long a worker other than its node's first waits before exiting with an error that every rank found before the
 # job was joined (see main's report); torchrun ends it sooner, when the first rank has exited.
@@ -61,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "none: start fresh; PATH: a checkpoint folder, or a folder of them")
     parser.add_argument("--init-from", default=None, metavar="FILE|hf:DIR",
                         help="start from the weights in a safetensors file (python -m interop.export writes one), "
-                             "or hf:DIR, a Hugging Face Mixtral or Qwen3-MoE folder whose config.json also sets "
-                             "the model shape")
+                             "or hf:DIR, a Hugging Face folder of one of the families "
+                             f"{', '.join(FAMILIES)} (Kimi K2's as DeepSeek-V3's), whose config.json also sets the "
+                             "model shape")
     parser.add_argument("--dry-run", action="store_true",
                         help="build every rank's model on the meta device under a fake process group, print each "
                              "rank's model-state bytes beside the memory model's prediction and a verdict on "
@@ -82,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def planned_world_size(args: argparse.Namespace) -> int:
     """``--world-size`` (a --dry-run's), else torchrun's WORLD_SIZE, else 1."""
     return args.world_size if args.world_size is not None else launch_environment().world_size
+
+
+def run_dir_of(args: argparse.Namespace, config: RunConfig) -> Path:
+    """``--run-dir``, by default ``runs/<config name>``."""
+    return args.run_dir or Path("runs") / config.name
 
 
 def verdict_gpu(args: argparse.Namespace) -> Hardware:
@@ -114,6 +121,9 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     check that needs no process; a ConfigError (or ValueError) otherwise. The layout is resolved here once and
     passed on whole. ``launch.py`` calls this before starting any worker."""
     launch_environment()  # torchrun's variables, when set, are well formed
+    if args.resume not in ("auto", "none") and not Path(args.resume).exists():
+        raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
+                          "them; or auto, none)")
     config = load_config_from(args)
     hf_folder = split_init_from(args.init_from)
     if hf_folder is not None:  # the folder's config.json sets the model and router; the run records them
@@ -126,6 +136,8 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
                           "interop.export writes, or hf:DIR for a Hugging Face folder)")
     elif args.init_from is not None:
         check_file_tokenizer(Path(args.init_from), config)
+    if not args.dry_run:  # a resumed run goes on with its own settings, changed only where --set says
+        config = recorded_config(config, args.overrides, run_dir_of(args, config), args.resume)
     if args.world_size is not None and not args.dry_run:
         raise ConfigError("--world-size plans a --dry-run; a real run takes its world size from torchrun")
     for flag, value in (("--gpu", args.gpu), ("--device-memory", args.device_memory), ("--headroom", args.headroom)):
@@ -150,9 +162,6 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
         if config.data.document_mask:  # the one token that ends each document, or a ConfigError saying what would
             document_end_token(config.data.tokenizer, resolved_end, config.model.vocab_size)
         check_hardware(config, local_device().type)
-    if args.resume not in ("auto", "none") and not Path(args.resume).exists():
-        raise ConfigError(f"--resume {args.resume}: no such folder (a step_NNNNNNN checkpoint folder or a folder of "
-                          "them; or auto, none)")
     return config, resolved
 
 
@@ -211,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         needs = fit_check.check_fits(config, resolved, fit_check.available_bytes_per_rank(device.type),
                                      precision.precision, device.type)
         init_weights = initial_weights(args.init_from, config) if args.init_from else None
-        run_dir = args.run_dir or Path("runs") / config.name
+        run_dir = run_dir_of(args, config)
         if config.logging.plots:  # written at the end: a path that cannot take them is refused now
             check_plots_folder(run_dir)
         runtime = init_runtime()

@@ -31,6 +31,7 @@ from config.errors import ConfigError
 from config.run import RunConfig
 from parallel.hardware import planned_precision
 from parallel.layout import Layout, valid_layouts
+from parallel.pipeline import stage_layers
 from parallel.resolve import micro_batching, resolve_layout
 from parallel.sharding import GRAD_REDUCE
 
@@ -68,6 +69,27 @@ class Plan:
 
 
 DEGREE_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
+
+
+def pipeline_split(plan: Plan) -> list[int]:
+    """How many layers each pipeline stage of ``plan`` holds (pp · v stages; [n_layers] without a pipeline): the
+    split ``parallel/pipeline.py`` makes, balanced by training FLOPs per token with the head's on the last."""
+    model, par = plan.config.model, plan.config.parallel
+    if plan.layout.pp == 1:
+        return [model.n_layers]
+    return [len(layers) for layers in stage_layers(model, plan.config.moe, plan.layout.pp * par.pp_virtual_stages)]
+
+
+def split_spread(plan: Plan) -> int:
+    """The most layers a stage holds less the fewest: 0 for an even split (or none)."""
+    split = pipeline_split(plan)
+    return max(split) - min(split)
+
+
+def ranking(plan: Plan, index: int) -> tuple:
+    """A plan's place among the plans: the faster first; of equal steps the more even pipeline split, then the
+    less memory, then the candidate's place in the pool (``index``)."""
+    return plan.step, split_spread(plan), plan.memory, index
 
 
 def with_layout(config: RunConfig, layout: Layout, recompute: str, grad_reduce: str = "step",
@@ -416,8 +438,8 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     next bound exceeds the slowest of them (or the bound reaches ``faster_than``), no later candidate can enter.
     Once the bound can prune, a candidate's turn raises its bound by a ``traffic_floor`` (its layout's, then its
     micro-batch size's) and puts it back in line: only those still within reach are weighed, the most promising
-    first. Equal steps are ranked by memory, then by the candidates' order, so the plans are the full search's
-    whatever the order they were found in.
+    first. Equal steps are ranked by the evenness of their pipeline split (``split_spread``), then by memory, then
+    by the candidates' order, so the plans are the full search's whatever the order they were found in.
     """
     pool = candidates(config, world_size, hardware, efficiency, fixed)
     queue = [(candidate.bound, index, 0) for index, candidate in enumerate(pool)]  # sorted, so a heap already
@@ -450,6 +472,6 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     closest = weighing.closest(deferred) if not plans else None
     if weighing.evaluated == 0 and complete:
         raise none_passes(world_size, weighing.refusal)
-    ranked = [plan for plan, _ in sorted(plans, key=lambda found: (found[0].step, found[0].memory, found[1]))
+    ranked = [plan for plan, _ in sorted(plans, key=lambda found: ranking(*found))
               if faster_than is None or plan.step < faster_than]
     return Search(ranked[:top] if top is not None else ranked, len(pool), weighing.evaluated, complete, closest)

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from analysis import memory
 from analysis.gpu_presets import HARDWARE, Hardware, add_hardware_arguments, hardware_from_args
-from analysis.layout_search import DEGREE_KEYS, Plan, Search, evaluate, search
+from analysis.layout_search import DEGREE_KEYS, Plan, Search, evaluate, pipeline_split, search
 from analysis.step_time import EFFICIENCY, node_shape
 from config.cli import (
     add_config_arguments,
@@ -137,10 +137,30 @@ def format_plans(config: RunConfig, found: Search, world_size: int, device_memor
                      f"{p.compute * 1e3:>9.2f} {p.bubble * 1e3:>8.2f} {ms['tp']:>8.2f} {ms['cp']:>8.2f} "
                      f"{ms['ep']:>8.2f} {ms['pp']:>7.2f} {ms['fsdp']:>8.2f} "
                      + (f"{ms['muon']:>8.2f} " if muon else "") + f"{tokens / p.step / world_size:>10,.0f}")
+    piped = [(rank, p) for rank, p in enumerate(plans[:top], 1) if p.layout.pp > 1]
+    if piped:
+        lines.append("pipeline splits, layers per stage (balanced by training FLOPs per token, the last stage's "
+                     "head included; equal steps go to the more even split):")
+        lines += [f"{rank:>3} {len(pipeline_split(p))} stages: {' '.join(map(str, pipeline_split(p)))}"
+                  for rank, p in piped]
     if command is not None:
         lines.append("to run a plan (add --dry-run --world-size N to train.py's part to check it first):")
         lines += [f"{rank:>3} {command(p)}" for rank, p in enumerate(plans[:top], 1)]
+        lines += command_notes(config, any("HOST:" in command(p) for p in plans[:top]))
     return "\n".join(lines)
+
+
+def command_notes(config: RunConfig, multinode: bool) -> list[str]:
+    """What the printed commands leave to the person: the first node's address, and the data and weights."""
+    notes = []
+    if multinode:
+        notes.append("HOST: the first node's address (hostname or IP); run the same command on every node "
+                     "(scripts/launch/slurm.sbatch fills it in on Slurm)")
+    source = config.data.source if not config.data.sources else "the config's mixture"
+    notes.append(f"data: these train on data.source={source}, the config's (a placeholder unless you have it) from "
+                 "random weights; add --set data.source=PATH for your own text, .jsonl or .parquet (docs/data.md), "
+                 "and --init-from hf:DIR to fine-tune a published model's weights instead (docs/huggingface.md)")
+    return notes
 
 
 def fixed_degrees(overrides: list[str]) -> dict[str, int]:

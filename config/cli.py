@@ -13,6 +13,9 @@ output is replaced only with ``--overwrite``, and never one of the command's own
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -95,3 +98,30 @@ def run_command(body: Callable[[], int | None],
             raise
         report(error, status)
         return status
+
+
+def shell_command(script: str, module: str) -> str:
+    """How to start one of the toolkit's commands in a new shell, as a run prints it for the person to paste.
+
+    The console script's bare name only when a new shell finds that very script (on ``PATH``, and not because a
+    virtual environment is activated in this shell only); else its path beside this Python (``make train`` runs
+    ``.venv/bin/python``, and a new shell has no ``.venv/bin`` on ``PATH``); else this Python with ``-m MODULE``
+    (the project run from a checkout, not installed). A path inside the working directory is shown relative to it.
+    """
+    beside = Path(sys.executable).parent / script
+    if not beside.exists():
+        return f"{_shown_path(Path(sys.executable))} -m {module}"
+    found = shutil.which(script)
+    activated = os.environ.get("VIRTUAL_ENV")
+    if found and Path(found).resolve() == beside.resolve() and not (
+            activated and beside.parent.resolve() == (Path(activated) / "bin").resolve()):
+        return script
+    return _shown_path(beside)
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` relative to the working directory when inside it (``.venv/bin/moe-generate``), else absolute."""
+    absolute = Path(os.path.abspath(path))
+    cwd = Path.cwd()
+    shown = str(absolute.relative_to(cwd)) if absolute.is_relative_to(cwd) else str(absolute)
+    return shlex.quote(shown)

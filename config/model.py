@@ -93,6 +93,12 @@ class ModelConfig:
     v_head_dim: int | None = None
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
+    # What an imported Hugging Face model's config.json says beyond its shape, kept for its export: the context it
+    # was made for (max_position_embeddings, which a fine-tune at a shorter seq_len keeps; null: seq_len) and its
+    # special tokens (null: the tokenizer's end-of-text token, if it has one)
+    context_length: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -204,6 +210,15 @@ class ModelConfig:
         self._validate_rope_scaling()
         self._validate_latent_attention()
         self._validate_sliding_window()
+        self._validate_imported_context_and_tokens()
+
+    def _validate_imported_context_and_tokens(self) -> None:
+        require(self.context_length is None or self.context_length >= self.seq_len,
+                f"model.context_length={self.context_length} (the imported model's max_position_embeddings) is below "
+                f"model.seq_len={self.seq_len}: set model.seq_len to at most it, or context_length to null")
+        for token in [self.bos_token_id, *(self.eos_token_ids or [])]:
+            require(token is None or 0 <= token < self.vocab_size,
+                    f"model.bos_token_id/eos_token_ids hold {token}, outside the vocabulary [0, {self.vocab_size})")
 
     def _validate_mlp_layer_types(self) -> None:
         if self.mlp_layer_types is None:

@@ -15,6 +15,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,16 +57,47 @@ def next_token(logits: Tensor, temperature: float, top_k: int | None, top_p: flo
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+Prompt = Sequence[int] | np.ndarray | Tensor
+
+
+def prompt_ids(prompt: Prompt) -> list[int]:
+    """The prompt as a list of ints, from what a person has at hand: a list, what the project's tokenizers return
+    (a numpy array, uint16 or uint32), or a tensor, each of shape [S] or [1, S] (one sequence: generation writes
+    one). Anything else is refused by name, rather than a dtype error from deep inside the embedding."""
+    shape = tuple(getattr(prompt, "shape", ()))
+    if isinstance(prompt, Tensor | np.ndarray):
+        if len(shape) == 2 and shape[0] == 1:
+            prompt = prompt[0]
+        elif len(shape) != 1:
+            raise ConfigError(f"the prompt has shape {list(shape)}: generate writes one sequence, so give its "
+                              "tokens as [S] or [1, S]")
+        kind = "torch" if isinstance(prompt, Tensor) else "numpy"
+        integral = (not prompt.is_floating_point() and not prompt.is_complex() and prompt.dtype != torch.bool
+                    if kind == "torch" else np.issubdtype(prompt.dtype, np.integer))
+        if not integral:
+            raise ConfigError(f"the prompt's tokens are {prompt.dtype}: token ids are integers")
+        return [int(i) for i in prompt.tolist()]
+    ids = list(prompt)
+    if len(ids) == 1 and isinstance(ids[0], Sequence):  # [[ids]]: one sequence in a batch of one
+        ids = list(ids[0])
+    if not all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
+        raise ConfigError("the prompt's tokens must be integers (token ids), as a list, a numpy array or a tensor "
+                          "of shape [S] or [1, S]")
+    return [int(i) for i in ids]
+
+
 @torch.no_grad()
-def generate(model: MoETransformer, prompt: Sequence[int], max_new_tokens: int, temperature: float = 1.0,
+def generate(model: MoETransformer, prompt: Prompt, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None, use_cache: bool = True,
              stop: Sequence[int] = ()) -> list[int]:
     """The ``max_new_tokens`` tokens (fewer if one of ``stop`` comes) that ``model`` writes after ``prompt``.
 
-    Temperature 0 is greedy. ``seed`` fixes the sampling (a generator of its own, so the global one is left
-    alone). ``use_cache=False`` recomputes the whole sequence at every step: the reference the cache is tested
-    against, and nothing else.
+    ``prompt`` is a list of token ids, or what a tokenizer returns (``loaded.tokenizer.encode(text)``, a numpy
+    array), or a tensor of shape [S] or [1, S] (``prompt_ids``). Temperature 0 is greedy. ``seed`` fixes the
+    sampling (a generator of its own, so the global one is left alone). ``use_cache=False`` recomputes the whole
+    sequence at every step: the reference the cache is tested against, and nothing else.
     """
+    prompt = prompt_ids(prompt)
     context = model.rope_cos.shape[0]
     check_lengths(len(prompt), max_new_tokens, context)
     device = model.tok_embeddings.weight.device
@@ -136,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         if loaded.tokenizer is None:
             raise ConfigError(f"the model's tokenizer {loaded.config.data.tokenizer!r} (data.tokenizer) is not there; "
                               "give it with --tokenizer PATH")
-        prompt = [int(i) for i in loaded.tokenizer.encode(args.prompt)]
+        prompt = prompt_ids(loaded.tokenizer.encode(args.prompt))
         check_lengths(len(prompt), args.max_new_tokens, loaded.config.model.seq_len)
-        written = generate(loaded.model, prompt, args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed)
+        stop = loaded.config.model.eos_token_ids or ()  # an imported model's end of sequence ends the sample
+        written = generate(loaded.model, prompt, args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed,
+                           stop=stop)
         print(loaded.tokenizer.decode(prompt + written))
         print(f"{len(written)} tokens from {loaded.source}", file=sys.stderr)
 

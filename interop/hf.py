@@ -49,6 +49,7 @@ from interop.hf_tokenizer import (
     TOKENIZER_FILE,
     folder_fingerprint,
     folder_tokenizer,
+    special_token_ids,
     write_tokenizer_files,
 )
 from moe.transformer import MoETransformer
@@ -246,9 +247,11 @@ def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = N
     """
     with HFFolder(folder) as hf:
         shape = family_of(hf.config).shape_from_hf(hf.config)
+        tokens = special_tokens_of(hf.config)
     tree = config.to_dict()
     tree["model"].update(shape.model)
     tree["moe"].update(shape.moe)
+    tree["model"].update(context_length=shape.max_positions, **tokens)  # kept for the export
     folder_tokenizer(tree["data"], Path(folder))  # the model's own tokenizer reads the run's data
     if seq_len is not None:
         tree["model"]["seq_len"] = seq_len
@@ -261,6 +264,14 @@ def folder_context(folder: Path | str) -> int:
     not a training run (an import, ``moe-generate``, ``moe-evaluate``) takes as ``model.seq_len`` unless told."""
     with HFFolder(folder) as hf:
         return family_of(hf.config).shape_from_hf(hf.config).max_positions
+
+
+def special_tokens_of(hf_config: dict) -> dict:
+    """config.json's ``bos_token_id`` and ``eos_token_id`` (one id or a list: GLM-4.5 ends on any of three) as our
+    ``model.bos_token_id`` and ``model.eos_token_ids``."""
+    eos = hf_config.get("eos_token_id")
+    return {"bos_token_id": hf_config.get("bos_token_id"),
+            "eos_token_ids": None if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]}
 
 
 def split_init_from(init_from: str | None) -> Path | None:
@@ -345,7 +356,7 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
     """
     entries, read, config = model_tensors(source)
     family = export_family(config.model, config.moe, architecture)
-    hf_config = family.hf_from_config(config.model, config.moe)
+    hf_config = family.hf_from_config(config.model, config.moe) | special_token_ids(config)
     targets = hf_targets(family.hf_sources(config.model, config.moe))
     for ours in {ours for target in targets.values() for ours in target.ours}:
         if ours not in entries:

@@ -265,10 +265,12 @@ def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False, 
 
 
 def decoder_config(model: ModelConfig) -> dict:
-    """The config.json keys of ``decoder_shape``, for our model (no sliding window: we attend fully)."""
+    """The config.json keys of ``decoder_shape``, for our model (no sliding window: we attend fully); the context is
+    the imported model's (``model.context_length``), not the shorter ``seq_len`` a fine-tune ran at."""
     return {"vocab_size": model.vocab_size, "hidden_size": model.d_model, "num_hidden_layers": model.n_layers,
             "num_attention_heads": model.n_heads, "num_key_value_heads": model.kv_heads, "head_dim": model.head_size,
-            "max_position_embeddings": model.seq_len, "rope_theta": model.rope_theta, "rms_norm_eps": model.norm_eps,
+            "max_position_embeddings": max(model.context_length or 0, model.seq_len), "rope_theta": model.rope_theta,
+            "rms_norm_eps": model.norm_eps,
             "tie_word_embeddings": model.tie_embeddings, "sliding_window": None, "attention_dropout": 0.0,
             "attention_bias": False, "hidden_act": "silu"}
 

@@ -49,12 +49,32 @@ def byte_tokenizer_json() -> str:
     return tokenizer.to_str()
 
 
+def special_token_ids(config: RunConfig) -> dict[str, int | list[int]]:
+    """config.json's and generation_config.json's ``bos_token_id`` and ``eos_token_id``, without which
+    ``transformers``' ``generate`` never stops: the imported model's (``model.bos_token_id``, ``eos_token_ids``),
+    else the end-of-text token the run's documents ended with (``data.document_end``, resolved at the start, when
+    it is an added token of the tokenizer.json: the model learned to write it). A byte-level run ends documents
+    with text, so it has none."""
+    ids: dict[str, int | list[int]] = {}
+    if config.model.bos_token_id is not None:
+        ids["bos_token_id"] = config.model.bos_token_id
+    eos = config.model.eos_token_ids
+    if eos is None and config.data.tokenizer != BYTES and Path(config.data.tokenizer).is_file():
+        added = json.loads(Path(config.data.tokenizer).read_text(encoding="utf-8")).get("added_tokens") or []
+        eos = [token["id"] for token in added if token.get("content") == config.data.document_end][:1] or None
+    if eos:
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return ids
+
+
 def write_tokenizer_files(config: RunConfig, out: Path) -> str:
     """Write the tokenizer of ``config`` (``data.tokenizer``), ``tokenizer_config.json`` and
-    ``generation_config.json`` into the export folder ``out``; returns a line saying what was written."""
+    ``generation_config.json`` (with the special tokens) into the export folder ``out``; returns a line saying
+    what was written."""
     spec = config.data.tokenizer
     written = [GENERATION_CONFIG_FILE]
-    generation = {"_from_model_config": False, "do_sample": False, "max_length": config.model.seq_len}
+    generation = {"_from_model_config": False, "do_sample": False, "max_length": config.model.seq_len,
+                  **special_token_ids(config)}
     (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     if spec == BYTES:
         content = byte_tokenizer_json()

@@ -31,12 +31,13 @@ from parallel.build import build_model
 from parallel.context import sequence_shards
 from parallel.groups import ParallelGroups
 from parallel.hardware import PrecisionChoice, choose_precision, memory_per_rank, model_flops_utilization
+from parallel.layout import Layout
 from parallel.materialize import InitialWeights
 from parallel.pipeline import PipelineModel
 from parallel.resolve import ResolvedLayout, micro_batching
 from parallel.runtime import Runtime
 from storage.files import write_text_atomic
-from training.banner import describe_sources, finished_run_note, plan_lines
+from training.banner import describe_sources, finished_run_note, layout_text, next_steps, plan_lines
 from training.checkpointing import Checkpointer
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
@@ -46,7 +47,7 @@ from training.resume import checkpoint_root
 from training.routing_log import RoutingLog
 from training.routing_stats import balancing_biases
 from training.run_dir import first_failure_verdict, hold_run_dir, rank0_verdict
-from training.run_plots import write_run_plots
+from training.run_plots import run_label, write_run_plots
 from training.step import IntervalStats, StepContext, evaluate, train_step
 
 
@@ -118,7 +119,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
         checkpoints.say(finished_run_note(config, run_dir, checkpoints.root, first_step - 1))
         return RunResult({"steps": first_step - 1, "trained_steps": 0}, context.model, context.optimizer)
     logger = _open_logger(config, run_dir, runtime, first_step)
-    run = _Run(config, run_dir, runtime, precision, context, data, checkpoints, logger, dp_rank, dp_size)
+    run = _Run(config, run_dir, runtime, precision, context, data, checkpoints, logger, groups.layout, dp_rank)
     run.announce(resolved, first_step)
     run.loop(first_step)
     return run.finish(before_model, memory_predicted)
@@ -219,10 +220,10 @@ class _Run:
 
     def __init__(self, config: RunConfig, run_dir: Path, runtime: Runtime, precision: PrecisionChoice,
                  context: StepContext, data: _RunData, checkpoints: Checkpointer, logger: MetricsLogger,
-                 dp_rank: int, dp_size: int):
+                 layout: Layout, dp_rank: int):
         self.config, self.run_dir, self.runtime, self.precision = config, run_dir, runtime, precision
         self.context, self.data, self.checkpoints, self.logger = context, data, checkpoints, logger
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.layout, self.dp_rank, self.dp_size = layout, dp_rank, layout.dp
         self.routing_log = RoutingLog(run_dir, logger, config.logging.router_charts_every)
         checkpoints.log_metrics = logger.log
         self.say = (lambda text: print(text, file=sys.stderr)) if runtime.is_main else (lambda text: None)
@@ -237,12 +238,13 @@ class _Run:
         counts = parameter_counts(config.model, config.moe)
         say(f"run '{config.name}' in {self.run_dir}: {counts.total / 1e6:.2f}M parameters, "
             f"{counts.active / 1e6:.2f}M active; {config.model.n_moe_layers} MoE layers of "
-            f"{config.moe.num_experts} experts, top-{config.moe.top_k}")
+            f"{config.moe.num_experts} experts, top-{config.moe.top_k}; optimizer {config.train.optimizer}")
         val_sizes = [len(v) for v in (self.data.val_tokens if sampler.mixture else [self.data.val_tokens])]
         say(f"data: {describe_sources(config, sampler)}, tokenizer {config.data.tokenizer} "
             f"({sum(map(len, sampler.sources)):,} train / {sum(val_sizes):,} val tokens); "
-            f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {self.dp_size} rank(s) x "
-            f"{resolved.microbatches} micro-batch(es) of {resolved.micro_batch_size}")
+            f"batch {config.train.global_batch_size} x {config.model.seq_len} tokens = {self.dp_size} data-parallel "
+            f"rank(s) x {resolved.microbatches} micro-batch(es) of {resolved.micro_batch_size}; "
+            f"{layout_text(self.layout)}")
         say(f"precision: {self.precision.precision} on {self.runtime.device} ({self.precision.reason})")
         for line in plan_lines(config, self.run_dir, first_step, self.checkpoints.plan(), self.logger.destinations):
             say(line)
@@ -327,7 +329,9 @@ class _Run:
         elapsed = time.perf_counter() - self.started
         peaks = [peak / 2**30 for peak in memory_per_rank(self.runtime.device)]
         summary = self.summary
-        summary.update({"val/loss": val, **named, "perf/tokens_per_s": self.total_tokens / elapsed, "time_s": elapsed,
+        summary.update({"run": self.run_dir.name, "config": config.name, "optimizer": config.train.optimizer,
+                        "layout": layout_text(self.layout), "val/loss": val, **named,
+                        "perf/tokens_per_s": self.total_tokens / elapsed, "time_s": elapsed,
                         "steps": config.train.steps, "precision": self.precision.precision,
                         "perf/memory_peak_gib": max(peaks), "perf/memory_peak_gib_per_rank": peaks,
                         "perf/memory_before_model_gib_per_rank": [held / 2**30 for held in before_model]})
@@ -338,10 +342,12 @@ class _Run:
                                                              if self.checkpoints.policy.enabled else {})}
         logger.close()
         if self.runtime.is_main and config.logging.plots:
-            plots = write_run_plots(self.run_dir, config.name)
+            plots = write_run_plots(self.run_dir, run_label(self.run_dir))
             if isinstance(plots, str):
                 self.say(plots)
             else:
                 files["plots"] = self.run_dir / "plots"
         self.progress.close(summary, files, self.run_dir)
+        if self.checkpoints.policy.enabled:
+            self.say("\n".join(next_steps(self.config, self.run_dir, self.checkpoints.root)))
         return RunResult(summary, context.model, context.optimizer)

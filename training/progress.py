@@ -34,7 +34,7 @@ _SUMMARY_LABELS = {
     "precision": "precision",
 }
 _SAID_ELSEWHERE = {"steps", "trained_steps", "time_s", "perf/memory_peak_gib", "perf/memory_before_model_gib_per_rank",
-                   "perf/memory_predicted_gib"}
+                   "perf/memory_predicted_gib", "run", "config", "optimizer", "layout"}  # the last: by the banner
 
 
 def format_duration(seconds: float) -> str:

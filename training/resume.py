@@ -8,6 +8,7 @@ are written and verified by ``parallel/checkpoint.py``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,11 @@ import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from config.errors import ConfigError
-from config.run import RunConfig
+from config.run import RunConfig, config_from_dict
+from config.schema import apply_override
 from config.tokenizer_identity import check_same_tokenizer
 from parallel.checkpoint import (
+    CONFIG_FILE,
     MANIFEST,
     TRAINER_STATE,
     CheckpointCorruptError,
@@ -74,6 +77,52 @@ def config_changes(saved: dict, current: dict) -> dict[str, dict[str, Any]]:
     before, after = _flatten(saved), _flatten(current)
     return {key: {"saved": before.get(key), "now": after.get(key)}
             for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)}
+
+
+# How this session runs and reports, not what the run is: a resumed run takes them from the command (a checkpoint
+# loads into any layout), and every other section from the run's own record.
+SESSION_SECTIONS = ("parallel", "logging")
+
+
+def recorded_config(config: RunConfig, overrides: list[str], run_dir: Path, resume: str) -> RunConfig:
+    """The config a run continues with: the one recorded in the checkpoint it resumes, with this command's
+    ``--set`` ``overrides`` applied on top and ``SESSION_SECTIONS`` from the command. So a setting left out of the
+    command keeps the run's value (a forgotten ``--set train.warmup_steps=1`` would otherwise redraw the schedule);
+    one the command sets explicitly is changed, and ``record_changes`` records it. A fresh start, a checkpoint of a
+    run under another config's name (``--config`` chose another), or one without a readable config (or one this
+    version cannot load) keeps ``config``: the changes are then recorded and checked as before (``check_fits``)."""
+    if resume == "none":
+        return config
+    found, _ = candidates(resume, checkpoint_root(config, run_dir), config.checkpoint.dir)
+    try:
+        saved = yaml.safe_load((found[0][1] / CONFIG_FILE).read_text(encoding="utf-8")) if found else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        saved = None  # a damaged checkpoint: restore skips it, names the damage, and checks the next one
+    if not isinstance(saved, dict) or saved.get("name") != config.name:
+        return config
+    tree, command = dict(saved), config.to_dict()
+    tree.update({section: command[section] for section in SESSION_SECTIONS if section in command})
+    try:
+        for assignment in overrides:
+            apply_override(tree, assignment)
+        resumed = config_from_dict(tree)
+    except ConfigError as exc:  # a record this version no longer reads (a key renamed since): the command's config
+        _say_once(f"resume: the checkpoint's config does not load here ({exc}); going on with this command's config, "
+                  "its differences recorded")
+        return config
+    kept = {key: change for key, change in config_changes(resumed.to_dict(), command).items()
+            if not key.startswith(SESSION_SECTIONS) and change["now"] != "auto"}  # auto: resolved at the start
+    if kept:
+        _say_once("resume: the run's own settings kept where this command's config differs (change one with --set): "
+                  + ", ".join(f"{key}={change['saved']!r} (the command's config: {change['now']!r})"
+                              for key, change in kept.items()))
+    return resumed
+
+
+def _say_once(text: str) -> None:
+    """On stderr, by the first rank only (this runs before the job's process group exists)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(text, file=sys.stderr)
 
 
 def candidates(resume: str, root: Path, checkpoint_dir: str) -> tuple[list[tuple[int, Path]], bool]:

@@ -97,6 +97,15 @@ def routing_figure(records: list[dict], name: str):
     return fig
 
 
+def run_label(run_dir: Path) -> str:
+    """How figures name a run, so two runs' figures tell apart: the run directory's name, then what its
+    ``summary.json`` says of it (config, optimizer, precision, layout): ``no-aux (dropless, adamw, bf16, 1 rank)``."""
+    summary_path = Path(run_dir) / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    said = [str(summary[key]) for key in ("config", "optimizer", "precision", "layout") if key in summary]
+    return Path(run_dir).name + (f" ({', '.join(said)})" if said else "")
+
+
 def run_figures(run_dir: Path, name: str) -> dict[str, object]:
     """The run's figures by file name, from its metrics.jsonl and summary.json."""
     records = read_metrics(run_dir / "metrics.jsonl")

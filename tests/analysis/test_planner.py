@@ -499,7 +499,9 @@ def test_each_printed_command_dry_runs_unchanged_to_its_plans_layout_and_memory(
     assert "80 GiB each (72.0 usable: 10% headroom" in out
     config = load_config("moe-8x", [*SMALL, "train.seed=3"])
     found = layout_search.search(config, 8, 0.9 * 80 * planner.GIB, top=4)
-    commands = [line.split(maxsplit=1)[1] for line in out.splitlines()[-4:]]
+    lines = out.splitlines()
+    start = lines.index("to run a plan (add --dry-run --world-size N to train.py's part to check it first):") + 1
+    commands = [line.split(maxsplit=1)[1] for line in lines[start:start + 4]]
     assert len(found.plans) == 4 and all(p.memory <= 0.9 * 80 * planner.GIB for p in found.plans)
     for plan, command in zip(found.plans, commands, strict=True):
         assert command == planner.launch_command(plan, config, "moe-8x", [*SMALL, "train.seed=3"], 8)
@@ -549,3 +551,34 @@ def test_muons_gathers_wait_in_full_and_the_search_runs_with_muon():
     assert exposed["muon"] == pytest.approx(sum(i.bus_bytes for i in items) / (0.8 * H100.intra_node))
     plans, _ = planner.plan(load_config("moe-8x", [*SMALL, "train.optimizer=muon"]), 8, device_memory=80 * planner.GIB)
     assert plans and any(p.exposed["muon"] > 0 for p in plans)
+
+
+def test_the_plans_show_their_pipeline_split_and_the_commands_say_what_they_leave_to_fill_in(capsys):
+    """Each pipelined plan's layers per stage beside it (the split train.py makes: ``stage_layers``); the
+    commands' notes: HOST on several nodes, and the data and --init-from for fine-tuning."""
+    args = ["--config", "moe-8x", "--world-size", "16", "--top", "10", "--set", *SMALL, "model.n_layers=6",
+            "parallel.pp=4"]
+    assert planner.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    config = load_config("moe-8x", [*SMALL, "model.n_layers=6"])
+    splits = [line for line in lines if line.split()[1:3] == ["4", "stages:"]]
+    assert len(splits) == 10
+    assert {tuple(map(int, line.split()[3:])) for line in splits} == {
+        tuple(len(r) for r in stage_layers(config.model, config.moe, 4))}
+    assert any(line.startswith("HOST: the first node's address") for line in lines)
+    assert any(line.startswith("data: these train on data.source=stdlib") and "--init-from hf:DIR" in line
+               for line in lines)
+
+
+def test_equal_steps_go_to_the_more_even_pipeline_split():
+    """Two plans of the same estimated step: the one whose stages hold equal numbers of layers ranks first, even
+    where it needs more memory and came later in the pool."""
+    config = load_config("moe-8x", [*SMALL, "model.n_layers=6"])
+    uneven, even = (layout_search.evaluate(layout_search.with_layout(config, Layout.resolve(8, pp=pp), "none"),
+                                           Layout.resolve(8, pp=pp), H100, 8) for pp in (4, 2))
+    assert layout_search.pipeline_split(even) == [3, 3] and layout_search.split_spread(even) == 0
+    assert layout_search.split_spread(uneven) == max(layout_search.pipeline_split(uneven)) - 1 > 0
+    tied = dataclasses.replace(even, compute=uneven.compute, bubble=uneven.bubble, exposed=dict(uneven.exposed),
+                               memory=uneven.memory + 1)
+    assert tied.step == uneven.step
+    assert sorted([(uneven, 0), (tied, 1)], key=lambda found: layout_search.ranking(*found))[0][0] is tied

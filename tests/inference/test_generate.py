@@ -165,3 +165,21 @@ def test_the_console_script_runs_through_python_m(trained_run):
                            "--max-new-tokens", "3", "--seed", "1"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "3 tokens from" in done.stderr, done.stderr
+
+
+def test_generate_takes_the_tokenizers_output_lists_and_tensors_as_documented(trained_run):
+    """docs/journeys.md's call as written: the tokenizer's uint16 array; and the same prompt as a list, a [S]
+    and a [1, S] tensor and a [1, S] array give the same tokens. A batch of two, or float ids, is refused."""
+    from config.errors import ConfigError
+
+    loaded = load_model(trained_run)
+    written = generate(loaded.model, loaded.tokenizer.encode("def main("), 8, temperature=0)
+    ids = loaded.tokenizer.encode("def main(")
+    assert ids.dtype.name == "uint16" and written == naive_greedy(loaded.model, ids.tolist(), 8)
+    for prompt in (ids.tolist(), torch.tensor(ids.tolist()), torch.tensor([ids.tolist()]), ids[None, :]):
+        assert generate(loaded.model, prompt, 8, temperature=0) == written
+    assert isinstance(loaded.tokenizer.decode(written), str)
+    with pytest.raises(ConfigError, match=r"\[2, 9\].*\[S\] or \[1, S\]"):
+        generate(loaded.model, torch.zeros(2, 9, dtype=torch.long), 4)
+    with pytest.raises(ConfigError, match="integers"):
+        generate(loaded.model, torch.zeros(9), 4)

@@ -198,3 +198,23 @@ def test_a_published_model_started_at_a_pre_training_rate_is_warned_about(tmp_pa
         err = capsys.readouterr().err
         assert (f"--init-from hf: fine-tunes a trained model at train.lr={float(lr):g}, a pre-training rate" in err
                 ) == warned, err
+
+
+def test_the_help_and_the_docs_name_every_family_that_init_from_takes(capsys):
+    """``train.py --help``, configuration.md's --init-from row and huggingface.md's folder line name the families
+    of interop's registry, not the first two."""
+    import train as train_command
+    from interop.hf import FAMILIES
+
+    with pytest.raises(SystemExit):
+        train_command.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    folder_line = " ".join((docs / "huggingface.md").read_text().split()).split("`HF_DIR` is a Hugging Face")[1][:300]
+    row = next(line for line in (docs / "configuration.md").read_text().splitlines() if "`--init-from" in line)
+    names = {"MixtralForCausalLM": "Mixtral", "Qwen3MoeForCausalLM": "Qwen3-MoE",
+             "DeepseekV3ForCausalLM": "DeepSeek-V3", "Glm4MoeForCausalLM": "GLM-4.5", "GptOssForCausalLM": "GPT-OSS"}
+    assert set(FAMILIES) == set(names)
+    for architecture, name in names.items():
+        assert architecture in text, architecture
+        assert f"`{architecture}`" in folder_line and name in row, architecture

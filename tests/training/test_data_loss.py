@@ -501,3 +501,22 @@ def test_config_text_that_used_to_give_tracebacks_gives_one_message(tmp_path, ca
         assert train.main(["--run-dir", str(tmp_path / "r"), *args]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and len(err) < 2000
+
+
+def test_a_resumed_run_that_leaves_out_a_set_given_at_the_start_keeps_its_schedule(tmp_path, capsys):
+    """The run's own settings go on where the command is silent (here a learning rate given only at the start),
+    and one the command sets explicitly changes and is recorded. Reference: the uninterrupted run's rates."""
+    assert main(tmp_path / "whole", "train.steps=4", "train.lr=0.02", "train.min_lr_ratio=0.5") == 0
+    assert main(tmp_path / "split", "train.steps=2", "train.lr=0.02", "train.min_lr_ratio=0.5") == 0
+    capsys.readouterr()
+    assert main(tmp_path / "split", "train.steps=4") == 0  # lr and min_lr_ratio left out: the config says others
+    err = capsys.readouterr().err
+    assert "train.lr=0.02 (the command's config: 0.003)" in err
+
+    def rates(run):
+        return [r["train/lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "train/lr" in r]
+    assert rates(tmp_path / "split")[2:] == rates(tmp_path / "whole")[2:]  # steps 3-4: the schedule stretched to 4
+    [entry] = yaml.safe_load((tmp_path / "split" / "resume_changes.yaml").read_text())
+    assert set(entry["changes"]) == {"train.steps"}  # the one change the command made, recorded
+    assert yaml.safe_load((tmp_path / "split" / "config.yaml").read_text())["train"]["lr"] == 0.02
