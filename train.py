@@ -45,8 +45,8 @@ from parallel.resolve import ResolvedLayout, resolve_layout
 from parallel.runtime import exit_process, init_runtime, launch_environment, local_device, shutdown_runtime
 from training.loop import train
 from training.metrics import check_loggers
-from training.run_plots import check_plots_folder
 from training.resume import recorded_config
+from training.run_plots import check_plots_folder
 
 # How long a worker other than its node's first waits before exiting with an error that every rank found before the
 # job was joined (see main's report); torchrun ends it sooner, when the first rank has exited.
