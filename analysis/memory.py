@@ -42,9 +42,9 @@ ranks, so a skewed router can need more on the busiest rank. The grouped GEMM is
 Against the published formula (Korthikanti et al. 2022, Eq. 1; REFERENCES.md sec. 2.1), ``sbh(34 + 5as/h)``
 bytes per layer in 16-bit: that counts LayerNorm, a 4h GeLU MLP, dropout masks and the s×s attention
 scores. Here the norms are RMSNorm (fp32: input and a [T] rstd; the normalised input too under sequence
-parallelism), the MLP is SwiGLU (three [T, F] tensors: gate, up, product), there is no dropout, and SDPA keeps
-q, k, v, its output and a [b, heads, s] logsumexp instead of the s×s matrix, so the ``5as/h`` term is absent;
-the formula is cited, not matched.
+parallelism), the MLP is SwiGLU (four [T, F] tensors), there is no dropout, and SDPA keeps q, k, v, its
+output and a [b, heads, s] logsumexp instead of the s×s matrix, so the ``5as/h`` term is absent; the formula
+is cited, not matched.
 
 ``saved_activation_bytes`` measures what the model predicts: the bytes autograd keeps after one forward.
 """

@@ -103,11 +103,10 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
         sizes = [rows // local_experts + (e < rows % local_experts) for e in range(local_experts)]
         rows = padded_rows(sizes, mb.group_rows)
         experts += rows * INDEX  # each row's padded place, and the padding rows (zeroed in the gradient's padding)
-    # the grouped rows (this tp rank's share), the hidden activations, the group offsets. SwiGLU keeps the gate and
-    # up (``moe.experts._SwiGLU`` recomputes silu(gate)) and their product (w_out's input); the clamped SwiGLU
-    # (``moe.experts.clamped_swiglu``) the gate and up before their clamps, the clamped gate, its sigmoid,
-    # g·sigmoid, clamped up + 1 and the product
-    activations = {"swiglu": 3, "clamped_swiglu": 7}.get(moe.activation, 2)
+    # the grouped rows (this tp rank's share), the hidden activations, the group offsets. SwiGLU keeps the gate,
+    # silu(gate), up and their product (w_out's input); the clamped SwiGLU (``moe.experts.clamped_swiglu``) the gate
+    # and up before their clamps, the clamped gate, its sigmoid, g·sigmoid, clamped up + 1 and the product
+    activations = {"swiglu": 4, "clamped_swiglu": 7}.get(moe.activation, 2)
     experts += rows * d * a + activations * rows * hidden * a + (3 if swiglu else 2) * local_experts * OFFSET
     if moe.expert_proj_bias:  # each row's expert, by which the bias adds gather (one index for the three)
         experts += rows * INDEX

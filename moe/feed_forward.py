@@ -47,5 +47,5 @@ class FeedForward(nn.Module):
     @staticmethod
     def saved_bytes(mb: MicroBatch, d: int, hidden: int, input_saved: bool = True) -> int:
         """On this rank's ``hidden`` units: its input (unless another module saved it already), then the gate
-        pre-activation, the up projection and their product (``moe.experts.swiglu`` recomputes silu(gate))."""
-        return linear_input_bytes(mb, d, 2, input_saved) + 3 * mb.tokens * hidden * mb.compute
+        pre-activation, silu(gate), the up projection and their product."""
+        return linear_input_bytes(mb, d, 2, input_saved) + 4 * mb.tokens * hidden * mb.compute
