@@ -125,19 +125,21 @@ def plan_replicas(counts: list[list[int]], replicas: int) -> ReplicaPlan:
                        loads_before=before, loads_after=tuple(loads))
 
 
-def rows_to_copies(plan: ReplicaPlan, counts: list[list[int]], rank: int) -> list[tuple[int, int]]:
-    """Rank ``rank``'s rows, grouped by expert as its dispatch sends them, cut into runs: [(virtual expert, rows)]
+def rows_to_copies(plan: ReplicaPlan, counts: list[list[int]]) -> list[list[tuple[int, int]]]:
+    """Every rank's rows, grouped by expert as its dispatch sends them, cut into runs: [ep][(virtual expert, rows)]
     in that order. An expert's rows are its copies' shares taken in turn, over the sending ranks in rank order."""
-    runs = []
+    runs: list[list[tuple[int, int]]] = [[] for _ in range(plan.ep)]
     for expert, shares in enumerate(plan.shares):
-        start = sum(counts[r][expert] for r in range(rank))  # this rank's rows' place in the expert's order
-        end = start + counts[rank][expert]
-        offset = 0
-        for virtual, rows in shares:
-            overlap = min(end, offset + rows) - max(start, offset)
-            if overlap > 0:
-                runs.append((virtual, overlap))
-            offset += rows
+        start = 0  # the sending rank's rows' place in the expert's order
+        for rank in range(plan.ep):
+            end = start + counts[rank][expert]
+            offset = 0
+            for virtual, rows in shares:
+                overlap = min(end, offset + rows) - max(start, offset)
+                if overlap > 0:
+                    runs[rank].append((virtual, overlap))
+                offset += rows
+            start = end
     return runs
 
 

@@ -34,8 +34,7 @@ def check_consistent(plan, counts):
         for virtual, rows in shares[1:]:
             assert rows > 0 and plan.slots[virtual // copies][virtual % copies - plan.num_local] == e
     per_copy = [0] * (ep * copies)
-    for r in range(ep):
-        runs = rows_to_copies(plan, counts, r)
+    for r, runs in enumerate(rows_to_copies(plan, counts)):
         assert sum(n for _, n in runs) == sum(counts[r])
         for virtual, n in runs:
             per_copy[virtual] += n
@@ -69,7 +68,7 @@ def test_no_slots_is_the_identity():
     plan = plan_replicas(counts, 0)
     assert plan.loads_after == plan.loads_before
     assert all(len(shares) == 1 for shares in plan.shares)
-    assert rows_to_copies(plan, counts, 1) == [(e, counts[1][e]) for e in range(8) if counts[1][e]]
+    assert rows_to_copies(plan, counts)[1] == [(e, counts[1][e]) for e in range(8) if counts[1][e]]
 
 
 def test_balanced_routing_moves_nothing():
@@ -86,7 +85,7 @@ def test_one_expert_takes_everything():
     assert plan.loads_before == (0, 48, 0, 0) and plan.loads_after == (12, 12, 12, 12)
     assert plan.slots == ((3,), (-1,), (3,), (3,))
     # rank 0's 12 rows all fall in the owner's share (the first 12 of the expert's 48)
-    assert rows_to_copies(plan, counts, 0) == [(1 * 3 + 1, 12)]
+    assert rows_to_copies(plan, counts)[0] == [(1 * 3 + 1, 12)]
 
 
 def test_more_hot_experts_than_slots():
@@ -119,3 +118,15 @@ def test_weight_moves_match():
 def test_bad_input(counts, replicas, message):
     with pytest.raises(ValueError, match=message):
         plan_replicas(counts, replicas)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.ep_replicas=-1"], "must be >= 0"),
+    (["parallel.ep_replicas=1"], "needs expert parallelism"),
+    (["parallel.ep=2", "moe.num_experts=4", "parallel.ep_replicas=3"], "more slots than the 2 experts")])
+def test_bad_config(overrides, message):
+    from config.errors import ConfigError
+    from config.run import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config("moe-8x", overrides)

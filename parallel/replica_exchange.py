@@ -1,0 +1,92 @@
+"""The experts' row exchange with replicated hot experts (``parallel.ep_replicas``): the plan of
+``parallel/replication.py`` run on tensors.
+
+In each forward, after routing, the ep ranks share their per-expert counts (one all-gather of [E] int64; its
+read on the host is the exchange's one device-to-host sync, as the counts' all-to-all is without replicas) and
+each computes the same plan. Then:
+
+    1. rows:    this rank's rows, grouped by global expert, are regrouped by copy ("virtual expert": rank r's
+                L own experts and R slots are r · (L + R) + 0 .. L + R - 1), so that the row exchange of
+                ``parallel/expert.py`` runs unchanged over ep · (L + R) copies
+    2. weights: each filled slot's weights come from the expert's owner by one uneven all-to-all per stacked
+                weight (in the compute dtype); a rank's grouped GEMM runs its L experts and R slots together
+    3. back:    the outputs return by the reverse exchange and are put back in the dispatch's order
+
+Backward is autograd's: the weights' all-to-all returns each replica's gradient to its owner, where it adds to
+the owner's own (the local stack feeds both the GEMM and the copy), before FSDP reduces it and the optimizer,
+whose state lives with the owner alone, steps. Every row meets the same weights as without replicas and the
+combine at home is unchanged, so the model computes the same function: only which rank computes a row moves.
+
+Weights move per micro-batch, from the loads that micro-batch routed: the plan needs no history, and a plan
+from the previous step's loads balances less (``benchmarks/ep_replication.py`` measures both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parallel.expert_dispatch import all_to_all_rows
+from parallel.replication import ReplicaPlan, plan_replicas, rows_to_copies, weight_moves
+
+
+@dataclass
+class ReplicaRouting:
+    """One forward's replicated exchange: the plan, and this rank's rows in the copies' order."""
+
+    plan: ReplicaPlan
+    order: Tensor  # [N] this rank's rows (grouped by expert) in copy order
+    restore: Tensor  # [N] its inverse
+    send_splits: list[int]  # [ep] rows this rank sends each rank's copies
+    recv_splits: list[int]  # [ep] rows each rank sends this rank's copies
+    recv_counts: Tensor  # [ep, L + R] rows each rank sends each of this rank's copies
+
+
+def share_counts(tokens_per_expert: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
+    """Every ep rank's per-expert counts [ep][E], the same table on every rank of ``group``."""
+    mine = tokens_per_expert.to(torch.int64).contiguous()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    # NOTE: the exchange's one device-to-host sync: the plan and the collectives' splits are host integers
+    return torch.stack(gathered).tolist()
+
+
+def route_replicas(tokens_per_expert: Tensor, group: dist.ProcessGroup, replicas: int) -> ReplicaRouting:
+    """Share the counts, plan, and say where each of this rank's rows goes. tokens_per_expert: [E]."""
+    counts = share_counts(tokens_per_expert, group)
+    plan = plan_replicas(counts, replicas)
+    rank, width = dist.get_rank(group), plan.copies_per_rank
+    every_rank = rows_to_copies(plan, counts)
+    sent = torch.zeros(plan.ep, plan.ep, width, dtype=torch.int64)  # [source, rank, copy] rows
+    for source, runs in enumerate(every_rank):
+        for virtual, rows in runs:
+            sent[source, virtual // width, virtual % width] += rows
+    device = tokens_per_expert.device
+    runs = every_rank[rank]
+    copy_of_row = torch.repeat_interleave(torch.tensor([v for v, _ in runs], dtype=torch.int64),
+                                          torch.tensor([n for _, n in runs], dtype=torch.int64)).to(device)
+    order = torch.sort(copy_of_row, stable=True).indices
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=device)
+    return ReplicaRouting(plan=plan, order=order, restore=restore, send_splits=sent[rank].sum(1).tolist(),
+                          recv_splits=sent[:, rank].sum(1).tolist(), recv_counts=sent[:, rank].to(device))
+
+
+def with_replicas(local: Tensor, plan: ReplicaPlan, group: dist.ProcessGroup) -> Tensor:
+    """This rank's stack [L, ...] -> [L + R, ...]: its own experts, then each slot's expert from its owner (zeros
+    in an empty slot). Differentiable: a slot's gradient returns to the owner's stack."""
+    if all(e < 0 for slots in plan.slots for e in slots):  # nothing moves on any rank: no collective
+        return torch.cat([local, local.new_zeros(plan.replicas, *local.shape[1:])])
+    moves = weight_moves(plan, dist.get_rank(group))
+    sent = local.index_select(0, torch.tensor(moves.send_local, dtype=torch.int64, device=local.device))
+    width = local[0].numel()
+    arrived = all_to_all_rows(sent.reshape(len(moves.send_local), width), moves.send_splits, moves.recv_splits, group)
+    arrived = torch.cat([arrived.view(-1, *local.shape[1:]), local.new_zeros(1, *local.shape[1:])])
+    source = [len(moves.recv_slots)] * plan.replicas  # the zeros row, for the empty slots
+    for position, slot in enumerate(moves.recv_slots):
+        source[slot] = position
+    slots = arrived.index_select(0, torch.tensor(source, dtype=torch.int64, device=local.device))
+    return torch.cat([local, slots])
