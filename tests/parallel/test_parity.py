@@ -320,6 +320,9 @@ BF16_LAYOUTS = [
     pytest.param(["parallel.pp=2", "parallel.dp_shard=2"], 4, id="pp=2xdp_shard=2-bf16"),
     # FSDP over dp_shard × cp, bf16 units: each rank's positions of its sequences
     pytest.param(["parallel.cp=2", "parallel.dp_shard=2"], 4, id="cp=2xdp_shard=2-bf16"),
+    # hot experts' replicas fetched in bf16 from the owners' gathered weights (the edp=2 row's reference)
+    pytest.param(["parallel.dp_shard=4", "parallel.ep=2", "parallel.ep_replicas=1", "parallel.grad_reduce=step",
+                  "train.micro_batch_size=1"], 4, id="ep=2xedp=2-replicas=1-bf16"),
 ]
 
 
