@@ -39,7 +39,8 @@ from moe.transformer import MoETransformer
 from parallel.expert_dispatch import all_to_all_rows, exchange_pairs
 from parallel.layout import Layout
 from parallel.node_dispatch import exchange_by_node
-from parallel.replica_exchange import route_replicas, with_replicas
+from parallel.replica_exchange import fetch_replicas, join_backward, route_replicas
+from parallel.replication import ReplicaPlan
 from parallel.ranks import expert_nodes
 from parallel.tensor import gather_rows, scatter_rows
 
@@ -182,9 +183,9 @@ class ExpertParallelExperts(nn.Module):
         self.tp_mesh = tp_mesh  # tokens replicated over it: each tp rank sends only its share of the rows
         self.node_groups = node_groups  # (in-node, across-node) ep groups: the pair exchange goes in two hops
         # replica slots per rank for hot experts (``parallel.ep_replicas``, ``parallel/replica_exchange.py``); the
-        # last forward's rows per ep rank without and with them, for ``ep/imbalance``
+        # last forward's plan (its loads per ep rank without and with the replicas give ``ep/imbalance_*``)
         self.replicas = replicas
-        self.last_loads: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.last_plan: ReplicaPlan | None = None
         if self.etp > 1 and experts.out_bias is not None:
             # the etp ranks' partial outputs of a row are added over tp: each would add the down projection's bias
             raise ValueError(f"parallel.etp={self.etp} with moe.expert_proj_bias: the experts' down-projection "
@@ -260,8 +261,8 @@ class ExpertParallelExperts(nn.Module):
         return out
 
     def _local_ffn(self, x: Tensor, tokens_per_local_expert: Tensor, weights: dict[str, Tensor] | None = None) -> Tensor:
-        """The grouped GEMM on rows grouped by local expert; ``weights`` (default: ``_local_weights``) may hold
-        more experts than the local ones (the replica slots)."""
+        """The grouped GEMM on rows grouped by local expert; with ``weights`` (default: ``_local_weights``) on
+        other experts' (the replica slots')."""
         w = self._local_weights() if weights is None else weights
         biases = None
         if self.has_bias:
@@ -274,12 +275,10 @@ class ExpertParallelExperts(nn.Module):
             return self._local_ffn(x, tokens_per_expert)
         if self.replicas:
             return self._replicated_exchange(x, tokens_per_expert)
-        return self._exchange(x, plan_exchange(tokens_per_expert, self.group))
-
-    def _exchange(self, x: Tensor, plan: ExchangePlan, weights: dict[str, Tensor] | None = None) -> Tensor:
+        plan = plan_exchange(tokens_per_expert, self.group)
         received = all_to_all_rows(x, plan.send_splits, plan.recv_splits, self.group)  # [M, D] rank-major
         grouped = received.index_select(0, plan.expert_major)  # [M, D] local-expert-major
-        out = self._local_ffn(grouped, plan.tokens_per_local_expert, weights)
+        out = self._local_ffn(grouped, plan.tokens_per_local_expert)
         # back to rank-major by the inverse order: index_select keeps only the index for backward, where
         # index_copy would keep its whole [M, D] source
         returned = out.index_select(0, plan.rank_major)
@@ -287,15 +286,27 @@ class ExpertParallelExperts(nn.Module):
 
     def _replicated_exchange(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """The row exchange over every rank's own experts and replica slots (``parallel/replica_exchange.py``):
-        rows regrouped by copy, the slots' weights fetched from their owners in the compute dtype."""
+        rows regrouped by copy, the filled slots' weights fetched from their owners in the compute dtype."""
         routing = route_replicas(tokens_per_expert, self.group, self.replicas)
-        self.last_loads = (routing.plan.loads_before, routing.plan.loads_after)
-        dtype = compute_dtype(x)
-        weights = {name: with_replicas(self.compute_copies.get(name, local, dtype), routing.plan, self.group)
-                   for name, local in self._local_weights().items()}
+        self.last_plan = routing.plan
+        slots = None
+        if any(e >= 0 for filled in routing.plan.slots for e in filled):  # else no rank fetches: no collective
+            dtype = compute_dtype(x)
+            slots = fetch_replicas({name: self.compute_copies.get(name, local, dtype)
+                                    for name, local in self._local_weights().items()}, routing.plan, self.group)
         plan = exchange_plan(routing.send_splits, routing.recv_splits, routing.recv_counts)
-        out = self._exchange(x.index_select(0, routing.order), plan, weights)
-        return out.index_select(0, routing.restore)
+        received = all_to_all_rows(x.index_select(0, routing.order), plan.send_splits, plan.recv_splits, self.group)
+        grouped = received.index_select(0, plan.expert_major)  # own experts' rows, then the slots'
+        counts, own = plan.tokens_per_local_expert, self.num_local_experts
+        out = self._local_ffn(grouped[:routing.own_rows], counts[:own])
+        if routing.filled:
+            slot_rows = self._local_ffn(grouped[routing.own_rows:], counts[own:own + routing.filled], slots)
+            out = torch.cat([out, slot_rows])
+        elif slots is not None:
+            out = join_backward(out, slots)
+        returned = all_to_all_rows(out.index_select(0, plan.rank_major), plan.recv_splits, plan.send_splits,
+                                   self.group)
+        return returned.index_select(0, routing.restore)
 
     def extra_repr(self) -> str:
         ep, rank = self.ep_mesh.size(), self.ep_mesh.get_local_rank()

@@ -8,8 +8,9 @@ each computes the same plan. Then:
     1. rows:    this rank's rows, grouped by global expert, are regrouped by copy ("virtual expert": rank r's
                 L own experts and R slots are r · (L + R) + 0 .. L + R - 1), so that the row exchange of
                 ``parallel/expert.py`` runs unchanged over ep · (L + R) copies
-    2. weights: each filled slot's weights come from the expert's owner by one uneven all-to-all per stacked
-                weight (in the compute dtype); a rank's grouped GEMM runs its L experts and R slots together
+    2. weights: each filled slot's weights come from the expert's owner by one uneven all-to-all (in the compute
+                dtype, an expert's stacked weights side by side); a rank runs one grouped GEMM on its own experts, as without
+                replicas, and one on its filled slots (so its own weights are not copied)
     3. back:    the outputs return by the reverse exchange and are put back in the dispatch's order
 
 Backward is autograd's: the weights' all-to-all returns each replica's gradient to its owner, where it adds to
@@ -43,6 +44,8 @@ class ReplicaRouting:
     send_splits: list[int]  # [ep] rows this rank sends each rank's copies
     recv_splits: list[int]  # [ep] rows each rank sends this rank's copies
     recv_counts: Tensor  # [ep, L + R] rows each rank sends each of this rank's copies
+    own_rows: int  # rows this rank computes on its own experts (the rest on its slots)
+    filled: int  # this rank's filled slots (the first ones)
 
 
 def share_counts(tokens_per_expert: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
@@ -72,21 +75,45 @@ def route_replicas(tokens_per_expert: Tensor, group: dist.ProcessGroup, replicas
     restore = torch.empty_like(order)
     restore[order] = torch.arange(order.numel(), device=device)
     return ReplicaRouting(plan=plan, order=order, restore=restore, send_splits=sent[rank].sum(1).tolist(),
-                          recv_splits=sent[:, rank].sum(1).tolist(), recv_counts=sent[:, rank].to(device))
+                          recv_splits=sent[:, rank].sum(1).tolist(), recv_counts=sent[:, rank].to(device),
+                          own_rows=int(sent[:, rank, :plan.num_local].sum()),
+                          filled=sum(e >= 0 for e in plan.slots[rank]))
 
 
-def with_replicas(local: Tensor, plan: ReplicaPlan, group: dist.ProcessGroup) -> Tensor:
-    """This rank's stack [L, ...] -> [L + R, ...]: its own experts, then each slot's expert from its owner (zeros
-    in an empty slot). Differentiable: a slot's gradient returns to the owner's stack."""
-    if all(e < 0 for slots in plan.slots for e in slots):  # nothing moves on any rank: no collective
-        return torch.cat([local, local.new_zeros(plan.replicas, *local.shape[1:])])
+def fetch_replicas(stacks: dict[str, Tensor], plan: ReplicaPlan, group: dist.ProcessGroup) -> dict[str, Tensor]:
+    """This rank's stacks by name, each [L, ...] -> its filled slots' experts, each [n, ...], from their owners: one
+    uneven all-to-all of each expert's tensors side by side. Every rank of ``group`` calls it, also those that fill
+    no slot. Differentiable: a slot's gradients return to the owner's stacks by the reverse all-to-all, which
+    every rank joins too (``join_backward``)."""
     moves = weight_moves(plan, dist.get_rank(group))
-    sent = local.index_select(0, torch.tensor(moves.send_local, dtype=torch.int64, device=local.device))
-    width = local[0].numel()
-    arrived = all_to_all_rows(sent.reshape(len(moves.send_local), width), moves.send_splits, moves.recv_splits, group)
-    arrived = torch.cat([arrived.view(-1, *local.shape[1:]), local.new_zeros(1, *local.shape[1:])])
-    source = [len(moves.recv_slots)] * plan.replicas  # the zeros row, for the empty slots
-    for position, slot in enumerate(moves.recv_slots):
-        source[slot] = position
-    slots = arrived.index_select(0, torch.tensor(source, dtype=torch.int64, device=local.device))
-    return torch.cat([local, slots])
+    first = next(iter(stacks.values()))
+    index = torch.tensor(moves.send_local, dtype=torch.int64, device=first.device)
+    widths = [stack[0].numel() for stack in stacks.values()]
+    sent = torch.cat([stack.index_select(0, index).reshape(len(index), width)
+                      for stack, width in zip(stacks.values(), widths, strict=True)], 1)
+    arrived = all_to_all_rows(sent, moves.send_splits, moves.recv_splits, group)
+    # arrival is by sending rank; the slots were filled in order 0, 1, ..: put each where its slot is
+    position = sorted(range(len(moves.recv_slots)), key=moves.recv_slots.__getitem__)
+    arrived = arrived.index_select(0, torch.tensor(position, dtype=torch.int64, device=first.device))
+    return {name: part.reshape(len(position), *stack.shape[1:])
+            for (name, stack), part in zip(stacks.items(), arrived.split(widths, 1), strict=True)}
+
+
+class _JoinBackward(torch.autograd.Function):
+    """Identity on ``out``; a zero gradient for ``fetched``, so that its all-to-all's backward runs."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, fetched: Tensor) -> Tensor:
+        ctx.fetched = (fetched.shape, fetched.dtype)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shape, dtype = ctx.fetched
+        return grad, grad.new_zeros(shape, dtype=dtype)
+
+
+def join_backward(out: Tensor, fetched: dict[str, Tensor]) -> Tensor:
+    """``out``, tied in autograd to slot weights that computed nothing here (a rank that fills no slot): the
+    gradients' return is a collective, so every rank must reach it in backward, with nothing to send back."""
+    return _JoinBackward.apply(out, next(iter(fetched.values())))

@@ -260,8 +260,8 @@ def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch
             (loss / accumulation).backward()
         step_loss += loss.detach().double().cpu() / accumulation
         routing.append(model.routing_stats())
-        interval.ep_loads += [layer.experts.last_loads for layer in model.moe_layers().values()
-                              if getattr(layer.experts, "last_loads", None) is not None]
+        interval.ep_loads += [(plan.loads_before, plan.loads_after) for layer in model.moe_layers().values()
+                              if (plan := getattr(layer.experts, "last_plan", None)) is not None]
         if model.last_mtp_losses is not None:  # logged apart from the LM loss
             mtp = model.last_mtp_losses.mean().detach().double() / accumulation
             step_mtp = mtp if step_mtp is None else step_mtp + mtp
