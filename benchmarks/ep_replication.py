@@ -120,7 +120,8 @@ def measure(routing: str, tokens: int, micro_batches: int) -> list[dict]:
             row[f"R={r}"] = [p.imbalance_after for p in plans]
             row[f"R={r} stale"] = [imbalance(stale_loads(old, c)) for old, c in zip(plans, steps[1:])]
             row[f"R={r} sent"] = statistics.mean(experts_sent(p) for p in plans)
-            row[f"R={r} copy/dispatch"] = row[f"R={r} sent"] * V3_EXPERT_BYTES / (tokens * TOP_K * V3_D_MODEL * V3_BYTES)
+            dispatch = tokens * TOP_K * V3_D_MODEL * V3_BYTES  # a rank's rows out, all of them
+            row[f"R={r} copy/dispatch"] = row[f"R={r} sent"] * V3_EXPERT_BYTES / dispatch
         row["V3 R"], row["V3 time / balanced"] = v3_modelled(row, tokens)
         rows.append(row)
     return rows

@@ -260,7 +260,8 @@ class ExpertParallelExperts(nn.Module):
                 out[name] = _ScaleGradient.apply(tensor, self.grad_scale) if self.grad_scale != 1.0 else tensor
         return out
 
-    def _local_ffn(self, x: Tensor, tokens_per_local_expert: Tensor, weights: dict[str, Tensor] | None = None) -> Tensor:
+    def _local_ffn(self, x: Tensor, tokens_per_local_expert: Tensor,
+                   weights: dict[str, Tensor] | None = None) -> Tensor:
         """The grouped GEMM on rows grouped by local expert; with ``weights`` (default: ``_local_weights``) on
         other experts' (the replica slots')."""
         w = self._local_weights() if weights is None else weights

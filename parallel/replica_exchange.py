@@ -9,8 +9,8 @@ each computes the same plan. Then:
                 L own experts and R slots are r · (L + R) + 0 .. L + R - 1), so that the row exchange of
                 ``parallel/expert.py`` runs unchanged over ep · (L + R) copies
     2. weights: each filled slot's weights come from the expert's owner by one uneven all-to-all (in the compute
-                dtype, an expert's stacked weights side by side); a rank runs one grouped GEMM on its own experts, as without
-                replicas, and one on its filled slots (so its own weights are not copied)
+                dtype, an expert's stacked weights side by side); a rank runs one grouped GEMM on its own
+                experts, as without replicas, and one on its filled slots (its own weights are not copied)
     3. back:    the outputs return by the reverse exchange and are put back in the dispatch's order
 
 Backward is autograd's: the weights' all-to-all returns each replica's gradient to its owner, where it adds to

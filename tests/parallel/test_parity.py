@@ -187,9 +187,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", *MUON], 4, "null",
                  id="cp=2xtp=2-sequence_parallel-muon"),
     # hot experts replicated into other ep ranks' slots (parallel/replica_exchange.py): rows computed elsewhere, the
-    # slots' gradients returned to the owners; with the experts FSDP-sharded over edp=2 and their rows split over tp
-    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", "parallel.ep_replicas=1"], 2, "null",
-                 id="ep=2-replicas=1-dropless"),
+    # slots' gradients returned to the owners (the MoE layers recomputed in backward, copies and all); with the
+    # experts FSDP-sharded over edp=2 and their rows split over tp
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", "parallel.ep_replicas=1",
+                  "parallel.activation_checkpointing=moe"], 2, "null", id="ep=2-replicas=1-dropless-recompute-moe"),
     pytest.param(["parallel.dp_shard=4", "parallel.ep=4", "parallel.ep_replicas=2"], 4, "1.25",
                  id="ep=4-replicas=2-capacity"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.ep_replicas=1"], 4, "null",
