@@ -18,8 +18,8 @@ from config.run import RunConfig
 from moe.attention import attention_kind
 from moe.dispatch import expert_capacity
 from parallel.expert import exchanges_by_node, exchanges_pairs
-from parallel.replication import ReplicaPlan, rows_to_copies, weight_moves
 from parallel.ranks import expert_nodes
+from parallel.replication import ReplicaPlan, rows_to_copies, weight_moves
 from parallel.tensor import row_bounds, share_counts
 
 

@@ -118,7 +118,7 @@ def measure(routing: str, tokens: int, micro_batches: int) -> list[dict]:
         for r in REPLICAS:
             plans = [plan_replicas(c, r) for c in steps]
             row[f"R={r}"] = [p.imbalance_after for p in plans]
-            row[f"R={r} stale"] = [imbalance(stale_loads(old, c)) for old, c in zip(plans, steps[1:])]
+            row[f"R={r} stale"] = [imbalance(stale_loads(old, c)) for old, c in zip(plans, steps[1:], strict=False)]
             row[f"R={r} sent"] = statistics.mean(experts_sent(p) for p in plans)
             dispatch = tokens * TOP_K * V3_D_MODEL * V3_BYTES  # a rank's rows out, all of them
             row[f"R={r} copy/dispatch"] = row[f"R={r} sent"] * V3_EXPERT_BYTES / dispatch

@@ -39,9 +39,9 @@ from moe.transformer import MoETransformer
 from parallel.expert_dispatch import all_to_all_rows, exchange_pairs
 from parallel.layout import Layout
 from parallel.node_dispatch import exchange_by_node
+from parallel.ranks import expert_nodes
 from parallel.replica_exchange import fetch_replicas, join_backward, route_replicas
 from parallel.replication import ReplicaPlan
-from parallel.ranks import expert_nodes
 from parallel.tensor import gather_rows, scatter_rows
 
 

@@ -38,7 +38,7 @@ def check_consistent(plan, counts):
         assert sum(n for _, n in runs) == sum(counts[r])
         for virtual, n in runs:
             per_copy[virtual] += n
-    for e, shares in enumerate(plan.shares):
+    for shares in plan.shares:
         for virtual, rows in shares:
             assert per_copy[virtual] == rows
     assert [sum(per_copy[r * copies:(r + 1) * copies]) for r in range(ep)] == list(plan.loads_after)
@@ -107,8 +107,8 @@ def test_weight_moves_match():
     for r in range(4):
         for d in range(4):
             assert moves[r].send_splits[d] == moves[d].recv_splits[r]
-        sent = [e for r_src in range(4) for e in [r_src * 4 + l for l in moves[r_src].send_local[
-            sum(moves[r_src].send_splits[:r]):sum(moves[r_src].send_splits[:r + 1])]]]
+        sent = [source * 4 + local for source in range(4) for local in moves[source].send_local[
+            sum(moves[source].send_splits[:r]):sum(moves[source].send_splits[:r + 1])]]
         assert [plan.slots[r][s] for s in moves[r].recv_slots] == sent
 
 
