@@ -54,8 +54,8 @@ class IntervalStats:
     routing_result: IntervalRouting | None = None  # set by record(): the interval's routing, for RoutingLog
     # a mixture's per-source LM loss: source -> (sum of its rows' mean losses, rows), on the device until record()
     source_loss: dict[int, list] = field(default_factory=dict)
-    # under ``parallel.ep_replicas``: each MoE layer's and micro-batch's rows per ep rank (this rank's ep group),
-    # without and with the replicas (``parallel.replica_exchange``), host integers the plan already read
+    # under ``parallel.ep_replicas``: each MoE layer's and micro-batch's rows per ep rank (this rank's ep group and
+    # pipeline stage; under pp each step's last micro-batch), without and with the replicas, host integers
     ep_loads: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
 
     def add_source_loss(self, source: int, row_loss_sum: torch.Tensor, rows: int) -> None:
@@ -246,6 +246,7 @@ def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch
     if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
         x, y, documents = shard_batch(inputs.to(device), targets.to(device), end_id, shards)
         step_loss, routing = model.step(x, y, context.grad_reduce, documents)
+        interval.ep_loads += _ep_loads(model)  # the schedule's last micro-batch's: each layer keeps its latest plan
         return step_loss, routing, model.last_mtp_loss
     for m in range(accumulation):
         x, y, documents = shard_batch(inputs[m * micro:(m + 1) * micro].to(device),
@@ -260,12 +261,18 @@ def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch
             (loss / accumulation).backward()
         step_loss += loss.detach().double().cpu() / accumulation
         routing.append(model.routing_stats())
-        interval.ep_loads += [(plan.loads_before, plan.loads_after) for layer in model.moe_layers().values()
-                              if (plan := getattr(layer.experts, "last_plan", None)) is not None]
+        interval.ep_loads += _ep_loads(model)
         if model.last_mtp_losses is not None:  # logged apart from the LM loss
             mtp = model.last_mtp_losses.mean().detach().double() / accumulation
             step_mtp = mtp if step_mtp is None else step_mtp + mtp
     return step_loss, routing, step_mtp
+
+
+def _ep_loads(model) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Under ``parallel.ep_replicas``: each of this rank's MoE layers' rows per ep rank in its latest forward, without
+    and with the replicas (``ExpertParallelExperts.last_plan``)."""
+    return [(plan.loads_before, plan.loads_after) for layer in model.moe_layers().values()
+            if (plan := getattr(layer.experts, "last_plan", None)) is not None]
 
 
 @torch.no_grad()

@@ -195,6 +195,8 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                  id="ep=4-replicas=2-capacity"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.ep_replicas=1"], 4, "null",
                  id="dp_shard=2xtp=2xep=2-replicas=1"),
+    pytest.param(["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.ep_replicas=1"], 4, "1.25",
+                 id="pp=2xdp_shard=2xep=2-replicas=1"),
 ]
 
 
