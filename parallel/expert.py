@@ -14,6 +14,10 @@ assignment, grouped by *global* expert id. One forward, with ep ranks r and loca
     4. experts:  reorder to local-expert-major (l0: r0 r1 .., l1: ...), grouped GEMM on the local experts
     5. combine:  inverse reorder, reverse all-to-all (splits swapped): each row returns to its sender
 
+With ``parallel.ep_replicas`` > 0 every rank also has replica slots that hot experts are copied into for the
+micro-batch, and the row exchange runs over the copies (``parallel/replica_exchange.py``, the plan in
+``parallel/replication.py``).
+
 Backward mirrors it through autograd: the all-to-all's gradient is the reverse all-to-all. The exchange moves
 exactly the kept assignments (capacity drops happen before it, in ``moe/dispatch.py``): no padding, so the
 bytes a rank sends forward are its kept (token, expert) pairs bound for other ranks × d_model × element size.

@@ -18,8 +18,10 @@ the owner's own (the local stack feeds both the GEMM and the copy), before FSDP 
 whose state lives with the owner alone, steps. Every row meets the same weights as without replicas and the
 combine at home is unchanged, so the model computes the same function: only which rank computes a row moves.
 
-Weights move per micro-batch, from the loads that micro-batch routed: the plan needs no history, and a plan
-from the previous step's loads balances less (``benchmarks/ep_replication.py`` measures both).
+Weights move per micro-batch, from the loads that micro-batch routed: the plan needs no history, and a placement
+kept from the previous micro-batch balances less (``benchmarks/ep_replication.py`` measures both: 1.10-1.28 against
+1.01-1.10 at ep=64). The price is the copies every micro-batch, which across nodes cost most of what they save
+(``analysis/replica_time.py``; docs/parallelism.md has the figures).
 """
 
 from __future__ import annotations
