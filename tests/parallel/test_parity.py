@@ -197,6 +197,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                  id="dp_shard=2xtp=2xep=2-replicas=1"),
     pytest.param(["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.ep_replicas=1"], 4, "1.25",
                  id="pp=2xdp_shard=2xep=2-replicas=1"),
+    # each etp rank fetches its hidden-dim slice of the slots' experts
+    pytest.param(["parallel.tp=4", "parallel.ep=2", "parallel.etp=2", "parallel.ep_replicas=1"], 4, "1.25",
+                 id="tp=4xep=2xetp=2-replicas=1"),
 ]
 
 
