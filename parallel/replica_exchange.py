@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel.expert_dispatch import all_to_all_rows
-from parallel.replication import ReplicaPlan, plan_replicas, rows_to_copies, weight_moves
+from parallel.replication import ReplicaPlan, copy_rows, plan_replicas, weight_moves
 
 
 @dataclass
@@ -50,29 +50,25 @@ class ReplicaRouting:
     filled: int  # this rank's filled slots (the first ones)
 
 
-def share_counts(tokens_per_expert: Tensor, group: dist.ProcessGroup) -> list[list[int]]:
-    """Every ep rank's per-expert counts [ep][E], the same table on every rank of ``group``."""
+def share_counts(tokens_per_expert: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Every ep rank's per-expert counts [ep, E] on the host, the same table on every rank of ``group``."""
     mine = tokens_per_expert.to(torch.int64).contiguous()
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
     # NOTE: the exchange's one device-to-host sync: the plan and the collectives' splits are host integers
-    return torch.stack(gathered).tolist()
+    return torch.stack(gathered).cpu()
 
 
 def route_replicas(tokens_per_expert: Tensor, group: dist.ProcessGroup, replicas: int) -> ReplicaRouting:
     """Share the counts, plan, and say where each of this rank's rows goes. tokens_per_expert: [E]."""
     counts = share_counts(tokens_per_expert, group)
-    plan = plan_replicas(counts, replicas)
-    rank, width = dist.get_rank(group), plan.copies_per_rank
-    every_rank = rows_to_copies(plan, counts)
-    sent = torch.zeros(plan.ep, plan.ep, width, dtype=torch.int64)  # [source, rank, copy] rows
-    for source, runs in enumerate(every_rank):
-        for virtual, rows in runs:
-            sent[source, virtual // width, virtual % width] += rows
+    plan = plan_replicas(counts.tolist(), replicas)
+    rank, width, ep = dist.get_rank(group), plan.copies_per_rank, plan.ep
+    rows, virtual = copy_rows(plan, counts)  # [ep, E, K] rows of each rank to each expert's copies, [E, K] copies
+    sent = torch.zeros(ep, ep * width, dtype=torch.int64).scatter_add_(
+        1, virtual.reshape(1, -1).expand(ep, -1), rows.reshape(ep, -1)).view(ep, ep, width)  # [source, rank, copy]
     device = tokens_per_expert.device
-    runs = every_rank[rank]
-    copy_of_row = torch.repeat_interleave(torch.tensor([v for v, _ in runs], dtype=torch.int64),
-                                          torch.tensor([n for _, n in runs], dtype=torch.int64)).to(device)
+    copy_of_row = torch.repeat_interleave(virtual.reshape(-1), rows[rank].reshape(-1)).to(device)
     order = torch.sort(copy_of_row, stable=True).indices
     restore = torch.empty_like(order)
     restore[order] = torch.arange(order.numel(), device=device)

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 
 @dataclass(frozen=True)
 class ReplicaPlan:
@@ -141,6 +144,23 @@ def rows_to_copies(plan: ReplicaPlan, counts: list[list[int]]) -> list[list[tupl
                 offset += rows
             start = end
     return runs
+
+
+def copy_rows(plan: ReplicaPlan, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """``rows_to_copies`` as tensors, without a Python loop over experts and ranks (the run does it every layer and
+    micro-batch): counts [ep, E] int64 -> (rows [ep, E, K]: how many of rank r's rows of expert e its k-th copy
+    computes, virtual [E, K]: that copy's virtual expert), K the most copies of one expert (0 rows where it has
+    fewer). Rank r's runs are ``virtual`` and ``rows[r]`` read expert by expert, copy by copy."""
+    width = max(len(shares) for shares in plan.shares)
+    padded = [[*shares, *[(0, 0)] * (width - len(shares))] for shares in plan.shares]
+    virtual, sizes = torch.tensor(padded, dtype=torch.int64).unbind(2)  # [E, K] each
+    bounds = torch.cat([sizes.new_zeros(len(plan.shares), 1), torch.cumsum(sizes, 1)], 1)  # [E, K + 1]
+    counts = counts.to(torch.int64).cpu()
+    end = torch.cumsum(counts, 0)  # each rank's rows' place in its expert's order: [start, end)
+    start = end - counts
+    rows = (torch.minimum(end[:, :, None], bounds[None, :, 1:])
+            - torch.maximum(start[:, :, None], bounds[None, :, :-1])).clamp_min(0)
+    return rows, virtual
 
 
 @dataclass(frozen=True)

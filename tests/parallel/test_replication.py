@@ -4,8 +4,9 @@ plan for the same counts, and the identity without slots."""
 import random
 
 import pytest
+import torch
 
-from parallel.replication import imbalance, plan_replicas, rows_to_copies, weight_moves
+from parallel.replication import copy_rows, imbalance, plan_replicas, rows_to_copies, weight_moves
 
 
 def skewed_counts(ep: int, num_experts: int, tokens_per_rank: int, exponent: float, seed: int) -> list[list[int]]:
@@ -56,6 +57,17 @@ def test_skewed_routing_is_balanced(ep, replicas, goal):
     check_consistent(plan, counts)
     assert plan.imbalance_before > 1.7  # skewed indeed
     assert plan.imbalance_after <= goal
+
+
+@pytest.mark.parametrize("ep,experts,replicas", [(4, 16, 2), (8, 64, 1), (16, 32, 3)])
+def test_copy_rows_are_the_runs(ep, experts, replicas):
+    """The tensor form the run uses against the loop over experts and ranks."""
+    counts = skewed_counts(ep, experts, 300, exponent=1.3, seed=experts)
+    plan = plan_replicas(counts, replicas)
+    rows, virtual = copy_rows(plan, torch.tensor(counts))
+    for rank, runs in enumerate(rows_to_copies(plan, counts)):
+        mine = rows[rank].reshape(-1)
+        assert [(int(v), int(n)) for v, n in zip(virtual.reshape(-1)[mine > 0], mine[mine > 0], strict=True)] == runs
 
 
 def test_deterministic():
