@@ -14,8 +14,8 @@ lifts a rank above the target, so the maximum load never rises and there are at 
 
 Which rows: an expert's rows are ordered by sending rank, then as each rank's dispatch orders them (the order of
 one process's grouping); the owner computes the first ones, then each replica a contiguous run in slot order.
-So every rank can say, for each of its rows, which copy computes it (``rows_to_copies``), without sending more
-than the counts.
+So every rank can say, for each of its rows, which copy computes it (``rows_to_copies``; ``copy_rows`` is the same
+as tensors, for the run), without sending more than the counts.
 
 Copies are numbered as the grouped GEMM of each rank sees them ("virtual experts"): rank r's L own experts are
 r · (L + R) + l, its slots r · (L + R) + L + s.
