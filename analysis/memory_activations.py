@@ -77,7 +77,7 @@ def _router(moe: MoEConfig, d: int, mb: MicroBatch) -> int:
 
 
 def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
-         ranks_per_node: int | None = None) -> dict[str, int]:
+         ranks_per_node: int | None = None, replicas: int = 0) -> dict[str, int]:
     """One MoE layer: router, permuted tokens and experts (this rank's share of the rows), combine, shared experts.
 
     Under tp each tp rank computes 1/(tp/etp) of the grouped rows (a copy of its share); under ep those
@@ -89,12 +89,14 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
     hidden = moe.expert_hidden // layout.etp
     swiglu = moe.gated
     local_experts = moe.num_experts // layout.ep
-    pairs = exchanges_pairs(layout.ep, layout.tp, moe.top_k)
+    pairs = exchanges_pairs(layout.ep, layout.tp, moe.top_k, replicas)
     if pairs:  # the exchange by (token, rank) pairs keeps its own indices, counted with the combine
         experts = 0
     else:
         experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
     if layout.ep > 1 and not pairs:  # received rows' reorder index and its inverse
+        experts += 2 * rows * INDEX
+    if layout.ep > 1 and replicas:  # the sent rows' order by copy and its inverse (balanced: no slot is filled)
         experts += 2 * rows * INDEX
     # Groups padded (CPU bf16): balanced, their sizes differ by one at most; plus each row's padded place and the
     # padding rows' own index (``moe.experts.GroupPadding``). Exact
@@ -113,7 +115,7 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
              # expert outputs, their weights, the order and the token index
              "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
-    if ranks_per_node and exchanges_by_node(layout, moe.top_k, ranks_per_node):
+    if ranks_per_node and exchanges_by_node(layout, moe.top_k, ranks_per_node, replicas):
         parts["MoE combine"] = _node_combine(moe, expert_nodes(layout, ranks_per_node), mb, d)
     elif pairs:
         parts["MoE combine"] = _pair_combine(moe, layout, mb, d)
@@ -312,7 +314,7 @@ class _Parts:
         elif par.activation_checkpointing == "moe":
             block["MoE inputs (recompute)"] = mb.tokens * d * stream_bytes
         else:
-            moe_parts = _moe(model, self.config.moe, layout, mb, par.ranks_per_node)
+            moe_parts = _moe(model, self.config.moe, layout, mb, par.ranks_per_node, par.ep_replicas)
             if par.activation_offload == "moe":
                 self.offloaded.append((sum(moe_parts.values()), count))
             else:

@@ -19,6 +19,7 @@ from moe.attention import attention_kind
 from moe.dispatch import expert_capacity
 from parallel.expert import exchanges_by_node, exchanges_pairs
 from parallel.ranks import expert_nodes
+from parallel.replication import ReplicaPlan, rows_to_copies, weight_moves
 from parallel.tensor import row_bounds, share_counts
 
 
@@ -233,9 +234,10 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     group, me = step.group("ep"), coordinates(layout, step.rank)["ep"]
     forwards = len(moe_layers) * step.microbatches * (1 + _moe_recompute(step))
     backwards = len(moe_layers) * step.microbatches
-    if step.ranks_per_node and exchanges_by_node(layout, config.moe.top_k, step.ranks_per_node):
+    replicas = config.parallel.ep_replicas
+    if step.ranks_per_node and exchanges_by_node(layout, config.moe.top_k, step.ranks_per_node, replicas):
         return node_exchange_traffic(step, forwards, backwards)
-    if exchanges_pairs(layout.ep, layout.tp, config.moe.top_k):
+    if exchanges_pairs(layout.ep, layout.tp, config.moe.top_k, replicas):
         return pair_exchange_traffic(*exchange_counts(config.moe, step.tokens, layout.ep), me, group,
                                      config.model.d_model * step.act, forwards, backwards, config.moe.num_experts)
     kept = kept_per_expert(config, step.tokens)
@@ -243,7 +245,11 @@ def expert_parallel_traffic(step: _Step) -> list[Traffic]:
     rows_out = sum(sent) - sent[me]
     rows_in = sum(_exchange_rows(step, q, kept)[me] for q in group if q != step.rank)
     row = config.model.d_model * step.act
-    _add(out, "ep", "all_to_all", "tokens per expert (forward)", forwards, config.moe.num_experts * 8, group)
+    if replicas:  # every rank's counts, for the plan; balanced routing, the model's, fills no slot (no copies)
+        _add(out, "ep", "all_gather", "every rank's tokens per expert (forward)", forwards,
+             layout.ep * config.moe.num_experts * 8, group)
+    else:
+        _add(out, "ep", "all_to_all", "tokens per expert (forward)", forwards, config.moe.num_experts * 8, group)
     # uneven: the rows that leave (none, when this tp rank's share belongs to its own experts)
     for what, rows in (("dispatch", rows_out), ("combine", rows_in)):
         out.append(Traffic("ep", "all_to_all", f"{what} (forward)", forwards, forwards * rows * row, group))
@@ -357,4 +363,33 @@ def mtp_traffic(step: _Step) -> list[Traffic]:
                  scored * config.model.d_model * 4, group)
             _add(out, "tp", "all_reduce", f"MTP module {k}: vocab-parallel loss: max, sum, target logit (forward)",
                  3 * step.microbatches, scored * 4, group)
+    return out
+
+
+def replicated_exchange_traffic(plan: ReplicaPlan, counts: list[list[int]], me: int, group: tuple[int, ...],
+                                row: int, expert_bytes: int) -> list[Traffic]:
+    """One MoE layer's forward and backward under ``parallel.ep_replicas`` for a given routing (``counts[r][e]``:
+    rows ep rank r sends expert e; ``plan``: ``parallel.replication.plan_replicas`` of them), as the rank at ep
+    coordinate ``me`` runs it (``parallel/replica_exchange.py``): the counts' all-gather, one all-to-all of the experts
+    this rank's own experts copied to other ranks' slots and one of their gradients back to it (``expert_bytes``: one
+    expert's stacked weights and biases, in the compute dtype), and the rows' dispatch and combine by copy (``row``
+    bytes a row), each again in backward."""
+    ep, width = plan.ep, plan.copies_per_rank
+    sent = [[0] * ep for _ in range(ep)]  # rows rank r sends rank d's copies
+    for source, runs in enumerate(rows_to_copies(plan, counts)):
+        for virtual, rows in runs:
+            sent[source][virtual // width] += rows
+    rows_out = sum(sent[me]) - sent[me][me]
+    rows_in = sum(sent[r][me] for r in range(ep)) - sent[me][me]
+    out: list[Traffic] = []
+    _add(out, "ep", "all_gather", "every rank's tokens per expert (forward)", 1, ep * len(counts[0]) * 8, group)
+    if any(e >= 0 for slots in plan.slots for e in slots):
+        moves = weight_moves(plan, me)
+        out.append(Traffic("ep", "all_to_all", "experts to the slots (forward)", 1,
+                           sum(moves.send_splits) * expert_bytes, group))
+        out.append(Traffic("ep", "all_to_all", "the slots' gradients to the owners (backward)", 1,
+                           sum(moves.recv_splits) * expert_bytes, group))
+    for what, rows in (("dispatch (forward)", rows_out), ("combine (forward)", rows_in),
+                       ("combine's gradient (backward)", rows_out), ("dispatch's gradient (backward)", rows_in)):
+        out.append(Traffic("ep", "all_to_all", what, 1, rows * row, group))
     return out

@@ -52,6 +52,10 @@ class ParallelConfig:
     # ranks per node, consecutive (torchrun's numbering): where the experts' exchange crosses the network
     # (``parallel/node_dispatch.py``); null = torchrun's LOCAL_WORLD_SIZE. Set it to simulate nodes on one machine
     ranks_per_node: int | None = None
+    # replica slots per expert-parallel rank for hot experts (``parallel/replica_exchange.py``): after routing, each
+    # micro-batch copies the hottest experts' weights into under-loaded ranks' slots and splits their rows, so every
+    # ep rank computes close to the mean load; the function computed is unchanged. 0 = off
+    ep_replicas: int = 0
 
     def degrees(self) -> dict[str, int]:
         """The seven degrees, as ``parallel.layout.Layout.resolve`` takes them."""
@@ -66,6 +70,10 @@ class ParallelConfig:
         require(self.ranks_per_node is None or self.ranks_per_node >= 1,
                 f"parallel.ranks_per_node must be >= 1 or null (torchrun's LOCAL_WORLD_SIZE), "
                 f"got {self.ranks_per_node}")
+        require(self.ep_replicas >= 0, f"parallel.ep_replicas must be >= 0, got {self.ep_replicas}")
+        require(self.ep_replicas == 0 or self.ep != 1,
+                f"parallel.ep_replicas={self.ep_replicas} needs expert parallelism (parallel.ep > 1): with one ep "
+                "rank every expert is already on it")
         require(self.microbatches is None or self.microbatches >= 1,
                  f"parallel.microbatches must be >= 1 or null, got {self.microbatches}")
         if self.activation_offload != "none":

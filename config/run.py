@@ -312,6 +312,10 @@ class RunConfig:
                  f"train.qk_clip_threshold={self.train.qk_clip_threshold} with model.qk_norm=true: the per-head q/k "
                  "RMSNorm undoes any scaling of the query and key weights (and already bounds the logits), and its "
                  "gains are shared by all heads, so no head can be clipped alone; set one of them off")
+        ep, replicas = self.parallel.ep, self.parallel.ep_replicas
+        others = self.moe.num_experts - self.moe.num_experts // ep if ep >= 1 else replicas
+        require(replicas <= others, f"parallel.ep_replicas={replicas} is more slots than the {others} experts other "
+                                    f"ep ranks own (moe.num_experts={self.moe.num_experts}, parallel.ep={ep})")
         require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
                  "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
                  "set train.precision=bf16 (or auto), or moe.backend=torch")

@@ -65,10 +65,11 @@ def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: Paralle
     if experts_spread(layout, bool(model.moe_layers())):
         top_k = next(iter(model.moe_layers().values())).config.top_k
         ranks_per_node = node_size(parallel.ranks_per_node)
-        node_groups = groups.expert_node_groups(ranks_per_node) if exchanges_by_node(layout, top_k, ranks_per_node) \
-            else None
+        replicas = parallel.ep_replicas if layout.ep > 1 else 0
+        node_groups = groups.expert_node_groups(ranks_per_node) \
+            if exchanges_by_node(layout, top_k, ranks_per_node, replicas) else None
         apply_expert_parallel(model, groups.mesh("ep", "etp") if layout.etp > 1 else groups.mesh("ep"), tp_mesh,
-                              node_groups)
+                              node_groups, replicas)
         expert_axes = ("dp_replicate", "edp") if layout.dp_replicate > 1 else ("edp",)
         expert_dp_mesh = groups.mesh(*expert_axes) if experts_replicated(layout) else None
         unmanaged = shard_experts(model, expert_dp_mesh, layout.dp_cp, parallel.reshard_after_forward, param_dtype)

@@ -14,6 +14,10 @@ assignment, grouped by *global* expert id. One forward, with ep ranks r and loca
     4. experts:  reorder to local-expert-major (l0: r0 r1 .., l1: ...), grouped GEMM on the local experts
     5. combine:  inverse reorder, reverse all-to-all (splits swapped): each row returns to its sender
 
+With ``parallel.ep_replicas`` > 0 every rank also has replica slots that hot experts are copied into for the
+micro-batch, and the row exchange runs over the copies (``parallel/replica_exchange.py``, the plan in
+``parallel/replication.py``).
+
 Backward mirrors it through autograd: the all-to-all's gradient is the reverse all-to-all. The exchange moves
 exactly the kept assignments (capacity drops happen before it, in ``moe/dispatch.py``): no padding, so the
 bytes a rank sends forward are its kept (token, expert) pairs bound for other ranks × d_model × element size.
@@ -34,12 +38,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.dispatch import DispatchPlan, permute, unpermute_and_combine
-from moe.experts import ComputeCopies, ExpertBiases, GroupedExperts, expert_ffn
+from moe.experts import ComputeCopies, ExpertBiases, GroupedExperts, compute_dtype, expert_ffn
 from moe.transformer import MoETransformer
 from parallel.expert_dispatch import all_to_all_rows, exchange_pairs
 from parallel.layout import Layout
 from parallel.node_dispatch import exchange_by_node
 from parallel.ranks import expert_nodes
+from parallel.replica_exchange import fetch_replicas, join_backward, route_replicas
+from parallel.replication import ReplicaPlan
 from parallel.tensor import gather_rows, scatter_rows
 
 
@@ -59,19 +65,20 @@ def expert_major_index(counts: Tensor, num_rows: int | None = None) -> Tensor:
     return torch.repeat_interleave(starts_em - out_start, sizes_em, output_size=rows.numel()) + rows
 
 
-def exchanges_pairs(ep: int, tp: int, top_k: int) -> bool:
+def exchanges_pairs(ep: int, tp: int, top_k: int, replicas: int = 0) -> bool:
     """Whether the experts' exchange goes by (token, rank) pairs (``parallel/expert_dispatch.py``) rather than by
     assignment rows: expert parallelism without tensor parallelism, k > 1 (``ExpertParallelExperts.forward`` says
-    why). The one rule the layer, the memory model and the communication model follow."""
-    return ep > 1 and tp == 1 and top_k > 1
+    why), and no replica slots (replicas split an expert's rows over ranks, which a token's pair cannot follow).
+    The one rule the layer, the memory model and the communication model follow."""
+    return ep > 1 and tp == 1 and top_k > 1 and replicas == 0
 
 
-def exchanges_by_node(layout: Layout, top_k: int, ranks_per_node: int) -> bool:
+def exchanges_by_node(layout: Layout, top_k: int, ranks_per_node: int, replicas: int = 0) -> bool:
     """Whether the pair exchange goes in two hops, once per node across the network, then per rank inside it
     (``parallel/node_dispatch.py``): where it is the pair exchange and the ep groups span nodes of
     ``ranks_per_node`` ranks with several ep ranks in each (``parallel.ranks.expert_nodes``). The one rule the
     layer's construction, the memory model and the communication model follow."""
-    return exchanges_pairs(layout.ep, layout.tp, top_k) and expert_nodes(layout, ranks_per_node) is not None
+    return exchanges_pairs(layout.ep, layout.tp, top_k, replicas) and expert_nodes(layout, ranks_per_node) is not None
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -116,6 +123,11 @@ def plan_exchange(tokens_per_expert: Tensor, group: dist.ProcessGroup) -> Exchan
     # host integers. On GPU it stalls the host until the counts have arrived (FSDP prefetching across it
     # must be set explicitly); the rest of the exchange is launched without waiting.
     send_splits, recv_splits = splits.tolist()
+    return exchange_plan(send_splits, recv_splits, recv_counts)
+
+
+def exchange_plan(send_splits: list[int], recv_splits: list[int], recv_counts: Tensor) -> ExchangePlan:
+    """The plan from the splits and the received counts [ep, L] (rows from rank r for local expert l)."""
     expert_major = expert_major_index(recv_counts, sum(recv_splits))
     rank_major = torch.empty_like(expert_major)
     rank_major[expert_major] = torch.arange(expert_major.numel(), device=expert_major.device)
@@ -155,7 +167,7 @@ class ExpertParallelExperts(nn.Module):
     HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1, "in_bias": 1, "gate_bias": 1}
 
     def __init__(self, experts: GroupedExperts, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None,
-                 node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None):
+                 node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None, replicas: int = 0):
         super().__init__()
         if expert_mesh.ndim == 2 and expert_mesh.mesh_dim_names == ("ep", "etp"):
             ep_mesh, etp_mesh = expert_mesh["ep"], expert_mesh["etp"]
@@ -174,6 +186,10 @@ class ExpertParallelExperts(nn.Module):
         self.group = ep_mesh.get_group()
         self.tp_mesh = tp_mesh  # tokens replicated over it: each tp rank sends only its share of the rows
         self.node_groups = node_groups  # (in-node, across-node) ep groups: the pair exchange goes in two hops
+        # replica slots per rank for hot experts (``parallel.ep_replicas``, ``parallel/replica_exchange.py``); the
+        # last forward's plan (its loads per ep rank without and with the replicas give ``ep/imbalance_*``)
+        self.replicas = replicas
+        self.last_plan: ReplicaPlan | None = None
         if self.etp > 1 and experts.out_bias is not None:
             # the etp ranks' partial outputs of a row are added over tp: each would add the down projection's bias
             raise ValueError(f"parallel.etp={self.etp} with moe.expert_proj_bias: the experts' down-projection "
@@ -214,7 +230,8 @@ class ExpertParallelExperts(nn.Module):
         (``parallel/expert_dispatch.py``). With k = 1 a token has one destination anyway, and the row exchange
         sends no codes or weights; under tensor parallelism each tp rank exchanges a contiguous share of the
         assignment rows (``parallel/tensor.py``), which pairs would cut across. Both keep the row exchange."""
-        if exchanges_pairs(self.ep_mesh.size(), 1 if self.tp_mesh is None else self.tp_mesh.size(), weights.shape[1]):
+        if exchanges_pairs(self.ep_mesh.size(), 1 if self.tp_mesh is None else self.tp_mesh.size(), weights.shape[1],
+                           self.replicas):
             return self.pair_exchange(tokens, plan, weights)
         return self.row_exchange(tokens, plan, weights)
 
@@ -236,22 +253,33 @@ class ExpertParallelExperts(nn.Module):
             out = self._exchange_and_compute(x, plan.tokens_per_expert)
         return unpermute_and_combine(out, plan, weights)
 
-    def _local_ffn(self, x: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
-        def local(weight: DTensor) -> Tensor:
-            tensor = weight.to_local()
-            return _ScaleGradient.apply(tensor, self.grad_scale) if self.grad_scale != 1.0 else tensor
+    def _local_weights(self) -> dict[str, Tensor]:
+        """This rank's slices of the stacked weights (and biases), by name; their gradients scaled by
+        ``grad_scale``."""
+        out = {}
+        for name in ("w_in", "w_gate", "w_out", "in_bias", "gate_bias", "out_bias"):
+            weight = getattr(self, name, None)
+            if weight is not None:
+                tensor = weight.to_local()
+                out[name] = _ScaleGradient.apply(tensor, self.grad_scale) if self.grad_scale != 1.0 else tensor
+        return out
 
-        w_gate = local(self.w_gate) if self.has_gate else None
+    def _local_ffn(self, x: Tensor, tokens_per_local_expert: Tensor,
+                   weights: dict[str, Tensor] | None = None) -> Tensor:
+        """The grouped GEMM on rows grouped by local expert; with ``weights`` (default: ``_local_weights``) on
+        other experts' (the replica slots')."""
+        w = self._local_weights() if weights is None else weights
         biases = None
         if self.has_bias:
-            biases = ExpertBiases(local(self.in_bias), local(self.gate_bias) if self.has_gate else None,
-                                  local(self.out_bias))
-        return expert_ffn(x, tokens_per_local_expert, local(self.w_in), w_gate, local(self.w_out),
+            biases = ExpertBiases(w["in_bias"], w.get("gate_bias"), w["out_bias"])
+        return expert_ffn(x, tokens_per_local_expert, w["w_in"], w.get("w_gate"), w["w_out"],
                           self.compute_copies, self.backend, biases=biases, clamp=self.clamp)
 
     def _exchange_and_compute(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         if self.ep_mesh.size() == 1:  # expert tensor parallelism alone: every expert is here, nothing to send
             return self._local_ffn(x, tokens_per_expert)
+        if self.replicas:
+            return self._replicated_exchange(x, tokens_per_expert)
         plan = plan_exchange(tokens_per_expert, self.group)
         received = all_to_all_rows(x, plan.send_splits, plan.recv_splits, self.group)  # [M, D] rank-major
         grouped = received.index_select(0, plan.expert_major)  # [M, D] local-expert-major
@@ -260,6 +288,30 @@ class ExpertParallelExperts(nn.Module):
         # index_copy would keep its whole [M, D] source
         returned = out.index_select(0, plan.rank_major)
         return all_to_all_rows(returned, plan.recv_splits, plan.send_splits, self.group)
+
+    def _replicated_exchange(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """The row exchange over every rank's own experts and replica slots (``parallel/replica_exchange.py``):
+        rows regrouped by copy, the filled slots' weights fetched from their owners in the compute dtype."""
+        routing = route_replicas(tokens_per_expert, self.group, self.replicas)
+        self.last_plan = routing.plan
+        slots = None
+        if any(e >= 0 for filled in routing.plan.slots for e in filled):  # else no rank fetches: no collective
+            dtype = compute_dtype(x)
+            slots = fetch_replicas({name: self.compute_copies.get(name, local, dtype)
+                                    for name, local in self._local_weights().items()}, routing.plan, self.group)
+        plan = exchange_plan(routing.send_splits, routing.recv_splits, routing.recv_counts)
+        received = all_to_all_rows(x.index_select(0, routing.order), plan.send_splits, plan.recv_splits, self.group)
+        grouped = received.index_select(0, plan.expert_major)  # own experts' rows, then the slots'
+        counts, own = plan.tokens_per_local_expert, self.num_local_experts
+        out = self._local_ffn(grouped[:routing.own_rows], counts[:own])
+        if routing.filled:
+            slot_rows = self._local_ffn(grouped[routing.own_rows:], counts[own:own + routing.filled], slots)
+            out = torch.cat([out, slot_rows])
+        elif slots is not None:
+            out = join_backward(out, slots)
+        returned = all_to_all_rows(out.index_select(0, plan.rank_major), plan.recv_splits, plan.send_splits,
+                                   self.group)
+        return returned.index_select(0, routing.restore)
 
     def extra_repr(self) -> str:
         ep, rank = self.ep_mesh.size(), self.ep_mesh.get_local_rank()
@@ -270,7 +322,8 @@ class ExpertParallelExperts(nn.Module):
 
 
 def apply_expert_parallel(model: MoETransformer, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None,
-                          node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> None:
+                          node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+                          replicas: int = 0) -> None:
     """Replace every MoE layer's routed experts with their ep-sharded version (in place).
 
     ``expert_mesh`` is the 1-D ep mesh, or the 2-D (ep, etp) mesh for expert tensor parallelism. With tensor
@@ -281,7 +334,7 @@ def apply_expert_parallel(model: MoETransformer, expert_mesh: DeviceMesh, tp_mes
     Call it on the full model every rank built from the same seed, before any FSDP: initialisation is
     then independent of the layout. The router and shared experts stay as they are (replicated, then
     sharded with their block by FSDP). ``node_groups`` (``ParallelGroups.expert_node_groups``, where
-    ``exchanges_by_node`` holds): the pair exchange's two hops.
+    ``exchanges_by_node`` holds): the pair exchange's two hops. ``replicas``: ``parallel.ep_replicas``.
     """
     for layer in model.moe_layers().values():
-        layer.experts = ExpertParallelExperts(layer.experts, expert_mesh, tp_mesh, node_groups)
+        layer.experts = ExpertParallelExperts(layer.experts, expert_mesh, tp_mesh, node_groups, replicas)

@@ -28,6 +28,7 @@ from moe.sequence_shards import SequenceShards
 from moe.transformer import MoETransformer
 from parallel import clip_grad_norm_, set_gradient_sync
 from parallel.pipeline import PipelineModel
+from parallel.replication import imbalance
 from parallel.tensor import lm_loss, loss_context
 from training.qk_clip import QKClip
 from training.routing_stats import IntervalRouting, RoutingAccumulator, routing_metrics
@@ -53,6 +54,9 @@ class IntervalStats:
     routing_result: IntervalRouting | None = None  # set by record(): the interval's routing, for RoutingLog
     # a mixture's per-source LM loss: source -> (sum of its rows' mean losses, rows), on the device until record()
     source_loss: dict[int, list] = field(default_factory=dict)
+    # under ``parallel.ep_replicas``: each MoE layer's and micro-batch's rows per ep rank (this rank's ep group and
+    # pipeline stage; under pp each step's last micro-batch), without and with the replicas, host integers
+    ep_loads: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
 
     def add_source_loss(self, source: int, row_loss_sum: torch.Tensor, rows: int) -> None:
         entry = self.source_loss.setdefault(source, [0.0, 0])
@@ -82,7 +86,16 @@ class IntervalStats:
             "perf/tokens_per_s": self.tokens / elapsed,
             **routing_metrics(self.routing_result),
             **self._source_losses(source_names, dp_group),
+            **self._ep_imbalance(),
         }
+
+    def _ep_imbalance(self) -> dict[str, float]:
+        """``ep/imbalance_before`` and ``_after``: the busiest ep rank's rows over the mean, without and with the
+        replicas, averaged over the interval's layers and micro-batches (this rank's ep group)."""
+        if not self.ep_loads:
+            return {}
+        before, after = (sum(imbalance(loads[n]) for loads in self.ep_loads) / len(self.ep_loads) for n in (0, 1))
+        return {"ep/imbalance_before": before, "ep/imbalance_after": after}
 
     def _source_losses(self, names: list[str] | None, dp_group: dist.ProcessGroup | None) -> dict[str, float]:
         """``train/loss/<source>``: each source's mean LM loss over its rows of the interval, all ranks' rows."""
@@ -233,6 +246,7 @@ def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch
     if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
         x, y, documents = shard_batch(inputs.to(device), targets.to(device), end_id, shards)
         step_loss, routing = model.step(x, y, context.grad_reduce, documents)
+        interval.ep_loads += _ep_loads(model)  # the schedule's last micro-batch's: each layer keeps its latest plan
         return step_loss, routing, model.last_mtp_loss
     for m in range(accumulation):
         x, y, documents = shard_batch(inputs[m * micro:(m + 1) * micro].to(device),
@@ -247,10 +261,18 @@ def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch
             (loss / accumulation).backward()
         step_loss += loss.detach().double().cpu() / accumulation
         routing.append(model.routing_stats())
+        interval.ep_loads += _ep_loads(model)
         if model.last_mtp_losses is not None:  # logged apart from the LM loss
             mtp = model.last_mtp_losses.mean().detach().double() / accumulation
             step_mtp = mtp if step_mtp is None else step_mtp + mtp
     return step_loss, routing, step_mtp
+
+
+def _ep_loads(model) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Under ``parallel.ep_replicas``: each of this rank's MoE layers' rows per ep rank in its latest forward, without
+    and with the replicas (``ExpertParallelExperts.last_plan``)."""
+    return [(plan.loads_before, plan.loads_after) for layer in model.moe_layers().values()
+            if (plan := getattr(layer.experts, "last_plan", None)) is not None]
 
 
 @torch.no_grad()

@@ -54,6 +54,9 @@ CASES_2 = {  # name -> overrides, on 2 ranks
         "train.global_batch_size=2",
         "parallel.activation_checkpointing=moe", "moe.capacity_factor=0.5", "moe.num_shared_experts=1"],
     "ep=2 over tp=2": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2"],
+    # replica slots: the counts all-gathered for the plan, the row exchange; balanced routing fills no slot (the
+    # copies under skewed routing: tests/parallel/test_expert.py)
+    "ep=2 over dp_shard=2, replicas=1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.ep_replicas=1"],
     "pp=2, 1f1b": ["parallel.dp_shard=1", "parallel.pp=2"],
     "tp=2, 3 experts over edp=2 (FSDP shards dim 1)": ["parallel.dp_shard=1", "parallel.tp=2", "moe.num_experts=3"],
     # latent attention: three small gradient all-reduces in place of the block input's

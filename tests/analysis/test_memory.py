@@ -322,6 +322,7 @@ SPAWNED = [
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.vocab_parallel=true",
               "parallel.sequence_parallel=true", "parallel.activation_checkpointing=full"]),
     ("fp32", ["parallel.ep=2"]),  # dp_shard=2: FSDP shards the dense weights, ep the experts
+    ("fp32", ["parallel.ep=2", "parallel.ep_replicas=1"]),  # the row exchange, the rows' order by copy
     ("bf16", ["parallel.dp_shard=2"]),  # FSDP's mixed precision: weights gathered in bf16, no autocast copies
     ("bf16", ["parallel.ep=2"]),  # the experts outside FSDP: autocast casts (and keeps copies of) theirs alone
     # Qwen3's attention: q/k norms whole on each tp rank, on its heads; under FSDP's bf16 weights

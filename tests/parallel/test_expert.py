@@ -20,6 +20,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from analysis.collective_count import CollectiveCounter
+from analysis.traffic_activations import replicated_exchange_traffic
+from analysis.traffic_items import totals
 from config.model import MoEConfig
 from moe.dispatch import expert_capacity, plan_dispatch
 from moe.init import initialize
@@ -176,10 +179,41 @@ def _check_case(rank: int, groups: ParallelGroups, capacity_factor: float | None
         torch.testing.assert_close(grad, ref_grads[name] * 0.5, **tol, msg=name)
 
 
+def _check_replicas(rank: int, groups: ParallelGroups, dtype: torch.dtype | None, gpt_oss: bool) -> None:
+    """``parallel.ep_replicas=1``: the same outputs and gradients as one process, with rows moved to the other rank's
+    slot, and the counted bytes (the counts' all-gather, the slot's weights and their gradients, the rows) equal to
+    ``analysis.traffic_activations.replicated_exchange_traffic`` of the plan."""
+    reference = _layer(None, gpt_oss)
+    ep_layer = copy.deepcopy(reference)
+    ep_layer.experts = ExpertParallelExperts(ep_layer.experts, groups.mesh("ep"), replicas=1)
+    ref_out, ref_x_grad, ref_grads = reference_results(reference, rank, WORLD, _inputs, dtype)
+    counter = CollectiveCounter()
+    with counter:
+        out, x_grad = _run(ep_layer, *_inputs(rank), dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype is None else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(x_grad, ref_x_grad, **tol)
+    for name, grad in _full_grads(ep_layer).items():
+        torch.testing.assert_close(grad, ref_grads[name], **tol, msg=name)
+
+    plan = ep_layer.experts.last_plan
+    assert plan.imbalance_after < plan.imbalance_before and max(plan.loads_after) - min(plan.loads_after) <= 1
+    with torch.no_grad():  # every rank's kept rows per expert, as one process routes them
+        routed = [reference.router(_inputs(r)[0].reshape(-1, D)) for r in range(WORLD)]
+        counts = [plan_dispatch(o.expert_ids, o.weights, 4, None).tokens_per_expert for o in routed]
+    element = torch.tensor([], dtype=dtype or torch.float32).element_size()
+    expert_bytes = sum(p.to_local()[0].numel() * element for p in ep_layer.experts.parameters())
+    group = tuple(dist.get_process_group_ranks(groups.mesh("ep").get_group()))
+    predicted = replicated_exchange_traffic(plan, [c.tolist() for c in counts], rank, group, D * element, expert_bytes)
+    assert totals(predicted) == counter.totals()
+
+
 def _worker(rank: int) -> None:
     groups = ParallelGroups.build(Layout(WORLD, dp_shard=WORLD, ep=WORLD), "cpu")
     for capacity_factor, dtype, gpt_oss in CASES:
         _check_case(rank, groups, capacity_factor, dtype, gpt_oss)
+    _check_replicas(rank, groups, None, False)
+    _check_replicas(rank, groups, torch.bfloat16, True)
     check_counted_reach(rank, groups)  # the node-limited routing bound, counted on the same pair
 
 

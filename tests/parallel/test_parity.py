@@ -186,6 +186,20 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # dp_shard=2 x cp=2 x tp=2 x ep=2 on 8 ranks)
     pytest.param(["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", *MUON], 4, "null",
                  id="cp=2xtp=2-sequence_parallel-muon"),
+    # hot experts replicated into other ep ranks' slots (parallel/replica_exchange.py): rows computed elsewhere, the
+    # slots' gradients returned to the owners (the MoE layers recomputed in backward, copies and all); with the
+    # experts FSDP-sharded over edp=2 and their rows split over tp
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", "parallel.ep_replicas=1",
+                  "parallel.activation_checkpointing=moe"], 2, "null", id="ep=2-replicas=1-dropless-recompute-moe"),
+    pytest.param(["parallel.dp_shard=4", "parallel.ep=4", "parallel.ep_replicas=2"], 4, "1.25",
+                 id="ep=4-replicas=2-capacity"),
+    pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.ep_replicas=1"], 4, "null",
+                 id="dp_shard=2xtp=2xep=2-replicas=1"),
+    pytest.param(["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.ep_replicas=1"], 4, "1.25",
+                 id="pp=2xdp_shard=2xep=2-replicas=1"),
+    # each etp rank fetches its hidden-dim slice of the slots' experts
+    pytest.param(["parallel.tp=4", "parallel.ep=2", "parallel.etp=2", "parallel.ep_replicas=1"], 4, "1.25",
+                 id="tp=4xep=2xetp=2-replicas=1"),
 ]
 
 
@@ -243,6 +257,9 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
             rel = 1e-6 if key.endswith("/load") else 1e-4
             assert got[key] == pytest.approx(ref[key], rel=rel, abs=1e-7), (got["step"], key)
     assert ref_records[-1]["train/loss"] < ref_records[0]["train/loss"]  # it trained: the check has teeth
+    if any(o.startswith("parallel.ep_replicas") for o in layout):  # the replicas computed rows: the check has teeth
+        assert all(r["ep/imbalance_after"] <= r["ep/imbalance_before"] for r in records)
+        assert any(r["ep/imbalance_after"] < r["ep/imbalance_before"] - 0.05 for r in records)
     if any(o.startswith("train.qk_clip_threshold") for o in layout):  # the clip fired, so the rows test it
         assert sum(r["qk_clip/heads_clipped"] for r in ref_records) > 0
     assert final_val_loss(tmp_path) == pytest.approx(ref_val, rel=1e-4)
@@ -309,6 +326,9 @@ BF16_LAYOUTS = [
     pytest.param(["parallel.pp=2", "parallel.dp_shard=2"], 4, id="pp=2xdp_shard=2-bf16"),
     # FSDP over dp_shard × cp, bf16 units: each rank's positions of its sequences
     pytest.param(["parallel.cp=2", "parallel.dp_shard=2"], 4, id="cp=2xdp_shard=2-bf16"),
+    # hot experts' replicas fetched in bf16 from the owners' gathered weights (the edp=2 row's reference)
+    pytest.param(["parallel.dp_shard=4", "parallel.ep=2", "parallel.ep_replicas=1", "parallel.grad_reduce=step",
+                  "train.micro_batch_size=1"], 4, id="ep=2xedp=2-replicas=1-bf16"),
 ]
 
 

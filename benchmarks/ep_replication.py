@@ -1,0 +1,156 @@
+"""Expert-parallel load imbalance before and after replicating hot experts (``parallel.ep_replicas``), from counts.
+
+The plan (``parallel/replication.py``) is arithmetic on per-expert token counts, so large ep degrees are evaluated
+here from counts alone, in one process, no collective: each of ep ranks routes its own micro-batch of tokens
+through one router, the counts [ep][E] go into ``plan_replicas``, and the table gives the imbalance (the busiest
+ep rank's rows over the mean) without replicas and with R slots per rank, the mean and the worst over the
+micro-batches. Routings:
+
+- ``skewed``: ``benchmarks/moe_layer.py``'s skewed tokens (a direction shared by all hidden states, of size
+  ``SKEW`` against unit noise, the same on every rank, as a model's own residual direction is) through a randomly
+  initialised router of DeepSeek-V3's expert count and top-k (256 experts, top-8);
+- ``random``: the same router on plain Gaussian tokens (nearly balanced: the floor of what sampling alone gives).
+
+It also answers whether weights should move per micro-batch (the plan from the micro-batch's own counts, what
+``parallel/replica_exchange.py`` does) or once per step from the previous step's loads: ``stale`` keeps the slot
+placement of the previous micro-batch's plan and only splits the rows of the current one over it
+(``stale_loads``): that is the best a placement fixed in advance can do. And it prices the copies: the bytes of the
+experts the busiest sender copies per layer and micro-batch (forward; their gradients return in backward, as many)
+against the dispatch's bytes, for DeepSeek-V3's shapes (d_model 7168, expert hidden 2048, bf16); and, for that layer on
+H100 nodes (``analysis/replica_time.py``), the R that pays best and the routed experts' modelled time over
+forced-balanced routing's (the straggler's compute plus the copies both ways).
+
+This is a measurement, never a pass/fail test.
+
+    python benchmarks/ep_replication.py [--tokens 4096] [--micro-batches 8] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from analysis.gpu_presets import HARDWARE
+from analysis.replica_time import ReplicaOption, choose_replicas, expert_seconds, layer_seconds
+from analysis.step_time import EFFICIENCY
+from config.model import MoEConfig
+from moe.init import initialize
+from moe.router import TopKRouter
+from parallel.replication import ReplicaPlan, imbalance, plan_replicas
+
+SKEW = 0.45  # as benchmarks/moe_layer.py's skewed tokens
+D_MODEL, EXPERTS, TOP_K = 512, 256, 8  # the router's width; DeepSeek-V3's routed experts and choices
+EP_DEGREES, REPLICAS = (8, 16, 64), (1, 2)
+V3_D_MODEL, V3_HIDDEN, V3_BYTES = 7168, 2048, 2  # one DeepSeek-V3 expert: three [7168, 2048] matrices in bf16
+
+
+def route_counts(router: TopKRouter, ep: int, tokens: int, direction: torch.Tensor | None,
+                 generator: torch.Generator) -> list[list[int]]:
+    """[ep][E]: each rank's own micro-batch of ``tokens`` routed, assignments per expert."""
+    counts = []
+    for _ in range(ep):
+        x = torch.randn(tokens, D_MODEL, generator=generator)
+        if direction is not None:
+            x = x + SKEW * direction
+        with torch.no_grad():
+            ids = router(x).expert_ids
+        counts.append(torch.bincount(ids.reshape(-1), minlength=EXPERTS).tolist())
+    return counts
+
+
+def stale_loads(placement: ReplicaPlan, counts: list[list[int]]) -> tuple[int, ...]:
+    """Loads when the slots hold what ``placement`` put there and only the rows are split anew: each filled slot
+    takes as many of its expert's rows as bring its owner down or itself up to the mean (rounded up), busiest owner
+    first."""
+    ep, local = placement.ep, placement.num_local
+    expert_load = [sum(row[e] for row in counts) for e in range(ep * local)]
+    loads = [sum(expert_load[r * local:(r + 1) * local]) for r in range(ep)]
+    at_owner, target = list(expert_load), -(-sum(loads) // ep)
+    filled = [(d, e) for d in range(ep) for e in placement.slots[d] if e >= 0]
+    for dest, expert in sorted(filled, key=lambda s: -loads[s[1] // local]):
+        owner = expert // local
+        rows = max(0, min(loads[owner] - target, target - loads[dest], at_owner[expert]))
+        at_owner[expert] -= rows
+        loads[owner] -= rows
+        loads[dest] += rows
+    return tuple(loads)
+
+
+V3_EXPERT_BYTES = 3 * V3_D_MODEL * V3_HIDDEN * V3_BYTES
+
+
+def experts_sent(plan: ReplicaPlan) -> int:
+    """The most experts one rank copies to other ranks' slots in one micro-batch and layer."""
+    sent = [0] * plan.ep
+    for slots in plan.slots:
+        for expert in slots:
+            if expert >= 0:
+                sent[expert // plan.num_local] += 1
+    return max(sent)
+
+
+def v3_modelled(row: dict, tokens: int) -> tuple[int, float]:
+    """DeepSeek-V3's layer on H100 nodes of 8 (``analysis/replica_time.py``): the R chosen from this row's mean
+    imbalances and copies, and its routed-expert time over forced-balanced routing's. The ep group inside a node
+    (ep <= 8) copies over NVLink, else over the rank's network adapter."""
+    h100 = HARDWARE["h100"]
+    moe = MoEConfig(num_experts=EXPERTS, top_k=TOP_K, expert_hidden=V3_HIDDEN, activation="swiglu")
+    expert_s = expert_seconds(moe, V3_D_MODEL, tokens, h100.bf16_flops * EFFICIENCY)
+    bandwidth = h100.intra_node * h100.intra_efficiency if row["ep"] <= 8 else h100.inter_node * h100.network_efficiency
+    options = [ReplicaOption(r, statistics.mean(row[f"R={r}"]), row[f"R={r} sent"]) for r in REPLICAS]
+    chosen = choose_replicas(statistics.mean(row["before"]), options, expert_s, V3_EXPERT_BYTES, bandwidth)
+    option = next((o for o in options if o.replicas == chosen), ReplicaOption(0, statistics.mean(row["before"]), 0))
+    return chosen, layer_seconds(option, expert_s, V3_EXPERT_BYTES, bandwidth) / expert_s
+
+
+def measure(routing: str, tokens: int, micro_batches: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    router = TopKRouter(D_MODEL, MoEConfig(num_experts=EXPERTS, top_k=TOP_K))
+    initialize(router, seed=0, std=0.02, out_std=0.01)
+    direction = torch.randn(D_MODEL, generator=generator) if routing == "skewed" else None
+    rows = []
+    for ep in EP_DEGREES:
+        steps = [route_counts(router, ep, tokens, direction, generator) for _ in range(micro_batches)]
+        row = {"routing": routing, "ep": ep, "before": [plan_replicas(c, 0).imbalance_before for c in steps]}
+        for r in REPLICAS:
+            plans = [plan_replicas(c, r) for c in steps]
+            row[f"R={r}"] = [p.imbalance_after for p in plans]
+            row[f"R={r} stale"] = [imbalance(stale_loads(old, c)) for old, c in zip(plans, steps[1:], strict=False)]
+            row[f"R={r} sent"] = statistics.mean(experts_sent(p) for p in plans)
+            dispatch = tokens * TOP_K * V3_D_MODEL * V3_BYTES  # a rank's rows out, all of them
+            row[f"R={r} copy/dispatch"] = row[f"R={r} sent"] * V3_EXPERT_BYTES / dispatch
+        row["V3 R"], row["V3 time / balanced"] = v3_modelled(row, tokens)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per ep rank and micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    rows = [row for routing in ("skewed", "random") for row in measure(routing, args.tokens, args.micro_batches)]
+
+    def cell(values: list[float]) -> str:
+        return f"{statistics.mean(values):.3f} ({max(values):.3f})"
+
+    print(f"imbalance (busiest ep rank's rows / mean): mean (worst) over {args.micro_batches} micro-batches of "
+          f"{args.tokens} tokens per rank; {EXPERTS} experts, top-{TOP_K}")
+    print("| routing | ep | no replicas | R=1 | R=2 | R=1, previous placement | R=2, previous placement "
+          "| copies / dispatch bytes, R=1 | R=2 | V3 on H100: R chosen | expert time / balanced |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['routing']} | {row['ep']} | {cell(row['before'])} | {cell(row['R=1'])} | {cell(row['R=2'])} "
+              f"| {cell(row['R=1 stale'])} | {cell(row['R=2 stale'])} | {row['R=1 copy/dispatch']:.2f} "
+              f"| {row['R=2 copy/dispatch']:.2f} | {row['V3 R']} | {row['V3 time / balanced']:.3f} |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
