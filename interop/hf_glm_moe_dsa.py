@@ -6,7 +6,8 @@ DeepSeek-V3.2's (and ours) pairs (i, i + r/2): the indexer's query rows (per hea
 first, then odds, as DeepSeek-V3's main attention's are (``hf_deepseek_v3.interleaved_rows``), and the key's
 LayerNorm weight and bias with them (a LayerNorm is the same function of permuted channels). ``indexer_types``
 gives each layer ``full`` (its own indexer) or ``shared`` (the previous full layer's selection, GLM-5's cross-layer
-sharing): every layer here runs its own, so a folder with shared layers is refused by name.
+sharing): every layer here runs its own, so a folder with shared layers is refused by name. The published config.json
+says ``indexer_rope_interleave: true``, which is what the import reads (false is refused).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ FAMILY_NAME = "GLM-5"
 
 def shape_from_hf(hf: dict) -> HFShape:
     """Map a GLM-5 config.json onto our ``model``/``moe`` keys; any setting we do not implement is an error."""
-    shape = sparse_shape(hf, FAMILY_NAME, frozenset({"indexer_types"}))
+    shape = sparse_shape(hf, FAMILY_NAME, frozenset({"indexer_types", "indexer_rope_interleave"}))
+    if hf.get("indexer_rope_interleave", True) is not True:
+        raise ConfigError(f"config.json indexer_rope_interleave={hf['indexer_rope_interleave']!r} is not supported: "
+                          "GLM-5's indexer rotates interleaved pairs (the import reorders them)")
     types = hf.get("indexer_types") or ["full"] * shape.model["n_layers"]
     if any(kind != "full" for kind in types) or len(types) != shape.model["n_layers"]:
         raise ConfigError(f"config.json indexer_types={types!r} is not supported: every layer here runs its own "

@@ -40,7 +40,7 @@ from moe.kv_cache import LayerCache
 from moe.losses import attach_loss
 from moe.param_tensors import ParamTensor
 from moe.rope import apply_rope
-from moe.saved_activations import FP32, MicroBatch
+from moe.saved_activations import FP32, MicroBatch, linear_input_bytes
 
 INDEX_NORM_EPS = 1e-6  # the key's LayerNorm epsilon in DeepSeek-V3.2's and GLM-5's code and checkpoints
 
@@ -169,13 +169,14 @@ class SparseLatentAttention(LatentAttention):
     @staticmethod
     def parameter_tensors(model: ModelConfig, i: int | None) -> list[ParamTensor]:
         """Latent attention's tensors, then the indexer's, whole on every tp rank: ``wq`` [hi·di, c'], ``wk``
-        [di, D], the key's LayerNorm weight and bias [di], ``head_weights`` [hi, D]."""
+        [di, D], the key's LayerNorm weight and bias [di], ``head_weights`` [hi, D]; their inputs are detached,
+        so no autocast copy of them is saved."""
         heads, width = model.index_n_heads, model.index_head_dim
         return [*LatentAttention.parameter_tensors(model, i),
-                ParamTensor("attention", i, (heads * width, model.q_lora_rank)),
-                ParamTensor("attention", i, (width, model.d_model)),
+                ParamTensor("attention", i, (heads * width, model.q_lora_rank), input_grad=False),
+                ParamTensor("attention", i, (width, model.d_model), input_grad=False),
                 ParamTensor("norm", i, (width,)), ParamTensor("norm", i, (width,)),
-                ParamTensor("attention", i, (heads, model.d_model))]
+                ParamTensor("attention", i, (heads, model.d_model), input_grad=False)]
 
     @staticmethod
     def projection_gemms(model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
@@ -202,16 +203,19 @@ class SparseLatentAttention(LatentAttention):
     def saved_bytes(model: ModelConfig, layer: LayerSpec, tp: int, mb: MicroBatch) -> int:
         """Latent attention's bytes on its kernel (``sparse`` where the K = cp·s keys outnumber k; the sparse
         stage's, which the memory model plans for), and the indexer's in a training forward: ``k_norm``'s input
-        [T, di] with its mean and rstd (fp32 [T] each), the rotated keys [B, K, di] and queries [T·hi, di] its
-        scores' matmul reads, the ReLU's output [T·hi, K] and the head weights [T, hi] (fp32) that weigh it, and its
-        loss's: the hidden keys' mask (bool, [s, K] shared by the sequences where every visible key counts, else
-        [b, s, K]), the log-softmax's output and the target [T, K] (fp32), the loss itself. The indexer's inputs are
-        the block input and the query latent, saved already; the main attention's probabilities are made without
-        gradient, and saved by nothing."""
+        [T, di] (``wk``'s output) with its mean and rstd (fp32 [T] each), the rotated keys [B, K, di] and queries
+        [T·hi, di] its scores' matmul reads, the ReLU's output [T·hi, K] and the head weights [T, hi] that weigh
+        it, all in the compute dtype (under autocast the matmuls' bf16 copies); its loss's: the hidden keys' mask
+        (bool, [s, K] shared by the sequences where every visible key counts, else [b, s, K]), the log-softmax's
+        output [T, K] (compute dtype), the target [T, K] (fp32) and the loss itself. The indexer's inputs are the
+        block input and the query latent, saved already, but under bf16 autocast ``wk`` and ``head_weights`` each
+        save their own cast of the block input [T, D] (measured); the main attention's probabilities are made
+        without gradient, and saved by nothing."""
         t, keys, heads, width = mb.tokens, mb.positions * mb.cp, model.index_n_heads, model.index_head_dim
         selects = keys > model.index_topk
         total = latent_saved_bytes(model, tp, mb, training_kernel(model, mb, selected=selects))
-        total += t * width * FP32 + 2 * t * FP32 + mb.sequences * keys * width * FP32 + t * heads * width * FP32
-        total += t * heads * keys * FP32 + t * heads * FP32
+        total += (t * width + mb.sequences * keys * width + t * heads * width) * mb.compute + 2 * t * FP32
+        total += (t * heads * keys + t * heads) * mb.compute
         total += (mb.sequences if selects else 1) * mb.positions * keys
-        return total + 2 * t * keys * FP32 + FP32
+        total += linear_input_bytes(mb, model.d_model, 2, saved_in_fp32=False)  # wk's, head_weights' casts
+        return total + t * keys * (mb.compute + FP32) + FP32

@@ -179,6 +179,7 @@ SINGLE = {
     # sparse attention: the top 6 of 16 keys (the sparse kernel and its mask per sequence), and of 16 the top 32
     "sparse attention (DSA), top-k binding": ("fp32", [*DSA, "model.index_topk=6"]),
     "sparse attention (DSA), every key selected": ("fp32", [*DSA, "model.index_topk=32"]),
+    "bf16, sparse attention (DSA), top-k binding": ("bf16", [*DSA, "model.index_topk=6"]),
 }
 
 

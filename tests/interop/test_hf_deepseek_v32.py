@@ -88,6 +88,7 @@ def test_bad_input_is_named(tmp_path):
          r"layer_types=.* is not supported: GLM-5 here has"),
         (dict(mlp_layer_types=["sparse"] * 3), r"mlp_layer_types=.* is not supported"),
         (dict(index_topk_freq=2), r"'index_topk_freq'=2 is not supported by the GLM-5 import"),
+        (dict(indexer_rope_interleave=False), r"indexer_rope_interleave=False is not supported"),
     ], tmp_path / "out.safetensors", load_config("moe-8x"), SEQ)
 
 
