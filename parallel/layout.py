@@ -122,9 +122,6 @@ def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
         ("tp", model.n_heads % d["tp"] == 0, f"parallel.tp={d['tp']} does not divide model.n_heads={model.n_heads}"),
         ("tp", model.kv_heads % d["tp"] == 0, f"parallel.tp={d['tp']} does not divide the key/value heads "
                                               f"model.n_kv_heads={model.kv_heads}"),
-        ("tp", not model.sparse_attention or d["tp"] == 1,
-         f"parallel.tp={d['tp']}: sparse attention (model.index_topk) is not split over tensor-parallel ranks yet "
-         "(its indexer learns from the sum of every head's attention); use tp=1"),
         ("tp", not has_dense_ffn or model.ffn_hidden % d["tp"] == 0,
          f"parallel.tp={d['tp']} does not divide model.ffn_hidden={model.ffn_hidden}"),
         ("tp", not has_moe or moe.num_shared_experts == 0 or moe.shared_hidden % d["tp"] == 0,

@@ -111,12 +111,15 @@ class SparseLatentAttention(LatentAttention):
     ``dense_warmup`` (set by the trainer, ``set_indexer_stage`` of the model) keeps attention dense; the training
     forward records the indexer's loss in ``last_indexer_loss`` and weighs its gradient by ``indexer_loss_scale``
     (the trainer's 1 / micro-batches, as the balancing losses). Under context parallelism the indexer's keys join
-    the latents' one exchange, so each rank's queries select among the whole sequence's keys.
+    the latents' one exchange, so each rank's queries select among the whole sequence's keys. Under tensor
+    parallelism the indexer is whole on every rank and its target, the attention probabilities summed over the
+    heads, is summed over the ranks' heads at ``head_sum`` (an identity here).
     """
 
     def __init__(self, config: ModelConfig, layer: LayerSpec):
         super().__init__(config, layer)
         self.indexer = LightningIndexer(config)
+        self.head_sum = nn.Identity()  # where tensor parallelism sums the target over every rank's heads
         self.dense_warmup = False
         self.indexer_loss_scale = 1.0
         self.last_indexer_loss: Tensor | None = None
@@ -162,7 +165,7 @@ class SparseLatentAttention(LatentAttention):
         for head in range(q.shape[1]):
             logits = (q[:, head].float() @ k[:, head].float().transpose(-1, -2)) * self.softmax_scale
             total += torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
-        return total
+        return self.head_sum(total)
 
     # What this kind costs: latent attention's (``latent.py``) and the indexer's.
 

@@ -219,11 +219,3 @@ def test_impossible_sparse_attention_settings_are_refused_by_name(settings, mess
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**settings).validate()
 
-
-def test_tensor_parallelism_is_refused_before_any_work():
-    from config.run import load_config
-    from parallel.resolve import resolve_layout
-
-    settings = [f"model.{key}={value}" for key, value in DSA.items()] + ["model.n_layers=2", "parallel.tp=2"]
-    with pytest.raises(ConfigError, match=r"parallel.tp=2: sparse attention \(model.index_topk\) is not split"):
-        resolve_layout(load_config("moe-8x", settings), 2)

@@ -157,13 +157,15 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.cp=2", "parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3], 4, "null",
                  id="cp=2xdp_shard=2xep=2-deepseek-v3"),
     pytest.param(["parallel.cp=2", *GPT_OSS, *DOCUMENT_MASK], 2, "null", id="cp=2-gpt-oss-document_mask"),
-    # sparse attention (DeepSeek-V3.2): the indexers replicated over data parallelism with group-limited routing
+    # sparse attention (DeepSeek-V3.2): the indexers sharded over data parallelism with group-limited routing
     # under ep; in two stages through the dense warm-up (indexers alone learning) into the sparse stage; and under
     # cp, each rank's queries selecting among the whole sequence's keys (the indexer's keys gathered with the latents)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V32], 2, "null", id="ep=2-deepseek-v3.2"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V32, "train.indexer_warmup_steps=2"], 2, "null",
                  id="pp=2-deepseek-v3.2-warmup"),
     pytest.param(["parallel.cp=2", *DEEPSEEK_V32], 2, "null", id="cp=2-deepseek-v3.2"),
+    # and split by heads: the indexer whole on every tp rank, its target summed over the ranks' heads
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V32], 2, "null", id="tp=2-deepseek-v3.2"),
     # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
     # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.grad_reduce=step",
