@@ -60,6 +60,12 @@ class AttentionKind(nn.Module):
         (qk width + v width) over every key, which a kind that attends to fewer keys states for itself."""
         return 6.0 * model.n_heads * cls.score_width(model) * model.seq_len
 
+    @staticmethod
+    def forward_sums(model: ModelConfig) -> tuple[tuple[str, int], ...]:
+        """What a training forward sums over the tensor-parallel ranks besides the attention output, (name, fp32
+        elements per query position) each: nothing but in a kind that says so."""
+        return ()
+
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         """The tensors QK-clip scales, each with the exponent of gamma for each row of a head (``training/qk_clip.py``
         says why these): a kind's statement of where its query and key heads live."""

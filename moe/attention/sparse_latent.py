@@ -198,6 +198,11 @@ class SparseLatentAttention(LatentAttention):
         return main + 6.0 * model.index_n_heads * model.index_head_dim * model.seq_len
 
     @staticmethod
+    def forward_sums(model: ModelConfig) -> tuple[tuple[str, int], ...]:
+        """Under tp, the indexer's target over every key, summed over the ranks' heads (``head_sum``)."""
+        return (("indexer target", model.seq_len),)
+
+    @staticmethod
     def sequence_gather_width(model: ModelConfig, tp: int) -> int:
         """Latent attention's normalised latent and rotated shared key, and the indexer's key, per position."""
         return LatentAttention.sequence_gather_width(model, tp) + model.index_head_dim
