@@ -105,3 +105,22 @@ def test_export_picks_the_sparse_families_and_refuses_what_they_cannot_express()
     for architecture in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
         with pytest.raises(ConfigError, match=f"cannot export as {architecture}: model.index_topk=null"):
             export_family(dense.model, dense.moe, architecture)
+
+
+def test_fp8_weights_are_dequantized_as_read(tmp_path):
+    """A folder stored as DeepSeek publishes its weights (fp8 e4m3 with block scales): every quantised weight, the
+    indexer's head weights among them, imports as the reference dequantisation, bit for bit in bf16."""
+    from safetensors import safe_open
+
+    from tests.interop.test_hf_deepseek_v3 import quantize_folder
+
+    make_sparse(tmp_path / "hf", "deepseek-v3.2")
+    reference = quantize_folder(tmp_path / "hf")
+    assert "model.layers.1.self_attn.indexer.weights_proj.weight" in reference
+    import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+    with safe_open(str(tmp_path / "ours.safetensors"), framework="pt") as handle:
+        state = {name: handle.get_tensor(name) for name in handle.keys()}
+    for ours, theirs in (("layers.1.attn.indexer.head_weights.weight", "indexer.weights_proj.weight"),
+                         ("layers.1.attn.wkv_b.weight", "kv_b_proj.weight")):
+        assert state[ours].dtype == torch.bfloat16
+        assert torch.equal(state[ours], reference[f"model.layers.1.self_attn.{theirs}"]), ours
