@@ -211,19 +211,27 @@ class SparseLatentAttention(LatentAttention):
     def saved_bytes(model: ModelConfig, layer: LayerSpec, tp: int, mb: MicroBatch) -> int:
         """Latent attention's bytes on its kernel (``sparse`` where the K = cp·s keys outnumber k; the sparse
         stage's, which the memory model plans for), and the indexer's in a training forward: ``k_norm``'s input
-        [T, di] (``wk``'s output) with its mean and rstd (fp32 [T] each), the rotated keys [B, K, di] and queries
+        [T, di] (``wk``'s output) with its mean and rstd (fp32 [T] each), the rotated keys [B, K, di] (under
+        context parallelism in fp32 a view of the gathered [B, K, c + r + di], which it keeps whole) and queries
         [T·hi, di] its scores' matmul reads, the ReLU's output [T·hi, K] and the head weights [T, hi] that weigh
         it, all in the compute dtype (under autocast the matmuls' bf16 copies); its loss's: the hidden keys' mask
         (bool, [s, K] shared by the sequences where every visible key counts, else [b, s, K]), the log-softmax's
         output [T, K] (compute dtype), the target [T, K] (fp32) and the loss itself. The indexer's inputs are the
-        block input and the query latent, saved already, but under bf16 autocast ``wk`` and ``head_weights`` each
-        save their own cast of the block input [T, D] (measured); the main attention's probabilities are made
-        without gradient, and saved by nothing."""
+        block input and the query latent, saved already, but under bf16 autocast (fp32 weights) ``wk`` and
+        ``head_weights`` each save their own cast of the block input [T, D] (measured); under FSDP's bf16 weights
+        the LayerNorm's mean and rstd are bf16. The main attention's probabilities are made without gradient, and
+        saved by nothing."""
         t, keys, heads, width = mb.tokens, mb.positions * mb.cp, model.index_n_heads, model.index_head_dim
         selects = keys > model.index_topk
         total = latent_saved_bytes(model, tp, mb, training_kernel(model, mb, selected=selects))
-        total += (t * width + mb.sequences * keys * width + t * heads * width) * mb.compute + 2 * t * FP32
+        statistics = mb.compute if mb.bf16_weights else FP32  # k_norm's mean and rstd: its weights' dtype
+        total += (t * width + t * heads * width) * mb.compute + 2 * t * statistics
+        if mb.cp > 1 and not mb.bf16:  # the keys, a view of the gathered latents, keep that whole storage
+            total += mb.sequences * keys * (model.kv_lora_rank + model.qk_rope_head_dim + width) * FP32
+        else:  # the keys, or their bf16 copy for the matmul
+            total += mb.sequences * keys * width * mb.compute
         total += (t * heads * keys + t * heads) * mb.compute
         total += (mb.sequences if selects else 1) * mb.positions * keys
-        total += linear_input_bytes(mb, model.d_model, 2, saved_in_fp32=False)  # wk's, head_weights' casts
+        if mb.bf16 and not mb.bf16_weights:  # autocast's casts of the block input for wk and head_weights
+            total += linear_input_bytes(mb, model.d_model, 2)
         return total + t * keys * (mb.compute + FP32) + FP32

@@ -351,6 +351,11 @@ SPAWNED = [
     ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *MLA]),
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *GPT_OSS_ATTENTION,
               "model.sliding_window=4"]),
+    # sparse attention: the indexer whole on each tp rank; its keys gathered under cp; under FSDP's bf16 weights
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *DSA, "model.index_topk=6"]),
+    ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
+    ("bf16", ["parallel.dp_shard=2", *DSA, "model.index_topk=6"]),
+    ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]
