@@ -239,7 +239,7 @@ def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch
                                                            torch.Tensor | None]:
     """Forward and backward of this rank's batch, gradients accumulated: (its mean LM loss, each micro-batch's
     routing statistics, multi-token prediction's mean module loss or None, sparse attention's mean indexer loss or
-    None), before any reduction over ranks. Under pipeline parallelism the indexer loss is not gathered (None)."""
+    None), before any reduction over ranks."""
     model, micro, end_id, shards = context.model, context.micro, context.end_id, context.shards
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
@@ -248,7 +248,7 @@ def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch
     if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
         x, y, documents = shard_batch(inputs.to(device), targets.to(device), end_id, shards)
         step_loss, routing = model.step(x, y, context.grad_reduce, documents)
-        return step_loss, routing, model.last_mtp_loss, None
+        return step_loss, routing, model.last_mtp_loss, model.last_indexer_loss
     for m in range(accumulation):
         x, y, documents = shard_batch(inputs[m * micro:(m + 1) * micro].to(device),
                                       targets[m * micro:(m + 1) * micro].to(device), end_id, shards)
