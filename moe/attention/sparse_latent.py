@@ -108,12 +108,12 @@ def indexer_loss(scores: Tensor, attention: Tensor, keys: Tensor) -> Tensor:
 class SparseLatentAttention(LatentAttention):
     """Latent attention over the keys its ``indexer`` selects.
 
-    ``dense_warmup`` (set by the trainer: ``training.indexer_stages.set_indexer_stage``) keeps attention dense; the training
-    forward records the indexer's loss in ``last_indexer_loss`` and weighs its gradient by ``indexer_loss_scale``
-    (the trainer's 1 / micro-batches, as the balancing losses). Under context parallelism the indexer's keys join
-    the latents' one exchange, so each rank's queries select among the whole sequence's keys. Under tensor
-    parallelism the indexer is whole on every rank and its target, the attention probabilities summed over the
-    heads, is summed over the ranks' heads at ``head_sum`` (an identity here).
+    ``dense_warmup`` (set by the trainer: ``training.indexer_stages.set_indexer_stage``) keeps attention dense;
+    the training forward records the indexer's loss in ``last_indexer_loss`` and weighs its gradient by
+    ``indexer_loss_scale`` (the trainer's 1 / micro-batches, as the balancing losses). Under context parallelism
+    the indexer's keys join the latents' one exchange, so each rank's queries select among the whole sequence's
+    keys. Under tensor parallelism the indexer is whole on every rank and its target, the attention probabilities
+    summed over the heads, is summed over the ranks' heads at ``head_sum`` (an identity here).
     """
 
     def __init__(self, config: ModelConfig, layer: LayerSpec):
