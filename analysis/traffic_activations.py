@@ -109,6 +109,11 @@ def _attention_input_gradients(out: list[Traffic], step: _Step) -> None:
         for name, width in sums:
             _add(out, "tp", "all_reduce", f"attention {name} gradient (backward)", n_layers * m,
                  step.tokens * width * act, group)
+    runs = m * (1 + int(step.config.parallel.activation_checkpointing == "full"))
+    for kind, n_layers in _attention_kinds(step).items():  # what a kind sums over tp in forward, in fp32
+        for name, width in kind.forward_sums(model):
+            _add(out, "tp", "all_reduce", f"attention {name} (forward)", n_layers * runs, step.tokens * width * 4,
+                 group)
 
 
 def _tp_moe(out: list[Traffic], step: _Step) -> None:

@@ -91,6 +91,13 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # DeepSeek Sparse Attention (DSA; DeepSeek-V3.2 sec. 2.1, GLM-5), on when index_topk is set, over latent
+    # attention with a q_lora_rank bottleneck: a lightning indexer of index_n_heads heads, index_head_dim channels
+    # wide (the first qk_rope_head_dim of them rotary), scores every visible key for each query, and the query
+    # attends to the index_topk best only (DeepSeek-V3.2: 64 heads of 128, top 2048)
+    index_topk: int | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
     # What an imported Hugging Face model's config.json says beyond its shape, kept for its export: the context it
@@ -118,6 +125,11 @@ class ModelConfig:
     def latent_attention(self) -> bool:
         """Whether attention is multi-head latent attention (``kv_lora_rank`` set)."""
         return self.kv_lora_rank is not None
+
+    @property
+    def sparse_attention(self) -> bool:
+        """Whether latent attention attends to the keys a lightning indexer selects (``index_topk`` set)."""
+        return self.index_topk is not None
 
     @property
     def rope_dim(self) -> int:
@@ -165,6 +177,8 @@ class ModelConfig:
         """Layer ``index``'s place in the layer pattern; indices n_layers + k are the multi-token-prediction modules'
         blocks (full attention, the feed-forward ``is_moe_layer`` says)."""
         attention = "latent" if self.latent_attention else "grouped_query"
+        if self.sparse_attention:
+            attention = "sparse_latent"
         window = self.attention_window(index) if index < self.n_layers else None
         return LayerSpec(attention, "moe" if self.is_moe_layer(index) else "dense", window)
 
@@ -209,6 +223,7 @@ class ModelConfig:
                 f"{self.head_size}, or null (all channels)")
         self._validate_rope_scaling()
         self._validate_latent_attention()
+        self._validate_sparse_attention()
         self._validate_sliding_window()
         self._validate_imported_context_and_tokens()
 
@@ -294,6 +309,25 @@ class ModelConfig:
             require(not getattr(self, key), f"model.{key}=true is not implemented for latent attention: set it false")
         require(self.sliding_window is None, f"model.sliding_window={self.sliding_window} is not implemented for "
                                              "latent attention: leave it null")
+
+    def _validate_sparse_attention(self) -> None:
+        index_keys = ("index_n_heads", "index_head_dim")
+        if not self.sparse_attention:
+            given = [key for key in index_keys if getattr(self, key) is not None]
+            require(not given, f"model.{given[0] if given else ''} is a sparse-attention setting: it needs "
+                               "model.index_topk (null: dense attention)")
+            return
+        require(self.latent_attention and self.q_lora_rank is not None,
+                "model.index_topk: sparse attention's indexer reads latent attention's query latent; set "
+                "model.kv_lora_rank and model.q_lora_rank (DeepSeek-V3.2: 512 and 1536), or leave index_topk null")
+        for key in ("index_topk", *index_keys):
+            value = getattr(self, key)
+            require(value is not None and value > 0,
+                    f"model.{key}={value}: sparse attention (model.index_topk set) needs a positive integer "
+                    "(DeepSeek-V3.2: index_topk 2048, index_n_heads 64, index_head_dim 128)")
+        require(self.qk_rope_head_dim <= self.index_head_dim,
+                f"model.index_head_dim={self.index_head_dim} must hold the indexer's rotary channels, "
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim}")
 
 
 @dataclass

@@ -184,6 +184,10 @@ class TrainConfig:
     eval_batches: int = 8  # micro-batches per validation pass
     # non-finite steps in a row (each skipped, weights untouched) before the run stops with a checkpoint
     max_bad_steps: int = 3
+    # sparse attention (model.index_topk): the first indexer_warmup_steps steps are DeepSeek-V3.2's dense warm-up
+    # (attention dense, only the lightning indexers learn, every other weight frozen), the rest the sparse stage
+    # (training/indexer_stages.py); 0 = sparse from the first step (DeepSeek-V3.2: 1,000 warm-up steps)
+    indexer_warmup_steps: int = 0
 
     def validate(self) -> None:
         require(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
@@ -210,6 +214,8 @@ class TrainConfig:
                  f"train.qk_clip_threshold={self.qk_clip_threshold} must be a positive finite logit (Kimi K2 used "
                  "100), or null to turn QK-clip off")
         require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {self.max_bad_steps}")
+        require(self.indexer_warmup_steps >= 0,
+                f"train.indexer_warmup_steps must be >= 0 (0: no dense warm-up), got {self.indexer_warmup_steps}")
         require(self.eval_interval >= 0 and self.eval_batches >= 1,
                  "train.eval_interval must be >= 0 and train.eval_batches >= 1")
 
@@ -303,6 +309,9 @@ class RunConfig:
         require(not (self.train.compile and self.parallel.activation_offload != "none"),
                  "train.compile with parallel.activation_offload is not supported yet (its saved-tensor hooks would "
                  "split every compiled block); set one of them off")
+        require(not self.train.indexer_warmup_steps or self.model.sparse_attention,
+                f"train.indexer_warmup_steps={self.train.indexer_warmup_steps} warms up sparse attention's indexer, "
+                "but the model has none: set model.index_topk (with its index_n_heads and index_head_dim) or 0")
         require(not (self.data.document_mask and self.model.mtp_depth),
                  f"data.document_mask=true with model.mtp_depth={self.model.mtp_depth}: the multi-token prediction "
                  "modules do not take the document mask yet; set model.mtp_depth=0 or data.document_mask=false")

@@ -6,8 +6,9 @@
     python train.py --config moe-8x --init-from hf:HF_DIR
 
 Families (``FAMILIES``, by the architecture config.json names): Mixtral (``interop/hf_mixtral.py``), Qwen3-MoE
-(``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``), GLM-4.5 (``interop/hf_glm4_moe.py``) and
-GPT-OSS (``interop/hf_gpt_oss.py``), each a config mapping and its tensor names over the pieces they share
+(``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``), GLM-4.5 (``interop/hf_glm4_moe.py``),
+GPT-OSS (``interop/hf_gpt_oss.py``), DeepSeek-V3.2 (``interop/hf_deepseek_v32.py``) and GLM-5
+(``interop/hf_glm_moe_dsa.py``), each a config mapping and its tensor names over the pieces they share
 (``interop/hf_family.py``). A folder (``interop/hf_folder.py``) is ``config.json`` plus ``model.safetensors``, or
 shards named in ``model.safetensors.index.json``; quantised weights (DeepSeek-V3's block-scaled fp8, GPT-OSS's MXFP4
 expert stacks) are dequantised to bf16 box by box as they are read. Everything streams:
@@ -33,7 +34,17 @@ from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
 from config.tokenizer_identity import FINGERPRINT_METADATA_KEY
-from interop import fp8, hf_deepseek_v3, hf_glm4_moe, hf_gpt_oss, hf_mixtral, hf_qwen3_moe, mxfp4
+from interop import (
+    fp8,
+    hf_deepseek_v3,
+    hf_deepseek_v32,
+    hf_glm4_moe,
+    hf_glm_moe_dsa,
+    hf_gpt_oss,
+    hf_mixtral,
+    hf_qwen3_moe,
+    mxfp4,
+)
 from interop.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
@@ -58,7 +69,8 @@ from storage.files import atomic_folder
 
 # the families we convert, by the architecture config.json names; export tries them in this order
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
-    hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY, hf_gpt_oss.FAMILY)}
+    hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY, hf_gpt_oss.FAMILY,
+    hf_deepseek_v32.FAMILY, hf_glm_moe_dsa.FAMILY)}
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -161,9 +161,15 @@ def mtp_sources(model: ModelConfig, moe: MoEConfig,
 
 def shape_from_hf(hf: dict) -> HFShape:
     """Map a DeepSeek-V3 config.json onto our ``model``/``moe`` keys; any setting we do not implement is an error."""
-    check_keys(hf, DECODER_KEYS | SIGMOID_MOE_KEYS | _LATENT | _IGNORED
+    return latent_moe_shape(hf, FAMILY_NAME)
+
+
+def latent_moe_shape(hf: dict, family: str, keys: frozenset[str] = frozenset()) -> HFShape:
+    """DeepSeek-V3's config.json mapping, for it and the families built on it (``interop/hf_deepseek_v32.py``),
+    whose own ``keys`` they map themselves."""
+    check_keys(hf, DECODER_KEYS | SIGMOID_MOE_KEYS | _LATENT | _IGNORED | keys
                | {"scoring_func", "topk_method", "moe_layer_freq", "rope_interleave", "quantization_config"},
-               FAMILY_NAME)
+               family)
     block_size(hf)  # fp8 with block scales is dequantised as it is read (``interop/fp8.py``); others refused
     check_requirements(hf, {
         "scoring_func": ("sigmoid", "scoring_func must be 'sigmoid' (DeepSeek-V3's router)"),
@@ -172,25 +178,27 @@ def shape_from_hf(hf: dict) -> HFShape:
         "rope_interleave": (True, "rope_interleave must be true (DeepSeek's layout; the import reorders it)"),
         "pretraining_tp": (1, "pretraining_tp must be 1"),
     })
-    model = decoder_shape(hf, FAMILY_NAME, rope_theta=10000.0, yarn=True)
-    heads, rope_dim = model["n_heads"], get_key(hf, "qk_rope_head_dim", FAMILY_NAME)
+    model = decoder_shape(hf, family, rope_theta=10000.0, yarn=True)
+    heads, rope_dim = model["n_heads"], get_key(hf, "qk_rope_head_dim", family)
     if model["n_kv_heads"] != heads:
         raise ConfigError(f"config.json num_key_value_heads={model['n_kv_heads']} is not supported: latent "
                           f"attention has keys and values for every head (num_attention_heads={heads})")
     for key, value in (("head_dim", rope_dim),
-                       ("qk_head_dim", get_key(hf, "qk_nope_head_dim", FAMILY_NAME) + rope_dim)):
+                       ("qk_head_dim", get_key(hf, "qk_nope_head_dim", family) + rope_dim)):
         if key in hf and hf[key] != value:
             raise ConfigError(f"config.json {key}={hf[key]} is not supported: latent attention's is {value}")
     model |= {"n_kv_heads": None, "head_dim": None, "qk_norm": False,
-              **{key: get_key(hf, key, FAMILY_NAME, required=key != "q_lora_rank") for key in _LATENT}}
-    dense, moe = sigmoid_moe_shape(hf, FAMILY_NAME, model["n_layers"])
-    return HFShape(model | dense, moe, int(get_key(hf, "max_position_embeddings", FAMILY_NAME)), None)
+              **{key: get_key(hf, key, family, required=key != "q_lora_rank") for key in _LATENT}}
+    dense, moe = sigmoid_moe_shape(hf, family, model["n_layers"])
+    return HFShape(model | dense, moe, int(get_key(hf, "max_position_embeddings", family)), None)
 
 
 def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
     """The config.json of our model as a DeepSeek-V3; settings DeepSeek-V3 cannot express are errors."""
     refuse(ARCHITECTURE, [(not model.latent_attention,
                            "model.kv_lora_rank=null: DeepSeek-V3 attends with latent attention"),
+                          (model.sparse_attention, f"model.index_topk={model.index_topk}: DeepSeek-V3 attends "
+                                                   "densely (sparse attention is DeepSeek-V3.2's)"),
                           *sigmoid_moe_refusals(model, moe, FAMILY_NAME)])
     decoder = decoder_config(model)
     del decoder["rope_theta"]  # in rope_parameters

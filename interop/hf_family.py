@@ -257,7 +257,7 @@ def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False, 
             "qkv_bias": bool(hf.get("attention_bias", False)) if qkv_bias else False,
             # grouped-query attention unless the family says otherwise (the base config's latent keys would stay)
             "q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None,
-            "v_head_dim": None,
+            "v_head_dim": None, "index_topk": None, "index_n_heads": None, "index_head_dim": None,
             # GPT-OSS's attention options, off unless the family sets them (a base config's would stay)
             "attn_output_bias": False, "attention_sinks": False, "sliding_window": None, "layer_types": None,
             "mlp_layer_types": None,  # the family's MoE layers come as the moe_every shorthand

@@ -99,8 +99,8 @@ def attention_flops_per_token(model: ModelConfig, layer: LayerSpec) -> float:
     """Training FLOPs of one token's attention scores and weighted values in one block of ``layer``'s kind (the
     projections are counted with the parameters): 6 · S · nh · (qk width + v width), which is PaLM's
     12 · S · nh · hd (Chowdhery et al. 2022, appendix B) when queries, keys and values are hd wide; each kind
-    states its widths (``score_width``)."""
-    return 6.0 * model.n_heads * attention_kind(layer).score_width(model) * model.seq_len
+    states its widths (``score_width``), and a kind attending to fewer keys its own count."""
+    return attention_kind(layer).attention_flops_per_token(model)
 
 
 def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:

@@ -4,7 +4,9 @@ Generation appends one position at a time and attends to everything kept, so eac
 position's projections instead of the whole prefix's (the key-value cache of Pope et al. 2022, "Efficiently
 Scaling Transformer Inference", sec. 2). Keys are stored rotated: RoPE depends only on a key's own position.
 Latent attention keeps its up-projected keys and values here too, as grouped-query attention does: the smaller
-cache of c + r numbers per token that MLA allows (absorbing ``wkv_b`` into the queries) is not built.
+cache of c + r numbers per token that MLA allows (absorbing ``wkv_b`` into the queries) is not built. Sparse
+attention's indexer keeps its one key per position beside them (``index_keys``): its next queries score every
+kept position.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class LayerCache:
     def __init__(self) -> None:
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
+        self.index_keys: Tensor | None = None  # [B, S_seen, index_head_dim]: the lightning indexer's keys
 
     @property
     def length(self) -> int:
@@ -40,6 +43,11 @@ class LayerCache:
         if start > 0 and new > 1:
             mask = torch.ones(new, start + new, dtype=torch.bool, device=keys.device).tril(diagonal=start)
         return self.keys, self.values, mask
+
+    def extend_index(self, keys: Tensor) -> Tensor:
+        """Add the new positions' indexer keys [B, S_new, d]; return every one kept [B, S_seen, d]."""
+        self.index_keys = keys if self.index_keys is None else torch.cat((self.index_keys, keys), dim=1)
+        return self.index_keys
 
 
 class KVCache:

@@ -16,6 +16,9 @@ class ParamTensor:
     shape: tuple[int, ...]
     tp_dim: int | None = None  # dim split over tp (column-parallel: 0 of [out, in]; row-parallel: 1)
     expert_hidden_dim: int | None = None  # routed-expert stacks [E, ...]: dim 0 over ep, this dim over etp
+    # false for a matmul whose input needs no gradient (sparse attention's indexer reads detached inputs): its
+    # backward does not need the weight, so autocast's copy of it is not saved
+    input_grad: bool = True
 
     @property
     def expert(self) -> bool:
@@ -24,8 +27,10 @@ class ParamTensor:
     @property
     def autocast_copy(self) -> bool:
         """Whether bf16 autocast casts it for a matmul that saves the copy (not the fp32 router, norms, lookup; not
-        a Linear's bias, which its backward does not need, nor the sinks, cast into the queries)."""
-        return self.kind in ("attention", "ffn", "experts", "head", "projection") and len(self.shape) > 1
+        a Linear's bias, which its backward does not need, nor the sinks, cast into the queries, nor a weight whose
+        input needs no gradient)."""
+        return self.kind in ("attention", "ffn", "experts", "head", "projection") and len(self.shape) > 1 \
+            and self.input_grad
 
     @property
     def numel(self) -> int:

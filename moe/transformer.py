@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from config.model import ModelConfig, MoEConfig
 from moe.attention.kernel import attends_by_chunks
+from moe.attention.sparse_latent import SparseLatentAttention
 from moe.block import Block
 from moe.documents import documents_of
 from moe.init import Slice, initialize, whole
@@ -150,9 +151,12 @@ class MoETransformer(nn.Module):
         return {i: layer.last_stats for i, layer in self.moe_layers().items() if layer.last_stats is not None}
 
     def set_aux_loss_scale(self, scale: float) -> None:
-        """Weight of the injected losses (balancing, multi-token prediction) relative to the LM loss
+        """Weight of the injected losses (balancing, multi-token prediction, indexer) relative to the LM loss
         (1 / micro-batches): each micro-batch's LM loss is divided by the micro-batches before its backward, and so
         must they be."""
         self.aux_loss_scale = scale
         for layer in self.moe_layers().values():
             layer.aux_loss_scale = scale
+        for block in self.blocks():  # sparse attention's indexer loss (``moe/attention/sparse_latent.py``)
+            if isinstance(block.attn, SparseLatentAttention):
+                block.attn.indexer_loss_scale = scale

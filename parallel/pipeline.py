@@ -72,6 +72,7 @@ from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.parallel import ParallelConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, mtp_flops_per_token, per_model
+from moe.attention import SparseLatentAttention
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
@@ -252,17 +253,23 @@ class PipelineModel:
         self.last_mtp_loss: Tensor | None = None  # the latest step's mean MTP loss, on every rank (``step``)
         self._routing: list[list[dict[int, RoutingStats]]] = [[] for _ in stages]
         self._mtp: list[Tensor] = []  # each training micro-batch's MTP losses [D], on the last stage
+        # sparse attention's indexer loss of each of this rank's sparse layers in each training micro-batch
+        self.last_indexer_loss: Tensor | None = None  # their mean over every stage's (``step``)
+        self._indexer: list[Tensor] = []
         for records, stage in zip(self._routing, stages, strict=True):
-            stage.register_forward_hook(self._recorder(records, self._mtp))
+            stage.register_forward_hook(self._recorder(records, self._mtp, self._indexer))
 
     @staticmethod
-    def _recorder(records: list[dict[int, RoutingStats]], mtp: list[Tensor]) -> Callable:
-        """A forward hook that keeps the stage's routing statistics (and MTP losses) of each training micro-batch."""
+    def _recorder(records: list[dict[int, RoutingStats]], mtp: list[Tensor], indexer: list[Tensor]) -> Callable:
+        """A forward hook that keeps the stage's routing statistics (and MTP and indexer losses) of each training
+        micro-batch."""
         def record(module: MoETransformer, args, output) -> None:
             if module.training:
                 records.append(module.routing_stats())
                 if module.mtp is not None:
                     mtp.append(module.last_mtp_losses)
+                indexer.extend(block.attn.last_indexer_loss for block in module.blocks()
+                               if isinstance(block.attn, SparseLatentAttention))
         return record
 
     def describe(self) -> str:
@@ -360,14 +367,24 @@ class PipelineModel:
         """
         for stage in self.pipeline_stages:
             stage.grad_reduce = grad_reduce
-        for records in [*self._routing, self._mtp]:
+        for records in [*self._routing, self._mtp, self._indexer]:
             records.clear()
         losses = self._run(inputs, targets, backward=True, documents=documents)
         if self.mtp:
             self._sum_embedding_gradients()
+        if self.stages[0].config.sparse_attention:
+            self._gather_indexer_loss(inputs.device)
         routing = [{i: s for records in self._routing for i, s in records[m].items()}
                    for m in range(self.microbatches)]
         return losses.sum(), routing
+
+    def _gather_indexer_loss(self, device: torch.device) -> None:
+        """The step's mean indexer loss over every stage's sparse layers and micro-batches (one all-reduce of a sum
+        and a count over the pipeline group), in ``last_indexer_loss``."""
+        total = torch.tensor([float(sum(loss.double() for loss in self._indexer)), len(self._indexer)],
+                             dtype=torch.float64, device=device)
+        dist.all_reduce(total, group=self.pp_group)
+        self.last_indexer_loss = (total[0] / total[1]).cpu()
 
     def eval_losses(self, batches: Sequence[tuple[Tensor, Tensor, Tensor | None]]) -> Tensor:
         """Mean LM loss of each of ``batches`` (inputs, targets, document ids or None; forward only), on every rank

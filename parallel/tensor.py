@@ -14,7 +14,8 @@ column-parallel input).
   ``SequenceParallel`` style over the heads dim, so their weights' gradients, each rank's sum over its own
   heads, are summed over tp like the sequence-parallel norms'. Latent attention
   (``moe/attention/latent.py``) splits its per-head projections the same way and keeps its latent projections
-  whole (``_latent_attention_plan``).
+  whole (``_latent_attention_plan``); sparse latent attention keeps its indexer whole as well and sums the indexer's
+  target over the ranks' heads (``_sparse_latent_plan``).
 - dense SwiGLU FFN and the MoE layer's shared experts: ``w_in`` and ``w_gate`` column-parallel (split on
   the hidden dim), ``w_out`` row-parallel.
 - the router stays whole on every tp rank: it must see the full hidden vector in fp32 so every tp rank
@@ -72,7 +73,7 @@ from torch.distributed.tensor.parallel import (
 
 from config.errors import ConfigError
 from config.model import ModelConfig
-from moe.attention import GroupedQueryAttention, LatentAttention
+from moe.attention import GroupedQueryAttention, LatentAttention, SparseLatentAttention
 from moe.block import Block
 from moe.transformer import MoETransformer
 
@@ -155,8 +156,30 @@ def _grouped_query_plan(block: Block, stream: Placement) -> dict:
     return plan
 
 
+class _SumOutput(ParallelStyle):
+    """The module's output summed over the tp ranks in forward (an all-reduce), for a value made without gradient
+    from each rank's heads: sparse attention's sum of the attention probabilities over the heads, the indexer's
+    target, which every rank then holds whole."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_module, _inputs, output: Tensor) -> Tensor:
+            partial = DTensor.from_local(output, device_mesh, [Partial()], run_check=False)
+            return partial.redistribute(device_mesh, [Replicate()]).to_local()
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def _sparse_latent_plan(block: Block, stream: Placement) -> dict:
+    """Sparse latent attention: latent attention's split, the indexer whole on every rank (its inputs, the block
+    input and the query latent, are whole there, so every rank selects the same keys and computes the same loss,
+    its gradients whole), and the indexer's target summed over the ranks' heads (``head_sum``)."""
+    return _latent_attention_plan(block, stream) | {"attn.head_sum": _SumOutput()}
+
+
 # each attention kind's split over the tp ranks (a new kind adds its plan here)
-ATTENTION_PLANS = {GroupedQueryAttention: _grouped_query_plan, LatentAttention: _latent_attention_plan}
+ATTENTION_PLANS = {GroupedQueryAttention: _grouped_query_plan, LatentAttention: _latent_attention_plan,
+                   SparseLatentAttention: _sparse_latent_plan}
 
 
 def _block_plan(block: Block, sequence_parallel: bool) -> dict:

@@ -39,6 +39,7 @@ from parallel.runtime import Runtime
 from storage.files import write_text_atomic
 from training.banner import describe_sources, finished_run_note, layout_text, next_steps, plan_lines
 from training.checkpointing import Checkpointer
+from training.indexer_stages import in_dense_warmup, set_indexer_stage, start_optimizer_state
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
@@ -192,6 +193,8 @@ def _step_context(config: RunConfig, groups: ParallelGroups, device: torch.devic
                         param_dtype=torch.bfloat16 if precision.precision == "bf16" else None)
     model.set_aux_loss_scale(1.0 / accumulation)
     optimizer = build_optimizer(model, config.train)
+    if config.train.indexer_warmup_steps:  # every parameter's state in the checkpoints, the frozen ones' too
+        start_optimizer_state(optimizer)
     qk_clip = None if config.train.qk_clip_threshold is None else QKClip(model, config.train.qk_clip_threshold, groups)
     return StepContext(model, optimizer, micro, config.train.grad_clip, autocast, dp_group, pp_group,
                        config.parallel.vocab_parallel, config.parallel.grad_reduce, end_id, shards, qk_clip)
@@ -266,7 +269,9 @@ class _Run:
         for group in context.optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
-        step_loss, grad_norm = train_step(context, inputs, targets, self.interval, sampler.last_sources)
+        warmup = in_dense_warmup(step, config.train.indexer_warmup_steps)
+        set_indexer_stage(context.model, warmup)
+        step_loss, grad_norm = train_step(context, inputs, targets, self.interval, sampler.last_sources, warmup)
         self._stop_if(self.checkpoints.check_finite(step, step_loss, grad_norm, context.model, context.optimizer,
                                                     sampler))
         self.interval.steps += 1

@@ -30,6 +30,7 @@ from parallel import clip_grad_norm_, set_gradient_sync
 from parallel.pipeline import PipelineModel
 from parallel.replication import imbalance
 from parallel.tensor import lm_loss, loss_context
+from training.indexer_stages import drop_frozen_gradients, indexer_loss
 from training.qk_clip import QKClip
 from training.routing_stats import IntervalRouting, RoutingAccumulator, routing_metrics
 
@@ -49,6 +50,7 @@ class IntervalStats:
     tokens: int = 0
     lm_loss: float = 0.0
     mtp_loss: torch.Tensor | None = None  # multi-token prediction's mean module loss, summed over the steps
+    indexer_loss: torch.Tensor | None = None  # sparse attention's mean indexer loss, summed over the steps
     started: float = field(default_factory=time.perf_counter)
     routing: RoutingAccumulator = field(default_factory=RoutingAccumulator)
     routing_result: IntervalRouting | None = None  # set by record(): the interval's routing, for RoutingLog
@@ -79,10 +81,12 @@ class IntervalStats:
         elapsed = time.perf_counter() - self.started
         self.routing_result = self.routing.reduce(dp_group, pp_group, biases)
         mtp = {} if self.mtp_loss is None else {"train/mtp_loss": float(self.mtp_loss) / self.steps}
+        indexer = {} if self.indexer_loss is None else {"train/indexer_loss": float(self.indexer_loss) / self.steps}
         return {
             "train/loss": self.lm_loss / self.steps,
             "train/lm_loss": self.lm_loss / self.steps,
             **mtp,
+            **indexer,
             "perf/tokens_per_s": self.tokens / elapsed,
             **routing_metrics(self.routing_result),
             **self._source_losses(source_names, dp_group),
@@ -190,7 +194,7 @@ class StepContext:
 
 
 def train_step(context: StepContext, inputs: torch.Tensor, targets: torch.Tensor, interval: IntervalStats,
-               sources: np.ndarray | None = None) -> tuple[float, float]:
+               sources: np.ndarray | None = None, indexer_warmup: bool = False) -> tuple[float, float]:
     """One optimizer step over this rank's batch in micro-batches; returns (global mean LM loss, gradient norm).
 
     The step is skipped (no update) when the loss or gradient norm is not finite, so
@@ -201,9 +205,14 @@ def train_step(context: StepContext, inputs: torch.Tensor, targets: torch.Tensor
     ``sources`` (a mixture's source of each row, from ``TokenSampler.last_sources``): each source's loss over its
     rows is added to ``interval`` too, computed again from the same logits with no gradient (plain logits only: a
     vocabulary- or sequence-sharded DTensor, and the pipeline schedule, report the overall loss alone).
+
+    ``indexer_warmup``: the step is sparse attention's dense warm-up (``training/indexer_stages.py``): only the
+    indexers learn, so no balancing-bias update and no QK-clip either.
     """
     model, dp_group = context.model, context.dp_group
-    step_loss, routing, step_mtp = _forward_backward(context, inputs, targets, interval, sources)
+    step_loss, routing, step_mtp, step_indexer = _forward_backward(context, inputs, targets, interval, sources)
+    if indexer_warmup:
+        drop_frozen_gradients(model)
     step_load = {}
     for stats in routing:
         interval.add_routing(stats)
@@ -217,37 +226,43 @@ def train_step(context: StepContext, inputs: torch.Tensor, targets: torch.Tensor
     if step_mtp is not None:  # over the data-parallel ranks, as the LM loss
         step_mtp = all_reduce(step_mtp, dp_group) / dp_size
         interval.mtp_loss = step_mtp if interval.mtp_loss is None else interval.mtp_loss + step_mtp
+    if step_indexer is not None:
+        step_indexer = all_reduce(step_indexer, dp_group) / dp_size
+        interval.indexer_loss = step_indexer if interval.indexer_loss is None else interval.indexer_loss + step_indexer
     grad_norm = float(grad_norm)
     stepped = math.isfinite(step_loss) and math.isfinite(grad_norm)
     if stepped:
         context.optimizer.step()
         # aux-loss-free balancing from the whole step's load over all data-parallel ranks: one all-reduce,
         # and none when no layer uses it
-        biased = {i: layer for i, layer in model.moe_layers().items() if layer.router.bias_update_rate > 0}
+        biased = {i: layer for i, layer in model.moe_layers().items()
+                  if layer.router.bias_update_rate > 0 and not indexer_warmup}
         if biased:
             loads = all_reduce(torch.stack([step_load[i] for i in biased]), dp_group)
             for load, layer in zip(loads, biased.values(), strict=True):
                 layer.router.update_bias(load)
     if context.qk_clip is not None:
-        context.qk_clip.after_step(stepped)
+        context.qk_clip.after_step(stepped and not indexer_warmup)
     context.optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
 
 
 def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch.Tensor, interval: IntervalStats,
-                      sources: np.ndarray | None) -> tuple[torch.Tensor, list, torch.Tensor | None]:
+                      sources: np.ndarray | None) -> tuple[torch.Tensor, list, torch.Tensor | None,
+                                                           torch.Tensor | None]:
     """Forward and backward of this rank's batch, gradients accumulated: (its mean LM loss, each micro-batch's
-    routing statistics, multi-token prediction's mean module loss or None), before any reduction over ranks."""
+    routing statistics, multi-token prediction's mean module loss or None, sparse attention's mean indexer loss or
+    None), before any reduction over ranks."""
     model, micro, end_id, shards = context.model, context.micro, context.end_id, context.shards
     device = next(model.parameters()).device
     accumulation = inputs.shape[0] // micro
     step_loss, routing = torch.zeros((), dtype=torch.float64), []
-    step_mtp = None  # multi-token prediction's mean module loss over this rank's micro-batches
+    step_mtp = step_indexer = None  # multi-token prediction's, the indexers' mean losses over the micro-batches
     if isinstance(model, PipelineModel):  # the schedule runs the micro-batches; loss from the last stage
         x, y, documents = shard_batch(inputs.to(device), targets.to(device), end_id, shards)
         step_loss, routing = model.step(x, y, context.grad_reduce, documents)
         interval.ep_loads += _ep_loads(model)  # the schedule's last micro-batch's: each layer keeps its latest plan
-        return step_loss, routing, model.last_mtp_loss
+        return step_loss, routing, model.last_mtp_loss, model.last_indexer_loss
     for m in range(accumulation):
         x, y, documents = shard_batch(inputs[m * micro:(m + 1) * micro].to(device),
                                       targets[m * micro:(m + 1) * micro].to(device), end_id, shards)
@@ -265,7 +280,10 @@ def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch
         if model.last_mtp_losses is not None:  # logged apart from the LM loss
             mtp = model.last_mtp_losses.mean().detach().double() / accumulation
             step_mtp = mtp if step_mtp is None else step_mtp + mtp
-    return step_loss, routing, step_mtp
+        if (layers_loss := indexer_loss(model)) is not None:
+            layers_loss = layers_loss.double() / accumulation
+            step_indexer = layers_loss if step_indexer is None else step_indexer + layers_loss
+    return step_loss, routing, step_mtp, step_indexer
 
 
 def _ep_loads(model) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

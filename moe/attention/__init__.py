@@ -14,11 +14,13 @@ from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
 from moe.attention.grouped_query import GroupedQueryAttention
 from moe.attention.latent import LatentAttention
+from moe.attention.sparse_latent import SparseLatentAttention
 
 __all__ = ["KINDS", "AttentionKind", "GroupedQueryAttention", "LatentAttention", "attention_kind",
-           "build_attention"]
+           "SparseLatentAttention", "build_attention"]
 
-KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention}
+KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention,
+                                         "sparse_latent": SparseLatentAttention}
 
 
 def attention_kind(layer: LayerSpec) -> type[AttentionKind]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from config.model import ModelConfig
 from moe.documents import Documents, rotary_tables
 from moe.kv_cache import LayerCache
 from moe.max_logits import LogitTracker, max_attention_logits
@@ -52,6 +53,18 @@ class AttentionKind(nn.Module):
         q [B, h, Sq, d] and k [B, hkv, K, d] after RoPE, over the keys each query may see."""
         if self.logit_tracker is not None and self.training and cache is None:
             self.logit_tracker.record(max_attention_logits(q, k, scale, window, documents))
+
+    @classmethod
+    def attention_flops_per_token(cls, model: ModelConfig) -> float:
+        """Training FLOPs of one token's attention scores and weighted values (``moe.accounting``): 6 · S · nh ·
+        (qk width + v width) over every key, which a kind that attends to fewer keys states for itself."""
+        return 6.0 * model.n_heads * cls.score_width(model) * model.seq_len
+
+    @staticmethod
+    def forward_sums(model: ModelConfig) -> tuple[tuple[str, int], ...]:
+        """What a training forward sums over the tensor-parallel ranks besides the attention output, (name, fp32
+        elements per query position) each: nothing but in a kind that says so."""
+        return ()
 
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         """The tensors QK-clip scales, each with the exponent of gamma for each row of a head (``training/qk_clip.py``

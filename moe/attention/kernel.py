@@ -12,6 +12,8 @@ cannot drift apart. The kernels:
 - ``blocked_window``: a whole sequence at least four windows long computes only the scores near the diagonal
   (``blocked_window_attention``): O(S · 2W) instead of O(S²/2).
 - ``chunks``: a context-parallel rank's whole sequences without a mask (``SequenceShards.causal_attention``).
+- ``sparse``: one SDPA under the visible keys' mask (``visible_keys``) and each query's selected ones (sparse
+  attention's indexer, ``moe/attention/indexer.py``), a [B, 1, Sq, K] mask per sequence.
 
 Shapes: B sequences, h query heads, hkv key/value heads, Sq queries, K keys, d channels per head.
 """
@@ -27,7 +29,7 @@ from config.model import ModelConfig
 from moe.documents import Documents
 from moe.saved_activations import FP32, INDEX, MicroBatch
 
-CAUSAL, MASKED, BLOCKED_WINDOW, CHUNKS = "causal", "masked", "blocked_window", "chunks"
+CAUSAL, MASKED, BLOCKED_WINDOW, CHUNKS, SPARSE = "causal", "masked", "blocked_window", "chunks", "sparse"
 SINK_CHANNELS = 8  # channels added to queries, keys and values to carry the attention sink (``fold_in_sink``)
 
 
@@ -38,14 +40,17 @@ def blocked_window(seq: int, window: int | None) -> bool:
 
 
 def choose_kernel(seq: int, window: int | None = None, sinks: bool = False, start: int = 0, sharded: bool = False,
-                  documents_masked: bool = False) -> str:
+                  documents_masked: bool = False, selected: bool = False) -> str:
     """The kernel a layer runs on ``seq`` queries from position ``start`` (after cached ones in generation).
 
+    Keys ``selected`` per query (sparse attention) attend under the selection's mask, whatever the context;
     A layer with a ``window`` or ``sinks`` attends under its own mask (blocked when the whole sequence is long
     enough and in one process); a context-parallel rank's queries (``sharded``) of whole sequences attend by chunks
     unless the documents carry a mask (packed documents, or a model with windowed or sink layers:
     ``attends_by_chunks``); packed documents otherwise attend under their mask; the rest causally.
     """
+    if selected:
+        return SPARSE
     if window is not None or sinks:
         return BLOCKED_WINDOW if start == 0 and not sharded and blocked_window(seq, window) else MASKED
     if sharded and not documents_masked:
@@ -62,18 +67,20 @@ def attends_by_chunks(model: ModelConfig) -> bool:
     return choose_kernel(model.seq_len, window, model.attention_sinks, sharded=True) == CHUNKS
 
 
-def training_kernel(model: ModelConfig, mb: MicroBatch, window: int | None = None, sinks: bool = False) -> str:
+def training_kernel(model: ModelConfig, mb: MicroBatch, window: int | None = None, sinks: bool = False,
+                    selected: bool = False) -> str:
     """The kernel a layer runs on a training micro-batch of whole sequences (packed documents' masks are not in
     the memory model), ``choose_kernel``'s answer that the kinds' ``saved_bytes`` count: a context-parallel rank's
-    positions of them attend by chunks, or under the whole-sequence mask where some layer needs one."""
+    positions of them attend by chunks, or under the whole-sequence mask where some layer needs one; keys
+    ``selected`` per query (sparse attention) under the selection's."""
     sharded = mb.cp > 1
     return choose_kernel(mb.positions, window, sinks, sharded=sharded,
-                         documents_masked=sharded and not attends_by_chunks(model))
+                         documents_masked=sharded and not attends_by_chunks(model), selected=selected)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, start: int = 0, window: int | None = None,
            sinks: Tensor | None = None, cache_mask: Tensor | None = None,
-           documents: Documents | None = None) -> Tensor:
+           documents: Documents | None = None, selected: Tensor | None = None) -> Tensor:
     """softmax(scale · q·kᵀ + mask)·v by the kernel ``choose_kernel`` picks: q [B, h, Sq, dq] at positions
     start.., k [B, hkv, K, dq], v [B, hkv, K, dv] (K = start + Sq, or every rank's gathered keys under context
     parallelism) -> [B, h, Sq, dv].
@@ -83,13 +90,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, start: int = 0, window
     head width, and without them it falls back to its math path, which keeps every head's [Sq, K] weights for
     backward (measured on CPU: 8.6 GB per 4,096-token sequence and layer at DeepSeek-V3's 128 heads).
     ``cache_mask``: generation's mask for several new positions after cached ones (``LayerCache.extend``).
+    ``selected``: [B, 1, Sq, K] bool, the keys each query attends to among those it may see (sparse attention).
     """
     seq, v_dim = q.shape[2], v.shape[-1]
     sharded = documents is not None and documents.sharded
     masked = documents is not None and documents.mask is not None
-    kernel = choose_kernel(seq, window, sinks is not None, start, sharded, masked)
+    kernel = choose_kernel(seq, window, sinks is not None, start, sharded, masked, selected is not None)
     q, k, v = _one_width(q, k, v)
-    if kernel == BLOCKED_WINDOW:
+    if kernel == SPARSE:
+        out = _attend_masked(q, k, v, scale, visible_keys(seq, k.shape[2], start, documents, q.device) & selected,
+                             sinks)
+    elif kernel == BLOCKED_WINDOW:
         out = blocked_window_attention(q, k, v, scale, window, sinks, None if documents is None else documents.ids)
     elif kernel == MASKED:
         out = _attend_masked(q, k, v, scale, _allowed(q, k, start, window, documents), sinks)
@@ -109,6 +120,18 @@ def _one_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]
     elif qk_dim < v_dim:
         q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
     return q, k, v
+
+
+def visible_keys(queries: int, keys: int, start: int, documents: Documents | None, device: torch.device) -> Tensor:
+    """The keys each of ``queries`` queries may see among ``keys``, causally: [Sq, K] bool for queries at positions
+    start.. against keys 0..K-1, or with ``documents`` their mask [B, 1, Sq, K] (within each document), or where
+    whole sequences carry none (context parallelism) the positions' order, [Sq, K]."""
+    if documents is None:
+        query_pos = torch.arange(start, start + queries, device=device)
+        return torch.arange(keys, device=device)[None, :] <= query_pos[:, None]
+    if documents.mask is not None:
+        return documents.mask
+    return documents.key_pos[None, :] <= documents.query_pos[:, None]
 
 
 def _allowed(q: Tensor, k: Tensor, start: int, window: int | None, documents: Documents | None) -> Tensor:
@@ -215,8 +238,8 @@ def kernel_saved_bytes(kernel: str, mb: MicroBatch, heads: int, kv_heads: int, w
     ``value_width`` wide where the kind stores its values otherwise: latent attention's view of its up-projection),
     the [b, heads, s] log-sum-exp (fp32), and the kernel's mask: an additive [s, K] one in the compute dtype for
     ``masked`` (shared by heads and sequences), one per block for ``blocked_window`` (b·nb blocks of W queries
-    seeing 2W keys, their k and v saved per block), the chunks' own for ``chunks`` (``_chunk_extras``). A sink adds
-    one key and ``SINK_CHANNELS`` channels to q, k, v and the output."""
+    seeing 2W keys, their k and v saved per block), the chunks' own for ``chunks`` (``_chunk_extras``), one per
+    sequence for ``sparse``. A sink adds one key and ``SINK_CHANNELS`` channels to q, k, v and the output."""
     seq = mb.positions
     if kernel == BLOCKED_WINDOW:
         batches, queries, keys = mb.sequences * -(-seq // window), window, 2 * window
@@ -228,6 +251,8 @@ def kernel_saved_bytes(kernel: str, mb: MicroBatch, heads: int, kv_heads: int, w
     total += batches * queries * heads * FP32  # log-sum-exp
     if kernel == MASKED:
         total += queries * keys * mb.compute
+    elif kernel == SPARSE:  # the mask is each sequence's own
+        total += batches * queries * keys * mb.compute
     elif kernel == BLOCKED_WINDOW:
         total += batches * queries * keys * mb.compute
     elif kernel == CHUNKS:

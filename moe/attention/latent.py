@@ -80,27 +80,50 @@ class LatentAttention(AttentionKind):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
                 documents: Documents | None = None) -> Tensor:
         """x: [B, S, D]; cos, sin: rotary tables [>= S, r/2] (the interface of ``AttentionKind``) -> [B, S, D]."""
-        batch, seq, _ = x.shape
         start, cos, sin = self.positions(x, cos, sin, cache, documents)
-        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_latent_norm(self.wq_a(x)))
+        _, q = self.queries(x, cos, sin)
+        latent, k_rope, _ = self.latents(x, cos, sin, documents)
+        k, v = self.keys_values(latent, k_rope, q.shape[1])
+        self.track(q, k, self.softmax_scale, cache, documents)
+        k, v, cache_mask = (k, v, None) if cache is None else cache.extend(k, v)
+        out = attend(q, k, v, self.softmax_scale, start, cache_mask=cache_mask, documents=documents)  # [B, nh, S, v]
+        return self.output(out)
+
+    def queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor | None, Tensor]:
+        """x [B, S, D] -> the normalised query latent [B, S, c'] (None without a bottleneck) and the queries
+        [B, nh, S, n + r], their last r channels rotated."""
+        batch, seq, _ = x.shape
+        query_latent = None if self.wq is not None else self.q_latent_norm(self.wq_a(x))
+        q = self.wq(x) if self.wq is not None else self.wq_b(query_latent)
         q = q.view(batch, seq, -1, self.nope_dim + self.rope_dim).transpose(1, 2)  # [B, nh, S, n + r]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        return query_latent, torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
+
+    def latents(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None,
+                extra: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """x [B, S, D] -> the normalised latent [B, K, c] and the rotated shared key [B, 1, K, r] of every key
+        position: under context parallelism every rank's, gathered in one exchange together with ``extra``
+        ([B, S, e], what a kind built on this one needs of every position too), K = S otherwise."""
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)  # [B, S, c], [B, S, r]
         latent = self.kv_latent_norm(latent)
         k_rope = self.shared_rope_key(apply_rope(k_rope.unsqueeze(1), cos, sin))  # [B, 1, S, r]
         if documents is not None and documents.sharded:  # every context-parallel rank's latents and rotary keys
-            both = self.gather_sequence(torch.cat((latent, k_rope.squeeze(1).to(latent.dtype)), dim=-1))
-            latent, gathered_rope = both.split([self.kv_rank, self.rope_dim], dim=-1)
-            k_rope = gathered_rope.unsqueeze(1).to(k_rope.dtype)
-        kv = self.wkv_b(latent).view(batch, latent.shape[1], -1, self.nope_dim + self.v_dim)
-        k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)  # [B, nh, S, n], [B, nh, S, v]
-        heads = q.shape[1]
-        q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
-        k = torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1)  # one rotary key, every head
-        self.track(q, k, self.softmax_scale, cache, documents)
-        k, v, cache_mask = (k, v, None) if cache is None else cache.extend(k, v)
-        out = attend(q, k, v, self.softmax_scale, start, cache_mask=cache_mask, documents=documents)  # [B, nh, S, v]
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+            parts = (latent, k_rope.squeeze(1).to(latent.dtype), *(() if extra is None else (extra.to(latent.dtype),)))
+            gathered = self.gather_sequence(torch.cat(parts, dim=-1)).split([part.shape[-1] for part in parts], -1)
+            latent, k_rope = gathered[0], gathered[1].unsqueeze(1).to(k_rope.dtype)
+            extra = None if extra is None else gathered[2].to(extra.dtype)
+        return latent, k_rope, extra
+
+    def keys_values(self, latent: Tensor, k_rope: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+        """The latent [B, K, c] up-projected to every head's keys [B, nh, K, n + r] (the shared rotary key
+        [B, 1, K, r] in each head's last r channels) and values [B, nh, K, v]."""
+        kv = self.wkv_b(latent).view(latent.shape[0], latent.shape[1], -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)  # [B, nh, K, n], [B, nh, K, v]
+        return torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1), v  # one rotary key, every head
+
+    def output(self, out: Tensor) -> Tensor:
+        """The heads' outputs [B, nh, S, v] -> [B, S, D]."""
+        return self.wo(out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1))
 
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         """QK-clip's tensors, the head-specific parts alone (as Kimi K2 does for its MLA): the query's nope rows by
@@ -173,19 +196,24 @@ class LatentAttention(AttentionKind):
         input is then a copy of the gathered [B, S, c + r] tensor's latent columns (K·c; the gathered tensor itself
         is not saved), and k and v are K positions long.
         """
-        heads, nope, rope, v = model.n_heads // tp, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
-        t, latent, a = mb.tokens, model.kv_lora_rank, mb.compute
-        width = max(nope + rope, v)
-        total = linear_input_bytes(mb, model.d_model, 2)
-        if model.q_lora_rank is not None:
-            rank = model.q_lora_rank
-            total += norm_bytes(t, rank, fused=not mb.bf16) + t * rank * a
-        if mb.bf16:  # the norm's bf16 input upcast: saved as a new fp32 tensor, with the normalised one (decomposed)
-            total += norm_bytes(t, latent, fused=False)
-        else:  # fused: its input, a view of wkv_a's fp32 [T, c + r] output, keeps that storage; rstd
-            total += t * (latent + rope) * FP32 + t * FP32
-        total += t * mb.cp * latent * a  # wkv_b's input
-        kernel = training_kernel(model, mb)
-        values = width if v < width or kernel == CHUNKS else nope + v
-        total += kernel_saved_bytes(kernel, mb, heads, heads, width, value_width=values)
-        return total + (0 if heads == 1 and v == width else t * heads * v * a)  # wo's input
+        return latent_saved_bytes(model, tp, mb, training_kernel(model, mb))
+
+
+def latent_saved_bytes(model: ModelConfig, tp: int, mb: MicroBatch, kernel: str) -> int:
+    """``LatentAttention.saved_bytes`` on the kernel ``kernel``: the kinds built on latent attention
+    (``sparse_latent.py``) choose theirs."""
+    heads, nope, rope, v = model.n_heads // tp, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+    t, latent, a = mb.tokens, model.kv_lora_rank, mb.compute
+    width = max(nope + rope, v)
+    total = linear_input_bytes(mb, model.d_model, 2)
+    if model.q_lora_rank is not None:
+        rank = model.q_lora_rank
+        total += norm_bytes(t, rank, fused=not mb.bf16) + t * rank * a
+    if mb.bf16:  # the norm's bf16 input upcast: saved as a new fp32 tensor, with the normalised one (decomposed)
+        total += norm_bytes(t, latent, fused=False)
+    else:  # fused: its input, a view of wkv_a's fp32 [T, c + r] output, keeps that storage; rstd
+        total += t * (latent + rope) * FP32 + t * FP32
+    total += t * mb.cp * latent * a  # wkv_b's input
+    values = width if v < width or kernel == CHUNKS else nope + v
+    total += kernel_saved_bytes(kernel, mb, heads, heads, width, value_width=values)
+    return total + (0 if heads == 1 and v == width else t * heads * v * a)  # wo's input

@@ -38,6 +38,7 @@ from training.muon import Muon
 BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
 DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
 LATENT = ["model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=8"]
+SPARSE = [*LATENT, "model.q_lora_rank=12", "model.index_topk=8", "model.index_n_heads=4", "model.index_head_dim=8"]
 CASES_2 = {  # name -> overrides, on 2 ranks
     "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
     "fsdp, 2 micro-batches, reduce-scatter per micro-batch": ["parallel.dp_shard=2", "train.micro_batch_size=2",
@@ -65,6 +66,10 @@ CASES_2 = {  # name -> overrides, on 2 ranks
         *LATENT, "model.q_lora_rank=12", *DENSE_FIRST],
     "tp=2, latent attention, full query, full recompute": [
         "parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpointing=full", *LATENT],
+    # sparse attention: the indexer's target summed over tp (again in the recompute); under cp its keys gathered
+    "tp=2, sparse attention, full recompute": [
+        "parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpointing=full", *SPARSE],
+    "cp=2, sparse attention": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *SPARSE],
     # Muon's gathers of the sharded matrices (the optimizer's own section)
     "muon, fsdp with ep=2 (experts whole)": ["parallel.dp_shard=2", "parallel.ep=2", "train.optimizer=muon",
                                              *DENSE_FIRST],

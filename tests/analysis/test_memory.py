@@ -45,6 +45,7 @@ MLA = ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.qk_nope_head_dim
        "model.v_head_dim=5"]
 
 
+DSA = [*MLA, "model.q_lora_rank=10", "model.index_n_heads=4", "model.index_head_dim=8", "moe.force_balance=true"]
 GPT_OSS_MOE = ["moe.activation=clamped_swiglu", "moe.router_bias=true", "moe.expert_proj_bias=true"]
 GPT_OSS_ATTENTION = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
                      "model.layer_types=[sliding_attention,full_attention]"]
@@ -175,6 +176,10 @@ SINGLE = {
                                                                  "moe.force_balance=true"]),
     "bf16, GPT-OSS attention, blocked window": ("bf16", [*GPT_OSS_ATTENTION, "model.sliding_window=4",
                                                          "moe.force_balance=true"]),
+    # sparse attention: the top 6 of 16 keys (the sparse kernel and its mask per sequence), and of 16 the top 32
+    "sparse attention (DSA), top-k binding": ("fp32", [*DSA, "model.index_topk=6"]),
+    "sparse attention (DSA), every key selected": ("fp32", [*DSA, "model.index_topk=32"]),
+    "bf16, sparse attention (DSA), top-k binding": ("bf16", [*DSA, "model.index_topk=6"]),
 }
 
 
@@ -347,6 +352,11 @@ SPAWNED = [
     ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *MLA]),
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *GPT_OSS_ATTENTION,
               "model.sliding_window=4"]),
+    # sparse attention: the indexer whole on each tp rank; its keys gathered under cp; under FSDP's bf16 weights
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *DSA, "model.index_topk=6"]),
+    ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
+    ("bf16", ["parallel.dp_shard=2", *DSA, "model.index_topk=6"]),
+    ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

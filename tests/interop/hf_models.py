@@ -64,10 +64,12 @@ def assert_same_tensors(original_folder: Path, returned_folder: Path, tied: bool
 
 
 def assert_oracle_and_export_back(folder: Path, hf, ours: MoETransformer, x: torch.Tensor, architecture: str,
-                                  tied: bool, dtype: str | None = None) -> None:
+                                  tied: bool, dtype: str | None = None, named: bool = False) -> None:
     """``ours`` (imported from ``folder``/hf as ``folder``/ours.safetensors) gives the oracle ``hf``'s logits on ``x``;
     our file exported to ``folder``/back (in ``dtype``, default the family's) is an ``architecture`` folder that
-    transformers loads and runs to the same logits, every tensor bit-exact with the original folder's."""
+    transformers loads and runs to the same logits, every tensor bit-exact with the original folder's. ``named``:
+    the export names ``architecture`` (a family whose models an earlier family expresses too: GLM-5's are
+    DeepSeek-V3.2's), else it must pick it itself."""
     import transformers
 
     from interop.hf import export_folder
@@ -75,7 +77,7 @@ def assert_oracle_and_export_back(folder: Path, hf, ours: MoETransformer, x: tor
     with torch.no_grad():
         expected = hf(x).logits
         torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-5)
-    export_folder(folder / "ours.safetensors", folder / "back", dtype=dtype)
+    export_folder(folder / "ours.safetensors", folder / "back", architecture if named else None, dtype=dtype)
     back = transformers.AutoModelForCausalLM.from_pretrained(folder / "back").eval()
     assert type(back).__name__ == architecture
     with torch.no_grad():

@@ -177,3 +177,32 @@ def test_mtp_flops_are_what_the_modules_add_to_the_model(overrides):
              - training_flops_per_token(without.model, without.moe))
     assert mtp_flops_per_token(with_mtp.model, with_mtp.moe) == pytest.approx(added, rel=1e-12)
     assert mtp_flops_per_token(without.model, without.moe) == 0
+
+
+@pytest.mark.parametrize("name, family, total, active", [
+    ("deepseek-v3.2", "hf_deepseek_v32", 671_877_929_216, 37_477_128_448),
+    ("glm-5", "hf_glm_moe_dsa", 743_911_199_232, 40_833_126_912)])
+def test_sparse_attention_families_count_what_transformers_builds_of_the_published_config(name, family, total,
+                                                                                          active):
+    """DeepSeek-V3.2 and GLM-5: our config's shape is the published config.json's (transformers' defaults for both
+    are the published checkpoints'), and our count equals the parameters transformers builds of it (on the meta
+    device; without the multi-token-prediction layer, which it does not build either). Published: DeepSeek-V3.2
+    685B with its MTP module as DeepSeek-V3; GLM-5 "744B total, 40B active"."""
+    import importlib
+
+    transformers = pytest.importorskip("transformers")
+    config = load_config(name)
+    mapping = importlib.import_module(f"interop.{family}")
+    ours = mapping.hf_from_config(config.model, config.moe)
+    published = getattr(transformers, mapping.ARCHITECTURE.replace("ForCausalLM", "Config"))()
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+                "first_k_dense_replace", "index_topk", "index_n_heads", "index_head_dim", "routed_scaling_factor",
+                "norm_topk_prob", "tie_word_embeddings", "rms_norm_eps"):
+        assert ours[key] == getattr(published, key), key
+    with torch.device("meta"):
+        built = getattr(transformers, mapping.ARCHITECTURE)(published)
+    counts = parameter_counts(config.model, config.moe)
+    assert counts.total == sum(param.numel() for param in built.parameters()) == total
+    assert counts.active - counts.embedding == active

@@ -29,6 +29,10 @@ DEEPSEEK_V3 = ["model.kv_lora_rank=16", "model.q_lora_rank=12", "model.qk_nope_h
                "moe.bias_update_rate=0.01"]
 # with one multi-token-prediction module (a MoE block: layer 2's kind) after the head
 DEEPSEEK_V3_MTP = [*DEEPSEEK_V3, "model.mtp_depth=1"]
+# DeepSeek-V3.2's: the same with sparse attention, each query attending to the top 8 of up to 32 keys. 16 indexer
+# heads: with 4, a key's score is exactly 0 wherever all 4 ReLUs are (1 in 16), and such near-ties at the top-k's
+# edge were seen to flip under a layout's other summation order (one row or another off by ~1e-4 from step 2 on)
+DEEPSEEK_V32 = [*DEEPSEEK_V3, "model.index_topk=8", "model.index_n_heads=16", "model.index_head_dim=8"]
 # Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
 # weights of the ep=2 row), from tp (with sequence parallelism), from etp, and from dp_shard and tp together (the
 # QK-clip row); experts whole under ep; pp's stages
@@ -153,6 +157,15 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.cp=2", "parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3], 4, "null",
                  id="cp=2xdp_shard=2xep=2-deepseek-v3"),
     pytest.param(["parallel.cp=2", *GPT_OSS, *DOCUMENT_MASK], 2, "null", id="cp=2-gpt-oss-document_mask"),
+    # sparse attention (DeepSeek-V3.2): the indexers sharded over data parallelism with group-limited routing
+    # under ep; in two stages through the dense warm-up (indexers alone learning) into the sparse stage; and under
+    # cp, each rank's queries selecting among the whole sequence's keys (the indexer's keys gathered with the latents)
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V32], 2, "null", id="ep=2-deepseek-v3.2"),
+    pytest.param(["parallel.pp=2", *DEEPSEEK_V32, "train.indexer_warmup_steps=2"], 2, "null",
+                 id="pp=2-deepseek-v3.2-warmup"),
+    pytest.param(["parallel.cp=2", *DEEPSEEK_V32], 2, "null", id="cp=2-deepseek-v3.2"),
+    # and split by heads: the indexer whole on every tp rank, its target summed over the ranks' heads
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V32], 2, "null", id="tp=2-deepseek-v3.2"),
     # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
     # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.grad_reduce=step",
@@ -247,8 +260,9 @@ def test_layout_matches_single_process(layout, world_size, capacity, references,
     for ref, got in zip(ref_records, records, strict=True):
         mtp = ["train/mtp_loss"] if "model.mtp_depth=1" in layout else []
         qk_clip = ["qk_clip/heads_clipped", "qk_clip/max_logit"] if "qk_clip/max_logit" in ref else []
+        indexer = ["train/indexer_loss"] if "train/indexer_loss" in ref else []
         for key in ("train/loss", "train/aux_loss", "train/z_loss", "train/grad_norm", "train/dropped_frac", *mtp,
-                    *qk_clip):
+                    *qk_clip, *indexer):
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (got["step"], key)
         # every layer's routing figures reach rank 0's log (under pp also those of the other stages)
         router_keys = [key for key in ref if key.startswith("router/")]

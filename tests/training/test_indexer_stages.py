@@ -1,0 +1,102 @@
+"""Sparse attention's two training stages through the training loop: the dense warm-up trains the indexers alone,
+the sparse stage everything; the indexer loss is logged; a run stopped in the warm-up resumes across the change
+bit for bit."""
+
+import pytest
+import torch
+
+from config.errors import ConfigError
+from config.run import load_config
+from parallel.checkpoint import published_checkpoints
+from tests.parallel.parity import full_state, run
+from training.checkpointing import Checkpointer
+
+# latent attention with a query bottleneck and a 4-head indexer picking 8 of up to 32 keys: the selection binds
+DSA = ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.q_lora_rank=10", "model.qk_nope_head_dim=6",
+       "model.qk_rope_head_dim=4", "model.v_head_dim=5", "model.index_topk=8", "model.index_n_heads=4",
+       "model.index_head_dim=8"]
+SETTINGS = [*DSA, "train.steps=4", "train.indexer_warmup_steps=2", "checkpoint.interval=1"]
+
+
+class Stop(Exception):
+    """Stands for a crash after a step."""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 4 steps in one go (2 of warm-up), each step's weights recorded."""
+    states, original = {}, Checkpointer.after_step
+
+    def record(self, step, model, *args):
+        states[step] = full_state(model)
+        original(self, step, model, *args)
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(Checkpointer, "after_step", record)
+        records, state = run(SETTINGS, 1, tmp_path_factory.mktemp("uninterrupted"))
+    return records, state, states
+
+
+def test_the_warm_up_trains_the_indexers_alone_then_everything_trains(uninterrupted):
+    records, _, states = uninterrupted
+    indexer = [name for name in states[1] if ".indexer." in name]
+    others = [name for name in states[1] if ".indexer." not in name]
+    assert indexer and others
+    assert all(not torch.equal(states[1][name], states[2][name]) for name in indexer)
+    assert all(torch.equal(states[1][name], states[2][name]) for name in others)  # frozen, biases included
+    changed = [name for name in others if not torch.equal(states[2][name], states[3][name])]
+    assert any(".attn.wq_b." in name for name in changed) and any(".experts." in name for name in changed)
+    assert all(not torch.equal(states[2][name], states[3][name]) for name in indexer)
+    losses = [r["train/indexer_loss"] for r in records]
+    assert len(losses) == 4 and all(0 < loss < float("inf") for loss in losses)
+
+
+def test_a_run_stopped_in_the_warm_up_resumes_across_the_stage_change(uninterrupted, tmp_path, monkeypatch):
+    ref_records, ref_state, _ = uninterrupted
+    original = Checkpointer.after_step
+
+    def crash_after_step_2(self, step, *args):
+        original(self, step, *args)
+        if step == 2:
+            raise Stop
+
+    monkeypatch.setattr(Checkpointer, "after_step", crash_after_step_2)
+    with pytest.raises(Stop):
+        run(SETTINGS, 1, tmp_path)
+    # step 1's save is published once step 2's loss is finite, step 2's not yet: the run resumes in the warm-up
+    assert [s for s, _ in published_checkpoints(tmp_path / "checkpoints")] == [1]
+    monkeypatch.setattr(Checkpointer, "after_step", original)
+    records, state = run(SETTINGS, 1, tmp_path)
+    fields = ("step", "train/loss", "train/grad_norm", "train/indexer_loss")
+    assert [[r[f] for f in fields] for r in records] == [[r[f] for f in fields] for r in ref_records]
+    for name in ref_state:
+        assert torch.equal(state[name], ref_state[name]), name
+
+
+def test_a_warm_up_without_sparse_attention_is_refused():
+    with pytest.raises(ConfigError, match=r"train.indexer_warmup_steps=5 warms up sparse attention's indexer"):
+        load_config("moe-8x", ["train.indexer_warmup_steps=5"])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_started_optimizer_state_steps_as_a_fresh_one(optimizer):
+    from moe.transformer import MoETransformer
+    from training.indexer_stages import start_optimizer_state
+    from training.optim import build_optimizer
+
+    config = load_config("moe-8x", ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=null",
+                                    "model.n_layers=1", "model.ffn_hidden=16", "moe.expert_hidden=8",
+                                    f"train.optimizer={optimizer}", "train.weight_decay=0.1"])
+    torch.manual_seed(0)
+    models = [MoETransformer(config.model, config.moe) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [build_optimizer(model, config.train) for model in models]
+    start_optimizer_state(optimizers[1])
+    assert torch.equal(models[0].output.weight, models[1].output.weight)  # the start moved nothing
+    for _ in range(2):
+        for model, opt in zip(models, optimizers, strict=True):
+            for param in model.parameters():
+                param.grad = torch.full_like(param, 0.01)
+            opt.step()
+    for first, second in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(first, second)
