@@ -11,14 +11,14 @@ from typing import Literal
 
 from config.schema import require
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # ``layer_types``' words (Hugging Face's)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # ``layer_types``' words (HF's)
 FEED_FORWARD_LAYER_TYPES = ("dense", "moe")  # ``mlp_layer_types``' words
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     """One layer of the model's layer pattern (``ModelConfig.layer``): which attention kind it has (a module of
-    ``moe/attention/``: ``grouped_query`` or ``latent``) with that attention's sliding window, and which
+    ``moe/attention/``: ``grouped_query``, ``latent`` or ``gated_delta``) with that attention's sliding window, and which
     feed-forward kind (``dense`` or ``moe``). Blocks are built from it, and the accounting sums over it; layers of
     one spec cost the same."""
 
@@ -91,6 +91,17 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # Gated DeltaNet linear attention (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks"; moe/attention/
+    # gated_delta.py) in the layers layer_types calls "linear_attention" (Qwen3-Next: three of every four):
+    # linear_key_heads query/key heads of linear_key_head_dim channels, linear_value_heads value heads of
+    # linear_value_head_dim (a multiple of the key heads: each key head serves that many consecutive value heads),
+    # a causal depthwise convolution over linear_conv_kernel positions, the delta rule by chunks of linear_chunk_size
+    linear_key_heads: int | None = None
+    linear_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel: int = 4
+    linear_chunk_size: int = 64
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
 
@@ -159,6 +170,8 @@ class ModelConfig:
         """Layer ``index``'s place in the layer pattern; indices n_layers + k are the multi-token-prediction modules'
         blocks (full attention, the feed-forward ``is_moe_layer`` says)."""
         attention = "latent" if self.latent_attention else "grouped_query"
+        if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
+            attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
         return LayerSpec(attention, "moe" if self.is_moe_layer(index) else "dense", window)
 
@@ -204,6 +217,7 @@ class ModelConfig:
         self._validate_rope_scaling()
         self._validate_latent_attention()
         self._validate_sliding_window()
+        self._validate_linear_attention()
 
     def _validate_mlp_layer_types(self) -> None:
         if self.mlp_layer_types is None:
@@ -224,6 +238,30 @@ class ModelConfig:
         self._require_one_per_layer("layer_types", ATTENTION_LAYER_TYPES, "layer type")
         require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
                 "model.layer_types has sliding_attention layers: set model.sliding_window (GPT-OSS: 128)")
+
+    @property
+    def linear_attention(self) -> bool:
+        """Whether some layer is Gated DeltaNet linear attention (``layer_types``' "linear_attention")."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    def _validate_linear_attention(self) -> None:
+        keys = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        if not self.linear_attention:
+            given = [key for key in keys if getattr(self, key) is not None]
+            require(not given, f"model.{given[0] if given else ''} is a linear-attention setting: it needs "
+                               "\"linear_attention\" layers in model.layer_types (or leave it null)")
+            return
+        for key in keys:
+            value = getattr(self, key)
+            require(value is not None and value > 0,
+                    f"model.{key}={value}: model.layer_types has linear_attention layers, which need a positive "
+                    "integer (Qwen3-Next: 16 key heads of 128, 32 value heads of 128)")
+        require(self.linear_value_heads % self.linear_key_heads == 0,
+                f"model.linear_value_heads={self.linear_value_heads} must be a multiple of "
+                f"model.linear_key_heads={self.linear_key_heads} (each key head serves as many value heads)")
+        require(self.linear_conv_kernel >= 1 and self.linear_chunk_size >= 1,
+                f"model.linear_conv_kernel={self.linear_conv_kernel} and model.linear_chunk_size="
+                f"{self.linear_chunk_size} must be positive (Qwen3-Next: 4 and 64)")
 
     def _require_one_per_layer(self, key: str, valid: tuple[str, ...], what: str) -> None:
         """A per-layer list of the pattern (``layer_types``, ``mlp_layer_types``): one word per layer, each valid."""

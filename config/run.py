@@ -298,9 +298,21 @@ class RunConfig:
                  f"train.qk_clip_threshold={self.train.qk_clip_threshold} with model.qk_norm=true: the per-head q/k "
                  "RMSNorm undoes any scaling of the query and key weights (and already bounds the logits), and its "
                  "gains are shared by all heads, so no head can be clipped alone; set one of them off")
+        self._validate_linear_attention()
         require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
                  "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
                  "set train.precision=bf16 (or auto), or moe.backend=torch")
+
+    def _validate_linear_attention(self) -> None:
+        """What Gated DeltaNet layers (``model.layer_types``' linear_attention) do not take yet."""
+        if not self.model.linear_attention:
+            return
+        refused = {"data.document_mask=true": self.data.document_mask, "parallel.tp > 1": self.parallel.tp > 1,
+                   "parallel.cp > 1": self.parallel.cp > 1,
+                   "train.qk_clip_threshold": self.train.qk_clip_threshold is not None}
+        for setting, given in refused.items():
+            require(not given, f"{setting} is not implemented for linear attention (model.layer_types has "
+                               "linear_attention layers) yet; turn it off")
 
     def to_dict(self) -> dict:
         return to_dict(self)

@@ -5,6 +5,8 @@ position's projections instead of the whole prefix's (the key-value cache of Pop
 Scaling Transformer Inference", sec. 2). Keys are stored rotated: RoPE depends only on a key's own position.
 Latent attention keeps its up-projected keys and values here too, as grouped-query attention does: the smaller
 cache of c + r numbers per token that MLA allows (absorbing ``wkv_b`` into the queries) is not built.
+Linear attention (``moe/attention/gated_delta.py``) keeps no keys: its cache is the recurrence's state and its
+convolution's last inputs, the same size whatever the number of positions seen.
 """
 
 from __future__ import annotations
@@ -14,15 +16,23 @@ from torch import Tensor
 
 
 class LayerCache:
-    """One attention layer's keys and values of the positions seen so far, [B, heads, S_seen, width]."""
+    """One attention layer's keys and values of the positions seen so far, [B, heads, S_seen, width]; or, for
+    linear attention, its state [B, heads, dk, dv] and the convolution's last inputs [B, channels, kernel - 1]."""
 
     def __init__(self) -> None:
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
+        self.state: Tensor | None = None
+        self.conv_inputs: Tensor | None = None
+        self.seen = 0  # positions the state has taken in (linear attention)
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self.seen if self.keys is None else self.keys.shape[2]
+
+    def advance(self, state: Tensor, new: int) -> None:
+        """Linear attention: keep the state after ``new`` more positions."""
+        self.state, self.seen = state, self.seen + new
 
     def extend(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Add the new positions' [B, heads, S_new, width] keys and values; return every key and value kept, and

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
+from moe.attention.gated_delta import GatedDeltaAttention
 from moe.attention.grouped_query import GroupedQueryAttention
 from moe.attention.latent import LatentAttention
 
-__all__ = ["KINDS", "AttentionKind", "GroupedQueryAttention", "LatentAttention", "attention_kind",
+__all__ = ["KINDS", "AttentionKind", "GatedDeltaAttention", "GroupedQueryAttention", "LatentAttention", "attention_kind",
            "build_attention"]
 
-KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention}
+KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention,
+                                         "gated_delta": GatedDeltaAttention}
 
 
 def attention_kind(layer: LayerSpec) -> type[AttentionKind]:

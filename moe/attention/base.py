@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from config.model import ModelConfig
+
 from moe.documents import Documents, rotary_tables
 from moe.kv_cache import LayerCache
 from moe.max_logits import LogitTracker, max_attention_logits
@@ -52,6 +54,14 @@ class AttentionKind(nn.Module):
         q [B, h, Sq, d] and k [B, hkv, K, d] after RoPE, over the keys each query may see."""
         if self.logit_tracker is not None and self.training and cache is None:
             self.logit_tracker.record(max_attention_logits(q, k, scale, window, documents))
+
+    @classmethod
+    def flops_per_token(cls, model: ModelConfig) -> float:
+        """Training FLOPs of one token's scores and weighted values in one layer of this kind (the projections are
+        counted with the parameters): 6 · S · nh · (qk width + v width), which is PaLM's 12 · S · nh · hd
+        (Chowdhery et al. 2022, appendix B) when queries, keys and values are hd wide; each kind states its
+        widths (``score_width``), or, where it is no softmax attention, its own count."""
+        return 6.0 * model.n_heads * cls.score_width(model) * model.seq_len
 
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         """The tensors QK-clip scales, each with the exponent of gamma for each row of a head (``training/qk_clip.py``

@@ -45,6 +45,9 @@ MLA = ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.qk_nope_head_dim
        "model.v_head_dim=5"]
 
 
+HYBRID = ["model.layer_types=[linear_attention,full_attention]", "model.linear_key_heads=2",
+          "model.linear_value_heads=4", "model.linear_key_head_dim=6", "model.linear_value_head_dim=5",
+          "model.linear_chunk_size=4"]  # Qwen3-Next's: Gated DeltaNet linear attention beside full attention
 GPT_OSS_MOE = ["moe.activation=clamped_swiglu", "moe.router_bias=true", "moe.expert_proj_bias=true"]
 GPT_OSS_ATTENTION = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
                      "model.layer_types=[sliding_attention,full_attention]"]
@@ -111,7 +114,8 @@ def test_parameter_tensors_count_router_and_expert_biases(overrides):
      "model.v_head_dim=5"],
     ["model.n_kv_heads=null", "model.q_lora_rank=10", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6",
      "model.qk_rope_head_dim=4", "model.v_head_dim=5"],
-    ["model.mtp_depth=2", "model.first_moe_layer=1", "model.moe_every=2"]])  # a dense and an MoE module
+    ["model.mtp_depth=2", "model.first_moe_layer=1", "model.moe_every=2"],  # a dense and an MoE module
+    HYBRID])
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())

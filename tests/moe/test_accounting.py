@@ -44,6 +44,10 @@ SMALL = [
                  attention_sinks=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                  seq_len=16, ffn_hidden=48),
      MoEConfig(expert_hidden=24, activation="clamped_swiglu", router_bias=True, expert_proj_bias=True)),
+    # Qwen3-Next's hybrid: Gated DeltaNet linear attention (more value heads than key heads) beside full attention
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=48,
+                 layer_types=["linear_attention", "full_attention"], linear_key_heads=2, linear_value_heads=4,
+                 linear_key_head_dim=6, linear_value_head_dim=5), MoEConfig(expert_hidden=24)),
 ]
 
 

@@ -1,0 +1,87 @@
+"""The gated delta rule, the recurrence of Gated DeltaNet linear attention, in its two forms: by chunks (training,
+and generation's first pass over the prompt) and step by step (generation's one new token).
+
+Per head, with a state S of [dk, dv] (keys to values), each position t with query q_t, key k_t (both [dk]),
+value v_t [dv], a write strength beta_t in (0, 1) and a decay exp(g_t) in (0, 1] (g_t <= 0, "log_decay"):
+
+    S_t = exp(g_t) (I - beta_t k_t k_tᵀ) S_{t-1} + beta_t k_t v_tᵀ,      o_t = S_tᵀ q_t
+
+(Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks", eq. 10): the state decays, then the value it stores
+under k_t is moved a fraction beta_t of the way toward v_t (the delta rule of Widrow & Hoff). Written with the
+correction delta_t = beta_t (v_t - exp(g_t) S_{t-1}ᵀ k_t) it is S_t = exp(g_t) S_{t-1} + k_t delta_tᵀ, which the
+step form computes as it stands.
+
+By chunks of C positions (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence
+Length", sec. 3, with the decay of Gated DeltaNet sec. 3.3): with gamma_t the sum of g over the chunk up to t
+and S_0 the state entering the chunk, unrolling the recurrence gives, for the chunk's positions at once,
+
+    (I + A) Delta = beta·V - (beta·exp(gamma)·K) S_0,   A[t, s] = beta_t exp(gamma_t - gamma_s) k_t·k_s  (s < t)
+
+so Delta = U - W S_0 with U = (I + A)^-1 beta·V and W = (I + A)^-1 beta·exp(gamma)·K (the "UT transform": one
+triangular solve per chunk, independent of S_0, so every chunk's runs in parallel); then
+
+    o_t = exp(gamma_t) S_0ᵀ q_t + sum_{s <= t} exp(gamma_t - gamma_s) (q_t·k_s) delta_s
+    S_C = exp(gamma_C) S_0 + sum_s exp(gamma_C - gamma_s) k_s delta_sᵀ
+
+leaving one short loop over the chunks, each step a few [C, dk] x [dk, dv] matmuls. All of it in fp32.
+Shapes: B sequences, H heads, S positions; q, k [B, H, S, dk], v [B, H, S, dv], log_decay and beta [B, H, S],
+state [B, H, dk, dv].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def chunked_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, chunk_size: int,
+                             state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The outputs [B, H, S, dv] and the final state of the gated delta rule from ``state`` (zeros if None), by
+    chunks of ``chunk_size`` positions. A last partial chunk is padded with positions that change nothing
+    (zero key and value, beta 0, no decay) and their outputs dropped."""
+    batch, heads, seq, dk = k.shape
+    dv = v.shape[-1]
+    pad = -seq % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    log_decay, beta = F.pad(log_decay, (0, pad)), F.pad(beta, (0, pad))
+    chunks = (seq + pad) // chunk_size
+    q, k, v = (x.reshape(batch, heads, chunks, chunk_size, -1) for x in (q, k, v))
+    gamma = log_decay.reshape(batch, heads, chunks, chunk_size).cumsum(-1)  # decay from the chunk's start, in logs
+    beta = beta.reshape(batch, heads, chunks, chunk_size, 1)
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # exp(gamma_t - gamma_s) for s <= t: masked before exp, so that no later position's (positive) gap overflows
+    gaps = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta
+    system = ((k_beta @ k.mT) * gaps).tril(-1)  # A; the solve takes the unit diagonal of I + A as given
+    u = torch.linalg.solve_triangular(system, v * beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    scores = (q @ k.mT) * gaps  # [B, H, n, C, C]
+    q_from_start = q * gamma.exp().unsqueeze(-1)
+    k_to_end = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
+    if state is None:
+        state = q.new_zeros(batch, heads, dk, dv)
+    outputs = []
+    for i in range(chunks):
+        delta = u[:, :, i] - w[:, :, i] @ state
+        outputs.append(q_from_start[:, :, i] @ state + scores[:, :, i] @ delta)
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].mT @ delta
+    out = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * chunk_size, dv)
+    return out[:, :, :seq], state
+
+
+def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor,
+                               state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The same outputs and final state, one position at a time (the form generation's single new token takes)."""
+    batch, heads, seq, dk = k.shape
+    if state is None:
+        state = q.new_zeros(batch, heads, dk, v.shape[-1])
+    outputs = []
+    for t in range(seq):
+        state = state * log_decay[:, :, t].exp()[..., None, None]
+        key = k[:, :, t]
+        delta = beta[:, :, t, None] * (v[:, :, t] - (key.unsqueeze(-2) @ state).squeeze(-2))
+        state = state + key.unsqueeze(-1) * delta.unsqueeze(-2)
+        outputs.append((q[:, :, t].unsqueeze(-2) @ state).squeeze(-2))
+    return torch.stack(outputs, dim=2), state

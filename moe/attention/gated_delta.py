@@ -1,0 +1,189 @@
+"""Gated DeltaNet linear attention (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks"; Qwen3-Next's and
+Qwen3.5-MoE's "linear_attention" layers), and what it costs.
+
+Instead of attending to every earlier position, each head keeps a [dk, dv] state that every position decays and
+corrects (the gated delta rule, ``moe/attention/delta_rule.py``) and reads with its query: a token costs the same
+at any position, and generation's cache is the state alone, constant in the sequence's length.
+
+Shapes: B sequences, S positions, D = d_model, nk key heads of dk (queries have as many), nv value heads of dv
+(each key head serves r = nv / nk consecutive value heads), C = nk·dk + nk·dk + nv·dv convolution channels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from config.model import LayerSpec, ModelConfig
+from moe.attention.base import AttentionKind
+from moe.attention.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from moe.documents import Documents
+from moe.kv_cache import LayerCache
+from moe.norm import RMSNorm
+from moe.param_tensors import ParamTensor
+from moe.saved_activations import FP32, MicroBatch, linear_input_bytes
+
+L2_EPS = 1e-6  # inside the square root of q's and k's L2 norms (the fla kernels' and Qwen3-Next's value)
+
+
+class GatedDeltaAttention(AttentionKind):
+    """One Gated DeltaNet layer: projections of the block input to queries ``wq``, keys ``wk``, values ``wv``, the
+    output gate ``wz`` (per value channel), the write strength ``wb`` (beta = sigmoid, per value head) and the
+    decay input ``wa``; a short causal depthwise convolution over the last ``linear_conv_kernel`` positions of
+    each q, k and v channel (``conv_q``, ``conv_k``, ``conv_v``: [channels, kernel], no bias), then SiLU; q and k
+    L2-normalised per head, q scaled by dk^-0.5; the decay per value head and position
+    g = -exp(``log_decay_rate``) · softplus(wa x + ``decay_bias``) (Mamba-2's discretisation, as Gated DeltaNet
+    takes it); the delta rule over the sequence; each value head's output RMS-normalised (``out_norm``, one
+    weight [dv] shared by the heads) and gated by SiLU(z); ``wo`` back to D.
+
+    No rotary positions: the convolution and the recurrence's order carry them (``cos``, ``sin`` are unused).
+    Training computes the rule by chunks of ``linear_chunk_size``; in generation the state and the convolution's
+    last inputs live in the ``LayerCache``, a prompt runs by chunks from them and a single new token by the
+    step form. Every parameter but ``out_norm`` and ``wo`` is per head (or per channel), so tensor parallelism
+    can split them with the heads, each key head with its value heads.
+    """
+
+    def __init__(self, config: ModelConfig, layer: LayerSpec):
+        super().__init__()
+        d = config.d_model
+        self.key_heads, self.value_heads = config.linear_key_heads, config.linear_value_heads
+        self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.kernel, self.chunk_size = config.linear_conv_kernel, config.linear_chunk_size
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        self.wq = nn.Linear(d, keys, bias=False)
+        self.wk = nn.Linear(d, keys, bias=False)
+        self.wv = nn.Linear(d, values, bias=False)
+        self.wz = nn.Linear(d, values, bias=False)
+        self.wb = nn.Linear(d, self.value_heads, bias=False)
+        self.wa = nn.Linear(d, self.value_heads, bias=False)
+        self.conv_q = nn.Parameter(torch.empty(keys, self.kernel))
+        self.conv_k = nn.Parameter(torch.empty(keys, self.kernel))
+        self.conv_v = nn.Parameter(torch.empty(values, self.kernel))
+        self.decay_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.log_decay_rate = nn.Parameter(torch.zeros(self.value_heads))
+        self.out_norm = RMSNorm(self.value_dim, eps=config.norm_eps)
+        self.wo = nn.Linear(values, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> Tensor:
+        """x: [B, S, D] (the interface of ``AttentionKind``; no rotary tables are read)."""
+        if documents is not None:
+            raise NotImplementedError("linear attention does not take packed documents or context parallelism yet "
+                                      "(the config refuses both: config/run.py)")
+        batch, seq, _ = x.shape
+        qkv = self._convolve(torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1), cache)
+        q, k, v = qkv.split([self.conv_q.shape[0], self.conv_k.shape[0], self.conv_v.shape[0]], dim=-1)
+        repeat = v.shape[-1] // self.value_dim // (q.shape[-1] // self.key_dim)
+        q, k = (_l2_normalised(t.view(batch, seq, -1, self.key_dim)).repeat_interleave(repeat, dim=2)
+                for t in (q, k))
+        v = v.view(batch, seq, -1, self.value_dim)
+        beta = torch.sigmoid(self.wb(x).float())
+        log_decay = -self.log_decay_rate.float().exp() * F.softplus(self.wa(x).float() + self.decay_bias.float())
+        q, k, v, beta, log_decay = (t.transpose(1, 2).float() for t in (q, k, v, beta, log_decay))  # heads first
+        state = None if cache is None else cache.state
+        if cache is not None and seq == 1 and state is not None:
+            out, state = recurrent_gated_delta_rule(q * self.key_dim ** -0.5, k, v, log_decay, beta, state)
+        else:
+            out, state = chunked_gated_delta_rule(q * self.key_dim ** -0.5, k, v, log_decay, beta,
+                                                  self.chunk_size, state)
+        if cache is not None:
+            cache.advance(state, seq)
+        out = out.transpose(1, 2).to(x.dtype)  # [B, S, nv, dv]
+        gate = self.wz(x).view(batch, seq, -1, self.value_dim)
+        return self.wo((self.out_norm(out) * F.silu(gate)).reshape(batch, seq, -1))
+
+    def _convolve(self, qkv: Tensor, cache: LayerCache | None) -> Tensor:
+        """The causal depthwise convolution of [B, S, C] over each channel's last ``kernel`` positions, then SiLU:
+        before the first position, zeros, or in generation the inputs the cache kept (which it then updates)."""
+        weight = torch.cat((self.conv_q, self.conv_k, self.conv_v)).unsqueeze(1)  # [C, 1, kernel]
+        channels_first = qkv.transpose(1, 2)
+        if cache is None or cache.conv_inputs is None:
+            past = channels_first.new_zeros(*channels_first.shape[:2], self.kernel - 1)
+        else:
+            past = cache.conv_inputs
+        padded = torch.cat((past, channels_first), dim=-1)
+        if cache is not None:
+            cache.conv_inputs = padded[..., padded.shape[-1] - (self.kernel - 1):]
+        return F.silu(F.conv1d(padded, weight.to(padded.dtype), groups=weight.shape[0])).transpose(1, 2)
+
+    # What this kind costs, stated beside its forward and summed over the layer pattern by ``analysis/`` and
+    # ``moe/accounting.py`` (``tests/moe/test_gated_delta.py`` holds them to the module).
+
+    @staticmethod
+    def parameter_tensors(model: ModelConfig, i: int | None) -> list[ParamTensor]:
+        """Layer i's weights in the module's order (its own parameters, then its submodules') and how tp would cut
+        them: the convolutions, the per-head decay parameters and the projections to q, k, v, z, beta and a by
+        heads (dim 0), ``out_norm`` whole, ``wo`` by its input."""
+        d, kernel = model.d_model, model.linear_conv_kernel
+        keys = model.linear_key_heads * model.linear_key_head_dim
+        heads = model.linear_value_heads
+        values = heads * model.linear_value_head_dim
+        return [ParamTensor("attention", i, (keys, kernel), 0), ParamTensor("attention", i, (keys, kernel), 0),
+                ParamTensor("attention", i, (values, kernel), 0), ParamTensor("attention", i, (heads,), 0),
+                ParamTensor("attention", i, (heads,), 0),
+                ParamTensor("attention", i, (keys, d), 0), ParamTensor("attention", i, (keys, d), 0),
+                ParamTensor("attention", i, (values, d), 0), ParamTensor("attention", i, (values, d), 0),
+                ParamTensor("attention", i, (heads, d), 0), ParamTensor("attention", i, (heads, d), 0),
+                ParamTensor("norm", i, (model.linear_value_head_dim,)), ParamTensor("attention", i, (d, values), 1)]
+
+    @staticmethod
+    def score_width(model: ModelConfig) -> int:
+        """Not a softmax attention's width: ``flops_per_token`` counts this kind's mixing FLOPs itself."""
+        return 0
+
+    @staticmethod
+    def flops_per_token(model: ModelConfig) -> float:
+        """Training FLOPs of one token's delta rule (3 x its forward's matmuls, by chunks of c = min(chunk, S)),
+        per value head: the chunk's k·k and q·k products (2·c·dk each), the two triangular solves (c·dv, c·dk),
+        the scores times the corrections (2·c·dv), and three [dk, dv] products with the state (6·dk·dv). Linear
+        in S over a sequence, unlike softmax attention's quadratic cost."""
+        c = min(model.linear_chunk_size, model.seq_len)
+        dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+        return 3.0 * model.linear_value_heads * (c * (5 * dk + 3 * dv) + 6 * dk * dv)
+
+    @staticmethod
+    def projection_gemms(model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
+        """The projections' matmuls on one rank, (count, M, K, N): wq, wk; wv, wz; wb, wa split by heads, wo by
+        its input."""
+        d, heads = model.d_model, model.linear_value_heads // tp
+        keys = model.linear_key_heads // tp * model.linear_key_head_dim
+        values = heads * model.linear_value_head_dim
+        return [(2, tokens, d, keys), (2, tokens, d, values), (2, tokens, d, heads), (1, tokens, values, d)]
+
+    @staticmethod
+    def sequence_gather_width(model: ModelConfig, tp: int) -> int:
+        """Nothing per position: the recurrence needs no other position's keys (context parallelism, which would
+        hand the state on instead, is refused for this kind today)."""
+        return 0
+
+    @staticmethod
+    def input_gradient_sums(model: ModelConfig) -> tuple[tuple[str, int], ...] | None:
+        """Every projection reads the block input column-parallel: nothing of its own."""
+        return None
+
+    @staticmethod
+    def saved_bytes(model: ModelConfig, layer: LayerSpec, tp: int, mb: MicroBatch) -> int:
+        """An estimate, not yet held to measurement: the block input (once, fp32, or one cast per projection
+        under bf16), the convolution's padded input and output, the normalised q and k repeated to the value
+        heads, the chunked rule's per-chunk [c, c] matrices (three) and [c, dk + dv] operands, the state entering
+        each chunk, the gated norm's input and gate, and wo's input."""
+        t, a = mb.tokens, mb.compute
+        heads, keys = model.linear_value_heads // tp, model.linear_key_heads // tp * model.linear_key_head_dim
+        dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+        channels = 2 * keys + heads * dv
+        c = model.linear_chunk_size
+        chunks = -(-mb.positions // c) * mb.sequences
+        total = linear_input_bytes(mb, model.d_model, 6)
+        total += 2 * t * channels * a
+        total += FP32 * heads * (t * (4 * dk + 3 * dv + 4) + chunks * (3 * c * c + dk * dv))
+        return total + 3 * t * heads * dv * a
+
+    def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
+        raise NotImplementedError("QK-clip has no logits to clip in linear attention (its q and k are "
+                                  "L2-normalised); the config refuses train.qk_clip_threshold with it")
+
+
+def _l2_normalised(x: Tensor) -> Tensor:
+    """x / sqrt(|x|² + eps) over the last dim (the L2 norm Gated DeltaNet puts on its queries and keys)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
