@@ -18,8 +18,8 @@ FEED_FORWARD_LAYER_TYPES = ("dense", "moe")  # ``mlp_layer_types``' words
 @dataclass(frozen=True)
 class LayerSpec:
     """One layer of the model's layer pattern (``ModelConfig.layer``): which attention kind it has (a module of
-    ``moe/attention/``: ``grouped_query``, ``latent`` or ``gated_delta``) with that attention's sliding window, and which
-    feed-forward kind (``dense`` or ``moe``). Blocks are built from it, and the accounting sums over it; layers of
+    ``moe/attention/``: ``grouped_query``, ``latent`` or ``gated_delta``) with that attention's sliding window, and
+    which feed-forward kind (``dense`` or ``moe``). Blocks are built from it, and the accounting sums over it; layers of
     one spec cost the same."""
 
     attention: str

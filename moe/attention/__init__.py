@@ -16,8 +16,8 @@ from moe.attention.gated_delta import GatedDeltaAttention
 from moe.attention.grouped_query import GroupedQueryAttention
 from moe.attention.latent import LatentAttention
 
-__all__ = ["KINDS", "AttentionKind", "GatedDeltaAttention", "GroupedQueryAttention", "LatentAttention", "attention_kind",
-           "build_attention"]
+__all__ = ["KINDS", "AttentionKind", "GatedDeltaAttention", "GroupedQueryAttention", "LatentAttention",
+           "attention_kind", "build_attention"]
 
 KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention,
                                          "gated_delta": GatedDeltaAttention}

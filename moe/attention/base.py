@@ -17,7 +17,6 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from config.model import ModelConfig
-
 from moe.documents import Documents, rotary_tables
 from moe.kv_cache import LayerCache
 from moe.max_logits import LogitTracker, max_attention_logits
