@@ -23,9 +23,15 @@ triangular solve per chunk, independent of S_0, so every chunk's runs in paralle
     o_t = exp(gamma_t) S_0ᵀ q_t + sum_{s <= t} exp(gamma_t - gamma_s) (q_t·k_s) delta_s
     S_C = exp(gamma_C) S_0 + sum_s exp(gamma_C - gamma_s) k_s delta_sᵀ
 
-leaving one short loop over the chunks, each step a few [C, dk] x [dk, dv] matmuls. All of it in fp32.
-Shapes: B sequences, H heads, S positions; q, k [B, H, S, dk], v [B, H, S, dv], log_decay and beta [B, H, S],
-state [B, H, dk, dv].
+leaving one short loop over the chunks, each step a few [C, dk] x [dk, dv] matmuls. All of it in fp32, whatever
+the autocast around it.
+
+In training (``gated_delta_rule``) autograd keeps only the rule's inputs: backward computes the chunks' matrices
+again from them (each [C, C] per chunk and head, several of them, plus the per-chunk operands: a few times the
+inputs' size), as the fla kernels do, so that a layer saves what its memory model states exactly.
+
+Shapes: B sequences, H value heads, Hk key heads (H a multiple: each key head serves H / Hk consecutive value
+heads), S positions; q, k [B, Hk, S, dk], v [B, H, S, dv], log_decay and beta [B, H, S], state [B, H, dk, dv].
 """
 
 from __future__ import annotations
@@ -35,11 +41,43 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, chunk_size: int,
+                     state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``chunked_gated_delta_rule`` in fp32; where a gradient is wanted, one that saves only its inputs."""
+    inputs = [t.float() for t in (q, k, v, log_decay, beta)] + ([] if state is None else [state.float()])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _RecomputedRule.apply(chunk_size, *inputs)
+    with torch.autocast(q.device.type, enabled=False):
+        return chunked_gated_delta_rule(*inputs[:5], chunk_size, *inputs[5:])
+
+
+class _RecomputedRule(torch.autograd.Function):
+    """The chunked rule, saving its inputs alone; backward computes it again with autograd and differentiates."""
+
+    @staticmethod
+    def forward(ctx, chunk_size: int, *inputs: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(*inputs)
+        with torch.autocast(inputs[0].device.type, enabled=False):
+            return chunked_gated_delta_rule(*inputs[:5], chunk_size, *inputs[5:])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, grad_state: Tensor) -> tuple[Tensor | None, ...]:
+        inputs = [t.detach().requires_grad_(needed) for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[1:],
+                                                                          strict=True)]
+        with torch.enable_grad(), torch.autocast(inputs[0].device.type, enabled=False):
+            out, state = chunked_gated_delta_rule(*inputs[:5], ctx.chunk_size, *inputs[5:])
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad((out, state), wanted, (grad_out, grad_state)))
+        return None, *(next(grads) if t.requires_grad else None for t in inputs)
+
+
 def chunked_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, chunk_size: int,
                              state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The outputs [B, H, S, dv] and the final state of the gated delta rule from ``state`` (zeros if None), by
     chunks of ``chunk_size`` positions. A last partial chunk is padded with positions that change nothing
     (zero key and value, beta 0, no decay) and their outputs dropped."""
+    q, k = _to_value_heads(q, v), _to_value_heads(k, v)
     batch, heads, seq, dk = k.shape
     dv = v.shape[-1]
     pad = -seq % chunk_size
@@ -74,6 +112,7 @@ def chunked_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor,
 def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor,
                                state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The same outputs and final state, one position at a time (the form generation's single new token takes)."""
+    q, k = _to_value_heads(q, v), _to_value_heads(k, v)
     batch, heads, seq, dk = k.shape
     if state is None:
         state = q.new_zeros(batch, heads, dk, v.shape[-1])
@@ -85,3 +124,8 @@ def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tenso
         state = state + key.unsqueeze(-1) * delta.unsqueeze(-2)
         outputs.append((q[:, :, t].unsqueeze(-2) @ state).squeeze(-2))
     return torch.stack(outputs, dim=2), state
+
+
+def _to_value_heads(x: Tensor, v: Tensor) -> Tensor:
+    """Queries or keys [B, Hk, S, dk] repeated to v's H heads, each key head to its H / Hk consecutive ones."""
+    return x if x.shape[1] == v.shape[1] else x.repeat_interleave(v.shape[1] // x.shape[1], dim=1)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
-from moe.attention.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from moe.attention.delta_rule import gated_delta_rule, recurrent_gated_delta_rule
 from moe.documents import Documents
 from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm
@@ -72,21 +72,19 @@ class GatedDeltaAttention(AttentionKind):
             raise NotImplementedError("linear attention does not take packed documents or context parallelism yet "
                                       "(the config refuses both: config/run.py)")
         batch, seq, _ = x.shape
-        qkv = self._convolve(torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1), cache)
+        qkv = self._convolve(torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1), cache).float()
         q, k, v = qkv.split([self.conv_q.shape[0], self.conv_k.shape[0], self.conv_v.shape[0]], dim=-1)
-        repeat = v.shape[-1] // self.value_dim // (q.shape[-1] // self.key_dim)
-        q, k = (_l2_normalised(t.view(batch, seq, -1, self.key_dim)).repeat_interleave(repeat, dim=2)
-                for t in (q, k))
+        q = _l2_normalised(q.view(batch, seq, -1, self.key_dim)) * self.key_dim ** -0.5
+        k = _l2_normalised(k.view(batch, seq, -1, self.key_dim))
         v = v.view(batch, seq, -1, self.value_dim)
         beta = torch.sigmoid(self.wb(x).float())
         log_decay = -self.log_decay_rate.float().exp() * F.softplus(self.wa(x).float() + self.decay_bias.float())
-        q, k, v, beta, log_decay = (t.transpose(1, 2).float() for t in (q, k, v, beta, log_decay))  # heads first
+        q, k, v, beta, log_decay = (t.transpose(1, 2) for t in (q, k, v, beta, log_decay))  # heads first
         state = None if cache is None else cache.state
         if cache is not None and seq == 1 and state is not None:
-            out, state = recurrent_gated_delta_rule(q * self.key_dim ** -0.5, k, v, log_decay, beta, state)
+            out, state = recurrent_gated_delta_rule(q, k, v, log_decay, beta, state)
         else:
-            out, state = chunked_gated_delta_rule(q * self.key_dim ** -0.5, k, v, log_decay, beta,
-                                                  self.chunk_size, state)
+            out, state = gated_delta_rule(q, k, v, log_decay, beta, self.chunk_size, state)
         if cache is not None:
             cache.advance(state, seq)
         out = out.transpose(1, 2).to(x.dtype)  # [B, S, nv, dv]
@@ -164,20 +162,26 @@ class GatedDeltaAttention(AttentionKind):
 
     @staticmethod
     def saved_bytes(model: ModelConfig, layer: LayerSpec, tp: int, mb: MicroBatch) -> int:
-        """An estimate, not yet held to measurement: the block input (once, fp32, or one cast per projection
-        under bf16), the convolution's padded input and output, the normalised q and k repeated to the value
-        heads, the chunked rule's per-chunk [c, c] matrices (three) and [c, dk + dv] operands, the state entering
-        each chunk, the gated norm's input and gate, and wo's input."""
-        t, a = mb.tokens, mb.compute
-        heads, keys = model.linear_value_heads // tp, model.linear_key_heads // tp * model.linear_key_head_dim
-        dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
-        channels = 2 * keys + heads * dv
-        c = model.linear_chunk_size
-        chunks = -(-mb.positions // c) * mb.sequences
+        """On this rank's heads, with C = 2·nk·dk + nv·dv channels: the block input read by the six projections
+        (``linear_input_bytes``); the convolution's input, zero-padded by kernel - 1 positions, and its output
+        (SiLU's input), in the compute dtype, and its concatenated weight [C, kernel] (under bf16 its one cast,
+        which the weights' autocast copies count: ``ParamTensor.autocast_copy``); SiLU's output in fp32 (under bf16
+        its fp32 copy), of which v is a view; the L2 norms' inverses [T, nk] for q and k and the normalised q
+        (scaled) and k; beta, softplus's input and output and the decay, [T, nv] each, with the decay rate's
+        exp and its negation [nv]; the delta rule's output [T, nv·dv] fp32, which the gated norm saves with
+        its rstd, the norm's output, the gate and its SiLU (compute dtype), and wo's input. The delta rule saves
+        nothing else (``moe/attention/delta_rule.py``: backward computes its chunks again)."""
+        t, a, fp32 = mb.tokens, mb.compute, FP32
+        key_heads, value_heads = model.linear_key_heads // tp, model.linear_value_heads // tp
+        dk, dv, kernel = model.linear_key_head_dim, model.linear_value_head_dim, model.linear_conv_kernel
+        channels = 2 * key_heads * dk + value_heads * dv
         total = linear_input_bytes(mb, model.d_model, 6)
-        total += 2 * t * channels * a
-        total += FP32 * heads * (t * (4 * dk + 3 * dv + 4) + chunks * (3 * c * c + dk * dv))
-        return total + 3 * t * heads * dv * a
+        total += 0 if mb.bf16 else channels * kernel * fp32  # bf16: the weights' autocast copies (ParamTensor)
+        total += (mb.sequences * channels * (mb.positions + kernel - 1) + t * channels) * a
+        total += t * channels * fp32 + 2 * t * key_heads * (dk + 1) * fp32
+        total += (4 * t * value_heads + 2 * value_heads) * fp32
+        total += t * value_heads * (2 * dv + 1) * fp32 + 3 * t * value_heads * dv * a
+        return total
 
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         raise NotImplementedError("QK-clip has no logits to clip in linear attention (its q and k are "

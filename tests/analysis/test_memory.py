@@ -179,6 +179,8 @@ SINGLE = {
                                                                  "moe.force_balance=true"]),
     "bf16, GPT-OSS attention, blocked window": ("bf16", [*GPT_OSS_ATTENTION, "model.sliding_window=4",
                                                          "moe.force_balance=true"]),
+    "Gated DeltaNet linear attention beside full attention": ("fp32", [*HYBRID, "moe.force_balance=true"]),
+    "bf16, Gated DeltaNet linear attention": ("bf16", [*HYBRID, "moe.force_balance=true"]),
 }
 
 

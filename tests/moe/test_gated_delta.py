@@ -11,7 +11,7 @@ from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig
 from inference.generate import generate
 from moe.attention import GatedDeltaAttention, build_attention
-from moe.attention.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from moe.attention.delta_rule import chunked_gated_delta_rule, gated_delta_rule, recurrent_gated_delta_rule
 from moe.kv_cache import LayerCache
 from moe.transformer import MoETransformer
 
@@ -25,7 +25,10 @@ HYBRID = dict(d_model=24, n_layers=2, n_heads=3, layer_types=["linear_attention"
 
 def naive_gated_delta_rule(q, k, v, log_decay, beta):
     """The paper's recurrence as written (Gated DeltaNet eq. 10), one position at a time with whole matrices:
-    S_t = exp(g_t) (I - beta_t k_t k_tᵀ) S_{t-1} + beta_t k_t v_tᵀ, o_t = S_tᵀ q_t."""
+    S_t = exp(g_t) (I - beta_t k_t k_tᵀ) S_{t-1} + beta_t k_t v_tᵀ, o_t = S_tᵀ q_t; key head h serves value
+    heads h·r .. h·r + r - 1."""
+    repeat = v.shape[1] // k.shape[1]
+    q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
     batch, heads, seq, dk = k.shape
     state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float64)
     eye = torch.eye(dk, dtype=torch.float64)
@@ -39,11 +42,12 @@ def naive_gated_delta_rule(q, k, v, log_decay, beta):
     return torch.stack(outputs, dim=2), state
 
 
-def rule_inputs(seq, heads=3, dk=8, dv=6, seed=0):
-    """q, k (L2-normalised), v [B, H, S, d], log_decay <= 0 and beta in (0, 1) [B, H, S], requiring gradients."""
+def rule_inputs(seq, heads=4, key_heads=2, dk=8, dv=6, seed=0):
+    """q, k (L2-normalised) [B, Hk, S, dk], v [B, H, S, dv], log_decay <= 0 and beta in (0, 1) [B, H, S],
+    requiring gradients."""
     generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, heads, seq, dk, generator=generator) * dk ** -0.5
-    k = torch.nn.functional.normalize(torch.randn(2, heads, seq, dk, generator=generator), dim=-1)
+    q = torch.randn(2, key_heads, seq, dk, generator=generator) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(2, key_heads, seq, dk, generator=generator), dim=-1)
     v = torch.randn(2, heads, seq, dv, generator=generator)
     log_decay = -torch.rand(2, heads, seq, generator=generator)
     beta = torch.rand(2, heads, seq, generator=generator)
@@ -71,10 +75,11 @@ def hf_rule(chunked):
     return rule
 
 
-OURS = {"chunked": lambda *x: chunked_gated_delta_rule(*x, chunk_size=4), "recurrent": recurrent_gated_delta_rule}
+OURS = {"chunked": lambda *x: chunked_gated_delta_rule(*x, chunk_size=4), "recurrent": recurrent_gated_delta_rule,
+        "recomputed in backward": lambda *x: gated_delta_rule(*x, chunk_size=4)}
 
 
-@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+@pytest.mark.parametrize("form", OURS)
 @pytest.mark.parametrize("seq", [1, 11])  # not a multiple of the chunk
 def test_delta_rule_matches_naive_recurrence_and_transformers(form, seq):
     inputs = rule_inputs(seq)
