@@ -47,6 +47,9 @@ class ModelConfig:
     # GPT-OSS's attention sinks: one learned logit per head that joins each softmax's denominator, with no value
     # (a query may attend to "nothing"; Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks")
     attention_sinks: bool = False
+    # a sigmoid gate on each attention output channel, from its own projection of the block input, before wo
+    # (Qwen3-Next's gated attention: Qiu et al. 2025, "Gated Attention for Large Language Models")
+    attn_output_gate: bool = False
     # The layer pattern (``layer``): each layer's attention and feed-forward, as Hugging Face's layer_types and
     # mlp_layer_types say them. Sliding-window attention: in a "sliding_attention" layer a query sees itself and the
     # sliding_window - 1 positions before it. layer_types gives each layer's attention ("full_attention" or
@@ -313,7 +316,7 @@ class ModelConfig:
         require(not self.qk_norm, "model.qk_norm=true does not apply to latent attention (its latents are "
                                   "normalised instead): set it false")
         require(not self.qkv_bias, "model.qkv_bias=true does not apply to latent attention: set it false")
-        for key in ("attn_output_bias", "attention_sinks"):
+        for key in ("attn_output_bias", "attention_sinks", "attn_output_gate"):
             require(not getattr(self, key), f"model.{key}=true is not implemented for latent attention: set it false")
         require(self.sliding_window is None, f"model.sliding_window={self.sliding_window} is not implemented for "
                                              "latent attention: leave it null")
@@ -349,6 +352,9 @@ class MoEConfig:
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0  # the routed experts' combine weights are multiplied by it (DeepSeek-V3: 2.5)
     num_shared_experts: int = 0  # DeepSeek-style experts that see every token
+    # the shared experts' output scaled per token by sigmoid(a learned [1, D] projection of the token) (Qwen2-MoE,
+    # Qwen3-Next)
+    shared_expert_gate: bool = False
     shared_expert_hidden: int | None = None  # None = expert_hidden * num_shared_experts
     force_balance: bool = False  # DEBUG/BENCHMARK ONLY: round-robin assignment ignoring the router
     # how experts compute their grouped GEMMs (``moe/experts.py``): torch's grouped_mm, megablocks' grouped_gemm
@@ -394,6 +400,8 @@ class MoEConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             require(getattr(self, name) >= 0, f"moe.{name} must be >= 0, got {getattr(self, name)}")
         require(self.num_shared_experts >= 0, "moe.num_shared_experts must be >= 0")
+        require(not self.shared_expert_gate or self.num_shared_experts > 0,
+                "moe.shared_expert_gate=true gates the shared experts: set moe.num_shared_experts (Qwen3-Next: 1)")
         require(
             self.shared_expert_hidden is None or self.shared_expert_hidden > 0,
             "moe.shared_expert_hidden must be positive or null",

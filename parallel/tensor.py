@@ -149,6 +149,8 @@ def _grouped_query_plan(block: Block, stream: Placement) -> dict:
     plan = {"attn": _shared_input(stream, num_inputs=3), "attn.wq": ColwiseParallel(),
             "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=stream)}
+    if block.attn.wg is not None:
+        plan["attn.wg"] = ColwiseParallel()
     if block.attn.q_norm is not None:
         plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                      "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})

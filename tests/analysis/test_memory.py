@@ -48,6 +48,8 @@ MLA = ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.qk_nope_head_dim
 HYBRID = ["model.layer_types=[linear_attention,full_attention]", "model.linear_key_heads=2",
           "model.linear_value_heads=4", "model.linear_key_head_dim=6", "model.linear_value_head_dim=5",
           "model.linear_chunk_size=4"]  # Qwen3-Next's: Gated DeltaNet linear attention beside full attention
+QWEN3_NEXT = ["model.attn_output_gate=true", "model.qk_norm=true", "model.rotary_dim=4",
+              "moe.num_shared_experts=1", "moe.shared_expert_gate=true"]
 GPT_OSS_MOE = ["moe.activation=clamped_swiglu", "moe.router_bias=true", "moe.expert_proj_bias=true"]
 GPT_OSS_ATTENTION = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
                      "model.layer_types=[sliding_attention,full_attention]"]
@@ -115,7 +117,7 @@ def test_parameter_tensors_count_router_and_expert_biases(overrides):
     ["model.n_kv_heads=null", "model.q_lora_rank=10", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6",
      "model.qk_rope_head_dim=4", "model.v_head_dim=5"],
     ["model.mtp_depth=2", "model.first_moe_layer=1", "model.moe_every=2"],  # a dense and an MoE module
-    HYBRID])
+    HYBRID, [*HYBRID, *QWEN3_NEXT]])
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
@@ -181,6 +183,9 @@ SINGLE = {
                                                          "moe.force_balance=true"]),
     "Gated DeltaNet linear attention beside full attention": ("fp32", [*HYBRID, "moe.force_balance=true"]),
     "bf16, Gated DeltaNet linear attention": ("bf16", [*HYBRID, "moe.force_balance=true"]),
+    # Qwen3-Next's other parts: gated attention, partial rotary, q/k norms, a gated shared expert
+    "Qwen3-Next: gated attention, gated shared expert": ("fp32", [*HYBRID, *QWEN3_NEXT, "moe.force_balance=true"]),
+    "bf16, Qwen3-Next": ("bf16", [*HYBRID, *QWEN3_NEXT, "moe.force_balance=true"]),
 }
 
 

@@ -48,6 +48,11 @@ SMALL = [
     (ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=48,
                  layer_types=["linear_attention", "full_attention"], linear_key_heads=2, linear_value_heads=4,
                  linear_key_head_dim=6, linear_value_head_dim=5), MoEConfig(expert_hidden=24)),
+    # and its gated attention and gated shared expert
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True, rotary_dim=4,
+                 attn_output_gate=True, seq_len=16, ffn_hidden=48, layer_types=["linear_attention", "full_attention"],
+                 linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5),
+     MoEConfig(expert_hidden=24, num_shared_experts=1, shared_expert_gate=True)),
 ]
 
 
