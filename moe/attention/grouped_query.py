@@ -54,7 +54,8 @@ class GroupedQueryAttention(AttentionKind):
         self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=config.attn_output_bias)
-        self.wg = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False) if config.attn_output_gate else None
+        gated = config.attn_output_gate
+        self.wg = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False) if gated else None
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if config.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
@@ -130,7 +131,8 @@ class GroupedQueryAttention(AttentionKind):
         """The projections' matmuls on one rank, (count, M, K, N): wq (and the gate's wg), wk, wv split by heads,
         wo by its input."""
         d, heads, hd = model.d_model, model.n_heads // tp, model.head_size
-        return [(1 + model.attn_output_gate, tokens, d, heads * hd), (2, tokens, d, model.kv_heads * hd // tp), (1, tokens, heads * hd, d)]
+        return [(1 + model.attn_output_gate, tokens, d, heads * hd), (2, tokens, d, model.kv_heads * hd // tp),
+                (1, tokens, heads * hd, d)]
 
     @staticmethod
     def sequence_gather_width(model: ModelConfig, tp: int) -> int:
