@@ -31,7 +31,7 @@ from config.cli import add_config_arguments, add_overwrite, check_outputs, comma
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
-from interop import fp8, hf_deepseek_v3, hf_glm4_moe, hf_gpt_oss, hf_mixtral, hf_qwen3_moe, mxfp4
+from interop import fp8, hf_deepseek_v3, hf_glm4_moe, hf_gpt_oss, hf_mixtral, hf_qwen3_moe, hf_qwen3_next, mxfp4
 from interop.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
@@ -54,7 +54,8 @@ from storage.files import atomic_folder
 
 # the families we convert, by the architecture config.json names; export tries them in this order
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
-    hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY, hf_gpt_oss.FAMILY)}
+    hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY, hf_gpt_oss.FAMILY,
+    hf_qwen3_next.FAMILY)}
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -140,6 +141,8 @@ class HFWeights:
         first = self._hf_shape(source.names[0])
         if source.kind == "copy" and source.columns is not None:
             return (*first[:-1], first[-1] // source.columns[1])
+        if source.kind == "copy" and source.rows is not None:
+            return (len(source.rows), *first[1:])
         if source.kind == "copy":
             return first
         for hf_name in source.names[1:]:
@@ -151,7 +154,7 @@ class HFWeights:
 
     def dtype(self, name: str) -> torch.dtype:
         source = self._source(name)
-        if source.kind == "zeros":
+        if source.kind == "zeros" or source.offset:
             return torch.float32
         if self._packed(source.names[0]):
             return torch.bfloat16  # dequantised as read
@@ -173,6 +176,8 @@ class HFWeights:
             *outer, cols = box
             span = self._hf_box(source.names[0], (*outer, slice(cols.start * parts, cols.stop * parts)))
             return span[..., part::parts]
+        if source.kind == "copy" and source.offset:
+            return self._hf_box(source.names[0], box).float() + source.offset
         if source.kind == "copy" and source.rows is None:
             return self._hf_box(source.names[0], box)
         if source.kind == "copy":  # our rows [r0:r1] are HF rows rows[r0:r1]: read their span, then pick
@@ -303,11 +308,13 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
 
     def hf_tensor(name: str) -> Tensor:
         target = targets[name]
-        parts = values(target.ours)
+        parts = [] if target.offset else values(target.ours)
+        if target.rows is not None:
+            return torch.cat(parts)[list(target.rows)]
         if len(parts) > 1:
             return torch.stack(parts, dim=-1).flatten(-2)
-        if target.rows is not None:
-            return parts[0][list(target.rows)]
+        if target.offset:  # subtracted in fp32, before any cast
+            return (read(target.ours[0]).float() - target.offset).to(cast or entries[target.ours[0]][1])
         return parts[0] if target.expert is None else parts[0][target.expert].t().contiguous()
 
     hf_entries = {}
@@ -315,6 +322,9 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
         shape, stored = entries[target.ours[0]]
         if target.expert is not None:
             shape = (shape[2], shape[1])
+        if target.rows is not None:
+            hf_entries[name] = (torch.Size((len(target.rows), *shape[1:])), cast or stored)
+            continue
         hf_entries[name] = (torch.Size((*shape[:-1], shape[-1] * len(target.ours))), cast or stored)
     hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")
     foreign = sorted(path.name for path in out.iterdir() if not is_export_file(path.name)) if out.is_dir() else []

@@ -31,7 +31,7 @@ class GatedDeltaAttention(AttentionKind):
     """One Gated DeltaNet layer: projections of the block input to queries ``wq``, keys ``wk``, values ``wv``, the
     output gate ``wz`` (per value channel), the write strength ``wb`` (beta = sigmoid, per value head) and the
     decay input ``wa``; a short causal depthwise convolution over the last ``linear_conv_kernel`` positions of
-    each q, k and v channel (``conv_q``, ``conv_k``, ``conv_v``: [channels, kernel], no bias), then SiLU; q and k
+    each q, k and v channel (``conv_q``, ``conv_k``, ``conv_v``: [channels, 1, kernel], no bias), then SiLU; q and k
     L2-normalised per head, q scaled by dk^-0.5; the decay per value head and position
     g = -exp(``log_decay_rate``) · softplus(wa x + ``decay_bias``) (Mamba-2's discretisation, as Gated DeltaNet
     takes it); the delta rule over the sequence; each value head's output RMS-normalised (``out_norm``, one
@@ -57,9 +57,9 @@ class GatedDeltaAttention(AttentionKind):
         self.wz = nn.Linear(d, values, bias=False)
         self.wb = nn.Linear(d, self.value_heads, bias=False)
         self.wa = nn.Linear(d, self.value_heads, bias=False)
-        self.conv_q = nn.Parameter(torch.empty(keys, self.kernel))
-        self.conv_k = nn.Parameter(torch.empty(keys, self.kernel))
-        self.conv_v = nn.Parameter(torch.empty(values, self.kernel))
+        self.conv_q = nn.Parameter(torch.empty(keys, 1, self.kernel))  # [channels, 1, kernel]: conv1d's depthwise
+        self.conv_k = nn.Parameter(torch.empty(keys, 1, self.kernel))
+        self.conv_v = nn.Parameter(torch.empty(values, 1, self.kernel))
         self.decay_bias = nn.Parameter(torch.ones(self.value_heads))
         self.log_decay_rate = nn.Parameter(torch.zeros(self.value_heads))
         self.out_norm = RMSNorm(self.value_dim, eps=config.norm_eps)
@@ -94,7 +94,7 @@ class GatedDeltaAttention(AttentionKind):
     def _convolve(self, qkv: Tensor, cache: LayerCache | None) -> Tensor:
         """The causal depthwise convolution of [B, S, C] over each channel's last ``kernel`` positions, then SiLU:
         before the first position, zeros, or in generation the inputs the cache kept (which it then updates)."""
-        weight = torch.cat((self.conv_q, self.conv_k, self.conv_v)).unsqueeze(1)  # [C, 1, kernel]
+        weight = torch.cat((self.conv_q, self.conv_k, self.conv_v))  # [C, 1, kernel]
         channels_first = qkv.transpose(1, 2)
         if cache is None or cache.conv_inputs is None:
             past = channels_first.new_zeros(*channels_first.shape[:2], self.kernel - 1)
@@ -117,8 +117,8 @@ class GatedDeltaAttention(AttentionKind):
         keys = model.linear_key_heads * model.linear_key_head_dim
         heads = model.linear_value_heads
         values = heads * model.linear_value_head_dim
-        return [ParamTensor("attention", i, (keys, kernel), 0), ParamTensor("attention", i, (keys, kernel), 0),
-                ParamTensor("attention", i, (values, kernel), 0), ParamTensor("attention", i, (heads,), 0),
+        return [ParamTensor("attention", i, (keys, 1, kernel), 0), ParamTensor("attention", i, (keys, 1, kernel), 0),
+                ParamTensor("attention", i, (values, 1, kernel), 0), ParamTensor("attention", i, (heads,), 0),
                 ParamTensor("attention", i, (heads,), 0),
                 ParamTensor("attention", i, (keys, d), 0), ParamTensor("attention", i, (keys, d), 0),
                 ParamTensor("attention", i, (values, d), 0), ParamTensor("attention", i, (values, d), 0),
@@ -164,7 +164,7 @@ class GatedDeltaAttention(AttentionKind):
     def saved_bytes(model: ModelConfig, layer: LayerSpec, tp: int, mb: MicroBatch) -> int:
         """On this rank's heads, with C = 2·nk·dk + nv·dv channels: the block input read by the six projections
         (``linear_input_bytes``); the convolution's input, zero-padded by kernel - 1 positions, and its output
-        (SiLU's input), in the compute dtype, and its concatenated weight [C, kernel] (under bf16 its one cast,
+        (SiLU's input), in the compute dtype, and its concatenated weight [C, 1, kernel] (under bf16 its one cast,
         which the weights' autocast copies count: ``ParamTensor.autocast_copy``); SiLU's output in fp32 (under bf16
         its fp32 copy), of which v is a view; the L2 norms' inverses [T, nk] for q and k and the normalised q
         (scaled) and k; beta, softplus's input and output and the decay, [T, nv] each, with the decay rate's

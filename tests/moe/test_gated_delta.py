@@ -136,7 +136,7 @@ def hf_layer(model: ModelConfig, ours: GatedDeltaAttention):
     theirs.load_state_dict({
         "in_proj_qkvz.weight": per_group(ours.wq, ours.wk, ours.wv, ours.wz),
         "in_proj_ba.weight": per_group(ours.wb, ours.wa),
-        "conv1d.weight": torch.cat((ours.conv_q, ours.conv_k, ours.conv_v)).unsqueeze(1),
+        "conv1d.weight": torch.cat((ours.conv_q, ours.conv_k, ours.conv_v)),
         "dt_bias": ours.decay_bias, "A_log": ours.log_decay_rate, "norm.weight": ours.out_norm.weight,
         "out_proj.weight": ours.wo.weight})
     return theirs
@@ -159,7 +159,7 @@ def test_layer_matches_transformers(shape):
     theirs_grad = torch.autograd.grad((expected * weights).sum(), [x, theirs.conv1d.weight, theirs.A_log])
     keys = model.linear_key_heads * model.linear_key_head_dim
     torch.testing.assert_close(ours_grad[0], theirs_grad[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours_grad[1], theirs_grad[1][keys:2 * keys, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_grad[1], theirs_grad[1][keys:2 * keys], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours_grad[2], theirs_grad[2], rtol=1e-5, atol=1e-5)
 
 
