@@ -31,7 +31,17 @@ from config.cli import add_config_arguments, add_overwrite, check_outputs, comma
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
-from interop import fp8, hf_deepseek_v3, hf_glm4_moe, hf_gpt_oss, hf_mixtral, hf_qwen3_moe, hf_qwen3_next, mxfp4
+from interop import (
+    fp8,
+    hf_deepseek_v3,
+    hf_glm4_moe,
+    hf_gpt_oss,
+    hf_mixtral,
+    hf_qwen3_5_moe,
+    hf_qwen3_moe,
+    hf_qwen3_next,
+    mxfp4,
+)
 from interop.export import (
     CONFIG_METADATA_KEY,
     SAFETENSORS_DTYPES,
@@ -55,7 +65,7 @@ from storage.files import atomic_folder
 # the families we convert, by the architecture config.json names; export tries them in this order
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
     hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY, hf_gpt_oss.FAMILY,
-    hf_qwen3_next.FAMILY)}
+    hf_qwen3_next.FAMILY, hf_qwen3_5_moe.TEXT_FAMILY, hf_qwen3_5_moe.FAMILY)}
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

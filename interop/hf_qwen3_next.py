@@ -55,7 +55,10 @@ HANDLED = DECODER_KEYS | set(LINEAR_KEYS) | {
     "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
     "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "layer_types",
     "full_attention_interval", "partial_rotary_factor", "use_sliding_window", "max_window_layers",
-    "num_nextn_predict_layers", "mtp_num_hidden_layers"}
+    "num_nextn_predict_layers", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"}
+# M-RoPE's sections (Qwen3.5's, for image and video positions): a text position has the same index in all three,
+# where M-RoPE is the 1-D RoPE of its channels, so a text model reads none of them
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 _DENSE = {"ffn.w_in.weight": "up_proj.weight", "ffn.w_gate.weight": "gate_proj.weight",
           "ffn.w_out.weight": "down_proj.weight"}
 _SHARED = {"moe.shared_experts.w_in.weight": "shared_expert.up_proj.weight",
@@ -86,10 +89,12 @@ def rotary_dim(hf: dict, head_dim: int) -> int | None:
     return None if rotated == head_dim else rotated
 
 
-def text_shape(hf: dict, family: str) -> HFShape:
+def text_shape(hf: dict, family: str, renormalize: bool | None = None) -> HFShape:
     """Our ``model``/``moe`` keys from a Qwen3-Next-like text config (Qwen3-Next's, or Qwen3.5-MoE's
-    ``text_config``)."""
+    ``text_config``); ``renormalize``: the family's fixed choice, or None to read ``norm_topk_prob``."""
     check_keys(hf, HANDLED, family)
+    if hf.get("rope_parameters"):
+        hf = hf | {"rope_parameters": {k: v for k, v in hf["rope_parameters"].items() if k not in MROPE_KEYS}}
     check_requirements(hf, {"use_sliding_window": (False, "use_sliding_window must be false (we attend fully)")})
     model = decoder_shape(hf, family, rope_theta=10000.0, partial_rotary=True)
     head_dim = model["head_dim"] or model["d_model"] // model["n_heads"]
@@ -105,7 +110,8 @@ def text_shape(hf: dict, family: str) -> HFShape:
     shared = get_key(hf, "shared_expert_intermediate_size", family)
     moe = routed_moe(get_key(hf, "num_experts", family), get_key(hf, "num_experts_per_tok", family),
                      get_key(hf, "moe_intermediate_size", family),
-                     renormalize=bool(get_key(hf, "norm_topk_prob", family, False, False)))
+                     renormalize=bool(get_key(hf, "norm_topk_prob", family, False, False)) if renormalize is None
+                     else renormalize)
     if shared:
         moe |= {"num_shared_experts": 1, "shared_expert_hidden": shared, "shared_expert_gate": True}
     if hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers"):

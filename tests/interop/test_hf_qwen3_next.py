@@ -12,10 +12,11 @@ import torch
 from config.errors import ConfigError
 from config.run import load_config
 from inference.generate import generate
-from interop.hf import export_family, import_folder
+from interop.hf import export_family, export_folder, import_folder
 from tests.interop.hf_models import (
     assert_each_edit_refused,
     assert_oracle_and_export_back,
+    hf_tensors,
     our_model,
     save_random,
 )
@@ -119,3 +120,54 @@ def test_export_picks_qwen3_next_and_refuses_what_it_cannot_express(tmp_path):
     config.model.attn_output_gate = False
     with pytest.raises(ConfigError, match="attn_output_gate=false: Qwen3-Next's attention is gated"):
         export_family(config.model, config.moe, "Qwen3NextForCausalLM")
+
+
+def make_qwen3_5_moe(folder: Path, seed: int = 0) -> torch.nn.Module:
+    """A random tiny Qwen3.5-MoE (text model and a one-block vision tower) saved to ``folder``, weights rounded to
+    bf16 values as in ``make_qwen3_next``."""
+    text = dict(vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6,
+                linear_value_head_dim=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+                shared_expert_intermediate_size=16, max_position_embeddings=64,
+                layer_types=["linear_attention", "full_attention", "linear_attention"])
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(
+        transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision))
+    model = save_random(model, folder)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())
+    model.save_pretrained(folder)
+    return model
+
+
+def test_qwen3_5_moe_text_model_in_and_out(tmp_path, capsys):
+    """The multimodal folder's text model: the vision tower named and left out, logits as transformers', exported
+    as the text-only Qwen3_5MoeForCausalLM that transformers runs to the same logits, its tensors the original
+    folder's text tensors bit for bit."""
+    hf = make_qwen3_5_moe(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"  # as the published configs say it (transformers' default sections)
+    data = json.loads(path.read_text())
+    data["text_config"]["rope_parameters"] |= {"mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    path.write_text(json.dumps(data))
+    config = import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+    assert "vision tower" in capsys.readouterr().err and config.moe.renormalize
+    ours = our_model(tmp_path / "ours.safetensors")
+    x = tokens()
+    with torch.no_grad():
+        expected = hf(input_ids=x).logits
+        torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-5)
+    with pytest.raises(ConfigError, match="use --architecture Qwen3_5MoeForCausalLM"):
+        export_family(config.model, config.moe, "Qwen3_5MoeForConditionalGeneration")
+    export_folder(tmp_path / "ours.safetensors", tmp_path / "back", "Qwen3_5MoeForCausalLM")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back).__name__ == "Qwen3_5MoeForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, expected, rtol=0, atol=1e-5)
+    original = {name.replace("model.language_model.", "model."): value
+                for name, value in hf_tensors(tmp_path / "hf").items() if not name.startswith("model.visual.")}
+    returned = hf_tensors(tmp_path / "back")
+    assert original.keys() == returned.keys()
+    for name, value in original.items():
+        assert torch.equal(value, returned[name]), name
