@@ -304,11 +304,11 @@ class RunConfig:
                  "set train.precision=bf16 (or auto), or moe.backend=torch")
 
     def _validate_linear_attention(self) -> None:
-        """What Gated DeltaNet layers (``model.layer_types``' linear_attention) do not take yet."""
+        """What Gated DeltaNet layers (``model.layer_types``' linear_attention) do not take yet (the layouts they do
+        not take, tp and cp, are refused with the other layout limits: ``parallel/layout.py``)."""
         if not self.model.linear_attention:
             return
-        refused = {"data.document_mask=true": self.data.document_mask, "parallel.tp > 1": self.parallel.tp > 1,
-                   "parallel.cp > 1": self.parallel.cp > 1,
+        refused = {"data.document_mask=true": self.data.document_mask,
                    "train.qk_clip_threshold": self.train.qk_clip_threshold is not None}
         for setting, given in refused.items():
             require(not given, f"{setting} is not implemented for linear attention (model.layer_types has "

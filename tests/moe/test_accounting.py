@@ -186,3 +186,15 @@ def test_mtp_flops_are_what_the_modules_add_to_the_model(overrides):
              - training_flops_per_token(without.model, without.moe))
     assert mtp_flops_per_token(with_mtp.model, with_mtp.moe) == pytest.approx(added, rel=1e-12)
     assert mtp_flops_per_token(without.model, without.moe) == 0
+
+
+@pytest.mark.parametrize("name, total, active", [("qwen3-next-80b-a3b", 80, 3), ("qwen3.5-35b-a3b", 35, 3),
+                                                 ("qwen3.5-397b-a17b", 397, 17)])
+def test_qwen3_next_family_has_its_published_size(name, total, active):
+    """The published names round their counts: the text model's total lies in the billion below the name's (the
+    Qwen3.5 totals also count a vision tower we leave out), its active parameters (embedding and head included)
+    in the billion above the name's A-figure (79.7B / 3.9B, 34.7B / 3.5B, 396.3B / 17.3B)."""
+    config = load_config(name)
+    counts = parameter_counts(config.model, config.moe)
+    assert total - 1 < counts.total / 1e9 <= total
+    assert active <= counts.active / 1e9 < active + 1

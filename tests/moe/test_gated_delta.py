@@ -14,6 +14,7 @@ from moe.attention import GatedDeltaAttention, build_attention
 from moe.attention.delta_rule import chunked_gated_delta_rule, gated_delta_rule, recurrent_gated_delta_rule
 from moe.kv_cache import LayerCache
 from moe.transformer import MoETransformer
+from parallel.resolve import resolve_layout
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next  # noqa: E402
@@ -196,9 +197,15 @@ def test_layer_pattern_and_refusals():
         with pytest.raises(ConfigError, match=message):
             ModelConfig(**{**HYBRID, **bad}).validate()
     run = RunConfig(model=model)
-    run.parallel.tp = 2
-    with pytest.raises(ConfigError, match="parallel.tp > 1 is not implemented for linear attention"):
+    run.data.document_mask = True
+    with pytest.raises(ConfigError, match="data.document_mask=true is not implemented for linear attention"):
         run.validate()
+    run.data.document_mask = False
+    for degree in ("tp", "cp"):
+        setattr(run.parallel, degree, 2)
+        with pytest.raises(ConfigError, match=f"parallel.{degree}=2 is not implemented for linear attention"):
+            resolve_layout(run, 2)
+        setattr(run.parallel, degree, 1)
 
 
 def test_hybrid_model_generates_the_same_with_and_without_the_cache():
