@@ -119,8 +119,9 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
         parts["MoE combine"] = _pair_combine(moe, layout, mb, d)
     if moe.num_shared_experts:
         parts["shared experts"] = FeedForward.saved_bytes(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
-    if moe.shared_expert_gate:  # its input (bf16: a cast of its own), its sigmoid [T, 1] and the shared output
-        parts["shared experts"] += linear_input_bytes(mb, d, 1, saved_in_fp32=False) + mb.tokens * (d + 1) * a
+    if moe.shared_expert_gate:  # its input (under autocast a cast of its own), its sigmoid [T, 1], the shared output
+        own_cast = 0 if mb.bf16_weights else linear_input_bytes(mb, d, 1, saved_in_fp32=False)
+        parts["shared experts"] += own_cast + mb.tokens * (d + 1) * a
     return parts
 
 

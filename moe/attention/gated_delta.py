@@ -14,15 +14,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
 from moe.attention.delta_rule import gated_delta_rule, recurrent_gated_delta_rule
 from moe.documents import Documents
 from moe.kv_cache import LayerCache
-from moe.norm import RMSNorm
+from moe.norm import RMSNorm, uses_fused_backward
 from moe.param_tensors import ParamTensor
-from moe.saved_activations import FP32, MicroBatch, linear_input_bytes
+from moe.saved_activations import FP32, MicroBatch, linear_input_bytes, norm_bytes
 
 L2_EPS = 1e-6  # inside the square root of q's and k's L2 norms (the fla kernels' and Qwen3-Next's value)
 
@@ -72,13 +73,15 @@ class GatedDeltaAttention(AttentionKind):
             raise NotImplementedError("linear attention does not take packed documents or context parallelism yet "
                                       "(the config refuses both: config/run.py)")
         batch, seq, _ = x.shape
-        qkv = self._convolve(torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1), cache).float()
-        q, k, v = qkv.split([self.conv_q.shape[0], self.conv_k.shape[0], self.conv_v.shape[0]], dim=-1)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # this tp rank's heads
+        widths = [q.shape[-1], k.shape[-1], v.shape[-1]]
+        q, k, v = self._convolve(torch.cat((q, k, v), dim=-1), cache).float().split(widths, dim=-1)
         q = _l2_normalised(q.view(batch, seq, -1, self.key_dim)) * self.key_dim ** -0.5
         k = _l2_normalised(k.view(batch, seq, -1, self.key_dim))
         v = v.view(batch, seq, -1, self.value_dim)
         beta = torch.sigmoid(self.wb(x).float())
-        log_decay = -self.log_decay_rate.float().exp() * F.softplus(self.wa(x).float() + self.decay_bias.float())
+        rate, bias = _local(self.log_decay_rate).float(), _local(self.decay_bias).float()
+        log_decay = -rate.exp() * F.softplus(self.wa(x).float() + bias)
         q, k, v, beta, log_decay = (t.transpose(1, 2) for t in (q, k, v, beta, log_decay))  # heads first
         state = None if cache is None else cache.state
         if cache is not None and seq == 1 and state is not None:
@@ -94,7 +97,7 @@ class GatedDeltaAttention(AttentionKind):
     def _convolve(self, qkv: Tensor, cache: LayerCache | None) -> Tensor:
         """The causal depthwise convolution of [B, S, C] over each channel's last ``kernel`` positions, then SiLU:
         before the first position, zeros, or in generation the inputs the cache kept (which it then updates)."""
-        weight = torch.cat((self.conv_q, self.conv_k, self.conv_v))  # [C, 1, kernel]
+        weight = torch.cat([_local(w) for w in (self.conv_q, self.conv_k, self.conv_v)])  # [C, 1, kernel]
         channels_first = qkv.transpose(1, 2)
         if cache is None or cache.conv_inputs is None:
             past = channels_first.new_zeros(*channels_first.shape[:2], self.kernel - 1)
@@ -164,28 +167,39 @@ class GatedDeltaAttention(AttentionKind):
     def saved_bytes(model: ModelConfig, layer: LayerSpec, tp: int, mb: MicroBatch) -> int:
         """On this rank's heads, with C = 2·nk·dk + nv·dv channels: the block input read by the six projections
         (``linear_input_bytes``); the convolution's input, zero-padded by kernel - 1 positions, and its output
-        (SiLU's input), in the compute dtype, and its concatenated weight [C, 1, kernel] (under bf16 its one cast,
-        which the weights' autocast copies count: ``ParamTensor.autocast_copy``); SiLU's output in fp32 (under bf16
+        (SiLU's input), in the compute dtype, and its concatenated weight [C, 1, kernel] (under autocast its one
+        cast, which the weights' autocast copies count: ``ParamTensor.autocast_copy``); SiLU's output in fp32 (under bf16
         its fp32 copy), of which v is a view; the L2 norms' inverses [T, nk] for q and k and the normalised q
         (scaled) and k; beta, softplus's input and output and the decay, [T, nv] each, with the decay rate's
         exp and its negation [nv]; the delta rule's output [T, nv·dv] fp32, which the gated norm saves with
-        its rstd, the norm's output, the gate and its SiLU (compute dtype), and wo's input. The delta rule saves
+        its rstd (and the normalised input where it runs decomposed: on a DTensor under tp; under FSDP's bf16
+        weights the output is cast to the bf16 stream, and the norm saves its fp32 upcast), the norm's output, the gate and its SiLU (compute dtype), and wo's input. The delta rule saves
         nothing else (``moe/attention/delta_rule.py``: backward computes its chunks again)."""
         t, a, fp32 = mb.tokens, mb.compute, FP32
         key_heads, value_heads = model.linear_key_heads // tp, model.linear_value_heads // tp
         dk, dv, kernel = model.linear_key_head_dim, model.linear_value_head_dim, model.linear_conv_kernel
         channels = 2 * key_heads * dk + value_heads * dv
         total = linear_input_bytes(mb, model.d_model, 6)
-        total += 0 if mb.bf16 else channels * kernel * fp32  # bf16: the weights' autocast copies (ParamTensor)
+        autocast = mb.bf16 and not mb.bf16_weights  # bf16 compute from fp32 weights
+        total += 0 if autocast else channels * kernel * a  # under autocast: the weights' copies (ParamTensor)
         total += (mb.sequences * channels * (mb.positions + kernel - 1) + t * channels) * a
         total += t * channels * fp32 + 2 * t * key_heads * (dk + 1) * fp32
         total += (4 * t * value_heads + 2 * value_heads) * fp32
-        total += t * value_heads * (2 * dv + 1) * fp32 + 3 * t * value_heads * dv * a
-        return total
+        if mb.bf16_weights:  # a bf16 stream: the rule's output cast to bf16, the norm decomposed, its output bf16
+            total += norm_bytes(t * value_heads, dv, fused=False) + t * value_heads * dv * a
+        else:  # an fp32 input: fused, unless a DTensor under tp
+            fused = uses_fused_backward(torch.float32, distributed=tp > 1)
+            total += norm_bytes(t * value_heads, dv, fused) + t * value_heads * dv * fp32
+        return total + 3 * t * value_heads * dv * a
 
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         raise NotImplementedError("QK-clip has no logits to clip in linear attention (its q and k are "
                                   "L2-normalised); the config refuses train.qk_clip_threshold with it")
+
+
+def _local(param: Tensor) -> Tensor:
+    """This tp rank's heads of a parameter split with them (a DTensor under tensor parallelism)."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _l2_normalised(x: Tensor) -> Tensor:

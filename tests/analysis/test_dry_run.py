@@ -149,9 +149,10 @@ HYBRID = ["model.layer_types=[linear_attention,linear_attention,linear_attention
 
 def test_hybrid_linear_attention_is_the_memory_models_prediction():
     """Qwen3-Next's shape (Gated DeltaNet layers, gated attention, a gated shared expert) built under pp=2 ×
-    FSDP 3 × ep=2: each stage's largest rank holds what the memory model predicts."""
-    config = load_config("moe-8x", [*MODEL, *HYBRID, "parallel.pp=2", "parallel.dp_shard=6", "parallel.ep=2",
-                                    "train.precision=fp32"])
+    FSDP 3 × tp=2 × ep=2 (the convolution and decay split with the linear heads): each stage's largest rank holds
+    what the memory model predicts."""
+    config = load_config("moe-8x", [*MODEL, *HYBRID, "parallel.pp=2", "parallel.dp_shard=3", "parallel.tp=2",
+                                    "parallel.ep=2", "train.precision=fp32"])
     built, estimates = dry_run(config, resolve_layout(config, 12), "fp32")
     for pp_rank, predicted in enumerate(estimates):
         assert max(s.total for s in built if s.pp_rank == pp_rank) == predicted.states.total

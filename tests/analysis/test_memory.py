@@ -357,6 +357,9 @@ SPAWNED = [
     ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *MLA]),
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *GPT_OSS_ATTENTION,
               "model.sliding_window=4"]),
+    # Qwen3-Next: the linear heads split over tp (the gated norm on each rank's heads, a DTensor); under FSDP's bf16
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *HYBRID, *QWEN3_NEXT]),
+    ("bf16", ["parallel.dp_shard=2", *HYBRID, *QWEN3_NEXT]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

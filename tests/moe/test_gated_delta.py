@@ -196,16 +196,17 @@ def test_layer_pattern_and_refusals():
                          (dict(layer_types=None, n_layers=2), "linear-attention setting")]:
         with pytest.raises(ConfigError, match=message):
             ModelConfig(**{**HYBRID, **bad}).validate()
-    run = RunConfig(model=model)
+    run = RunConfig(model=ModelConfig(**{**HYBRID, "linear_key_heads": 3, "linear_value_heads": 3}))
     run.data.document_mask = True
     with pytest.raises(ConfigError, match="data.document_mask=true is not implemented for linear attention"):
         run.validate()
     run.data.document_mask = False
-    for degree in ("tp", "cp"):
-        setattr(run.parallel, degree, 2)
-        with pytest.raises(ConfigError, match=f"parallel.{degree}=2 is not implemented for linear attention"):
-            resolve_layout(run, 2)
-        setattr(run.parallel, degree, 1)
+    run.parallel.cp = 2
+    with pytest.raises(ConfigError, match="parallel.cp=2 is not implemented for linear attention"):
+        resolve_layout(run, 2)
+    run.parallel.cp, run.parallel.tp, run.model.n_heads = 1, 2, 4  # 2 does not divide the 3 linear key heads
+    with pytest.raises(ConfigError, match="parallel.tp=2 does not divide model.linear_key_heads=3"):
+        resolve_layout(run, 2)
 
 
 def test_hybrid_model_generates_the_same_with_and_without_the_cache():

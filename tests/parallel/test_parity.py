@@ -124,6 +124,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # under ep; and in two pipeline stages (the linear layer, then the full one)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *QWEN3_NEXT], 2, "null", id="ep=2-qwen3-next"),
     pytest.param(["parallel.pp=2", *QWEN3_NEXT], 2, "null", id="pp=2-qwen3-next"),
+    # its linear attention split by key heads (each with its value heads, convolution channels and decay), the
+    # gated norm on each rank's heads, under sequence parallelism and folded with ep
+    pytest.param(["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *QWEN3_NEXT], 2, "null",
+                 id="tp=2xep=2-sequence_parallel-qwen3-next"),
     # packed documents masked from each other (data.document_mask): GPT-OSS's sinks split by heads and its blocked
     # window masked by document, on sequence slices; and latent attention in two pipeline stages, each given the
     # batch's document ids by the schedule
