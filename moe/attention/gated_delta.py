@@ -168,13 +168,14 @@ class GatedDeltaAttention(AttentionKind):
         """On this rank's heads, with C = 2·nk·dk + nv·dv channels: the block input read by the six projections
         (``linear_input_bytes``); the convolution's input, zero-padded by kernel - 1 positions, and its output
         (SiLU's input), in the compute dtype, and its concatenated weight [C, 1, kernel] (under autocast its one
-        cast, which the weights' autocast copies count: ``ParamTensor.autocast_copy``); SiLU's output in fp32 (under bf16
-        its fp32 copy), of which v is a view; the L2 norms' inverses [T, nk] for q and k and the normalised q
-        (scaled) and k; beta, softplus's input and output and the decay, [T, nv] each, with the decay rate's
-        exp and its negation [nv]; the delta rule's output [T, nv·dv] fp32, which the gated norm saves with
-        its rstd (and the normalised input where it runs decomposed: on a DTensor under tp; under FSDP's bf16
-        weights the output is cast to the bf16 stream, and the norm saves its fp32 upcast), the norm's output, the gate and its SiLU (compute dtype), and wo's input. The delta rule saves
-        nothing else (``moe/attention/delta_rule.py``: backward computes its chunks again)."""
+        cast, which the weights' autocast copies count: ``ParamTensor.autocast_copy``); SiLU's output in fp32
+        (under bf16 its fp32 copy), of which v is a view; the L2 norms' inverses [T, nk] for q and k and the
+        normalised q (scaled) and k; beta, softplus's input and output and the decay, [T, nv] each, with the
+        decay rate's exp and its negation [nv]; the delta rule's output [T, nv·dv] fp32, which the gated norm
+        saves with its rstd (and the normalised input where it runs decomposed: on a DTensor under tp; under
+        FSDP's bf16 weights the output is cast to the bf16 stream, and the norm saves its fp32 upcast), the
+        norm's output, the gate and its SiLU (compute dtype), and wo's input. The delta rule saves nothing else
+        (``moe/attention/delta_rule.py``: backward computes its chunks again)."""
         t, a, fp32 = mb.tokens, mb.compute, FP32
         key_heads, value_heads = model.linear_key_heads // tp, model.linear_value_heads // tp
         dk, dv, kernel = model.linear_key_head_dim, model.linear_value_head_dim, model.linear_conv_kernel
