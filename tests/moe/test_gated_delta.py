@@ -11,7 +11,12 @@ from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig
 from inference.generate import generate
 from moe.attention import GatedDeltaAttention, build_attention
-from moe.attention.delta_rule import chunked_gated_delta_rule, gated_delta_rule, recurrent_gated_delta_rule
+from moe.attention.delta_rule import (
+    chunked_gated_delta_rule,
+    gated_delta_rule,
+    recurrent_gated_delta_rule,
+    unit_lower_inverse,
+)
 from moe.kv_cache import LayerCache
 from moe.transformer import MoETransformer
 from parallel.resolve import resolve_layout
@@ -218,3 +223,11 @@ def test_hybrid_model_generates_the_same_with_and_without_the_cache():
     prompt = [3, 1, 4, 1, 5, 9, 2]
     cached = generate(model, prompt, 8, temperature=0)
     assert cached == generate(model, prompt, 8, temperature=0, use_cache=False)
+
+
+@pytest.mark.parametrize("size", [1, 5, 8, 64])  # chunk sizes padded to a power of two, and not
+def test_unit_lower_inverse_is_the_triangular_solve(size):
+    strict = torch.randn(3, size, size, dtype=torch.float64).tril(-1) * 0.5
+    identity = torch.eye(size, dtype=torch.float64).expand(3, size, size)
+    expected = torch.linalg.solve_triangular(identity + strict, identity, upper=False)
+    torch.testing.assert_close(unit_lower_inverse(strict), expected, rtol=1e-10, atol=1e-10)
