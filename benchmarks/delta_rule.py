@@ -3,9 +3,9 @@ floor, and the generation cache of a linear layer against a full-attention layer
 
 What is measured. (1) The rule by chunks, forward and forward + backward (the training path,
 ``gated_delta_rule``: backward computes the chunks again), fp32 on CPU, at Qwen3-Next's head widths (dk = dv =
-128, chunks of 64) by default. Its floor: the same matmuls and triangular solves as bare batched calls on tensors
-of the same shapes (every chunk at once, no loop over chunks, no masks, exps or padding): what the rule's FLOPs
-cost at this machine's GEMM speed. The ratio is the rule's overhead over its arithmetic. (2) The bytes one
+128, chunks of 64) by default. Its floor: the same matmuls as bare batched calls on tensors of the same shapes
+(every chunk at once, no loop over chunks, no masks, exps, padding, nor the triangular inverse's small matmuls):
+what the rule's main FLOPs cost at this machine's GEMM speed. The ratio is the rule's overhead over its arithmetic. (2) The bytes one
 layer's generation cache holds after prompts of growing length (``moe.kv_cache.LayerCache``, filled by the real
 layers at small widths): a full-attention layer's keys and values grow with the context, a linear layer's state
 and convolution inputs do not.
@@ -38,17 +38,16 @@ def rule_inputs(heads: int, seq: int, dim: int) -> list[torch.Tensor]:
 
 
 def floor(heads: int, seq: int, dim: int, chunk: int):
-    """A forward's matmuls and solves at the rule's shapes, each one batched call over every chunk."""
+    """A forward's matmuls at the rule's shapes, each one batched call over every chunk (the triangular inverse's
+    own log2(C) levels of small matmuls left out: they count as overhead)."""
     n = seq // chunk
     c_d = torch.randn(heads * n, chunk, dim)
-    system = torch.eye(chunk) + torch.randn(heads * n, chunk, chunk).tril(-1) * 0.01
     state = torch.randn(heads * n, dim, dim)
     square = torch.randn(heads * n, chunk, chunk)
 
     def run():
         c_d @ c_d.mT, c_d @ c_d.mT  # k·k and q·k per chunk
-        torch.linalg.solve_triangular(system, c_d, upper=False, unitriangular=True)  # u
-        torch.linalg.solve_triangular(system, c_d, upper=False, unitriangular=True)  # w
+        square @ c_d, square @ c_d  # u and w: the inverse applied
         c_d @ state, c_d @ state, c_d.mT @ c_d  # w·S, q·S, k^T·delta
         square @ c_d  # scores · delta
     return run

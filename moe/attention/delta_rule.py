@@ -100,10 +100,13 @@ def chunked_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor,
     if state is None:
         state = q.new_zeros(batch, heads, dk, dv)
     outputs = []
-    for i in range(chunks):
-        delta = u[:, :, i] - w[:, :, i] @ state
-        outputs.append(q_from_start[:, :, i] @ state + scores[:, :, i] @ delta)
-        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].mT @ delta
+    # per chunk, unbound once: indexing each chunk would make backward write each slice's gradient into a zero
+    # tensor of the whole
+    for u_i, w_i, q_i, scores_i, k_i, decay_i in zip(*(t.unbind(2) for t in (u, w, q_from_start, scores, k_to_end,
+                                                                             chunk_decay)), strict=True):
+        delta = u_i - w_i @ state
+        outputs.append(q_i @ state + scores_i @ delta)
+        state = state * decay_i + k_i.mT @ delta
     out = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * chunk_size, dv)
     return out[:, :, :seq], state
 
