@@ -5,9 +5,9 @@ What is measured. (1) The rule by chunks, forward and forward + backward (the tr
 ``gated_delta_rule``: backward computes the chunks again), fp32 on CPU, at Qwen3-Next's head widths (dk = dv =
 128, chunks of 64) by default. Its floor: the same matmuls as bare batched calls on tensors of the same shapes
 (every chunk at once, no loop over chunks, no masks, exps, padding, nor the triangular inverse's small matmuls):
-what the rule's main FLOPs cost at this machine's GEMM speed. The ratio is the rule's overhead over its arithmetic. (2) The bytes one
-layer's generation cache holds after prompts of growing length (``moe.kv_cache.LayerCache``, filled by the real
-layers at small widths): a full-attention layer's keys and values grow with the context, a linear layer's state
+what the rule's main FLOPs cost at this machine's GEMM speed. The ratio is the rule's overhead over its
+arithmetic. (2) The bytes one layer's generation cache holds after prompts of growing length
+(``moe.kv_cache.LayerCache``, filled by the real layers at small widths): a full-attention layer's keys and values grow with the context, a linear layer's state
 and convolution inputs do not.
 
 Noise. Medians of ``--repeats``; 2 threads by default on a shared machine: read the ratios within one run. A
