@@ -7,8 +7,8 @@ What is measured. (1) The rule by chunks, forward and forward + backward (the tr
 (every chunk at once, no loop over chunks, no masks, exps, padding, nor the triangular inverse's small matmuls):
 what the rule's main FLOPs cost at this machine's GEMM speed. The ratio is the rule's overhead over its
 arithmetic. (2) The bytes one layer's generation cache holds after prompts of growing length
-(``moe.kv_cache.LayerCache``, filled by the real layers at small widths): a full-attention layer's keys and values grow with the context, a linear layer's state
-and convolution inputs do not.
+(``moe.kv_cache.LayerCache``, filled by the real layers at small widths): a full-attention layer's keys and
+values grow with the context, a linear layer's state and convolution inputs do not.
 
 Noise. Medians of ``--repeats``; 2 threads by default on a shared machine: read the ratios within one run. A
 measurement, never a pass/fail test.
