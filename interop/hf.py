@@ -6,8 +6,9 @@
     python train.py --config moe-8x --init-from hf:HF_DIR
 
 Families (``FAMILIES``, by the architecture config.json names): Mixtral (``interop/hf_mixtral.py``), Qwen3-MoE
-(``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``), GLM-4.5 (``interop/hf_glm4_moe.py``) and
-GPT-OSS (``interop/hf_gpt_oss.py``), each a config mapping and its tensor names over the pieces they share
+(``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``), GLM-4.5 (``interop/hf_glm4_moe.py``),
+GPT-OSS (``interop/hf_gpt_oss.py``), Qwen3-Next (``interop/hf_qwen3_next.py``) and Qwen3.5-MoE's text model
+(``interop/hf_qwen3_5_moe.py``), each a config mapping and its tensor names over the pieces they share
 (``interop/hf_family.py``). A folder (``interop/hf_folder.py``) is ``config.json`` plus ``model.safetensors``, or
 shards named in ``model.safetensors.index.json``; quantised weights (DeepSeek-V3's block-scaled fp8, GPT-OSS's MXFP4
 expert stacks) are dequantised to bf16 box by box as they are read. Everything streams:
