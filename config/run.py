@@ -304,8 +304,7 @@ class RunConfig:
                  "set train.precision=bf16 (or auto), or moe.backend=torch")
 
     def _validate_linear_attention(self) -> None:
-        """What Gated DeltaNet layers (``model.layer_types``' linear_attention) do not take yet (the layouts they do
-        not take, tp and cp, are refused with the other layout limits: ``parallel/layout.py``)."""
+        """What Gated DeltaNet layers (``model.layer_types``' linear_attention) do not take yet."""
         if not self.model.linear_attention:
             return
         refused = {"data.document_mask=true": self.data.document_mask,

@@ -24,6 +24,7 @@ from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm, uses_fused_backward
 from moe.param_tensors import ParamTensor
 from moe.saved_activations import FP32, MicroBatch, linear_input_bytes, norm_bytes
+from moe.sequence_shards import SequenceShards
 
 L2_EPS = 1e-6  # inside the square root of q's and k's L2 norms (the fla kernels' and Qwen3-Next's value)
 
@@ -69,19 +70,16 @@ class GatedDeltaAttention(AttentionKind):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
                 documents: Documents | None = None) -> Tensor:
         """x: [B, S, D] (the interface of ``AttentionKind``; no rotary tables are read)."""
-        if documents is not None:
-            raise NotImplementedError("linear attention does not take packed documents or context parallelism yet "
-                                      "(the config refuses both: config/run.py)")
-        batch, seq, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # this tp rank's heads
+        q, k, v, beta_in, decay_in = self._projections(x, documents)  # this tp rank's heads
+        batch, seq = q.shape[:2]
         widths = [q.shape[-1], k.shape[-1], v.shape[-1]]
         q, k, v = self._convolve(torch.cat((q, k, v), dim=-1), cache).float().split(widths, dim=-1)
         q = _l2_normalised(q.view(batch, seq, -1, self.key_dim)) * self.key_dim ** -0.5
         k = _l2_normalised(k.view(batch, seq, -1, self.key_dim))
         v = v.view(batch, seq, -1, self.value_dim)
-        beta = torch.sigmoid(self.wb(x).float())
+        beta = torch.sigmoid(beta_in.float())
         rate, bias = _local(self.log_decay_rate).float(), _local(self.decay_bias).float()
-        log_decay = -rate.exp() * F.softplus(self.wa(x).float() + bias)
+        log_decay = -rate.exp() * F.softplus(decay_in.float() + bias)
         q, k, v, beta, log_decay = (t.transpose(1, 2) for t in (q, k, v, beta, log_decay))  # heads first
         state = None if cache is None else cache.state
         if cache is not None and seq == 1 and state is not None:
@@ -91,8 +89,25 @@ class GatedDeltaAttention(AttentionKind):
         if cache is not None:
             cache.advance(state, seq)
         out = out.transpose(1, 2).to(x.dtype)  # [B, S, nv, dv]
-        gate = self.wz(x).view(batch, seq, -1, self.value_dim)
-        return self.wo((self.out_norm(out) * F.silu(gate)).reshape(batch, seq, -1))
+        if documents is not None:  # this context-parallel rank's positions of the whole sequence's outputs
+            out = _own_chunks(out, documents.shards)
+        gate = self.wz(x).view(*x.shape[:2], -1, self.value_dim)
+        return self.wo((self.out_norm(out) * F.silu(gate)).reshape(*x.shape[:2], -1))
+
+    def _projections(self, x: Tensor, documents: Documents | None) -> list[Tensor]:
+        """q, k, v, beta's and the decay's inputs [B, S, width] of the positions the recurrence runs over: x's, or
+        under context parallelism every rank's, gathered (``gather_sequence``) and put in sequence order. The
+        recurrence then runs over the whole sequence on every cp rank, which keeps its own positions' outputs:
+        cp times the rule's FLOPs, in exchange for one gather a layer (handing the state from rank to rank in
+        sequence order instead is not built)."""
+        parts = [self.wq(x), self.wk(x), self.wv(x), self.wb(x), self.wa(x)]
+        if documents is None:
+            return parts
+        if not documents.sharded:
+            raise NotImplementedError("linear attention does not take packed documents yet (the config refuses "
+                                      "data.document_mask with it: config/run.py)")
+        whole = _in_sequence_order(self.gather_sequence(torch.cat(parts, dim=-1)), documents.shards)
+        return list(whole.split([part.shape[-1] for part in parts], dim=-1))
 
     def _convolve(self, qkv: Tensor, cache: LayerCache | None) -> Tensor:
         """The causal depthwise convolution of [B, S, C] over each channel's last ``kernel`` positions, then SiLU:
@@ -154,9 +169,11 @@ class GatedDeltaAttention(AttentionKind):
 
     @staticmethod
     def sequence_gather_width(model: ModelConfig, tp: int) -> int:
-        """Nothing per position: the recurrence needs no other position's keys (context parallelism, which would
-        hand the state on instead, is refused for this kind today)."""
-        return 0
+        """Elements per position that context parallelism gathers in one layer: this tp rank's q, k, v and the
+        inputs of beta and the decay (``_projections``)."""
+        heads = model.linear_value_heads // tp
+        return 2 * model.linear_key_heads // tp * model.linear_key_head_dim + heads * model.linear_value_head_dim \
+            + 2 * heads
 
     @staticmethod
     def input_gradient_sums(model: ModelConfig) -> tuple[tuple[str, int], ...] | None:
@@ -175,7 +192,9 @@ class GatedDeltaAttention(AttentionKind):
         saves with its rstd (and the normalised input where it runs decomposed: on a DTensor under tp; under
         FSDP's bf16 weights the output is cast to the bf16 stream, and the norm saves its fp32 upcast), the
         norm's output, the gate and its SiLU (compute dtype), and wo's input. The delta rule saves nothing else
-        (``moe/attention/delta_rule.py``: backward computes its chunks again)."""
+        (``moe/attention/delta_rule.py``: backward computes its chunks again). Under context parallelism the
+        convolution and the rule run over the whole sequence (cp·s positions), the rest over this rank's s (put in
+        sequence order and taken back by slices, which keep nothing)."""
         t, a, fp32 = mb.tokens, mb.compute, FP32
         key_heads, value_heads = model.linear_key_heads // tp, model.linear_value_heads // tp
         dk, dv, kernel = model.linear_key_head_dim, model.linear_value_head_dim, model.linear_conv_kernel
@@ -183,9 +202,10 @@ class GatedDeltaAttention(AttentionKind):
         total = linear_input_bytes(mb, model.d_model, 6)
         autocast = mb.bf16 and not mb.bf16_weights  # bf16 compute from fp32 weights
         total += 0 if autocast else channels * kernel * a  # under autocast: the weights' copies (ParamTensor)
-        total += (mb.sequences * channels * (mb.positions + kernel - 1) + t * channels) * a
-        total += t * channels * fp32 + 2 * t * key_heads * (dk + 1) * fp32
-        total += (4 * t * value_heads + 2 * value_heads) * fp32
+        whole = t * mb.cp  # the recurrence's positions: under cp every rank's (``_projections``)
+        total += (mb.sequences * channels * (mb.positions * mb.cp + kernel - 1) + whole * channels) * a
+        total += whole * channels * fp32 + 2 * whole * key_heads * (dk + 1) * fp32
+        total += (4 * whole * value_heads + 2 * value_heads) * fp32
         if mb.bf16_weights:  # a bf16 stream: the rule's output cast to bf16, the norm decomposed, its output bf16
             total += norm_bytes(t * value_heads, dv, fused=False) + t * value_heads * dv * a
         else:  # an fp32 input: fused, unless a DTensor under tp
@@ -196,6 +216,20 @@ class GatedDeltaAttention(AttentionKind):
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         raise NotImplementedError("QK-clip has no logits to clip in linear attention (its q and k are "
                                   "L2-normalised); the config refuses train.qk_clip_threshold with it")
+
+
+def _in_sequence_order(gathered: Tensor, shards: SequenceShards) -> Tensor:
+    """[B, S, W] as the cp ranks' gather gives it (rank r's front chunk r, then its back chunk 2·cp - 1 - r, rank
+    after rank: ``SequenceShards``) -> in sequence order, by slices (no index kept for backward)."""
+    chunks = gathered.chunk(2 * shards.cp, dim=1)  # gathered chunk 2r is sequence chunk r, 2r + 1 is 2cp - 1 - r
+    return torch.cat([chunks[2 * j] for j in range(shards.cp)]
+                     + [chunks[2 * (2 * shards.cp - 1 - j) + 1] for j in range(shards.cp, 2 * shards.cp)], dim=1)
+
+
+def _own_chunks(whole: Tensor, shards: SequenceShards) -> Tensor:
+    """This cp rank's positions (its front and back chunk) of [B, S, ...] in sequence order."""
+    chunks = whole.chunk(2 * shards.cp, dim=1)
+    return torch.cat((chunks[shards.rank], chunks[2 * shards.cp - 1 - shards.rank]), dim=1)
 
 
 def _local(param: Tensor) -> Tensor:

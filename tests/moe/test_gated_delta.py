@@ -206,10 +206,7 @@ def test_layer_pattern_and_refusals():
     with pytest.raises(ConfigError, match="data.document_mask=true is not implemented for linear attention"):
         run.validate()
     run.data.document_mask = False
-    run.parallel.cp = 2
-    with pytest.raises(ConfigError, match="parallel.cp=2 is not implemented for linear attention"):
-        resolve_layout(run, 2)
-    run.parallel.cp, run.parallel.tp, run.model.n_heads = 1, 2, 4  # 2 does not divide the 3 linear key heads
+    run.parallel.tp, run.model.n_heads = 2, 4  # 2 does not divide the 3 linear key heads
     with pytest.raises(ConfigError, match="parallel.tp=2 does not divide model.linear_key_heads=3"):
         resolve_layout(run, 2)
 

@@ -128,6 +128,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # gated norm on each rank's heads, under sequence parallelism and folded with ep
     pytest.param(["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *QWEN3_NEXT], 2, "null",
                  id="tp=2xep=2-sequence_parallel-qwen3-next"),
+    # context parallelism: each linear layer gathers every rank's q, k, v and gate inputs and runs the recurrence
+    # over the whole sequence; the full layer attends as before
+    pytest.param(["parallel.cp=2", "parallel.dp_shard=1", *QWEN3_NEXT], 2, "null", id="cp=2-qwen3-next"),
     # packed documents masked from each other (data.document_mask): GPT-OSS's sinks split by heads and its blocked
     # window masked by document, on sequence slices; and latent attention in two pipeline stages, each given the
     # batch's document ids by the schedule
