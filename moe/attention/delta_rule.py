@@ -144,7 +144,8 @@ def unit_lower_inverse(strict: Tensor) -> Tensor:
     while width < padded:
         count = padded // width
         tiles = strict.reshape(*batch, count, width, count, width).transpose(-3, -2)  # [..., n, n, b, b]
-        lower = tiles[..., torch.arange(1, count, 2), torch.arange(0, count, 2), :, :]  # L21 of each pair
+        rows, cols = (torch.arange(start, count, 2, device=strict.device) for start in (1, 0))
+        lower = tiles[..., rows, cols, :, :]  # L21 of each pair
         first, second = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
         corner = -(second @ lower @ first)
         top = torch.cat((first, torch.zeros_like(first)), dim=-1)
