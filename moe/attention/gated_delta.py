@@ -62,8 +62,9 @@ class GatedDeltaAttention(AttentionKind):
         self.conv_q = nn.Parameter(torch.empty(keys, 1, self.kernel))  # [channels, 1, kernel]: conv1d's depthwise
         self.conv_k = nn.Parameter(torch.empty(keys, 1, self.kernel))
         self.conv_v = nn.Parameter(torch.empty(values, 1, self.kernel))
-        self.decay_bias = nn.Parameter(torch.ones(self.value_heads))
-        self.log_decay_rate = nn.Parameter(torch.zeros(self.value_heads))
+        # initialised by ``moe/init.py``'s rules by name: the bias zeros, the rate N(0, init_std) (so exp ~ 1)
+        self.decay_bias = nn.Parameter(torch.empty(self.value_heads))
+        self.log_decay_rate = nn.Parameter(torch.empty(self.value_heads))
         self.out_norm = RMSNorm(self.value_dim, eps=config.norm_eps)
         self.wo = nn.Linear(values, d, bias=False)
 
