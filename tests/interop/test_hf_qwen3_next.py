@@ -12,7 +12,8 @@ import torch
 from config.errors import ConfigError
 from config.run import load_config
 from inference.generate import generate
-from interop.hf import export_family, export_folder, import_folder
+from interop.hf import export_family, export_folder, hf_run_config, import_folder, load_hf_weights
+from moe.transformer import MoETransformer
 from tests.interop.hf_models import (
     assert_each_edit_refused,
     assert_oracle_and_export_back,
@@ -171,3 +172,14 @@ def test_qwen3_5_moe_text_model_in_and_out(tmp_path, capsys):
     assert original.keys() == returned.keys()
     for name, value in original.items():
         assert torch.equal(value, returned[name]), name
+
+
+def test_init_from_a_qwen3_next_folder_converts_on_the_fly(tmp_path):
+    """``--init-from hf:DIR``'s path (``load_hf_weights``: each tensor read box by box through the rows and offsets
+    of the mapping) fills a model with the folder's function."""
+    hf = make_qwen3_next(tmp_path / "hf")
+    config = hf_run_config(load_config("moe-8x"), tmp_path / "hf", seq_len=SEQ)
+    model = MoETransformer(config.model, config.moe).eval()
+    assert load_hf_weights(model, tmp_path / "hf", config) > 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), hf(tokens()).logits, rtol=0, atol=1e-5)
