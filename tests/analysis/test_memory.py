@@ -186,6 +186,8 @@ SINGLE = {
     # Qwen3-Next's other parts: gated attention, partial rotary, q/k norms, a gated shared expert
     "Qwen3-Next: gated attention, gated shared expert": ("fp32", [*HYBRID, *QWEN3_NEXT, "moe.force_balance=true"]),
     "bf16, Qwen3-Next": ("bf16", [*HYBRID, *QWEN3_NEXT, "moe.force_balance=true"]),
+    "Qwen3-Next, recompute full": ("fp32", [*HYBRID, *QWEN3_NEXT, "parallel.activation_checkpointing=full",
+                                            "moe.force_balance=true"]),
 }
 
 
