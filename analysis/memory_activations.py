@@ -121,6 +121,9 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
         parts["MoE combine"] = _pair_combine(moe, layout, mb, d)
     if moe.num_shared_experts:
         parts["shared experts"] = FeedForward.saved_bytes(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
+    if moe.shared_expert_gate:  # its input (under autocast a cast of its own), its sigmoid [T, 1], the shared output
+        own_cast = 0 if mb.bf16_weights else linear_input_bytes(mb, d, 1, saved_in_fp32=False)
+        parts["shared experts"] += own_cast + mb.tokens * (d + 1) * a
     return parts
 
 
@@ -268,7 +271,8 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     if mtp:
         _add_mtp(parts, mb, layers, micro_batch_size, first, stream_dtype, vocab)
     parts.add_offloaded()
-    if layout.cp > 1 and any(i < model.n_layers for i in layers):  # the cos and sin rows of this rank's positions
+    rotary = [i for i in layers if i < model.n_layers and model.layer(i).attention != "gated_delta"]  # RoPE's kinds
+    if layout.cp > 1 and rotary:  # the cos and sin rows of this rank's positions
         parts.add("rotary tables (cp positions)", 2 * (tokens // micro_batch_size) * (model.rope_dim // 2) * FP32)
     if first:
         parts.add("embedding", tokens * INDEX)  # the token ids

@@ -11,15 +11,15 @@ from typing import Literal
 
 from config.schema import require
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # ``layer_types``' words (Hugging Face's)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # ``layer_types``' words (HF's)
 FEED_FORWARD_LAYER_TYPES = ("dense", "moe")  # ``mlp_layer_types``' words
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     """One layer of the model's layer pattern (``ModelConfig.layer``): which attention kind it has (a module of
-    ``moe/attention/``: ``grouped_query`` or ``latent``) with that attention's sliding window, and which
-    feed-forward kind (``dense`` or ``moe``). Blocks are built from it, and the accounting sums over it; layers of
+    ``moe/attention/``: ``grouped_query``, ``latent`` or ``gated_delta``) with that attention's sliding window, and
+    which feed-forward kind (``dense`` or ``moe``). Blocks are built from it, and the accounting sums over it; layers of
     one spec cost the same."""
 
     attention: str
@@ -47,6 +47,9 @@ class ModelConfig:
     # GPT-OSS's attention sinks: one learned logit per head that joins each softmax's denominator, with no value
     # (a query may attend to "nothing"; Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks")
     attention_sinks: bool = False
+    # a sigmoid gate on each attention output channel, from its own projection of the block input, before wo
+    # (Qwen3-Next's gated attention: Qiu et al. 2025, "Gated Attention for Large Language Models")
+    attn_output_gate: bool = False
     # The layer pattern (``layer``): each layer's attention and feed-forward, as Hugging Face's layer_types and
     # mlp_layer_types say them. Sliding-window attention: in a "sliding_attention" layer a query sees itself and the
     # sliding_window - 1 positions before it. layer_types gives each layer's attention ("full_attention" or
@@ -98,6 +101,17 @@ class ModelConfig:
     index_topk: int | None = None
     index_n_heads: int | None = None
     index_head_dim: int | None = None
+    # Gated DeltaNet linear attention (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks"; moe/attention/
+    # gated_delta.py) in the layers layer_types calls "linear_attention" (Qwen3-Next: three of every four):
+    # linear_key_heads query/key heads of linear_key_head_dim channels, linear_value_heads value heads of
+    # linear_value_head_dim (a multiple of the key heads: each key head serves that many consecutive value heads),
+    # a causal depthwise convolution over linear_conv_kernel positions, the delta rule by chunks of linear_chunk_size
+    linear_key_heads: int | None = None
+    linear_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel: int = 4
+    linear_chunk_size: int = 64
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
     # What an imported Hugging Face model's config.json says beyond its shape, kept for its export: the context it
@@ -179,6 +193,8 @@ class ModelConfig:
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
             attention = "sparse_latent"
+        if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
+            attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
         return LayerSpec(attention, "moe" if self.is_moe_layer(index) else "dense", window)
 
@@ -225,6 +241,7 @@ class ModelConfig:
         self._validate_latent_attention()
         self._validate_sparse_attention()
         self._validate_sliding_window()
+        self._validate_linear_attention()
         self._validate_imported_context_and_tokens()
 
     def _validate_imported_context_and_tokens(self) -> None:
@@ -254,6 +271,30 @@ class ModelConfig:
         self._require_one_per_layer("layer_types", ATTENTION_LAYER_TYPES, "layer type")
         require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
                 "model.layer_types has sliding_attention layers: set model.sliding_window (GPT-OSS: 128)")
+
+    @property
+    def linear_attention(self) -> bool:
+        """Whether some layer is Gated DeltaNet linear attention (``layer_types``' "linear_attention")."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    def _validate_linear_attention(self) -> None:
+        keys = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        if not self.linear_attention:
+            given = [key for key in keys if getattr(self, key) is not None]
+            require(not given, f"model.{given[0] if given else ''} is a linear-attention setting: it needs "
+                               "\"linear_attention\" layers in model.layer_types (or leave it null)")
+            return
+        for key in keys:
+            value = getattr(self, key)
+            require(value is not None and value > 0,
+                    f"model.{key}={value}: model.layer_types has linear_attention layers, which need a positive "
+                    "integer (Qwen3-Next: 16 key heads of 128, 32 value heads of 128)")
+        require(self.linear_value_heads % self.linear_key_heads == 0,
+                f"model.linear_value_heads={self.linear_value_heads} must be a multiple of "
+                f"model.linear_key_heads={self.linear_key_heads} (each key head serves as many value heads)")
+        require(self.linear_conv_kernel >= 1 and self.linear_chunk_size >= 1,
+                f"model.linear_conv_kernel={self.linear_conv_kernel} and model.linear_chunk_size="
+                f"{self.linear_chunk_size} must be positive (Qwen3-Next: 4 and 64)")
 
     def _require_one_per_layer(self, key: str, valid: tuple[str, ...], what: str) -> None:
         """A per-layer list of the pattern (``layer_types``, ``mlp_layer_types``): one word per layer, each valid."""
@@ -305,7 +346,7 @@ class ModelConfig:
         require(not self.qk_norm, "model.qk_norm=true does not apply to latent attention (its latents are "
                                   "normalised instead): set it false")
         require(not self.qkv_bias, "model.qkv_bias=true does not apply to latent attention: set it false")
-        for key in ("attn_output_bias", "attention_sinks"):
+        for key in ("attn_output_bias", "attention_sinks", "attn_output_gate"):
             require(not getattr(self, key), f"model.{key}=true is not implemented for latent attention: set it false")
         require(self.sliding_window is None, f"model.sliding_window={self.sliding_window} is not implemented for "
                                              "latent attention: leave it null")
@@ -360,6 +401,9 @@ class MoEConfig:
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0  # the routed experts' combine weights are multiplied by it (DeepSeek-V3: 2.5)
     num_shared_experts: int = 0  # DeepSeek-style experts that see every token
+    # the shared experts' output scaled per token by sigmoid(a learned [1, D] projection of the token) (Qwen2-MoE,
+    # Qwen3-Next)
+    shared_expert_gate: bool = False
     shared_expert_hidden: int | None = None  # None = expert_hidden * num_shared_experts
     force_balance: bool = False  # DEBUG/BENCHMARK ONLY: round-robin assignment ignoring the router
     # how experts compute their grouped GEMMs (``moe/experts.py``): torch's grouped_mm, megablocks' grouped_gemm
@@ -405,6 +449,8 @@ class MoEConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             require(getattr(self, name) >= 0, f"moe.{name} must be >= 0, got {getattr(self, name)}")
         require(self.num_shared_experts >= 0, "moe.num_shared_experts must be >= 0")
+        require(not self.shared_expert_gate or self.num_shared_experts > 0,
+                "moe.shared_expert_gate=true gates the shared experts: set moe.num_shared_experts (Qwen3-Next: 1)")
         require(
             self.shared_expert_hidden is None or self.shared_expert_hidden > 0,
             "moe.shared_expert_hidden must be positive or null",

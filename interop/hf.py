@@ -7,8 +7,9 @@
 
 Families (``FAMILIES``, by the architecture config.json names): Mixtral (``interop/hf_mixtral.py``), Qwen3-MoE
 (``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``), GLM-4.5 (``interop/hf_glm4_moe.py``),
-GPT-OSS (``interop/hf_gpt_oss.py``), DeepSeek-V3.2 (``interop/hf_deepseek_v32.py``) and GLM-5
-(``interop/hf_glm_moe_dsa.py``), each a config mapping and its tensor names over the pieces they share
+GPT-OSS (``interop/hf_gpt_oss.py``), DeepSeek-V3.2 (``interop/hf_deepseek_v32.py``), GLM-5
+(``interop/hf_glm_moe_dsa.py``), Qwen3-Next (``interop/hf_qwen3_next.py``) and Qwen3.5-MoE's text model
+(``interop/hf_qwen3_5_moe.py``), each a config mapping and its tensor names over the pieces they share
 (``interop/hf_family.py``). A folder (``interop/hf_folder.py``) is ``config.json`` plus ``model.safetensors``, or
 shards named in ``model.safetensors.index.json``; quantised weights (DeepSeek-V3's block-scaled fp8, GPT-OSS's MXFP4
 expert stacks) are dequantised to bf16 box by box as they are read. Everything streams:
@@ -42,7 +43,9 @@ from interop import (
     hf_glm_moe_dsa,
     hf_gpt_oss,
     hf_mixtral,
+    hf_qwen3_5_moe,
     hf_qwen3_moe,
+    hf_qwen3_next,
     mxfp4,
 )
 from interop.export import (
@@ -70,7 +73,8 @@ from storage.files import atomic_folder
 # the families we convert, by the architecture config.json names; export tries them in this order
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
     hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY, hf_gpt_oss.FAMILY,
-    hf_deepseek_v32.FAMILY, hf_glm_moe_dsa.FAMILY)}
+    hf_deepseek_v32.FAMILY, hf_glm_moe_dsa.FAMILY, hf_qwen3_next.FAMILY, hf_qwen3_5_moe.TEXT_FAMILY,
+    hf_qwen3_5_moe.FAMILY)}
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -211,6 +215,8 @@ class HFWeights:
         first = self._hf_shape(source.names[0])
         if source.kind == "copy" and source.columns is not None:
             return (*first[:-1], first[-1] // source.columns[1])
+        if source.kind == "copy" and source.rows is not None:
+            return (len(source.rows), *first[1:])
         if source.kind == "copy":
             return first
         for hf_name in source.names[1:]:
@@ -222,7 +228,7 @@ class HFWeights:
 
     def dtype(self, name: str) -> torch.dtype:
         source = self._source(name)
-        if source.kind == "zeros":
+        if source.kind == "zeros" or source.offset:
             return torch.float32
         # every tensor of a stack checked (one expert may be stored otherwise); the stack has their common dtype
         read_as = [torch.bfloat16 if self._packed(hf_name) else self._stored_dtype(hf_name) or torch.bfloat16
@@ -239,6 +245,8 @@ class HFWeights:
             *outer, cols = box
             span = self._hf_box(source.names[0], (*outer, slice(cols.start * parts, cols.stop * parts)))
             return span[..., part::parts]
+        if source.kind == "copy" and source.offset:
+            return self._hf_box(source.names[0], box).float() + source.offset
         if source.kind == "copy" and source.rows is None:
             return self._hf_box(source.names[0], box)
         if source.kind == "copy":  # our rows [r0:r1] are HF rows rows[r0:r1]: read their span, then pick
@@ -388,11 +396,13 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
 
     def hf_tensor(name: str) -> Tensor:
         target = targets[name]
-        parts = values(target.ours)
+        parts = [] if target.offset else values(target.ours)
+        if target.rows is not None:
+            return torch.cat(parts)[list(target.rows)]
         if len(parts) > 1:
             return torch.stack(parts, dim=-1).flatten(-2)
-        if target.rows is not None:
-            return parts[0][list(target.rows)]
+        if target.offset:  # subtracted in fp32, before any cast
+            return (read(target.ours[0]).float() - target.offset).to(cast or entries[target.ours[0]][1])
         return parts[0] if target.expert is None else parts[0][target.expert].t().contiguous()
 
     hf_entries = {}
@@ -400,6 +410,9 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
         shape, stored = entries[target.ours[0]]
         if target.expert is not None:
             shape = (shape[2], shape[1])
+        if target.rows is not None:
+            hf_entries[name] = (torch.Size((len(target.rows), *shape[1:])), cast or stored)
+            continue
         hf_entries[name] = (torch.Size((*shape[:-1], shape[-1] * len(target.ours))), cast or stored)
     hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")
     foreign = sorted(path.name for path in out.iterdir() if not is_export_file(path.name)) if out.is_dir() else []

@@ -108,14 +108,19 @@ class Source:
 
     ``rows`` (copies only): our row i is the HF tensor's row ``rows[i]``, for a family that lays out the rotary
     channels of a head in another order than ours (DeepSeek's interleaved pairs); None: rows as they are.
+    ``rows`` may also pick a subset: several of our tensors are then the rows of one HF tensor (Qwen3-Next's
+    fused projections), which an export puts back together.
     ``columns`` (copies only): (part, parts): our last-dim column j is the HF tensor's column part + parts · j, for
     a family that interleaves several of our tensors in one (GPT-OSS's gate and up); None: columns as they are.
+    ``offset`` (copies only): ours is the HF tensor plus it, in fp32 (Qwen3-Next's zero-centred norms, whose
+    weights say 1 + w: ours is that 1 + w); an export subtracts it.
     """
 
     kind: str
     names: tuple[str, ...]
     rows: tuple[int, ...] | None = None
     columns: tuple[int, int] | None = None
+    offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -386,13 +391,15 @@ def expert_stacks(ours: str, experts: str, names: dict[str, str], num_experts: i
 
 @dataclass(frozen=True)
 class Target:
-    """Where an exported HF tensor comes from: our tensor ``ours[0]`` (expert ``expert`` of a stack, transposed;
-    rows in the order ``rows``: HF row j is our row ``rows[j]``), or the last-dim interleaving of all of ``ours``
-    (HF column i is column i // n of ``ours[i % n]``)."""
+    """Where an exported HF tensor comes from: our tensor ``ours[0]`` (expert ``expert`` of a stack, transposed), or
+    with ``rows`` the rows of all of ``ours`` one after another, HF row j being row ``rows[j]`` of them, or without
+    the last-dim interleaving of all of ``ours`` (HF column i is column i // n of ``ours[i % n]``); ``offset``
+    subtracted (``Source.offset``)."""
 
     ours: tuple[str, ...]
     expert: int | None = None
     rows: tuple[int, ...] | None = None
+    offset: float = 0.0
 
 
 def hf_targets(sources: dict[str, Source]) -> dict[str, Target]:
@@ -402,11 +409,12 @@ def hf_targets(sources: dict[str, Source]) -> dict[str, Target]:
         if source.kind == "copy" and source.columns is not None:
             parts = out.get(source.names[0], Target(()))
             out[source.names[0]] = Target(tuple(sorted((*parts.ours, ours), key=lambda name: sources[name].columns)))
+        elif source.kind == "copy" and source.rows is not None:  # one of the tensors whose rows make the HF one
+            parts = out.get(source.names[0], Target(())).ours + (ours,)
+            hf_rows = [row for part in parts for row in sources[part].rows]  # the import's order, inverted
+            out[source.names[0]] = Target(parts, None, tuple(sorted(range(len(hf_rows)), key=hf_rows.__getitem__)))
         elif source.kind == "copy" and source.names[0] not in out:  # tied: the head is the embedding, once
-            rows = None
-            if source.rows is not None:  # the inverse of the import's order
-                rows = tuple(sorted(range(len(source.rows)), key=source.rows.__getitem__))
-            out[source.names[0]] = Target((ours,), None, rows)
+            out[source.names[0]] = Target((ours,), offset=source.offset)
         elif source.kind == "stack_t":
             out.update({name: Target((ours,), e) for e, name in enumerate(source.names)})
     return out

@@ -96,11 +96,9 @@ _KIND_PARAMETERS: dict = {}
 
 
 def attention_flops_per_token(model: ModelConfig, layer: LayerSpec) -> float:
-    """Training FLOPs of one token's attention scores and weighted values in one block of ``layer``'s kind (the
-    projections are counted with the parameters): 6 · S · nh · (qk width + v width), which is PaLM's
-    12 · S · nh · hd (Chowdhery et al. 2022, appendix B) when queries, keys and values are hd wide; each kind
-    states its widths (``score_width``), and a kind attending to fewer keys its own count."""
-    return attention_kind(layer).attention_flops_per_token(model)
+    """Training FLOPs of one token's attention scores and weighted values in one block of ``layer``'s kind, as the
+    kind states them (``AttentionKind.flops_per_token``; the projections are counted with the parameters)."""
+    return attention_kind(layer).flops_per_token(model)
 
 
 def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:

@@ -6,7 +6,8 @@ Scaling Transformer Inference", sec. 2). Keys are stored rotated: RoPE depends o
 Latent attention keeps its up-projected keys and values here too, as grouped-query attention does: the smaller
 cache of c + r numbers per token that MLA allows (absorbing ``wkv_b`` into the queries) is not built. Sparse
 attention's indexer keeps its one key per position beside them (``index_keys``): its next queries score every
-kept position.
+kept position. Linear attention (``moe/attention/gated_delta.py``) keeps no keys: its cache is the recurrence's
+state and its convolution's last inputs, the same size whatever the number of positions seen.
 """
 
 from __future__ import annotations
@@ -16,16 +17,24 @@ from torch import Tensor
 
 
 class LayerCache:
-    """One attention layer's keys and values of the positions seen so far, [B, heads, S_seen, width]."""
+    """One attention layer's keys and values of the positions seen so far, [B, heads, S_seen, width]; or, for
+    linear attention, its state [B, heads, dk, dv] and the convolution's last inputs [B, channels, kernel - 1]."""
 
     def __init__(self) -> None:
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
         self.index_keys: Tensor | None = None  # [B, S_seen, index_head_dim]: the lightning indexer's keys
+        self.state: Tensor | None = None
+        self.conv_inputs: Tensor | None = None
+        self.seen = 0  # positions the state has taken in (linear attention)
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self.seen if self.keys is None else self.keys.shape[2]
+
+    def advance(self, state: Tensor, new: int) -> None:
+        """Linear attention: keep the state after ``new`` more positions."""
+        self.state, self.seen = state, self.seen + new
 
     def extend(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Add the new positions' [B, heads, S_new, width] keys and values; return every key and value kept, and

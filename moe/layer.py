@@ -57,7 +57,8 @@ class MoELayer(nn.Module):
     and returns the combined output, so it can send a token once per destination rank and
     combine there. It is still called as the module (``self.experts(...)``), so FSDP's hooks
     on it run as before.
-    5. shared experts (if any) see every token and are added unweighted.
+    5. shared experts (if any) see every token and are added unweighted, or with ``moe.shared_expert_gate``
+       scaled by sigmoid(``shared_gate`` x) per token.
 
     The balancing losses ride on the output through ``attach_loss`` and so reach
     backward by themselves; ``aux_loss_scale`` is set by the trainer (1 / micro-batches
@@ -76,6 +77,7 @@ class MoELayer(nn.Module):
                                       config.backend, bias=config.expert_proj_bias,
                                       swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
         self.shared_experts = FeedForward(d_model, config.shared_hidden) if config.num_shared_experts else None
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if config.shared_expert_gate else None
         self.aux_loss_scale = 1.0
         # under context parallelism the balancing loss's assignment counts summed over the sequence's other ranks
         # (``parallel/context.py``); None: this rank holds whole sequences
@@ -106,6 +108,8 @@ class MoELayer(nn.Module):
             out.append(ParamTensor("experts", i, (e, d)))
         if moe.num_shared_experts:
             out += FeedForward.parameter_tensors(model, moe, i, moe.shared_hidden)
+        if moe.shared_expert_gate:
+            out.append(ParamTensor("ffn", i, (1, d)))
         return out
 
     def forward(self, x: Tensor) -> Tensor:
@@ -133,7 +137,10 @@ class MoELayer(nn.Module):
             expert_out = self.experts(grouped, plan.tokens_per_expert)
             out = unpermute_and_combine(expert_out, plan, routed.weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(tokens)) * shared
+            out = out + shared
 
         num_sequences = batch if cfg.aux_loss_scope == "sequence" else 1
         balance = load_balancing_loss(routed.probs, routed.expert_ids, cfg.num_experts, num_sequences,

@@ -117,6 +117,8 @@ def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
         ("cp", model.seq_len % (2 * d["cp"]) == 0 or d["cp"] == 1,
          f"parallel.cp={d['cp']}: model.seq_len={model.seq_len} must split into 2 × cp = {2 * d['cp']} equal chunks "
          "(each context-parallel rank holds one chunk from the front of the sequence and one from the back)"),
+        ("tp", not model.linear_attention or model.linear_key_heads % d["tp"] == 0,
+         f"parallel.tp={d['tp']} does not divide model.linear_key_heads={model.linear_key_heads}"),
         ("pp", d["pp"] <= model.n_layers, f"parallel.pp={d['pp']} is more pipeline stages than "
                                           f"model.n_layers={model.n_layers}"),
         ("tp", model.n_heads % d["tp"] == 0, f"parallel.tp={d['tp']} does not divide model.n_heads={model.n_heads}"),

@@ -15,7 +15,10 @@ column-parallel input).
   heads, are summed over tp like the sequence-parallel norms'. Latent attention
   (``moe/attention/latent.py``) splits its per-head projections the same way and keeps its latent projections
   whole (``_latent_attention_plan``); sparse latent attention keeps its indexer whole as well and sums the indexer's
-  target over the ranks' heads (``_sparse_latent_plan``).
+  target over the ranks' heads (``_sparse_latent_plan``). Gated DeltaNet (``moe/attention/gated_delta.py``)
+  splits by key heads, each with its value heads: its projections column-parallel, its convolution's channels
+  and per-head decay parameters ``Shard(0)`` with them, ``wo`` row-parallel (``_gated_delta_plan``); the
+  recurrence needs no other rank's heads.
 - dense SwiGLU FFN and the MoE layer's shared experts: ``w_in`` and ``w_gate`` column-parallel (split on
   the hidden dim), ``w_out`` row-parallel.
 - the router stays whole on every tp rank: it must see the full hidden vector in fp32 so every tp rank
@@ -73,7 +76,7 @@ from torch.distributed.tensor.parallel import (
 
 from config.errors import ConfigError
 from config.model import ModelConfig
-from moe.attention import GroupedQueryAttention, LatentAttention, SparseLatentAttention
+from moe.attention import GatedDeltaAttention, GroupedQueryAttention, LatentAttention, SparseLatentAttention
 from moe.block import Block
 from moe.transformer import MoETransformer
 
@@ -150,6 +153,8 @@ def _grouped_query_plan(block: Block, stream: Placement) -> dict:
     plan = {"attn": _shared_input(stream, num_inputs=3), "attn.wq": ColwiseParallel(),
             "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=stream)}
+    if block.attn.wg is not None:
+        plan["attn.wg"] = ColwiseParallel()
     if block.attn.q_norm is not None:
         plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                      "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
@@ -177,9 +182,22 @@ def _sparse_latent_plan(block: Block, stream: Placement) -> dict:
     return _latent_attention_plan(block, stream) | {"attn.head_sum": _SumOutput()}
 
 
+def _gated_delta_plan(block: Block, stream: Placement) -> dict:
+    """Gated DeltaNet split by key heads, each with its value heads: the projections to q, k, v, z, beta and a
+    column-, ``wo`` row-parallel; the gated norm (one weight shared by the heads) on this rank's value heads, a
+    shard of dim 2 of [B, S, heads, dv]. The convolution (per channel) and the decay parameters (per value head)
+    are split with them by ``apply_tensor_parallel``; the recurrence runs on each rank's heads alone."""
+    return {"attn": _shared_input(stream, num_inputs=3),
+            **{f"attn.{name}": ColwiseParallel() for name in ("wq", "wk", "wv", "wz", "wb", "wa")},
+            "attn.out_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attn.wo": RowwiseParallel(output_layouts=stream)}
+
+
 # each attention kind's split over the tp ranks (a new kind adds its plan here)
 ATTENTION_PLANS = {GroupedQueryAttention: _grouped_query_plan, LatentAttention: _latent_attention_plan,
-                   SparseLatentAttention: _sparse_latent_plan}
+                   SparseLatentAttention: _sparse_latent_plan, GatedDeltaAttention: _gated_delta_plan}
+# parameters of a kind that are not a Linear's, split with its heads on dim 0 (``apply_tensor_parallel``)
+HEAD_PARAMETERS = ("sinks", "conv_q", "conv_k", "conv_v", "decay_bias", "log_decay_rate")
 
 
 def _block_plan(block: Block, sequence_parallel: bool) -> dict:
@@ -256,8 +274,10 @@ def apply_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh, sequence_p
     for block in model.blocks():  # the multi-token-prediction modules' too, on the whole sequence (``_ends_plan``):
         # their input is replicated, their projection and norms stay whole
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel and id(block) not in mtp_blocks))
-        if getattr(block.attn, "sinks", None) is not None:  # one per query head: split with the heads
-            block.attn.sinks = nn.Parameter(distribute_tensor(block.attn.sinks.data, tp_mesh, [Shard(0)]))
+        for name in HEAD_PARAMETERS:  # GPT-OSS's sinks, Gated DeltaNet's convolution and decay: with the heads
+            if getattr(block.attn, name, None) is not None:
+                value = getattr(block.attn, name).data
+                setattr(block.attn, name, nn.Parameter(distribute_tensor(value, tp_mesh, [Shard(0)])))
     ends = _ends_plan(model, sequence_parallel, vocab_parallel)
     if ends:
         parallelize_module(model, tp_mesh, ends)

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
+from moe.attention.gated_delta import GatedDeltaAttention
 from moe.attention.grouped_query import GroupedQueryAttention
 from moe.attention.latent import LatentAttention
 from moe.attention.sparse_latent import SparseLatentAttention
 
-__all__ = ["KINDS", "AttentionKind", "GroupedQueryAttention", "LatentAttention", "attention_kind",
-           "SparseLatentAttention", "build_attention"]
+__all__ = ["KINDS", "AttentionKind", "GatedDeltaAttention", "GroupedQueryAttention", "LatentAttention",
+           "SparseLatentAttention", "attention_kind", "build_attention"]
 
 KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention,
-                                         "sparse_latent": SparseLatentAttention}
+                                         "sparse_latent": SparseLatentAttention, "gated_delta": GatedDeltaAttention}
 
 
 def attention_kind(layer: LayerSpec) -> type[AttentionKind]:

@@ -55,9 +55,11 @@ class AttentionKind(nn.Module):
             self.logit_tracker.record(max_attention_logits(q, k, scale, window, documents))
 
     @classmethod
-    def attention_flops_per_token(cls, model: ModelConfig) -> float:
-        """Training FLOPs of one token's attention scores and weighted values (``moe.accounting``): 6 · S · nh ·
-        (qk width + v width) over every key, which a kind that attends to fewer keys states for itself."""
+    def flops_per_token(cls, model: ModelConfig) -> float:
+        """Training FLOPs of one token's scores and weighted values in one layer of this kind (the projections are
+        counted with the parameters): 6 · S · nh · (qk width + v width), which is PaLM's 12 · S · nh · hd
+        (Chowdhery et al. 2022, appendix B) when queries, keys and values are hd wide; each kind states its
+        widths (``score_width``), and a kind that attends to fewer keys, or is no softmax attention, its own count."""
         return 6.0 * model.n_heads * cls.score_width(model) * model.seq_len
 
     @staticmethod

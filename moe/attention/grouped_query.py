@@ -34,6 +34,9 @@ class GroupedQueryAttention(AttentionKind):
     logit per head in every softmax's denominator with no value: ``softmax_j(l_j)`` becomes
     ``exp(l_j) / (exp(s_h) + sum_i exp(l_i))``) and the layer's ``window`` (a query sees itself and the window - 1
     positions before it); the kernel core (``moe/attention/kernel.py``) serves both.
+    With ``attn_output_gate`` each output channel is scaled by sigmoid of ``wg`` x before ``wo`` (Qwen3-Next's
+    gated attention; Qiu et al. 2025, "Gated Attention for Large Language Models": a per-head, input-dependent
+    gate that keeps a head from having to attend somewhere when it has nothing to add).
 
     With ``documents`` RoPE takes each position's place in its document and the kernel the documents' mask: SDPA
     computes every score of the mask, so it costs what a full (non-causal) attention costs (``docs/data.md`` has
@@ -51,6 +54,8 @@ class GroupedQueryAttention(AttentionKind):
         self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=config.attn_output_bias)
+        gated = config.attn_output_gate
+        self.wg = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False) if gated else None
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if config.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
@@ -73,7 +78,10 @@ class GroupedQueryAttention(AttentionKind):
         scale = self.head_dim ** -0.5
         self.track(q, k, scale, cache, documents, self.window)
         out = attend(q, k, v, scale, start, self.window, self.sinks, cache_mask, documents)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        if self.wg is not None:
+            out = out * torch.sigmoid(self.wg(x))
+        return self.wo(out)
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """RoPE on the first ``rotary_dim`` channels of each head, the rest as they are (partial rotary, GLM)."""
@@ -109,6 +117,8 @@ class GroupedQueryAttention(AttentionKind):
             out.append(ParamTensor("attention", i, (heads,), 0))
         if model.qk_norm:
             out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
+        if model.attn_output_gate:
+            out.append(ParamTensor("attention", i, (heads * hd, d), 0))
         return out
 
     @staticmethod
@@ -118,9 +128,11 @@ class GroupedQueryAttention(AttentionKind):
 
     @staticmethod
     def projection_gemms(model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
-        """The projections' matmuls on one rank, (count, M, K, N): wq, wk, wv split by heads, wo by its input."""
+        """The projections' matmuls on one rank, (count, M, K, N): wq (and the gate's wg), wk, wv split by heads,
+        wo by its input."""
         d, heads, hd = model.d_model, model.n_heads // tp, model.head_size
-        return [(1, tokens, d, heads * hd), (2, tokens, d, model.kv_heads * hd // tp), (1, tokens, heads * hd, d)]
+        return [(1 + model.attn_output_gate, tokens, d, heads * hd), (2, tokens, d, model.kv_heads * hd // tp),
+                (1, tokens, heads * hd, d)]
 
     @staticmethod
     def sequence_gather_width(model: ModelConfig, tp: int) -> int:
@@ -139,15 +151,18 @@ class GroupedQueryAttention(AttentionKind):
         """wq/wk/wv's input; what the kernel saves (``kernel_saved_bytes``: q and k after RoPE, v, the output and
         the log-sum-exp, on this rank's nh/tp heads, and the kernel's mask); wo's input, the output made contiguous,
         a copy unless one head per rank makes it a view; with ``qk_norm`` the per-head norms of q and k (each of
-        the T·heads rows of hd, as an RMSNorm saves them). Under context parallelism k and v are views of the
+        the T·heads rows of hd, as an RMSNorm saves them); with ``attn_output_gate`` wg's input too, and the
+        gate's sigmoid and the gated output, which wo reads. Under context parallelism k and v are views of the
         gathered [b, kv_heads, S, 2·hd] tensor, or, by chunks, copies in position order of the same bytes."""
         heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
         sink = model.attention_sinks
         kernel = training_kernel(model, mb, layer.window, sink)
-        total = linear_input_bytes(mb, model.d_model, 3)
+        total = linear_input_bytes(mb, model.d_model, 3 + model.attn_output_gate)
         total += kernel_saved_bytes(kernel, mb, heads, kv_heads, hd, window=layer.window, sink=sink)
         contiguous_view = heads == 1 and not (sink or kernel == BLOCKED_WINDOW)
         total += 0 if contiguous_view else mb.tokens * heads * hd * mb.compute
         if model.qk_norm:
             total += head_norm_bytes(mb, mb.tokens * heads, hd, tp) + head_norm_bytes(mb, mb.tokens * kv_heads, hd, tp)
+        if model.attn_output_gate:  # the gate's sigmoid and the gated output (wo's input)
+            total += 2 * mb.tokens * heads * hd * mb.compute
         return total

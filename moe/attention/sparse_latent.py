@@ -189,7 +189,7 @@ class SparseLatentAttention(LatentAttention):
                 (1, tokens, model.d_model, width), (1, tokens, model.d_model, heads)]
 
     @staticmethod
-    def attention_flops_per_token(model: ModelConfig) -> float:
+    def flops_per_token(model: ModelConfig) -> float:
         """Training FLOPs of one token's scores and values: latent attention's over min(k, S) keys (the selected
         ones), and the indexer's q·k over all S keys in each of its heads (forward and backward: its loss
         trains it)."""

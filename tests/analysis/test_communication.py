@@ -39,6 +39,10 @@ BALANCED = [*TINY, "train.steps=2", "moe.force_balance=true"]
 DENSE_FIRST = ["model.first_moe_layer=1", "moe.num_shared_experts=1"]  # a dense block, then an MoE block
 LATENT = ["model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=8"]
 SPARSE = [*LATENT, "model.q_lora_rank=12", "model.index_topk=8", "model.index_n_heads=4", "model.index_head_dim=8"]
+QWEN3_NEXT = ["model.layer_types=[linear_attention,full_attention]", "model.linear_key_heads=2",
+              "model.linear_value_heads=4", "model.linear_key_head_dim=8", "model.linear_value_head_dim=8",
+              "model.attn_output_gate=true", "model.qk_norm=true", "moe.num_shared_experts=1",
+              "moe.shared_expert_gate=true"]
 CASES_2 = {  # name -> overrides, on 2 ranks
     "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
     "fsdp, 2 micro-batches, reduce-scatter per micro-batch": ["parallel.dp_shard=2", "train.micro_batch_size=2",
@@ -97,6 +101,13 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     "cp=2, latent attention, bf16, balancing per sequence": [
         "parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *LATENT, "train.precision=bf16",
         "moe.aux_loss_scope=sequence", *DENSE_FIRST],
+    # Qwen3-Next's hybrid: Gated DeltaNet split by key heads (its input gradient reduced as any column-parallel
+    # input's), gated attention, a gated shared expert; FSDP traffic of the convolution and decay parameters
+    "tp=2 x ep=2, sequence parallel, Qwen3-Next": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2",
+                                                   "parallel.sequence_parallel=true", *QWEN3_NEXT],
+    "fsdp, Qwen3-Next": ["parallel.dp_shard=2", *QWEN3_NEXT],
+    # under cp each linear layer gathers its q, k, v and gate inputs (their gradients reduce-scattered)
+    "cp=2, Qwen3-Next": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *QWEN3_NEXT],
 }
 HSDP_2MB = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]
 EDP_2MB = ["parallel.dp_shard=4", "parallel.ep=2", "train.micro_batch_size=1"]

@@ -139,3 +139,20 @@ def test_gpt_oss_options_are_the_memory_models_prediction():
                                     "parallel.etp=2"])
     with pytest.raises(ConfigError, match="parallel.etp=2 with moe.expert_proj_bias"):
         resolve_layout(config, 12)
+
+
+HYBRID = ["model.layer_types=[linear_attention,linear_attention,linear_attention,full_attention]",
+          "model.linear_key_heads=2", "model.linear_value_heads=4", "model.linear_key_head_dim=8",
+          "model.linear_value_head_dim=8", "model.attn_output_gate=true", "model.qk_norm=true",
+          "moe.shared_expert_gate=true"]
+
+
+def test_hybrid_linear_attention_is_the_memory_models_prediction():
+    """Qwen3-Next's shape (Gated DeltaNet layers, gated attention, a gated shared expert) built under pp=2 ×
+    FSDP 3 × tp=2 × ep=2 (the convolution and decay split with the linear heads): each stage's largest rank holds
+    what the memory model predicts."""
+    config = load_config("moe-8x", [*MODEL, *HYBRID, "parallel.pp=2", "parallel.dp_shard=3", "parallel.tp=2",
+                                    "parallel.ep=2", "train.precision=fp32"])
+    built, estimates = dry_run(config, resolve_layout(config, 12), "fp32")
+    for pp_rank, predicted in enumerate(estimates):
+        assert max(s.total for s in built if s.pp_rank == pp_rank) == predicted.states.total

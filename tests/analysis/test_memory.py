@@ -46,6 +46,11 @@ MLA = ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.qk_nope_head_dim
 
 
 DSA = [*MLA, "model.q_lora_rank=10", "model.index_n_heads=4", "model.index_head_dim=8", "moe.force_balance=true"]
+HYBRID = ["model.layer_types=[linear_attention,full_attention]", "model.linear_key_heads=2",
+          "model.linear_value_heads=4", "model.linear_key_head_dim=6", "model.linear_value_head_dim=5",
+          "model.linear_chunk_size=4"]  # Qwen3-Next's: Gated DeltaNet linear attention beside full attention
+QWEN3_NEXT = ["model.attn_output_gate=true", "model.qk_norm=true", "model.rotary_dim=4",
+              "moe.num_shared_experts=1", "moe.shared_expert_gate=true"]
 GPT_OSS_MOE = ["moe.activation=clamped_swiglu", "moe.router_bias=true", "moe.expert_proj_bias=true"]
 GPT_OSS_ATTENTION = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
                      "model.layer_types=[sliding_attention,full_attention]"]
@@ -112,7 +117,8 @@ def test_parameter_tensors_count_router_and_expert_biases(overrides):
      "model.v_head_dim=5"],
     ["model.n_kv_heads=null", "model.q_lora_rank=10", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6",
      "model.qk_rope_head_dim=4", "model.v_head_dim=5"],
-    ["model.mtp_depth=2", "model.first_moe_layer=1", "model.moe_every=2"]])  # a dense and an MoE module
+    ["model.mtp_depth=2", "model.first_moe_layer=1", "model.moe_every=2"],  # a dense and an MoE module
+    HYBRID, [*HYBRID, *QWEN3_NEXT]])
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
@@ -180,6 +186,13 @@ SINGLE = {
     "sparse attention (DSA), top-k binding": ("fp32", [*DSA, "model.index_topk=6"]),
     "sparse attention (DSA), every key selected": ("fp32", [*DSA, "model.index_topk=32"]),
     "bf16, sparse attention (DSA), top-k binding": ("bf16", [*DSA, "model.index_topk=6"]),
+    "Gated DeltaNet linear attention beside full attention": ("fp32", [*HYBRID, "moe.force_balance=true"]),
+    "bf16, Gated DeltaNet linear attention": ("bf16", [*HYBRID, "moe.force_balance=true"]),
+    # Qwen3-Next's other parts: gated attention, partial rotary, q/k norms, a gated shared expert
+    "Qwen3-Next: gated attention, gated shared expert": ("fp32", [*HYBRID, *QWEN3_NEXT, "moe.force_balance=true"]),
+    "bf16, Qwen3-Next": ("bf16", [*HYBRID, *QWEN3_NEXT, "moe.force_balance=true"]),
+    "Qwen3-Next, recompute full": ("fp32", [*HYBRID, *QWEN3_NEXT, "parallel.activation_checkpointing=full",
+                                            "moe.force_balance=true"]),
 }
 
 
@@ -357,6 +370,14 @@ SPAWNED = [
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
     ("bf16", ["parallel.dp_shard=2", *DSA, "model.index_topk=6"]),
     ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
+    # Qwen3-Next: the linear heads split over tp (the gated norm on each rank's heads, a DTensor); under FSDP's bf16
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *HYBRID, *QWEN3_NEXT]),
+    ("bf16", ["parallel.dp_shard=2", *HYBRID, *QWEN3_NEXT]),
+    # and under cp: the linear layers' inputs gathered, the recurrence over the whole sequence; a model of linear
+    # layers alone takes no rotary tables
+    ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT]),
+    ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT,
+              "model.layer_types=[linear_attention,linear_attention]"]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

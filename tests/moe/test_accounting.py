@@ -44,6 +44,15 @@ SMALL = [
                  attention_sinks=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                  seq_len=16, ffn_hidden=48),
      MoEConfig(expert_hidden=24, activation="clamped_swiglu", router_bias=True, expert_proj_bias=True)),
+    # Qwen3-Next's hybrid: Gated DeltaNet linear attention (more value heads than key heads) beside full attention
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=48,
+                 layer_types=["linear_attention", "full_attention"], linear_key_heads=2, linear_value_heads=4,
+                 linear_key_head_dim=6, linear_value_head_dim=5), MoEConfig(expert_hidden=24)),
+    # and its gated attention and gated shared expert
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True, rotary_dim=4,
+                 attn_output_gate=True, seq_len=16, ffn_hidden=48, layer_types=["linear_attention", "full_attention"],
+                 linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5),
+     MoEConfig(expert_hidden=24, num_shared_experts=1, shared_expert_gate=True)),
 ]
 
 
@@ -206,3 +215,15 @@ def test_sparse_attention_families_count_what_transformers_builds_of_the_publish
     counts = parameter_counts(config.model, config.moe)
     assert counts.total == sum(param.numel() for param in built.parameters()) == total
     assert counts.active - counts.embedding == active
+
+
+@pytest.mark.parametrize("name, total, active", [("qwen3-next-80b-a3b", 80, 3), ("qwen3.5-35b-a3b", 35, 3),
+                                                 ("qwen3.5-397b-a17b", 397, 17)])
+def test_qwen3_next_family_has_its_published_size(name, total, active):
+    """The published names round their counts: the text model's total lies in the billion below the name's (the
+    Qwen3.5 totals also count a vision tower we leave out), its active parameters (embedding and head included)
+    in the billion above the name's A-figure (79.7B / 3.9B, 34.7B / 3.5B, 396.3B / 17.3B)."""
+    config = load_config(name)
+    counts = parameter_counts(config.model, config.moe)
+    assert total - 1 < counts.total / 1e9 <= total
+    assert active <= counts.active / 1e9 < active + 1

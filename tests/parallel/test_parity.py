@@ -40,6 +40,12 @@ DEEPSEEK_V32 = [*DEEPSEEK_V3, "model.index_topk=8", "model.index_n_heads=16", "m
 # roundings turn a 1e-7 difference of a gradient into ~1e-3 of the weights: training/muon.py, newton_schulz); the
 # bf16 row below keeps Muon's default bf16 iteration under bf16 tolerances.
 MUON = ["train.optimizer=muon", "train.muon_ns_dtype=fp32"]
+# Qwen3-Next's architecture at toy size: a Gated DeltaNet layer (2 key heads serving 4 value heads, the delta rule
+# by 4 chunks of 8), then gated attention with q/k norms and half of each head rotated; a gated shared expert
+QWEN3_NEXT = ["model.layer_types=[linear_attention, full_attention]", "model.linear_key_heads=2",
+              "model.linear_value_heads=4", "model.linear_key_head_dim=8", "model.linear_value_head_dim=8",
+              "model.linear_chunk_size=8", "model.attn_output_gate=true", "model.qk_norm=true", "model.rotary_dim=4",
+              "moe.num_shared_experts=1", "moe.shared_expert_gate=true"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -118,6 +124,17 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # pipeline stages (a sliding layer, then a full one)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *GPT_OSS, *MUON], 2, "1.25", id="ep=2-gpt-oss-muon"),
     pytest.param(["parallel.pp=2", *GPT_OSS, *MUON], 2, "null", id="pp=2-gpt-oss-muon"),
+    # Qwen3-Next: FSDP-sharded linear attention (its per-channel convolution and per-head decay too) with the experts
+    # under ep; and in two pipeline stages (the linear layer, then the full one)
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *QWEN3_NEXT], 2, "null", id="ep=2-qwen3-next"),
+    pytest.param(["parallel.pp=2", *QWEN3_NEXT], 2, "null", id="pp=2-qwen3-next"),
+    # its linear attention split by key heads (each with its value heads, convolution channels and decay), the
+    # gated norm on each rank's heads, under sequence parallelism and folded with ep
+    pytest.param(["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *QWEN3_NEXT], 2, "null",
+                 id="tp=2xep=2-sequence_parallel-qwen3-next"),
+    # context parallelism: each linear layer gathers every rank's q, k, v and gate inputs and runs the recurrence
+    # over the whole sequence; the full layer attends as before
+    pytest.param(["parallel.cp=2", "parallel.dp_shard=1", *QWEN3_NEXT], 2, "null", id="cp=2-qwen3-next"),
     # packed documents masked from each other (data.document_mask): GPT-OSS's sinks split by heads and its blocked
     # window masked by document, on sequence slices; and latent attention in two pipeline stages, each given the
     # batch's document ids by the schedule
