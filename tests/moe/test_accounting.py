@@ -227,3 +227,17 @@ def test_qwen3_next_family_has_its_published_size(name, total, active):
     counts = parameter_counts(config.model, config.moe)
     assert total - 1 < counts.total / 1e9 <= total
     assert active <= counts.active / 1e9 < active + 1
+
+
+@pytest.mark.parametrize("name, architecture, config_class", [
+    ("qwen3-next-80b-a3b", "Qwen3NextForCausalLM", "Qwen3NextConfig"),
+    ("qwen3.5-35b-a3b", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig")])
+def test_qwen3_next_family_counts_what_transformers_builds_of_the_published_config(name, architecture, config_class):
+    """transformers' default configs for these two are the published checkpoints' (its docstrings name
+    Qwen3-Next-80B-A3B and Qwen3.5-35B-A3B): our count equals the parameters it builds of them on the meta device,
+    to the parameter (79,674,391,296 and 34,660,610,688; the text model only)."""
+    transformers = pytest.importorskip("transformers")
+    config = load_config(name)
+    with torch.device("meta"):
+        built = getattr(transformers, architecture)(getattr(transformers, config_class)())
+    assert parameter_counts(config.model, config.moe).total == sum(param.numel() for param in built.parameters())
