@@ -170,16 +170,16 @@ class HFWeights:
         """The folder's weights under our names, through the family its config.json names."""
         family = family_of(folder.config)
         weights = cls(folder, family.hf_sources(model, moe), moe.num_experts, family.architecture)
-        weights.check_all_read(model)
+        weights.check_all_read(model, family.left_out)
         return weights
 
-    def check_all_read(self, model: ModelConfig) -> None:
+    def check_all_read(self, model: ModelConfig, left_out: tuple[str, ...] = ()) -> None:
         """Refuse, naming it, a tensor of the folder that the model its config.json describes does not use (a layer
         more, q/k/v biases under ``attention_bias: false``, q/k norms under ``use_qk_norm: false``): dropped, the
         rest would be another model than the folder's. Not read on purpose: the block scales of what is read, the
         tied head, rotary tables, and of the multi-token-prediction layers config.json declares
         (``num_nextn_predict_layers``, each with its ``eh_proj``) those the run does not ask for and their copies of
-        the embedding and head."""
+        the embedding and head; and what the family leaves out by name (``left_out``: Qwen3.5-MoE's vision tower)."""
         read = {name for source in self.sources.values() for name in source.names}
         missing = [name for source in self.sources.values() for name in source.names
                    if name not in self.folder.files and not self._packed(name)]
@@ -190,7 +190,7 @@ class HFWeights:
         declared = self.folder.config.get("num_nextn_predict_layers") or 0
         mtp_layers = [f"model.layers.{model.n_layers + k}." for k in range(declared if isinstance(declared, int) else 0)
                       if f"model.layers.{model.n_layers + k}.eh_proj.weight" in self.folder.files]  # one, not a block
-        spare = tuple(mtp_layers[model.mtp_depth:])
+        spare = (*mtp_layers[model.mtp_depth:], *left_out)
         copies = {layer + name for layer in mtp_layers for name in ("embed_tokens.weight", "shared_head.head.weight")}
         if model.tie_embeddings:
             copies.add("lm_head.weight")

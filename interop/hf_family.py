@@ -141,6 +141,9 @@ class Family:
     other_model_types: tuple[str, ...] = ()
     # the dtype an export writes unless told otherwise (None: the checkpoint's), and why
     export_dtype: tuple[str, str] | None = None
+    # tensor-name prefixes the import leaves out on purpose, saying so (Qwen3.5-MoE's vision tower): the rest of the
+    # folder is the model we train, and no other unread tensor is accepted
+    left_out: tuple[str, ...] = ()
 
     def has_model_type(self, model_type: str | None) -> bool:
         return model_type in (self.model_type, *self.other_model_types)

@@ -90,5 +90,5 @@ def multimodal_config(model: ModelConfig, moe: MoEConfig) -> dict:
     return {}
 
 
-FAMILY = Family(ARCHITECTURE, "qwen3_5_moe", shape_from_hf, multimodal_config, hf_sources)
+FAMILY = Family(ARCHITECTURE, "qwen3_5_moe", shape_from_hf, multimodal_config, hf_sources, left_out=("model.visual.",))
 TEXT_FAMILY = Family(TEXT_ARCHITECTURE, "qwen3_5_moe_text", text_shape_from_hf, hf_from_config, text_hf_sources)
