@@ -229,6 +229,24 @@ def test_qwen3_next_family_has_its_published_size(name, total, active):
     assert active <= counts.active / 1e9 < active + 1
 
 
+def test_qwen3_5_122b_counts_its_checkpoint_and_what_transformers_builds():
+    """Qwen3.5-122B-A10B: transformers builds the config.json we export of it (the text model, on the meta device)
+    to our count, which is the checkpoint's own text-model count, 122,111,526,912 (llama.cpp's n_params of its GGUF,
+    and a safetensors-header count in github.com/HectorHHZ/Less-is-MoE). Its name rounds to the nearest billion
+    (122.11B total, 9.77B active with embedding and head, A10B), so the 397B's one-sided ranges do not fit it."""
+    from interop import hf_qwen3_5_moe
+
+    transformers = pytest.importorskip("transformers")
+    config = load_config("qwen3.5-122b-a10b")
+    counts = parameter_counts(config.model, config.moe)
+    exported = hf_qwen3_5_moe.hf_from_config(config.model, config.moe)
+    text_keys = {key: value for key, value in exported.items() if key not in ("architectures", "model_type")}
+    with torch.device("meta"):
+        built = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text_keys))
+    assert counts.total == sum(param.numel() for param in built.parameters()) == 122_111_526_912
+    assert (round(counts.total / 1e9), round(counts.active / 1e9)) == (122, 10)
+
+
 @pytest.mark.parametrize("name, architecture, config_class", [
     ("qwen3-next-80b-a3b", "Qwen3NextForCausalLM", "Qwen3NextConfig"),
     ("qwen3.5-35b-a3b", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig")])
