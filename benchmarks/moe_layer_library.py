@@ -44,7 +44,7 @@ TUNED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_
 
 
 def _layer_step(precision: str):
-    from benchmarks.moe_layer import STANDARD, make_layer
+    from benchmarks.moe_layer_cases import STANDARD, make_layer
     from moe.experts import release_compute_copies
 
     layer = make_layer(STANDARD, None, "random", "torch", torch.device("cpu"))
@@ -66,7 +66,7 @@ def _layer_step(precision: str):
 
 
 def _floor_step(precision: str):
-    from benchmarks.moe_layer import STANDARD, make_layer, make_strict_floor_step
+    from benchmarks.moe_layer_cases import STANDARD, make_layer, make_strict_floor_step
 
     layer = make_layer(STANDARD, None, "random", "torch", torch.device("cpu"))
     return make_strict_floor_step(layer, STANDARD, precision)
@@ -74,7 +74,7 @@ def _floor_step(precision: str):
 
 def child(kind: str, precision: str) -> float:
     """Tokens per second of ``kind`` ("layer" or "floor") in this process: the median of 10 steps after 3."""
-    from benchmarks.moe_layer import STANDARD
+    from benchmarks.moe_layer_cases import STANDARD
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
@@ -119,7 +119,7 @@ def host() -> str:
 
 def measure(precisions: tuple[str, ...], processes: int, tuned_allocator: bool) -> list[dict]:
     """Per precision: the median over processes of the layer's and the floor's tokens per second."""
-    from benchmarks.moe_layer import STANDARD
+    from benchmarks.moe_layer_cases import STANDARD
 
     results = []
     for precision in precisions:
