@@ -46,8 +46,8 @@ from collections.abc import Callable
 
 from analysis import memory
 from analysis.gpu_presets import HARDWARE, Hardware, add_hardware_arguments, hardware_from_args
-from analysis.replica_time import IMBALANCE
 from analysis.layout_search import DEGREE_KEYS, Plan, Search, evaluate, pipeline_split, search
+from analysis.replica_time import IMBALANCE
 from analysis.step_time import EFFICIENCY, node_shape
 from config.cli import (
     add_config_arguments,
@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                              "step_time.calibrated_efficiency)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--imbalance", type=float, default=IMBALANCE,
-                        help=f"routing assumed under ep: the busiest ep rank's rows over the mean (default {IMBALANCE}: "
-                             "benchmarks/ep_replication.py's skewed routing at ep=8; 1 for forced balance); priced "
+                        help=f"routing assumed under ep: the busiest ep rank's rows over the mean (default "
+                             f"{IMBALANCE}: benchmarks/ep_replication.py's skewed routing at ep=8; 1 for forced "
+                             "balance); priced "
                              "with replica slots parallel.ep_replicas in {0, 1, 2}")
     parser.add_argument("--headroom", type=float, default=memory.DEFAULT_HEADROOM,
                         help=f"fraction of each GPU's memory a plan leaves free (default {memory.DEFAULT_HEADROOM}: "
