@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from analysis import memory
 from analysis.gpu_presets import HARDWARE, Hardware
 from analysis.memory_states import experts_own_unit, model_states
+from analysis.replica_time import straggler_wait
 from analysis.step_time import (
     EFFICIENCY,
     bubble_seconds,
@@ -65,6 +66,8 @@ class Plan:
             extra.append("sp")
         if par.grad_reduce == "microbatch":
             extra.append("rs/mb")  # gradients reduce-scattered per micro-batch
+        if par.ep_replicas:
+            extra.append(f"R={par.ep_replicas}")  # replica slots per ep rank
         return " ".join([degrees or "one rank", *extra])
 
 
@@ -142,17 +145,31 @@ def memory_bytes(config: RunConfig, layout: Layout, resolved: tuple[Layout, int,
 
 
 def evaluate(config: RunConfig, layout: Layout, hardware: Hardware, gpus_per_node: int,
-             efficiency: float = EFFICIENCY, memory_total: int | None = None) -> Plan:
-    """The plan of ``config`` (already set to ``layout``): memory of the busiest rank and the step estimate."""
-    microbatches = micro_batching(config, layout.dp, layout.pp)[1]
+             efficiency: float = EFFICIENCY, memory_total: int | None = None, imbalance: float = 1.0,
+             device_memory: float | None = None) -> Plan:
+    """The plan of ``config`` (already set to ``layout``): memory of the busiest rank and the step estimate. Under
+    expert parallelism with ``imbalance`` > 1 (the busiest ep rank's rows over the mean), the wait for that rank
+    and the replica slots (``parallel.ep_replicas`` in {0, 1, 2}) that make it least, among those whose memory
+    fits ``device_memory`` (``analysis.replica_time.straggler_wait``)."""
+    size, microbatches = micro_batching(config, layout.dp, layout.pp)
     if memory_total is None:
         memory_total = memory_bytes(config, layout)[0]
+    wait = straggler_wait(config, layout, size, microbatches, hardware, gpus_per_node, efficiency, imbalance)
+    if wait.replicas:
+        replicated = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                              ep_replicas=wait.replicas))
+        need = memory_bytes(replicated, layout)[0]
+        if device_memory is None or need <= device_memory:
+            config, memory_total = replicated, need
+        else:  # the slots do not fit: the wait without them
+            wait = straggler_wait(config, layout, size, microbatches, hardware, gpus_per_node, efficiency,
+                                  imbalance, allowed=(0,))
     balance = shared_balance(config, layout, hardware.sharing)
     compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency, hardware.memory_bandwidth) * balance
     bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages, hardware.sharing,
                             balance)
     exposed = exposed_communication(config, layout, compute, hardware, gpus_per_node, microbatches)
-    return Plan(config, layout, memory_total, compute, bubble, exposed)
+    return Plan(config, layout, memory_total, compute, bubble, {**exposed, "imbalance": wait.seconds})
 
 
 @dataclass(frozen=True)
@@ -430,7 +447,8 @@ class _Weighing:
 
 def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_node: int = 8,
            hardware: Hardware = HARDWARE["h100"], efficiency: float = EFFICIENCY,
-           top: int | None = None, faster_than: float | None = None, fixed: dict[str, int] | None = None) -> Search:
+           top: int | None = None, faster_than: float | None = None, fixed: dict[str, int] | None = None,
+           imbalance: float = 1.0) -> Search:
     """Rank the candidates: the ``top`` fastest that fit exactly (all of them by default), or every plan faster
     than ``faster_than`` seconds.
 
@@ -440,6 +458,7 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     micro-batch size's) and puts it back in line: only those still within reach are weighed, the most promising
     first. Equal steps are ranked by the evenness of their pipeline split (``split_spread``), then by memory, then
     by the candidates' order, so the plans are the full search's whatever the order they were found in.
+    ``imbalance``: the routing ``evaluate`` prices under ep (1.0: balanced, no replica slots).
     """
     pool = candidates(config, world_size, hardware, efficiency, fixed)
     queue = [(candidate.bound, index, 0) for index, candidate in enumerate(pool)]  # sorted, so a heap already
@@ -463,7 +482,8 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
         need = weighing.weigh(index, candidate)
         if need is None or need > device_memory:
             continue
-        result = evaluate(candidate.config, candidate.layout, hardware, gpus_per_node, efficiency, need)
+        result = evaluate(candidate.config, candidate.layout, hardware, gpus_per_node, efficiency, need, imbalance,
+                          device_memory)
         plans.append((result, index))
         if top is not None:
             heapq.heappush(steps, -result.step)

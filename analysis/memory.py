@@ -32,6 +32,10 @@ What one rank holds during a step (``estimate``):
   transient [tokens, V] fp32 buffer (the logits in forward, their gradient in backward).
 - **compute copies** (``compute_copy_bytes``): in bf16 the routed experts' bf16 copies outside FSDP
   (``moe.experts.ComputeCopies``), held once from a step's first forward to its optimizer step.
+- **replica slots** (``parallel.ep_replicas: R``): each MoE layer's R slots' weights fetched in the compute dtype
+  and saved by their grouped GEMM (an activations part, ``replica_slot_bytes``), and in backward one layer's
+  slots' weight gradients before they return to the owners (``replica_slot_gradient_bytes``): every slot
+  filled, an upper bound (balanced routing fills none; the rows the slots compute count with the rank's rows).
 
 Routing is assumed balanced: an MoE layer keeps ``min(T·k, C·E)`` assignments (capacity ``C`` from
 ``moe.dispatch.expert_capacity``), or ``T·k`` when dropless; imbalance moves rows between experts and
@@ -63,7 +67,12 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from analysis.memory_activations import compute_copy_bytes, in_flight, micro_batch_activations
+from analysis.memory_activations import (
+    compute_copy_bytes,
+    in_flight,
+    micro_batch_activations,
+    replica_slot_gradient_bytes,
+)
 from analysis.memory_plot import check_plot_path, save_png, sweep_figure
 from analysis.memory_states import (
     FP32,
@@ -129,6 +138,7 @@ class MemoryEstimate:
     microbatches: int
     in_flight: float
     parameters: int  # whole-model parameter count
+    replica_grads: int = 0  # one MoE layer's filled replica slots' gradients in backward (``parallel.ep_replicas``)
 
     @property
     def activation_total(self) -> int:
@@ -139,7 +149,7 @@ class MemoryEstimate:
         """The peak of forward and backward: states, gathered weights, gradients accumulated unsharded,
         compute copies, activations held, the logits buffer."""
         return (self.states.total + self.gathered + self.accumulated_grads + self.compute_copies
-                + self.activation_total + self.logits_buffer + self.cp_mask)
+                + self.activation_total + self.logits_buffer + self.cp_mask + self.replica_grads)
 
     @property
     def total(self) -> int:
@@ -166,7 +176,8 @@ def estimate(config: RunConfig, world_size: int, precision: str, pp_rank: int = 
                           accumulated_grad_bytes(config, layout, microbatches, pp_rank),
                           compute_copy_bytes(config, layout, precision, pp_rank),
                           activations, logits, context_mask_bytes(config, layout), micro, microbatches, held,
-                          parameter_counts(config.model, config.moe).total)
+                          parameter_counts(config.model, config.moe).total,
+                          replica_slot_gradient_bytes(config, layout, precision))
 
 
 def context_mask_bytes(config: RunConfig, layout: Layout) -> int:
@@ -307,6 +318,8 @@ def format_estimates(config: RunConfig, layout: Layout, precision: str, estimate
     rows += [("logits buffer", [e.logits_buffer for e in estimates])]
     if layout.cp > 1:
         rows += [("context-parallel mask", [e.cp_mask for e in estimates])]
+    if config.parallel.ep_replicas and layout.ep > 1:
+        rows += [("replica slots' gradients (one layer)", [e.replica_grads for e in estimates])]
     width = max(len(name) for name, _ in rows) + 2
     lines.append(" " * width + "".join(f"{h:>14}" for h in header))
     for name, values in rows:

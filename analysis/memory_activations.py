@@ -96,7 +96,7 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
         experts = mb.tokens * moe.top_k * INDEX  # the assignments' grouped rows, for permute's backward
     if layout.ep > 1 and not pairs:  # received rows' reorder index and its inverse
         experts += 2 * rows * INDEX
-    if layout.ep > 1 and replicas:  # the sent rows' order by copy and its inverse (balanced: no slot is filled)
+    if layout.ep > 1 and replicas:  # the sent rows' order by copy and its inverse
         experts += 2 * rows * INDEX
     # Groups padded (CPU bf16): balanced, their sizes differ by one at most; plus each row's padded place and the
     # padding rows' own index (``moe.experts.GroupPadding``). Exact
@@ -113,6 +113,9 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
     if moe.expert_proj_bias:  # each row's expert, by which the bias adds gather (one index for the three)
         experts += rows * INDEX
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
+             **({"MoE replica slots": replica_slot_bytes(model, moe, layout, mb.compute, replicas,
+                                                             (layout.ep - 1) * replicas)}
+                if layout.ep > 1 and replicas else {}),
              # expert outputs, their weights, the order and the token index
              "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
     if ranks_per_node and exchanges_by_node(layout, moe.top_k, ranks_per_node, replicas):
@@ -125,6 +128,44 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
         own_cast = 0 if mb.bf16_weights else linear_input_bytes(mb, d, 1, saved_in_fp32=False)
         parts["shared experts"] += own_cast + mb.tokens * (d + 1) * a
     return parts
+
+
+def expert_weight_elements(model: ModelConfig, moe: MoEConfig, etp: int) -> int:
+    """One routed expert's weight and bias elements on an etp rank (its hidden split over etp, ``out_bias`` whole)."""
+    d, hidden = model.d_model, moe.expert_hidden // etp
+    matrices = 3 if moe.gated else 2
+    biases = (2 * hidden if moe.gated else hidden) + d if moe.expert_proj_bias else 0
+    return matrices * d * hidden + biases
+
+
+def replica_slot_bytes(model: ModelConfig, moe: MoEConfig, layout: Layout, compute: int, filled: int,
+                       sent: int) -> int:
+    """What ``filled`` replica slots of one MoE layer add to a rank's saved tensors (``parallel.ep_replicas``,
+    ``parallel/replica_exchange.py``), when it sends ``sent`` of its experts to other ranks' slots: the slots'
+    weights fetched from their owners in the compute dtype (one tensor, which the slots' grouped GEMM saves),
+    that GEMM's group offsets (one per slot and matrix), and the weights' two index_select indices (the experts
+    sent, the arrivals' order), which return the gradients.
+
+    The model counts the most a plan can give a rank: every slot filled (``filled`` = R) and every other rank's
+    slots filled from this rank (``sent`` = (ep - 1) · R); an upper bound, exact for the plan's own figures.
+    The rows the slots compute are counted with the rank's other rows ("MoE experts"), which the model takes as
+    the balanced share: a rank that receives replicas computes at most the plan's target (the mean load,
+    rounded up), so its rows are the balanced share within one row per slot; a hot rank the slots cannot
+    relieve computes more, as it would without replicas. ``tests/analysis/test_memory.py`` holds it exact on
+    skewed routing, with the rows and slots each rank's plan gave it."""
+    weights = expert_weight_elements(model, moe, layout.etp) * compute
+    return filled * (weights + (3 if moe.gated else 2) * OFFSET) + (filled + sent) * INDEX
+
+
+def replica_slot_gradient_bytes(config: RunConfig, layout: Layout, precision: str) -> int:
+    """The filled slots' weight gradients of one MoE layer in backward (compute dtype) before their all-to-all
+    returns them to the owners, where they add to the owner's own gradients: a transient, one layer at a time;
+    every slot filled (an upper bound, as ``replica_slot_bytes``). Zero without replicas."""
+    replicas = config.parallel.ep_replicas
+    if layout.ep == 1 or not replicas or config.model.n_moe_layers == 0:
+        return 0
+    compute = COMPUTE_DTYPE[precision].itemsize
+    return replicas * expert_weight_elements(config.model, config.moe, layout.etp) * compute
 
 
 def _pair_combine(moe: MoEConfig, layout: Layout, mb: MicroBatch, d: int) -> int:

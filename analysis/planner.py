@@ -3,6 +3,7 @@
     python -m analysis.planner --config mixtral-8x7b --world-size 64 [--gpu h100] [--gpus-per-node 8]
                                [--device-memory GiB] [--nvlink-gbps N] [--network-gbps N] [--peak-tflops N]
                                [--set parallel.tp=2 ...] [--top 10] [--efficiency F] [--headroom 0.1]
+                               [--imbalance 1.3]
 
 Each plan is printed with the command that runs it (torchrun ... train.py --config ... --set ...; ``train.py
 --dry-run --world-size N`` takes its train.py part unchanged), and must fit the GPU's memory less a headroom
@@ -28,7 +29,13 @@ step = compute + bubble + exposed communication. ``search`` (``analysis/layout_s
 by compute + bubble, a bound no step goes below, raises the bound of those still within reach by the least traffic
 their layout can have (``layout_search.traffic_floor``), and estimates memory and traffic only for those that can
 still enter the first ``--top``. The times are estimates for comparing layouts, not promises. Not modelled:
-kernel-launch and element-wise costs, overlap of tp or ep traffic with compute, and routing imbalance.
+kernel-launch and element-wise costs, overlap of tp or ep traffic with compute.
+
+Routing imbalance is an assumption, ``--imbalance`` (the busiest ep rank's rows over the mean; default 1.3, what
+``benchmarks/ep_replication.py`` measures at ep=8 under its skewed routing; 1 for forced-balanced routing): under
+ep each plan adds the wait for the busiest rank (column ``imbal``), with the replica slots ``parallel.ep_replicas``
+in {0, 1, 2} that make it least once their copies are paid (``analysis.replica_time.straggler_wait``; shown as
+``R=`` and set in the plan's command), if their memory fits.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from collections.abc import Callable
 from analysis import memory
 from analysis.gpu_presets import HARDWARE, Hardware, add_hardware_arguments, hardware_from_args
 from analysis.layout_search import DEGREE_KEYS, Plan, Search, evaluate, pipeline_split, search
+from analysis.replica_time import IMBALANCE
 from analysis.step_time import EFFICIENCY, node_shape
 from config.cli import (
     add_config_arguments,
@@ -62,7 +70,7 @@ def plan_overrides(plan: Plan, base: RunConfig) -> list[str]:
     micro-batch size) whose value differs from ``base``'s. ``plan.config`` is ``base`` with exactly those keys
     changed (``with_layout``), so these overrides rebuild it."""
     keys = [f"parallel.{key}" for key in (*DEGREE_KEYS, "activation_checkpointing", "sequence_parallel",
-                                           "grad_reduce", "pp_schedule", "pp_virtual_stages")]
+                                           "grad_reduce", "pp_schedule", "pp_virtual_stages", "ep_replicas")]
     out = []
     for key in [*keys, "train.micro_batch_size"]:
         section, name = key.split(".")
@@ -90,10 +98,10 @@ def launch_command(plan: Plan, base: RunConfig, config_name: str, overrides: lis
 
 def plan(config: RunConfig, world_size: int, device_memory: float, gpus_per_node: int = 8,
          hardware: Hardware = HARDWARE["h100"], efficiency: float = EFFICIENCY,
-         top: int | None = None) -> tuple[list[Plan], int]:
+         top: int | None = None, imbalance: float = 1.0) -> tuple[list[Plan], int]:
     """The plans that fit ``device_memory`` bytes, fastest first (the ``top`` first only, when given), and how
     many candidates were considered (``search``)."""
-    found = search(config, world_size, device_memory, gpus_per_node, hardware, efficiency, top)
+    found = search(config, world_size, device_memory, gpus_per_node, hardware, efficiency, top, imbalance=imbalance)
     return found.plans, found.considered
 
 
@@ -129,13 +137,13 @@ def format_plans(config: RunConfig, found: Search, world_size: int, device_memor
                  "communication of each dimension")
     muon = any(p.exposed["muon"] for p in plans[:top])  # Muon's gathers in the optimizer step, where it runs
     lines.append(f"{'#':>3} {'layout':<52} {'GiB':>6} {'step':>9} {'compute':>9} {'bubble':>8} {'tp':>8} "
-                 f"{'cp':>8} {'ep':>8} {'pp':>7} {'fsdp':>8} " + (f"{'muon':>8} " if muon else "")
+                 f"{'cp':>8} {'ep':>8} {'imbal':>8} {'pp':>7} {'fsdp':>8} " + (f"{'muon':>8} " if muon else "")
                  + f"{'tok/s/GPU':>10}")
     for rank, p in enumerate(plans[:top], 1):
         ms = {k: v * 1e3 for k, v in p.exposed.items()}
         lines.append(f"{rank:>3} {p.describe():<52} {p.memory / GIB:>6.1f} {p.step * 1e3:>9.2f} "
                      f"{p.compute * 1e3:>9.2f} {p.bubble * 1e3:>8.2f} {ms['tp']:>8.2f} {ms['cp']:>8.2f} "
-                     f"{ms['ep']:>8.2f} {ms['pp']:>7.2f} {ms['fsdp']:>8.2f} "
+                     f"{ms['ep']:>8.2f} {ms.get('imbalance', 0.0):>8.2f} {ms['pp']:>7.2f} {ms['fsdp']:>8.2f} "
                      + (f"{ms['muon']:>8.2f} " if muon else "") + f"{tokens / p.step / world_size:>10,.0f}")
     piped = [(rank, p) for rank, p in enumerate(plans[:top], 1) if p.layout.pp > 1]
     if piped:
@@ -186,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fraction of the bf16 peak the matmuls reach (default {EFFICIENCY:.3f}, calibrated: "
                              "step_time.calibrated_efficiency)")
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--imbalance", type=float, default=IMBALANCE,
+                        help=f"routing assumed under ep: the busiest ep rank's rows over the mean (default "
+                             f"{IMBALANCE}: benchmarks/ep_replication.py's skewed routing at ep=8; 1 for forced "
+                             "balance); priced "
+                             "with replica slots parallel.ep_replicas in {0, 1, 2}")
     parser.add_argument("--headroom", type=float, default=memory.DEFAULT_HEADROOM,
                         help=f"fraction of each GPU's memory a plan leaves free (default {memory.DEFAULT_HEADROOM}: "
                              "the CUDA context, NCCL buffers and allocator fragmentation, which the memory model "
@@ -198,11 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--efficiency must be in (0, 1], got {args.efficiency}")
         if args.top < 1:
             raise ConfigError(f"--top must be at least 1, got {args.top}")
+        if not args.imbalance >= 1:  # NaN fails this too
+            raise ConfigError(f"--imbalance must be at least 1 (the busiest rank's rows over the mean), "
+                              f"got {args.imbalance}")
         config = load_config_from(args)
         hardware = hardware_from_args(args, args.device_memory)
         usable = memory.usable_bytes(hardware.memory_gib * GIB, args.headroom)
         found = search(config, world_size, usable, hardware.gpus_per_node, hardware,
-                       args.efficiency, args.top, fixed=fixed_degrees(args.overrides))
+                       args.efficiency, args.top, fixed=fixed_degrees(args.overrides), imbalance=args.imbalance)
         command = lambda p: launch_command(p, config, args.config, args.overrides, hardware.gpus_per_node)  # noqa: E731
         print(format_plans(config, found, world_size, hardware.memory_gib * GIB, hardware, args.efficiency,
                            args.top, usable, command))

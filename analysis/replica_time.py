@@ -10,6 +10,8 @@ on the critical path (the copy waits for the counts, the GEMM for the copy). So 
     time(R) = expert_seconds × imbalance_after(R) + 2 × experts_sent(R) × expert_bytes / bandwidth
 
 and R = 0 costs expert_seconds × imbalance_before. ``choose_replicas`` takes the least; 0 where no R pays.
+The planner (``analysis/layout_search.py``) asks ``straggler_wait`` for each plan with ep > 1: R in {0, 1, 2}
+priced so against a stated imbalance (``IMBALANCE``, ``--imbalance``), the chosen R in the plan's command.
 The step-time model (``analysis/step_time.py``) prices balanced routing and leaves imbalance out, so these are
 the terms it would add per MoE layer and micro-batch.
 """
@@ -18,7 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from analysis.gpu_presets import Hardware
+from analysis.memory_activations import COMPUTE_DTYPE, expert_weight_elements
+from analysis.memory_states import local_layers
 from config.model import MoEConfig
+from config.run import RunConfig
+from parallel.hardware import planned_precision
+from parallel.layout import Layout
 
 
 def expert_seconds(moe: MoEConfig, d_model: int, tokens_per_rank: int, flops: float) -> float:
@@ -53,3 +61,55 @@ def choose_replicas(imbalance_before: float, options: list[ReplicaOption], exper
                                                                                      bandwidth):
             best = option
     return best.replicas
+
+
+# The planner's routing assumption (``--imbalance``): the busiest ep rank's rows over the mean without replicas.
+# Its default is benchmarks/ep_replication.py's skewed routing at ep=8 (1.329; docs/parallelism.md's table). What
+# R slots leave of the excess over balanced, and how many experts the busiest sender copies per layer and
+# micro-batch, come from the same row: R=1 leaves 1.070 (0.21 of the excess), R=2 1.014 (0.04); the copies are 0.56
+# of a rank's dispatch bytes with either R at 4,096 tokens of DeepSeek-V3's shapes, i.e. 3 experts.
+IMBALANCE = 1.3
+EXCESS_LEFT = {1: 0.21, 2: 0.04}
+EXPERTS_SENT = {1: 3.0, 2: 3.0}
+
+
+def replica_options(imbalance_before: float) -> list[ReplicaOption]:
+    """R = 1 and 2 under the stated assumption: each leaves its share of the excess over balanced."""
+    return [ReplicaOption(r, 1 + (imbalance_before - 1) * left, EXPERTS_SENT[r]) for r, left in EXCESS_LEFT.items()]
+
+
+@dataclass(frozen=True)
+class StragglerWait:
+    """What a step waits for the busiest ep rank beyond balanced routing, with the R that makes it least."""
+
+    replicas: int
+    seconds: float
+
+
+def straggler_wait(config: RunConfig, layout: Layout, micro_batch_size: int, microbatches: int,
+                   hardware: Hardware, gpus_per_node: int, efficiency: float, imbalance_before: float,
+                   allowed: tuple[int, ...] = (0, *EXCESS_LEFT)) -> StragglerWait:
+    """Per step, on the stage with the most MoE layers: each layer and micro-batch costs ``layer_seconds`` of the
+    R chosen among ``allowed`` (``choose_replicas``) less its balanced time. A rank's routed rows are its tokens'
+    (micro-batch × S / cp) × k, shared by its tp ranks (rows over tp / etp, hidden over etp); the copies are
+    one expert's etp-shard in the compute dtype on the ep link: NVLink where the ep group (tp · ep contiguous
+    ranks) fits a node, else the rank's network adapter. Recompute of the MoE layers is not priced. Zero without
+    expert parallelism or with balanced routing."""
+    if layout.ep == 1 or imbalance_before <= 1 or config.model.n_moe_layers == 0:
+        return StragglerWait(0, 0.0)
+    model, moe = config.model, config.moe
+    tokens = micro_batch_size * model.seq_len // layout.cp
+    expert_s = expert_seconds(moe, model.d_model, tokens, hardware.bf16_flops * efficiency) / layout.tp
+    compute = COMPUTE_DTYPE[planned_precision(config.train.precision)].itemsize
+    expert_bytes = expert_weight_elements(model, moe, layout.etp) * compute
+    if layout.tp * layout.ep <= gpus_per_node:
+        bandwidth = hardware.intra_node * hardware.intra_efficiency
+    else:
+        bandwidth = hardware.inter_node * hardware.network_efficiency
+    options = [o for o in replica_options(imbalance_before) if o.replicas in allowed]
+    chosen = choose_replicas(imbalance_before, options, expert_s, expert_bytes, bandwidth)
+    option = next((o for o in options if o.replicas == chosen), ReplicaOption(0, imbalance_before, 0.0))
+    layers = max(sum(1 for i in local_layers(config, layout, stage)[0] if model.is_moe_layer(i))
+                 for stage in range(layout.pp))
+    extra = layer_seconds(option, expert_s, expert_bytes, bandwidth) - expert_s
+    return StragglerWait(chosen, layers * microbatches * extra)

@@ -10,6 +10,11 @@ micro-batches. Routings:
   ``SKEW`` against unit noise, the same on every rank, as a model's own residual direction is) through a randomly
   initialised router of DeepSeek-V3's expert count and top-k (256 experts, top-8);
 - ``random``: the same router on plain Gaussian tokens (nearly balanced: the floor of what sampling alone gives).
+- ``trained``: with ``--checkpoint`` (a run directory or checkpoint of a trained ``moe-8x``, e.g. 200 steps of
+  ``python train.py --config moe-8x --set train.steps=200 --run-dir DIR``), that model's own routing of its own
+  validation text (the tail of its data source, ``data.val_fraction``): each ep rank runs its own sequences
+  through the model (dropless: ``inference.load_model``), and every MoE layer's counts are one sample; its
+  experts (8) allow ep up to 8, and the DeepSeek-V3 pricing columns do not apply to them.
 
 It also answers whether weights should move per micro-batch (the plan from the micro-batch's own counts, what
 ``parallel/replica_exchange.py`` does) or once per step from the previous step's loads: ``stale`` keeps the slot
@@ -22,7 +27,7 @@ forced-balanced routing's (the straggler's compute plus the copies both ways).
 
 This is a measurement, never a pass/fail test.
 
-    python benchmarks/ep_replication.py [--tokens 4096] [--micro-batches 8] [--json PATH]
+    python benchmarks/ep_replication.py [--tokens 4096] [--micro-batches 8] [--json PATH] [--checkpoint RUN_DIR]
 """
 
 from __future__ import annotations
@@ -32,11 +37,15 @@ import json
 import statistics
 
 import torch
+from torch import Tensor
 
 from analysis.gpu_presets import HARDWARE
 from analysis.replica_time import ReplicaOption, choose_replicas, expert_seconds, layer_seconds
 from analysis.step_time import EFFICIENCY
 from config.model import MoEConfig
+from data.cache import load_tokens
+from data.sampler import eval_batches, split_tokens
+from inference.load import load_model
 from moe.init import initialize
 from moe.router import TopKRouter
 from parallel.replication import ReplicaPlan, imbalance, plan_replicas
@@ -44,6 +53,7 @@ from parallel.replication import ReplicaPlan, imbalance, plan_replicas
 SKEW = 0.45  # as benchmarks/moe_layer.py's skewed tokens
 D_MODEL, EXPERTS, TOP_K = 512, 256, 8  # the router's width; DeepSeek-V3's routed experts and choices
 EP_DEGREES, REPLICAS = (8, 16, 64), (1, 2)
+TRAINED_EP = 8  # a trained moe-8x's 8 experts: one per rank
 V3_D_MODEL, V3_HIDDEN, V3_BYTES = 7168, 2048, 2  # one DeepSeek-V3 expert: three [7168, 2048] matrices in bf16
 
 
@@ -106,6 +116,25 @@ def v3_modelled(row: dict, tokens: int) -> tuple[int, float]:
     return chosen, layer_seconds(option, expert_s, V3_EXPERT_BYTES, bandwidth) / expert_s
 
 
+def summarize(routing: str, ep: int, steps: list[list[list[int]]], tokens: int, v3: bool = True,
+              series: int | None = None) -> dict:
+    """One table row from the counts [ep][E] of each sample (a micro-batch, or a layer of one); ``v3``: price the
+    copies at DeepSeek-V3's shapes (the counts are of its 256 experts, top-8). ``series``: the samples are runs of
+    that many micro-batches of one layer each, and a placement is kept only within its run (default: one run)."""
+    series = series or len(steps)
+    follows = [i for i in range(1, len(steps)) if i % series]  # samples with a previous micro-batch of their layer
+    row = {"routing": routing, "ep": ep, "before": [plan_replicas(c, 0).imbalance_before for c in steps]}
+    for r in REPLICAS:
+        plans = [plan_replicas(c, r) for c in steps]
+        row[f"R={r}"] = [p.imbalance_after for p in plans]
+        row[f"R={r} stale"] = [imbalance(stale_loads(plans[i - 1], steps[i])) for i in follows]
+        row[f"R={r} sent"] = statistics.mean(experts_sent(p) for p in plans)
+        dispatch = tokens * TOP_K * V3_D_MODEL * V3_BYTES  # a rank's rows out, all of them
+        row[f"R={r} copy/dispatch"] = row[f"R={r} sent"] * V3_EXPERT_BYTES / dispatch if v3 else None
+    row["V3 R"], row["V3 time / balanced"] = v3_modelled(row, tokens) if v3 else (None, None)
+    return row
+
+
 def measure(routing: str, tokens: int, micro_batches: int) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     router = TopKRouter(D_MODEL, MoEConfig(num_experts=EXPERTS, top_k=TOP_K))
@@ -114,17 +143,37 @@ def measure(routing: str, tokens: int, micro_batches: int) -> list[dict]:
     rows = []
     for ep in EP_DEGREES:
         steps = [route_counts(router, ep, tokens, direction, generator) for _ in range(micro_batches)]
-        row = {"routing": routing, "ep": ep, "before": [plan_replicas(c, 0).imbalance_before for c in steps]}
-        for r in REPLICAS:
-            plans = [plan_replicas(c, r) for c in steps]
-            row[f"R={r}"] = [p.imbalance_after for p in plans]
-            row[f"R={r} stale"] = [imbalance(stale_loads(old, c)) for old, c in zip(plans, steps[1:], strict=False)]
-            row[f"R={r} sent"] = statistics.mean(experts_sent(p) for p in plans)
-            dispatch = tokens * TOP_K * V3_D_MODEL * V3_BYTES  # a rank's rows out, all of them
-            row[f"R={r} copy/dispatch"] = row[f"R={r} sent"] * V3_EXPERT_BYTES / dispatch
-        row["V3 R"], row["V3 time / balanced"] = v3_modelled(row, tokens)
-        rows.append(row)
+        rows.append(summarize(routing, ep, steps, tokens))
     return rows
+
+
+def trained_counts(checkpoint: str, ep: int, tokens: int, micro_batches: int) -> list[list[list[int]]]:
+    """A trained model's routing of its own validation text: for each MoE layer and micro-batch (layer by layer),
+    [ep][E] counts, ep rank r's from its own tokens // seq_len sequences (windows spread over the validation
+    split)."""
+    loaded = load_model(checkpoint)
+    config, model = loaded.config, loaded.model
+    data = config.data
+    val = split_tokens(load_tokens(data.source, data.cache_dir, config.model.vocab_size, data.tokenizer),
+                       data.val_fraction, config.model.seq_len)[1]
+    per_rank = max(1, tokens // config.model.seq_len)
+    routers = [m.router for m in model.modules() if isinstance(getattr(m, "router", None), TopKRouter)]
+    seen: list[Tensor] = []
+    hooks = [r.register_forward_hook(lambda _m, _i, out: seen.append(out.expert_ids)) for r in routers]
+    samples: list[list[list[list[int]]]] = [[] for _ in routers]  # [layer][micro-batch][ep][E]
+    experts = config.moe.num_experts
+    with torch.no_grad():
+        for inputs, _ in eval_batches(val, config.model.seq_len, ep * per_rank, micro_batches):
+            for layer in samples:
+                layer.append([])
+            for rank_inputs in inputs.split(per_rank):
+                seen.clear()
+                model(rank_inputs)
+                for layer, ids in enumerate(seen):
+                    samples[layer][-1].append(torch.bincount(ids.reshape(-1), minlength=experts).tolist())
+    for hook in hooks:
+        hook.remove()
+    return [counts for layer in samples for counts in layer]
 
 
 def main() -> None:
@@ -132,21 +181,33 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per ep rank and micro-batch")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a trained moe-8x's run directory or checkpoint: add its routing of its validation text")
     args = parser.parse_args()
     rows = [row for routing in ("skewed", "random") for row in measure(routing, args.tokens, args.micro_batches)]
+    if args.checkpoint:
+        steps = trained_counts(args.checkpoint, TRAINED_EP, args.tokens, args.micro_batches)
+        rows.append(summarize("trained moe-8x", TRAINED_EP, steps, args.tokens, v3=False, series=args.micro_batches))
 
     def cell(values: list[float]) -> str:
         return f"{statistics.mean(values):.3f} ({max(values):.3f})"
 
+    def figure(value: float | int | None, spec: str = "") -> str:
+        return "-" if value is None else format(value, spec)
+
     print(f"imbalance (busiest ep rank's rows / mean): mean (worst) over {args.micro_batches} micro-batches of "
           f"{args.tokens} tokens per rank; {EXPERTS} experts, top-{TOP_K}")
+    if args.checkpoint:
+        print(f"trained: {args.checkpoint}'s routing of its validation text, each MoE layer's micro-batches "
+              "samples")
     print("| routing | ep | no replicas | R=1 | R=2 | R=1, previous placement | R=2, previous placement "
           "| copies / dispatch bytes, R=1 | R=2 | V3 on H100: R chosen | expert time / balanced |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['routing']} | {row['ep']} | {cell(row['before'])} | {cell(row['R=1'])} | {cell(row['R=2'])} "
-              f"| {cell(row['R=1 stale'])} | {cell(row['R=2 stale'])} | {row['R=1 copy/dispatch']:.2f} "
-              f"| {row['R=2 copy/dispatch']:.2f} | {row['V3 R']} | {row['V3 time / balanced']:.3f} |")
+              f"| {cell(row['R=1 stale'])} | {cell(row['R=2 stale'])} | {figure(row['R=1 copy/dispatch'], '.2f')} "
+              f"| {figure(row['R=2 copy/dispatch'], '.2f')} | {figure(row['V3 R'])} "
+              f"| {figure(row['V3 time / balanced'], '.3f')} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)

@@ -103,11 +103,14 @@ def plan_replicas(counts: list[list[int]], replicas: int) -> ReplicaPlan:
     replica_rows: dict[tuple[int, int], int] = {}
     while True:
         source = max(range(ep), key=lambda r: (loads[r], -r))
-        free = [r for r in range(ep) if r != source and len(slots[r]) < replicas]
+        mine = range(source * num_local, (source + 1) * num_local)
+        # a rank with a free slot that does not hold every one of the source's experts already
+        free = [r for r in range(ep) if r != source and len(slots[r]) < replicas
+                and any(e not in slots[r] for e in mine)]
         if loads[source] <= target or not free:
             break
         dest = min(free, key=lambda r: (loads[r], r))
-        own = [e for e in range(source * num_local, (source + 1) * num_local) if e not in slots[dest]]
+        own = [e for e in mine if e not in slots[dest]]
         expert = max(own, key=lambda e: (at_owner[e], -e))
         rows = min(loads[source] - target, target - loads[dest], at_owner[expert])
         if rows <= 0:

@@ -18,7 +18,12 @@ import torch.multiprocessing as mp
 
 import train
 from analysis import memory
-from analysis.memory_activations import compute_copy_bytes, in_flight, micro_batch_activations
+from analysis.memory_activations import (
+    compute_copy_bytes,
+    in_flight,
+    micro_batch_activations,
+    replica_slot_bytes,
+)
 from analysis.memory_states import (
     accumulated_grad_bytes,
     gathered_bytes,
@@ -33,6 +38,7 @@ from parallel import parallelize, set_gradient_sync
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.groups import ParallelGroups
 from parallel.layout import Layout
+from parallel.replication import weight_moves
 from parallel.resolve import resolve_layout
 from parallel.tensor import lm_loss
 from tests.spawn import spawn
@@ -340,7 +346,6 @@ SPAWNED = [
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.vocab_parallel=true",
               "parallel.sequence_parallel=true", "parallel.activation_checkpointing=full"]),
     ("fp32", ["parallel.ep=2"]),  # dp_shard=2: FSDP shards the dense weights, ep the experts
-    ("fp32", ["parallel.ep=2", "parallel.ep_replicas=1"]),  # the row exchange, the rows' order by copy
     ("bf16", ["parallel.dp_shard=2"]),  # FSDP's mixed precision: weights gathered in bf16, no autocast copies
     ("bf16", ["parallel.ep=2"]),  # the experts outside FSDP: autocast casts (and keeps copies of) theirs alone
     # Qwen3's attention: q/k norms whole on each tp rank, on its heads; under FSDP's bf16 weights
@@ -414,8 +419,36 @@ def _held_gradients(rank: int, results: dict) -> None:
         results[("held", index, rank)] = (held, [between] * (microbatches - 1) + [states.grads])
 
 
+# replica slots filled: routing left to the untrained router (skewed), dropless so a rank's rows are its plan's
+SKEWED_REPLICAS = ["parallel.ep=2", "parallel.ep_replicas=1", "moe.force_balance=false", "moe.capacity_factor=null"]
+
+
+def _filled_slots(rank: int, results: dict) -> None:
+    """The model counts the balanced rows and every slot filled; measured on skewed routing, the bytes equal it
+    once each layer's rows and filled slots are the ones its plan gave this rank (``last_plan``)."""
+    config = _tiny(*SPAWNED_MODEL, *SKEWED_REPLICAS)
+    layout, micro, _ = resolve_layout(config, 2)
+    groups = ParallelGroups.build(layout, "cpu")
+    torch.manual_seed(0)
+    model = parallelize(MoETransformer(config.model, config.moe), groups, config.parallel)
+    predicted, measured = _measure(config, layout, micro, "fp32", model, 1 + groups.coords()["dp_shard"])
+    model_, moe, fp32 = config.model, config.moe, 4
+    balanced = micro * model_.seq_len * moe.top_k  # the rows the model gives this rank (tp=1, dropless)
+    # a computed row keeps its place in the copies' order and back (two int64), itself, SwiGLU's four hidden
+    per_row = 2 * 8 + model_.d_model * fp32 + 4 * moe.expert_hidden * fp32
+    plans = [m.last_plan for m in model.modules() if getattr(m, "last_plan", None) is not None]
+    ep_rank = groups.coords()["ep"]
+    for plan in plans:
+        moves = weight_moves(plan, ep_rank)
+        predicted += (plan.loads_after[ep_rank] - balanced) * per_row + replica_slot_bytes(
+            model_, moe, layout, fp32, len(moves.recv_slots), len(moves.send_local)) - replica_slot_bytes(
+            model_, moe, layout, fp32, 1, 1)
+    results[("filled", rank)] = (predicted, measured, [plan.slots for plan in plans])
+
+
 def _worker(rank: int, results: dict) -> None:
     _held_gradients(rank, results)
+    _filled_slots(rank, results)
     for index, (precision, overrides) in enumerate(SPAWNED):
         config = _tiny(*SPAWNED_MODEL, *overrides)
         layout, micro, _ = resolve_layout(config, 2)
@@ -440,6 +473,10 @@ def test_per_rank_bytes_match_the_parallelized_model():
         for rank in range(2):
             predicted, measured, weights, stored = results[(index, rank)]
             assert (predicted, weights) == (measured, stored), (overrides, rank, predicted - measured)
+    for rank in range(2):  # skewed routing: slots filled in every MoE layer, the bytes those plans give
+        predicted, measured, slots = results[("filled", rank)]
+        assert slots and all(any(e >= 0 for rank_slots in layer for e in rank_slots) for layer in slots), slots
+        assert predicted == measured, (rank, predicted - measured)
     for index, overrides in enumerate(ACCUMULATING):
         for rank in range(2):
             measured, predicted = results[("held", index, rank)]

@@ -293,6 +293,8 @@ def test_cli_prints_the_ranking_and_refuses_bad_arguments(capsys):
     assert "candidate settings" in out and out.count("\n") >= 6
     assert planner.main(["--world-size", "4", "--efficiency", "0"]) == 2
     assert "--efficiency must be in (0, 1]" in capsys.readouterr().err
+    assert planner.main(["--world-size", "4", "--imbalance", "0.9"]) == 2
+    assert "--imbalance must be at least 1" in capsys.readouterr().err
 
 
 def test_hardware_presets_and_overrides_reach_the_estimate():
@@ -582,3 +584,27 @@ def test_equal_steps_go_to_the_more_even_pipeline_split():
                                memory=uneven.memory + 1)
     assert tied.step == uneven.step
     assert sorted([(uneven, 0), (tied, 1)], key=lambda found: layout_search.ranking(*found))[0][0] is tied
+
+
+def test_the_planner_chooses_replica_slots_where_their_copies_pay():
+    """Under an assumed imbalance (1.3) the planner prices R in {0, 1, 2} (``replica_time.straggler_wait``): over
+    NVLink the small experts' copies cost less than the straggler time they save (R=2, in the command, its slots'
+    memory counted); on a 1 GB/s link they do not (R=0, the step waits 0.3 of the routed experts' time of every
+    MoE layer and micro-batch); balanced routing waits nothing."""
+    config = load_config("moe-8x", [*SMALL, "model.seq_len=4096"])
+    moe, model = config.moe, config.model
+
+    def first(hardware, imbalance):
+        return layout_search.search(config, 4, 80 * planner.GIB, 8, hardware, top=1, fixed={"ep": 4},
+                                    imbalance=imbalance).plans[0]
+
+    fast, slow = first(H100, 1.3), first(dataclasses.replace(H100, intra_node=1e9), 1.3)
+    assert fast.config.parallel.ep_replicas == 2 and "parallel.ep_replicas=2" in planner.launch_command(
+        fast, config, "moe-8x", [], 8)
+    assert fast.memory == layout_search.memory_bytes(fast.config, fast.layout)[0] > slow.memory
+    assert slow.config.parallel.ep_replicas == 0
+    tokens = slow.config.train.micro_batch_size * model.seq_len  # a rank's, per micro-batch (tp = cp = 1)
+    expert_s = 6 * 3 * model.d_model * moe.expert_hidden * moe.top_k * tokens / (H100.bf16_flops * step_time.EFFICIENCY)
+    microbatches = config.train.global_batch_size // 4 // slow.config.train.micro_batch_size
+    assert slow.exposed["imbalance"] == pytest.approx(model.n_moe_layers * microbatches * 0.3 * expert_s)
+    assert first(H100, 1.0).exposed["imbalance"] == 0.0

@@ -112,6 +112,15 @@ def test_more_hot_experts_than_slots():
     assert plan.loads_after == (240, 126) and imbalance(plan.loads_after) < plan.imbalance_before
 
 
+def test_a_rank_never_takes_an_expert_it_holds_already():
+    # one expert per rank, two slots: rank 0 takes rows of expert 4; later rank 4 is the busiest again and rank 0,
+    # a slot to spare, among the least loaded: it is passed over, holding rank 4's only expert (this raised before)
+    counts = [[0, 5, 0, 5, 9], *[[0] * 5 for _ in range(4)]]
+    plan = plan_replicas(counts, 2)
+    check_consistent(plan, counts)
+    assert plan.slots == ((4, -1), (-1, -1), (1, 3), (-1, -1), (-1, -1)) and plan.loads_after == (4, 4, 2, 4, 5)
+
+
 def test_weight_moves_match():
     counts = skewed_counts(4, 16, 400, exponent=1.5, seed=3)
     plan = plan_replicas(counts, 2)
