@@ -3,7 +3,7 @@
     python -m analysis.planner --config mixtral-8x7b --world-size 64 [--gpu h100] [--gpus-per-node 8]
                                [--device-memory GiB] [--nvlink-gbps N] [--network-gbps N] [--peak-tflops N]
                                [--set parallel.tp=2 ...] [--top 10] [--efficiency F] [--headroom 0.1]
-                               [--imbalance 1.3]
+                               [--imbalance 1.0]
 
 Each plan is printed with the command that runs it (torchrun ... train.py --config ... --set ...; ``train.py
 --dry-run --world-size N`` takes its train.py part unchanged), and must fit the GPU's memory less a headroom
@@ -31,11 +31,13 @@ their layout can have (``layout_search.traffic_floor``), and estimates memory an
 still enter the first ``--top``. The times are estimates for comparing layouts, not promises. Not modelled:
 kernel-launch and element-wise costs, overlap of tp or ep traffic with compute.
 
-Routing imbalance is an assumption, ``--imbalance`` (the busiest ep rank's rows over the mean; default 1.3, what
-``benchmarks/ep_replication.py`` measures at ep=8 under its skewed routing; 1 for forced-balanced routing): under
-ep each plan adds the wait for the busiest rank (column ``imbal``), with the replica slots ``parallel.ep_replicas``
-in {0, 1, 2} that make it least once their copies are paid (``analysis.replica_time.straggler_wait``; shown as
-``R=`` and set in the plan's command), if their memory fits.
+Routing imbalance is an assumption, ``--imbalance`` (the busiest ep rank's rows over the mean; default 1, the
+forced-balanced routing every published throughput figure assumes; 1.3 is what ``benchmarks/ep_replication.py``
+measures at ep=8 under its skewed routing, ``analysis.replica_time.IMBALANCE``): above 1, under ep each plan adds
+the wait for the busiest rank (column ``imbal``), with the replica slots ``parallel.ep_replicas`` in {0, 1, 2} that
+make it least once their copies are paid (``analysis.replica_time.straggler_wait``; shown as ``R=`` and set in the
+plan's command), if their memory fits. The default stays balanced because what R slots leave of the excess is
+taken from one benchmark row, not worked out per model (``analysis/replica_time.py``).
 """
 
 from __future__ import annotations
@@ -194,11 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fraction of the bf16 peak the matmuls reach (default {EFFICIENCY:.3f}, calibrated: "
                              "step_time.calibrated_efficiency)")
     parser.add_argument("--top", type=int, default=10)
-    parser.add_argument("--imbalance", type=float, default=IMBALANCE,
-                        help=f"routing assumed under ep: the busiest ep rank's rows over the mean (default "
-                             f"{IMBALANCE}: benchmarks/ep_replication.py's skewed routing at ep=8; 1 for forced "
-                             "balance); priced "
-                             "with replica slots parallel.ep_replicas in {0, 1, 2}")
+    parser.add_argument("--imbalance", type=float, default=1.0,
+                        help=f"routing assumed under ep: the busiest ep rank's rows over the mean (default 1, forced "
+                             f"balance; {IMBALANCE}: benchmarks/ep_replication.py's skewed routing at ep=8); above 1 "
+                             "priced with replica slots parallel.ep_replicas in {0, 1, 2}")
     parser.add_argument("--headroom", type=float, default=memory.DEFAULT_HEADROOM,
                         help=f"fraction of each GPU's memory a plan leaves free (default {memory.DEFAULT_HEADROOM}: "
                              "the CUDA context, NCCL buffers and allocator fragmentation, which the memory model "
