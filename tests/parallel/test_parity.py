@@ -223,6 +223,8 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                   "parallel.activation_checkpointing=moe"], 2, "null", id="ep=2-replicas=1-dropless-recompute-moe"),
     pytest.param(["parallel.dp_shard=4", "parallel.ep=4", "parallel.ep_replicas=2"], 4, "1.25",
                  id="ep=4-replicas=2-capacity"),
+    pytest.param(["parallel.dp_shard=8", "parallel.ep=8", "parallel.ep_replicas=2", "moe.num_experts=8"], 8, "null",
+                 id="ep=8-replicas=2-dropless"),
     pytest.param(["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2", "parallel.ep_replicas=1"], 4, "null",
                  id="dp_shard=2xtp=2xep=2-replicas=1"),
     pytest.param(["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.ep_replicas=1"], 4, "1.25",
