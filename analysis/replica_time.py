@@ -52,19 +52,26 @@ def layer_seconds(option: ReplicaOption, expert_s: float, expert_bytes: int, ban
     return expert_s * option.imbalance + 2 * option.experts_sent * expert_bytes / bandwidth
 
 
-def choose_replicas(imbalance_before: float, options: list[ReplicaOption], expert_s: float, expert_bytes: int,
-                    bandwidth: float) -> int:
-    """The R of least ``layer_seconds`` (0: no replicas, ``imbalance_before``, no copies); the smaller R on a tie."""
+def best_replicas(imbalance_before: float, options: list[ReplicaOption], expert_s: float, expert_bytes: int,
+                  bandwidth: float) -> ReplicaOption:
+    """The option of least ``layer_seconds`` (R = 0: ``imbalance_before``, no copies); the smaller R on a tie."""
     best = ReplicaOption(0, imbalance_before, 0.0)
     for option in sorted(options, key=lambda o: o.replicas):
         if layer_seconds(option, expert_s, expert_bytes, bandwidth) < layer_seconds(best, expert_s, expert_bytes,
                                                                                      bandwidth):
             best = option
-    return best.replicas
+    return best
+
+
+def choose_replicas(imbalance_before: float, options: list[ReplicaOption], expert_s: float, expert_bytes: int,
+                    bandwidth: float) -> int:
+    """The R of ``best_replicas``: 0 where no R pays."""
+    return best_replicas(imbalance_before, options, expert_s, expert_bytes, bandwidth).replicas
 
 
 # The planner's routing assumption (``--imbalance``): the busiest ep rank's rows over the mean without replicas.
-# Its default is benchmarks/ep_replication.py's skewed routing at ep=8 (1.329; docs/parallelism.md's table). What
+# IMBALANCE, what to ask for (the default is 1, forced balance), is benchmarks/ep_replication.py's skewed routing
+# at ep=8 (1.329; docs/parallelism.md's table). What
 # R slots leave of the excess over balanced, and how many experts the busiest sender copies per layer and
 # micro-batch, come from the same row: R=1 leaves 1.070 (0.21 of the excess), R=2 1.014 (0.04); the copies are 0.56
 # of a rank's dispatch bytes with either R at 4,096 tokens of DeepSeek-V3's shapes, i.e. 3 experts.
@@ -90,7 +97,7 @@ def straggler_wait(config: RunConfig, layout: Layout, micro_batch_size: int, mic
                    hardware: Hardware, gpus_per_node: int, efficiency: float, imbalance_before: float,
                    allowed: tuple[int, ...] = (0, *EXCESS_LEFT)) -> StragglerWait:
     """Per step, on the stage with the most MoE layers: each layer and micro-batch costs ``layer_seconds`` of the
-    R chosen among ``allowed`` (``choose_replicas``) less its balanced time. A rank's routed rows are its tokens'
+    R chosen among ``allowed`` (``best_replicas``) less its balanced time. A rank's routed rows are its tokens'
     (micro-batch × S / cp) × k, shared by its tp ranks (rows over tp / etp, hidden over etp); the copies are
     one expert's etp-shard in the compute dtype on the ep link: NVLink where the ep group (tp · ep contiguous
     ranks) fits a node, else the rank's network adapter. Recompute of the MoE layers is not priced. Zero without
@@ -107,9 +114,8 @@ def straggler_wait(config: RunConfig, layout: Layout, micro_batch_size: int, mic
     else:
         bandwidth = hardware.inter_node * hardware.network_efficiency
     options = [o for o in replica_options(imbalance_before) if o.replicas in allowed]
-    chosen = choose_replicas(imbalance_before, options, expert_s, expert_bytes, bandwidth)
-    option = next((o for o in options if o.replicas == chosen), ReplicaOption(0, imbalance_before, 0.0))
+    option = best_replicas(imbalance_before, options, expert_s, expert_bytes, bandwidth)
     layers = max(sum(1 for i in local_layers(config, layout, stage)[0] if model.is_moe_layer(i))
                  for stage in range(layout.pp))
     extra = layer_seconds(option, expert_s, expert_bytes, bandwidth) - expert_s
-    return StragglerWait(chosen, layers * microbatches * extra)
+    return StragglerWait(option.replicas, layers * microbatches * extra)

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from analysis.gpu_presets import HARDWARE
-from analysis.replica_time import ReplicaOption, choose_replicas, expert_seconds, layer_seconds
+from analysis.replica_time import ReplicaOption, best_replicas, expert_seconds, layer_seconds
 from analysis.step_time import EFFICIENCY
 from config.model import MoEConfig
 from data.cache import load_tokens
@@ -48,7 +48,7 @@ from data.sampler import eval_batches, split_tokens
 from inference.load import load_model
 from moe.init import initialize
 from moe.router import TopKRouter
-from parallel.replication import ReplicaPlan, imbalance, plan_replicas
+from parallel.replication import ReplicaPlan, imbalance, plan_replicas, weight_moves
 
 SKEW = 0.45  # as benchmarks/moe_layer.py's skewed tokens
 D_MODEL, EXPERTS, TOP_K = 512, 256, 8  # the router's width; DeepSeek-V3's routed experts and choices
@@ -94,12 +94,7 @@ V3_EXPERT_BYTES = 3 * V3_D_MODEL * V3_HIDDEN * V3_BYTES
 
 def experts_sent(plan: ReplicaPlan) -> int:
     """The most experts one rank copies to other ranks' slots in one micro-batch and layer."""
-    sent = [0] * plan.ep
-    for slots in plan.slots:
-        for expert in slots:
-            if expert >= 0:
-                sent[expert // plan.num_local] += 1
-    return max(sent)
+    return max(len(weight_moves(plan, rank).send_local) for rank in range(plan.ep))
 
 
 def v3_modelled(row: dict, tokens: int) -> tuple[int, float]:
@@ -111,9 +106,8 @@ def v3_modelled(row: dict, tokens: int) -> tuple[int, float]:
     expert_s = expert_seconds(moe, V3_D_MODEL, tokens, h100.bf16_flops * EFFICIENCY)
     bandwidth = h100.intra_node * h100.intra_efficiency if row["ep"] <= 8 else h100.inter_node * h100.network_efficiency
     options = [ReplicaOption(r, statistics.mean(row[f"R={r}"]), row[f"R={r} sent"]) for r in REPLICAS]
-    chosen = choose_replicas(statistics.mean(row["before"]), options, expert_s, V3_EXPERT_BYTES, bandwidth)
-    option = next((o for o in options if o.replicas == chosen), ReplicaOption(0, statistics.mean(row["before"]), 0))
-    return chosen, layer_seconds(option, expert_s, V3_EXPERT_BYTES, bandwidth) / expert_s
+    option = best_replicas(statistics.mean(row["before"]), options, expert_s, V3_EXPERT_BYTES, bandwidth)
+    return option.replicas, layer_seconds(option, expert_s, V3_EXPERT_BYTES, bandwidth) / expert_s
 
 
 def summarize(routing: str, ep: int, steps: list[list[list[int]]], tokens: int, v3: bool = True,
@@ -124,12 +118,12 @@ def summarize(routing: str, ep: int, steps: list[list[list[int]]], tokens: int, 
     series = series or len(steps)
     follows = [i for i in range(1, len(steps)) if i % series]  # samples with a previous micro-batch of their layer
     row = {"routing": routing, "ep": ep, "before": [plan_replicas(c, 0).imbalance_before for c in steps]}
+    dispatch = tokens * TOP_K * V3_D_MODEL * V3_BYTES  # a rank's rows out, all of them
     for r in REPLICAS:
         plans = [plan_replicas(c, r) for c in steps]
         row[f"R={r}"] = [p.imbalance_after for p in plans]
         row[f"R={r} stale"] = [imbalance(stale_loads(plans[i - 1], steps[i])) for i in follows]
         row[f"R={r} sent"] = statistics.mean(experts_sent(p) for p in plans)
-        dispatch = tokens * TOP_K * V3_D_MODEL * V3_BYTES  # a rank's rows out, all of them
         row[f"R={r} copy/dispatch"] = row[f"R={r} sent"] * V3_EXPERT_BYTES / dispatch if v3 else None
     row["V3 R"], row["V3 time / balanced"] = v3_modelled(row, tokens) if v3 else (None, None)
     return row

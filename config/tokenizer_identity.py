@@ -16,7 +16,7 @@ from pathlib import Path
 
 from config.errors import ConfigError
 
-BYTES = "bytes"  # data.tokenizer's one-token-per-byte value (data/tokenizer.py)
+BYTES = "bytes"  # data.tokenizer's one-token-per-byte tokenizer (data/tokenizer.py takes it from here)
 FINGERPRINT_METADATA_KEY = "tokenizer"  # a safetensors file's metadata entry holding it
 
 

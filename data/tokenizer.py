@@ -35,9 +35,9 @@ import numpy as np
 
 from config.cli import add_overwrite, check_outputs, command_parser, run_command
 from config.errors import ConfigError
+from config.tokenizer_identity import BYTES
 from storage.files import write_text_atomic
 
-BYTES = "bytes"
 DOCUMENT_SEPARATOR = "\n\n"  # the text that ends a document when the tokenizer has no end-of-text token
 AUTO = "auto"
 # End-of-text tokens of published tokenizers, in the order they are looked for among a tokenizer's special tokens.

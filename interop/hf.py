@@ -137,9 +137,9 @@ class HFWeights:
             self._hf_shape(hf_name)  # blocks that do not match their scales: named before any is read
             return mxfp4.read_box(self.folder.slice(hf_name + mxfp4.BLOCKS_SUFFIX),
                                   self.folder.slice(hf_name + mxfp4.SCALES_SUFFIX), box, hf_name)
-        if self._stored_dtype(hf_name) is not None:  # not fp8: read as stored
-            return self.folder.slice(hf_name)[box]
         values = self.folder.slice(hf_name)[box]
+        if self._stored_dtype(hf_name) is not None:  # not fp8: read as stored
+            return values
         rows, cols = box
         scales = self.folder.slice(hf_name + fp8.SCALE_SUFFIX)[fp8.scale_box(rows, cols, self.block)]
         return fp8.dequantize(values, scales, rows, cols, self.block)
@@ -328,8 +328,8 @@ def import_folder(folder: Path, out: Path, config: RunConfig, seq_len: int | Non
             entries[name] = (torch.Size(shape), weights.dtype(name))
         metadata = {CONFIG_METADATA_KEY: yaml.safe_dump(config.to_dict(), sort_keys=False),
                     "source": f"{HF_PREFIX}{folder}", "format": "pt"}
-        if folder_fingerprint(folder) is not None:  # what its ids mean travels with the weights
-            metadata[FINGERPRINT_METADATA_KEY] = folder_fingerprint(folder)
+        if (fingerprint := folder_fingerprint(folder)) is not None:  # what its ids mean travels with the weights
+            metadata[FINGERPRINT_METADATA_KEY] = fingerprint
         write_safetensors_streaming(out, entries, lambda name: weights.read(name, ()), metadata)
     return config
 

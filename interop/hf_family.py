@@ -300,13 +300,15 @@ def routed_moe(num_experts: int, top_k: int, expert_hidden: int, renormalize: bo
             "expert_proj_bias": False}
 
 
-def router_refusals(moe: MoEConfig, family: str, activation: str = "swiglu") -> list[tuple[bool, str]]:
+def router_refusals(moe: MoEConfig, family: str, activation: str = "swiglu",
+                    shared_experts: bool = False) -> list[tuple[bool, str]]:
     """What no HF softmax top-k router here expresses: experts other than ``activation``, other scores, balancing
-    bias, debug routing."""
+    bias, debug routing; shared experts unless the family has them (``shared_experts``: Qwen3-Next's)."""
     return [
         (moe.activation != activation, f"moe.activation={moe.activation!r}: {family} experts are {activation}"),
         (moe.score_func != "softmax", f"moe.score_func={moe.score_func!r}: {family}'s router is a softmax"),
-        (moe.num_shared_experts != 0, f"moe.num_shared_experts={moe.num_shared_experts}: {family} has none"),
+        (moe.num_shared_experts != 0 and not shared_experts,
+         f"moe.num_shared_experts={moe.num_shared_experts}: {family} has none"),
         (moe.bias_update_rate != 0, f"moe.bias_update_rate={moe.bias_update_rate}: {family} has no balancing bias"),
         (moe.force_balance, f"moe.force_balance=true: a debug routing {family} does not have"),
         (moe.jitter_eps != 0, f"moe.jitter_eps={moe.jitter_eps}: {family} has no such noise"),

@@ -141,7 +141,7 @@ def hybrid_refusals(model: ModelConfig, moe: MoEConfig, family: str) -> list[tup
             (moe.num_shared_experts > 1, f"moe.num_shared_experts={moe.num_shared_experts}: {family} has one"),
             (moe.num_shared_experts == 1 and not moe.shared_expert_gate,
              f"moe.shared_expert_gate=false: {family}'s shared expert is gated"),
-            *[(refused, why) for refused, why in router_refusals(moe, family) if "num_shared_experts" not in why]]
+            *router_refusals(moe, family, shared_experts=True)]
 
 
 def text_config(model: ModelConfig, moe: MoEConfig) -> dict:

@@ -294,16 +294,16 @@ class ExpertParallelExperts(nn.Module):
         rows regrouped by copy, the filled slots' weights fetched from their owners in the compute dtype."""
         routing = route_replicas(tokens_per_expert, self.group, self.replicas)
         self.last_plan = routing.plan
-        slots = None
+        slots, local = None, self._local_weights()
         if any(e >= 0 for filled in routing.plan.slots for e in filled):  # else no rank fetches: no collective
             dtype = compute_dtype(x)
-            slots = fetch_replicas({name: self.compute_copies.get(name, local, dtype)
-                                    for name, local in self._local_weights().items()}, routing.plan, self.group)
+            slots = fetch_replicas({name: self.compute_copies.get(name, weight, dtype)
+                                    for name, weight in local.items()}, routing.plan, self.group)
         plan = exchange_plan(routing.send_splits, routing.recv_splits, routing.recv_counts)
         received = all_to_all_rows(x.index_select(0, routing.order), plan.send_splits, plan.recv_splits, self.group)
         grouped = received.index_select(0, plan.expert_major)  # own experts' rows, then the slots'
         counts, own = plan.tokens_per_local_expert, self.num_local_experts
-        out = self._local_ffn(grouped[:routing.own_rows], counts[:own])
+        out = self._local_ffn(grouped[:routing.own_rows], counts[:own], local)
         if routing.filled:
             slot_rows = self._local_ffn(grouped[routing.own_rows:], counts[own:own + routing.filled], slots)
             out = torch.cat([out, slot_rows])

@@ -48,10 +48,6 @@ class ReplicaPlan:
         """L + R: the experts a rank's grouped GEMM runs."""
         return self.num_local + self.replicas
 
-    def virtual_expert(self, rank: int, position: int) -> int:
-        """The copy at ``position`` of rank ``rank`` (an own expert < L, a slot L + s)."""
-        return rank * self.copies_per_rank + position
-
     def owner(self, expert: int) -> int:
         return expert // self.num_local
 

@@ -35,7 +35,7 @@ def run_record(run_dir: Path) -> dict:
     summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
     train, model, data = config.get("train", {}), config.get("model", {}), config.get("data", {})
     tokens_per_step = train.get("global_batch_size", 0) * model.get("seq_len", 0)
-    return {"label": run_label(run_dir), "summary": summary, "tokens_per_step": tokens_per_step,
+    return {"name": run_dir.name, "label": run_label(run_dir), "summary": summary, "tokens_per_step": tokens_per_step,
             "data": f"{data.get('source', '?')} / {data.get('tokenizer', '?')}", "records": read_metrics(metrics)}
 
 
@@ -50,7 +50,7 @@ def compare_figure(runs: list[dict], x: str = "step"):
 
     fig = Figure(figsize=(7.2, 4.2), layout="constrained")
     ax = fig.subplots()
-    ax.set_title("loss of " + ", ".join(run["label"].split(" (")[0] for run in runs), fontsize="medium")
+    ax.set_title("loss of " + ", ".join(run["name"] for run in runs), fontsize="medium")
     ax.set_xlabel("tokens trained on" if x == "tokens" else "step")
     ax.set_ylabel("loss (nats per token)")
     ax.grid(alpha=0.3)

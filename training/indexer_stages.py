@@ -31,24 +31,24 @@ def in_dense_warmup(step: int, warmup_steps: int) -> bool:
     return step <= warmup_steps
 
 
-def set_indexer_stage(model: nn.Module, dense_warmup: bool) -> None:
+def set_indexer_stage(layers: list[SparseLatentAttention], dense_warmup: bool) -> None:
     """Attention dense (the warm-up) or over the selected keys (the sparse stage) in every sparse layer."""
-    for layer in sparse_attention_layers(model):
+    for layer in layers:
         layer.dense_warmup = dense_warmup
 
 
-def drop_frozen_gradients(model: nn.Module) -> None:
-    """The warm-up's freeze: every gradient but the indexers' set to None, after backward and before the clip."""
-    indexers = {id(param) for layer in sparse_attention_layers(model) for param in layer.indexer.parameters()}
+def drop_frozen_gradients(model: nn.Module, layers: list[SparseLatentAttention]) -> None:
+    """The warm-up's freeze: every gradient but the indexers' (of ``layers``, the model's sparse layers) set to
+    None, after backward and before the clip."""
+    indexers = {id(param) for layer in layers for param in layer.indexer.parameters()}
     for param in model.parameters():
         if id(param) not in indexers:
             param.grad = None
 
 
-def indexer_loss(model: nn.Module) -> torch.Tensor | None:
+def indexer_loss(layers: list[SparseLatentAttention]) -> torch.Tensor | None:
     """The latest training forward's indexer loss, the mean over this rank's sparse layers (None without any)."""
-    losses = [layer.last_indexer_loss for layer in sparse_attention_layers(model)
-              if layer.last_indexer_loss is not None]
+    losses = [layer.last_indexer_loss for layer in layers if layer.last_indexer_loss is not None]
     return torch.stack(losses).mean() if losses else None
 
 

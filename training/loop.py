@@ -39,7 +39,12 @@ from parallel.runtime import Runtime
 from storage.files import write_text_atomic
 from training.banner import describe_sources, finished_run_note, layout_text, next_steps, plan_lines
 from training.checkpointing import Checkpointer
-from training.indexer_stages import in_dense_warmup, set_indexer_stage, start_optimizer_state
+from training.indexer_stages import (
+    in_dense_warmup,
+    set_indexer_stage,
+    sparse_attention_layers,
+    start_optimizer_state,
+)
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
@@ -197,7 +202,8 @@ def _step_context(config: RunConfig, groups: ParallelGroups, device: torch.devic
         start_optimizer_state(optimizer)
     qk_clip = None if config.train.qk_clip_threshold is None else QKClip(model, config.train.qk_clip_threshold, groups)
     return StepContext(model, optimizer, micro, config.train.grad_clip, autocast, dp_group, pp_group,
-                       config.parallel.vocab_parallel, config.parallel.grad_reduce, end_id, shards, qk_clip)
+                       config.parallel.vocab_parallel, config.parallel.grad_reduce, end_id, shards, qk_clip,
+                       sparse_attention_layers(model))
 
 
 def _open_logger(config: RunConfig, run_dir: Path, runtime: Runtime, first_step: int) -> MetricsLogger:
@@ -270,7 +276,7 @@ class _Run:
             group["lr"] = lr
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         warmup = in_dense_warmup(step, config.train.indexer_warmup_steps)
-        set_indexer_stage(context.model, warmup)
+        set_indexer_stage(context.sparse_layers, warmup)
         step_loss, grad_norm = train_step(context, inputs, targets, self.interval, sampler.last_sources, warmup)
         self._stop_if(self.checkpoints.check_finite(step, step_loss, grad_norm, context.model, context.optimizer,
                                                     sampler))

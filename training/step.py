@@ -177,6 +177,7 @@ class StepContext:
     ``end_id``: the token ending each document, when ``data.document_mask`` masks them from each other.
     ``shards``: this rank's positions of each sequence under context parallelism.
     ``qk_clip``: QK-clip after the optimizer step (``train.qk_clip_threshold``).
+    ``sparse_layers``: the model's sparse attention layers (this rank's), found once: their stage and indexer loss.
     """
 
     model: MoETransformer | PipelineModel
@@ -191,6 +192,7 @@ class StepContext:
     end_id: int | None = None
     shards: SequenceShards | None = None
     qk_clip: QKClip | None = None
+    sparse_layers: list = field(default_factory=list)
 
 
 def train_step(context: StepContext, inputs: torch.Tensor, targets: torch.Tensor, interval: IntervalStats,
@@ -212,7 +214,7 @@ def train_step(context: StepContext, inputs: torch.Tensor, targets: torch.Tensor
     model, dp_group = context.model, context.dp_group
     step_loss, routing, step_mtp, step_indexer = _forward_backward(context, inputs, targets, interval, sources)
     if indexer_warmup:
-        drop_frozen_gradients(model)
+        drop_frozen_gradients(model, context.sparse_layers)
     step_load = {}
     for stats in routing:
         interval.add_routing(stats)
@@ -280,7 +282,7 @@ def _forward_backward(context: StepContext, inputs: torch.Tensor, targets: torch
         if model.last_mtp_losses is not None:  # logged apart from the LM loss
             mtp = model.last_mtp_losses.mean().detach().double() / accumulation
             step_mtp = mtp if step_mtp is None else step_mtp + mtp
-        if (layers_loss := indexer_loss(model)) is not None:
+        if (layers_loss := indexer_loss(context.sparse_layers)) is not None:
             layers_loss = layers_loss.double() / accumulation
             step_indexer = layers_loss if step_indexer is None else step_indexer + layers_loss
     return step_loss, routing, step_mtp, step_indexer

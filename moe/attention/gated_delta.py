@@ -145,11 +145,6 @@ class GatedDeltaAttention(AttentionKind):
                 ParamTensor("norm", i, (model.linear_value_head_dim,)), ParamTensor("attention", i, (d, values), 1)]
 
     @staticmethod
-    def score_width(model: ModelConfig) -> int:
-        """Not a softmax attention's width: ``flops_per_token`` counts this kind's mixing FLOPs itself."""
-        return 0
-
-    @staticmethod
     def flops_per_token(model: ModelConfig) -> float:
         """Training FLOPs of one token's delta rule (3 x its forward's matmuls, by chunks of c = min(chunk, S)),
         per value head: the chunk's k·k and q·k products (2·c·dk each), the two triangular solves (c·dv, c·dk),

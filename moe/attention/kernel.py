@@ -251,9 +251,7 @@ def kernel_saved_bytes(kernel: str, mb: MicroBatch, heads: int, kv_heads: int, w
     total += batches * queries * heads * FP32  # log-sum-exp
     if kernel == MASKED:
         total += queries * keys * mb.compute
-    elif kernel == SPARSE:  # the mask is each sequence's own
-        total += batches * queries * keys * mb.compute
-    elif kernel == BLOCKED_WINDOW:
+    elif kernel in (SPARSE, BLOCKED_WINDOW):  # a mask per sequence (the selection) or per block of windows
         total += batches * queries * keys * mb.compute
     elif kernel == CHUNKS:
         total += _chunk_extras(mb)

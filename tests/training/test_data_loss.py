@@ -514,8 +514,7 @@ def test_a_resumed_run_that_leaves_out_a_set_given_at_the_start_keeps_its_schedu
     assert "train.lr=0.02 (the command's config: 0.003)" in err
 
     def rates(run):
-        return [r["train/lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                if "train/lr" in r]
+        return [r["train/lr"] for r in read_metrics(run / "metrics.jsonl") if "train/lr" in r]
     assert rates(tmp_path / "split")[2:] == rates(tmp_path / "whole")[2:]  # steps 3-4: the schedule stretched to 4
     [entry] = yaml.safe_load((tmp_path / "split" / "resume_changes.yaml").read_text())
     assert set(entry["changes"]) == {"train.steps"}  # the one change the command made, recorded

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 
-import train
 from tests.parallel.parity import GPT_OSS
 from tests.parallel.test_parity import DEEPSEEK_V3
-from tests.training.test_data_loss import TINY
+from tests.training.test_data_loss import main
 from training.checkpointing import Checkpointer
 from training.metrics import read_metrics
 
@@ -58,7 +57,7 @@ def run(run_dir: Path, *settings: str) -> list[list[float]]:
     """train.py on the tiny model (one process) with ``settings``; the logged values."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        status = train.main(["--run-dir", str(run_dir), "--set", *TINY, *settings])
+        status = main(run_dir, *settings)
     assert status == 0, err.getvalue()
     return logged(run_dir)
 
@@ -92,7 +91,7 @@ def test_the_same_command_twice_and_a_resumed_run_give_identical_losses_and_weig
 
     monkeypatch.setattr(Checkpointer, "after_step", stop_after_step_3)
     with pytest.raises(Stop), contextlib.redirect_stderr(io.StringIO()):
-        train.main(["--run-dir", str(tmp_path / "c"), "--set", *TINY, *settings])
+        main(tmp_path / "c", *settings)
     monkeypatch.setattr(Checkpointer, "after_step", original)
     resumed = run(tmp_path / "c", *settings)  # the same command again: resumes from step 2's checkpoint
     assert first == second == resumed  # bit for bit: == on floats
