@@ -93,6 +93,9 @@ def check_tensor_parallel(tp: int, model: ModelConfig, sequence_parallel: bool, 
         if size % tp:
             raise ConfigError(f"parallel.{key}=true splits {what}={size} over parallel.tp={tp} ranks, which does "
                               f"not divide it; use a tp that divides {size}, or parallel.{key}=false")
+    if sequence_parallel and model.hc_mult > 1:  # their weights' gradients would be each rank's slice's alone
+        raise ConfigError(f"parallel.sequence_parallel=true with model.hc_mult={model.hc_mult}: hyper-connections "
+                          "over a sequence slice are not implemented; set parallel.sequence_parallel=false")
 
 
 def _feed_forward_plan(prefix: str, stream: Placement) -> dict:

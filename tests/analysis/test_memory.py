@@ -57,6 +57,10 @@ HYBRID = ["model.layer_types=[linear_attention,full_attention]", "model.linear_k
           "model.linear_chunk_size=4"]  # Qwen3-Next's: Gated DeltaNet linear attention beside full attention
 QWEN3_NEXT = ["model.attn_output_gate=true", "model.qk_norm=true", "model.rotary_dim=4",
               "moe.num_shared_experts=1", "moe.shared_expert_gate=true"]
+# DeepSeek-V4's residual and feed-forward (its attention aside): 4 hyper-connected streams (20 Sinkhorn iterations), a
+# hash-routed layer then a learned one, sqrt-softplus scores, the limited SwiGLU in the routed and shared experts
+DEEPSEEK_V4_RESIDUAL = ["model.hc_mult=4", "model.mlp_layer_types=[hash_moe, moe]", "moe.score_func=sqrtsoftplus",
+                        "moe.activation=limited_swiglu", "moe.num_shared_experts=1", "moe.force_balance=true"]
 GPT_OSS_MOE = ["moe.activation=clamped_swiglu", "moe.router_bias=true", "moe.expert_proj_bias=true"]
 GPT_OSS_ATTENTION = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
                      "model.layer_types=[sliding_attention,full_attention]"]
@@ -124,7 +128,7 @@ def test_parameter_tensors_count_router_and_expert_biases(overrides):
     ["model.n_kv_heads=null", "model.q_lora_rank=10", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6",
      "model.qk_rope_head_dim=4", "model.v_head_dim=5"],
     ["model.mtp_depth=2", "model.first_moe_layer=1", "model.moe_every=2"],  # a dense and an MoE module
-    HYBRID, [*HYBRID, *QWEN3_NEXT]])
+    HYBRID, [*HYBRID, *QWEN3_NEXT], DEEPSEEK_V4_RESIDUAL])
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
@@ -199,6 +203,9 @@ SINGLE = {
     "bf16, Qwen3-Next": ("bf16", [*HYBRID, *QWEN3_NEXT, "moe.force_balance=true"]),
     "Qwen3-Next, recompute full": ("fp32", [*HYBRID, *QWEN3_NEXT, "parallel.activation_checkpointing=full",
                                             "moe.force_balance=true"]),
+    "DeepSeek-V4 residual: hyper-connections, hash routing, limited SwiGLU": ("fp32", DEEPSEEK_V4_RESIDUAL),
+    "bf16, DeepSeek-V4 residual, no z-loss": ("bf16", [*DEEPSEEK_V4_RESIDUAL, "moe.z_loss_coef=0"]),
+    "DeepSeek-V4 residual, recompute full": ("fp32", [*DEEPSEEK_V4_RESIDUAL, "parallel.activation_checkpointing=full"]),
 }
 
 

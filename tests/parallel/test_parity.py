@@ -107,6 +107,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.pp=2", *DEEPSEEK_V4_RESIDUAL], 2, "null", id="pp=2-deepseek-v4-residual"),
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4_RESIDUAL], 2, "null",
                  id="ep=2-deepseek-v4-residual"),
+    # each tp rank the whole streams (replicated), each cp rank its positions' streams and ids
+    pytest.param(["parallel.tp=2", "parallel.cp=2", *DEEPSEEK_V4_RESIDUAL], 4, "null",
+                 id="tp=2xcp=2-deepseek-v4-residual"),
     # the MTP module on the last stage with a copy of the embedding, their gradients summed over the two stages
     # (the same micro-batches and model as the ep row: its reference run serves both)
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3_MTP], 2, "null", id="pp=2-deepseek-v3-mtp"),
