@@ -112,6 +112,7 @@ class ModelConfig:
     linear_value_head_dim: int | None = None
     linear_conv_kernel: int = 4
     linear_chunk_size: int = 64
+    linear_backend: Literal["torch", "fla", "auto"] = "auto"  # the rule's kernels (moe/attention/delta_rule_fla.py)
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
     # What an imported Hugging Face model's config.json says beyond its shape, kept for its export: the context it
