@@ -77,7 +77,7 @@ def copy_hyper(ours, theirs) -> None:
 
 def test_hyper_connected_block_matches_transformers_decoder_layer_residual():
     """Streams [B, S, 4, D] through both branches: the output streams and the gradients of the input streams, of
-    both hyper-connections' weights, biases and scales, and of the norms, within 1e-5 (fp32)."""
+    both hyper-connections' weights, biases and scales, and of the norms (fp32: outputs within 1e-5)."""
     config = hf_config()
     theirs = v4.DeepseekV4DecoderLayer(config, 1).float()
     randomise(theirs, 0)
@@ -106,17 +106,19 @@ def test_hyper_connected_block_matches_transformers_decoder_layer_residual():
     for param in [*attn_linear.parameters(), *ffn_linear.parameters()]:
         param.grad = None
     (got * grad_out).sum().backward()
-    torch.testing.assert_close(x_ours.grad, x_theirs.grad, rtol=1e-5, atol=1e-5)
+    # gradients within 1e-4 relative: both compute the mixing weights in fp32 through 20 Sinkhorn iterations and
+    # sum in different orders (measured: up to 2.6e-5 absolute, 5e-5 relative with one thread, 1e-5 with two)
+    gradients = dict(rtol=1e-4, atol=5e-5)
+    torch.testing.assert_close(x_ours.grad, x_theirs.grad, **gradients)
     pairs = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
     for branch in ("attn_hc", "ffn_hc"):
         pairs |= {f"{branch}.weight": f"{branch}.fn", f"{branch}.bias": f"{branch}.base",
                   f"{branch}.scale": f"{branch}.scale"}
     ours_params = dict(ours.named_parameters())
     for name, their_name in pairs.items():
-        torch.testing.assert_close(ours_params[name].grad, theirs_grads[their_name], rtol=1e-5, atol=1e-5,
+        torch.testing.assert_close(ours_params[name].grad, theirs_grads[their_name], **gradients,
                                    msg=lambda m, name=name: f"{name}: {m}")
-    torch.testing.assert_close(attn_linear.weight.grad, theirs_grads["self_attn.linear.weight"],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn_linear.weight.grad, theirs_grads["self_attn.linear.weight"], **gradients)
 
 
 def test_plain_block_keeps_one_stream():
