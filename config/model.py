@@ -114,6 +114,7 @@ class ModelConfig:
     linear_value_head_dim: int | None = None
     linear_conv_kernel: int = 4
     linear_chunk_size: int = 64
+    linear_backend: Literal["torch", "fla", "auto"] = "auto"  # the rule's kernels (moe/attention/delta_rule_fla.py)
     norm_eps: float = 1e-5
     # manifold-constrained hyper-connections (DeepSeek-V4; ``moe/hyper_connections.py``): the residual stream widened
     # to hc_mult streams mixed per block; 1 = the plain residual. Keys and checks: ``config/hyper_connections.py``
