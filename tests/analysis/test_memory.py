@@ -62,6 +62,12 @@ QWEN3_NEXT = ["model.attn_output_gate=true", "model.qk_norm=true", "model.rotary
 DEEPSEEK_V4_RESIDUAL = ["model.hc_mult=4", "model.mlp_layer_types=[hash_moe, moe]", "moe.score_func=sqrtsoftplus",
                         "moe.activation=limited_swiglu", "moe.num_shared_experts=1", "moe.force_balance=true"]
 GPT_OSS_MOE = ["moe.activation=clamped_swiglu", "moe.router_bias=true", "moe.expert_proj_bias=true"]
+# DeepSeek-V4's attention: shared key/value, grouped output; 16 positions make 8 CSA entries (top 3 kept) and 4 HCA
+V4_ATTENTION = ["model.n_kv_heads=null", "model.head_dim=8", "model.rotary_dim=4", "model.q_lora_rank=10",
+                "model.sliding_window=4", "model.index_topk=3", "model.index_n_heads=2", "model.index_head_dim=6",
+                "model.compressed_attention.csa_rate=2", "model.compressed_attention.hca_rate=4",
+                "model.compressed_attention.o_groups=2", "model.compressed_attention.o_lora_rank=6",
+                "moe.force_balance=true"]
 GPT_OSS_ATTENTION = ["model.qkv_bias=true", "model.attn_output_bias=true", "model.attention_sinks=true",
                      "model.layer_types=[sliding_attention,full_attention]"]
 
@@ -196,6 +202,10 @@ SINGLE = {
     "sparse attention (DSA), top-k binding": ("fp32", [*DSA, "model.index_topk=6"]),
     "sparse attention (DSA), every key selected": ("fp32", [*DSA, "model.index_topk=32"]),
     "bf16, sparse attention (DSA), top-k binding": ("bf16", [*DSA, "model.index_topk=6"]),
+    "DeepSeek-V4 attention: CSA then HCA": ("fp32", [*V4_ATTENTION, "model.layer_types=[compressed_sparse_attention,"
+                                                                    "heavily_compressed_attention]"]),
+    "bf16, DeepSeek-V4 attention: sliding then CSA": ("bf16", [*V4_ATTENTION, "model.layer_types=[sliding_attention,"
+                                                                            "compressed_sparse_attention]"]),
     "Gated DeltaNet linear attention beside full attention": ("fp32", [*HYBRID, "moe.force_balance=true"]),
     "bf16, Gated DeltaNet linear attention": ("bf16", [*HYBRID, "moe.force_balance=true"]),
     # Qwen3-Next's other parts: gated attention, partial rotary, q/k norms, a gated shared expert
