@@ -202,18 +202,18 @@ class ModelConfig:
         """Layer ``index``'s place in the layer pattern; indices n_layers + k are the multi-token-prediction modules'
         blocks (full attention, the feed-forward ``is_moe_layer`` says; with ``compressed_attention``, the last
         layer's attention)."""
+        feed_forward = "moe" if self.is_moe_layer(index) else "dense"
+        if self.mlp_layer_types is not None and index < self.n_layers:
+            feed_forward = self.mlp_layer_types[index]
         if self.compressed_attention is not None:
             kind = COMPRESSED_LAYER_KINDS[self.layer_types[min(index, self.n_layers - 1)]]
-            return LayerSpec(kind, "moe" if self.is_moe_layer(index) else "dense", self.sliding_window)
+            return LayerSpec(kind, feed_forward, self.sliding_window)
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
             attention = "sparse_latent"
         if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
-        feed_forward = "moe" if self.is_moe_layer(index) else "dense"
-        if self.mlp_layer_types is not None and index < self.n_layers:
-            feed_forward = self.mlp_layer_types[index]
         return LayerSpec(attention, feed_forward, window)
 
     @property
