@@ -84,3 +84,35 @@ def test_greedy_generation_matches_transformers(tmp_path):
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                              generation_config=transformers.GenerationConfig(pad_token_id=0))
     assert generate(generator, prompt, 20, temperature=0, use_cache=False) == theirs[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name, total, active", [("deepseek-v4-flash", 284_332_230_231, 13_270_091_351),
+                                                 ("deepseek-v4-pro", 1_572_973_188_067, 48_828_388_323)])
+def test_published_configs_count_what_transformers_builds(name, total, active):
+    """Our V4 configs at published size: the config.json we export of each, built by ``transformers`` on the meta
+    device (without the multi-token-prediction layer, which it does not build), has our parameter count; Flash's
+    shape is transformers' defaults (its docstring's checkpoint, DeepSeek-V4-Flash-Base) but for its layer types.
+    Published: Flash "284B total, 13B activated", Pro "1.6T total, 49B activated" (activated without the
+    embedding lookup)."""
+    from interop.hf_deepseek_v4 import hf_from_config
+    from moe.accounting import parameter_counts
+
+    config = load_config(name)
+    exported = hf_from_config(config.model, config.moe)
+    hf_config = transformers.DeepseekV4Config(**{key: value for key, value in exported.items()
+                                                 if key not in ("architectures", "model_type")})
+    if name == "deepseek-v4-flash":
+        defaults = transformers.DeepseekV4Config()
+        for key in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "head_dim", "q_lora_rank", "qk_rope_head_dim", "num_experts_per_tok", "n_routed_experts",
+                    "scoring_func", "routed_scaling_factor", "compress_rates", "compress_rope_theta", "hc_mult",
+                    "hc_sinkhorn_iters", "hc_eps", "mlp_layer_types", "swiglu_limit", "sliding_window", "o_groups",
+                    "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps"):
+            assert getattr(hf_config, key) == getattr(defaults, key), key
+    with torch.device("meta"):
+        built = transformers.DeepseekV4ForCausalLM(hf_config)
+    counts = parameter_counts(config.model, config.moe)
+    assert counts.total == sum(param.numel() for param in built.parameters()) == total
+    assert counts.active - counts.embedding == active
+    assert round(counts.total / 1e9) == 284 if name == "deepseek-v4-flash" else round(counts.total / 1e11) == 16
+    assert round(active / 1e9) == (13 if name == "deepseek-v4-flash" else 49)
