@@ -13,9 +13,9 @@ block-diagonal matrix), and one matrix mixes the groups to d_model (``o_b_proj``
 ``transformers``' names.
 
 A query sees itself and the ``sliding_window`` - 1 positions before it; the kernel core runs it
-(``moe/attention/kernel.py``: blocked by windows when the sequence is long enough). Packed documents, context
-parallelism, generation's cache, tensor parallelism and QK-clip are refused by the config (``config/run.py``,
-``parallel/layout.py``) until built.
+(``moe/attention/kernel.py``: blocked by windows when the sequence is long enough). Generation recomputes the layer
+over every position kept (``forward``). Packed documents, context parallelism, tensor parallelism and QK-clip are
+refused by the config (``config/run.py``, ``parallel/layout.py``) until built.
 
 Shapes: B sequences, S positions, D = d_model, nh heads, hd = head_dim, c' = q_lora_rank, r = rotary_dim,
 g = o_groups, o = o_lora_rank.
@@ -78,12 +78,26 @@ class SharedKVAttention(AttentionKind):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
                 documents: Documents | None = None) -> Tensor:
-        """x: [B, S, D]; cos, sin: the model's rotary tables [>= S, r/2] (``AttentionKind``'s interface)."""
-        if cache is not None or documents is not None:
-            raise ValueError("DeepSeek-V4's attention (model.compressed_attention) takes whole sequences only: "
-                             "generation's cache, packed documents and context parallelism are not built for it")
+        """x: [B, S, D]; cos, sin: the model's rotary tables [>= S, r/2] (``AttentionKind``'s interface).
+
+        Generation's ``cache`` keeps this layer's inputs (``LayerCache.state``, [B, L, D]), and each call computes
+        the layer over all of them and returns the new positions' outputs: a whole sequence's forward, so exactly
+        it, at O(L) projections and O(L²) scores per step where V4's own caches (the window's keys, the
+        compressors' open windows and entries) would cost O(W + L / rate)."""
+        if documents is not None:
+            raise ValueError("DeepSeek-V4's attention (model.compressed_attention) takes whole sequences: packed "
+                             "documents and context parallelism are not built for it")
+        if cache is None:
+            return self.whole_sequences(x, cos, sin)
+        start = cache.length
+        inputs = x if cache.state is None else torch.cat((cache.state, x), dim=1)
+        cache.advance(inputs, x.shape[1])
+        return self.whole_sequences(inputs, cos, sin)[:, start:]
+
+    def whole_sequences(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The layer on sequences from position 0: x [B, S, D] -> [B, S, D]."""
         batch, seq, _ = x.shape
-        _, cos, sin = self.positions(x, *self.rotary_tables(cos, sin), cache, documents)
+        _, cos, sin = self.positions(x, *self.rotary_tables(cos, sin), None, None)
         query_latent = self.q_a_norm(self.q_a_proj(x))  # [B, S, c']
         q = self.q_b_norm(self.q_b_proj(query_latent).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
         q = rotate_trailing(q, cos, sin)  # [B, nh, S, hd]

@@ -14,6 +14,8 @@ from config.run import load_config
 from moe.attention import CompressedSparseAttention, attention_kind, build_attention
 from moe.attention.compressed import hf_attention_name
 from moe.attention.compressor import visible_entries
+from moe.attention.trailing_rope import rotate_trailing
+from moe.kv_cache import LayerCache
 from moe.rope import rope_tables
 from parallel.resolve import resolve_layout
 
@@ -120,7 +122,6 @@ def assert_selection_binds_and_is_unambiguous(ours: CompressedSparseAttention, m
         latent = ours.q_a_norm(ours.q_a_proj(x))
         keys = indexer.compressor(x, cos, sin)
         q = indexer.wq(latent).view(*x.shape[:2], indexer.heads, indexer.head_dim)
-        from moe.attention.trailing_rope import rotate_trailing
         scores = indexer.weigh(x, rotate_trailing(q, cos[:seq, None], sin[:seq, None]), keys)
     visible = visible_entries(seq, keys.shape[1], CSA_RATE, x.device)
     binding = visible.sum(-1) > TOPK
@@ -183,3 +184,23 @@ def test_layouts_not_built_yet_are_refused(override, message):
                                     "model.n_kv_heads=null", "parallel.dp_shard=1", override])
     with pytest.raises(ConfigError, match=message):
         resolve_layout(config, 2)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=LAYER_TYPES)
+def test_generation_through_the_cache_is_the_whole_forward(index):
+    """A prompt, then one position at a time and a few at once through generation's cache: the outputs of the
+    whole sequence's forward (which the test above holds to transformers')."""
+    model = v4_model()
+    ours, _ = attention_pair(model, index)
+    torch.manual_seed(1)
+    x = torch.randn(2, model.seq_len, model.d_model)
+    if isinstance(ours, CompressedSparseAttention):  # a tie at the k-th place could go either way on a prefix
+        assert_selection_binds_and_is_unambiguous(ours, model, x)
+    cos, sin = rope_tables(model)
+    with torch.no_grad():
+        whole = ours(x, cos, sin)
+        cache = LayerCache()
+        steps = [ours(x[:, :30], cos, sin, cache)] + [ours(x[:, i:i + 1], cos, sin, cache) for i in range(30, 45)]
+        steps.append(ours(x[:, 45:], cos, sin, cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+    assert cache.length == model.seq_len
