@@ -175,9 +175,10 @@ def test_stated_parameters_are_the_built_ones(index):
     assert stated == sorted(tuple(param.shape) for param in build_attention(model, layer).parameters())
 
 
-@pytest.mark.parametrize("override, message", [("parallel.tp=2", "not split over tp"),
+@pytest.mark.parametrize("override, message", [("parallel.tp=2", "does not divide model.compressed_attention.o_groups"),
                                                ("parallel.cp=2", "not split over cp")])
-def test_layouts_not_built_yet_are_refused(override, message):
+def test_layouts_not_built_are_refused(override, message):
+    """tp must keep whole output groups on each rank (3 groups over 2 ranks cannot); cp is not built."""
     overrides = [f"model.{key}={value}" for key, value in MODEL.items() if key != "layer_types"]
     config = load_config("moe-8x", [*overrides, "model.layer_types=[sliding_attention,heavily_compressed_attention,"
                                     "compressed_sparse_attention]", "model.compressed_attention.o_groups=3",
