@@ -182,8 +182,8 @@ class CompressedSparseAttention(CompressedAttention):
 
     @classmethod
     def parameter_tensors(cls, model: ModelConfig, i: int | None) -> list[ParamTensor]:
-        """HCA's, then the indexer's: its compressor (``index_head_dim`` wide, overlapping), ``wq`` [hi·di, c'],
-        ``head_weights`` [hi, D], none trained (no autocast copies saved)."""
+        """A compressed layer's, then the indexer's: its compressor (``index_head_dim`` wide, overlapping), ``wq``
+        [hi·di, c'], ``head_weights`` [hi, D], all whole on every rank and none trained (no autocast copies)."""
         heads, width, rate = model.index_n_heads, model.index_head_dim, model.compressed_attention.csa_rate
         return [*super().parameter_tensors(model, i),
                 *compressor_tensors(model.d_model, width, rate, True, i, trained=False),
@@ -199,7 +199,7 @@ class CompressedSparseAttention(CompressedAttention):
 
     @classmethod
     def projection_gemms(cls, model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
-        """HCA's, then the indexer's: its compressor's two, ``wq``, ``head_weights``."""
+        """A compressed layer's, then the indexer's: its compressor's two, ``wq``, ``head_weights``."""
         heads, width = model.index_n_heads, model.index_head_dim
         return [*super().projection_gemms(model, tp, tokens), (2, tokens, model.d_model, 2 * width),
                 (1, tokens, model.q_lora_rank, heads * width), (1, tokens, model.d_model, heads)]

@@ -205,3 +205,18 @@ def test_generation_through_the_cache_is_the_whole_forward(index):
         steps.append(ours(x[:, 45:], cos, sin, cache))
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
     assert cache.length == model.seq_len
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=LAYER_TYPES)
+def test_stated_matmuls_are_the_built_projections(index):
+    """The planner's matmuls (``projection_gemms``): one token's K·N summed is every projection weight the layer
+    builds (the position biases are added, not multiplied), on one rank and per rank under tp=2, where the heads'
+    projections (``q_b_proj``, ``o_a_proj``, ``o_b_proj``: ``parallel/tensor.py``) hold half."""
+    model = v4_model(section={"o_groups": 2})
+    layer = model.layer(index)
+    built = {name: param.numel() for name, param in build_attention(model, layer).named_parameters()
+             if param.dim() == 2 and not name.endswith("position_bias")}
+    for tp in (1, 2):
+        stated = sum(count * k * n for count, _, k, n in attention_kind(layer).projection_gemms(model, tp, 1))
+        split = ("q_b_proj.weight", "o_a_proj.weight", "o_b_proj.weight")
+        assert stated == sum(numel // tp if name in split else numel for name, numel in built.items())
