@@ -14,6 +14,8 @@ cannot drift apart. The kernels:
 - ``chunks``: a context-parallel rank's whole sequences without a mask (``SequenceShards.causal_attention``).
 - ``sparse``: one SDPA under the visible keys' mask (``visible_keys``) and each query's selected ones (sparse
   attention's indexer, ``moe/attention/indexer.py``), a [B, 1, Sq, K] mask per sequence.
+- the same two, ``masked`` or ``sparse``, over keys beyond the positions' own (DeepSeek-V4's compressed entries,
+  ``attend_under_mask``), under the layer's own mask.
 
 Shapes: B sequences, h query heads, hkv key/value heads, Sq queries, K keys, d channels per head.
 """
