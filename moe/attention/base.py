@@ -62,6 +62,12 @@ class AttentionKind(nn.Module):
         widths (``score_width``), and a kind that attends to fewer keys, or is no softmax attention, its own count."""
         return 6.0 * model.n_heads * cls.score_width(model) * model.seq_len
 
+    @staticmethod
+    def context_flops_per_token(model: ModelConfig, cp: int) -> float:
+        """Training FLOPs per token that a layer of this kind does under ``cp`` context-parallel ranks beyond one
+        process's (``flops_per_token``): none for a kind whose ranks compute their own queries' part alone."""
+        return 0.0
+
     @classmethod
     def context_gathers(cls, model: ModelConfig, tp: int, cp: int, act: int) -> tuple[tuple[str, int], ...]:
         """What context parallelism all-gathers over the cp ranks in one forward of a layer of this kind, per

@@ -163,6 +163,19 @@ class GatedDeltaAttention(AttentionKind):
         return 3.0 * model.linear_value_heads * (c * (5 * dk + 3 * dv) + 6 * dk * dv)
 
     @staticmethod
+    def context_flops_per_token(model: ModelConfig, cp: int) -> float:
+        """Under cp > 1 the pass that makes each chunk's state map (``delta_rule.state_map``), counted as
+        ``flops_per_token`` counts the rule, per value head: the chunk's k·k product (2·c·dk) and its two
+        triangular solves on dk + dv columns and dk (c·(2·dk + dv)), and two [dk, dk + dv] products with the state
+        (4·dk·(dk + dv)); no queries, no outputs. The maps' composition (a few [dk, dk] x [dk, dv] products per
+        chunk and sequence) is left out."""
+        if cp == 1:
+            return 0.0
+        c = min(model.linear_chunk_size, model.seq_len // (2 * cp))
+        dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+        return 3.0 * model.linear_value_heads * (c * (4 * dk + dv) + 4 * dk * (dk + dv))
+
+    @staticmethod
     def projection_gemms(model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
         """The projections' matmuls on one rank, (count, M, K, N): wq, wk; wv, wz; wb, wa split by heads, wo by
         its input."""
