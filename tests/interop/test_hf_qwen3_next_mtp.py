@@ -18,32 +18,34 @@ from config.run import load_config
 from interop.hf import export_family, export_folder, import_folder
 from tests.interop.hf_models import hf_tensors, our_model
 from tests.interop.test_hf import tokens
-from tests.interop.test_hf_qwen3_next import SEQ, make_qwen3_next
+from tests.interop.test_hf_qwen3_next import SEQ, make_qwen3_5_moe, make_qwen3_next
 
 transformers = pytest.importorskip("transformers")
 FULL_LAYER = 1  # make_qwen3_next's layers: linear, then full attention
 
 
-def add_mtp(folder: Path) -> dict[str, torch.Tensor]:
+def add_mtp(folder: Path, decoder: str = "model.") -> dict[str, torch.Tensor]:
     """Store a multi-token-prediction module under ``mtp.`` as the published checkpoints do: ``fc`` [D, 2D],
     ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden`` and ``norm`` (zero-centred), and a full-attention decoder layer
-    ``layers.0`` (the full layer's tensor names, drawn anew), every value a bf16 one; config.json declaring it."""
+    ``layers.0`` (the full layer's tensor names, drawn anew), every value a bf16 one; config.json declaring it
+    (Qwen3.5's in its ``text_config``). ``decoder``: where the folder keeps the decoder's layers."""
     tensors = load_file(folder / "model.safetensors")
-    layer = f"model.layers.{FULL_LAYER}."
+    layer = f"{decoder}layers.{FULL_LAYER}."
     generator = torch.Generator().manual_seed(7)
 
     def drawn(like: torch.Tensor) -> torch.Tensor:
         return (torch.randn(like.shape, generator=generator) * 0.2).bfloat16().float()
     added = {"mtp.layers.0." + name[len(layer):]: drawn(value) for name, value in tensors.items()
              if name.startswith(layer)}
-    d = tensors["model.norm.weight"].shape[0]
+    d = tensors[f"{decoder}norm.weight"].shape[0]
     added |= {"mtp.fc.weight": drawn(torch.empty(d, 2 * d)),
               **{f"mtp.{norm}.weight": drawn(torch.empty(d))
                  for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
     save_file(tensors | added, folder / "model.safetensors", metadata={"format": "pt"})
     path = folder / "config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | {"mtp_num_hidden_layers": 1,
-                                                               "mtp_use_dedicated_embeddings": False}))
+    settings = json.loads(path.read_text())
+    (settings.get("text_config") or settings).update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    path.write_text(json.dumps(settings))
     return added
 
 
@@ -131,3 +133,18 @@ def test_a_folder_with_mtp_imports_without_it_saying_so_and_deeper_mtp_is_refuse
     config.model.mtp_depth = 2
     with pytest.raises(ConfigError, match="model.mtp_depth=2: Qwen3-Next stores one multi-token-prediction layer"):
         export_family(config.model, config.moe, "Qwen3NextForCausalLM")
+
+
+def test_qwen3_5_moe_mtp_module_in_and_out(tmp_path):
+    """Qwen3.5-MoE's checkpoints keep the same module under ``mtp.`` beside ``model.language_model.``: imported from
+    the multimodal folder, exported with the text model, every one of its tensors back bit for bit."""
+    make_qwen3_5_moe(tmp_path / "hf")
+    added = add_mtp(tmp_path / "hf", "model.language_model.")
+    import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x", ["model.mtp_depth=1"]),
+                  seq_len=SEQ)
+    state = our_model(tmp_path / "ours.safetensors").state_dict()
+    assert torch.equal(state["mtp.0.norm.weight"], 1 + added["mtp.norm.weight"])
+    export_folder(tmp_path / "ours.safetensors", tmp_path / "back", "Qwen3_5MoeForCausalLM")
+    returned = hf_tensors(tmp_path / "back")
+    for name, value in added.items():
+        assert torch.equal(value, returned[name]), name
