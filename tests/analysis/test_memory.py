@@ -400,11 +400,13 @@ SPAWNED = [
     # Qwen3-Next: the linear heads split over tp (the gated norm on each rank's heads, a DTensor); under FSDP's bf16
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *HYBRID, *QWEN3_NEXT]),
     ("bf16", ["parallel.dp_shard=2", *HYBRID, *QWEN3_NEXT]),
-    # and under cp: the linear layers' inputs gathered, the recurrence over the whole sequence; a model of linear
-    # layers alone takes no rotary tables
+    # and under cp: each linear layer on its rank's positions, the chunks' state maps gathered and composed
+    # (moe/attention/delta_rule_shards.py); a model of linear layers alone takes no rotary tables
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT]),
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT,
               "model.layer_types=[linear_attention,linear_attention]"]),
+    # the state maps composed in fp32 under bf16 autocast
+    ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

@@ -156,9 +156,11 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # gated norm on each rank's heads, under sequence parallelism and folded with ep
     pytest.param(["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *QWEN3_NEXT], 2, "null",
                  id="tp=2xep=2-sequence_parallel-qwen3-next"),
-    # context parallelism: each linear layer gathers every rank's q, k, v and gate inputs and runs the recurrence
-    # over the whole sequence; the full layer attends as before
+    # context parallelism: each linear layer on its rank's positions, the recurrence's state and the convolution's
+    # last inputs handed on in sequence order (every chunk's state map gathered and composed); the full layer
+    # attends as before; at cp=4 in chunks of 4 positions (rule chunks of 8), the last one from 7 maps composed
     pytest.param(["parallel.cp=2", "parallel.dp_shard=1", *QWEN3_NEXT], 2, "null", id="cp=2-qwen3-next"),
+    pytest.param(["parallel.cp=4", "parallel.dp_shard=1", *QWEN3_NEXT], 4, "null", id="cp=4-qwen3-next"),
     # packed documents masked from each other (data.document_mask): GPT-OSS's sinks split by heads and its blocked
     # window masked by document, on sequence slices; and latent attention in two pipeline stages, each given the
     # batch's document ids by the schedule
