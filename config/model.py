@@ -101,6 +101,9 @@ class ModelConfig:
     index_topk: int | None = None
     index_n_heads: int | None = None
     index_head_dim: int | None = None
+    # GLM-5's cross-layer sharing (Hugging Face's indexer_types): per layer "full" (its own indexer) or "shared"
+    # (no indexer: the keys the last full layer before it selected); null = every layer full
+    indexer_types: list[str] | None = None
     # Gated DeltaNet linear attention (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks"; moe/attention/
     # gated_delta.py) in the layers layer_types calls "linear_attention" (Qwen3-Next: three of every four):
     # linear_key_heads query/key heads of linear_key_head_dim channels, linear_value_heads value heads of
@@ -192,7 +195,8 @@ class ModelConfig:
         blocks (full attention, the feed-forward ``is_moe_layer`` says)."""
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
-            attention = "sparse_latent"
+            shared = index < self.n_layers and self.indexer_types is not None and self.indexer_types[index] == "shared"
+            attention = "shared_selection" if shared else "sparse_latent"
         if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
@@ -354,7 +358,7 @@ class ModelConfig:
     def _validate_sparse_attention(self) -> None:
         index_keys = ("index_n_heads", "index_head_dim")
         if not self.sparse_attention:
-            given = [key for key in index_keys if getattr(self, key) is not None]
+            given = [key for key in (*index_keys, "indexer_types") if getattr(self, key) is not None]
             require(not given, f"model.{given[0] if given else ''} is a sparse-attention setting: it needs "
                                "model.index_topk (null: dense attention)")
             return
@@ -369,6 +373,11 @@ class ModelConfig:
         require(self.qk_rope_head_dim <= self.index_head_dim,
                 f"model.index_head_dim={self.index_head_dim} must hold the indexer's rotary channels, "
                 f"model.qk_rope_head_dim={self.qk_rope_head_dim}")
+        types = self.indexer_types
+        require(types is None or (len(types) == self.n_layers and set(types) <= {"full", "shared"}
+                                  and types[0] == "full"),
+                f"model.indexer_types={types!r}: one 'full' or 'shared' per layer ({self.n_layers}), the first "
+                "'full' (a shared layer attends to the keys the full layer before it selected)")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from config.model import ModelConfig, MoEConfig
 from moe.attention.kernel import attends_by_chunks
-from moe.attention.sparse_latent import SparseLatentAttention
+from moe.attention.sparse_latent import SparseLatentAttention, share_selections
 from moe.block import Block
 from moe.documents import documents_of
 from moe.init import Slice, initialize, whole
@@ -51,6 +51,7 @@ class MoETransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         pattern = config.layer_pattern  # each block's attention and feed-forward kinds
         self.layers = nn.ModuleDict({str(i): Block(config, moe_config, pattern[i]) for i in range(config.n_layers)})
+        share_selections([block.attn for block in self.layers.values()])  # GLM-5's layers sharing a selection
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # multi-token prediction: its blocks are of the kind the layers after the last would be

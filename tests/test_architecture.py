@@ -166,8 +166,9 @@ def test_attention_runs_through_the_one_kernel_core():
     assert callers == ["moe.attention.kernel", "moe.sequence_shards"]
     # linear attention (Gated DeltaNet and its delta rule) has no softmax kernel: its recurrence is its own
     linear = ("moe.attention.gated_delta", "moe.attention.delta_rule")
-    kinds = [m for m in modules() if m.startswith("moe.attention.") and m not in ("moe.attention.kernel",
-                                                                                   "moe.attention.base", *linear)]
+    # the kernel core: kernel.py and the gathered kernel of sparse attention's selected keys (no SDPA, no kind)
+    core = ("moe.attention.kernel", "moe.attention.gathered")
+    kinds = [m for m in modules() if m.startswith("moe.attention.") and m not in (*core, "moe.attention.base", *linear)]
     assert kinds
     for module in kinds:
         source = modules()[module].read_text(encoding="utf-8")

@@ -15,13 +15,14 @@ from moe.attention.base import AttentionKind
 from moe.attention.gated_delta import GatedDeltaAttention
 from moe.attention.grouped_query import GroupedQueryAttention
 from moe.attention.latent import LatentAttention
-from moe.attention.sparse_latent import SparseLatentAttention
+from moe.attention.sparse_latent import SharedSelectionAttention, SparseLatentAttention
 
 __all__ = ["KINDS", "AttentionKind", "GatedDeltaAttention", "GroupedQueryAttention", "LatentAttention",
-           "SparseLatentAttention", "attention_kind", "build_attention"]
+           "SharedSelectionAttention", "SparseLatentAttention", "attention_kind", "build_attention"]
 
 KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention,
-                                         "sparse_latent": SparseLatentAttention, "gated_delta": GatedDeltaAttention}
+                                         "sparse_latent": SparseLatentAttention, "gated_delta": GatedDeltaAttention,
+                                         "shared_selection": SharedSelectionAttention}
 
 
 def attention_kind(layer: LayerSpec) -> type[AttentionKind]:

@@ -192,6 +192,9 @@ SINGLE = {
     "sparse attention (DSA), top-k binding": ("fp32", [*DSA, "model.index_topk=6"]),
     "sparse attention (DSA), every key selected": ("fp32", [*DSA, "model.index_topk=32"]),
     "bf16, sparse attention (DSA), top-k binding": ("bf16", [*DSA, "model.index_topk=6"]),
+    # the top 2 of 32 keys: each query's keys gathered (the gathered kernel, latent attention absorbed)
+    "sparse attention (DSA), gathered keys": ("fp32", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
+    "bf16, sparse attention (DSA), gathered keys": ("bf16", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
     "Gated DeltaNet linear attention beside full attention": ("fp32", [*HYBRID, "moe.force_balance=true"]),
     "bf16, Gated DeltaNet linear attention": ("bf16", [*HYBRID, "moe.force_balance=true"]),
     # Qwen3-Next's other parts: gated attention, partial rotary, q/k norms, a gated shared expert

@@ -10,6 +10,8 @@ from config.errors import ConfigError
 from config.model import ModelConfig
 from interop.hf_deepseek_v3 import interleaved_rows
 from moe.attention import SparseLatentAttention, build_attention
+from moe.attention import kernel as kernels
+from moe.attention.kernel import GATHERED, SPARSE, choose_kernel
 from moe.attention.sparse_latent import indexer_loss
 from moe.kv_cache import LayerCache
 from moe.rope import rope_tables
@@ -64,8 +66,15 @@ def hf_attention(model: ModelConfig, ours: SparseLatentAttention):
     return theirs, hf_v32.DeepseekV32RotaryEmbedding(config)
 
 
-def test_sparse_attention_matches_transformers_forward_and_gradients():
-    model, ours = sparse_attention()
+# top 7 of 24 keys: the masked kernel (``sparse``); top 3 of 48: each query's keys gathered (``gathered``)
+KERNELS = pytest.mark.parametrize("settings, kernel", [(dict(index_topk=7), SPARSE),
+                                                      (dict(index_topk=3, seq_len=48), GATHERED)])
+
+
+@KERNELS
+def test_sparse_attention_matches_transformers_forward_and_gradients(settings, kernel):
+    model, ours = sparse_attention(**settings)
+    assert choose_kernel(model.seq_len, selected=model.index_topk, keys=model.seq_len) == kernel
     ours.eval()
     theirs, rotary = hf_attention(model, ours)
     x = torch.randn(2, model.seq_len, model.d_model)
@@ -129,8 +138,10 @@ def naive_sparse_attention(ours: SparseLatentAttention, model: ModelConfig, x: t
     return out.transpose(1, 2).reshape(batch, seq, -1) @ ours.wo.weight.T, selected & causal
 
 
-def test_sparse_attention_matches_naive_top_k_attention_and_the_selection_binds():
-    model, ours = sparse_attention(seed=1)
+@KERNELS
+def test_sparse_attention_matches_naive_top_k_attention_and_the_selection_binds(settings, kernel):
+    model, ours = sparse_attention(seed=1, **settings)
+    assert choose_kernel(model.seq_len, selected=model.index_topk, keys=model.seq_len) == kernel
     ours.eval()
     x = torch.randn(2, model.seq_len, model.d_model)
     expected, selected = naive_sparse_attention(ours, model, x)
@@ -138,10 +149,38 @@ def test_sparse_attention_matches_naive_top_k_attention_and_the_selection_binds(
     causal = torch.ones(model.seq_len, model.seq_len, dtype=torch.bool).tril()
     assert (selected.sum(-1) == causal.sum(-1).clamp(max=model.index_topk)).all()  # k keys, or all the visible
     assert (selected != causal).any()  # some query sees more than k keys: the top-k left some out
-    dense_model = ModelConfig(**{**DSA, "index_topk": None, "index_n_heads": None, "index_head_dim": None})
+    dense_model = ModelConfig(**{**DSA, "seq_len": model.seq_len, "index_topk": None, "index_n_heads": None,
+                                 "index_head_dim": None})
     dense = build_attention(dense_model, dense_model.layer(0)).eval()
     dense.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith("indexer.")})
     assert (dense(x, *rope_tables(model)) - expected).abs().max() > 1e-3  # sparse is not dense here
+
+
+def test_gathered_kernel_equals_the_masked_kernel_in_training(monkeypatch):
+    """The same layer and batch through both sparse kernels (the masked one forced by a ratio no sequence
+    reaches): output, every gradient and the indexer's loss within fp32 1e-5, in both training stages' sparse
+    one and with the selection binding for most queries."""
+    model, ours = sparse_attention(seed=6, index_topk=3, seq_len=48)
+    assert choose_kernel(model.seq_len, selected=model.index_topk, keys=model.seq_len) == GATHERED
+    ours.train()
+    x = torch.randn(2, model.seq_len, model.d_model)
+    weights = torch.randn(2, model.seq_len, model.d_model)
+    results = []
+    for ratio in (kernels.GATHER_RATIO, 10 ** 6):
+        monkeypatch.setattr(kernels, "GATHER_RATIO", ratio)
+        ours.zero_grad()
+        x_in = x.clone().requires_grad_()
+        out = ours(x_in, *rope_tables(model))
+        (out * weights).sum().backward()
+        results.append((out, ours.last_indexer_loss, x_in.grad,
+                        {name: p.grad.clone() for name, p in ours.named_parameters()}))
+    (out, loss, grad, params), (out_m, loss_m, grad_m, params_m) = results
+    torch.testing.assert_close(out, out_m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss, loss_m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad, grad_m, rtol=0, atol=1e-5)
+    for name in params:
+        torch.testing.assert_close(params[name], params_m[name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_generation_with_the_indexer_key_cache_equals_the_whole_forward():
