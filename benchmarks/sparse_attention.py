@@ -4,13 +4,15 @@ What is measured. One forward and backward (fp32, CPU) of sparse attention's ker
 where each query keeps k keys (``moe.attention.kernel``): ``sparse``, one SDPA over every head's up-projected keys
 and values under the [S, S] mask of the selected keys (every score computed: O(S²)), against ``gathered``
 (``moe.attention.gathered``), each query's k latents gathered and scored in latent attention's absorbed form
-(O(S·k)), with the absorption's two per-head matmuls included. Tiny heads (4 heads, n 32 + r 16 channels of q·k,
-v 32, latent c 64). The selection is random (each query's k keys among those it sees), the same for both. Then, at
-the longest S, the gathered kernel for several k: its cost grows with k. Medians of ``--repeats`` runs in one
-process on one host; ratios taken in the same run. The lightning indexer that makes the selection is not timed:
+(O(S·k)), with the absorption's two per-head matmuls included. Tiny heads (16 heads, n 32 + r 16 channels of q·k,
+v 32, latent c 64; DeepSeek-V3.2 has 128 heads, n 128 + r 64, v 128, c 512). The selection is random (each query's
+k keys among those it sees), the same for both. Then, at S = ``--by-k-len``, the gathered kernel for several k: its
+cost grows with k. Medians of ``--repeats`` runs after one warm-up run, in one process on one host; ratios taken in
+the same run. The lightning indexer that makes the selection is not timed:
 it scores every pair (hi·di per pair, O(S²) as published) and is the same for both kernels.
 
     python -m benchmarks.sparse_attention [--quick] [--topk 256] [--max-len 16384] [--dense-max-len 8192]
+                                          [--by-k-len 4096] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ def gathered_step(seq: int, indices: torch.Tensor) -> float:
 
 def median_ms(step, seq: int, topk: int, repeats: int) -> float:
     indices = selection(seq, topk)
-    step(seq, indices)  # warm-up
     return statistics.median(step(seq, indices) for _ in range(repeats)) * 1e3
 
 
@@ -85,17 +86,20 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=16384)
     parser.add_argument("--dense-max-len", type=int, default=8192,
                         help="the longest S the masked kernel runs at (its [S, S] mask and scores grow as S²)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--by-k-len", type=int, default=4096, help="the S of the table by k")
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="S up to 2,048, k 64, one repeat")
     args = parser.parse_args()
     if args.quick:
-        args.topk, args.max_len, args.dense_max_len, args.repeats = 64, 2048, 2048, 1
+        args.topk, args.max_len, args.dense_max_len, args.by_k_len, args.repeats = 64, 2048, 2048, 1024, 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"{cpu_model()}; torch {torch.__version__}, {args.threads} threads; {HEADS} heads, k = {args.topk}; "
           f"forward + backward, fp32, medians of {args.repeats}; choose_kernel gathers from S >= "
           f"{GATHER_RATIO}·k = {GATHER_RATIO * args.topk}")
+    for step in (masked_step, gathered_step):  # warm-up: the first calls pay for allocation and dispatch
+        median_ms(step, 2 * args.topk, args.topk, 1)
     print(f"{'S':>6} {'masked ms':>10} {'gathered ms':>12} {'masked/gathered':>16}")
     seq = 2 * args.topk
     while seq <= args.max_len:
@@ -104,10 +108,10 @@ def main() -> None:
         print(f"{seq:>6} {'-' if masked is None else f'{masked:.1f}':>10} {gathered:>12.1f} "
               f"{'-' if masked is None else f'{masked / gathered:.2f}':>16}")
         seq *= 2
-    print(f"\nS = {args.max_len}, the gathered kernel by k")
+    print(f"\nS = {args.by_k_len}, the gathered kernel by k")
     print(f"{'k':>6} {'gathered ms':>12}")
     for topk in (args.topk // 2, args.topk, 2 * args.topk, 4 * args.topk):
-        print(f"{topk:>6} {median_ms(gathered_step, args.max_len, topk, args.repeats):>12.1f}")
+        print(f"{topk:>6} {median_ms(gathered_step, args.by_k_len, topk, args.repeats):>12.1f}")
 
 
 if __name__ == "__main__":

@@ -309,16 +309,18 @@ def selected_attention_flops(model: ModelConfig) -> float:
     return 6.0 * model.n_heads * LatentAttention.score_width(model) * model.seq_len
 
 
-def gathered_kernel_bytes(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
+def gathered_kernel_bytes(model: ModelConfig, tp: int, mb: MicroBatch, selection: bool = True) -> int:
     """What the ``gathered`` kernel saves beyond latent attention's projections, on this rank's nh/tp heads, with
     k = ``index_topk`` keys per query of K = cp·s: the absorption's copy of the queries' n content channels
     [T·nh, n]; the kernel's absorbed queries [T·nh, c + r], keys [b, K, c + r], indices (int64) and their
     visibility (bool) [T, k], output [T·nh, c] (query-major, which the up-projection's matmul reads as it is) and
-    its log-sum-exp (fp32 [T·nh])."""
+    its log-sum-exp (fp32 [T·nh]). A layer sharing another's ``selection`` saves that layer's indices again, no
+    new bytes."""
     t, heads, a = mb.tokens, model.n_heads // tp, mb.compute
     latent, rope = model.kv_lora_rank, model.qk_rope_head_dim
     total = t * heads * (model.qk_nope_head_dim + latent + rope + latent) * a + t * heads * FP32
-    return total + mb.sequences * mb.positions * mb.cp * (latent + rope) * a + t * model.index_topk * (INDEX + 1)
+    total += mb.sequences * mb.positions * mb.cp * (latent + rope) * a
+    return total + (t * model.index_topk * (INDEX + 1) if selection else 0)
 
 
 def gathered_saved_bytes(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
@@ -368,10 +370,11 @@ class SharedSelectionAttention(SparseLatentAttention):
 
     @staticmethod
     def saved_bytes(model: ModelConfig, layer: LayerSpec, tp: int, mb: MicroBatch) -> int:
-        """Latent attention's bytes on the sparse stage's kernel, and the gathered kernel's own there."""
+        """Latent attention's bytes on the sparse stage's kernel, and the gathered kernel's own there (the
+        selection itself is the full layer's, counted there)."""
         kernel = training_kernel(model, mb, selected=model.index_topk)
         total = latent_saved_bytes(model, tp, mb, kernel)
-        return total + (gathered_kernel_bytes(model, tp, mb) if kernel == GATHERED else 0)
+        return total + (gathered_kernel_bytes(model, tp, mb, selection=False) if kernel == GATHERED else 0)
 
 
 def share_selections(attentions: list[nn.Module]) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from config.errors import ConfigError
 from config.model import ModelConfig
+from config.run import load_config
 from interop.hf_deepseek_v3 import interleaved_rows
 from moe.attention import SparseLatentAttention, build_attention
 from moe.attention import kernel as kernels
@@ -253,8 +254,17 @@ def test_only_the_indexer_loss_reaches_the_indexer():
     (dict(DSA, index_n_heads=0), r"model.index_n_heads=0: sparse attention \(model.index_topk set\) needs"),
     (dict(DSA, index_head_dim=2), r"model.index_head_dim=2 must hold the indexer's rotary channels"),
     (dict(DSA, index_topk=None), r"model.index_n_heads is a sparse-attention setting: it needs model.index_topk"),
+    (dict(DSA, n_layers=2, indexer_types=["shared", "full"]), r"model.indexer_types=\['shared', 'full'\]: one "
+                                                              r"'full' or 'shared' per layer \(2\), the first 'full'"),
+    (dict(DSA, n_layers=2, indexer_types=["full"]), r"model.indexer_types=\['full'\]: one 'full' or 'shared'"),
 ])
 def test_impossible_sparse_attention_settings_are_refused_by_name(settings, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**settings).validate()
 
+
+
+def test_shared_selection_layers_are_refused_under_pipeline_parallelism():
+    with pytest.raises(ConfigError, match=r"model.indexer_types with 'shared' layers under parallel.pp=2"):
+        load_config("deepseek-v3.2", ["model.n_layers=4", "model.indexer_types=[full,shared,full,shared]",
+                                      "parallel.pp=2"])
