@@ -120,7 +120,8 @@ class CompressedAttention(SharedKVAttention):
         and sin [seq_len, r/2] in fp32, which its rotations save. The indexer runs without gradient: it saves
         nothing."""
         rate = getattr(model.compressed_attention, cls.rate_key)
-        kernel = training_kernel(model, mb, layer.window, sinks=True, selected=cls.selects, appended=True)
+        kernel = training_kernel(model, mb, layer.window, sinks=True,
+                                 selected=model.index_topk if cls.selects else None, appended=True)
         kernel_bytes = kernel_saved_bytes(kernel, mb, model.n_heads // tp, 1, model.head_dim, sink=True,
                                           appended=mb.positions // rate)
         total = shared_kv_saved_bytes(model, tp, mb, kernel_bytes, consumers=4)
@@ -159,7 +160,7 @@ class CompressedIndexer(IndexScoring):
         keys = self.compressor(x, cos, sin)  # [B, n, di]
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
         q = rotate_trailing(q, cos[:seq, None], sin[:seq, None])
-        return self.select(self.weigh(x, q, keys), visible)
+        return self.as_mask(self.select(self.weigh(x, q, keys), visible)[0], keys.shape[1])
 
 
 class CompressedSparseAttention(CompressedAttention):

@@ -206,6 +206,13 @@ SINGLE = {
                                                                     "heavily_compressed_attention]"]),
     "bf16, DeepSeek-V4 attention: sliding then CSA": ("bf16", [*V4_ATTENTION, "model.layer_types=[sliding_attention,"
                                                                             "compressed_sparse_attention]"]),
+    # the top 2 of 32 keys: each query's keys gathered (the gathered kernel, latent attention absorbed)
+    "sparse attention (DSA), gathered keys": ("fp32", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
+    "bf16, sparse attention (DSA), gathered keys": ("bf16", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
+    # GLM-5's second layer sharing the first's selection (no indexer), on either kernel
+    "GLM-5 shared selection, masked": ("fp32", [*DSA, "model.index_topk=6", "model.indexer_types=[full,shared]"]),
+    "GLM-5 shared selection, gathered": ("fp32", [*DSA, "model.index_topk=2", "model.seq_len=32",
+                                                  "model.indexer_types=[full,shared]"]),
     "Gated DeltaNet linear attention beside full attention": ("fp32", [*HYBRID, "moe.force_balance=true"]),
     "bf16, Gated DeltaNet linear attention": ("bf16", [*HYBRID, "moe.force_balance=true"]),
     # Qwen3-Next's other parts: gated attention, partial rotary, q/k norms, a gated shared expert

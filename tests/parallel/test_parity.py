@@ -42,6 +42,8 @@ DEEPSEEK_V4_ATTENTION = [
     "compressed_sparse_attention]", "model.index_topk=4", "model.index_n_heads=16", "model.index_head_dim=8",
     "model.compressed_attention.csa_rate=2", "model.compressed_attention.hca_rate=4",
     "model.compressed_attention.o_groups=2", "model.compressed_attention.o_lora_rank=8"]
+# the top 2 of 32: the kernel that gathers each query's keys (moe/attention/gathered.py), the top 8 the masked one
+DEEPSEEK_V32_GATHERED = [*DEEPSEEK_V32, "model.index_topk=2"]
 # Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
 # weights of the ep=2 row), from tp (with sequence parallelism), from etp, and from dp_shard and tp together (the
 # QK-clip row); experts whole under ep; pp's stages
@@ -206,9 +208,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V32], 2, "null", id="ep=2-deepseek-v3.2"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V32, "train.indexer_warmup_steps=2"], 2, "null",
                  id="pp=2-deepseek-v3.2-warmup"),
-    pytest.param(["parallel.cp=2", *DEEPSEEK_V32], 2, "null", id="cp=2-deepseek-v3.2"),
+    pytest.param(["parallel.cp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="cp=2-deepseek-v3.2"),
     # and split by heads: the indexer whole on every tp rank, its target summed over the ranks' heads
-    pytest.param(["parallel.tp=2", *DEEPSEEK_V32], 2, "null", id="tp=2-deepseek-v3.2"),
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="tp=2-deepseek-v3.2"),
     # DeepSeek-V4's attention split by heads (one output group per rank), its key/value head, compressors and
     # indexer whole on every rank; with sequence parallelism
     pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *DEEPSEEK_V4_ATTENTION], 2, "null",
