@@ -12,6 +12,7 @@ from typing import Literal
 from config.compressed_attention import COMPRESSED_LAYER_KINDS, CompressedAttentionConfig
 from config.hyper_connections import validate_hyper_connections
 from config.schema import require
+from config.sparse_attention import validate_sparse_attention
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention",  # ``layer_types``' words (HF's)
                          "heavily_compressed_attention", "compressed_sparse_attention")
@@ -104,6 +105,9 @@ class ModelConfig:
     index_topk: int | None = None
     index_n_heads: int | None = None
     index_head_dim: int | None = None
+    # GLM-5's cross-layer sharing (Hugging Face's indexer_types): per layer "full" (its own indexer) or "shared"
+    # (no indexer: the keys the last full layer before it selected); null = every layer full
+    indexer_types: list[str] | None = None
     # Gated DeltaNet linear attention (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks"; moe/attention/
     # gated_delta.py) in the layers layer_types calls "linear_attention" (Qwen3-Next: three of every four):
     # linear_key_heads query/key heads of linear_key_head_dim channels, linear_value_heads value heads of
@@ -210,7 +214,8 @@ class ModelConfig:
             return LayerSpec(kind, feed_forward, self.sliding_window)
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
-            attention = "sparse_latent"
+            shared = index < self.n_layers and self.indexer_types is not None and self.indexer_types[index] == "shared"
+            attention = "shared_selection" if shared else "sparse_latent"
         if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
@@ -261,7 +266,7 @@ class ModelConfig:
             self.compressed_attention.validate(self)
         else:
             self._validate_latent_attention()
-            self._validate_sparse_attention()
+            validate_sparse_attention(self)
         self._validate_linear_attention()
         validate_hyper_connections(self)
         self._validate_imported_context_and_tokens()
@@ -376,25 +381,6 @@ class ModelConfig:
             require(not getattr(self, key), f"model.{key}=true is not implemented for latent attention: set it false")
         require(self.sliding_window is None, f"model.sliding_window={self.sliding_window} is not implemented for "
                                              "latent attention: leave it null")
-
-    def _validate_sparse_attention(self) -> None:
-        index_keys = ("index_n_heads", "index_head_dim")
-        if not self.sparse_attention:
-            given = [key for key in index_keys if getattr(self, key) is not None]
-            require(not given, f"model.{given[0] if given else ''} is a sparse-attention setting: it needs "
-                               "model.index_topk (null: dense attention)")
-            return
-        require(self.latent_attention and self.q_lora_rank is not None,
-                "model.index_topk: sparse attention's indexer reads latent attention's query latent; set "
-                "model.kv_lora_rank and model.q_lora_rank (DeepSeek-V3.2: 512 and 1536), or leave index_topk null")
-        for key in ("index_topk", *index_keys):
-            value = getattr(self, key)
-            require(value is not None and value > 0,
-                    f"model.{key}={value}: sparse attention (model.index_topk set) needs a positive integer "
-                    "(DeepSeek-V3.2: index_topk 2048, index_n_heads 64, index_head_dim 128)")
-        require(self.qk_rope_head_dim <= self.index_head_dim,
-                f"model.index_head_dim={self.index_head_dim} must hold the indexer's rotary channels, "
-                f"model.qk_rope_head_dim={self.qk_rope_head_dim}")
 
 
 @dataclass

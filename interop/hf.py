@@ -180,7 +180,7 @@ class HFWeights:
         """The folder's weights under our names, through the family its config.json names."""
         family = family_of(folder.config)
         weights = cls(folder, family.hf_sources(model, moe), moe.num_experts, family.architecture)
-        weights.check_all_read(model, family.left_out)
+        weights.check_all_read(model, family.left_out_for(model))
         return weights
 
     def check_all_read(self, model: ModelConfig, left_out: tuple[str, ...] = ()) -> None:

@@ -70,7 +70,7 @@ class CompressedAttention(SharedKVAttention):
         visible = visible_entries(seq, entries.shape[1], self.compressor.rate, device)  # [S, n]
         seen = self.entry_mask(x, query_latent, visible, cos, sin)  # [S, n] or [B, 1, S, n]
         allowed = torch.cat((window_keys(seq, self.window, device).expand(*seen.shape[:-1], seq), seen), dim=-1)
-        keys = torch.cat((kv, entries.unsqueeze(1)), dim=2)  # [B, 1, S + n, hd]
+        keys = torch.cat((self.shared_keys(kv), self.shared_keys(entries.unsqueeze(1))), dim=2)  # [B, 1, S + n, hd]
         return attend_under_mask(q, keys, keys, self.head_dim ** -0.5, allowed, self.sinks)
 
     def entry_mask(self, x: Tensor, query_latent: Tensor, visible: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -100,8 +100,14 @@ class CompressedAttention(SharedKVAttention):
         return 6.0 * model.n_heads * cls.score_width(model) * keys
 
     @classmethod
+    def input_gradient_sums(cls, model: ModelConfig) -> tuple[tuple[str, float], ...] | None:
+        """A sliding layer's, and the compressed entries' [B, n, hd] gradient: hd / rate per position."""
+        rate = getattr(model.compressed_attention, cls.rate_key)
+        return (*SharedKVAttention.input_gradient_sums(model), ("compressed entries", model.head_dim / rate))
+
+    @classmethod
     def projection_gemms(cls, model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
-        """A sliding layer's, then the compressor's two projections (2·hd wide with ``overlap``)."""
+        """A sliding layer's, then the compressor's two projections (2·hd wide with ``overlap``), whole."""
         width = (2 if cls.overlap else 1) * model.head_dim
         return [*SharedKVAttention.projection_gemms(model, tp, tokens), (2, tokens, model.d_model, width)]
 
@@ -114,10 +120,11 @@ class CompressedAttention(SharedKVAttention):
         and sin [seq_len, r/2] in fp32, which its rotations save. The indexer runs without gradient: it saves
         nothing."""
         rate = getattr(model.compressed_attention, cls.rate_key)
-        kernel = training_kernel(model, mb, layer.window, sinks=True, selected=cls.selects, appended=True)
-        kernel_bytes = kernel_saved_bytes(kernel, mb, model.n_heads, 1, model.head_dim, sink=True,
+        kernel = training_kernel(model, mb, layer.window, sinks=True,
+                                 selected=model.index_topk if cls.selects else None, appended=True)
+        kernel_bytes = kernel_saved_bytes(kernel, mb, model.n_heads // tp, 1, model.head_dim, sink=True,
                                           appended=mb.positions // rate)
-        total = shared_kv_saved_bytes(model, mb, kernel_bytes, consumers=4)
+        total = shared_kv_saved_bytes(model, tp, mb, kernel_bytes, consumers=4)
         total += compressor_saved_bytes(mb, model.head_dim, rate, cls.overlap, model.rotary_dim)
         return total + model.seq_len * model.rotary_dim * FP32
 
@@ -153,7 +160,7 @@ class CompressedIndexer(IndexScoring):
         keys = self.compressor(x, cos, sin)  # [B, n, di]
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
         q = rotate_trailing(q, cos[:seq, None], sin[:seq, None])
-        return self.select(self.weigh(x, q, keys), visible)
+        return self.as_mask(self.select(self.weigh(x, q, keys), visible)[0], keys.shape[1])
 
 
 class CompressedSparseAttention(CompressedAttention):
@@ -176,8 +183,8 @@ class CompressedSparseAttention(CompressedAttention):
 
     @classmethod
     def parameter_tensors(cls, model: ModelConfig, i: int | None) -> list[ParamTensor]:
-        """HCA's, then the indexer's: its compressor (``index_head_dim`` wide, overlapping), ``wq`` [hi·di, c'],
-        ``head_weights`` [hi, D], none trained (no autocast copies saved)."""
+        """A compressed layer's, then the indexer's: its compressor (``index_head_dim`` wide, overlapping), ``wq``
+        [hi·di, c'], ``head_weights`` [hi, D], all whole on every rank and none trained (no autocast copies)."""
         heads, width, rate = model.index_n_heads, model.index_head_dim, model.compressed_attention.csa_rate
         return [*super().parameter_tensors(model, i),
                 *compressor_tensors(model.d_model, width, rate, True, i, trained=False),
@@ -193,7 +200,7 @@ class CompressedSparseAttention(CompressedAttention):
 
     @classmethod
     def projection_gemms(cls, model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
-        """HCA's, then the indexer's: its compressor's two, ``wq``, ``head_weights``."""
+        """A compressed layer's, then the indexer's: its compressor's two, ``wq``, ``head_weights``."""
         heads, width = model.index_n_heads, model.index_head_dim
         return [*super().projection_gemms(model, tp, tokens), (2, tokens, model.d_model, 2 * width),
                 (1, tokens, model.q_lora_rank, heads * width), (1, tokens, model.d_model, heads)]

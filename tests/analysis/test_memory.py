@@ -206,6 +206,13 @@ SINGLE = {
                                                                     "heavily_compressed_attention]"]),
     "bf16, DeepSeek-V4 attention: sliding then CSA": ("bf16", [*V4_ATTENTION, "model.layer_types=[sliding_attention,"
                                                                             "compressed_sparse_attention]"]),
+    # the top 2 of 32 keys: each query's keys gathered (the gathered kernel, latent attention absorbed)
+    "sparse attention (DSA), gathered keys": ("fp32", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
+    "bf16, sparse attention (DSA), gathered keys": ("bf16", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
+    # GLM-5's second layer sharing the first's selection (no indexer), on either kernel
+    "GLM-5 shared selection, masked": ("fp32", [*DSA, "model.index_topk=6", "model.indexer_types=[full,shared]"]),
+    "GLM-5 shared selection, gathered": ("fp32", [*DSA, "model.index_topk=2", "model.seq_len=32",
+                                                  "model.indexer_types=[full,shared]"]),
     "Gated DeltaNet linear attention beside full attention": ("fp32", [*HYBRID, "moe.force_balance=true"]),
     "bf16, Gated DeltaNet linear attention": ("bf16", [*HYBRID, "moe.force_balance=true"]),
     # Qwen3-Next's other parts: gated attention, partial rotary, q/k norms, a gated shared expert
@@ -392,14 +399,21 @@ SPAWNED = [
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
     ("bf16", ["parallel.dp_shard=2", *DSA, "model.index_topk=6"]),
     ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
+    # DeepSeek-V4's attention split by whole output groups over tp, with sequence parallelism, and in bf16
+    ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", *V4_ATTENTION,
+              "model.layer_types=[compressed_sparse_attention,heavily_compressed_attention]"]),
+    ("bf16", ["parallel.tp=2", "parallel.dp_shard=1", *V4_ATTENTION,
+              "model.layer_types=[sliding_attention,compressed_sparse_attention]"]),
     # Qwen3-Next: the linear heads split over tp (the gated norm on each rank's heads, a DTensor); under FSDP's bf16
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *HYBRID, *QWEN3_NEXT]),
     ("bf16", ["parallel.dp_shard=2", *HYBRID, *QWEN3_NEXT]),
-    # and under cp: the linear layers' inputs gathered, the recurrence over the whole sequence; a model of linear
-    # layers alone takes no rotary tables
+    # and under cp: each linear layer on its rank's positions, the chunks' state maps gathered and composed
+    # (moe/attention/delta_rule_shards.py); a model of linear layers alone takes no rotary tables
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT]),
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT,
               "model.layer_types=[linear_attention,linear_attention]"]),
+    # the state maps composed in fp32 under bf16 autocast
+    ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

@@ -14,6 +14,8 @@ from config.run import load_config
 from moe.attention import CompressedSparseAttention, attention_kind, build_attention
 from moe.attention.compressed import hf_attention_name
 from moe.attention.compressor import visible_entries
+from moe.attention.trailing_rope import rotate_trailing
+from moe.kv_cache import LayerCache
 from moe.rope import rope_tables
 from parallel.resolve import resolve_layout
 
@@ -120,7 +122,6 @@ def assert_selection_binds_and_is_unambiguous(ours: CompressedSparseAttention, m
         latent = ours.q_a_norm(ours.q_a_proj(x))
         keys = indexer.compressor(x, cos, sin)
         q = indexer.wq(latent).view(*x.shape[:2], indexer.heads, indexer.head_dim)
-        from moe.attention.trailing_rope import rotate_trailing
         scores = indexer.weigh(x, rotate_trailing(q, cos[:seq, None], sin[:seq, None]), keys)
     visible = visible_entries(seq, keys.shape[1], CSA_RATE, x.device)
     binding = visible.sum(-1) > TOPK
@@ -174,12 +175,48 @@ def test_stated_parameters_are_the_built_ones(index):
     assert stated == sorted(tuple(param.shape) for param in build_attention(model, layer).parameters())
 
 
-@pytest.mark.parametrize("override, message", [("parallel.tp=2", "not split over tp"),
+@pytest.mark.parametrize("override, message", [("parallel.tp=2", "does not divide model.compressed_attention.o_groups"),
                                                ("parallel.cp=2", "not split over cp")])
-def test_layouts_not_built_yet_are_refused(override, message):
+def test_layouts_not_built_are_refused(override, message):
+    """tp must keep whole output groups on each rank (3 groups over 2 ranks cannot); cp is not built."""
     overrides = [f"model.{key}={value}" for key, value in MODEL.items() if key != "layer_types"]
     config = load_config("moe-8x", [*overrides, "model.layer_types=[sliding_attention,heavily_compressed_attention,"
                                     "compressed_sparse_attention]", "model.compressed_attention.o_groups=3",
                                     "model.n_kv_heads=null", "parallel.dp_shard=1", override])
     with pytest.raises(ConfigError, match=message):
         resolve_layout(config, 2)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=LAYER_TYPES)
+def test_generation_through_the_cache_is_the_whole_forward(index):
+    """A prompt, then one position at a time and a few at once through generation's cache: the outputs of the
+    whole sequence's forward (which the test above holds to transformers')."""
+    model = v4_model()
+    ours, _ = attention_pair(model, index)
+    torch.manual_seed(1)
+    x = torch.randn(2, model.seq_len, model.d_model)
+    if isinstance(ours, CompressedSparseAttention):  # a tie at the k-th place could go either way on a prefix
+        assert_selection_binds_and_is_unambiguous(ours, model, x)
+    cos, sin = rope_tables(model)
+    with torch.no_grad():
+        whole = ours(x, cos, sin)
+        cache = LayerCache()
+        steps = [ours(x[:, :30], cos, sin, cache)] + [ours(x[:, i:i + 1], cos, sin, cache) for i in range(30, 45)]
+        steps.append(ours(x[:, 45:], cos, sin, cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+    assert cache.length == model.seq_len
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=LAYER_TYPES)
+def test_stated_matmuls_are_the_built_projections(index):
+    """The planner's matmuls (``projection_gemms``): one token's K·N summed is every projection weight the layer
+    builds (the position biases are added, not multiplied), on one rank and per rank under tp=2, where the heads'
+    projections (``q_b_proj``, ``o_a_proj``, ``o_b_proj``: ``parallel/tensor.py``) hold half."""
+    model = v4_model(section={"o_groups": 2})
+    layer = model.layer(index)
+    built = {name: param.numel() for name, param in build_attention(model, layer).named_parameters()
+             if param.dim() == 2 and not name.endswith("position_bias")}
+    for tp in (1, 2):
+        stated = sum(count * k * n for count, _, k, n in attention_kind(layer).projection_gemms(model, tp, 1))
+        split = ("q_b_proj.weight", "o_a_proj.weight", "o_b_proj.weight")
+        assert stated == sum(numel // tp if name in split else numel for name, numel in built.items())
