@@ -179,6 +179,8 @@ class HFWeights:
     def of_family(cls, folder: HFFolder, model: ModelConfig, moe: MoEConfig) -> HFWeights:
         """The folder's weights under our names, through the family its config.json names."""
         family = family_of(folder.config)
+        if family.stored_names is not None:
+            folder.rename(family.stored_names)
         weights = cls(folder, family.hf_sources(model, moe), moe.num_experts, family.architecture)
         weights.check_all_read(model, family.left_out_for(model))
         return weights

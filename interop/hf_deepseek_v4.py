@@ -10,13 +10,15 @@ SwiGLU (``swiglu_limit``) in both.
 
 Tensor names are those ``transformers``' ``save_pretrained`` writes for it (DeepSeek's own short names below a
 ``model.`` prefix: ``attn.wq_a``, ``ffn.experts.{e}.w1``/``w3``/``w2`` (gate, up, down), ``hc_attn_fn``, ...,
-which its conversion mapping renames when it loads them; ``head.weight``, ``model.hc_head.hc_fn``). Attention
+which its conversion mapping renames when it loads them; ``head.weight``, ``model.hc_head.hc_fn``), or those of
+DeepSeek's published folders (``stored_name``: no ``model.`` prefix, ``embed``, ``hc_head_fn``). Attention
 tensors keep ``transformers``' layouts, so they are copied as they are (``attention_file_name``); the expert
 matrices are stacked and transposed as for every family.
 
 Published folders whose weights are stored otherwise than as floats or DeepSeek-V3's block-scaled fp8
 (``interop/fp8.py``) are refused by name when their ``quantization_config`` is read. The multi-token-prediction
-layers (``num_nextn_predict_layers``) are not read: ``transformers`` does not build them either.
+layers (``num_nextn_predict_layers``; ``mtp.*`` in published folders) are not read: ``transformers`` does not build
+them either.
 """
 
 from __future__ import annotations
@@ -217,4 +219,20 @@ def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
     return out
 
 
-FAMILY = Family(ARCHITECTURE, "deepseek_v4", shape_from_hf, hf_from_config, hf_sources)
+def stored_name(name: str) -> str:
+    """A tensor name of a DeepSeek-V4 folder as ``hf_sources`` reads it: DeepSeek's published folders keep their
+    names without ``transformers``' ``model.`` prefix and call the embedding ``embed`` and the head's collapse
+    ``hc_head_fn``/``_base``/``_scale`` (the renames of ``transformers``' conversion mapping for ``deepseek_v4``);
+    the names ``transformers`` saves are left as they are."""
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    if name.startswith("hc_head_"):
+        return "model.hc_head.hc_" + name.removeprefix("hc_head_")
+    if name == "norm.weight" or name.startswith("layers."):
+        return "model." + name
+    return name
+
+
+# published folders store the multi-token-prediction layer under ``mtp.``: not read (transformers builds none)
+FAMILY = Family(ARCHITECTURE, "deepseek_v4", shape_from_hf, hf_from_config, hf_sources, left_out=("mtp.",),
+                stored_names=stored_name)

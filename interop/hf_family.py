@@ -148,6 +148,9 @@ class Family:
     # where the family keeps its multi-token-prediction module apart from the decoder's layers (Qwen3-Next's
     # ``mtp.``), left out, saying so, unless the run asks for it (``model.mtp_depth``)
     mtp_prefix: str | None = None
+    # a folder's tensor name -> the name ``hf_sources`` uses, for a family whose published folders name their
+    # tensors otherwise than ``transformers`` saves them (DeepSeek-V4's); None: as they are
+    stored_names: Callable[[str], str] | None = None
 
     def left_out_for(self, model: ModelConfig) -> tuple[str, ...]:
         """The prefixes an import of ``model`` leaves out: ``left_out``, and ``mtp_prefix`` without MTP modules."""

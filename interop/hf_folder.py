@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -53,17 +54,32 @@ class HFFolder(contextlib.AbstractContextManager):
         for file in sorted(set(self.files.values())):
             if not (self.folder / file).is_file():
                 raise ConfigError(f"{self.folder}: shard {file} named in {INDEX_FILE} is missing")
+        self._stored: dict[str, str] = {}  # a name ``rename`` gave -> the name in the files
         self._handles: dict[str, object] = {}
         self._stack = contextlib.ExitStack()
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
+    def rename(self, canonical: Callable[[str], str]) -> None:
+        """See the tensors under the names ``canonical`` gives them (a family's published folders that name them
+        otherwise than ``transformers`` saves them); ``files`` and ``slice`` take the new names from then on."""
+        renamed: dict[str, str] = {}
+        files: dict[str, str] = {}
+        for name, file in self.files.items():
+            stored = self._stored.get(name, name)
+            new = canonical(stored)
+            if new in renamed:
+                raise ConfigError(f"{self.folder}: tensors '{renamed[new]}' and '{stored}' are both '{new}'")
+            renamed[new], files[new] = stored, file
+        self.files, self._stored = files, renamed
+
     def slice(self, name: str):
         """The safetensors slice of HF tensor ``name`` (read nothing yet); an error naming it if absent."""
         if name not in self.files:
             raise ConfigError(f"{self.folder}: has no tensor '{name}'")
         file = self.files[name]
+        name = self._stored.get(name, name)
         if file not in self._handles:
             try:
                 self._handles[file] = self._stack.enter_context(safe_open(str(self.folder / file), framework="pt"))

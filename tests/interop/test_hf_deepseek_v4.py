@@ -116,3 +116,26 @@ def test_published_configs_count_what_transformers_builds(name, total, active):
     assert counts.active - counts.embedding == active
     assert round(counts.total / 1e9) == 284 if name == "deepseek-v4-flash" else round(counts.total / 1e11) == 16
     assert round(active / 1e9) == (13 if name == "deepseek-v4-flash" else 49)
+
+
+def test_published_tensor_names_are_read(tmp_path):
+    """A folder under DeepSeek's published names (no ``model.`` prefix, ``embed``, ``hc_head_fn``, an ``mtp.``
+    layer beside): ``transformers`` loads it to the oracle's logits (so the names are those its conversion mapping
+    takes), and so does our import, which leaves the ``mtp.`` tensors out."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_v4(tmp_path / "hf")
+    published = {}
+    for name, tensor in load_file(str(tmp_path / "hf" / "model.safetensors")).items():
+        name = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}.get(name, name)
+        name = name.replace("model.hc_head.hc_", "hc_head_").removeprefix("model.")
+        published[name] = tensor
+    published["mtp.0.eh_proj.weight"] = torch.zeros(32, 64)
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    save_file(published, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        expected = hf(tokens()).logits
+        reloaded = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        torch.testing.assert_close(reloaded(tokens()).logits, expected, rtol=0, atol=1e-6)
+        import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+        torch.testing.assert_close(our_model(tmp_path / "ours.safetensors")(tokens()), expected, rtol=0, atol=1e-5)
