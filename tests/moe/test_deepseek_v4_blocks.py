@@ -228,3 +228,18 @@ def test_moe_layer_matches_transformers_sparse_moe_block(hashed):
             (shared.w_in.weight.grad, their_shared.up_proj.weight.grad),
             (shared.w_out.weight.grad, their_shared.down_proj.weight.grad)]:
         close(got_grad, expected_grad)
+
+
+def test_generation_through_the_cache_keeps_the_streams_and_the_hash_routing():
+    """A hyper-connected model with a hash-routed layer (on grouped-query attention, which has a cache path): its
+    cached greedy generation writes what recomputing the whole sequence each step writes (each step's new token
+    routed by its own id, its streams widened and collapsed as in the full pass)."""
+    from inference.generate import generate
+    from moe.transformer import MoETransformer
+
+    model_config = ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=2, seq_len=32, hc_mult=N,
+                               mlp_layer_types=["hash_moe", "moe"])
+    _, moe = our_configs()
+    model = MoETransformer(model_config, moe, seed=3).eval()
+    prompt = [3, 17, 5, 30, 8]
+    assert generate(model, prompt, 12, temperature=0) == generate(model, prompt, 12, temperature=0, use_cache=False)
