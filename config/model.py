@@ -16,7 +16,8 @@ from config.sparse_attention import validate_sparse_attention
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention",  # ``layer_types``' words (HF's)
                          "heavily_compressed_attention", "compressed_sparse_attention")
-FEED_FORWARD_LAYER_TYPES = ("dense", "moe", "hash_moe")  # ``mlp_layer_types``' words; hash_moe: V4's hash routing
+# ``mlp_layer_types``' words; "hash_moe": an MoE layer whose experts a fixed table of the token id picks (DeepSeek-V4)
+FEED_FORWARD_LAYER_TYPES = ("dense", "moe", "hash_moe")
 
 
 @dataclass(frozen=True)
@@ -206,9 +207,6 @@ class ModelConfig:
         """Layer ``index``'s place in the layer pattern; indices n_layers + k are the multi-token-prediction modules'
         blocks (full attention, the feed-forward ``is_moe_layer`` says; with ``compressed_attention``, the last
         layer's attention)."""
-        if self.compressed_attention is not None:
-            kind = COMPRESSED_LAYER_KINDS[self.layer_types[min(index, self.n_layers - 1)]]
-            return LayerSpec(kind, "moe" if self.is_moe_layer(index) else "dense", self.sliding_window)
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
             shared = index < self.n_layers and self.indexer_types is not None and self.indexer_types[index] == "shared"
@@ -216,6 +214,9 @@ class ModelConfig:
         if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
+        if self.compressed_attention is not None:  # DeepSeek-V4's kinds, every one within the window
+            attention = COMPRESSED_LAYER_KINDS[self.layer_types[min(index, self.n_layers - 1)]]
+            window = self.sliding_window
         feed_forward = "moe" if self.is_moe_layer(index) else "dense"
         if self.mlp_layer_types is not None and index < self.n_layers:
             feed_forward = self.mlp_layer_types[index]
@@ -299,9 +300,8 @@ class ModelConfig:
         require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
                 "model.layer_types has sliding_attention layers: set model.sliding_window (GPT-OSS: 128)")
         compressed = [word for word in self.layer_types if word.endswith("compressed_attention")]
-        require(not compressed or self.compressed_attention is not None,
-                f"model.layer_types has {compressed[0] if compressed else ''} layers, DeepSeek-V4's: set "
-                "model.compressed_attention (a mapping; {} for V4-Flash's settings)")
+        require(not compressed or self.compressed_attention is not None, f"model.layer_types has {compressed[:1]} "
+                "layers, DeepSeek-V4's: set model.compressed_attention (a mapping; {} for V4-Flash's settings)")
 
     @property
     def linear_attention(self) -> bool:

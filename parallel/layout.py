@@ -122,9 +122,6 @@ def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
         ("tp", model.compressed_attention is None or model.compressed_attention.o_groups % d["tp"] == 0,
          f"parallel.tp={d['tp']} does not divide model.compressed_attention.o_groups="
          f"{model.compressed_attention and model.compressed_attention.o_groups} (each rank holds whole output groups)"),
-        ("cp", model.compressed_attention is None or d["cp"] == 1,
-         f"parallel.cp={d['cp']}: DeepSeek-V4's attention (model.compressed_attention) is not split over cp yet; use "
-         "cp=1"),
         ("pp", d["pp"] <= model.n_layers, f"parallel.pp={d['pp']} is more pipeline stages than "
                                           f"model.n_layers={model.n_layers}"),
         ("tp", model.n_heads % d["tp"] == 0, f"parallel.tp={d['tp']} does not divide model.n_heads={model.n_heads}"),

@@ -50,6 +50,8 @@ class GatedDeltaAttention(AttentionKind):
     the heads, each key head with its value heads.
     """
 
+    reads_document_tables = False  # no rotary positions
+
     def __init__(self, config: ModelConfig, layer: LayerSpec):
         super().__init__()
         d = config.d_model

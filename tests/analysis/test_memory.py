@@ -399,10 +399,15 @@ SPAWNED = [
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
     ("bf16", ["parallel.dp_shard=2", *DSA, "model.index_topk=6"]),
     ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
-    # DeepSeek-V4's attention split by whole output groups over tp, with sequence parallelism, and in bf16
+    # DeepSeek-V4's attention split by whole output groups over tp, with sequence parallelism, and in bf16; over cp,
+    # the block input gathered (and put in position order for the compressors)
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", *V4_ATTENTION,
               "model.layer_types=[compressed_sparse_attention,heavily_compressed_attention]"]),
     ("bf16", ["parallel.tp=2", "parallel.dp_shard=1", *V4_ATTENTION,
+              "model.layer_types=[sliding_attention,compressed_sparse_attention]"]),
+    ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *V4_ATTENTION,
+              "model.layer_types=[compressed_sparse_attention,heavily_compressed_attention]"]),
+    ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *V4_ATTENTION,
               "model.layer_types=[sliding_attention,compressed_sparse_attention]"]),
     # Qwen3-Next: the linear heads split over tp (the gated norm on each rank's heads, a DTensor); under FSDP's bf16
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *HYBRID, *QWEN3_NEXT]),

@@ -212,9 +212,13 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # and split by heads: the indexer whole on every tp rank, its target summed over the ranks' heads
     pytest.param(["parallel.tp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="tp=2-deepseek-v3.2"),
     # DeepSeek-V4's attention split by heads (one output group per rank), its key/value head, compressors and
-    # indexer whole on every rank; with sequence parallelism
+    # indexer whole on every rank, with sequence parallelism; and the whole of V4 (the hyper-connected streams, a
+    # hash-routed layer) under tp
     pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *DEEPSEEK_V4_ATTENTION], 2, "null",
                  id="tp=2-sp-deepseek-v4-attention"),
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V4_ATTENTION, *DEEPSEEK_V4_RESIDUAL,
+                  "model.mlp_layer_types=[hash_moe, moe, moe]"], 2, "null", id="tp=2-deepseek-v4"),
+    pytest.param(["parallel.cp=2", *DEEPSEEK_V4_ATTENTION], 2, "null", id="cp=2-deepseek-v4-attention"),
     # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
     # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.grad_reduce=step",
