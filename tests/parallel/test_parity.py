@@ -64,6 +64,14 @@ QWEN3_NEXT = ["model.layer_types=[linear_attention, full_attention]", "model.lin
 DEEPSEEK_V4_RESIDUAL = ["model.hc_mult=4", "model.mlp_layer_types=[moe, hash_moe]", "moe.score_func=sqrtsoftplus",
                         "moe.routed_scaling_factor=1.5", "moe.activation=limited_swiglu", "moe.swiglu_limit=1.0",
                         "moe.num_shared_experts=1"]
+# the whole DeepSeek-V4: the same with its attention, a compressed sparse layer (the indexer's top 2 of up to 8
+# entries) then a heavily compressed one, 2 output groups, one key/value head, windows of 8
+DEEPSEEK_V4 = [*DEEPSEEK_V4_RESIDUAL, "model.n_kv_heads=null", "model.head_dim=16", "model.rotary_dim=8",
+               "model.q_lora_rank=12", "model.sliding_window=8",
+               "model.layer_types=[compressed_sparse_attention, heavily_compressed_attention]", "model.index_topk=2",
+               "model.index_n_heads=2", "model.index_head_dim=8", "model.compressed_attention.csa_rate=4",
+               "model.compressed_attention.hca_rate=8", "model.compressed_attention.o_groups=2",
+               "model.compressed_attention.o_lora_rank=8"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -113,11 +121,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # in two pipeline stages (the dense block, then the MoE block)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3_MTP], 2, "null", id="ep=2-deepseek-v3-mtp"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3], 2, "1.25", id="pp=2-deepseek-v3"),
-    # the widened stream [micro, S, 4, D] between the stages, and the token ids to the second stage's hash layer: the
-    # same model under ep, the hash layer's tokens exchanged to the experts its table picks
-    pytest.param(["parallel.pp=2", *DEEPSEEK_V4_RESIDUAL], 2, "null", id="pp=2-deepseek-v4-residual"),
-    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4_RESIDUAL], 2, "null",
-                 id="ep=2-deepseek-v4-residual"),
+    # the whole V4: the widened stream [micro, S, 4, D] between the stages, and the token ids to the second stage's
+    # hash layer; the same model under FSDP and ep, the hash layer's tokens exchanged to the experts its table picks
+    pytest.param(["parallel.pp=2", *DEEPSEEK_V4], 2, "null", id="pp=2-deepseek-v4"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4], 2, "null", id="ep=2-deepseek-v4"),
     # each tp rank the whole streams (replicated), each cp rank its positions' streams and ids
     pytest.param(["parallel.tp=2", "parallel.cp=2", *DEEPSEEK_V4_RESIDUAL], 4, "null",
                  id="tp=2xcp=2-deepseek-v4-residual"),
