@@ -9,10 +9,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from config.hyper_connections import validate_hyper_connections
 from config.schema import require
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # ``layer_types``' words (HF's)
-FEED_FORWARD_LAYER_TYPES = ("dense", "moe")  # ``mlp_layer_types``' words
+# ``mlp_layer_types``' words; "hash_moe": an MoE layer whose experts a fixed table of the token id picks (DeepSeek-V4)
+FEED_FORWARD_LAYER_TYPES = ("dense", "moe", "hash_moe")
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class LayerSpec:
 
     @property
     def is_moe(self) -> bool:
-        return self.feed_forward == "moe"
+        return self.feed_forward in ("moe", "hash_moe")
 
 
 @dataclass
@@ -112,7 +114,13 @@ class ModelConfig:
     linear_value_head_dim: int | None = None
     linear_conv_kernel: int = 4
     linear_chunk_size: int = 64
+    linear_backend: Literal["torch", "fla", "auto"] = "auto"  # the rule's kernels (moe/attention/delta_rule_fla.py)
     norm_eps: float = 1e-5
+    # manifold-constrained hyper-connections (DeepSeek-V4; ``moe/hyper_connections.py``): the residual stream widened
+    # to hc_mult streams mixed per block; 1 = the plain residual. Keys and checks: ``config/hyper_connections.py``
+    hc_mult: int = 1
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
     init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
     # What an imported Hugging Face model's config.json says beyond its shape, kept for its export: the context it
     # was made for (max_position_embeddings, which a fine-tune at a shorter seq_len keeps; null: seq_len) and its
@@ -172,7 +180,7 @@ class ModelConfig:
         multi-token-prediction modules' blocks (``index`` >= n_layers) are of the kind the layers after the last
         would be: the shorthand's rule continued, or the last layer's word."""
         if self.mlp_layer_types is not None:
-            return self.mlp_layer_types[min(index, self.n_layers - 1)] == "moe"
+            return self.mlp_layer_types[min(index, self.n_layers - 1)] != "dense"
         if self.moe_every == 0 or index < self.first_moe_layer:
             return False
         return (index - self.first_moe_layer) % self.moe_every == 0
@@ -182,7 +190,7 @@ class ModelConfig:
         """The layers ``is_moe_layer`` picks among the n_layers (counted, not looped: the planner asks millions of
         times)."""
         if self.mlp_layer_types is not None:
-            return self.mlp_layer_types.count("moe")
+            return self.n_layers - self.mlp_layer_types.count("dense")
         if self.moe_every == 0:
             return 0
         return len(range(self.first_moe_layer, self.n_layers, self.moe_every))
@@ -196,7 +204,10 @@ class ModelConfig:
         if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
-        return LayerSpec(attention, "moe" if self.is_moe_layer(index) else "dense", window)
+        feed_forward = "moe" if self.is_moe_layer(index) else "dense"
+        if self.mlp_layer_types is not None and index < self.n_layers:
+            feed_forward = self.mlp_layer_types[index]
+        return LayerSpec(attention, feed_forward, window)
 
     @property
     def layer_pattern(self) -> tuple[LayerSpec, ...]:
@@ -242,6 +253,7 @@ class ModelConfig:
         self._validate_sparse_attention()
         self._validate_sliding_window()
         self._validate_linear_attention()
+        validate_hyper_connections(self)
         self._validate_imported_context_and_tokens()
 
     def _validate_imported_context_and_tokens(self) -> None:
@@ -379,13 +391,14 @@ class MoEConfig:
     top_k: int = 2
     expert_hidden: int = 512  # hidden size of one routed expert
     # the routed experts' activation: SwiGLU (Shazeer 2020), GELU, or GPT-OSS's clamped SwiGLU:
-    # (clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, swiglu_limit)
-    activation: Literal["swiglu", "gelu", "clamped_swiglu"] = "swiglu"
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, swiglu_limit); or
+    # DeepSeek-V4's limited SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit), its shared experts' too
+    activation: Literal["swiglu", "gelu", "clamped_swiglu", "limited_swiglu"] = "swiglu"
     swiglu_alpha: float = 1.702  # clamped_swiglu only: the sigmoid's slope (GPT-OSS: 1.702, GELU's sigmoid fit)
-    swiglu_limit: float = 7.0  # clamped_swiglu only: where the gate is capped and the up projection clipped
+    swiglu_limit: float = 7.0  # the clamped SwiGLUs: where the gate is capped and the up projection clipped (V4: 10)
     router_bias: bool = False  # a learned bias on the router's logits (GPT-OSS)
     expert_proj_bias: bool = False  # learned biases on every routed expert's gate, up and down projections
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    score_func: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"  # sqrtsoftplus: sqrt(softplus(l)), V4
     renormalize: bool = True  # rescale the k selected weights to sum to 1
     jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps) in training (Switch Transformer)
     capacity_factor: float | None = 1.25  # None = dropless
@@ -413,7 +426,7 @@ class MoEConfig:
     @property
     def gated(self) -> bool:
         """Whether the routed experts have a gate projection besides up and down (both SwiGLUs do)."""
-        return self.activation in ("swiglu", "clamped_swiglu")
+        return self.activation in ("swiglu", "clamped_swiglu", "limited_swiglu")
 
     @property
     def shared_hidden(self) -> int:

@@ -165,7 +165,8 @@ def test_attention_runs_through_the_one_kernel_core():
                      if "scaled_dot_product_attention(" in path.read_text(encoding="utf-8"))
     assert callers == ["moe.attention.kernel", "moe.sequence_shards"]
     # linear attention (Gated DeltaNet and its delta rule) has no softmax kernel: its recurrence is its own
-    linear = ("moe.attention.gated_delta", "moe.attention.delta_rule", "moe.attention.delta_rule_shards")
+    linear = ("moe.attention.gated_delta", "moe.attention.delta_rule", "moe.attention.delta_rule_fla",
+              "moe.attention.delta_rule_shards")
     kinds = [m for m in modules() if m.startswith("moe.attention.") and m not in ("moe.attention.kernel",
                                                                                    "moe.attention.base", *linear)]
     assert kinds

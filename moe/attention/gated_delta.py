@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
 from moe.attention.delta_rule import gated_delta_rule, recurrent_gated_delta_rule
+from moe.attention.delta_rule_fla import fla_gated_delta_rule, uses_fla
 from moe.attention.delta_rule_shards import convolution_history, sharded_gated_delta_rule
 from moe.documents import Documents
 from moe.kv_cache import LayerCache
@@ -55,6 +56,7 @@ class GatedDeltaAttention(AttentionKind):
         self.key_heads, self.value_heads = config.linear_key_heads, config.linear_value_heads
         self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.kernel, self.chunk_size = config.linear_conv_kernel, config.linear_chunk_size
+        self.backend = config.linear_backend  # torch, fla or auto: moe/attention/delta_rule_fla.py
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         self.wq = nn.Linear(d, keys, bias=False)
         self.wk = nn.Linear(d, keys, bias=False)
@@ -88,10 +90,12 @@ class GatedDeltaAttention(AttentionKind):
         log_decay = -rate.exp() * F.softplus(decay_in.float() + bias)
         q, k, v, beta, log_decay = (t.transpose(1, 2) for t in (q, k, v, beta, log_decay))  # heads first
         state = None if cache is None else cache.state
-        if shards is not None:  # this cp rank's positions, the state handed on from the ranks before
+        if shards is not None:  # this cp rank's positions, the state handed on from the ranks before (torch rule)
             out = sharded_gated_delta_rule(q, k, v, log_decay, beta, self.chunk_size, self.gather_sequence, shards)
         elif cache is not None and seq == 1 and state is not None:
             out, state = recurrent_gated_delta_rule(q, k, v, log_decay, beta, state)
+        elif uses_fla(self.backend, q.device):
+            out, state = fla_gated_delta_rule(q, k, v, log_decay, beta, state)
         else:
             out, state = gated_delta_rule(q, k, v, log_decay, beta, self.chunk_size, state)
         if cache is not None:

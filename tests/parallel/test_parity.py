@@ -46,6 +46,13 @@ QWEN3_NEXT = ["model.layer_types=[linear_attention, full_attention]", "model.lin
               "model.linear_value_heads=4", "model.linear_key_head_dim=8", "model.linear_value_head_dim=8",
               "model.linear_chunk_size=8", "model.attn_output_gate=true", "model.qk_norm=true", "model.rotary_dim=4",
               "moe.num_shared_experts=1", "moe.shared_expert_gate=true"]
+# DeepSeek-V4's residual and routing at toy size (its attention kinds aside): 4 hyper-connected streams, a learned MoE
+# layer then a hash-routed one (its experts picked by the token id; V4 has them first, but second it needs the ids on
+# the second pipeline stage), sqrt-softplus scores scaled by 1.5, the limited SwiGLU (limit 1: it clamps) in the
+# routed and the shared expert
+DEEPSEEK_V4_RESIDUAL = ["model.hc_mult=4", "model.mlp_layer_types=[moe, hash_moe]", "moe.score_func=sqrtsoftplus",
+                        "moe.routed_scaling_factor=1.5", "moe.activation=limited_swiglu", "moe.swiglu_limit=1.0",
+                        "moe.num_shared_experts=1"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -95,6 +102,11 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # in two pipeline stages (the dense block, then the MoE block)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3_MTP], 2, "null", id="ep=2-deepseek-v3-mtp"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3], 2, "1.25", id="pp=2-deepseek-v3"),
+    # the widened stream [micro, S, 4, D] between the stages, and the token ids to the second stage's hash layer: the
+    # same model under ep, the hash layer's tokens exchanged to the experts its table picks
+    pytest.param(["parallel.pp=2", *DEEPSEEK_V4_RESIDUAL], 2, "null", id="pp=2-deepseek-v4-residual"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4_RESIDUAL], 2, "null",
+                 id="ep=2-deepseek-v4-residual"),
     # the MTP module on the last stage with a copy of the embedding, their gradients summed over the two stages
     # (the same micro-batches and model as the ep row: its reference run serves both)
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3_MTP], 2, "null", id="pp=2-deepseek-v3-mtp"),
