@@ -162,8 +162,9 @@ class GroupedQueryAttention(AttentionKind):
         the log-sum-exp, on this rank's nh/tp heads, and the kernel's mask); wo's input, the output made contiguous,
         a copy unless one head per rank makes it a view; with ``qk_norm`` the per-head norms of q and k (each of
         the T·heads rows of hd, as an RMSNorm saves them; per layer, T rows of heads·hd); with
-        ``attn_output_gate`` wg's input too, and the gate's sigmoid and the gated output, which wo reads. Under context parallelism k and v are views of the
-        gathered [b, kv_heads, S, 2·hd] tensor, or, by chunks, copies in position order of the same bytes."""
+        ``attn_output_gate`` wg's input too, and the gate's sigmoid and the gated output, which wo reads. Under
+        context parallelism k and v are views of the gathered [b, kv_heads, S, 2·hd] tensor, or, by chunks, copies
+        in position order of the same bytes."""
         heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
         sink = model.attention_sinks
         kernel = training_kernel(model, mb, layer.window, sink)
