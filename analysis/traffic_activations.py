@@ -322,7 +322,7 @@ def pipeline_traffic(step: _Step) -> list[Traffic]:
     if layout.pp == 1:
         return out
     seq = config.model.seq_len // layout.cp // (layout.tp if par.sequence_parallel else 1)
-    hidden = step.micro * seq * config.model.d_model * 4  # fp32: the residual stream
+    hidden = step.micro * seq * config.model.hc_mult * config.model.d_model * 4  # fp32: the residual stream(s)
     stages, pp_rank = layout.pp * par.pp_virtual_stages, coordinates(layout, step.rank)["pp"]
     group = step.group("pp")
     sends: dict[tuple[str, int], int] = defaultdict(int)

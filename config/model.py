@@ -9,13 +9,15 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from config.compressed_attention import COMPRESSED_LAYER_KINDS, CompressedAttentionConfig
 from config.hyper_connections import validate_hyper_connections
 from config.schema import require
+from config.sparse_attention import validate_sparse_attention
 
 QK_NORM_TYPES = ("per_head", "per_layer")  # ``qk_norm_type``'s words (MiniMax-M2's config.json names them so)
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # ``layer_types``' words (HF's)
-# ``mlp_layer_types``' words; "hash_moe": an MoE layer whose experts a fixed table of the token id picks (DeepSeek-V4)
-FEED_FORWARD_LAYER_TYPES = ("dense", "moe", "hash_moe")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention",  # ``layer_types``' words (HF's)
+                         "heavily_compressed_attention", "compressed_sparse_attention")
+FEED_FORWARD_LAYER_TYPES = ("dense", "moe", "hash_moe")  # ``mlp_layer_types``' words; hash_moe: V4's hash routing
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,9 @@ class ModelConfig:
     index_topk: int | None = None
     index_n_heads: int | None = None
     index_head_dim: int | None = None
+    # GLM-5's cross-layer sharing (Hugging Face's indexer_types): per layer "full" (its own indexer) or "shared"
+    # (no indexer: the keys the last full layer before it selected); null = every layer full
+    indexer_types: list[str] | None = None
     # Gated DeltaNet linear attention (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks"; moe/attention/
     # gated_delta.py) in the layers layer_types calls "linear_attention" (Qwen3-Next: three of every four):
     # linear_key_heads query/key heads of linear_key_head_dim channels, linear_value_heads value heads of
@@ -119,9 +124,10 @@ class ModelConfig:
     linear_conv_kernel: int = 4
     linear_chunk_size: int = 64
     linear_backend: Literal["torch", "fla", "auto"] = "auto"  # the rule's kernels (moe/attention/delta_rule_fla.py)
+    # DeepSeek-V4's attention (``config/compressed_attention.py``): null = off, a mapping = on in every layer
+    compressed_attention: CompressedAttentionConfig | None = None
     norm_eps: float = 1e-5
-    # manifold-constrained hyper-connections (DeepSeek-V4; ``moe/hyper_connections.py``): the residual stream widened
-    # to hc_mult streams mixed per block; 1 = the plain residual. Keys and checks: ``config/hyper_connections.py``
+    # DeepSeek-V4's hyper-connections (``moe/hyper_connections.py``; checks in config/): hc_mult streams, 1 = off
     hc_mult: int = 1
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -154,8 +160,9 @@ class ModelConfig:
 
     @property
     def sparse_attention(self) -> bool:
-        """Whether latent attention attends to the keys a lightning indexer selects (``index_topk`` set)."""
-        return self.index_topk is not None
+        """Whether latent attention attends to the keys a lightning indexer selects (``index_topk`` set; DeepSeek-V4's
+        indexer, ``compressed_attention``'s, is another)."""
+        return self.index_topk is not None and self.compressed_attention is None
 
     @property
     def rope_dim(self) -> int:
@@ -176,7 +183,7 @@ class ModelConfig:
     @property
     def slides(self) -> bool:
         """Whether some layer attends within a sliding window (``attention_window``'s rule, without a loop)."""
-        return self.sliding_window is not None and (self.layer_types is None
+        return self.sliding_window is not None and (self.layer_types is None or self.compressed_attention is not None
                                                     or "sliding_attention" in self.layer_types)
 
     def is_moe_layer(self, index: int) -> bool:
@@ -201,10 +208,15 @@ class ModelConfig:
 
     def layer(self, index: int) -> LayerSpec:
         """Layer ``index``'s place in the layer pattern; indices n_layers + k are the multi-token-prediction modules'
-        blocks (full attention, the feed-forward ``is_moe_layer`` says)."""
+        blocks (full attention, the feed-forward ``is_moe_layer`` says; with ``compressed_attention``, the last
+        layer's attention)."""
+        if self.compressed_attention is not None:
+            kind = COMPRESSED_LAYER_KINDS[self.layer_types[min(index, self.n_layers - 1)]]
+            return LayerSpec(kind, "moe" if self.is_moe_layer(index) else "dense", self.sliding_window)
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
-            attention = "sparse_latent"
+            shared = index < self.n_layers and self.indexer_types is not None and self.indexer_types[index] == "shared"
+            attention = "shared_selection" if shared else "sparse_latent"
         if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
@@ -257,9 +269,12 @@ class ModelConfig:
                 f"model.rotary_dim={self.rotary_dim} must be a positive even number up to the head width "
                 f"{self.head_size}, or null (all channels)")
         self._validate_rope_scaling()
-        self._validate_latent_attention()
-        self._validate_sparse_attention()
         self._validate_sliding_window()
+        if self.compressed_attention is not None:  # V4's keys and its own checks of the model's
+            self.compressed_attention.validate(self)
+        else:
+            self._validate_latent_attention()
+            validate_sparse_attention(self)
         self._validate_linear_attention()
         validate_hyper_connections(self)
         self._validate_imported_context_and_tokens()
@@ -291,6 +306,10 @@ class ModelConfig:
         self._require_one_per_layer("layer_types", ATTENTION_LAYER_TYPES, "layer type")
         require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
                 "model.layer_types has sliding_attention layers: set model.sliding_window (GPT-OSS: 128)")
+        compressed = [word for word in self.layer_types if word.endswith("compressed_attention")]
+        require(not compressed or self.compressed_attention is not None,
+                f"model.layer_types has {compressed[0] if compressed else ''} layers, DeepSeek-V4's: set "
+                "model.compressed_attention (a mapping; {} for V4-Flash's settings)")
 
     @property
     def linear_attention(self) -> bool:
@@ -370,25 +389,6 @@ class ModelConfig:
             require(not getattr(self, key), f"model.{key}=true is not implemented for latent attention: set it false")
         require(self.sliding_window is None, f"model.sliding_window={self.sliding_window} is not implemented for "
                                              "latent attention: leave it null")
-
-    def _validate_sparse_attention(self) -> None:
-        index_keys = ("index_n_heads", "index_head_dim")
-        if not self.sparse_attention:
-            given = [key for key in index_keys if getattr(self, key) is not None]
-            require(not given, f"model.{given[0] if given else ''} is a sparse-attention setting: it needs "
-                               "model.index_topk (null: dense attention)")
-            return
-        require(self.latent_attention and self.q_lora_rank is not None,
-                "model.index_topk: sparse attention's indexer reads latent attention's query latent; set "
-                "model.kv_lora_rank and model.q_lora_rank (DeepSeek-V3.2: 512 and 1536), or leave index_topk null")
-        for key in ("index_topk", *index_keys):
-            value = getattr(self, key)
-            require(value is not None and value > 0,
-                    f"model.{key}={value}: sparse attention (model.index_topk set) needs a positive integer "
-                    "(DeepSeek-V3.2: index_topk 2048, index_n_heads 64, index_head_dim 128)")
-        require(self.qk_rope_head_dim <= self.index_head_dim,
-                f"model.index_head_dim={self.index_head_dim} must hold the indexer's rotary channels, "
-                f"model.qk_rope_head_dim={self.qk_rope_head_dim}")
 
 
 @dataclass

@@ -317,6 +317,10 @@ class RunConfig:
                  "modules do not take the document mask yet; set model.mtp_depth=0 or data.document_mask=false")
         require(not (self.train.compile and self.parallel.pp > 1),
                  "train.compile with pipeline parallelism (parallel.pp > 1) is not supported yet; set one of them off")
+        require(not ("shared" in (self.model.indexer_types or ()) and self.parallel.pp > 1),
+                 f"model.indexer_types with 'shared' layers under parallel.pp={self.parallel.pp}: a shared layer "
+                 "reads the selection its full layer left in the same process, and a stage's micro-batches "
+                 "interleave; set parallel.pp=1 or every layer 'full'")
         require(self.train.qk_clip_threshold is None or not self.model.qk_norm,
                  f"train.qk_clip_threshold={self.train.qk_clip_threshold} with model.qk_norm=true: the per-head q/k "
                  "RMSNorm undoes any scaling of the query and key weights (and already bounds the logits), and its "
@@ -326,6 +330,7 @@ class RunConfig:
         require(replicas <= others, f"parallel.ep_replicas={replicas} is more slots than the {others} experts other "
                                     f"ep ranks own (moe.num_experts={self.moe.num_experts}, parallel.ep={ep})")
         self._validate_linear_attention()
+        self._validate_compressed_attention()
         require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
                  "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
                  "set train.precision=bf16 (or auto), or moe.backend=torch")
@@ -339,6 +344,16 @@ class RunConfig:
         for setting, given in refused.items():
             require(not given, f"{setting} is not implemented for linear attention (model.layer_types has "
                                "linear_attention layers) yet; turn it off")
+
+    def _validate_compressed_attention(self) -> None:
+        """What DeepSeek-V4's attention (``model.compressed_attention``) does not take yet."""
+        if self.model.compressed_attention is None:
+            return
+        refused = {"data.document_mask=true": self.data.document_mask,
+                   "train.qk_clip_threshold": self.train.qk_clip_threshold is not None}
+        for setting, given in refused.items():
+            require(not given, f"{setting} is not implemented for DeepSeek-V4's attention (model.compressed_attention"
+                               ") yet; turn it off")
 
     def to_dict(self) -> dict:
         return to_dict(self)

@@ -18,7 +18,7 @@ The rules (which distribution each parameter gets) live here, by name, in one pl
 
 - norms' weights (``*norm.weight``: the block norms, and the per-head ``attn.q_norm``/``attn.k_norm`` of
   ``model.qk_norm``) and the hyper-connections' ``scale`` (``moe/hyper_connections.py``): ones;
-- projections that write into the residual stream (attention ``wo``, FFN and expert ``w_out``):
+- projections that write into the residual stream (attention ``wo`` or ``o_b_proj``, FFN and expert ``w_out``):
   N(0, init_std / sqrt(2 · n_layers)), so the residual's variance does not grow with depth (GPT-2,
   Radford et al. 2019 sec. 2.3; Megatron-LM's scaled init);
 - biases (``wq``/``wk``/``wv`` with ``model.qkv_bias``; the router's ``gate_bias`` with ``moe.router_bias``; the
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32: the most one draw holds beyond the rank's own shard
-RESIDUAL_OUTPUTS = ("wo", "w_out")
+RESIDUAL_OUTPUTS = ("wo", "w_out", "o_b_proj")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from moe.documents import Documents
 from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm
 from moe.param_tensors import ParamTensor
-from moe.rope import apply_rope
+from moe.rope import apply_partial_rope
 from moe.saved_activations import MicroBatch, head_norm_bytes, linear_input_bytes
 
 
@@ -79,7 +79,8 @@ class GroupedQueryAttention(AttentionKind):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        q = apply_partial_rope(q, cos, sin, self.rotary_dim)  # partial rotary (GLM): the first rotary_dim channels
+        k = apply_partial_rope(k, cos, sin, self.rotary_dim)
         k, v, cache_mask = (k, v, None) if cache is None else cache.extend(k, v)
         if documents is not None and documents.sharded:  # every context-parallel rank's k and v, in one exchange
             k, v = self.gather_sequence(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
@@ -90,13 +91,6 @@ class GroupedQueryAttention(AttentionKind):
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))
         return self.wo(out)
-
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """RoPE on the first ``rotary_dim`` channels of each head, the rest as they are (partial rotary, GLM)."""
-        if self.rotary_dim == self.head_dim:
-            return apply_rope(x, cos, sin)
-        rotated, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
-        return torch.cat((apply_rope(rotated, cos, sin), kept), dim=-1)
 
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         """QK-clip's tensors: with as many key heads as query heads, wq's and wk's rows (and biases) by gamma^0.5

@@ -33,6 +33,17 @@ DEEPSEEK_V3_MTP = [*DEEPSEEK_V3, "model.mtp_depth=1"]
 # heads: with 4, a key's score is exactly 0 wherever all 4 ReLUs are (1 in 16), and such near-ties at the top-k's
 # edge were seen to flip under a layout's other summation order (one row or another off by ~1e-4 from step 2 on)
 DEEPSEEK_V32 = [*DEEPSEEK_V3, "model.index_topk=8", "model.index_n_heads=16", "model.index_head_dim=8"]
+# DeepSeek-V4's attention at toy size on today's residual stream: a sliding layer, a heavily compressed one (8
+# entries of 4 positions) and a compressed sparse one (16 entries of 2, the top 4 kept; 16 indexer heads against
+# ties, as DeepSeek-V3.2's), 4 heads in 2 output groups
+DEEPSEEK_V4_ATTENTION = [
+    "model.n_layers=3", "model.n_kv_heads=null", "model.head_dim=8", "model.rotary_dim=4", "model.q_lora_rank=12",
+    "model.sliding_window=8", "model.layer_types=[sliding_attention,heavily_compressed_attention,"
+    "compressed_sparse_attention]", "model.index_topk=4", "model.index_n_heads=16", "model.index_head_dim=8",
+    "model.compressed_attention.csa_rate=2", "model.compressed_attention.hca_rate=4",
+    "model.compressed_attention.o_groups=2", "model.compressed_attention.o_lora_rank=8"]
+# the top 2 of 32: the kernel that gathers each query's keys (moe/attention/gathered.py), the top 8 the masked one
+DEEPSEEK_V32_GATHERED = [*DEEPSEEK_V32, "model.index_topk=2"]
 # Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
 # weights of the ep=2 row), from tp (with sequence parallelism), from etp, and from dp_shard and tp together (the
 # QK-clip row); experts whole under ep; pp's stages
@@ -111,6 +122,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.pp=2", *DEEPSEEK_V4_RESIDUAL], 2, "null", id="pp=2-deepseek-v4-residual"),
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4_RESIDUAL], 2, "null",
                  id="ep=2-deepseek-v4-residual"),
+    # each tp rank the whole streams (replicated), each cp rank its positions' streams and ids
+    pytest.param(["parallel.tp=2", "parallel.cp=2", *DEEPSEEK_V4_RESIDUAL], 4, "null",
+                 id="tp=2xcp=2-deepseek-v4-residual"),
     # the MTP module on the last stage with a copy of the embedding, their gradients summed over the two stages
     # (the same micro-batches and model as the ep row: its reference run serves both)
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3_MTP], 2, "null", id="pp=2-deepseek-v3-mtp"),
@@ -200,9 +214,13 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V32], 2, "null", id="ep=2-deepseek-v3.2"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V32, "train.indexer_warmup_steps=2"], 2, "null",
                  id="pp=2-deepseek-v3.2-warmup"),
-    pytest.param(["parallel.cp=2", *DEEPSEEK_V32], 2, "null", id="cp=2-deepseek-v3.2"),
+    pytest.param(["parallel.cp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="cp=2-deepseek-v3.2"),
     # and split by heads: the indexer whole on every tp rank, its target summed over the ranks' heads
-    pytest.param(["parallel.tp=2", *DEEPSEEK_V32], 2, "null", id="tp=2-deepseek-v3.2"),
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="tp=2-deepseek-v3.2"),
+    # DeepSeek-V4's attention split by heads (one output group per rank), its key/value head, compressors and
+    # indexer whole on every rank; with sequence parallelism
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *DEEPSEEK_V4_ATTENTION], 2, "null",
+                 id="tp=2-sp-deepseek-v4-attention"),
     # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
     # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.grad_reduce=step",
