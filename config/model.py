@@ -14,6 +14,7 @@ from config.hyper_connections import validate_hyper_connections
 from config.schema import require
 from config.sparse_attention import validate_sparse_attention
 
+QK_NORM_TYPES = ("per_head", "per_layer")  # ``qk_norm_type``'s words (MiniMax-M2's config.json names them so)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention",  # ``layer_types``' words (HF's)
                          "heavily_compressed_attention", "compressed_sparse_attention")
 # ``mlp_layer_types``' words; "hash_moe": an MoE layer whose experts a fixed table of the token id picks (DeepSeek-V4)
@@ -47,6 +48,9 @@ class ModelConfig:
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
     head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
+    # what one q/k norm spans: "per_head" (Qwen3, GLM-4.5: each head's hd channels, one weight [hd] for all heads) or
+    # "per_layer" (MiniMax-M2: all heads' queries as one vector, weight [nh·hd], and all keys likewise, [nkv·hd])
+    qk_norm_type: str = "per_head"
     qkv_bias: bool = False  # biases on the query, key and value projections (GLM-4.5, Qwen2); none on the output
     attn_output_bias: bool = False  # a bias on the attention output projection wo (GPT-OSS, with qkv_bias)
     # GPT-OSS's attention sinks: one learned logit per head that joins each softmax's denominator, with no value
@@ -253,6 +257,10 @@ class ModelConfig:
             0 <= self.first_moe_layer < self.n_layers or self.moe_every == 0,
             f"model.first_moe_layer={self.first_moe_layer} must be in [0, n_layers={self.n_layers})",
         )
+        require(self.qk_norm_type in QK_NORM_TYPES,
+                f"model.qk_norm_type={self.qk_norm_type!r} must be one of {', '.join(QK_NORM_TYPES)}")
+        require(self.qk_norm or self.qk_norm_type == "per_head",
+                f"model.qk_norm_type={self.qk_norm_type!r} needs model.qk_norm=true")
         require(0 <= self.mtp_depth < self.seq_len - 1,
                 f"model.mtp_depth={self.mtp_depth} must be between 0 (off) and model.seq_len - 2={self.seq_len - 2}")
         require(self.mtp_loss_weight >= 0, f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")

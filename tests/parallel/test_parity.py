@@ -72,6 +72,10 @@ DEEPSEEK_V4 = [*DEEPSEEK_V4_RESIDUAL, "model.n_kv_heads=null", "model.head_dim=1
                "model.index_n_heads=2", "model.index_head_dim=8", "model.compressed_attention.csa_rate=4",
                "model.compressed_attention.hca_rate=8", "model.compressed_attention.o_groups=2",
                "model.compressed_attention.o_lora_rank=8"]
+# MiniMax-M2's at toy size: one RMSNorm over all heads' queries and one over all keys, partial rotary, sigmoid
+# routing by the correction bias (trained by aux-loss-free balancing), every layer MoE
+MINIMAX_M2 = ["model.qk_norm=true", "model.qk_norm_type=per_layer", "model.n_kv_heads=2", "model.rotary_dim=4",
+              "moe.score_func=sigmoid", "moe.bias_update_rate=0.01"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -170,6 +174,8 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # attends as before; at cp=4 in chunks of 4 positions (rule chunks of 8), the last one from 7 maps composed
     pytest.param(["parallel.cp=2", "parallel.dp_shard=1", *QWEN3_NEXT], 2, "null", id="cp=2-qwen3-next"),
     pytest.param(["parallel.cp=4", "parallel.dp_shard=1", *QWEN3_NEXT], 4, "null", id="cp=4-qwen3-next"),
+    # MiniMax-M2: its per-layer q/k norms FSDP-sharded, the experts under ep
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *MINIMAX_M2], 2, "null", id="ep=2-minimax-m2"),
     # packed documents masked from each other (data.document_mask): GPT-OSS's sinks split by heads and its blocked
     # window masked by document, on sequence slices; and latent attention in two pipeline stages, each given the
     # batch's document ids by the schedule
