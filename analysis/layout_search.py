@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from analysis import memory
 from analysis.gpu_presets import HARDWARE, Hardware
 from analysis.memory_states import experts_own_unit, model_states
-from analysis.replica_time import straggler_wait
+from analysis.replica_time import REPLICA_CHOICES, straggler_wait
 from analysis.step_time import (
     EFFICIENCY,
     bubble_seconds,
@@ -149,21 +149,22 @@ def evaluate(config: RunConfig, layout: Layout, hardware: Hardware, gpus_per_nod
              device_memory: float | None = None) -> Plan:
     """The plan of ``config`` (already set to ``layout``): memory of the busiest rank and the step estimate. Under
     expert parallelism with ``imbalance`` > 1 (the busiest ep rank's rows over the mean), the wait for that rank
-    and the replica slots (``parallel.ep_replicas`` in {0, 1, 2}) that make it least, among those whose memory
-    fits ``device_memory`` (``analysis.replica_time.straggler_wait``)."""
+    and the replica slots (``parallel.ep_replicas`` in ``REPLICA_CHOICES``, 0, 1, 2) that make it least, among those
+    whose memory fits ``device_memory`` (``analysis.replica_time.straggler_wait``): where the best R's slots do not
+    fit, the best of the other R's, down to 0."""
     size, microbatches = micro_batching(config, layout.dp, layout.pp)
     if memory_total is None:
         memory_total = memory_bytes(config, layout)[0]
-    wait = straggler_wait(config, layout, size, microbatches, hardware, gpus_per_node, efficiency, imbalance)
-    if wait.replicas:
+    allowed = REPLICA_CHOICES
+    while (wait := straggler_wait(config, layout, size, microbatches, hardware, gpus_per_node, efficiency,
+                                  imbalance, allowed)).replicas:
         replicated = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
                                                                               ep_replicas=wait.replicas))
         need = memory_bytes(replicated, layout)[0]
         if device_memory is None or need <= device_memory:
             config, memory_total = replicated, need
-        else:  # the slots do not fit: the wait without them
-            wait = straggler_wait(config, layout, size, microbatches, hardware, gpus_per_node, efficiency,
-                                  imbalance, allowed=(0,))
+            break
+        allowed = tuple(r for r in allowed if r != wait.replicas)  # its slots do not fit: the best of the others
     balance = shared_balance(config, layout, hardware.sharing)
     compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency, hardware.memory_bandwidth) * balance
     bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages, hardware.sharing,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from config.model import LayerSpec, ModelConfig, MoEConfig
 from config.run import RunConfig
 from moe.accounting import block_tensors, per_model
+from moe.hyper_connections import HyperHead
 from moe.param_tensors import ParamTensor
 from parallel.layout import Layout
 from parallel.pipeline import stage_layers
@@ -122,6 +123,8 @@ def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
     out += [ParamTensor("embedding", None, (model.vocab_size, d)), ParamTensor("norm", None, (d,))]
     if not model.tie_embeddings:
         out.append(ParamTensor("head", None, (model.vocab_size, d)))
+    if model.hc_mult > 1:  # the hyper-connections' final collapse, on the last stage beside the norm
+        out += HyperHead.parameter_tensors(model)
     return out
 
 

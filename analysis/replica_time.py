@@ -78,6 +78,7 @@ def choose_replicas(imbalance_before: float, options: list[ReplicaOption], exper
 IMBALANCE = 1.3
 EXCESS_LEFT = {1: 0.21, 2: 0.04}
 EXPERTS_SENT = {1: 3.0, 2: 3.0}
+REPLICA_CHOICES = (0, *EXCESS_LEFT)  # the R the planner prices
 
 
 def replica_options(imbalance_before: float) -> list[ReplicaOption]:
@@ -95,7 +96,7 @@ class StragglerWait:
 
 def straggler_wait(config: RunConfig, layout: Layout, micro_batch_size: int, microbatches: int,
                    hardware: Hardware, gpus_per_node: int, efficiency: float, imbalance_before: float,
-                   allowed: tuple[int, ...] = (0, *EXCESS_LEFT)) -> StragglerWait:
+                   allowed: tuple[int, ...] = REPLICA_CHOICES) -> StragglerWait:
     """Per step, on the stage with the most MoE layers: each layer and micro-batch costs ``layer_seconds`` of the
     R chosen among ``allowed`` (``best_replicas``) less its balanced time. A rank's routed rows are its tokens'
     (micro-batch × S / cp) × k, shared by its tp ranks (rows over tp / etp, hidden over etp); the copies are

@@ -87,7 +87,7 @@ from benchmarks.moe_layer_cases import (  # noqa: E402
 )
 from benchmarks.moe_layer_library import measure, print_results  # noqa: E402
 from moe.dispatch import expert_capacity  # noqa: E402
-from moe.experts import clamped_swiglu, grouped_matmul, megablocks_unavailable, swiglu  # noqa: E402
+from moe.experts import gated_activation, grouped_matmul, megablocks_unavailable  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 from parallel.hardware import datasheet_bf16_peak, keep_freed_memory  # noqa: E402
 
@@ -168,7 +168,7 @@ def make_floor_step(layer: MoELayer, group_sizes: torch.Tensor, precision: str) 
         for leaf in (x, w_in, w_gate, w_out):
             leaf.grad = None
         gate, up = grouped_matmul(x, w_gate, group_sizes, backend), grouped_matmul(x, w_in, group_sizes, backend)
-        hidden = swiglu(gate, up) if experts.clamp is None else clamped_swiglu(gate, up, *experts.clamp)
+        hidden = gated_activation(gate, up, experts.clamp)
         grouped_matmul(hidden, w_out, group_sizes, backend).backward(grad)
 
     return step

@@ -9,10 +9,14 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from config.compressed_attention import COMPRESSED_LAYER_KINDS, CompressedAttentionConfig
+from config.hyper_connections import validate_hyper_connections
 from config.schema import require
+from config.sparse_attention import validate_sparse_attention
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # ``layer_types``' words (HF's)
-FEED_FORWARD_LAYER_TYPES = ("dense", "moe")  # ``mlp_layer_types``' words
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention",  # ``layer_types``' words (HF's)
+                         "heavily_compressed_attention", "compressed_sparse_attention")
+FEED_FORWARD_LAYER_TYPES = ("dense", "moe", "hash_moe")  # ``mlp_layer_types``' words; hash_moe: V4's hash routing
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class LayerSpec:
 
     @property
     def is_moe(self) -> bool:
-        return self.feed_forward == "moe"
+        return self.feed_forward in ("moe", "hash_moe")
 
 
 @dataclass
@@ -115,7 +119,14 @@ class ModelConfig:
     linear_value_head_dim: int | None = None
     linear_conv_kernel: int = 4
     linear_chunk_size: int = 64
+    linear_backend: Literal["torch", "fla", "auto"] = "auto"  # the rule's kernels (moe/attention/delta_rule_fla.py)
+    # DeepSeek-V4's attention (``config/compressed_attention.py``): null = off, a mapping = on in every layer
+    compressed_attention: CompressedAttentionConfig | None = None
     norm_eps: float = 1e-5
+    # DeepSeek-V4's hyper-connections (``moe/hyper_connections.py``; checks in config/): hc_mult streams, 1 = off
+    hc_mult: int = 1
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
     init_std: float = 0.02  # std of every weight matrix; output projections are scaled by 1/sqrt(2*n_layers)
     # What an imported Hugging Face model's config.json says beyond its shape, kept for its export: the context it
     # was made for (max_position_embeddings, which a fine-tune at a shorter seq_len keeps; null: seq_len) and its
@@ -145,8 +156,9 @@ class ModelConfig:
 
     @property
     def sparse_attention(self) -> bool:
-        """Whether latent attention attends to the keys a lightning indexer selects (``index_topk`` set)."""
-        return self.index_topk is not None
+        """Whether latent attention attends to the keys a lightning indexer selects (``index_topk`` set; DeepSeek-V4's
+        indexer, ``compressed_attention``'s, is another)."""
+        return self.index_topk is not None and self.compressed_attention is None
 
     @property
     def rope_dim(self) -> int:
@@ -167,7 +179,7 @@ class ModelConfig:
     @property
     def slides(self) -> bool:
         """Whether some layer attends within a sliding window (``attention_window``'s rule, without a loop)."""
-        return self.sliding_window is not None and (self.layer_types is None
+        return self.sliding_window is not None and (self.layer_types is None or self.compressed_attention is not None
                                                     or "sliding_attention" in self.layer_types)
 
     def is_moe_layer(self, index: int) -> bool:
@@ -175,7 +187,7 @@ class ModelConfig:
         multi-token-prediction modules' blocks (``index`` >= n_layers) are of the kind the layers after the last
         would be: the shorthand's rule continued, or the last layer's word."""
         if self.mlp_layer_types is not None:
-            return self.mlp_layer_types[min(index, self.n_layers - 1)] == "moe"
+            return self.mlp_layer_types[min(index, self.n_layers - 1)] != "dense"
         if self.moe_every == 0 or index < self.first_moe_layer:
             return False
         return (index - self.first_moe_layer) % self.moe_every == 0
@@ -185,14 +197,18 @@ class ModelConfig:
         """The layers ``is_moe_layer`` picks among the n_layers (counted, not looped: the planner asks millions of
         times)."""
         if self.mlp_layer_types is not None:
-            return self.mlp_layer_types.count("moe")
+            return self.n_layers - self.mlp_layer_types.count("dense")
         if self.moe_every == 0:
             return 0
         return len(range(self.first_moe_layer, self.n_layers, self.moe_every))
 
     def layer(self, index: int) -> LayerSpec:
         """Layer ``index``'s place in the layer pattern; indices n_layers + k are the multi-token-prediction modules'
-        blocks (full attention, the feed-forward ``is_moe_layer`` says)."""
+        blocks (full attention, the feed-forward ``is_moe_layer`` says; with ``compressed_attention``, the last
+        layer's attention)."""
+        if self.compressed_attention is not None:
+            kind = COMPRESSED_LAYER_KINDS[self.layer_types[min(index, self.n_layers - 1)]]
+            return LayerSpec(kind, "moe" if self.is_moe_layer(index) else "dense", self.sliding_window)
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
             shared = index < self.n_layers and self.indexer_types is not None and self.indexer_types[index] == "shared"
@@ -200,7 +216,10 @@ class ModelConfig:
         if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
-        return LayerSpec(attention, "moe" if self.is_moe_layer(index) else "dense", window)
+        feed_forward = "moe" if self.is_moe_layer(index) else "dense"
+        if self.mlp_layer_types is not None and index < self.n_layers:
+            feed_forward = self.mlp_layer_types[index]
+        return LayerSpec(attention, feed_forward, window)
 
     @property
     def layer_pattern(self) -> tuple[LayerSpec, ...]:
@@ -242,10 +261,14 @@ class ModelConfig:
                 f"model.rotary_dim={self.rotary_dim} must be a positive even number up to the head width "
                 f"{self.head_size}, or null (all channels)")
         self._validate_rope_scaling()
-        self._validate_latent_attention()
-        self._validate_sparse_attention()
         self._validate_sliding_window()
+        if self.compressed_attention is not None:  # V4's keys and its own checks of the model's
+            self.compressed_attention.validate(self)
+        else:
+            self._validate_latent_attention()
+            validate_sparse_attention(self)
         self._validate_linear_attention()
+        validate_hyper_connections(self)
         self._validate_imported_context_and_tokens()
 
     def _validate_imported_context_and_tokens(self) -> None:
@@ -275,6 +298,10 @@ class ModelConfig:
         self._require_one_per_layer("layer_types", ATTENTION_LAYER_TYPES, "layer type")
         require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
                 "model.layer_types has sliding_attention layers: set model.sliding_window (GPT-OSS: 128)")
+        compressed = [word for word in self.layer_types if word.endswith("compressed_attention")]
+        require(not compressed or self.compressed_attention is not None,
+                f"model.layer_types has {compressed[0] if compressed else ''} layers, DeepSeek-V4's: set "
+                "model.compressed_attention (a mapping; {} for V4-Flash's settings)")
 
     @property
     def linear_attention(self) -> bool:
@@ -355,30 +382,6 @@ class ModelConfig:
         require(self.sliding_window is None, f"model.sliding_window={self.sliding_window} is not implemented for "
                                              "latent attention: leave it null")
 
-    def _validate_sparse_attention(self) -> None:
-        index_keys = ("index_n_heads", "index_head_dim")
-        if not self.sparse_attention:
-            given = [key for key in (*index_keys, "indexer_types") if getattr(self, key) is not None]
-            require(not given, f"model.{given[0] if given else ''} is a sparse-attention setting: it needs "
-                               "model.index_topk (null: dense attention)")
-            return
-        require(self.latent_attention and self.q_lora_rank is not None,
-                "model.index_topk: sparse attention's indexer reads latent attention's query latent; set "
-                "model.kv_lora_rank and model.q_lora_rank (DeepSeek-V3.2: 512 and 1536), or leave index_topk null")
-        for key in ("index_topk", *index_keys):
-            value = getattr(self, key)
-            require(value is not None and value > 0,
-                    f"model.{key}={value}: sparse attention (model.index_topk set) needs a positive integer "
-                    "(DeepSeek-V3.2: index_topk 2048, index_n_heads 64, index_head_dim 128)")
-        require(self.qk_rope_head_dim <= self.index_head_dim,
-                f"model.index_head_dim={self.index_head_dim} must hold the indexer's rotary channels, "
-                f"model.qk_rope_head_dim={self.qk_rope_head_dim}")
-        types = self.indexer_types
-        require(types is None or (len(types) == self.n_layers and set(types) <= {"full", "shared"}
-                                  and types[0] == "full"),
-                f"model.indexer_types={types!r}: one 'full' or 'shared' per layer ({self.n_layers}), the first "
-                "'full' (a shared layer attends to the keys the full layer before it selected)")
-
 
 @dataclass
 class MoEConfig:
@@ -388,13 +391,14 @@ class MoEConfig:
     top_k: int = 2
     expert_hidden: int = 512  # hidden size of one routed expert
     # the routed experts' activation: SwiGLU (Shazeer 2020), GELU, or GPT-OSS's clamped SwiGLU:
-    # (clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, swiglu_limit)
-    activation: Literal["swiglu", "gelu", "clamped_swiglu"] = "swiglu"
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, swiglu_limit); or
+    # DeepSeek-V4's limited SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit), its shared experts' too
+    activation: Literal["swiglu", "gelu", "clamped_swiglu", "limited_swiglu"] = "swiglu"
     swiglu_alpha: float = 1.702  # clamped_swiglu only: the sigmoid's slope (GPT-OSS: 1.702, GELU's sigmoid fit)
-    swiglu_limit: float = 7.0  # clamped_swiglu only: where the gate is capped and the up projection clipped
+    swiglu_limit: float = 7.0  # the clamped SwiGLUs: where the gate is capped and the up projection clipped (V4: 10)
     router_bias: bool = False  # a learned bias on the router's logits (GPT-OSS)
     expert_proj_bias: bool = False  # learned biases on every routed expert's gate, up and down projections
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    score_func: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"  # sqrtsoftplus: sqrt(softplus(l)), V4
     renormalize: bool = True  # rescale the k selected weights to sum to 1
     jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps) in training (Switch Transformer)
     capacity_factor: float | None = 1.25  # None = dropless
@@ -422,7 +426,7 @@ class MoEConfig:
     @property
     def gated(self) -> bool:
         """Whether the routed experts have a gate projection besides up and down (both SwiGLUs do)."""
-        return self.activation in ("swiglu", "clamped_swiglu")
+        return self.activation in ("swiglu", "clamped_swiglu", "limited_swiglu")
 
     @property
     def shared_hidden(self) -> int:

@@ -330,6 +330,7 @@ class RunConfig:
         require(replicas <= others, f"parallel.ep_replicas={replicas} is more slots than the {others} experts other "
                                     f"ep ranks own (moe.num_experts={self.moe.num_experts}, parallel.ep={ep})")
         self._validate_linear_attention()
+        self._validate_compressed_attention()
         require(self.moe.backend != "megablocks" or self.train.precision != "fp32",
                  "moe.backend=megablocks computes in bf16 only (grouped_gemm's kernels), but train.precision=fp32; "
                  "set train.precision=bf16 (or auto), or moe.backend=torch")
@@ -343,6 +344,16 @@ class RunConfig:
         for setting, given in refused.items():
             require(not given, f"{setting} is not implemented for linear attention (model.layer_types has "
                                "linear_attention layers) yet; turn it off")
+
+    def _validate_compressed_attention(self) -> None:
+        """What DeepSeek-V4's attention (``model.compressed_attention``) does not take yet."""
+        if self.model.compressed_attention is None:
+            return
+        refused = {"data.document_mask=true": self.data.document_mask,
+                   "train.qk_clip_threshold": self.train.qk_clip_threshold is not None}
+        for setting, given in refused.items():
+            require(not given, f"{setting} is not implemented for DeepSeek-V4's attention (model.compressed_attention"
+                               ") yet; turn it off")
 
     def to_dict(self) -> dict:
         return to_dict(self)

@@ -29,7 +29,7 @@ from config.run import RunConfig, config_from_dict, load_config
 from config.tokenizer_identity import check_same_tokenizer
 from data.tokenizer import Tokenizer, load_tokenizer
 from interop.export import model_tensors, weights_tokenizer
-from interop.hf import folder_context, hf_run_config, load_hf_weights, split_init_from
+from interop.hf import hf_run_config, load_hf_weights, split_init_from
 from interop.hf_tokenizer import folder_fingerprint
 from moe.transformer import MoETransformer
 from parallel.checkpoint import CONFIG_FILE, MANIFEST, CheckpointCorruptError, published_checkpoints
@@ -117,8 +117,8 @@ def weights_of(source: str | Path, base_config: str = "moe-8x", seq_len: int | N
     resolved = resolve_source(source)
     hf_folder = split_init_from(resolved) if isinstance(resolved, str) else None
     if hf_folder is not None:
-        context = folder_context(hf_folder) if seq_len is None else seq_len  # the model's, not base_config's
-        config = hf_run_config(load_config(base_config), hf_folder, context)  # with the folder's tokenizer.json
+        # the model's context (not base_config's) unless told, and the folder's tokenizer.json
+        config = hf_run_config(load_config(base_config), hf_folder, seq_len, model_context=True)
         read_into = lambda model: load_hf_weights(model, hf_folder, config)  # noqa: E731
         trained_with = folder_fingerprint(hf_folder)
     else:

@@ -170,7 +170,7 @@ class HFWeights:
         """The folder's weights under our names, through the family its config.json names."""
         family = family_of(folder.config)
         weights = cls(folder, family.hf_sources(model, moe), moe.num_experts, family.architecture)
-        weights.check_all_read(model, family.left_out)
+        weights.check_all_read(model, family.left_out_for(model))
         return weights
 
     def check_all_read(self, model: ModelConfig, left_out: tuple[str, ...] = ()) -> None:
@@ -258,11 +258,14 @@ class HFWeights:
         return torch.stack([self._hf_box(hf_name, (cols, rows)).t() for hf_name in source.names[experts]])
 
 
-def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = None) -> RunConfig:
+def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = None,
+                  model_context: bool = False) -> RunConfig:
     """``config`` with the model and router settings of an HF folder's config.json (they override), and the
     folder's ``tokenizer.json`` for its data (``interop.hf_tokenizer.folder_tokenizer``).
 
-    The rest (data, training, layout, balancing coefficients, ``model.seq_len`` unless given) stays the
+    ``model.seq_len`` is ``seq_len`` if given, else with ``model_context`` the model's own context (its
+    ``max_position_embeddings``: what a use that is not a training run takes — an import, ``moe-generate``,
+    ``moe-evaluate``), else the config's. The rest (data, training, layout, balancing coefficients) stays the
     config's; our context must fit the model's ``max_position_embeddings`` and any sliding window.
     """
     with HFFolder(folder) as hf:
@@ -273,17 +276,10 @@ def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = N
     tree["moe"].update(shape.moe)
     tree["model"].update(context_length=shape.max_positions, **tokens)  # kept for the export
     folder_tokenizer(tree["data"], Path(folder))  # the model's own tokenizer reads the run's data
-    if seq_len is not None:
-        tree["model"]["seq_len"] = seq_len
+    if seq_len is not None or model_context:
+        tree["model"]["seq_len"] = seq_len if seq_len is not None else shape.max_positions
     check_context(shape, tree["model"]["seq_len"])  # before validation: its errors name config.json's keys
     return config_from_dict(tree)
-
-
-def folder_context(folder: Path | str) -> int:
-    """The context length of an HF folder's model (its ``max_position_embeddings``): what a use of the model that is
-    not a training run (an import, ``moe-generate``, ``moe-evaluate``) takes as ``model.seq_len`` unless told."""
-    with HFFolder(folder) as hf:
-        return family_of(hf.config).shape_from_hf(hf.config).max_positions
 
 
 def special_tokens_of(hf_config: dict) -> dict:
@@ -312,10 +308,12 @@ def expected_tensors(model: ModelConfig, moe: MoEConfig) -> dict[str, tuple[int,
     return {name: tuple(value.shape) for name, value in built.state_dict().items()}
 
 
-def import_folder(folder: Path, out: Path, config: RunConfig, seq_len: int | None = None) -> RunConfig:
+def import_folder(folder: Path, out: Path, config: RunConfig, seq_len: int | None = None,
+                  model_context: bool = False) -> RunConfig:
     """Write an HF folder's model as our safetensors file (our names and layouts, source dtypes kept), with
-    our resolved config as the ``config.yaml`` metadata; returns that config."""
-    config = hf_run_config(config, folder, seq_len)
+    our resolved config as the ``config.yaml`` metadata; returns that config (``seq_len`` and ``model_context``:
+    as ``hf_run_config``)."""
+    config = hf_run_config(config, folder, seq_len, model_context)
     with HFFolder(folder) as hf:
         weights = HFWeights.of_family(hf, config.model, config.moe)
         entries = {}
@@ -460,8 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     def convert() -> None:
         check_outputs([args.out], [args.folder if args.command == "import" else args.checkpoint], args.overwrite)
         if args.command == "import":
-            seq_len = args.seq_len if args.seq_len is not None else folder_context(args.folder)
-            import_folder(args.folder, args.out, load_config_from(args), seq_len)
+            import_folder(args.folder, args.out, load_config_from(args), args.seq_len, model_context=True)
             print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)
         else:
             max_bytes = parse_size(args.max_shard_size) if args.max_shard_size is not None else None

@@ -144,6 +144,13 @@ class Family:
     # tensor-name prefixes the import leaves out on purpose, saying so (Qwen3.5-MoE's vision tower): the rest of the
     # folder is the model we train, and no other unread tensor is accepted
     left_out: tuple[str, ...] = ()
+    # where the family keeps its multi-token-prediction module apart from the decoder's layers (Qwen3-Next's
+    # ``mtp.``), left out, saying so, unless the run asks for it (``model.mtp_depth``)
+    mtp_prefix: str | None = None
+
+    def left_out_for(self, model: ModelConfig) -> tuple[str, ...]:
+        """The prefixes an import of ``model`` leaves out: ``left_out``, and ``mtp_prefix`` without MTP modules."""
+        return self.left_out + ((self.mtp_prefix,) if self.mtp_prefix and not model.mtp_depth else ())
 
     def has_model_type(self, model_type: str | None) -> bool:
         return model_type in (self.model_type, *self.other_model_types)

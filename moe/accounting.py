@@ -15,6 +15,7 @@ from typing import TypeVar
 from config.model import LayerSpec, ModelConfig, MoEConfig
 from moe.attention import attention_kind
 from moe.block import feed_forward_kind
+from moe.hyper_connections import HyperConnection, HyperHead
 from moe.param_tensors import ParamTensor
 
 T = TypeVar("T")
@@ -47,11 +48,13 @@ class ParameterCounts:
 
 def block_tensors(model: ModelConfig, moe: MoEConfig, layer: LayerSpec, i: int | None) -> list[ParamTensor]:
     """The tensors of block i, of ``layer``'s kinds (``moe/block.py``): its two norms, then what its attention and
-    feed-forward kinds state (i None: a block of these kinds wherever it is; the shapes do not depend on it)."""
+    feed-forward kinds state, then its two hyper-connections' with ``model.hc_mult`` > 1 (i None: a block of these
+    kinds wherever it is; the shapes do not depend on it)."""
     d = model.d_model
+    hyper = HyperConnection.parameter_tensors(model, i) * 2 if model.hc_mult > 1 else []
     return [ParamTensor("norm", i, (d,)), ParamTensor("norm", i, (d,)),
             *attention_kind(layer).parameter_tensors(model, i),
-            *feed_forward_kind(layer).parameter_tensors(model, moe, i)]
+            *feed_forward_kind(layer).parameter_tensors(model, moe, i), *hyper]
 
 
 def _block_parameters(model: ModelConfig, moe: MoEConfig, layer: LayerSpec) -> tuple[int, int, int]:
@@ -67,7 +70,8 @@ def _block_parameters(model: ModelConfig, moe: MoEConfig, layer: LayerSpec) -> t
 
 def parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
     """Every block's kinds' parameters, the multi-token-prediction modules' projection and norms
-    (``moe/mtp.py``: their embedding and head are the main model's), the embedding, final norm and head."""
+    (``moe/mtp.py``: their embedding and head are the main model's), the embedding, final norm and head (and the
+    hyper-connections' final collapse)."""
     return per_model(_COUNTS, model, moe, lambda: _parameter_counts(model, moe))
 
 
@@ -76,6 +80,7 @@ def _parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
     embedding = model.vocab_size * d
     head = 0 if model.tie_embeddings else model.vocab_size * d
     total = embedding + d + head + model.mtp_depth * (2 * d * d + 3 * d)  # the final norm; MTP's projections, norms
+    total += sum(param.numel for param in HyperHead.parameter_tensors(model)) if model.hc_mult > 1 else 0
     active, routed = total, 0
     for layer in model.layer_pattern:
         block_total, block_active, block_routed = _block_kind_parameters(model, moe, layer)

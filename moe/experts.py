@@ -191,7 +191,7 @@ def _eager_grouped_matmul(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) 
 
 
 class GroupedExperts(nn.Module):
-    """E feed-forward experts with stacked weights: SwiGLU, GELU or GPT-OSS's clamped SwiGLU.
+    """E feed-forward experts with stacked weights: SwiGLU, GELU, GPT-OSS's clamped or DeepSeek-V4's limited SwiGLU.
 
     ``forward(x, tokens_per_expert)`` takes tokens already grouped by expert and the
     group sizes, and returns outputs in the same order. This narrow signature is the
@@ -215,8 +215,11 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.activation = activation
         self.backend = backend  # moe.backend: torch, megablocks or auto
-        gated = activation in ("swiglu", "clamped_swiglu")
-        self.clamp = (swiglu_alpha, swiglu_limit) if activation == "clamped_swiglu" else None
+        gated = activation in ("swiglu", "clamped_swiglu", "limited_swiglu")
+        # how the gated activation bounds its inputs (``expert_ffn``'s ``clamp``): GPT-OSS's (alpha, limit), or
+        # DeepSeek-V4's (None, limit)
+        self.clamp = {"clamped_swiglu": (swiglu_alpha, swiglu_limit),
+                      "limited_swiglu": (None, swiglu_limit)}.get(activation)
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if gated else None
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
@@ -286,6 +289,22 @@ def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tens
     return (up + 1) * (gate * torch.sigmoid(alpha * gate))
 
 
+def limited_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """DeepSeek-V4's gated activation: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``. SwiGLU with its
+    inputs bounded (the gate from above only: silu is already small below), so outlier tokens cannot blow up an
+    expert's output (``transformers``' ``deepseek_v4`` experts and shared experts, limit 10)."""
+    return swiglu(gate.clamp(max=limit), up.clamp(min=-limit, max=limit))
+
+
+def gated_activation(gate: Tensor, up: Tensor, clamp: tuple[float | None, float] | None) -> Tensor:
+    """The gated activation ``clamp`` names (``GroupedExperts.clamp``): SwiGLU (None), GPT-OSS's clamped SwiGLU
+    ((alpha, limit)) or DeepSeek-V4's limited SwiGLU ((None, limit))."""
+    if clamp is None:
+        return swiglu(gate, up)
+    alpha, limit = clamp
+    return limited_swiglu(gate, up, limit) if alpha is None else clamped_swiglu(gate, up, alpha, limit)
+
+
 def _add_row_bias(rows: Tensor, bias: Tensor, row_expert: Tensor) -> Tensor:
     """Each grouped row plus its expert's bias: [N, F] + bias[row_expert] ([E, F] gathered per row)."""
     return rows + bias.index_select(0, row_expert)
@@ -293,7 +312,7 @@ def _add_row_bias(rows: Tensor, bias: Tensor, row_expert: Tensor) -> Tensor:
 
 def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tensor | None, w_out: Tensor,
                copies: ComputeCopies, backend: str = "torch", *, biases: ExpertBiases | None = None,
-               clamp: tuple[float, float] | None = None) -> Tensor:
+               clamp: tuple[float | None, float] | None = None) -> Tensor:
     """The experts' feed-forward on grouped rows, given their stacked weights (SwiGLU when ``w_gate`` is set).
 
     A function of the weights, not of the module, so ``parallel/expert.py`` runs the same math on the
@@ -301,8 +320,8 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
     ``backend``: ``moe.backend`` (``auto`` is decided once per device). The megablocks backend reads the
     group sizes on the host: one device-to-host copy per layer and pass. Where oneDNN runs the GEMMs
     (``row_multiple_on``) the groups are padded to whole blocks of rows around them. ``biases`` (the local
-    experts' slices) are added to each row from its expert's; ``clamp`` = (swiglu_alpha, swiglu_limit) makes
-    the gated activation GPT-OSS's ``clamped_swiglu``. The bias adds are one elementwise pass each over the
+    experts' slices) are added to each row from its expert's; ``clamp`` bounds the gated activation
+    (``gated_activation``). The bias adds are one elementwise pass each over the
     rows, not fused into the GEMM (neither grouped GEMM backend takes a per-group bias).
     """
     if backend == "auto":
@@ -329,7 +348,7 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
     hidden = project(x, "w_in", w_in, biases.in_bias if biases else None)
     if w_gate is not None:
         gate = project(x, "w_gate", w_gate, biases.gate_bias if biases else None)
-        hidden = swiglu(gate, hidden) if clamp is None else clamped_swiglu(gate, hidden, *clamp)
+        hidden = gated_activation(gate, hidden, clamp)
     else:
         hidden = F.gelu(hidden)
     out = project(hidden, "w_out", w_out, biases.out_bias if biases else None)

@@ -17,13 +17,13 @@ CUDA generators differ), not on the layout.
 The rules (which distribution each parameter gets) live here, by name, in one place:
 
 - norms' weights (``*norm.weight``: the block norms, and the per-head ``attn.q_norm``/``attn.k_norm`` of
-  ``model.qk_norm``): ones;
-- projections that write into the residual stream (attention ``wo``, FFN and expert ``w_out``):
+  ``model.qk_norm``) and the hyper-connections' ``scale`` (``moe/hyper_connections.py``): ones;
+- projections that write into the residual stream (attention ``wo`` or ``o_b_proj``, FFN and expert ``w_out``):
   N(0, init_std / sqrt(2 · n_layers)), so the residual's variance does not grow with depth (GPT-2,
   Radford et al. 2019 sec. 2.3; Megatron-LM's scaled init);
 - biases (``wq``/``wk``/``wv`` with ``model.qkv_bias``; the router's ``gate_bias`` with ``moe.router_bias``; the
-  experts' ``in_bias``/``gate_bias``/``out_bias`` with ``moe.expert_proj_bias``): zeros, so a new model starts
-  as one without them;
+  experts' ``in_bias``/``gate_bias``/``out_bias`` with ``moe.expert_proj_bias``; the hyper-connections'): zeros,
+  so a new model starts as one without them;
 - every other weight (embedding, LM head, ``wq``/``wk``/``wv``, ``w_in``/``w_gate``, router gate):
   N(0, init_std).
 """
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32: the most one draw holds beyond the rank's own shard
-RESIDUAL_OUTPUTS = ("wo", "w_out")
+RESIDUAL_OUTPUTS = ("wo", "w_out", "o_b_proj")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def init_std_for(name: str, std: float, out_std: float) -> float | None:
     if parts[-1].endswith("bias"):  # ``bias`` of a Linear, or a stacked one (``in_bias``, router ``gate_bias``)
         return 0.0
     leaf = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]
-    if leaf.endswith("norm"):
+    if leaf.endswith("norm") or leaf == "scale":  # a norm's weight; the hyper-connections' scales
         return None
     return out_std if leaf in RESIDUAL_OUTPUTS else std
 

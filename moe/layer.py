@@ -17,7 +17,7 @@ from moe.experts import GroupedExperts, compute_dtype
 from moe.feed_forward import FeedForward
 from moe.losses import attach_loss, load_balancing_loss, z_loss
 from moe.param_tensors import ParamTensor
-from moe.router import TopKRouter
+from moe.router import HashRouter, TopKRouter
 
 
 @dataclass
@@ -76,7 +76,9 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(config.num_experts, d_model, config.expert_hidden, config.activation,
                                       config.backend, bias=config.expert_proj_bias,
                                       swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
-        self.shared_experts = FeedForward(d_model, config.shared_hidden) if config.num_shared_experts else None
+        limit = config.swiglu_limit if config.activation == "limited_swiglu" else None  # V4 clamps them too
+        self.shared_experts = (FeedForward(d_model, config.shared_hidden, limit) if config.num_shared_experts
+                               else None)
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if config.shared_expert_gate else None
         self.aux_loss_scale = 1.0
         # under context parallelism the balancing loss's assignment counts summed over the sequence's other ranks
@@ -112,13 +114,13 @@ class MoELayer(nn.Module):
             out.append(ParamTensor("ffn", i, (1, d)))
         return out
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: [B, S, D] -> [B, S, D]."""
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        """x: [B, S, D] -> [B, S, D]; ``token_ids`` [B, S] for a hash-routed layer (``HashMoELayer``)."""
         batch, seq, dim = x.shape
         tokens = x.reshape(batch * seq, dim)
         cfg = self.config
 
-        routed = self.router(tokens)
+        routed = self.router(tokens) if token_ids is None else self.router(tokens, token_ids.reshape(-1))
         capacity = None
         if cfg.capacity_factor is not None:
             capacity = expert_capacity(tokens.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
@@ -175,3 +177,23 @@ class MoELayer(nn.Module):
             choice_share=share,
             coselection=coselection,
         )
+
+
+class HashMoELayer(MoELayer):
+    """An MoE layer whose experts the token ids pick (``HashRouter``; ``mlp_layer_types``' ``hash_moe``): the rest,
+    dispatch, experts, shared experts and balancing statistics, is ``MoELayer``'s. Its forward takes the tokens'
+    ids beside their states (``MoELayer.forward``'s ``token_ids``); the balancing losses still attach (their
+    gradient reaches the gate through the weights) unless their coefficients are zero."""
+
+    def __init__(self, d_model: int, config: MoEConfig, vocab_size: int):
+        super().__init__(d_model, config)
+        self.router = HashRouter(d_model, config, vocab_size)
+
+    @classmethod
+    def for_block(cls, model: ModelConfig, moe: MoEConfig) -> HashMoELayer:
+        return cls(model.d_model, moe, model.vocab_size)
+
+    @staticmethod
+    def parameter_tensors(model: ModelConfig, moe: MoEConfig, i: int | None) -> list[ParamTensor]:
+        """``MoELayer``'s: the table is a buffer."""
+        return MoELayer.parameter_tensors(model, moe, i)

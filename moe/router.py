@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from config.model import MoEConfig
+from moe.init import chunk_seed
 
 
 @dataclass
@@ -72,8 +74,9 @@ class TopKRouter(nn.Module):
         self.gate_bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts), persistent=True)
 
-    def forward(self, x: Tensor) -> RouterOutput:
-        """x: [T, D] in any dtype -> RouterOutput (all fp32 but the ids)."""
+    def forward(self, x: Tensor, expert_ids: Tensor | None = None) -> RouterOutput:
+        """x: [T, D] in any dtype -> RouterOutput (all fp32 but the ids). ``expert_ids`` [T, k], when given, are the
+        choices (hash routing's): the scores then only weight them."""
         x = x.float()
         if self.training and self.jitter_eps > 0:
             noise = torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
@@ -84,13 +87,13 @@ class TopKRouter(nn.Module):
                 logits = logits + self.gate_bias.float()
         if self.score_func == "softmax":
             scores = probs = torch.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
+        else:  # DeepSeek-V3's sigmoid, or DeepSeek-V4's sqrt(softplus(l)): positive scores, each on its own
+            scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else F.softplus(logits).sqrt()
             probs = scores / scores.sum(dim=-1, keepdim=True)
 
-        if self.force_balance:
+        if self.force_balance:  # (over hash routing's choices too)
             expert_ids = self._round_robin(x.shape[0], x.device)
-        else:
+        elif expert_ids is None:
             expert_ids = self.select(scores)
         weights = scores.gather(1, expert_ids)
         if self.renormalize:
@@ -141,3 +144,31 @@ class TopKRouter(nn.Module):
             return
         load = tokens_per_expert.float().to(self.expert_bias.device)
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+
+class HashRouter(TopKRouter):
+    """Hash routing (Roller et al. 2021, "Hash Layers For Large Sparse Models"; DeepSeek-V4's first MoE layers): a
+    fixed table ``tid2eid`` [V, k] picks each token's k experts from its id; the learned gate's scores (the
+    ``moe.score_func`` of ``TopKRouter``) still weight the chosen experts, renormalised and scaled as there.
+
+    The table is a persistent buffer, not trained: an import brings the checkpoint's; a new model draws k distinct
+    experts per token id from a generator seeded by the layer's name alone (``reset_table``), the same on every
+    rank and in every layout. No balancing bias applies (``expert_bias`` stays, unused, for the state's shape).
+    """
+
+    def __init__(self, d_model: int, config: MoEConfig, vocab_size: int):
+        super().__init__(d_model, config)
+        self.register_buffer("tid2eid", torch.zeros(vocab_size, config.top_k, dtype=torch.long), persistent=True)
+
+    def forward(self, x: Tensor, token_ids: Tensor) -> RouterOutput:
+        """x: [T, D], token_ids: [T] -> RouterOutput, the experts those of ``tid2eid[token_ids]``."""
+        return super().forward(x, self.tid2eid[token_ids])
+
+    @torch.no_grad()
+    def reset_table(self, name: str) -> None:
+        """k distinct experts per token id, uniformly at random: each row the top-k of its own uniform draws."""
+        generator = torch.Generator().manual_seed(chunk_seed(0, name, ()))
+        vocab, rows = self.tid2eid.shape[0], 4096
+        for start in range(0, vocab, rows):
+            draws = torch.rand(min(rows, vocab - start), self.num_experts, generator=generator)
+            self.tid2eid[start:start + rows].copy_(draws.topk(self.top_k, dim=-1).indices)

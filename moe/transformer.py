@@ -17,6 +17,7 @@ from moe.attention.kernel import attends_by_chunks
 from moe.attention.sparse_latent import SparseLatentAttention, share_selections
 from moe.block import Block
 from moe.documents import documents_of
+from moe.hyper_connections import HyperHead, widen
 from moe.init import Slice, initialize, whole
 from moe.kv_cache import KVCache
 from moe.layer import MoELayer, RoutingStats
@@ -24,6 +25,7 @@ from moe.losses import attach_loss
 from moe.mtp import PredictionModule, PredictionModules
 from moe.norm import RMSNorm
 from moe.rope import rope_tables
+from moe.router import HashRouter
 from moe.sequence_shards import SequenceShards
 
 
@@ -52,6 +54,8 @@ class MoETransformer(nn.Module):
         pattern = config.layer_pattern  # each block's attention and feed-forward kinds
         self.layers = nn.ModuleDict({str(i): Block(config, moe_config, pattern[i]) for i in range(config.n_layers)})
         share_selections([block.attn for block in self.layers.values()])  # GLM-5's layers sharing a selection
+        # with hyper-connections (``model.hc_mult`` > 1) the streams' final collapse, before the norm
+        self.hc_head = HyperHead(config) if config.hc_mult > 1 else None
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # multi-token prediction: its blocks are of the kind the layers after the last would be
@@ -77,15 +81,18 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """The rotary tables and the routers' balancing biases (zero), on the buffers' own device.
+        """The rotary tables, the routers' balancing biases (zero) and the hash routers' tables (``HashRouter``'s
+        draw), on the buffers' own device.
 
         Needed after ``to_empty`` (materialising a meta model), which leaves buffers uninitialised.
         """
         cos, sin = rope_tables(self.config)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        for layer in self.moe_layers().values():
+        for i, layer in self.moe_layers().items():
             layer.router.expert_bias.zero_()
+            if isinstance(layer.router, HashRouter):
+                layer.router.reset_table(f"layers.{i}.moe.router.tid2eid")
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, documents: Tensor | None = None,
                 ids: Tensor | None = None) -> Tensor:
@@ -100,7 +107,8 @@ class MoETransformer(nn.Module):
         (``SequenceShards.shard``), the logits theirs, and ``documents`` the whole sequences' ids.
         The last pipeline stage, when it runs the multi-token-prediction modules, also gets the token ids ([B, S])
         as ``ids``: the modules embed the next tokens, with that stage's copy of the embedding
-        (``parallel/pipeline.py``).
+        (``parallel/pipeline.py``); so does every stage after the first that holds a hash-routed MoE layer.
+        With hyper-connections the stream between blocks (and between pipeline stages) is [B, S, n, D].
         """
         shards = self.sequence_shards
         seq = tokens.shape[1] * (1 if shards is None else shards.cp) + (0 if cache is None else cache.length)
@@ -120,9 +128,14 @@ class MoETransformer(nn.Module):
         # pass sequence shards between them and attention alone sees the whole sequence
         # Emb(t), the first block's input, where token ids come in; a later stage's hidden states pass as they are
         embedded = x = self.tok_embeddings(tokens) if ids is None else tokens
+        if self.config.hc_mult > 1 and not tokens.is_floating_point():  # token ids came in, not a stage's streams
+            x = widen(x, self.config.hc_mult)  # the first block's n streams
+        hashed = {"token_ids": tokens if ids is None else ids} if self.hashed else {}  # hash routing's input
         for name, block in self.layers.items():
-            x = (block(x, self.rope_cos, self.rope_sin, documents=docs) if cache is None
-                 else block(x, self.rope_cos, self.rope_sin, cache.layer(name)))
+            x = (block(x, self.rope_cos, self.rope_sin, documents=docs, **hashed) if cache is None
+                 else block(x, self.rope_cos, self.rope_sin, cache.layer(name), **hashed))
+        if self.hc_head is not None:  # (None on a pipeline stage before the last: the streams go out)
+            x = self.hc_head(x)
         normed = self.norm(x)
         logits = self.output(normed).float()
         if self.mtp is not None and self.training and cache is None:
@@ -133,6 +146,11 @@ class MoETransformer(nn.Module):
             self.last_mtp_losses = losses.detach()
             logits = attach_loss(logits, losses.mean(), self.config.mtp_loss_weight * self.aux_loss_scale)
         return logits
+
+    @property
+    def hashed(self) -> bool:
+        """Whether a block here routes by token id (``hash_moe``): the forward then passes the ids to the blocks."""
+        return any(block.hashed for block in self.layers.values())
 
     def blocks(self) -> list[Block]:
         """Every transformer block: ``layers``' and then the multi-token-prediction modules'. The parallel plans

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from config.errors import ConfigError
+from moe.attention.delta_rule_fla import check_linear_backend
 from moe.experts import check_backend
 from parallel.compile import compile_unavailable
 
@@ -195,6 +196,8 @@ def check_hardware(config, device_type: str) -> None:
                           "here: run it on a GPU machine, or pick a CPU config such as moe-8x (--set "
                           "train.device=auto runs it here anyway)")
     check_backend(config.moe.backend, device_type)
+    if config.model.linear_attention:
+        check_linear_backend(config.model.linear_backend, device_type)
     if config.parallel.activation_offload != "none" and device_type != "cuda":
         raise ConfigError(f"parallel.activation_offload={config.parallel.activation_offload} moves activations from "
                           "GPU memory to pinned host memory, and this run has no GPU (on a CPU they are in host memory "

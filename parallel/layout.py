@@ -119,11 +119,17 @@ def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
          "(each context-parallel rank holds one chunk from the front of the sequence and one from the back)"),
         ("tp", not model.linear_attention or model.linear_key_heads % d["tp"] == 0,
          f"parallel.tp={d['tp']} does not divide model.linear_key_heads={model.linear_key_heads}"),
+        ("tp", model.compressed_attention is None or model.compressed_attention.o_groups % d["tp"] == 0,
+         f"parallel.tp={d['tp']} does not divide model.compressed_attention.o_groups="
+         f"{model.compressed_attention and model.compressed_attention.o_groups} (each rank holds whole output groups)"),
+        ("cp", model.compressed_attention is None or d["cp"] == 1,
+         f"parallel.cp={d['cp']}: DeepSeek-V4's attention (model.compressed_attention) is not split over cp yet; use "
+         "cp=1"),
         ("pp", d["pp"] <= model.n_layers, f"parallel.pp={d['pp']} is more pipeline stages than "
                                           f"model.n_layers={model.n_layers}"),
         ("tp", model.n_heads % d["tp"] == 0, f"parallel.tp={d['tp']} does not divide model.n_heads={model.n_heads}"),
-        ("tp", model.kv_heads % d["tp"] == 0, f"parallel.tp={d['tp']} does not divide the key/value heads "
-                                              f"model.n_kv_heads={model.kv_heads}"),
+        ("tp", model.compressed_attention is not None or model.kv_heads % d["tp"] == 0,  # V4: one head, whole
+         f"parallel.tp={d['tp']} does not divide the key/value heads model.n_kv_heads={model.kv_heads}"),
         ("tp", not has_dense_ffn or model.ffn_hidden % d["tp"] == 0,
          f"parallel.tp={d['tp']} does not divide model.ffn_hidden={model.ffn_hidden}"),
         ("tp", not has_moe or moe.num_shared_experts == 0 or moe.shared_hidden % d["tp"] == 0,

@@ -194,6 +194,7 @@ def cut_stage(model: MoETransformer, layers: range, first: bool, last: bool) -> 
     if not last:
         parts["norm"], parts["output"] = nn.Identity(), nn.Identity()  # hidden states go out instead of logits
         parts["mtp"] = None
+        parts["hc_head"] = None  # with hyper-connections the streams go out as they are, [B, S, n, D]
     whole = {name: getattr(model, name) for name in parts}
     try:
         for name, part in parts.items():
@@ -222,8 +223,8 @@ class _Stage(PipelineStage):
 
 def _stage_forward(forward: Callable, autocast: Callable[[], AbstractContextManager], takes_ids: bool) -> Callable:
     """The stage's forward under ``autocast``. The schedule hands every stage the same keyword arguments; the token
-    ids (``ids``) are for the stage that runs the multi-token-prediction modules alone: the first stage reads the
-    tokens as its input already, and the stages between have no use for them."""
+    ids (``ids``) are for the stage that runs the multi-token-prediction modules and for those after the first
+    with hash-routed MoE layers: the first stage reads the tokens as its input already."""
     def run(*args, **kwargs):
         if not takes_ids:
             kwargs.pop("ids", None)
@@ -243,13 +244,14 @@ class PipelineModel:
     def __init__(self, stages: list[MoETransformer], pipeline_stages: list[_Stage], schedule,
                  pp_group: dist.ProcessGroup, microbatches: int, is_first: bool, is_last: bool,
                  stage_layers: list[range], vocab_parallel: bool = False, mtp: bool = False,
-                 ends_group: dist.ProcessGroup | None = None):
+                 ends_group: dist.ProcessGroup | None = None, hashed: bool = False):
         self.stages, self.pipeline_stages, self.schedule, self.pp_group = stages, pipeline_stages, schedule, pp_group
         self.vocab_parallel = vocab_parallel  # the last stage's loss and its backward run in loss_context
         self.stage_layers = stage_layers  # every stage's blocks, on all ranks (stage s on pp rank s mod pp)
         self.microbatches, self.is_first, self.is_last = microbatches, is_first, is_last
         # multi-token prediction: the first and last stages' ranks sum their embeddings' gradients over ends_group
         self.mtp, self.ends_group = mtp, ends_group
+        self.hashed = hashed  # hash-routed MoE layers: the stages after the first take the token ids too
         self.last_mtp_loss: Tensor | None = None  # the latest step's mean MTP loss, on every rank (``step``)
         self._routing: list[list[dict[int, RoutingStats]]] = [[] for _ in stages]
         self._mtp: list[Tensor] = []  # each training micro-batch's MTP losses [D], on the last stage
@@ -339,7 +341,7 @@ class PipelineModel:
         losses: list[Tensor] = []
         run = self.schedule.step if backward else self.schedule.eval
         by_name = {} if documents is None else {"documents": documents}
-        if self.mtp:  # the last stage, holding an embedding, must be told that hidden states come in
+        if self.mtp or self.hashed:  # the last stage (MTP's embedding) and hash-routed layers take the token ids
             by_name["ids"] = inputs
         mtp = backward and self.mtp  # in training it runs the MTP modules on the token ids
         with loss_context(self.vocab_parallel):
@@ -429,19 +431,22 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     num_stages = layout.pp * virtual_stages
     ranges = stage_layers(config, moe, num_stages)
     pp_rank = groups.coords()["pp"]
-    seq, width = config.seq_len // layout.cp, config.d_model  # a context-parallel rank's positions of a sequence
+    seq = config.seq_len // layout.cp  # a context-parallel rank's positions of a sequence
+    # each position's state between stages: [D], or with hyper-connections its n streams [n, D]
+    width = (config.d_model,) if config.hc_mult == 1 else (config.hc_mult, config.d_model)
     stream_seq = seq // layout.tp if sequence_parallel else seq  # positions of the hidden states between stages
 
     stages, pipeline_stages = [], []
     for index in range(pp_rank, num_stages, layout.pp):
         first, last = index == 0, index == num_stages - 1
         stage = parallelize(cut_stage(model, ranges[index], first, last), groups, parallel, param_dtype)
-        stage.forward = _stage_forward(stage.forward, autocast, takes_ids=last and stage.mtp is not None)
+        stage.forward = _stage_forward(stage.forward, autocast,
+                                       takes_ids=not first and ((last and stage.mtp is not None) or stage.hashed))
         # shapes given up front (static metadata), so torch does not run a trial step to infer them
         inputs = (torch.empty(micro_batch_size, seq, dtype=torch.long, device="meta") if first
-                  else torch.empty(micro_batch_size, stream_seq, width, device="meta", requires_grad=True))
+                  else torch.empty(micro_batch_size, stream_seq, *width, device="meta", requires_grad=True))
         outputs = (torch.empty(micro_batch_size, seq, config.vocab_size, device="meta", requires_grad=True) if last
-                   else torch.empty(micro_batch_size, stream_seq, width, device="meta", requires_grad=True))
+                   else torch.empty(micro_batch_size, stream_seq, *width, device="meta", requires_grad=True))
         stages.append(stage)
         pipeline_stages.append(_Stage(stage, index, num_stages, device, input_args=inputs,
                                       output_args=outputs, group=groups.group("pp")))
@@ -456,4 +461,4 @@ def build_pipeline(model: MoETransformer, moe: MoEConfig, groups: ParallelGroups
     ends = groups.pipeline_ends_group() if model.mtp is not None else None
     return PipelineModel(stages, pipeline_stages, runner, groups.group("pp"), microbatches, is_first=pp_rank == 0,
                          is_last=pp_rank == layout.pp - 1, stage_layers=ranges, vocab_parallel=vocab_parallel,
-                         mtp=model.mtp is not None, ends_group=ends)
+                         mtp=model.mtp is not None, ends_group=ends, hashed=model.hashed)

@@ -77,9 +77,12 @@ from torch.distributed.tensor.parallel import (
 from config.errors import ConfigError
 from config.model import ModelConfig
 from moe.attention import (
+    CompressedSparseAttention,
     GatedDeltaAttention,
     GroupedQueryAttention,
+    HeavilyCompressedAttention,
     LatentAttention,
+    SharedKVAttention,
     SharedSelectionAttention,
     SparseLatentAttention,
 )
@@ -99,6 +102,9 @@ def check_tensor_parallel(tp: int, model: ModelConfig, sequence_parallel: bool, 
         if size % tp:
             raise ConfigError(f"parallel.{key}=true splits {what}={size} over parallel.tp={tp} ranks, which does "
                               f"not divide it; use a tp that divides {size}, or parallel.{key}=false")
+    if sequence_parallel and model.hc_mult > 1:  # their weights' gradients would be each rank's slice's alone
+        raise ConfigError(f"parallel.sequence_parallel=true with model.hc_mult={model.hc_mult}: hyper-connections "
+                          "over a sequence slice are not implemented; set parallel.sequence_parallel=false")
 
 
 def _feed_forward_plan(prefix: str, stream: Placement) -> dict:
@@ -200,12 +206,26 @@ def _gated_delta_plan(block: Block, stream: Placement) -> dict:
             "attn.wo": RowwiseParallel(output_layouts=stream)}
 
 
+def _shared_kv_plan(block: Block, stream: Placement) -> dict:
+    """DeepSeek-V4's attention split by heads, whole groups of them: ``q_b_proj`` column-parallel, the grouped
+    ``o_a_proj`` split by rows with its groups (``HEAD_PARAMETERS``), ``o_b_proj`` row-parallel. The query latent's
+    projection and norm, the one key/value head, the compressors and the indexer stay whole: every head reads their
+    whole output, so the block input comes whole (gathered under sequence parallelism) and keeps a whole gradient,
+    the query latent's summed at ``q_b_proj``'s input and the shared keys' and entries' at ``shared_keys``; the
+    indexer, on whole inputs, selects the same entries on every rank."""
+    gathered = PrepareModuleInput(input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None),
+                                  use_local_output=True)
+    return {"attn": gathered, "attn.q_b_proj": ColwiseParallel(), "attn.shared_keys": _SumGradient(),
+            "attn.o_b_proj": RowwiseParallel(output_layouts=stream)}
+
+
 # each attention kind's split over the tp ranks (a new kind adds its plan here)
 ATTENTION_PLANS = {GroupedQueryAttention: _grouped_query_plan, LatentAttention: _latent_attention_plan,
                    SparseLatentAttention: _sparse_latent_plan, GatedDeltaAttention: _gated_delta_plan,
-                   SharedSelectionAttention: _sparse_latent_plan}
+                   SharedKVAttention: _shared_kv_plan, HeavilyCompressedAttention: _shared_kv_plan,
+                   CompressedSparseAttention: _shared_kv_plan, SharedSelectionAttention: _sparse_latent_plan}
 # parameters of a kind that are not a Linear's, split with its heads on dim 0 (``apply_tensor_parallel``)
-HEAD_PARAMETERS = ("sinks", "conv_q", "conv_k", "conv_v", "decay_bias", "log_decay_rate")
+HEAD_PARAMETERS = ("sinks", "conv_q", "conv_k", "conv_v", "decay_bias", "log_decay_rate", "o_a_proj.weight")
 
 
 def _block_plan(block: Block, sequence_parallel: bool) -> dict:
@@ -282,10 +302,12 @@ def apply_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh, sequence_p
     for block in model.blocks():  # the multi-token-prediction modules' too, on the whole sequence (``_ends_plan``):
         # their input is replicated, their projection and norms stay whole
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel and id(block) not in mtp_blocks))
-        for name in HEAD_PARAMETERS:  # GPT-OSS's sinks, Gated DeltaNet's convolution and decay: with the heads
-            if getattr(block.attn, name, None) is not None:
-                value = getattr(block.attn, name).data
-                setattr(block.attn, name, nn.Parameter(distribute_tensor(value, tp_mesh, [Shard(0)])))
+        for name in HEAD_PARAMETERS:  # GPT-OSS's sinks, Gated DeltaNet's convolution and decay, V4's o_a_proj
+            owner_name, _, leaf = name.rpartition(".")
+            owner = getattr(block.attn, owner_name, None) if owner_name else block.attn
+            if owner is not None and getattr(owner, leaf, None) is not None:
+                value = getattr(owner, leaf).data
+                setattr(owner, leaf, nn.Parameter(distribute_tensor(value, tp_mesh, [Shard(0)])))
     ends = _ends_plan(model, sequence_parallel, vocab_parallel)
     if ends:
         parallelize_module(model, tp_mesh, ends)

@@ -6,7 +6,8 @@
 #        scripts/gpu_check.sh --prepare DIR
 #   --prepare DIR  on a machine WITH network: download into DIR what a GPU machine without network needs
 #                  (megablocks, grouped_gemm and stanford-stk sdists; wheels of wandb, einops, pyyaml,
-#                  safetensors, tokenizers and their dependencies for Python 3.12 on x86-64 Linux)
+#                  safetensors, tokenizers, fla-core (linear attention's kernels) and their dependencies for
+#                  Python 3.12 on x86-64 Linux)
 #   --wheels DIR   the folder --prepare filled; packages missing here are installed from it (never torch)
 #   --out DIR      where logs, test results and benchmark JSON go (default runs/gpu_check)
 #   --no-build     do not build megablocks (its tests then skip, saying so)
@@ -25,7 +26,7 @@ STEP_NAMES="install megablocks_build gpu_tests train_step_bench megablocks_tests
 STEP_NAMES+=" compile_tests compile_bench"
 SECONDS_ALLOWED=${GPU_CHECK_SECONDS:-570}  # the whole check's deadline: under the device tool's 10 minutes a call
 # import name -> distribution name of what the toolkit needs at run time (pyproject.toml's dependencies)
-RUNTIME_PACKAGES="wandb:wandb einops:einops yaml:pyyaml safetensors:safetensors tokenizers:tokenizers numpy:numpy"
+RUNTIME_PACKAGES="wandb:wandb einops:einops yaml:pyyaml safetensors:safetensors tokenizers:tokenizers numpy:numpy fla:fla-core"
 
 usage() { sed -n '5,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 need_value() { [[ $2 -ge 2 ]] || { echo "gpu_check: $1 needs a value" >&2; usage >&2; exit 2; }; }
@@ -52,7 +53,7 @@ if [[ -n "$PREPARE" ]]; then
     # binary wheels for the GPU image's interpreter (Python 3.12, x86-64 glibc), whatever this machine is
     "$PYTHON" -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$PREPARE" wandb einops pyyaml safetensors tokenizers
+        -d "$PREPARE" wandb einops pyyaml safetensors tokenizers fla-core
     echo "gpu_check: $PREPARE holds $(ls "$PREPARE" | wc -l) files, $(du -sh "$PREPARE" | cut -f1);" \
          "on the GPU machine run: scripts/gpu_check.sh --wheels $PREPARE"
     exit 0

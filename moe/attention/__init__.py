@@ -12,16 +12,22 @@ from __future__ import annotations
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
+from moe.attention.compressed import CompressedSparseAttention, HeavilyCompressedAttention
 from moe.attention.gated_delta import GatedDeltaAttention
 from moe.attention.grouped_query import GroupedQueryAttention
 from moe.attention.latent import LatentAttention
+from moe.attention.shared_kv import SharedKVAttention
 from moe.attention.sparse_latent import SharedSelectionAttention, SparseLatentAttention
 
-__all__ = ["KINDS", "AttentionKind", "GatedDeltaAttention", "GroupedQueryAttention", "LatentAttention",
-           "SharedSelectionAttention", "SparseLatentAttention", "attention_kind", "build_attention"]
+__all__ = ["KINDS", "AttentionKind", "CompressedSparseAttention", "GatedDeltaAttention", "GroupedQueryAttention",
+           "HeavilyCompressedAttention", "LatentAttention", "SharedKVAttention", "SharedSelectionAttention",
+           "SparseLatentAttention", "attention_kind", "build_attention"]
 
 KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention,
                                          "sparse_latent": SparseLatentAttention, "gated_delta": GatedDeltaAttention,
+                                         "sliding_shared_kv": SharedKVAttention,
+                                         "heavily_compressed": HeavilyCompressedAttention,
+                                         "compressed_sparse": CompressedSparseAttention,
                                          "shared_selection": SharedSelectionAttention}
 
 

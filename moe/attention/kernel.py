@@ -16,6 +16,8 @@ cannot drift apart. The kernels:
   indexer, ``moe/attention/sparse_latent.py``), a [B, 1, Sq, K] mask per sequence: every score computed.
 - ``gathered``: each query's selected keys gathered and scored alone, block by block of queries
   (``moe/attention/gathered.py``): O(Sq·k) scores, on one key head (latent attention's absorbed form).
+- the same two, ``masked`` or ``sparse``, over keys beyond the positions' own (DeepSeek-V4's compressed entries,
+  ``attend_under_mask``), under the layer's own mask.
 
 Shapes: B sequences, h query heads, hkv key/value heads, Sq queries, K keys, d channels per head.
 """
@@ -47,9 +49,11 @@ def blocked_window(seq: int, window: int | None) -> bool:
 
 def choose_kernel(seq: int, window: int | None = None, sinks: bool = False, start: int = 0, sharded: bool = False,
                   documents_masked: bool = False, selected: int | None = None, keys: int = 0,
-                  cached: bool = False) -> str:
+                  cached: bool = False, appended: bool = False) -> str:
     """The kernel a layer runs on ``seq`` queries from position ``start`` (after cached ones in generation).
 
+    A layer with keys ``appended`` to its positions' (compressed entries: ``attend_under_mask``) attends under its
+    own mask over them all, one per sequence where keys are ``selected`` per query, else one for all.
     Sparse attention keeps ``selected`` (k) of the ``keys`` (K) each query chooses among: with K <= k it keeps them
     all and attends as a dense layer would (the rules below); with K >= ``GATHER_RATIO``·k it gathers each query's
     k keys (``gathered``: cost O(Sq·k)) but in generation (``cached``: the cache holds every head's keys, not the
@@ -59,6 +63,8 @@ def choose_kernel(seq: int, window: int | None = None, sinks: bool = False, star
     unless the documents carry a mask (packed documents, or a model with windowed or sink layers:
     ``attends_by_chunks``); packed documents otherwise attend under their mask; the rest causally.
     """
+    if appended:
+        return SPARSE if selected else MASKED
     if selected is not None and keys > selected:
         return GATHERED if keys >= GATHER_RATIO * selected and not cached else SPARSE
     if window is not None or sinks:
@@ -78,15 +84,16 @@ def attends_by_chunks(model: ModelConfig) -> bool:
 
 
 def training_kernel(model: ModelConfig, mb: MicroBatch, window: int | None = None, sinks: bool = False,
-                    selected: int | None = None) -> str:
+                    selected: int | None = None, appended: bool = False) -> str:
     """The kernel a layer runs on a training micro-batch of whole sequences (packed documents' masks are not in
     the memory model), ``choose_kernel``'s answer that the kinds' ``saved_bytes`` count: a context-parallel rank's
     positions of them attend by chunks, or under the whole-sequence mask where some layer needs one; ``selected``
-    keys per query (sparse attention) among the whole sequence's cp·s."""
+    keys per query (sparse attention) among the whole sequence's cp·s, and keys ``appended`` (compressed entries)
+    under the layer's own."""
     sharded = mb.cp > 1
     return choose_kernel(mb.positions, window, sinks, sharded=sharded,
                          documents_masked=sharded and not attends_by_chunks(model), selected=selected,
-                         keys=mb.positions * mb.cp)
+                         keys=mb.positions * mb.cp, appended=appended)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, start: int = 0, window: int | None = None,
@@ -121,6 +128,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, start: int = 0, window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache_mask, is_causal=cache_mask is None and start == 0,
                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[..., :v_dim]
+
+
+def attend_under_mask(q: Tensor, k: Tensor, v: Tensor, scale: float, allowed: Tensor,
+                      sinks: Tensor | None = None) -> Tensor:
+    """softmax(scale · q·kᵀ over the ``allowed`` keys, with the layer's ``sinks``)·v for a kind whose keys go
+    beyond its positions', with their mask ([Sq, K] or [B, 1, Sq, K] bool): DeepSeek-V4's compressed layers, whose
+    keys are the window's positions then the compressed entries (``moe/attention/compressed.py``); the ``masked``
+    or ``sparse`` kernel of ``choose_kernel``'s ``appended`` keys. One SDPA over every score of [Sq, K]: it costs
+    what dense attention over the K keys costs, whatever the mask leaves out. q [B, h, Sq, d], k and v
+    [B, hkv, K, d] -> [B, h, Sq, d]."""
+    v_dim = v.shape[-1]
+    q, k, v = _one_width(q, k, v)
+    return _attend_masked(q, k, v, scale, allowed, sinks)[..., :v_dim]
 
 
 def _one_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -243,19 +263,21 @@ def fold_in_sink(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor,
 
 
 def kernel_saved_bytes(kernel: str, mb: MicroBatch, heads: int, kv_heads: int, width: int,
-                       value_width: int | None = None, window: int | None = None, sink: bool = False) -> int:
+                       value_width: int | None = None, window: int | None = None, sink: bool = False,
+                       appended: int = 0) -> int:
     """What ``kernel`` saves for backward in one layer on ``mb``'s positions (``choose_kernel``'s answer for it):
     SDPA's q and output ([b, heads, s, width] each), k and v (every rank's s·cp keys under context parallelism,
     ``value_width`` wide where the kind stores its values otherwise: latent attention's view of its up-projection),
     the [b, heads, s] log-sum-exp (fp32), and the kernel's mask: an additive [s, K] one in the compute dtype for
     ``masked`` (shared by heads and sequences), one per block for ``blocked_window`` (b·nb blocks of W queries
     seeing 2W keys, their k and v saved per block), the chunks' own for ``chunks`` (``_chunk_extras``), one per
-    sequence for ``sparse``. A sink adds one key and ``SINK_CHANNELS`` channels to q, k, v and the output."""
+    sequence for ``sparse``. A sink adds one key and ``SINK_CHANNELS`` channels to q, k, v and the output;
+    ``appended`` keys (compressed entries) join the positions' keys."""
     seq = mb.positions
     if kernel == BLOCKED_WINDOW:
         batches, queries, keys = mb.sequences * -(-seq // window), window, 2 * window
     else:
-        batches, queries, keys = mb.sequences, seq, seq * mb.cp
+        batches, queries, keys = mb.sequences, seq, seq * mb.cp + appended
     keys, width = keys + int(sink), width + int(sink) * SINK_CHANNELS
     value_width = width if value_width is None else value_width
     total = batches * (queries * 2 * heads * width + keys * kv_heads * (width + value_width)) * mb.compute

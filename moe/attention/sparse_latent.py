@@ -29,12 +29,12 @@ indexer's heads and width, r rotary channels.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.gathered import gathered_attention
+from moe.attention.indexer import IndexScoring
 from moe.attention.kernel import GATHERED, SPARSE, attend, choose_kernel, training_kernel, visible_keys
 from moe.attention.latent import LatentAttention, latent_saved_bytes
 from moe.documents import Documents
@@ -47,9 +47,9 @@ from moe.saved_activations import FP32, INDEX, MicroBatch, linear_input_bytes
 INDEX_NORM_EPS = 1e-6  # the key's LayerNorm epsilon in DeepSeek-V3.2's and GLM-5's code and checkpoints
 
 
-class LightningIndexer(nn.Module):
+class LightningIndexer(IndexScoring):
     """The indexer's projections (``wq`` from the query latent, ``wk`` and its LayerNorm ``k_norm`` from the block
-    input, ``head_weights`` from the block input) and its scores.
+    input, ``head_weights`` from the block input), its keys (one per position) and its scores (``IndexScoring``).
 
     It learns by its own loss alone (``indexer_loss``): the attention hands it detached inputs, and the top-k
     selection passes no gradient, so the language-model loss never reaches it nor it the model.
@@ -70,24 +70,11 @@ class LightningIndexer(nn.Module):
 
     def scores(self, x: Tensor, query_latent: Tensor, cos: Tensor, sin: Tensor, keys: Tensor) -> Tensor:
         """I(t, s) for x's queries [B, Sq, D] (their query latent [B, Sq, c']) against ``keys`` [B, K, di] ->
-        [B, Sq, K] fp32, before any mask. The heads ride beside the queries ([B, Sq·hi, di] against the one key per
-        position, then [B, Sq, 1, hi] weights against [B, Sq, hi, K]): two batched matmuls that copy nothing."""
+        [B, Sq, K] fp32, before any mask (``IndexScoring.weigh``)."""
         batch, seq, _ = x.shape
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
         cos, sin = (table.transpose(-3, -2) if table.dim() == 4 else table.unsqueeze(-2) for table in (cos, sin))
-        q = apply_partial_rope(q, cos, sin, self.rope_dim).float().view(batch, seq * self.heads, self.head_dim)
-        logits = F.relu(q @ keys.float().transpose(1, 2) * self.head_dim ** -0.5)  # [B, Sq·hi, K]
-        weights = self.head_weights(x).float() * self.heads ** -0.5  # [B, Sq, hi]
-        return (weights.unsqueeze(-2) @ logits.view(batch, seq, self.heads, -1)).squeeze(-2)
-
-    @torch.no_grad()
-    def select(self, scores: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
-        """The top-k keys by ``scores`` [B, Sq, K] among the ``visible`` ones ([Sq, K] or [B, 1, Sq, K] bool) ->
-        their indices [B, Sq, k] int64 and which of them are visible [B, Sq, k] bool. A query that sees k keys or
-        fewer keeps them all (the top k then include invisible ones, marked so)."""
-        visible = visible.reshape(-1, *visible.shape[-2:]).expand_as(scores)  # [B, Sq, K]
-        ranked = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, scores.shape[-1]), dim=-1).indices
-        return ranked, visible.gather(-1, ranked)
+        return self.weigh(x, apply_partial_rope(q, cos, sin, self.rope_dim), keys)
 
 
 def indexer_loss(scores: Tensor, attention: Tensor, keys: Tensor) -> Tensor:
@@ -161,7 +148,7 @@ class SparseLatentAttention(LatentAttention):
             if own:
                 scores = self.indexer.scores(index_input, index_latent, cos, sin, index_keys)  # [B, Sq, K]
         if kernel in (SPARSE, GATHERED):
-            indices, valid = self.indexer.select(scores, visible) if own else self.shared_selection(q.shape[2])
+            indices, valid = self.indexer.top_keys(scores, visible) if own else self.shared_selection(q.shape[2])
         if own:
             self.relay.latest = None if indices is None else (indices, valid)
         if kernel == GATHERED:

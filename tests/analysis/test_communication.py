@@ -43,6 +43,12 @@ QWEN3_NEXT = ["model.layer_types=[linear_attention,full_attention]", "model.line
               "model.linear_value_heads=4", "model.linear_key_head_dim=8", "model.linear_value_head_dim=8",
               "model.attn_output_gate=true", "model.qk_norm=true", "moe.num_shared_experts=1",
               "moe.shared_expert_gate=true"]
+V4_ATTENTION = ["model.n_layers=3", "model.n_kv_heads=null", "model.head_dim=8", "model.rotary_dim=4",
+                "model.q_lora_rank=12", "model.sliding_window=8", "model.index_topk=4", "model.index_n_heads=4",
+                "model.index_head_dim=8", "model.layer_types=[sliding_attention,heavily_compressed_attention,"
+                "compressed_sparse_attention]", "model.compressed_attention.csa_rate=2",
+                "model.compressed_attention.hca_rate=4", "model.compressed_attention.o_groups=2",
+                "model.compressed_attention.o_lora_rank=8"]
 CASES_2 = {  # name -> overrides, on 2 ranks
     "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
     "fsdp, 2 micro-batches, reduce-scatter per micro-batch": ["parallel.dp_shard=2", "train.micro_batch_size=2",
@@ -76,6 +82,10 @@ CASES_2 = {  # name -> overrides, on 2 ranks
         "parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpointing=full", *SPARSE,
         "model.index_topk=2"],
     "cp=2, sparse attention": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *SPARSE],
+    # DeepSeek-V4's attention: the query latent's, the shared key/value's and the entries' gradients summed over tp
+    "tp=2, DeepSeek-V4 attention, sequence parallel, bf16": [
+        "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+        *V4_ATTENTION],
     # Muon's gathers of the sharded matrices (the optimizer's own section)
     "muon, fsdp with ep=2 (experts whole)": ["parallel.dp_shard=2", "parallel.ep=2", "train.optimizer=muon",
                                              *DENSE_FIRST],
@@ -108,8 +118,12 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     "tp=2 x ep=2, sequence parallel, Qwen3-Next": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2",
                                                    "parallel.sequence_parallel=true", *QWEN3_NEXT],
     "fsdp, Qwen3-Next": ["parallel.dp_shard=2", *QWEN3_NEXT],
-    # under cp each linear layer gathers its q, k, v and gate inputs (their gradients reduce-scattered)
+    # under cp each linear layer gathers every chunk's state map and last convolution inputs (their gradients
+    # reduce-scattered); again in full recompute, the inputs in bf16 and the maps in fp32
     "cp=2, Qwen3-Next": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *QWEN3_NEXT],
+    "cp=2, Qwen3-Next, bf16, full recompute": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null",
+                                               "train.precision=bf16", "parallel.activation_checkpointing=full",
+                                               *QWEN3_NEXT],
 }
 HSDP_2MB = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]
 EDP_2MB = ["parallel.dp_shard=4", "parallel.ep=2", "train.micro_batch_size=1"]

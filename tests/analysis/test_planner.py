@@ -608,3 +608,22 @@ def test_the_planner_chooses_replica_slots_where_their_copies_pay():
     microbatches = config.train.global_batch_size // 4 // slow.config.train.micro_batch_size
     assert slow.exposed["imbalance"] == pytest.approx(model.n_moe_layers * microbatches * 0.3 * expert_s)
     assert first(H100, 1.0).exposed["imbalance"] == 0.0
+
+
+def test_where_the_best_replica_slots_do_not_fit_the_planner_takes_the_best_that_do():
+    """R=2 pays best over NVLink (the test above); with memory for R=1's slots but not R=2's the planner falls back
+    to R=1, which still pays, rather than to none; with memory for neither, to R=0."""
+    config = load_config("moe-8x", [*SMALL, "model.seq_len=4096"])
+    layout = Layout(world_size=4, dp_shard=4, ep=4)
+    planned = layout_search.with_layout(config, layout, "none")
+
+    def need(replicas):
+        slots = dataclasses.replace(planned.parallel, ep_replicas=replicas)
+        return layout_search.memory_bytes(dataclasses.replace(planned, parallel=slots), layout)[0]
+
+    def chosen(device_memory):
+        return layout_search.evaluate(planned, layout, H100, 8, imbalance=1.3,
+                                      device_memory=device_memory).config.parallel.ep_replicas
+
+    assert need(0) < need(1) < need(2)
+    assert [chosen(None), chosen(need(2)), chosen(need(1)), chosen(need(2) - 1), chosen(need(0))] == [2, 2, 1, 1, 0]

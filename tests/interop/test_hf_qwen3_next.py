@@ -12,7 +12,8 @@ import torch
 from config.errors import ConfigError
 from config.run import load_config
 from inference.generate import generate
-from interop.hf import export_family, export_folder, hf_run_config, import_folder, load_hf_weights
+from inference.load import load_model
+from interop.hf import export_family, export_folder, hf_run_config, import_folder, load_hf_weights, main
 from moe.transformer import MoETransformer
 from tests.interop.hf_models import (
     assert_each_edit_refused,
@@ -172,6 +173,19 @@ def test_qwen3_5_moe_text_model_in_and_out(tmp_path, capsys):
     assert original.keys() == returned.keys()
     for name, value in original.items():
         assert torch.equal(value, returned[name]), name
+
+
+def test_load_model_reads_the_folder_once_at_its_own_context(tmp_path, capsys):
+    """``load_model("hf:DIR")`` (``moe-generate``, ``moe-evaluate``) and ``moe-hf import`` without ``--seq-len`` take
+    the model's context (config.json's max_position_embeddings, 64 here; moe-8x's is 256), and the vision tower's
+    note is said once, not once per reading of config.json."""
+    make_qwen3_5_moe(tmp_path / "hf")
+    capsys.readouterr()
+    assert load_model(f"hf:{tmp_path / 'hf'}").config.model.seq_len == 64
+    assert capsys.readouterr().err.count("vision tower") == 1
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ours.safetensors")]) == 0
+    assert capsys.readouterr().err.count("vision tower") == 1
+    assert our_model(tmp_path / "ours.safetensors").config.seq_len == 64
 
 
 def test_init_from_a_qwen3_next_folder_converts_on_the_fly(tmp_path):

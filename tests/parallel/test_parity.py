@@ -35,6 +35,15 @@ DEEPSEEK_V3_MTP = [*DEEPSEEK_V3, "model.mtp_depth=1"]
 DEEPSEEK_V32 = [*DEEPSEEK_V3, "model.index_topk=8", "model.index_n_heads=16", "model.index_head_dim=8"]
 # the top 2 of 32: the kernel that gathers each query's keys (moe/attention/gathered.py), the top 8 the masked one
 DEEPSEEK_V32_GATHERED = [*DEEPSEEK_V32, "model.index_topk=2"]
+# DeepSeek-V4's attention at toy size on today's residual stream: a sliding layer, a heavily compressed one (8
+# entries of 4 positions) and a compressed sparse one (16 entries of 2, the top 4 kept; 16 indexer heads against
+# ties, as DeepSeek-V3.2's), 4 heads in 2 output groups
+DEEPSEEK_V4_ATTENTION = [
+    "model.n_layers=3", "model.n_kv_heads=null", "model.head_dim=8", "model.rotary_dim=4", "model.q_lora_rank=12",
+    "model.sliding_window=8", "model.layer_types=[sliding_attention,heavily_compressed_attention,"
+    "compressed_sparse_attention]", "model.index_topk=4", "model.index_n_heads=16", "model.index_head_dim=8",
+    "model.compressed_attention.csa_rate=2", "model.compressed_attention.hca_rate=4",
+    "model.compressed_attention.o_groups=2", "model.compressed_attention.o_lora_rank=8"]
 # Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
 # weights of the ep=2 row), from tp (with sequence parallelism), from etp, and from dp_shard and tp together (the
 # QK-clip row); experts whole under ep; pp's stages
@@ -48,6 +57,13 @@ QWEN3_NEXT = ["model.layer_types=[linear_attention, full_attention]", "model.lin
               "model.linear_value_heads=4", "model.linear_key_head_dim=8", "model.linear_value_head_dim=8",
               "model.linear_chunk_size=8", "model.attn_output_gate=true", "model.qk_norm=true", "model.rotary_dim=4",
               "moe.num_shared_experts=1", "moe.shared_expert_gate=true"]
+# DeepSeek-V4's residual and routing at toy size (its attention kinds aside): 4 hyper-connected streams, a learned MoE
+# layer then a hash-routed one (its experts picked by the token id; V4 has them first, but second it needs the ids on
+# the second pipeline stage), sqrt-softplus scores scaled by 1.5, the limited SwiGLU (limit 1: it clamps) in the
+# routed and the shared expert
+DEEPSEEK_V4_RESIDUAL = ["model.hc_mult=4", "model.mlp_layer_types=[moe, hash_moe]", "moe.score_func=sqrtsoftplus",
+                        "moe.routed_scaling_factor=1.5", "moe.activation=limited_swiglu", "moe.swiglu_limit=1.0",
+                        "moe.num_shared_experts=1"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -97,6 +113,14 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # in two pipeline stages (the dense block, then the MoE block)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3_MTP], 2, "null", id="ep=2-deepseek-v3-mtp"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3], 2, "1.25", id="pp=2-deepseek-v3"),
+    # the widened stream [micro, S, 4, D] between the stages, and the token ids to the second stage's hash layer: the
+    # same model under ep, the hash layer's tokens exchanged to the experts its table picks
+    pytest.param(["parallel.pp=2", *DEEPSEEK_V4_RESIDUAL], 2, "null", id="pp=2-deepseek-v4-residual"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4_RESIDUAL], 2, "null",
+                 id="ep=2-deepseek-v4-residual"),
+    # each tp rank the whole streams (replicated), each cp rank its positions' streams and ids
+    pytest.param(["parallel.tp=2", "parallel.cp=2", *DEEPSEEK_V4_RESIDUAL], 4, "null",
+                 id="tp=2xcp=2-deepseek-v4-residual"),
     # the MTP module on the last stage with a copy of the embedding, their gradients summed over the two stages
     # (the same micro-batches and model as the ep row: its reference run serves both)
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3_MTP], 2, "null", id="pp=2-deepseek-v3-mtp"),
@@ -134,9 +158,11 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # gated norm on each rank's heads, under sequence parallelism and folded with ep
     pytest.param(["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *QWEN3_NEXT], 2, "null",
                  id="tp=2xep=2-sequence_parallel-qwen3-next"),
-    # context parallelism: each linear layer gathers every rank's q, k, v and gate inputs and runs the recurrence
-    # over the whole sequence; the full layer attends as before
+    # context parallelism: each linear layer on its rank's positions, the recurrence's state and the convolution's
+    # last inputs handed on in sequence order (every chunk's state map gathered and composed); the full layer
+    # attends as before; at cp=4 in chunks of 4 positions (rule chunks of 8), the last one from 7 maps composed
     pytest.param(["parallel.cp=2", "parallel.dp_shard=1", *QWEN3_NEXT], 2, "null", id="cp=2-qwen3-next"),
+    pytest.param(["parallel.cp=4", "parallel.dp_shard=1", *QWEN3_NEXT], 4, "null", id="cp=4-qwen3-next"),
     # packed documents masked from each other (data.document_mask): GPT-OSS's sinks split by heads and its blocked
     # window masked by document, on sequence slices; and latent attention in two pipeline stages, each given the
     # batch's document ids by the schedule
@@ -185,6 +211,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.cp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="cp=2-deepseek-v3.2"),
     # and split by heads: the indexer whole on every tp rank, its target summed over the ranks' heads
     pytest.param(["parallel.tp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="tp=2-deepseek-v3.2"),
+    # DeepSeek-V4's attention split by heads (one output group per rank), its key/value head, compressors and
+    # indexer whole on every rank; with sequence parallelism
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *DEEPSEEK_V4_ATTENTION], 2, "null",
+                 id="tp=2-sp-deepseek-v4-attention"),
     # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
     # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.grad_reduce=step",

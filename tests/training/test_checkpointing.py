@@ -34,16 +34,13 @@ from parallel.groups import ParallelGroups
 from parallel.layout import Layout
 from parallel.runtime import Runtime
 from tests.parallel.parity import TINY, run
+from tests.training.stopped_run import stopped_after_step
 from training.checkpointing import Checkpointer
 from training.metrics import read_metrics
 from training.optim import build_optimizer
 
 STEPS = 6
 SETTINGS = [f"train.steps={STEPS}", "checkpoint.interval=3", "moe.capacity_factor=1.25", "moe.bias_update_rate=0.01"]
-
-
-class Stop(Exception):
-    """Stands for a crash after a step."""
 
 
 def record_batches(monkeypatch) -> list[torch.Tensor]:
@@ -76,19 +73,10 @@ def losses(records):
 def test_stopped_and_resumed_run_is_bit_identical(uninterrupted, tmp_path, monkeypatch):
     ref_records, ref_state, ref_batches, _ = uninterrupted
     batches = record_batches(monkeypatch)
-    original = Checkpointer.after_step
-
-    def crash_after_step_4(self, step, *args):
-        original(self, step, *args)
-        if step == 4:
-            raise Stop
-
-    monkeypatch.setattr(Checkpointer, "after_step", crash_after_step_4)
-    with pytest.raises(Stop):
+    with stopped_after_step(monkeypatch, 4):
         run(SETTINGS, 1, tmp_path)
     assert [s for s, _ in published_checkpoints(tmp_path / "checkpoints")] == [3]
     first_attempt = len(batches)
-    monkeypatch.setattr(Checkpointer, "after_step", original)
     records, state = run(SETTINGS, 1, tmp_path)  # the same command again: resumes from step 3
 
     assert first_attempt == 4

@@ -32,8 +32,8 @@ from data.cache import load_tokens
 from parallel.checkpoint import published_checkpoints
 from parallel.runtime import Runtime
 from tests.spawn import spawn
+from tests.training.stopped_run import stopped_after_step
 from tests.training.test_checkpointing import load_checkpoint
-from training.checkpointing import Checkpointer
 from training.metrics import read_metrics
 from training.routing_stats import read_routing
 from training.run_dir import hold_run_dir
@@ -293,18 +293,9 @@ def test_a_default_run_leaves_a_checkpoint_and_the_same_command_again_says_it_is
 
 
 def test_a_resumed_run_rewinds_its_routing_rows_with_its_metrics(tmp_path, monkeypatch):
-    original = Checkpointer.after_step
-
-    def crash_after_step_3(self, step, *args):
-        original(self, step, *args)
-        if step == 3:
-            raise RuntimeError("crash")
-
-    monkeypatch.setattr(Checkpointer, "after_step", crash_after_step_3)
-    with pytest.raises(RuntimeError, match="crash"):
+    with stopped_after_step(monkeypatch, 3):
         main(tmp_path, "train.steps=4", "checkpoint.interval=2")
     assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2, 3, 3]
-    monkeypatch.setattr(Checkpointer, "after_step", original)
     assert main(tmp_path, "train.steps=4", "checkpoint.interval=2") == 0  # resumes step 2
     assert read_routing(tmp_path)["step"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]

@@ -9,6 +9,7 @@ from config.errors import ConfigError
 from config.run import load_config
 from parallel.checkpoint import published_checkpoints
 from tests.parallel.parity import full_state, run
+from tests.training.stopped_run import stopped_after_step
 from training.checkpointing import Checkpointer
 
 # latent attention with a query bottleneck and a 4-head indexer picking 8 of up to 32 keys: the selection binds
@@ -16,10 +17,6 @@ DSA = ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.q_lora_rank=10",
        "model.qk_rope_head_dim=4", "model.v_head_dim=5", "model.index_topk=8", "model.index_n_heads=4",
        "model.index_head_dim=8"]
 SETTINGS = [*DSA, "train.steps=4", "train.indexer_warmup_steps=2", "checkpoint.interval=1"]
-
-
-class Stop(Exception):
-    """Stands for a crash after a step."""
 
 
 @pytest.fixture(scope="module")
@@ -48,24 +45,15 @@ def test_the_warm_up_trains_the_indexers_alone_then_everything_trains(uninterrup
     assert any(".attn.wq_b." in name for name in changed) and any(".experts." in name for name in changed)
     assert all(not torch.equal(states[2][name], states[3][name]) for name in indexer)
     losses = [r["train/indexer_loss"] for r in records]
-    assert len(losses) == 3 and all(0 < loss < float("inf") for loss in losses)
+    assert len(losses) == 4 and all(0 < loss < float("inf") for loss in losses)
 
 
 def test_a_run_stopped_in_the_warm_up_resumes_across_the_stage_change(uninterrupted, tmp_path, monkeypatch):
     ref_records, ref_state, _ = uninterrupted
-    original = Checkpointer.after_step
-
-    def crash_after_step_2(self, step, *args):
-        original(self, step, *args)
-        if step == 2:
-            raise Stop
-
-    monkeypatch.setattr(Checkpointer, "after_step", crash_after_step_2)
-    with pytest.raises(Stop):
+    with stopped_after_step(monkeypatch, 2):
         run(SETTINGS, 1, tmp_path)
     # step 1's save is published once step 2's loss is finite, step 2's not yet: the run resumes in the warm-up
     assert [s for s, _ in published_checkpoints(tmp_path / "checkpoints")] == [1]
-    monkeypatch.setattr(Checkpointer, "after_step", original)
     records, state = run(SETTINGS, 1, tmp_path)
     fields = ("step", "train/loss", "train/grad_norm", "train/indexer_loss")
     assert [[r[f] for f in fields] for r in records] == [[r[f] for f in fields] for r in ref_records]

@@ -24,8 +24,8 @@ import pytest
 
 from tests.parallel.parity import GPT_OSS
 from tests.parallel.test_parity import DEEPSEEK_V3
+from tests.training.stopped_run import stopped_after_step
 from tests.training.test_data_loss import main
-from training.checkpointing import Checkpointer
 from training.metrics import read_metrics
 
 GOLDENS = Path(__file__).with_name("loss_goldens.json")
@@ -75,24 +75,11 @@ def test_each_familys_first_steps_give_the_golden_losses(tmp_path, family):
     assert_golden(family, run(tmp_path, *STEPS, *FAMILIES[family]))
 
 
-class Stop(Exception):
-    """A run stopped after a step, as a killed job stops."""
-
-
 def test_the_same_command_twice_and_a_resumed_run_give_identical_losses_and_weights(tmp_path, monkeypatch):
     settings = ["train.steps=4", "checkpoint.interval=2", "checkpoint.final=true", "checkpoint.keep=4", *DEEPSEEK_V3]
     first, second = run(tmp_path / "a", *settings), run(tmp_path / "b", *settings)
-    original = Checkpointer.after_step
-
-    def stop_after_step_3(self, step, *args):
-        original(self, step, *args)
-        if step == 3:
-            raise Stop
-
-    monkeypatch.setattr(Checkpointer, "after_step", stop_after_step_3)
-    with pytest.raises(Stop), contextlib.redirect_stderr(io.StringIO()):
+    with stopped_after_step(monkeypatch, 3), contextlib.redirect_stderr(io.StringIO()):
         main(tmp_path / "c", *settings)
-    monkeypatch.setattr(Checkpointer, "after_step", original)
     resumed = run(tmp_path / "c", *settings)  # the same command again: resumes from step 2's checkpoint
     assert first == second == resumed  # bit for bit: == on floats
     # the weights, AdamW moments and balancing biases: the SHA-256 of each DCP data file, from the manifests

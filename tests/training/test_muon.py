@@ -14,7 +14,7 @@ from parallel.layout import Layout
 from parallel.resolve import resolve_layout
 from tests.parallel.parity import TINY as PARITY_TINY
 from tests.parallel.parity import run
-from training.checkpointing import Checkpointer
+from tests.training.stopped_run import stopped_after_step
 from training.muon import Muon, newton_schulz
 from training.optim import build_optimizer
 
@@ -164,10 +164,6 @@ STEPS = 6
 SETTINGS = [*MUON, f"train.steps={STEPS}", "checkpoint.interval=3"]
 
 
-class Stop(Exception):
-    """Stands for a crash after a step."""
-
-
 def test_a_muon_run_trains_and_resumes_exactly(tmp_path, monkeypatch):
     """Six steps in one go against three, a crash after step 4 and a resume from the step-3 checkpoint: the same
     losses and weights bit for bit (Muon's momentum buffers and AdamW's moments are in the checkpoint)."""
@@ -175,17 +171,8 @@ def test_a_muon_run_trains_and_resumes_exactly(tmp_path, monkeypatch):
     ref_losses = [r["train/loss"] for r in ref_records]
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it trains (measured: 5.52 -> 4.68 in 6 steps; AdamW 4.55)
 
-    original = Checkpointer.after_step
-
-    def crash_after_step_4(self, step, *args):
-        original(self, step, *args)
-        if step == 4:
-            raise Stop
-
-    monkeypatch.setattr(Checkpointer, "after_step", crash_after_step_4)
-    with pytest.raises(Stop):
+    with stopped_after_step(monkeypatch, 4):
         run(SETTINGS, 1, tmp_path / "resumed")
-    monkeypatch.setattr(Checkpointer, "after_step", original)
     records, state = run(SETTINGS, 1, tmp_path / "resumed")
     assert [(r["step"], r["train/loss"]) for r in records] == [(r["step"], r["train/loss"]) for r in ref_records]
     for name in ref_state:

@@ -1,0 +1,199 @@
+"""Shared-key/value attention within a sliding window: DeepSeek-V4's attention in its sliding layers, and the base
+of its compressed layers (``moe/attention/compressed.py``).
+
+DeepSeek-V4 (its technical report, sec. 2.3; ``transformers``' ``deepseek_v4``) attends with multi-query attention
+whose one key/value head is one tensor read as both the key and the value: ``kv_proj`` then RMSNorm (``kv_norm``)
+per position. Queries come through a low-rank bottleneck (``q_a_proj``, RMSNorm ``q_a_norm``, ``q_b_proj``), then
+each head is RMS-normalised without a weight. RoPE turns the trailing r channels of each query head and of the
+key (interleaved pairs, ``trailing_rope.py``); since the values are those rotated keys, the output's trailing
+channels are turned back at the query's position, which leaves each key's contribution a function of the distance
+alone. Each head has a learned sink logit in its softmax's denominator (as GPT-OSS). The output projection is
+grouped: the heads form ``o_groups`` groups, each projected on its own to ``o_lora_rank`` (``o_a_proj``, one
+block-diagonal matrix), and one matrix mixes the groups to d_model (``o_b_proj``). The parameters keep
+``transformers``' names.
+
+A query sees itself and the ``sliding_window`` - 1 positions before it; the kernel core runs it
+(``moe/attention/kernel.py``: blocked by windows when the sequence is long enough). Generation recomputes the layer
+over every position kept (``forward``). Under tensor parallelism each rank holds whole output groups of heads and
+the rest whole (``parallel/tensor.py``'s ``_shared_kv_plan``); ``shared_keys`` (an identity here) is where the
+shared key/value head's gradient, which each rank's heads give only part of, is summed over the ranks. Packed
+documents, context parallelism and QK-clip are refused by the config (``config/run.py``, ``parallel/layout.py``)
+until built.
+
+Shapes: B sequences, S positions, D = d_model, nh heads, hd = head_dim, c' = q_lora_rank, r = rotary_dim,
+g = o_groups, o = o_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from config.model import LayerSpec, ModelConfig
+from moe.attention.base import AttentionKind
+from moe.attention.kernel import attend, kernel_saved_bytes, training_kernel
+from moe.attention.trailing_rope import rotate_trailing
+from moe.documents import Documents
+from moe.kv_cache import LayerCache
+from moe.norm import RMSNorm
+from moe.param_tensors import ParamTensor
+from moe.saved_activations import FP32, MicroBatch, linear_input_bytes, norm_bytes
+
+
+class GroupedLinear(nn.Module):
+    """A block-diagonal projection: x [.., g, i] -> [.., g, o/g], group j by its own [o/g, i] block of ``weight``
+    [o, i] (rows in group order; ``transformers``' ``DeepseekV4GroupedLinear`` stores it so). Under tensor
+    parallelism ``weight`` is split by rows (``Shard(0)``), whole groups per rank, and x holds this rank's groups."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int):
+        super().__init__()
+        self.out_per_group = out_features // groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        blocks = weight.view(-1, self.out_per_group, weight.shape[-1])  # [g, o/g, i]
+        return torch.einsum("...gi,goi->...go", x, blocks)
+
+
+class SharedKVAttention(AttentionKind):
+    """DeepSeek-V4's attention in a sliding layer (module docstring); ``compressed_keys`` is where the compressed
+    layers add their entries."""
+
+    def __init__(self, config: ModelConfig, layer: LayerSpec):
+        super().__init__()
+        section = config.compressed_attention
+        self.n_heads, self.head_dim, self.window = config.n_heads, config.head_dim, layer.window
+        self.o_groups = section.o_groups
+        self.group_width = self.n_heads * self.head_dim // self.o_groups
+        eps = config.norm_eps
+        self.q_a_proj = nn.Linear(config.d_model, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, eps=eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.q_b_norm = RMSNorm(self.head_dim, eps=eps, elementwise_affine=False)
+        self.kv_proj = nn.Linear(config.d_model, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, eps=eps)
+        self.o_a_proj = GroupedLinear(self.group_width, self.o_groups * section.o_lora_rank, self.o_groups)
+        self.o_b_proj = nn.Linear(self.o_groups * section.o_lora_rank, config.d_model, bias=False)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads))
+        self.shared_keys = nn.Identity()  # where tensor parallelism sums the shared keys' gradient over the ranks
+
+    def rotary_tables(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The tables this layer turns by: the model's (the sliding layers' RoPE)."""
+        return cos, sin
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> Tensor:
+        """x: [B, S, D]; cos, sin: the model's rotary tables [>= S, r/2] (``AttentionKind``'s interface).
+
+        Generation's ``cache`` keeps this layer's inputs (``LayerCache.state``, [B, L, D]), and each call computes
+        the layer over all of them and returns the new positions' outputs: a whole sequence's forward, so exactly
+        it, at O(L) projections and O(L²) scores per step where V4's own caches (the window's keys, the
+        compressors' open windows and entries) would cost O(W + L / rate)."""
+        if documents is not None:
+            raise ValueError("DeepSeek-V4's attention (model.compressed_attention) takes whole sequences: packed "
+                             "documents and context parallelism are not built for it")
+        if cache is None:
+            return self.whole_sequences(x, cos, sin)
+        start = cache.length
+        inputs = x if cache.state is None else torch.cat((cache.state, x), dim=1)
+        cache.advance(inputs, x.shape[1])
+        return self.whole_sequences(inputs, cos, sin)[:, start:]
+
+    def whole_sequences(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The layer on sequences from position 0: x [B, S, D] -> [B, S, D]."""
+        batch, seq, _ = x.shape
+        _, cos, sin = self.positions(x, *self.rotary_tables(cos, sin), None, None)
+        query_latent = self.q_a_norm(self.q_a_proj(x))  # [B, S, c']
+        q = self.q_b_norm(self.q_b_proj(query_latent).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+        q = rotate_trailing(q, cos, sin)  # [B, nh, S, hd]
+        kv = rotate_trailing(self.kv_norm(self.kv_proj(x)).unsqueeze(1), cos, sin)  # [B, 1, S, hd]
+        out = self.attend(x, query_latent, q, kv)
+        out = rotate_trailing(out, cos, sin, inverse=True).transpose(1, 2)  # [B, S, nh, hd]
+        grouped = self.o_a_proj(out.reshape(batch, seq, -1, self.group_width))  # [B, S, g, o]
+        return self.o_b_proj(grouped.flatten(2))
+
+    def attend(self, x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        """The kernel over the window: q [B, nh, S, hd] against the one head kv [B, 1, S, hd] -> [B, nh, S, hd]."""
+        kv = self.shared_keys(kv)
+        return attend(q, kv, kv, self.head_dim ** -0.5, window=self.window, sinks=self.sinks)
+
+    def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
+        """None: each query head and the key are RMS-normalised after their projections, which undoes any scale
+        QK-clip would put on them (``config/run.py`` refuses QK-clip for this kind)."""
+        raise NotImplementedError("DeepSeek-V4's attention normalises its query heads and key: QK-clip cannot "
+                                  "scale them")
+
+    # What this kind costs, stated beside its forward and summed over the layer pattern by ``analysis/`` and
+    # ``moe/accounting.py``. Context parallelism is refused for it (``parallel/layout.py``).
+
+    @staticmethod
+    def parameter_tensors(model: ModelConfig, i: int | None) -> list[ParamTensor]:
+        """Layer i's weights and how tp cuts them (``parallel/tensor.py``): ``q_a_proj`` [c', D] and ``q_a_norm``
+        [c'] whole, ``q_b_proj`` [nh·hd, c'] column-parallel, ``kv_proj`` [hd, D] and ``kv_norm`` [hd] whole,
+        ``o_a_proj`` [g·o, nh·hd/g] by rows with its groups, ``o_b_proj`` [D, g·o] row-parallel, ``sinks`` [nh]
+        with the heads."""
+        d, heads, hd, rank = model.d_model, model.n_heads, model.head_dim, model.q_lora_rank
+        groups, grouped = model.compressed_attention.o_groups, model.compressed_attention.o_lora_rank
+        return [ParamTensor("attention", i, (rank, d)), ParamTensor("norm", i, (rank,)),
+                ParamTensor("attention", i, (heads * hd, rank), 0), ParamTensor("attention", i, (hd, d)),
+                ParamTensor("norm", i, (hd,)),
+                ParamTensor("attention", i, (groups * grouped, heads * hd // groups), 0),
+                ParamTensor("attention", i, (d, groups * grouped), 1), ParamTensor("attention", i, (heads,), 0)]
+
+    @staticmethod
+    def score_width(model: ModelConfig) -> int:
+        """The channels of one head's q·k plus its value: 2·hd (the value is the key)."""
+        return 2 * model.head_dim
+
+    @classmethod
+    def flops_per_token(cls, model: ModelConfig) -> float:
+        """Training FLOPs of one token's scores and values over the keys it sees: the window's."""
+        return 6.0 * model.n_heads * cls.score_width(model) * min(model.sliding_window, model.seq_len)
+
+    @staticmethod
+    def projection_gemms(model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
+        """The projections' matmuls on one rank, (count, M, K, N): ``q_a_proj`` and ``kv_proj`` whole, ``q_b_proj``
+        on this rank's heads, ``o_a_proj``'s blocks of this rank's groups, ``o_b_proj`` on their outputs."""
+        d, heads, hd, rank = model.d_model, model.n_heads, model.head_dim, model.q_lora_rank
+        groups, grouped = model.compressed_attention.o_groups, model.compressed_attention.o_lora_rank
+        return [(1, tokens, d, rank), (1, tokens, rank, heads // tp * hd), (1, tokens, d, hd),
+                (groups // tp, tokens, heads * hd // groups, grouped), (1, tokens, groups // tp * grouped, d)]
+
+    @staticmethod
+    def sequence_gather_width(model: ModelConfig, tp: int) -> int:
+        """Nothing: context parallelism is refused for this kind."""
+        return 0
+
+    @staticmethod
+    def input_gradient_sums(model: ModelConfig) -> tuple[tuple[str, float], ...] | None:
+        """Under tp the block input's gradient is whole on every rank (``parallel/tensor.py``); the inputs each
+        rank's heads use in part have theirs summed instead, (name, width per position) each: the query latent's
+        [T, c'] and the shared key/value's [T, hd]."""
+        return (("query latent", model.q_lora_rank), ("shared key/value", model.head_dim))
+
+    @staticmethod
+    def saved_bytes(model: ModelConfig, layer: LayerSpec, tp: int, mb: MicroBatch) -> int:
+        """``shared_kv_saved_bytes`` on the window's kernel (``training_kernel``: masked, or blocked by windows)."""
+        kernel = training_kernel(model, mb, layer.window, sinks=True)
+        kernel_bytes = kernel_saved_bytes(kernel, mb, model.n_heads // tp, 1, model.head_dim, window=layer.window,
+                                          sink=True)
+        return shared_kv_saved_bytes(model, tp, mb, kernel_bytes, consumers=2)
+
+
+def shared_kv_saved_bytes(model: ModelConfig, tp: int, mb: MicroBatch, kernel_bytes: int, consumers: int) -> int:
+    """What a V4 layer saves on a tp rank besides its compressors, with what its kernel saves (``kernel_bytes``),
+    on this rank's nh/tp heads and g/tp groups: the block
+    input, read by ``consumers`` projections (one fp32 tensor, or a bf16 cast each under autocast); ``q_a_norm``'s
+    (its input and rstd, or under bf16 its fp32 upcast and output too) and ``q_b_proj``'s input; the per-head norm's
+    input (``q_b_proj``'s output; its fp32 upcast under bf16) and its rstd per head, in fp32; ``kv_norm``'s, as
+    ``q_a_norm``'s; ``o_a_proj``'s input as its batched matmul keeps it ([g, T, nh·hd/g], a copy) and
+    ``o_b_proj``'s [T, g·o]. The rotations save only their tables (the model's buffers here)."""
+    t, heads, hd, rank, a = mb.tokens, model.n_heads // tp, model.head_dim, model.q_lora_rank, mb.compute
+    grouped = model.compressed_attention.o_groups // tp * model.compressed_attention.o_lora_rank
+    total = linear_input_bytes(mb, model.d_model, consumers)
+    total += norm_bytes(t, rank, fused=not mb.bf16) + t * rank * a
+    total += t * heads * (hd + 1) * FP32
+    total += norm_bytes(t, hd, fused=not mb.bf16)
+    return total + kernel_bytes + t * heads * hd * a + t * grouped * a
