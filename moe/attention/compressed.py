@@ -169,7 +169,7 @@ class CompressedIndexer(IndexScoring):
         keys = self.compressor(keys_x, cos, sin)  # [B, n, di]
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
         q = rotate_trailing(q, cos[query_pos, None], sin[query_pos, None])
-        return self.as_mask(self.select(self.weigh(x, q, keys), visible)[0], keys.shape[1])
+        return self.select(self.weigh(x, q, keys), visible)
 
 
 class CompressedSparseAttention(CompressedAttention):

@@ -33,6 +33,8 @@ DEEPSEEK_V3_MTP = [*DEEPSEEK_V3, "model.mtp_depth=1"]
 # heads: with 4, a key's score is exactly 0 wherever all 4 ReLUs are (1 in 16), and such near-ties at the top-k's
 # edge were seen to flip under a layout's other summation order (one row or another off by ~1e-4 from step 2 on)
 DEEPSEEK_V32 = [*DEEPSEEK_V3, "model.index_topk=8", "model.index_n_heads=16", "model.index_head_dim=8"]
+# the top 2 of 32: the kernel that gathers each query's keys (moe/attention/gathered.py), the top 8 the masked one
+DEEPSEEK_V32_GATHERED = [*DEEPSEEK_V32, "model.index_topk=2"]
 # DeepSeek-V4's attention at toy size on today's residual stream: a sliding layer, a heavily compressed one (8
 # entries of 4 positions) and a compressed sparse one (16 entries of 2, the top 4 kept; 16 indexer heads against
 # ties, as DeepSeek-V3.2's), 4 heads in 2 output groups
@@ -42,8 +44,6 @@ DEEPSEEK_V4_ATTENTION = [
     "compressed_sparse_attention]", "model.index_topk=4", "model.index_n_heads=16", "model.index_head_dim=8",
     "model.compressed_attention.csa_rate=2", "model.compressed_attention.hca_rate=4",
     "model.compressed_attention.o_groups=2", "model.compressed_attention.o_lora_rank=8"]
-# the top 2 of 32: the kernel that gathers each query's keys (moe/attention/gathered.py), the top 8 the masked one
-DEEPSEEK_V32_GATHERED = [*DEEPSEEK_V32, "model.index_topk=2"]
 # Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
 # weights of the ep=2 row), from tp (with sequence parallelism), from etp, and from dp_shard and tp together (the
 # QK-clip row); experts whole under ep; pp's stages
