@@ -42,6 +42,7 @@ from moe.attention import attention_kind
 from moe.dispatch import expert_capacity
 from moe.experts import padded_rows, row_multiple_on
 from moe.feed_forward import FeedForward
+from moe.hyper_connections import HyperConnection, HyperHead
 from moe.norm import uses_fused_backward
 from moe.saved_activations import FP32, INDEX, MicroBatch, linear_input_bytes, norm_bytes
 from parallel.expert import exchanges_by_node, exchanges_pairs
@@ -69,10 +70,12 @@ def _router(moe: MoEConfig, d: int, mb: MicroBatch) -> int:
     if moe.aux_loss_coef > 0:
         sequences = mb.sequences if moe.aux_loss_scope == "sequence" else 1
         total += sequences * e * FP32 + FP32  # f_i per sequence, the loss kept by attach_loss
-        if moe.score_func == "sigmoid":
+        if moe.score_func != "softmax":
             total += t * FP32  # probs = scores / their sum: the sum
+    if moe.z_loss_coef > 0 or moe.score_func == "sqrtsoftplus":  # the logits: the z-loss's or softplus' input
+        total += t * e * FP32
     if moe.z_loss_coef > 0:
-        total += t * e * FP32 + t * FP32 + FP32  # logits and logsumexp for the z-loss; the loss
+        total += t * FP32 + FP32  # logsumexp for the z-loss; the loss
     return total
 
 
@@ -107,8 +110,9 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
         experts += rows * INDEX  # each row's padded place, and the padding rows (zeroed in the gradient's padding)
     # the grouped rows (this tp rank's share), the hidden activations, the group offsets. SwiGLU keeps the gate,
     # silu(gate), up and their product (w_out's input); the clamped SwiGLU (``moe.experts.clamped_swiglu``) the gate
-    # and up before their clamps, the clamped gate, its sigmoid, g·sigmoid, clamped up + 1 and the product
-    activations = {"swiglu": 4, "clamped_swiglu": 7}.get(moe.activation, 2)
+    # and up before their clamps, the clamped gate, its sigmoid, g·sigmoid, clamped up + 1 and the product; the
+    # limited SwiGLU (``moe.experts.limited_swiglu``) SwiGLU's four and the gate and up before their clamps
+    activations = {"swiglu": 4, "clamped_swiglu": 7, "limited_swiglu": 6}.get(moe.activation, 2)
     experts += rows * d * a + activations * rows * hidden * a + (3 if swiglu else 2) * local_experts * OFFSET
     if moe.expert_proj_bias:  # each row's expert, by which the bias adds gather (one index for the three)
         experts += rows * INDEX
@@ -123,7 +127,8 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
     elif pairs:
         parts["MoE combine"] = _pair_combine(moe, layout, mb, d)
     if moe.num_shared_experts:
-        parts["shared experts"] = FeedForward.saved_bytes(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0)
+        parts["shared experts"] = FeedForward.saved_bytes(mb, d, moe.shared_hidden // layout.tp, moe.jitter_eps > 0,
+                                                          limited=moe.activation == "limited_swiglu")
     if moe.shared_expert_gate:  # its input (under autocast a cast of its own), its sigmoid [T, 1], the shared output
         own_cast = 0 if mb.bf16_weights else linear_input_bytes(mb, d, 1, saved_in_fp32=False)
         parts["shared experts"] += own_cast + mb.tokens * (d + 1) * a
@@ -323,6 +328,8 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
         mtp_fused_norms = uses_fused_backward(stream_dtype, distributed=False)
         norm = norm_bytes(tokens, model.d_model, mtp_fused_norms) if mtp else norm_bytes(stream, model.d_model,
                                                                                          fused_norms)
+        if model.hc_mult > 1:
+            parts.add("hyper-connections' head", HyperHead.saved_bytes(model, mb))
         parts.add("head + loss", norm + linear_input_bytes(mb, model.d_model, 1) + tokens * vocab * FP32
                   + tokens * INDEX + FP32)
     if mb.bf16:
@@ -349,11 +356,13 @@ class _Parts:
         under bf16 autocast): the norms, what the attention kind states (``moe/attention/``), and the
         feed-forward's."""
         model, par, layout, d = self.config.model, self.config.parallel, self.layout, self.config.model.d_model
-        if par.activation_checkpointing == "full":
-            self.add(f"{prefix}block inputs (recompute)", count * mb.stream * d * stream_bytes)
+        if par.activation_checkpointing == "full":  # (with hyper-connections, its n streams)
+            self.add(f"{prefix}block inputs (recompute)", count * mb.stream * model.hc_mult * d * stream_bytes)
             return
         block = {"norms": 2 * norm_bytes(mb.stream, d, fused_norms),
                  "attention": attention_kind(layer).saved_bytes(model, layer, layout.tp, mb)}
+        if model.hc_mult > 1:
+            block["hyper-connections"] = 2 * HyperConnection.saved_bytes(model, mb)
         if not layer.is_moe:
             block["dense FFN"] = FeedForward.saved_bytes(mb, d, model.ffn_hidden // layout.tp)
         elif par.activation_checkpointing == "moe":

@@ -69,14 +69,14 @@ def _rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[floa
     its index in ``block_kinds`` (a small int: the planner looks each up millions of times); the head last (kind
     None: no roofline, its matmul is the largest of the model)."""
     model, moe, recompute = config.model, config.moe, config.parallel.activation_checkpointing
-    key = (layout.pp, config.parallel.pp_virtual_stages, recompute)
+    key = (layout.pp, config.parallel.pp_virtual_stages, recompute, layout.cp)
     known = per_model(_RANK_BLOCK_FLOPS, model, moe, dict)
     if key not in known:
         known[key] = _count_rank_block_flops(config, layout)
     return known[key]
 
 
-_RANK_BLOCK_FLOPS: dict = {}  # a per_model store of _rank_block_flops by (pp, v, recompute)
+_RANK_BLOCK_FLOPS: dict = {}  # a per_model store of _rank_block_flops by (pp, v, recompute, cp)
 
 
 def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tuple[float, int | None]]]:
@@ -91,7 +91,9 @@ def _count_rank_block_flops(config: RunConfig, layout: Layout) -> list[list[tupl
         """Block i's FLOPs per token, its forward again where recomputed (2 of 6 FLOPs per parameter)."""
         layer = model.layer(i)
         recomputed = recompute == "full" or (recompute == "moe" and layer.is_moe)
-        return block_flops_per_token(model, moe, layer) * (4 / 3 if recomputed else 1), kinds.index(layer)
+        flops = block_flops_per_token(model, moe, layer) + attention_kind(layer).context_flops_per_token(model,
+                                                                                                      layout.cp)
+        return flops * (4 / 3 if recomputed else 1), kinds.index(layer)
 
     for index, layers in enumerate(ranges):
         ranks[index % layout.pp].extend(block(i) for i in layers)
@@ -145,7 +147,8 @@ def compute_seconds(config: RunConfig, layout: Layout, peak: float, bandwidth: f
     held to the roofline of ``bandwidth`` bytes/s of HBM (``roofline_slowdown``; none at the default)."""
     micro = micro_batching(config, layout.dp, layout.pp)[0]
     # a context-parallel rank computes its S/cp positions of each of its dp rank's sequences (each position's
-    # attention over the whole sequence's keys, as one process's: the FLOPs per token are the same)
+    # attention over the whole sequence's keys, as one process's: the FLOPs per token are the same, but for what a
+    # kind states it adds under cp: linear attention's state maps, ``context_flops_per_token``)
     tokens_per_rank = config.train.global_batch_size * config.model.seq_len / layout.dp_cp
     slowdown = block_slowdowns(config, layout, micro * config.model.seq_len // layout.cp, peak, bandwidth)
     busiest = max(sum(flops * slowdown[kind] for flops, kind in rank) for rank in _rank_block_flops(config, layout))

@@ -194,14 +194,16 @@ def context_parallel_traffic(step: _Step) -> list[Traffic]:
     out: list[Traffic] = []
     if layout.cp == 1:
         return out
-    group, m, seq = step.group("cp"), step.microbatches, model.seq_len
+    group, m = step.group("cp"), step.microbatches
     for kind, n_layers in _attention_kinds(step).items():
-        # what the kind gathers of every position (``sequence_gather_width``): k and v of this tp rank's key/value
-        # heads; the normalised latent and the rotated shared key of latent attention
-        gathered = step.micro * seq * kind.sequence_gather_width(model, layout.tp) * step.act
+        # what the kind gathers (``context_gathers``): k and v of this tp rank's key/value heads at every position;
+        # the normalised latent and the rotated shared key of latent attention; linear attention's state maps and
+        # convolution inputs at each chunk's end
         attention_runs = n_layers * m * (1 + int(step.config.parallel.activation_checkpointing == "full"))
-        _add(out, "cp", "all_gather", "keys and values of the sequence (forward)", attention_runs, gathered, group)
-        _add(out, "cp", "reduce_scatter", "keys' and values' gradients (backward)", n_layers * m, gathered, group)
+        for what, per_sequence in kind.context_gathers(model, layout.tp, layout.cp, step.act):
+            gathered = step.micro * per_sequence
+            _add(out, "cp", "all_gather", f"{what} (forward)", attention_runs, gathered, group)
+            _add(out, "cp", "reduce_scatter", f"{what}: gradients (backward)", n_layers * m, gathered, group)
     moe_layers = sum(model.is_moe_layer(i) for i in step.layers)
     sequences = step.micro if moe.aux_loss_scope == "sequence" else 1
     _add(out, "cp", "all_reduce", "balancing loss's assignment counts (forward)",
@@ -320,7 +322,7 @@ def pipeline_traffic(step: _Step) -> list[Traffic]:
     if layout.pp == 1:
         return out
     seq = config.model.seq_len // layout.cp // (layout.tp if par.sequence_parallel else 1)
-    hidden = step.micro * seq * config.model.d_model * 4  # fp32: the residual stream
+    hidden = step.micro * seq * config.model.hc_mult * config.model.d_model * 4  # fp32: the residual stream(s)
     stages, pp_rank = layout.pp * par.pp_virtual_stages, coordinates(layout, step.rank)["pp"]
     group = step.group("pp")
     sends: dict[tuple[str, int], int] = defaultdict(int)

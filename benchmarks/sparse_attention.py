@@ -1,95 +1,118 @@
-"""Sparse latent attention's cost against dense latent attention as the sequence grows, at a fixed top-k.
+"""Sparse attention's kernel cost as the sequence grows at a fixed top-k: the masked kernel against the gathered one.
 
-What is measured. One training forward and backward (fp32, CPU) of a sparse latent attention layer
-(``moe.attention.sparse_latent``, DeepSeek Sparse Attention: the indexer, its loss, attention over the top-k keys)
-and of the same layer dense (``moe.attention.latent``, the same weights without the indexer), on one sequence of
-S positions with each query keeping k keys, S from 2k up; beside them, the sparse layer's indexer alone (its keys,
-scores and selection, forward only). Ratios are of medians taken in the same run, on the same host.
+What is measured. One forward and backward (fp32, CPU) of sparse attention's kernel on one sequence of S positions
+where each query keeps k keys (``moe.attention.kernel``): ``sparse``, one SDPA over every head's up-projected keys
+and values under the [S, S] mask of the selected keys (every score computed: O(S²)), against ``gathered``
+(``moe.attention.gathered``), each query's k latents gathered and scored in latent attention's absorbed form
+(O(S·k)), with the absorption's two per-head matmuls included. Tiny heads (16 heads, n 32 + r 16 channels of q·k,
+v 32, latent c 64; DeepSeek-V3.2 has 128 heads, n 128 + r 64, v 128, c 512). The selection is random (each query's
+k keys among those it sees), the same for both. Then, at S = ``--by-k-len``, the gathered kernel for several k: its
+cost grows with k. Medians of ``--repeats`` runs after one warm-up run, in one process on one host; ratios taken in
+the same run. The lightning indexer that makes the selection is not timed:
+it scores every pair (hi·di per pair, O(S²) as published) and is the same for both kernels.
 
-Why. Past the break-even length a sparse layer should cost O(S·k) for its attention where a dense one costs
-O(S²/2); the indexer's scores stay O(S²) with a small constant (hi·di per pair against the main attention's
-nh·(n + r + v)). What this shows today: the sparse kernel is one SDPA under each sequence's mask of selected keys
-(``moe.attention.kernel``'s ``sparse``), so its attention still costs what a full (non-causal) one does, and the
-indexer and its loss come on top; the sparse layer costs more than the dense one at every length, with no
-break-even. A kernel that gathers each query's k keys (DeepSeek's MQA form over the latent) is what would change
-that, and this benchmark is its baseline.
-
-    python -m benchmarks.sparse_attention [--quick] [--topk 128 --heads 8 --repeats 3 --threads 2]
+    python -m benchmarks.sparse_attention [--quick] [--topk 256] [--max-len 16384] [--dense-max-len 8192]
+                                          [--by-k-len 4096] [--repeats 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
 
 import torch
 
-from config.model import ModelConfig
-from moe.attention import build_attention
-from moe.rope import rope_tables
+from moe.attention.gathered import gathered_attention
+from moe.attention.kernel import GATHER_RATIO, attend
+
+HEADS, NOPE, ROPE, VALUE, LATENT = 16, 32, 16, 32, 64
 
 
-def layer_config(seq: int, topk: int | None, heads: int) -> ModelConfig:
-    """A DeepSeek-V3.2-shaped layer at toy width: latent attention with a query bottleneck, 4 indexer heads."""
-    sparse = dict(index_topk=topk, index_n_heads=4, index_head_dim=64) if topk else {}
-    return ModelConfig(d_model=512, n_heads=heads, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64,
-                       qk_rope_head_dim=32, v_head_dim=64, seq_len=seq, **sparse)
+def cpu_model() -> str:
+    """The host's CPU model name (``/proc/cpuinfo``), or what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-def timed(fn) -> float:
+def selection(seq: int, topk: int) -> torch.Tensor:
+    """Each query's ``topk`` keys, random among the positions it sees (repeats where it sees fewer): [1, S, k]."""
+    seen = torch.arange(1, seq + 1, dtype=torch.float64)[:, None]
+    return (torch.rand(seq, topk, dtype=torch.float64) * seen).long()[None]
+
+
+def masked_step(seq: int, indices: torch.Tensor) -> float:
+    """Seconds of one forward and backward of the ``sparse`` kernel: SDPA under the selection's [1, 1, S, S] mask
+    over every head's keys and values."""
+    q = torch.randn(1, HEADS, seq, NOPE + ROPE, requires_grad=True)
+    k = torch.randn(1, HEADS, seq, NOPE + ROPE, requires_grad=True)
+    v = torch.randn(1, HEADS, seq, VALUE, requires_grad=True)
     begin = time.perf_counter()
-    fn()
+    mask = torch.zeros(1, seq, seq, dtype=torch.bool).scatter_(-1, indices, True).unsqueeze(1)
+    attend(q, k, v, (NOPE + ROPE) ** -0.5, selected=mask).sum().backward()
     return time.perf_counter() - begin
+
+
+def gathered_step(seq: int, indices: torch.Tensor) -> float:
+    """Seconds of one forward and backward of the ``gathered`` kernel with the absorption's matmuls: the queries'
+    content channels times the key up-projection, the output times the value up-projection."""
+    q_nope = torch.randn(1, HEADS, seq, NOPE, requires_grad=True)
+    q_rope = torch.randn(1, HEADS, seq, ROPE, requires_grad=True)
+    latents = torch.randn(1, seq, LATENT + ROPE, requires_grad=True)
+    up = torch.randn(HEADS, NOPE + VALUE, LATENT, requires_grad=True)
+    valid = torch.ones(indices.shape, dtype=torch.bool)
+    begin = time.perf_counter()
+    absorbed = torch.cat((torch.einsum("bhsn,hnc->bhsc", q_nope, up[:, :NOPE]), q_rope), dim=-1)
+    out, _ = gathered_attention(absorbed, latents, LATENT, (NOPE + ROPE) ** -0.5, indices, valid)
+    torch.einsum("bhsc,hvc->bhsv", out, up[:, NOPE:]).sum().backward()
+    return time.perf_counter() - begin
+
+
+def median_ms(step, seq: int, topk: int, repeats: int) -> float:
+    indices = selection(seq, topk)
+    return statistics.median(step(seq, indices) for _ in range(repeats)) * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--topk", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--topk", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=16384)
+    parser.add_argument("--dense-max-len", type=int, default=8192,
+                        help="the longest S the masked kernel runs at (its [S, S] mask and scores grow as S²)")
+    parser.add_argument("--by-k-len", type=int, default=4096, help="the S of the table by k")
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="S = 2k and 4k only, one repeat")
+    parser.add_argument("--quick", action="store_true", help="S up to 2,048, k 64, one repeat")
     args = parser.parse_args()
+    if args.quick:
+        args.topk, args.max_len, args.dense_max_len, args.by_k_len, args.repeats = 64, 2048, 2048, 1024, 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    lengths = [2 * args.topk, 4 * args.topk] if args.quick else [2 * args.topk, 4 * args.topk, 8 * args.topk,
-                                                                  16 * args.topk]
-    repeats = 1 if args.quick else args.repeats
-    print(f"torch {torch.__version__}, {args.threads} threads; k = {args.topk}, {args.heads} heads; "
-          f"forward + backward, fp32, medians of {repeats}")
-    print(f"{'S':>6} {'dense ms':>9} {'sparse ms':>10} {'indexer ms':>11} {'sparse/dense':>13}")
-    for seq in lengths:
-        median = measure(seq, args.topk, args.heads, repeats)
-        print(f"{seq:>6} {median['dense']:>9.1f} {median['sparse']:>10.1f} {median['indexer']:>11.1f} "
-              f"{median['sparse'] / median['dense']:>13.2f}")
+    print(f"{cpu_model()}; torch {torch.__version__}, {args.threads} threads; {HEADS} heads, k = {args.topk}; "
+          f"forward + backward, fp32, medians of {args.repeats}; choose_kernel gathers from S >= "
+          f"{GATHER_RATIO}·k = {GATHER_RATIO * args.topk}")
+    for step in (masked_step, gathered_step):  # warm-up: the first calls pay for allocation and dispatch
+        median_ms(step, 2 * args.topk, args.topk, 1)
+    print(f"{'S':>6} {'masked ms':>10} {'gathered ms':>12} {'masked/gathered':>16}")
+    seq = 2 * args.topk
+    while seq <= args.max_len:
+        gathered = median_ms(gathered_step, seq, args.topk, args.repeats)
+        masked = median_ms(masked_step, seq, args.topk, args.repeats) if seq <= args.dense_max_len else None
+        print(f"{seq:>6} {'-' if masked is None else f'{masked:.1f}':>10} {gathered:>12.1f} "
+              f"{'-' if masked is None else f'{masked / gathered:.2f}':>16}")
+        seq *= 2
+    print(f"\nS = {args.by_k_len}, the gathered kernel by k")
+    print(f"{'k':>6} {'gathered ms':>12}")
+    for topk in (args.topk // 2, args.topk, 2 * args.topk, 4 * args.topk):
+        print(f"{topk:>6} {median_ms(gathered_step, args.by_k_len, topk, args.repeats):>12.1f}")
 
-
-def measure(seq: int, topk: int, heads: int, repeats: int) -> dict[str, float]:
-    """Median milliseconds of the dense layer's and the sparse layer's training step, and of the indexer alone."""
-    sparse_model, dense_model = layer_config(seq, topk, heads), layer_config(seq, None, heads)
-    sparse = build_attention(sparse_model, sparse_model.layer(0)).train()
-    dense = build_attention(dense_model, dense_model.layer(0)).train()
-    dense.load_state_dict({k: v for k, v in sparse.state_dict().items() if not k.startswith("indexer.")})
-    cos, sin = (table[:seq] for table in rope_tables(sparse_model))
-    x = torch.randn(1, seq, sparse_model.d_model)
-
-    def step(layer) -> None:
-        layer(x.clone().requires_grad_(), cos, sin).sum().backward()
-
-    @torch.no_grad()
-    def indexer() -> None:
-        latent, _ = sparse.queries(x, cos, sin)
-        scores = sparse.indexer.scores(x, latent, cos, sin, sparse.indexer.keys(x, cos, sin))
-        sparse.indexer.select(scores, torch.ones(seq, seq, dtype=torch.bool).tril())
-
-    times = {"dense": [], "sparse": [], "indexer": []}
-    step(dense), step(sparse)  # warm-up
-    for _ in range(repeats):
-        times["dense"].append(timed(lambda: step(dense)))
-        times["sparse"].append(timed(lambda: step(sparse)))
-        times["indexer"].append(timed(indexer))
-    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,9 @@ from typing import Literal
 from config.compressed_attention import COMPRESSED_LAYER_KINDS, CompressedAttentionConfig
 from config.hyper_connections import validate_hyper_connections
 from config.schema import require
+from config.sparse_attention import validate_sparse_attention
 
+QK_NORM_TYPES = ("per_head", "per_layer")  # ``qk_norm_type``'s words (MiniMax-M2's config.json names them so)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention",  # ``layer_types``' words (HF's)
                          "heavily_compressed_attention", "compressed_sparse_attention")
 # ``mlp_layer_types``' words; "hash_moe": an MoE layer whose experts a fixed table of the token id picks (DeepSeek-V4)
@@ -46,6 +48,9 @@ class ModelConfig:
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
     head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
+    # what one q/k norm spans: "per_head" (Qwen3, GLM-4.5: each head's hd channels, one weight [hd] for all heads) or
+    # "per_layer" (MiniMax-M2: all heads' queries as one vector, weight [nh·hd], and all keys likewise, [nkv·hd])
+    qk_norm_type: str = "per_head"
     qkv_bias: bool = False  # biases on the query, key and value projections (GLM-4.5, Qwen2); none on the output
     attn_output_bias: bool = False  # a bias on the attention output projection wo (GPT-OSS, with qkv_bias)
     # GPT-OSS's attention sinks: one learned logit per head that joins each softmax's denominator, with no value
@@ -105,6 +110,9 @@ class ModelConfig:
     index_topk: int | None = None
     index_n_heads: int | None = None
     index_head_dim: int | None = None
+    # GLM-5's cross-layer sharing (Hugging Face's indexer_types): per layer "full" (its own indexer) or "shared"
+    # (no indexer: the keys the last full layer before it selected); null = every layer full
+    indexer_types: list[str] | None = None
     # Gated DeltaNet linear attention (Yang, Kautz, Hatamizadeh 2025, "Gated Delta Networks"; moe/attention/
     # gated_delta.py) in the layers layer_types calls "linear_attention" (Qwen3-Next: three of every four):
     # linear_key_heads query/key heads of linear_key_head_dim channels, linear_value_heads value heads of
@@ -120,8 +128,7 @@ class ModelConfig:
     # DeepSeek-V4's attention (``config/compressed_attention.py``): null = off, a mapping = on in every layer
     compressed_attention: CompressedAttentionConfig | None = None
     norm_eps: float = 1e-5
-    # manifold-constrained hyper-connections (DeepSeek-V4; ``moe/hyper_connections.py``): the residual stream widened
-    # to hc_mult streams mixed per block; 1 = the plain residual. Keys and checks: ``config/hyper_connections.py``
+    # DeepSeek-V4's hyper-connections (``moe/hyper_connections.py``; checks in config/): hc_mult streams, 1 = off
     hc_mult: int = 1
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -206,7 +213,8 @@ class ModelConfig:
         layer's attention)."""
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
-            attention = "sparse_latent"
+            shared = index < self.n_layers and self.indexer_types is not None and self.indexer_types[index] == "shared"
+            attention = "shared_selection" if shared else "sparse_latent"
         if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
@@ -249,6 +257,10 @@ class ModelConfig:
             0 <= self.first_moe_layer < self.n_layers or self.moe_every == 0,
             f"model.first_moe_layer={self.first_moe_layer} must be in [0, n_layers={self.n_layers})",
         )
+        require(self.qk_norm_type in QK_NORM_TYPES,
+                f"model.qk_norm_type={self.qk_norm_type!r} must be one of {', '.join(QK_NORM_TYPES)}")
+        require(self.qk_norm or self.qk_norm_type == "per_head",
+                f"model.qk_norm_type={self.qk_norm_type!r} needs model.qk_norm=true")
         require(0 <= self.mtp_depth < self.seq_len - 1,
                 f"model.mtp_depth={self.mtp_depth} must be between 0 (off) and model.seq_len - 2={self.seq_len - 2}")
         require(self.mtp_loss_weight >= 0, f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
@@ -263,7 +275,7 @@ class ModelConfig:
             self.compressed_attention.validate(self)
         else:
             self._validate_latent_attention()
-            self._validate_sparse_attention()
+            validate_sparse_attention(self)
         self._validate_linear_attention()
         validate_hyper_connections(self)
         self._validate_imported_context_and_tokens()
@@ -377,25 +389,6 @@ class ModelConfig:
             require(not getattr(self, key), f"model.{key}=true is not implemented for latent attention: set it false")
         require(self.sliding_window is None, f"model.sliding_window={self.sliding_window} is not implemented for "
                                              "latent attention: leave it null")
-
-    def _validate_sparse_attention(self) -> None:
-        index_keys = ("index_n_heads", "index_head_dim")
-        if not self.sparse_attention:
-            given = [key for key in index_keys if getattr(self, key) is not None]
-            require(not given, f"model.{given[0] if given else ''} is a sparse-attention setting: it needs "
-                               "model.index_topk (null: dense attention)")
-            return
-        require(self.latent_attention and self.q_lora_rank is not None,
-                "model.index_topk: sparse attention's indexer reads latent attention's query latent; set "
-                "model.kv_lora_rank and model.q_lora_rank (DeepSeek-V3.2: 512 and 1536), or leave index_topk null")
-        for key in ("index_topk", *index_keys):
-            value = getattr(self, key)
-            require(value is not None and value > 0,
-                    f"model.{key}={value}: sparse attention (model.index_topk set) needs a positive integer "
-                    "(DeepSeek-V3.2: index_topk 2048, index_n_heads 64, index_head_dim 128)")
-        require(self.qk_rope_head_dim <= self.index_head_dim,
-                f"model.index_head_dim={self.index_head_dim} must hold the indexer's rotary channels, "
-                f"model.qk_rope_head_dim={self.qk_rope_head_dim}")
 
 
 @dataclass

@@ -317,6 +317,10 @@ class RunConfig:
                  "modules do not take the document mask yet; set model.mtp_depth=0 or data.document_mask=false")
         require(not (self.train.compile and self.parallel.pp > 1),
                  "train.compile with pipeline parallelism (parallel.pp > 1) is not supported yet; set one of them off")
+        require(not ("shared" in (self.model.indexer_types or ()) and self.parallel.pp > 1),
+                 f"model.indexer_types with 'shared' layers under parallel.pp={self.parallel.pp}: a shared layer "
+                 "reads the selection its full layer left in the same process, and a stage's micro-batches "
+                 "interleave; set parallel.pp=1 or every layer 'full'")
         require(self.train.qk_clip_threshold is None or not self.model.qk_norm,
                  f"train.qk_clip_threshold={self.train.qk_clip_threshold} with model.qk_norm=true: the per-head q/k "
                  "RMSNorm undoes any scaling of the query and key weights (and already bounds the logits), and its "

@@ -66,21 +66,27 @@ def replace_sparse(model: ModelConfig) -> ModelConfig:
     """``model`` without its sparse attention: what DeepSeek-V3's export checks and writes the rest from."""
     from dataclasses import replace
 
-    return replace(model, index_topk=None, index_n_heads=None, index_head_dim=None)
+    return replace(model, index_topk=None, index_n_heads=None, index_head_dim=None, indexer_types=None)
 
 
 def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
     """The config.json of our model as a DeepSeek-V3.2; settings it cannot express are errors."""
+    refuse(ARCHITECTURE, [("shared" in (model.indexer_types or ()),
+                           f"model.indexer_types={model.indexer_types!r}: every {ARCHITECTURE} layer runs its own "
+                           "indexer (GLM-5's shared layers: GlmMoeDsaForCausalLM)")])
     return sparse_config(model, moe, ARCHITECTURE, "deepseek_v32")
 
 
 def indexed_attention(index_rows: Callable[[ModelConfig], tuple[tuple[int, ...] | None, tuple[int, ...] | None]]
                       ) -> Callable[[ModelConfig, str, str], dict[str, Source]]:
     """A layer's attention tensors: latent attention's (``hf_deepseek_v3.latent_attention``), then the indexer's,
-    their rows reordered by ``index_rows(model)`` (the query's rows, the key's; None: as they are)."""
+    their rows reordered by ``index_rows(model)`` (the query's rows, the key's; None: as they are); a layer
+    sharing its selection (GLM-5's ``shared``: layer index read from ``theirs``) has no indexer tensors."""
 
     def attention(model: ModelConfig, ours: str, theirs: str) -> dict[str, Source]:
         out = v3.latent_attention(model, ours, theirs)
+        if model.layer(int(theirs.split(".")[2])).attention == "shared_selection":
+            return out
         ffn_norm = out.pop(f"{ours}ffn_norm.weight")  # our order: the indexer's tensors before the second norm
         query_rows, key_rows = index_rows(model)
         index = f"{theirs}self_attn.indexer."

@@ -20,7 +20,7 @@ import sys
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from interop.hf_family import IGNORED_KEYS, Family, HFShape, Source, refuse
-from interop.hf_qwen3_next import hybrid_refusals, hybrid_sources, text_config, text_shape
+from interop.hf_qwen3_next import MTP_PREFIX, hybrid_refusals, hybrid_sources, text_config, text_shape
 
 ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
 TEXT_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
@@ -90,5 +90,7 @@ def multimodal_config(model: ModelConfig, moe: MoEConfig) -> dict:
     return {}
 
 
-FAMILY = Family(ARCHITECTURE, "qwen3_5_moe", shape_from_hf, multimodal_config, hf_sources, left_out=("model.visual.",))
-TEXT_FAMILY = Family(TEXT_ARCHITECTURE, "qwen3_5_moe_text", text_shape_from_hf, hf_from_config, text_hf_sources)
+FAMILY = Family(ARCHITECTURE, "qwen3_5_moe", shape_from_hf, multimodal_config, hf_sources, left_out=("model.visual.",),
+                mtp_prefix=MTP_PREFIX)
+TEXT_FAMILY = Family(TEXT_ARCHITECTURE, "qwen3_5_moe_text", text_shape_from_hf, hf_from_config, text_hf_sources,
+                     mtp_prefix=MTP_PREFIX)

@@ -18,8 +18,8 @@ Tensors that differ from ours:
   channels in that order: ``conv_q``, ``conv_k``, ``conv_v``; ``dt_bias`` and ``A_log`` are ``decay_bias``
   and ``log_decay_rate``, ``norm`` the gated ``out_norm``, ``out_proj`` ``wo``.
 
-The checkpoints' multi-token-prediction module (``mtp.*``) is not read (``model.mtp_depth`` 0; the import says
-so when the folder's config has one).
+The checkpoints' multi-token-prediction module (``mtp.*``: ``mtp_sources``) is read into our MTP module under
+``model.mtp_depth=1`` and written back by export; without it the import leaves it out, saying so.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ HANDLED = DECODER_KEYS | set(LINEAR_KEYS) | {
 # M-RoPE's sections (Qwen3.5's, for image and video positions): a text position has the same index in all three,
 # where M-RoPE is the 1-D RoPE of its channels, so a text model reads none of them
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+MTP_PREFIX = "mtp."  # where the checkpoints keep the multi-token-prediction module, beside the decoder
 _DENSE = {"ffn.w_in.weight": "up_proj.weight", "ffn.w_gate.weight": "gate_proj.weight",
           "ffn.w_out.weight": "down_proj.weight"}
 _SHARED = {"moe.shared_experts.w_in.weight": "shared_expert.up_proj.weight",
@@ -115,8 +116,8 @@ def text_shape(hf: dict, family: str, renormalize: bool | None = None) -> HFShap
     if shared:
         moe |= {"num_shared_experts": 1, "shared_expert_hidden": shared, "shared_expert_gate": True}
     if hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers"):
-        print(f"note: the {family} checkpoint's multi-token prediction module (mtp.*) is left out: it is not "
-              "imported (model.mtp_depth=0)", file=sys.stderr)
+        print(f"note: the {family} checkpoint's multi-token prediction module (mtp.*) is imported under "
+              "model.mtp_depth=1 (--set model.mtp_depth=1) and left out otherwise", file=sys.stderr)
     return HFShape(model, moe, int(get_key(hf, "max_position_embeddings", family)), None)
 
 
@@ -132,7 +133,7 @@ def hybrid_refusals(model: ModelConfig, moe: MoEConfig, family: str) -> list[tup
             (model.latent_attention, f"model.kv_lora_rank={model.kv_lora_rank}: {family} has no latent attention"),
             (model.qkv_bias or model.attn_output_bias or model.attention_sinks,
              f"attention biases or sinks: {family} has none"),
-            (model.mtp_depth > 0, f"model.mtp_depth={model.mtp_depth}: the {family} export writes no MTP module"),
+            mtp_refusal(model, family),
             (model.sliding_window is not None, f"model.sliding_window={model.sliding_window}: {family} attends "
                                                "fully or linearly"),
             (model.rope_scaling != "none", f"model.rope_scaling={model.rope_scaling!r}: plain RoPE only"),
@@ -142,6 +143,11 @@ def hybrid_refusals(model: ModelConfig, moe: MoEConfig, family: str) -> list[tup
             (moe.num_shared_experts == 1 and not moe.shared_expert_gate,
              f"moe.shared_expert_gate=false: {family}'s shared expert is gated"),
             *router_refusals(moe, family, shared_experts=True)]
+
+
+def mtp_refusal(model: ModelConfig, family: str) -> tuple[bool, str]:
+    return (model.mtp_depth > 1, f"model.mtp_depth={model.mtp_depth}: {family} stores one multi-token-prediction "
+                                 "layer (its fc and norms would serve any more): use model.mtp_depth=1 or 0")
 
 
 def text_config(model: ModelConfig, moe: MoEConfig) -> dict:
@@ -156,6 +162,8 @@ def text_config(model: ModelConfig, moe: MoEConfig) -> dict:
            "mlp_only_layers": dense,
            "shared_expert_intermediate_size": moe.shared_hidden if moe.num_shared_experts else 0,
            "layer_types": model.layer_types or ["full_attention"] * model.n_layers, **linear}
+    if model.mtp_depth:  # the published configs' keys for their one MTP layer (mtp.*, ``mtp_sources``)
+        out |= {"mtp_num_hidden_layers": model.mtp_depth, "mtp_use_dedicated_embeddings": False}
     out["rope_parameters"] = {"rope_type": "default", "rope_theta": model.rope_theta,
                               "partial_rotary_factor": model.rope_dim / model.head_size}
     del out["rope_theta"]
@@ -224,26 +232,53 @@ def linear_sources(model: ModelConfig, ours: str, theirs: str,
 
 def hybrid_sources(model: ModelConfig, moe: MoEConfig, prefix: str = "model.",
                    projections=fused_linear_sources) -> dict[str, Source]:
-    """Each of our state-dict names (our model's order) and its HF source, the decoder under ``prefix``."""
+    """Each of our state-dict names (our model's order) and its HF source, the decoder under ``prefix``, the
+    multi-token-prediction module (``mtp_sources``) last."""
     out = {"tok_embeddings.weight": Source("copy", (f"{prefix}embed_tokens.weight",))}
     for i in range(model.n_layers):
-        ours, theirs = f"layers.{i}.", f"{prefix}layers.{i}."
-        out[f"{ours}attn_norm.weight"] = Source("copy", (f"{theirs}input_layernorm.weight",), offset=1.0)
-        if model.layer(i).attention == "gated_delta":
-            out |= linear_sources(model, ours, f"{theirs}linear_attn.", projections)
-        else:
-            out |= attention_sources(model, ours, theirs)
-        out[f"{ours}ffn_norm.weight"] = Source("copy", (f"{theirs}post_attention_layernorm.weight",), offset=1.0)
-        if not model.is_moe_layer(i):
-            out |= {ours + name: Source("copy", (f"{theirs}mlp.{hf}",)) for name, hf in _DENSE.items()}
-            continue
-        out[f"{ours}moe.router.gate"] = Source("copy", (f"{theirs}mlp.gate.weight",))
-        out |= expert_stacks(ours, f"{theirs}mlp.experts", GATED_EXPERTS, moe.num_experts)
-        if moe.num_shared_experts:
-            out |= {ours + name: Source("copy", (f"{theirs}mlp.{hf}",)) for name, hf in _SHARED.items()}
+        out |= layer_sources(model, moe, i, f"layers.{i}.", f"{prefix}layers.{i}.", projections)
     out["norm.weight"] = Source("copy", (f"{prefix}norm.weight",), offset=1.0)
     out["output.weight"] = Source("copy", (f"{prefix}embed_tokens.weight" if model.tie_embeddings
                                            else "lm_head.weight",))
+    return out | mtp_sources(model, moe)
+
+
+def layer_sources(model: ModelConfig, moe: MoEConfig, i: int, ours: str, theirs: str,
+                  projections=fused_linear_sources) -> dict[str, Source]:
+    """Decoder layer i's tensors (i >= n_layers: a multi-token-prediction module's block, full attention)."""
+    out = {f"{ours}attn_norm.weight": Source("copy", (f"{theirs}input_layernorm.weight",), offset=1.0)}
+    if model.layer(i).attention == "gated_delta":
+        out |= linear_sources(model, ours, f"{theirs}linear_attn.", projections)
+    else:
+        out |= attention_sources(model, ours, theirs)
+    out[f"{ours}ffn_norm.weight"] = Source("copy", (f"{theirs}post_attention_layernorm.weight",), offset=1.0)
+    if not model.is_moe_layer(i):
+        return out | {ours + name: Source("copy", (f"{theirs}mlp.{hf}",)) for name, hf in _DENSE.items()}
+    out[f"{ours}moe.router.gate"] = Source("copy", (f"{theirs}mlp.gate.weight",))
+    out |= expert_stacks(ours, f"{theirs}mlp.experts", GATED_EXPERTS, moe.num_experts)
+    if moe.num_shared_experts:
+        out |= {ours + name: Source("copy", (f"{theirs}mlp.{hf}",)) for name, hf in _SHARED.items()}
+    return out
+
+
+def mtp_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
+    """The multi-token-prediction module (``model.mtp_depth`` 1; ``moe/mtp.py``) as the Qwen3-Next and Qwen3.5
+    checkpoints store it beside the decoder, under ``mtp.`` (``MTP_PREFIX``; the layout vLLM's and SGLang's
+    Qwen3-Next MTP loaders read): ``pre_fc_norm_embedding`` and ``pre_fc_norm_hidden`` (zero-centred, as every
+    norm of the family), ``fc`` (its input the normalised embedding, then the normalised hidden state: ours),
+    one full-attention decoder layer ``layers.0`` with its MoE, and the final ``norm``; the embedding and head are
+    the main model's."""
+    if not model.mtp_depth:
+        return {}
+    refused, why = mtp_refusal(model, "the checkpoint")
+    if refused:
+        raise ConfigError(why)
+    ours, index = "mtp.0.", model.n_layers
+    out = {f"{ours}embed_norm.weight": Source("copy", (f"{MTP_PREFIX}pre_fc_norm_embedding.weight",), offset=1.0),
+           f"{ours}hidden_norm.weight": Source("copy", (f"{MTP_PREFIX}pre_fc_norm_hidden.weight",), offset=1.0),
+           f"{ours}proj.weight": Source("copy", (f"{MTP_PREFIX}fc.weight",))}
+    out |= layer_sources(model, moe, index, f"{ours}block.", f"{MTP_PREFIX}layers.0.")
+    out[f"{ours}norm.weight"] = Source("copy", (f"{MTP_PREFIX}norm.weight",), offset=1.0)
     return out
 
 
@@ -251,4 +286,4 @@ def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
     return hybrid_sources(model, moe)
 
 
-FAMILY = Family(ARCHITECTURE, "qwen3_next", shape_from_hf, hf_from_config, hf_sources)
+FAMILY = Family(ARCHITECTURE, "qwen3_next", shape_from_hf, hf_from_config, hf_sources, mtp_prefix=MTP_PREFIX)

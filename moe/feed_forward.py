@@ -49,7 +49,8 @@ class FeedForward(nn.Module):
                 ParamTensor("ffn", i, (d, hidden), 1)]
 
     @staticmethod
-    def saved_bytes(mb: MicroBatch, d: int, hidden: int, input_saved: bool = True) -> int:
+    def saved_bytes(mb: MicroBatch, d: int, hidden: int, input_saved: bool = True, limited: bool = False) -> int:
         """On this rank's ``hidden`` units: its input (unless another module saved it already), then the gate
-        pre-activation, silu(gate), the up projection and their product."""
-        return linear_input_bytes(mb, d, 2, input_saved) + 4 * mb.tokens * hidden * mb.compute
+        pre-activation, silu(gate), the up projection and their product; ``limited`` (``limited_swiglu``) the gate
+        and up before their clamps too."""
+        return linear_input_bytes(mb, d, 2, input_saved) + (6 if limited else 4) * mb.tokens * hidden * mb.compute

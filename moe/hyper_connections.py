@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from config.model import ModelConfig
 from moe.param_tensors import ParamTensor
+from moe.saved_activations import FP32, MicroBatch
 
 
 def _rms_normalised(flat: Tensor, eps: float) -> Tensor:
@@ -85,6 +86,15 @@ class HyperConnection(nn.Module):
             return mixed.add_(post.unsqueeze(-1) * output.float().unsqueeze(-2))
 
     @staticmethod
+    def saved_bytes(model: ModelConfig, mb: MicroBatch) -> int:
+        """What one hyper-connection saves for backward (fp32, on the stream's tokens): its input streams, the
+        normalisation's 1/rms and output, the projection's output (the mixes), pre's and post's sigmoids and
+        themselves, comb's softmax, each Sinkhorn division's numerator and denominator and the final comb, and the
+        branch's output as the merge takes it (fp32)."""
+        t, n, d, divisions = mb.stream, model.hc_mult, model.d_model, 2 * model.hc_sinkhorn_iters - 1
+        return FP32 * t * (2 * n * d + 1 + (2 + n) * n + 4 * n + n * n + (divisions + 1) * n * n + divisions * n + d)
+
+    @staticmethod
     def parameter_tensors(model: ModelConfig, i: int | None) -> list[ParamTensor]:
         """Its weight, bias and scales: replicated under every layout, as the router's gate is."""
         n, d = model.hc_mult, model.d_model
@@ -111,6 +121,12 @@ class HyperHead(nn.Module):
             mixes = _rms_normalised(streams.flatten(-2), self.norm_eps) @ self.weight.float().t()
             pre = torch.sigmoid(mixes * self.scale.float() + self.bias.float()) + self.eps
             return (pre.unsqueeze(-1) * streams).sum(-2)
+
+    @staticmethod
+    def saved_bytes(model: ModelConfig, mb: MicroBatch) -> int:
+        """Its input streams, the normalisation's 1/rms and output, the mixes, their sigmoid and pre (fp32)."""
+        t, n, d = mb.stream, model.hc_mult, model.d_model
+        return FP32 * t * (2 * n * d + 1 + 3 * n)
 
     @staticmethod
     def parameter_tensors(model: ModelConfig) -> list[ParamTensor]:

@@ -75,6 +75,15 @@ def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
     return angles.cos() * scale, angles.sin() * scale
 
 
+def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor, rotary: int) -> Tensor:
+    """RoPE on the first ``rotary`` channels of x [.., d] (``apply_rope``'s pairs), the rest as they are: partial
+    rotary (GLM's heads, the lightning indexer's); x whole, with no copy of the rest, when ``rotary`` is d."""
+    if rotary == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    rotated, kept = x.split([rotary, x.shape[-1] - rotary], dim=-1)
+    return torch.cat((apply_rope(rotated, cos, sin), kept), dim=-1)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate channel pairs (i, i + r/2) of x: [B, heads, S, r] by the position's angles, in fp32 (or x's wider
     dtype), back in x's dtype. ``cos`` and ``sin`` are constants (no gradient); they broadcast against x's halves."""

@@ -91,8 +91,10 @@ class TopKRouter(nn.Module):
             scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else F.softplus(logits).sqrt()
             probs = scores / scores.sum(dim=-1, keepdim=True)
 
-        if expert_ids is None:
-            expert_ids = self._round_robin(x.shape[0], x.device) if self.force_balance else self.select(scores)
+        if self.force_balance:  # (over hash routing's choices too)
+            expert_ids = self._round_robin(x.shape[0], x.device)
+        elif expert_ids is None:
+            expert_ids = self.select(scores)
         weights = scores.gather(1, expert_ids)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

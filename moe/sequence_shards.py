@@ -40,6 +40,15 @@ class SequenceShards:
         """The positions of the keys gathered from every rank, in the gather's rank order: [S]."""
         return torch.cat([self._positions(rank, seq, device) for rank in range(self.cp)])
 
+    def chunks(self) -> tuple[int, int]:
+        """The indices of this rank's two chunks among the sequence's 2·cp: its front one, then its back one."""
+        return self.rank, 2 * self.cp - 1 - self.rank
+
+    def sequence_order(self) -> list[int]:
+        """For each of the sequence's 2·cp chunks in order, where it lies among the pieces an all-gather of every
+        rank's two chunks delivers (rank r's front chunk is piece 2r, its back chunk 2r + 1)."""
+        return [2 * j for j in range(self.cp)] + [2 * (2 * self.cp - 1 - j) + 1 for j in range(self.cp, 2 * self.cp)]
+
     def shard(self, batch: Tensor) -> Tensor:
         """This rank's positions of a batch [B, S, ...] -> [B, S / cp, ...] (tokens, targets, document ids)."""
         return batch.index_select(1, self.positions(batch.shape[1], batch.device))

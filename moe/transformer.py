@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from config.model import ModelConfig, MoEConfig
 from moe.attention.kernel import attends_by_chunks
-from moe.attention.sparse_latent import SparseLatentAttention
+from moe.attention.sparse_latent import SparseLatentAttention, share_selections
 from moe.block import Block
 from moe.documents import documents_of
 from moe.hyper_connections import HyperHead, widen
@@ -55,6 +55,7 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(config, moe_config, pattern[i]) for i in range(config.n_layers)})
         # with hyper-connections (``model.hc_mult`` > 1) the streams' final collapse, before the norm
         self.hc_head = HyperHead(config) if config.hc_mult > 1 else None
+        share_selections([block.attn for block in self.layers.values()])  # GLM-5's layers sharing a selection
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # multi-token prediction: its blocks are of the kind the layers after the last would be

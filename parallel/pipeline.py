@@ -271,7 +271,7 @@ class PipelineModel:
                 if module.mtp is not None:
                     mtp.append(module.last_mtp_losses)
                 indexer.extend(block.attn.last_indexer_loss for block in module.blocks()
-                               if isinstance(block.attn, SparseLatentAttention))
+                               if isinstance(block.attn, SparseLatentAttention) and block.attn.indexer is not None)
         return record
 
     def describe(self) -> str:
@@ -382,11 +382,12 @@ class PipelineModel:
 
     def _gather_indexer_loss(self, device: torch.device) -> None:
         """The step's mean indexer loss over every stage's sparse layers and micro-batches (one all-reduce of a sum
-        and a count over the pipeline group), in ``last_indexer_loss``."""
-        total = torch.tensor([float(sum(loss.double() for loss in self._indexer)), len(self._indexer)],
-                             dtype=torch.float64, device=device)
+        and a count over the pipeline group), in ``last_indexer_loss``: on the device, read by the host only when
+        logged."""
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        total = torch.stack((sum((loss.double() for loss in self._indexer), zero), zero + len(self._indexer)))
         dist.all_reduce(total, group=self.pp_group)
-        self.last_indexer_loss = (total[0] / total[1]).cpu()
+        self.last_indexer_loss = total[0] / total[1]
 
     def eval_losses(self, batches: Sequence[tuple[Tensor, Tensor, Tensor | None]]) -> Tensor:
         """Mean LM loss of each of ``batches`` (inputs, targets, document ids or None; forward only), on every rank

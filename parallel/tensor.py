@@ -83,6 +83,7 @@ from moe.attention import (
     HeavilyCompressedAttention,
     LatentAttention,
     SharedKVAttention,
+    SharedSelectionAttention,
     SparseLatentAttention,
 )
 from moe.block import Block
@@ -101,6 +102,9 @@ def check_tensor_parallel(tp: int, model: ModelConfig, sequence_parallel: bool, 
         if size % tp:
             raise ConfigError(f"parallel.{key}=true splits {what}={size} over parallel.tp={tp} ranks, which does "
                               f"not divide it; use a tp that divides {size}, or parallel.{key}=false")
+    if sequence_parallel and model.hc_mult > 1:  # their weights' gradients would be each rank's slice's alone
+        raise ConfigError(f"parallel.sequence_parallel=true with model.hc_mult={model.hc_mult}: hyper-connections "
+                          "over a sequence slice are not implemented; set parallel.sequence_parallel=false")
 
 
 def _feed_forward_plan(prefix: str, stream: Placement) -> dict:
@@ -186,8 +190,9 @@ class _SumOutput(ParallelStyle):
 def _sparse_latent_plan(block: Block, stream: Placement) -> dict:
     """Sparse latent attention: latent attention's split, the indexer whole on every rank (its inputs, the block
     input and the query latent, are whole there, so every rank selects the same keys and computes the same loss,
-    its gradients whole), and the indexer's target summed over the ranks' heads (``head_sum``)."""
-    return _latent_attention_plan(block, stream) | {"attn.head_sum": _SumOutput()}
+    its gradients whole), and the indexer's target summed over the ranks' heads (``head_sum``); on the gathered
+    kernel, which reads the latent itself rather than through ``wkv_b``, the latent's gradient (``shared_latent``)."""
+    return _latent_attention_plan(block, stream) | {"attn.head_sum": _SumOutput(), "attn.shared_latent": _SumGradient()}
 
 
 def _gated_delta_plan(block: Block, stream: Placement) -> dict:
@@ -218,7 +223,7 @@ def _shared_kv_plan(block: Block, stream: Placement) -> dict:
 ATTENTION_PLANS = {GroupedQueryAttention: _grouped_query_plan, LatentAttention: _latent_attention_plan,
                    SparseLatentAttention: _sparse_latent_plan, GatedDeltaAttention: _gated_delta_plan,
                    SharedKVAttention: _shared_kv_plan, HeavilyCompressedAttention: _shared_kv_plan,
-                   CompressedSparseAttention: _shared_kv_plan}
+                   CompressedSparseAttention: _shared_kv_plan, SharedSelectionAttention: _sparse_latent_plan}
 # parameters of a kind that are not a Linear's, split with its heads on dim 0 (``apply_tensor_parallel``)
 HEAD_PARAMETERS = ("sinks", "conv_q", "conv_k", "conv_v", "decay_bias", "log_decay_rate", "o_a_proj.weight")
 

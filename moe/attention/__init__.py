@@ -17,14 +17,15 @@ from moe.attention.gated_delta import GatedDeltaAttention
 from moe.attention.grouped_query import GroupedQueryAttention
 from moe.attention.latent import LatentAttention
 from moe.attention.shared_kv import SharedKVAttention
-from moe.attention.sparse_latent import SparseLatentAttention
+from moe.attention.sparse_latent import SharedSelectionAttention, SparseLatentAttention
 
 __all__ = ["KINDS", "AttentionKind", "CompressedSparseAttention", "GatedDeltaAttention", "GroupedQueryAttention",
-           "HeavilyCompressedAttention", "LatentAttention", "SharedKVAttention", "SparseLatentAttention",
-           "attention_kind", "build_attention"]
+           "HeavilyCompressedAttention", "LatentAttention", "SharedKVAttention", "SharedSelectionAttention",
+           "SparseLatentAttention", "attention_kind", "build_attention"]
 
 KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention,
                                          "sparse_latent": SparseLatentAttention, "gated_delta": GatedDeltaAttention,
+                                         "shared_selection": SharedSelectionAttention,
                                          "sliding_shared_kv": SharedKVAttention,
                                          "heavily_compressed": HeavilyCompressedAttention,
                                          "compressed_sparse": CompressedSparseAttention}

@@ -67,6 +67,20 @@ class AttentionKind(nn.Module):
         return 6.0 * model.n_heads * cls.score_width(model) * model.seq_len
 
     @staticmethod
+    def context_flops_per_token(model: ModelConfig, cp: int) -> float:
+        """Training FLOPs per token that a layer of this kind does under ``cp`` context-parallel ranks beyond one
+        process's (``flops_per_token``): none for a kind whose ranks compute their own queries' part alone."""
+        return 0.0
+
+    @classmethod
+    def context_gathers(cls, model: ModelConfig, tp: int, cp: int, act: int) -> tuple[tuple[str, int], ...]:
+        """What context parallelism all-gathers over the cp ranks in one forward of a layer of this kind, per
+        sequence: (what, bytes of the gathered whole) each, reduce-scattered back as gradients in backward; ``act``
+        the activations' bytes per element. A softmax kind gathers its keys and values of every position
+        (``sequence_gather_width`` elements each, which the kind states)."""
+        return (("keys and values of the sequence", model.seq_len * cls.sequence_gather_width(model, tp) * act),)
+
+    @staticmethod
     def forward_sums(model: ModelConfig) -> tuple[tuple[str, int], ...]:
         """What a training forward sums over the tensor-parallel ranks besides the attention output, (name, fp32
         elements per query position) each: nothing but in a kind that says so."""

@@ -128,7 +128,8 @@ class CompressedAttention(SharedKVAttention):
         sequences, or per sequence where the indexer selects), and the compressor's (``compressor_saved_bytes``).
         The indexer runs without gradient: it saves nothing."""
         rate = getattr(model.compressed_attention, cls.rate_key)
-        kernel = training_kernel(model, mb, layer.window, sinks=True, selected=cls.selects, appended=True)
+        kernel = training_kernel(model, mb, layer.window, sinks=True,
+                                 selected=model.index_topk if cls.selects else None, appended=True)
         kernel_bytes = kernel_saved_bytes(kernel, mb, model.n_heads // tp, 1, model.head_dim, sink=True,
                                           appended=mb.positions * mb.cp // rate)
         total = shared_kv_saved_bytes(model, tp, mb, kernel_bytes, compressed=True)
@@ -168,7 +169,7 @@ class CompressedIndexer(IndexScoring):
         keys = self.compressor(keys_x, cos, sin)  # [B, n, di]
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
         q = rotate_trailing(q, cos[query_pos, None], sin[query_pos, None])
-        return self.select(self.weigh(x, q, keys), visible)
+        return self.as_mask(self.select(self.weigh(x, q, keys), visible)[0], keys.shape[1])
 
 
 class CompressedSparseAttention(CompressedAttention):

@@ -26,6 +26,9 @@ triangular inverse per chunk, ``unit_lower_inverse``, independent of S_0, so eve
 leaving one short loop over the chunks, each step a few [C, dk] x [dk, dv] matmuls. All of it in fp32, whatever
 the autocast around it.
 
+The state a span of positions ends at is an affine function of the state it starts from (``state_map``): what
+context parallelism hands from rank to rank (``moe/attention/delta_rule_shards.py``).
+
 In training (``gated_delta_rule``) autograd keeps only the rule's inputs: backward computes the chunks' matrices
 again from them (each [C, C] per chunk and head, several of them, plus the per-chunk operands: a few times the
 inputs' size), as the fla kernels do, so that a layer saves what its memory model states exactly.
@@ -45,68 +48,100 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
                      state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``chunked_gated_delta_rule`` in fp32; where a gradient is wanted, one that saves only its inputs."""
     inputs = [t.float() for t in (q, k, v, log_decay, beta)] + ([] if state is None else [state.float()])
+    return _recomputed(lambda *x: chunked_gated_delta_rule(*x[:5], chunk_size, *x[5:]), inputs)
+
+
+def state_map(k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, chunk_size: int) -> Tensor:
+    """The rule's effect on the state over these positions, as the affine map it is: [M | B] [B, H, dk, dk + dv],
+    such that from a state S before them the rule ends at M S + B (M [dk, dk], B [dk, dv]; B is the state reached
+    from zeros). Each column of the state moves alone (S_t = exp(g_t) (I - beta_t k_t k_tᵀ) S_{t-1} +
+    beta_t k_t v_tᵀ acts on each column by the same matrix, plus that column's own value), so the rule run from
+    [I | 0] over the values [0 | v], dk columns more, ends at [M | B] in one pass. In fp32; where a gradient is
+    wanted, saving only its inputs (as ``gated_delta_rule``)."""
+    inputs = [t.float() for t in (k, v, log_decay, beta)]
+    return _recomputed(lambda *x: _state_map(*x, chunk_size), inputs)
+
+
+def _state_map(k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, chunk_size: int) -> Tensor:
+    batch, heads, _, dv = v.shape
+    dk = k.shape[-1]
+    identity = torch.eye(dk, dtype=v.dtype, device=v.device).expand(batch, heads, dk, dk)
+    start = torch.cat((identity, v.new_zeros(batch, heads, dk, dv)), dim=-1)
+    return chunked_gated_delta_rule(None, k, F.pad(v, (dk, 0)), log_decay, beta, chunk_size, start)[1]
+
+
+def _recomputed(rule, inputs: list[Tensor]):
+    """``rule(*inputs)`` with autocast off; under autograd through ``_Recomputed``, which saves the inputs alone."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        return _RecomputedRule.apply(chunk_size, *inputs)
-    with torch.autocast(q.device.type, enabled=False):
-        return chunked_gated_delta_rule(*inputs[:5], chunk_size, *inputs[5:])
+        return _Recomputed.apply(rule, *inputs)
+    with torch.autocast(inputs[0].device.type, enabled=False):
+        return rule(*inputs)
 
 
-class _RecomputedRule(torch.autograd.Function):
-    """The chunked rule, saving its inputs alone; backward computes it again with autograd and differentiates."""
+class _Recomputed(torch.autograd.Function):
+    """A form of the rule (a function of tensors), saving its inputs alone; backward computes it again with
+    autograd and differentiates."""
 
     @staticmethod
-    def forward(ctx, chunk_size: int, *inputs: Tensor) -> tuple[Tensor, Tensor]:
-        ctx.chunk_size = chunk_size
+    def forward(ctx, rule, *inputs: Tensor):
+        ctx.rule = rule
         ctx.save_for_backward(*inputs)
         with torch.autocast(inputs[0].device.type, enabled=False):
-            return chunked_gated_delta_rule(*inputs[:5], chunk_size, *inputs[5:])
+            return rule(*inputs)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor, grad_state: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
         inputs = [t.detach().requires_grad_(needed) for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[1:],
                                                                           strict=True)]
         with torch.enable_grad(), torch.autocast(inputs[0].device.type, enabled=False):
-            out, state = chunked_gated_delta_rule(*inputs[:5], ctx.chunk_size, *inputs[5:])
+            outputs = ctx.rule(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad((out, state), wanted, (grad_out, grad_state)))
-        return None, *(next(grads) if t.requires_grad else None for t in inputs)
+        computed = iter(torch.autograd.grad(outputs, wanted, grads))
+        return None, *(next(computed) if t.requires_grad else None for t in inputs)
 
 
-def chunked_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, chunk_size: int,
-                             state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def chunked_gated_delta_rule(q: Tensor | None, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor,
+                             chunk_size: int, state: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
     """The outputs [B, H, S, dv] and the final state of the gated delta rule from ``state`` (zeros if None), by
-    chunks of ``chunk_size`` positions. A last partial chunk is padded with positions that change nothing
-    (zero key and value, beta 0, no decay) and their outputs dropped."""
-    q, k = _to_value_heads(q, v), _to_value_heads(k, v)
+    chunks of ``chunk_size`` positions; without queries (q None) the final state alone (``state_map``). A last
+    partial chunk is padded with positions that change nothing (zero key and value, beta 0, no decay) and their
+    outputs dropped."""
+    k = _to_value_heads(k, v)
     batch, heads, seq, dk = k.shape
     dv = v.shape[-1]
     pad = -seq % chunk_size
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    k, v = (F.pad(x, (0, 0, 0, pad)) for x in (k, v))
     log_decay, beta = F.pad(log_decay, (0, pad)), F.pad(beta, (0, pad))
     chunks = (seq + pad) // chunk_size
-    q, k, v = (x.reshape(batch, heads, chunks, chunk_size, -1) for x in (q, k, v))
+    k, v = (x.reshape(batch, heads, chunks, chunk_size, -1) for x in (k, v))
     gamma = log_decay.reshape(batch, heads, chunks, chunk_size).cumsum(-1)  # decay from the chunk's start, in logs
     beta = beta.reshape(batch, heads, chunks, chunk_size, 1)
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device).tril()
     # exp(gamma_t - gamma_s) for s <= t: masked before exp, so that no later position's (positive) gap overflows
     gaps = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
     k_beta = k * beta
     inverse = unit_lower_inverse(((k_beta @ k.mT) * gaps).tril(-1))  # (I + A)^-1
     u, w = inverse @ (v * beta), inverse @ (k_beta * gamma.exp().unsqueeze(-1))
-    scores = (q @ k.mT) * gaps  # [B, H, n, C, C]
-    q_from_start = q * gamma.exp().unsqueeze(-1)
+    reads = None  # each chunk's queries from its start and its scores, where outputs are wanted
+    if q is not None:
+        q = F.pad(_to_value_heads(q, v), (0, 0, 0, pad)).reshape(batch, heads, chunks, chunk_size, -1)
+        reads = zip((q * gamma.exp().unsqueeze(-1)).unbind(2), ((q @ k.mT) * gaps).unbind(2), strict=True)
     k_to_end = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
     chunk_decay = gamma[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
     if state is None:
-        state = q.new_zeros(batch, heads, dk, dv)
+        state = k.new_zeros(batch, heads, dk, dv)
     outputs = []
     # per chunk, unbound once: indexing each chunk would make backward write each slice's gradient into a zero
     # tensor of the whole
-    for u_i, w_i, q_i, scores_i, k_i, decay_i in zip(*(t.unbind(2) for t in (u, w, q_from_start, scores, k_to_end,
-                                                                             chunk_decay)), strict=True):
+    for u_i, w_i, k_i, decay_i in zip(*(t.unbind(2) for t in (u, w, k_to_end, chunk_decay)), strict=True):
         delta = u_i - w_i @ state
-        outputs.append(q_i @ state + scores_i @ delta)
+        if reads is not None:
+            q_i, scores_i = next(reads)
+            outputs.append(q_i @ state + scores_i @ delta)
         state = state * decay_i + k_i.mT @ delta
+    if q is None:
+        return None, state
     out = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * chunk_size, dv)
     return out[:, :, :seq], state
 

@@ -20,6 +20,7 @@ from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
 from moe.attention.delta_rule import gated_delta_rule, recurrent_gated_delta_rule
 from moe.attention.delta_rule_fla import fla_gated_delta_rule, uses_fla
+from moe.attention.delta_rule_shards import convolution_history, sharded_gated_delta_rule
 from moe.documents import Documents
 from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm, uses_fused_backward
@@ -43,8 +44,10 @@ class GatedDeltaAttention(AttentionKind):
     No rotary positions: the convolution and the recurrence's order carry them (``cos``, ``sin`` are unused).
     Training computes the rule by chunks of ``linear_chunk_size``; in generation the state and the convolution's
     last inputs live in the ``LayerCache``, a prompt runs by chunks from them and a single new token by the
-    step form. Every parameter but ``out_norm`` and ``wo`` is per head (or per channel), so tensor parallelism
-    can split them with the heads, each key head with its value heads.
+    step form. Under context parallelism a rank computes its own positions alone, from the state and the
+    convolution inputs that the positions before each of its chunks leave (``delta_rule_shards``). Every
+    parameter but ``out_norm`` and ``wo`` is per head (or per channel), so tensor parallelism can split them with
+    the heads, each key head with its value heads.
     """
 
     reads_document_tables = False  # no rotary positions
@@ -78,7 +81,9 @@ class GatedDeltaAttention(AttentionKind):
         q, k, v, beta_in, decay_in = self._projections(x, documents)  # this tp rank's heads
         batch, seq = q.shape[:2]
         widths = [q.shape[-1], k.shape[-1], v.shape[-1]]
-        q, k, v = self._convolve(torch.cat((q, k, v), dim=-1), cache).float().split(widths, dim=-1)
+        shards = None if documents is None else documents.shards
+        qkv = torch.cat((q, k, v), dim=-1)
+        q, k, v = self._convolve(qkv, self._convolution_history(qkv, cache, shards), cache).float().split(widths, -1)
         q = _l2_normalised(q.view(batch, seq, -1, self.key_dim)) * self.key_dim ** -0.5
         k = _l2_normalised(k.view(batch, seq, -1, self.key_dim))
         v = v.view(batch, seq, -1, self.value_dim)
@@ -87,7 +92,9 @@ class GatedDeltaAttention(AttentionKind):
         log_decay = -rate.exp() * F.softplus(decay_in.float() + bias)
         q, k, v, beta, log_decay = (t.transpose(1, 2) for t in (q, k, v, beta, log_decay))  # heads first
         state = None if cache is None else cache.state
-        if cache is not None and seq == 1 and state is not None:
+        if shards is not None:  # this cp rank's positions, the state handed on from the ranks before (torch rule)
+            out = sharded_gated_delta_rule(q, k, v, log_decay, beta, self.chunk_size, self.gather_sequence, shards)
+        elif cache is not None and seq == 1 and state is not None:
             out, state = recurrent_gated_delta_rule(q, k, v, log_decay, beta, state)
         elif uses_fla(self.backend, q.device):
             out, state = fla_gated_delta_rule(q, k, v, log_decay, beta, state)
@@ -96,39 +103,40 @@ class GatedDeltaAttention(AttentionKind):
         if cache is not None:
             cache.advance(state, seq)
         out = out.transpose(1, 2).to(x.dtype)  # [B, S, nv, dv]
-        if documents is not None:  # this context-parallel rank's positions of the whole sequence's outputs
-            out = _own_chunks(out, documents.shards)
         gate = self.wz(x).view(*x.shape[:2], -1, self.value_dim)
         return self.wo((self.out_norm(out) * F.silu(gate)).reshape(*x.shape[:2], -1))
 
     def _projections(self, x: Tensor, documents: Documents | None) -> list[Tensor]:
-        """q, k, v, beta's and the decay's inputs [B, S, width] of the positions the recurrence runs over: x's, or
-        under context parallelism every rank's, gathered (``gather_sequence``) and put in sequence order. The
-        recurrence then runs over the whole sequence on every cp rank, which keeps its own positions' outputs:
-        cp times the rule's FLOPs, in exchange for one gather a layer (handing the state from rank to rank in
-        sequence order instead is not built)."""
-        parts = [self.wq(x), self.wk(x), self.wv(x), self.wb(x), self.wa(x)]
-        if documents is None:
-            return parts
-        if not documents.sharded:
+        """q, k, v, beta's and the decay's inputs [B, S, width] of x's positions."""
+        if documents is not None and not documents.sharded:
             raise NotImplementedError("linear attention does not take packed documents yet (the config refuses "
                                       "data.document_mask with it: config/run.py)")
-        whole = _in_sequence_order(self.gather_sequence(torch.cat(parts, dim=-1)), documents.shards)
-        return list(whole.split([part.shape[-1] for part in parts], dim=-1))
+        return [self.wq(x), self.wk(x), self.wv(x), self.wb(x), self.wa(x)]
 
-    def _convolve(self, qkv: Tensor, cache: LayerCache | None) -> Tensor:
+    def _convolution_history(self, qkv: Tensor, cache: LayerCache | None,
+                             shards: SequenceShards | None) -> list[Tensor]:
+        """The kernel - 1 inputs [B, C, kernel - 1] before each piece of qkv [B, S, C] the convolution runs over:
+        zeros before a sequence's start, the inputs generation's cache kept, or under context parallelism the
+        ones before each of this rank's two chunks (``convolution_history``)."""
+        if shards is not None:
+            history = convolution_history(qkv, self.kernel, self.gather_sequence, shards)
+            return [before.transpose(1, 2) for before in history]
+        if cache is not None and cache.conv_inputs is not None:
+            return [cache.conv_inputs]
+        return [qkv.new_zeros(qkv.shape[0], qkv.shape[2], self.kernel - 1)]
+
+    def _convolve(self, qkv: Tensor, history: list[Tensor], cache: LayerCache | None) -> Tensor:
         """The causal depthwise convolution of [B, S, C] over each channel's last ``kernel`` positions, then SiLU:
-        before the first position, zeros, or in generation the inputs the cache kept (which it then updates)."""
+        qkv cut into as many equal pieces as ``history`` holds inputs before them, each piece convolved after its
+        own; in generation the cache keeps the last inputs."""
         weight = torch.cat([_local(w) for w in (self.conv_q, self.conv_k, self.conv_v)])  # [C, 1, kernel]
-        channels_first = qkv.transpose(1, 2)
-        if cache is None or cache.conv_inputs is None:
-            past = channels_first.new_zeros(*channels_first.shape[:2], self.kernel - 1)
-        else:
-            past = cache.conv_inputs
-        padded = torch.cat((past, channels_first), dim=-1)
+        weight = weight.to(qkv.dtype)
+        pieces = qkv.transpose(1, 2).chunk(len(history), dim=-1)
+        padded = [torch.cat((before, piece), dim=-1) for before, piece in zip(history, pieces, strict=True)]
         if cache is not None:
-            cache.conv_inputs = padded[..., padded.shape[-1] - (self.kernel - 1):]
-        return F.silu(F.conv1d(padded, weight.to(padded.dtype), groups=weight.shape[0])).transpose(1, 2)
+            cache.conv_inputs = padded[-1][..., padded[-1].shape[-1] - (self.kernel - 1):]
+        convolved = [F.conv1d(inputs, weight, groups=weight.shape[0]) for inputs in padded]
+        return F.silu(torch.cat(convolved, dim=-1) if len(convolved) > 1 else convolved[0]).transpose(1, 2)
 
     # What this kind costs, stated beside its forward and summed over the layer pattern by ``analysis/`` and
     # ``moe/accounting.py`` (``tests/moe/test_gated_delta.py`` holds them to the module).
@@ -161,6 +169,19 @@ class GatedDeltaAttention(AttentionKind):
         return 3.0 * model.linear_value_heads * (c * (5 * dk + 3 * dv) + 6 * dk * dv)
 
     @staticmethod
+    def context_flops_per_token(model: ModelConfig, cp: int) -> float:
+        """Under cp > 1 the pass that makes each chunk's state map (``delta_rule.state_map``), counted as
+        ``flops_per_token`` counts the rule, per value head: the chunk's k·k product (2·c·dk) and its two
+        triangular solves on dk + dv columns and dk (c·(2·dk + dv)), and two [dk, dk + dv] products with the state
+        (4·dk·(dk + dv)); no queries, no outputs. The maps' composition (a few [dk, dk] x [dk, dv] products per
+        chunk and sequence) is left out."""
+        if cp == 1:
+            return 0.0
+        c = min(model.linear_chunk_size, model.seq_len // (2 * cp))
+        dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+        return 3.0 * model.linear_value_heads * (c * (4 * dk + dv) + 4 * dk * (dk + dv))
+
+    @staticmethod
     def projection_gemms(model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:
         """The projections' matmuls on one rank, (count, M, K, N): wq, wk; wv, wz; wb, wa split by heads, wo by
         its input."""
@@ -170,12 +191,17 @@ class GatedDeltaAttention(AttentionKind):
         return [(2, tokens, d, keys), (2, tokens, d, values), (2, tokens, d, heads), (1, tokens, values, d)]
 
     @staticmethod
-    def sequence_gather_width(model: ModelConfig, tp: int) -> int:
-        """Elements per position that context parallelism gathers in one layer: this tp rank's q, k, v and the
-        inputs of beta and the decay (``_projections``)."""
+    def context_gathers(model: ModelConfig, tp: int, cp: int, act: int) -> tuple[tuple[str, int], ...]:
+        """Under context parallelism (``delta_rule_shards``), per sequence: every chunk's last min(kernel - 1,
+        S / 2cp) convolution inputs (this tp rank's C channels, the activations' dtype), and every chunk's state map
+        [nv, dk, dk + dv] in fp32, 2·cp chunks of each; nothing that grows with the sequence."""
         heads = model.linear_value_heads // tp
-        return 2 * model.linear_key_heads // tp * model.linear_key_head_dim + heads * model.linear_value_head_dim \
-            + 2 * heads
+        dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+        channels = 2 * model.linear_key_heads // tp * dk + heads * dv
+        kept = min(model.linear_conv_kernel - 1, model.seq_len // (2 * cp))
+        gathers = (("convolution inputs before each chunk", 2 * cp * kept * channels * act),
+                   ("each chunk's state map", 2 * cp * heads * dk * (dk + dv) * FP32))
+        return tuple(gather for gather in gathers if gather[1])
 
     @staticmethod
     def input_gradient_sums(model: ModelConfig) -> tuple[tuple[str, int], ...] | None:
@@ -194,9 +220,11 @@ class GatedDeltaAttention(AttentionKind):
         saves with its rstd (and the normalised input where it runs decomposed: on a DTensor under tp; under
         FSDP's bf16 weights the output is cast to the bf16 stream, and the norm saves its fp32 upcast), the
         norm's output, the gate and its SiLU (compute dtype), and wo's input. The delta rule saves nothing else
-        (``moe/attention/delta_rule.py``: backward computes its chunks again). Under context parallelism the
-        convolution and the rule run over the whole sequence (cp·s positions), the rest over this rank's s (put in
-        sequence order and taken back by slices, which keep nothing)."""
+        (``moe/attention/delta_rule.py``: backward computes its chunks again). Under context parallelism
+        (``delta_rule_shards``) everything is on this rank's positions: the convolution's input is padded before
+        each of its two chunks; besides, the gathered state maps [2·cp, B, nv, dk, dk + dv] fp32 and the states
+        composed from them, [B, nv, dk, dv] fp32 each: 2·cp - 2 - r on cp rank r (the ones entering chunks 2 ..
+        2·cp - 1 - r; the one entering chunk 1 is a view of the maps)."""
         t, a, fp32 = mb.tokens, mb.compute, FP32
         key_heads, value_heads = model.linear_key_heads // tp, model.linear_value_heads // tp
         dk, dv, kernel = model.linear_key_head_dim, model.linear_value_head_dim, model.linear_conv_kernel
@@ -204,10 +232,13 @@ class GatedDeltaAttention(AttentionKind):
         total = linear_input_bytes(mb, model.d_model, 6)
         autocast = mb.bf16 and not mb.bf16_weights  # bf16 compute from fp32 weights
         total += 0 if autocast else channels * kernel * a  # under autocast: the weights' copies (ParamTensor)
-        whole = t * mb.cp  # the recurrence's positions: under cp every rank's (``_projections``)
-        total += (mb.sequences * channels * (mb.positions * mb.cp + kernel - 1) + whole * channels) * a
-        total += whole * channels * fp32 + 2 * whole * key_heads * (dk + 1) * fp32
-        total += (4 * whole * value_heads + 2 * value_heads) * fp32
+        pieces = 2 if mb.cp > 1 else 1  # the convolution's runs, each after its kernel - 1 earlier inputs
+        total += (mb.sequences * channels * (mb.positions + pieces * (kernel - 1)) + t * channels) * a
+        total += t * channels * fp32 + 2 * t * key_heads * (dk + 1) * fp32
+        total += (4 * t * value_heads + 2 * value_heads) * fp32
+        if mb.cp > 1:
+            composed = 2 * mb.cp - 2 - (mb.cp_rank or 0)  # rank 0 composes the most
+            total += mb.sequences * value_heads * dk * (2 * mb.cp * (dk + dv) + composed * dv) * fp32
         if mb.bf16_weights:  # a bf16 stream: the rule's output cast to bf16, the norm decomposed, its output bf16
             total += norm_bytes(t * value_heads, dv, fused=False) + t * value_heads * dv * a
         else:  # an fp32 input: fused, unless a DTensor under tp
@@ -218,20 +249,6 @@ class GatedDeltaAttention(AttentionKind):
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         raise NotImplementedError("QK-clip has no logits to clip in linear attention (its q and k are "
                                   "L2-normalised); the config refuses train.qk_clip_threshold with it")
-
-
-def _in_sequence_order(gathered: Tensor, shards: SequenceShards) -> Tensor:
-    """[B, S, W] as the cp ranks' gather gives it (rank r's front chunk r, then its back chunk 2·cp - 1 - r, rank
-    after rank: ``SequenceShards``) -> in sequence order, by slices (no index kept for backward)."""
-    chunks = gathered.chunk(2 * shards.cp, dim=1)  # gathered chunk 2r is sequence chunk r, 2r + 1 is 2cp - 1 - r
-    return torch.cat([chunks[2 * j] for j in range(shards.cp)]
-                     + [chunks[2 * (2 * shards.cp - 1 - j) + 1] for j in range(shards.cp, 2 * shards.cp)], dim=1)
-
-
-def _own_chunks(whole: Tensor, shards: SequenceShards) -> Tensor:
-    """This cp rank's positions (its front and back chunk) of [B, S, ...] in sequence order."""
-    chunks = whole.chunk(2 * shards.cp, dim=1)
-    return torch.cat((chunks[shards.rank], chunks[2 * shards.cp - 1 - shards.rank]), dim=1)
 
 
 def _local(param: Tensor) -> Tensor:

@@ -40,10 +40,17 @@ class IndexScoring(nn.Module):
         return (weights.unsqueeze(-2) @ logits.view(batch, seq, self.heads, -1)).squeeze(-2)
 
     @torch.no_grad()
-    def select(self, scores: Tensor, visible: Tensor) -> Tensor:
+    def select(self, scores: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
         """The top-k keys by ``scores`` [B, Sq, K] among the ``visible`` ones ([Sq, K] or [B, 1, Sq, K] bool) ->
-        [B, 1, Sq, K] bool. A query that sees k keys or fewer keeps them all (the top k then include invisible ones,
-        which the kernel's mask of visible keys drops)."""
-        visible = visible.reshape(-1, *visible.shape[-2:])  # [1 or B, Sq, K]
+        their indices [B, Sq, k] int64 and which of them are visible [B, Sq, k] bool. A query that sees k keys or
+        fewer keeps them all (the top k then include invisible ones, marked so)."""
+        visible = visible.reshape(-1, *visible.shape[-2:]).expand_as(scores)  # [B, Sq, K]
         ranked = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, scores.shape[-1]), dim=-1).indices
-        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ranked, True).unsqueeze(1)
+        return ranked, visible.gather(-1, ranked)
+
+    @staticmethod
+    def as_mask(indices: Tensor, keys: int) -> Tensor:
+        """The selected ``indices`` [B, Sq, k] as a mask of the ``keys`` keys, [B, 1, Sq, K] bool (the kernels'
+        form; it may hold invisible keys, which the mask of visible keys drops)."""
+        chosen = torch.zeros(*indices.shape[:2], keys, dtype=torch.bool, device=indices.device)
+        return chosen.scatter_(-1, indices, True).unsqueeze(1)

@@ -12,8 +12,10 @@ cannot drift apart. The kernels:
 - ``blocked_window``: a whole sequence at least four windows long computes only the scores near the diagonal
   (``blocked_window_attention``): O(S · 2W) instead of O(S²/2).
 - ``chunks``: a context-parallel rank's whole sequences without a mask (``SequenceShards.causal_attention``).
-- ``sparse``: one SDPA under the visible keys' mask (``visible_keys``) and each query's selected ones (sparse
-  attention's indexer, ``moe/attention/indexer.py``), a [B, 1, Sq, K] mask per sequence.
+- ``sparse``: one SDPA under the mask of each query's selected keys among the visible ones (sparse attention's
+  indexer, ``moe/attention/sparse_latent.py``), a [B, 1, Sq, K] mask per sequence: every score computed.
+- ``gathered``: each query's selected keys gathered and scored alone, block by block of queries
+  (``moe/attention/gathered.py``): O(Sq·k) scores, on one key head (latent attention's absorbed form).
 - the same two, ``masked`` or ``sparse``, over keys beyond the positions' own (DeepSeek-V4's compressed entries,
   ``attend_under_mask``), under the layer's own mask.
 
@@ -32,6 +34,10 @@ from moe.documents import Documents
 from moe.saved_activations import FP32, INDEX, MicroBatch
 
 CAUSAL, MASKED, BLOCKED_WINDOW, CHUNKS, SPARSE = "causal", "masked", "blocked_window", "chunks", "sparse"
+GATHERED = "gathered"
+# keys per selected key from which gathering each query's selected keys beats one masked SDPA over all of them
+# (``benchmarks/sparse_attention.py`` measures the break-even; docs/performance.md has the table)
+GATHER_RATIO = 16
 SINK_CHANNELS = 8  # channels added to queries, keys and values to carry the attention sink (``fold_in_sink``)
 
 
@@ -42,21 +48,25 @@ def blocked_window(seq: int, window: int | None) -> bool:
 
 
 def choose_kernel(seq: int, window: int | None = None, sinks: bool = False, start: int = 0, sharded: bool = False,
-                  documents_masked: bool = False, selected: bool = False, appended: bool = False) -> str:
+                  documents_masked: bool = False, selected: int | None = None, keys: int = 0,
+                  cached: bool = False, appended: bool = False) -> str:
     """The kernel a layer runs on ``seq`` queries from position ``start`` (after cached ones in generation).
 
     A layer with keys ``appended`` to its positions' (compressed entries: ``attend_under_mask``) attends under its
-    own mask over them all, one per sequence where keys are ``selected`` per query, else one for all;
-    Keys ``selected`` per query (sparse attention) attend under the selection's mask, whatever the context;
+    own mask over them all, one per sequence where keys are ``selected`` per query, else one for all.
+    Sparse attention keeps ``selected`` (k) of the ``keys`` (K) each query chooses among: with K <= k it keeps them
+    all and attends as a dense layer would (the rules below); with K >= ``GATHER_RATIO``·k it gathers each query's
+    k keys (``gathered``: cost O(Sq·k)) but in generation (``cached``: the cache holds every head's keys, not the
+    latents the gathered kernel reads); otherwise it attends under the selection's mask (``sparse``: O(Sq·K)).
     A layer with a ``window`` or ``sinks`` attends under its own mask (blocked when the whole sequence is long
     enough and in one process); a context-parallel rank's queries (``sharded``) of whole sequences attend by chunks
     unless the documents carry a mask (packed documents, or a model with windowed or sink layers:
     ``attends_by_chunks``); packed documents otherwise attend under their mask; the rest causally.
     """
     if appended:
-        return SPARSE if selected else MASKED
-    if selected:
-        return SPARSE
+        return SPARSE if selected is not None else MASKED
+    if selected is not None and keys > selected:
+        return GATHERED if keys >= GATHER_RATIO * selected and not cached else SPARSE
     if window is not None or sinks:
         return BLOCKED_WINDOW if start == 0 and not sharded and blocked_window(seq, window) else MASKED
     if sharded and not documents_masked:
@@ -74,16 +84,16 @@ def attends_by_chunks(model: ModelConfig) -> bool:
 
 
 def training_kernel(model: ModelConfig, mb: MicroBatch, window: int | None = None, sinks: bool = False,
-                    selected: bool = False, appended: bool = False) -> str:
+                    selected: int | None = None, appended: bool = False) -> str:
     """The kernel a layer runs on a training micro-batch of whole sequences (packed documents' masks are not in
     the memory model), ``choose_kernel``'s answer that the kinds' ``saved_bytes`` count: a context-parallel rank's
-    positions of them attend by chunks, or under the whole-sequence mask where some layer needs one; keys
-    ``selected`` per query (sparse attention) under the selection's, and keys ``appended`` (compressed entries)
-    under the layer's own."""
+    positions of them attend by chunks, or under the whole-sequence mask where some layer needs one; ``selected``
+    keys per query (sparse attention) among the whole sequence's cp·s, and keys ``appended`` (compressed entries)
+    under the layer's own mask."""
     sharded = mb.cp > 1
     return choose_kernel(mb.positions, window, sinks, sharded=sharded,
                          documents_masked=sharded and not attends_by_chunks(model), selected=selected,
-                         appended=appended)
+                         keys=mb.positions * mb.cp, appended=appended)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, start: int = 0, window: int | None = None,
@@ -98,16 +108,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, start: int = 0, window
     head width, and without them it falls back to its math path, which keeps every head's [Sq, K] weights for
     backward (measured on CPU: 8.6 GB per 4,096-token sequence and layer at DeepSeek-V3's 128 heads).
     ``cache_mask``: generation's mask for several new positions after cached ones (``LayerCache.extend``).
-    ``selected``: [B, 1, Sq, K] bool, the keys each query attends to among those it may see (sparse attention).
+    ``selected``: [B, 1, Sq, K] bool, the keys each query attends to, already within those it may see (sparse
+    attention, where ``choose_kernel`` said ``sparse``).
     """
     seq, v_dim = q.shape[2], v.shape[-1]
     sharded = documents is not None and documents.sharded
     masked = documents is not None and documents.mask is not None
-    kernel = choose_kernel(seq, window, sinks is not None, start, sharded, masked, selected is not None)
+    kernel = SPARSE if selected is not None else choose_kernel(seq, window, sinks is not None, start, sharded, masked)
     q, k, v = _one_width(q, k, v)
     if kernel == SPARSE:
-        out = _attend_masked(q, k, v, scale, visible_keys(seq, k.shape[2], start, documents, q.device) & selected,
-                             sinks)
+        out = _attend_masked(q, k, v, scale, selected, sinks)
     elif kernel == BLOCKED_WINDOW:
         out = blocked_window_attention(q, k, v, scale, window, sinks, None if documents is None else documents.ids)
     elif kernel == MASKED:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
-from moe.attention.kernel import CHUNKS, attend, kernel_saved_bytes, training_kernel
+from moe.attention.kernel import CHUNKS, GATHERED, attend, kernel_saved_bytes, training_kernel
 from moe.documents import Documents
 from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm
@@ -213,7 +213,8 @@ def latent_saved_bytes(model: ModelConfig, tp: int, mb: MicroBatch, kernel: str)
         total += norm_bytes(t, latent, fused=False)
     else:  # fused: its input, a view of wkv_a's fp32 [T, c + r] output, keeps that storage; rstd
         total += t * (latent + rope) * FP32 + t * FP32
-    total += t * mb.cp * latent * a  # wkv_b's input
-    values = width if v < width or kernel == CHUNKS else nope + v
-    total += kernel_saved_bytes(kernel, mb, heads, heads, width, value_width=values)
+    if kernel != GATHERED:  # keys and values up-projected; the gathered kernel reads the latents (sparse_latent.py)
+        total += t * mb.cp * latent * a  # wkv_b's input
+        values = width if v < width or kernel == CHUNKS else nope + v
+        total += kernel_saved_bytes(kernel, mb, heads, heads, width, value_width=values)
     return total + (0 if heads == 1 and v == width else t * heads * v * a)  # wo's input

@@ -76,9 +76,11 @@ CASES_2 = {  # name -> overrides, on 2 ranks
         *LATENT, "model.q_lora_rank=12", *DENSE_FIRST],
     "tp=2, latent attention, full query, full recompute": [
         "parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpointing=full", *LATENT],
-    # sparse attention: the indexer's target summed over tp (again in the recompute); under cp its keys gathered
+    # sparse attention: the indexer's target summed over tp (again in the recompute), on the gathered kernel (the
+    # top 2 of 32 keys: the target over the 2, the latent's gradient summed); under cp its keys gathered
     "tp=2, sparse attention, full recompute": [
-        "parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpointing=full", *SPARSE],
+        "parallel.dp_shard=1", "parallel.tp=2", "parallel.activation_checkpointing=full", *SPARSE,
+        "model.index_topk=2"],
     "cp=2, sparse attention": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *SPARSE],
     # DeepSeek-V4's attention: the query latent's, the shared key/value's and the entries' gradients summed over tp
     "tp=2, DeepSeek-V4 attention, sequence parallel, bf16": [
@@ -116,8 +118,12 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     "tp=2 x ep=2, sequence parallel, Qwen3-Next": ["parallel.dp_shard=1", "parallel.tp=2", "parallel.ep=2",
                                                    "parallel.sequence_parallel=true", *QWEN3_NEXT],
     "fsdp, Qwen3-Next": ["parallel.dp_shard=2", *QWEN3_NEXT],
-    # under cp each linear layer gathers its q, k, v and gate inputs (their gradients reduce-scattered)
+    # under cp each linear layer gathers every chunk's state map and last convolution inputs (their gradients
+    # reduce-scattered); again in full recompute, the inputs in bf16 and the maps in fp32
     "cp=2, Qwen3-Next": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *QWEN3_NEXT],
+    "cp=2, Qwen3-Next, bf16, full recompute": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null",
+                                               "train.precision=bf16", "parallel.activation_checkpointing=full",
+                                               *QWEN3_NEXT],
 }
 HSDP_2MB = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]
 EDP_2MB = ["parallel.dp_shard=4", "parallel.ep=2", "train.micro_batch_size=1"]

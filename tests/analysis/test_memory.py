@@ -57,6 +57,10 @@ HYBRID = ["model.layer_types=[linear_attention,full_attention]", "model.linear_k
           "model.linear_chunk_size=4"]  # Qwen3-Next's: Gated DeltaNet linear attention beside full attention
 QWEN3_NEXT = ["model.attn_output_gate=true", "model.qk_norm=true", "model.rotary_dim=4",
               "moe.num_shared_experts=1", "moe.shared_expert_gate=true"]
+# DeepSeek-V4's residual and feed-forward (its attention aside): 4 hyper-connected streams (20 Sinkhorn iterations), a
+# hash-routed layer then a learned one, sqrt-softplus scores, the limited SwiGLU in the routed and shared experts
+DEEPSEEK_V4_RESIDUAL = ["model.hc_mult=4", "model.mlp_layer_types=[hash_moe, moe]", "moe.score_func=sqrtsoftplus",
+                        "moe.activation=limited_swiglu", "moe.num_shared_experts=1", "moe.force_balance=true"]
 GPT_OSS_MOE = ["moe.activation=clamped_swiglu", "moe.router_bias=true", "moe.expert_proj_bias=true"]
 # DeepSeek-V4's attention: shared key/value, grouped output; 16 positions make 8 CSA entries (top 3 kept) and 4 HCA
 V4_ATTENTION = ["model.n_kv_heads=null", "model.head_dim=8", "model.rotary_dim=4", "model.q_lora_rank=10",
@@ -95,7 +99,7 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
 
 @pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape",
                                   "qwen3-30b-a3b", "deepseek-v3", "kimi-k2", "glm-4.5", "gpt-oss-20b",
-                                  "gpt-oss-120b"])
+                                  "gpt-oss-120b", "minimax-m2"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_parameter_tensors_add_up_to_the_accounting(name, tie):
     config = load_config(name, [f"model.tie_embeddings={str(tie).lower()}"])
@@ -130,7 +134,7 @@ def test_parameter_tensors_count_router_and_expert_biases(overrides):
     ["model.n_kv_heads=null", "model.q_lora_rank=10", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6",
      "model.qk_rope_head_dim=4", "model.v_head_dim=5"],
     ["model.mtp_depth=2", "model.first_moe_layer=1", "model.moe_every=2"],  # a dense and an MoE module
-    HYBRID, [*HYBRID, *QWEN3_NEXT]])
+    HYBRID, [*HYBRID, *QWEN3_NEXT], DEEPSEEK_V4_RESIDUAL])
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
@@ -170,6 +174,12 @@ SINGLE = {
     "Qwen3 attention: q/k norms, wide heads": ("fp32", ["model.qk_norm=true", "model.head_dim=16",
                                                         "moe.renormalize=false", "moe.force_balance=true"]),
     "bf16, Qwen3 attention": ("bf16", ["model.qk_norm=true", "model.head_dim=16", "moe.force_balance=true"]),
+    # MiniMax-M2's: one q norm over every head's channels, one k norm likewise, partial rotary
+    "MiniMax-M2 attention: q/k norms per layer": ("fp32", ["model.qk_norm=true", "model.qk_norm_type=per_layer",
+                                                           "model.n_kv_heads=2", "model.rotary_dim=4",
+                                                           "moe.force_balance=true"]),
+    "bf16, MiniMax-M2 attention": ("bf16", ["model.qk_norm=true", "model.qk_norm_type=per_layer",
+                                            "model.n_kv_heads=2", "moe.force_balance=true"]),
     "bf16, recompute moe": ("bf16", ["parallel.activation_checkpointing=moe", "moe.num_shared_experts=1",
                                      "moe.force_balance=true"]),
     "latent attention": ("fp32", [*MLA, "moe.force_balance=true"]),
@@ -202,6 +212,13 @@ SINGLE = {
                                                                     "heavily_compressed_attention]"]),
     "bf16, DeepSeek-V4 attention: sliding then CSA": ("bf16", [*V4_ATTENTION, "model.layer_types=[sliding_attention,"
                                                                             "compressed_sparse_attention]"]),
+    # the top 2 of 32 keys: each query's keys gathered (the gathered kernel, latent attention absorbed)
+    "sparse attention (DSA), gathered keys": ("fp32", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
+    "bf16, sparse attention (DSA), gathered keys": ("bf16", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
+    # GLM-5's second layer sharing the first's selection (no indexer), on either kernel
+    "GLM-5 shared selection, masked": ("fp32", [*DSA, "model.index_topk=6", "model.indexer_types=[full,shared]"]),
+    "GLM-5 shared selection, gathered": ("fp32", [*DSA, "model.index_topk=2", "model.seq_len=32",
+                                                  "model.indexer_types=[full,shared]"]),
     "Gated DeltaNet linear attention beside full attention": ("fp32", [*HYBRID, "moe.force_balance=true"]),
     "bf16, Gated DeltaNet linear attention": ("bf16", [*HYBRID, "moe.force_balance=true"]),
     # Qwen3-Next's other parts: gated attention, partial rotary, q/k norms, a gated shared expert
@@ -209,6 +226,9 @@ SINGLE = {
     "bf16, Qwen3-Next": ("bf16", [*HYBRID, *QWEN3_NEXT, "moe.force_balance=true"]),
     "Qwen3-Next, recompute full": ("fp32", [*HYBRID, *QWEN3_NEXT, "parallel.activation_checkpointing=full",
                                             "moe.force_balance=true"]),
+    "DeepSeek-V4 residual: hyper-connections, hash routing, limited SwiGLU": ("fp32", DEEPSEEK_V4_RESIDUAL),
+    "bf16, DeepSeek-V4 residual, no z-loss": ("bf16", [*DEEPSEEK_V4_RESIDUAL, "moe.z_loss_coef=0"]),
+    "DeepSeek-V4 residual, recompute full": ("fp32", [*DEEPSEEK_V4_RESIDUAL, "parallel.activation_checkpointing=full"]),
 }
 
 
@@ -398,11 +418,13 @@ SPAWNED = [
     # Qwen3-Next: the linear heads split over tp (the gated norm on each rank's heads, a DTensor); under FSDP's bf16
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *HYBRID, *QWEN3_NEXT]),
     ("bf16", ["parallel.dp_shard=2", *HYBRID, *QWEN3_NEXT]),
-    # and under cp: the linear layers' inputs gathered, the recurrence over the whole sequence; a model of linear
-    # layers alone takes no rotary tables
+    # and under cp: each linear layer on its rank's positions, the chunks' state maps gathered and composed
+    # (moe/attention/delta_rule_shards.py); a model of linear layers alone takes no rotary tables
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT]),
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT,
               "model.layer_types=[linear_attention,linear_attention]"]),
+    # the state maps composed in fp32 under bf16 autocast
+    ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *HYBRID, *QWEN3_NEXT]),
 ]
 SPAWNED_MODEL = ["model.first_moe_layer=1", "moe.num_shared_experts=1", "moe.shared_expert_hidden=32",
                  "moe.force_balance=true", "train.global_batch_size=4"]

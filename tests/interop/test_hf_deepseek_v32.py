@@ -60,6 +60,36 @@ def test_import_export_and_greedy_generation_match_transformers(tmp_path, family
     assert generate(generator, prompt, 20, temperature=0) == theirs[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("topk, length", [(5, SEQ), (2, 32)])  # the masked kernel; the gathered one (32 >= 16·2)
+def test_glm_5_layers_sharing_a_selection_match_transformers(tmp_path, topk, length):
+    """GLM-5's indexer_types: the shared layers carry no indexer and attend to the keys the last full layer before
+    them selected (F S S F S: a chain of two, then a new full layer's selection); logits within 1e-5, export
+    bit-exact (no indexer tensors written for shared layers), picked as GLM-5 (DeepSeek-V3.2 cannot say it)."""
+    types = ["full", "shared", "shared", "full", "shared"]
+    hf = make_sparse(tmp_path / "hf", "glm-5", num_hidden_layers=5, indexer_types=types, index_topk=topk)
+    config = import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=length)
+    assert config.model.indexer_types == types
+    assert [spec.attention for spec in config.model.layer_pattern] == [
+        "sparse_latent" if kind == "full" else "shared_selection" for kind in types]
+    ours = our_model(tmp_path / "ours.safetensors")
+    assert ours.layers["2"].attn.indexer is None and ours.layers["2"].attn.relay is ours.layers["0"].attn.relay
+    x = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(1))
+    assert_oracle_and_export_back(tmp_path, hf, ours, x, "GlmMoeDsaForCausalLM", tied=False)
+    for i in ("1", "2", "4"):  # the shared layers attending densely instead: other logits, so the sharing binds
+        ours.layers[i].attn.dense_warmup = True
+    with torch.no_grad():
+        assert (ours(x) - hf(x).logits).abs().max() > 1e-3
+
+
+def test_glm_5_indexer_types_derive_as_transformers_derives_them():
+    from interop.hf_glm_moe_dsa import indexer_types
+
+    for settings in (dict(), dict(index_topk_freq=2), dict(index_topk_freq=3, index_skip_topk_offset=4),
+                     dict(index_topk_pattern="FSSFS")):
+        expected = transformers.GlmMoeDsaConfig(num_hidden_layers=5, **settings).indexer_types
+        assert indexer_types(settings, 5) == expected, settings
+
+
 def test_the_glm_5_indexer_rows_are_reordered(tmp_path):
     """GLM-5's indexer rotates interleaved pairs: read as DeepSeek-V3.2's (copied as they are), the logits differ."""
     hf = make_sparse(tmp_path / "hf", "glm-5")
@@ -82,12 +112,13 @@ def test_the_glm_5_indexer_rows_are_reordered(tmp_path):
 def test_bad_input_is_named(tmp_path):
     make_sparse(tmp_path / "hf", "glm-5")
     assert_each_edit_refused(tmp_path / "hf", [
-        (dict(indexer_types=["full", "shared", "full"]), r"indexer_types=\['full', 'shared', 'full'\] is not "
-                                                         "supported: every layer here runs its own indexer"),
+        (dict(indexer_types=["shared", "full", "full"]), r"indexer_types=\['shared', 'full', 'full'\] is not "
+                                                         "supported: one 'full' or 'shared' per layer, the first"),
+        (dict(indexer_types=["full", "full"]), r"indexer_types=\['full', 'full'\] is not supported"),
         (dict(layer_types=["indexed_attention", "full_attention", "indexed_attention"]),
          r"layer_types=.* is not supported: GLM-5 here has"),
         (dict(mlp_layer_types=["sparse"] * 3), r"mlp_layer_types=.* is not supported"),
-        (dict(index_topk_freq=2), r"'index_topk_freq'=2 is not supported by the GLM-5 import"),
+        (dict(indexer_types=None, index_topk_pattern="SFF"), r"indexer_types=\['shared', 'full', 'full'\] is not"),
         (dict(indexer_rope_interleave=False), r"indexer_rope_interleave=False is not supported"),
     ], tmp_path / "out.safetensors", load_config("moe-8x"), SEQ)
 

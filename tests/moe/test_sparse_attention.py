@@ -8,8 +8,11 @@ import torch
 
 from config.errors import ConfigError
 from config.model import ModelConfig
+from config.run import load_config
 from interop.hf_deepseek_v3 import interleaved_rows
 from moe.attention import SparseLatentAttention, build_attention
+from moe.attention import kernel as kernels
+from moe.attention.kernel import GATHERED, SPARSE, choose_kernel
 from moe.attention.sparse_latent import indexer_loss
 from moe.kv_cache import LayerCache
 from moe.rope import rope_tables
@@ -64,8 +67,15 @@ def hf_attention(model: ModelConfig, ours: SparseLatentAttention):
     return theirs, hf_v32.DeepseekV32RotaryEmbedding(config)
 
 
-def test_sparse_attention_matches_transformers_forward_and_gradients():
-    model, ours = sparse_attention()
+# top 7 of 24 keys: the masked kernel (``sparse``); top 3 of 48: each query's keys gathered (``gathered``)
+KERNELS = pytest.mark.parametrize("settings, kernel", [(dict(index_topk=7), SPARSE),
+                                                      (dict(index_topk=3, seq_len=48), GATHERED)])
+
+
+@KERNELS
+def test_sparse_attention_matches_transformers_forward_and_gradients(settings, kernel):
+    model, ours = sparse_attention(**settings)
+    assert choose_kernel(model.seq_len, selected=model.index_topk, keys=model.seq_len) == kernel
     ours.eval()
     theirs, rotary = hf_attention(model, ours)
     x = torch.randn(2, model.seq_len, model.d_model)
@@ -129,8 +139,10 @@ def naive_sparse_attention(ours: SparseLatentAttention, model: ModelConfig, x: t
     return out.transpose(1, 2).reshape(batch, seq, -1) @ ours.wo.weight.T, selected & causal
 
 
-def test_sparse_attention_matches_naive_top_k_attention_and_the_selection_binds():
-    model, ours = sparse_attention(seed=1)
+@KERNELS
+def test_sparse_attention_matches_naive_top_k_attention_and_the_selection_binds(settings, kernel):
+    model, ours = sparse_attention(seed=1, **settings)
+    assert choose_kernel(model.seq_len, selected=model.index_topk, keys=model.seq_len) == kernel
     ours.eval()
     x = torch.randn(2, model.seq_len, model.d_model)
     expected, selected = naive_sparse_attention(ours, model, x)
@@ -138,10 +150,38 @@ def test_sparse_attention_matches_naive_top_k_attention_and_the_selection_binds(
     causal = torch.ones(model.seq_len, model.seq_len, dtype=torch.bool).tril()
     assert (selected.sum(-1) == causal.sum(-1).clamp(max=model.index_topk)).all()  # k keys, or all the visible
     assert (selected != causal).any()  # some query sees more than k keys: the top-k left some out
-    dense_model = ModelConfig(**{**DSA, "index_topk": None, "index_n_heads": None, "index_head_dim": None})
+    dense_model = ModelConfig(**{**DSA, "seq_len": model.seq_len, "index_topk": None, "index_n_heads": None,
+                                 "index_head_dim": None})
     dense = build_attention(dense_model, dense_model.layer(0)).eval()
     dense.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith("indexer.")})
     assert (dense(x, *rope_tables(model)) - expected).abs().max() > 1e-3  # sparse is not dense here
+
+
+def test_gathered_kernel_equals_the_masked_kernel_in_training(monkeypatch):
+    """The same layer and batch through both sparse kernels (the masked one forced by a ratio no sequence
+    reaches): output, every gradient and the indexer's loss within fp32 1e-5, in both training stages' sparse
+    one and with the selection binding for most queries."""
+    model, ours = sparse_attention(seed=6, index_topk=3, seq_len=48)
+    assert choose_kernel(model.seq_len, selected=model.index_topk, keys=model.seq_len) == GATHERED
+    ours.train()
+    x = torch.randn(2, model.seq_len, model.d_model)
+    weights = torch.randn(2, model.seq_len, model.d_model)
+    results = []
+    for ratio in (kernels.GATHER_RATIO, 10 ** 6):
+        monkeypatch.setattr(kernels, "GATHER_RATIO", ratio)
+        ours.zero_grad()
+        x_in = x.clone().requires_grad_()
+        out = ours(x_in, *rope_tables(model))
+        (out * weights).sum().backward()
+        results.append((out, ours.last_indexer_loss, x_in.grad,
+                        {name: p.grad.clone() for name, p in ours.named_parameters()}))
+    (out, loss, grad, params), (out_m, loss_m, grad_m, params_m) = results
+    torch.testing.assert_close(out, out_m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss, loss_m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad, grad_m, rtol=0, atol=1e-5)
+    for name in params:
+        torch.testing.assert_close(params[name], params_m[name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_generation_with_the_indexer_key_cache_equals_the_whole_forward():
@@ -214,8 +254,17 @@ def test_only_the_indexer_loss_reaches_the_indexer():
     (dict(DSA, index_n_heads=0), r"model.index_n_heads=0: sparse attention \(model.index_topk set\) needs"),
     (dict(DSA, index_head_dim=2), r"model.index_head_dim=2 must hold the indexer's rotary channels"),
     (dict(DSA, index_topk=None), r"model.index_n_heads is a sparse-attention setting: it needs model.index_topk"),
+    (dict(DSA, n_layers=2, indexer_types=["shared", "full"]), r"model.indexer_types=\['shared', 'full'\]: one "
+                                                              r"'full' or 'shared' per layer \(2\), the first 'full'"),
+    (dict(DSA, n_layers=2, indexer_types=["full"]), r"model.indexer_types=\['full'\]: one 'full' or 'shared'"),
 ])
 def test_impossible_sparse_attention_settings_are_refused_by_name(settings, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**settings).validate()
 
+
+
+def test_shared_selection_layers_are_refused_under_pipeline_parallelism():
+    with pytest.raises(ConfigError, match=r"model.indexer_types with 'shared' layers under parallel.pp=2"):
+        load_config("deepseek-v3.2", ["model.n_layers=4", "model.indexer_types=[full,shared,full,shared]",
+                                      "parallel.pp=2"])

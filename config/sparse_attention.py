@@ -1,0 +1,34 @@
+"""The checks of the model's sparse-attention keys (DeepSeek Sparse Attention's indexer: ``model.index_topk``,
+``index_n_heads``, ``index_head_dim``, GLM-5's ``indexer_types``; the kind is ``moe/attention/sparse_latent.py``),
+kept beside ``config/model.py`` so that module stays about the transformer's shape."""
+
+from __future__ import annotations
+
+from config.schema import require
+
+
+def validate_sparse_attention(model) -> None:
+    """Refuse impossible sparse-attention settings of ``model`` (a ``config.model.ModelConfig``) before any tensor
+    exists."""
+    index_keys = ("index_n_heads", "index_head_dim")
+    if not model.sparse_attention:
+        given = [key for key in (*index_keys, "indexer_types") if getattr(model, key) is not None]
+        require(not given, f"model.{given[0] if given else ''} is a sparse-attention setting: it needs "
+                           "model.index_topk (null: dense attention)")
+        return
+    require(model.latent_attention and model.q_lora_rank is not None,
+            "model.index_topk: sparse attention's indexer reads latent attention's query latent; set "
+            "model.kv_lora_rank and model.q_lora_rank (DeepSeek-V3.2: 512 and 1536), or leave index_topk null")
+    for key in ("index_topk", *index_keys):
+        value = getattr(model, key)
+        require(value is not None and value > 0,
+                f"model.{key}={value}: sparse attention (model.index_topk set) needs a positive integer "
+                "(DeepSeek-V3.2: index_topk 2048, index_n_heads 64, index_head_dim 128)")
+    require(model.qk_rope_head_dim <= model.index_head_dim,
+            f"model.index_head_dim={model.index_head_dim} must hold the indexer's rotary channels, "
+            f"model.qk_rope_head_dim={model.qk_rope_head_dim}")
+    types = model.indexer_types
+    require(types is None or (len(types) == model.n_layers and set(types) <= {"full", "shared"}
+                              and types[0] == "full"),
+            f"model.indexer_types={types!r}: one 'full' or 'shared' per layer ({model.n_layers}), the first "
+            "'full' (a shared layer attends to the keys the full layer before it selected)")
