@@ -45,10 +45,11 @@ def live_storages() -> dict[int, torch.UntypedStorage]:
         if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # a wrapper subclass: its inner tensors are counted
-                continue
-            if storage.data_ptr():
-                storages[storage.data_ptr()] = storage
+                address = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass (its inner tensors are counted), or
+                continue  # a storage already released (an "invalid python storage" under FSDP's and DTensor's reuse)
+            if address:
+                storages[address] = storage
     return storages
 
 
