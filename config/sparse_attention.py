@@ -1,6 +1,6 @@
-"""The checks of the model's sparse-attention keys (DeepSeek Sparse Attention's indexer: ``model.index_topk``,
-``index_n_heads``, ``index_head_dim``, GLM-5's ``indexer_types``; the kind is ``moe/attention/sparse_latent.py``),
-kept beside ``config/model.py`` so that module stays about the transformer's shape."""
+"""The checks of the model's DeepSeek Sparse Attention keys (``model.index_topk``, ``index_n_heads``,
+``index_head_dim``, GLM-5's ``indexer_types``; the module is ``moe/attention/sparse_latent.py``), kept beside
+``config/model.py`` so that module stays about the transformer's shape."""
 
 from __future__ import annotations
 

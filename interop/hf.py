@@ -9,9 +9,9 @@ Families (``FAMILIES``, by the architecture config.json names): Mixtral (``inter
 (``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``), GLM-4.5 (``interop/hf_glm4_moe.py``),
 GPT-OSS (``interop/hf_gpt_oss.py``), DeepSeek-V3.2 (``interop/hf_deepseek_v32.py``), GLM-5
 (``interop/hf_glm_moe_dsa.py``), Qwen3-Next (``interop/hf_qwen3_next.py``), Qwen3.5-MoE's text model
-(``interop/hf_qwen3_5_moe.py``) and DeepSeek-V4 (``interop/hf_deepseek_v4.py``), each a config mapping and its
-tensor names over the pieces they share (``interop/hf_family.py``). A folder (``interop/hf_folder.py``) is
-``config.json`` plus ``model.safetensors``, or
+(``interop/hf_qwen3_5_moe.py``), MiniMax-M2 (``interop/hf_minimax_m2.py``) and DeepSeek-V4
+(``interop/hf_deepseek_v4.py``), each a config mapping and its tensor names over the pieces they share
+(``interop/hf_family.py``). A folder (``interop/hf_folder.py``) is ``config.json`` plus ``model.safetensors``, or
 shards named in ``model.safetensors.index.json``; quantised weights (DeepSeek-V3's block-scaled fp8, GPT-OSS's MXFP4
 expert stacks) are dequantised to bf16 box by box as they are read. Everything streams:
 import reads one HF tensor at a time (an expert stack, one of our tensors, needs its E experts), export one of our
@@ -44,6 +44,7 @@ from interop import (
     hf_glm4_moe,
     hf_glm_moe_dsa,
     hf_gpt_oss,
+    hf_minimax_m2,
     hf_mixtral,
     hf_qwen3_5_moe,
     hf_qwen3_moe,
@@ -76,7 +77,7 @@ from storage.files import atomic_folder
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
     hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY, hf_gpt_oss.FAMILY,
     hf_deepseek_v32.FAMILY, hf_glm_moe_dsa.FAMILY, hf_qwen3_next.FAMILY, hf_qwen3_5_moe.TEXT_FAMILY,
-    hf_qwen3_5_moe.FAMILY, hf_deepseek_v4.FAMILY)}
+    hf_qwen3_5_moe.FAMILY, hf_minimax_m2.FAMILY, hf_deepseek_v4.FAMILY)}
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -272,7 +272,7 @@ def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False, 
             "n_kv_heads": get_key(hf, "num_key_value_heads", family, heads, required=False),
             "head_dim": None if head_dim is None or head_dim * heads == hidden else head_dim,
             "tie_embeddings": bool(get_key(hf, "tie_word_embeddings", family, False, required=False)),
-            **rope_keys(hf, rope_theta, yarn, partial_rotary), "rotary_dim": None,
+            **rope_keys(hf, rope_theta, yarn, partial_rotary), "rotary_dim": None, "qk_norm_type": "per_head",
             "qkv_bias": bool(hf.get("attention_bias", False)) if qkv_bias else False,
             # grouped-query attention unless the family says otherwise (the base config's latent keys would stay)
             "q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None,

@@ -38,9 +38,9 @@ def set_indexer_stage(layers: list[SparseLatentAttention], dense_warmup: bool) -
 
 
 def drop_frozen_gradients(model: nn.Module, layers: list[SparseLatentAttention]) -> None:
-    """The warm-up's freeze: every gradient but the indexers' (of ``layers``, the model's sparse layers) set to
-    None, after backward and before the clip."""
-    indexers = {id(param) for layer in layers for param in layer.indexer.parameters()}
+    """The warm-up's freeze: every gradient but the indexers' (of ``layers``, the model's sparse layers; GLM-5's
+    shared-selection layers have none) set to None, after backward and before the clip."""
+    indexers = {id(param) for layer in layers if layer.indexer is not None for param in layer.indexer.parameters()}
     for param in model.parameters():
         if id(param) not in indexers:
             param.grad = None

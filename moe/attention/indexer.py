@@ -40,7 +40,7 @@ class IndexScoring(nn.Module):
         return (weights.unsqueeze(-2) @ logits.view(batch, seq, self.heads, -1)).squeeze(-2)
 
     @torch.no_grad()
-    def select(self, scores: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
+    def top_keys(self, scores: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
         """The top-k keys by ``scores`` [B, Sq, K] among the ``visible`` ones ([Sq, K] or [B, 1, Sq, K] bool) ->
         their indices [B, Sq, k] int64 and which of them are visible [B, Sq, k] bool. A query that sees k keys or
         fewer keeps them all (the top k then include invisible ones, marked so)."""
@@ -48,9 +48,9 @@ class IndexScoring(nn.Module):
         ranked = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, scores.shape[-1]), dim=-1).indices
         return ranked, visible.gather(-1, ranked)
 
-    @staticmethod
-    def as_mask(indices: Tensor, keys: int) -> Tensor:
-        """The selected ``indices`` [B, Sq, k] as a mask of the ``keys`` keys, [B, 1, Sq, K] bool (the kernels'
-        form; it may hold invisible keys, which the mask of visible keys drops)."""
-        chosen = torch.zeros(*indices.shape[:2], keys, dtype=torch.bool, device=indices.device)
-        return chosen.scatter_(-1, indices, True).unsqueeze(1)
+    @torch.no_grad()
+    def select(self, scores: Tensor, visible: Tensor) -> Tensor:
+        """``top_keys`` as a mask [B, 1, Sq, K] bool (the invisible ones among them left for the kernel's mask of
+        visible keys to drop)."""
+        ranked, _ = self.top_keys(scores, visible)
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ranked, True).unsqueeze(1)

@@ -64,7 +64,7 @@ def choose_kernel(seq: int, window: int | None = None, sinks: bool = False, star
     ``attends_by_chunks``); packed documents otherwise attend under their mask; the rest causally.
     """
     if appended:
-        return SPARSE if selected is not None else MASKED
+        return SPARSE if selected else MASKED
     if selected is not None and keys > selected:
         return GATHERED if keys >= GATHER_RATIO * selected and not cached else SPARSE
     if window is not None or sinks:
@@ -89,7 +89,7 @@ def training_kernel(model: ModelConfig, mb: MicroBatch, window: int | None = Non
     the memory model), ``choose_kernel``'s answer that the kinds' ``saved_bytes`` count: a context-parallel rank's
     positions of them attend by chunks, or under the whole-sequence mask where some layer needs one; ``selected``
     keys per query (sparse attention) among the whole sequence's cp·s, and keys ``appended`` (compressed entries)
-    under the layer's own mask."""
+    under the layer's own."""
     sharded = mb.cp > 1
     return choose_kernel(mb.positions, window, sinks, sharded=sharded,
                          documents_masked=sharded and not attends_by_chunks(model), selected=selected,

@@ -148,7 +148,7 @@ class SparseLatentAttention(LatentAttention):
             if own:
                 scores = self.indexer.scores(index_input, index_latent, cos, sin, index_keys)  # [B, Sq, K]
         if kernel in (SPARSE, GATHERED):
-            indices, valid = self.indexer.select(scores, visible) if own else self.shared_selection(q.shape[2])
+            indices, valid = self.indexer.top_keys(scores, visible) if own else self.shared_selection(q.shape[2])
         if own:
             self.relay.latest = None if indices is None else (indices, valid)
         if kernel == GATHERED:
@@ -160,7 +160,8 @@ class SparseLatentAttention(LatentAttention):
         self.track(q, k, self.softmax_scale, cache, documents)
         k, v, cache_mask = (k, v, None) if cache is None else cache.extend(k, v)
         if kernel == SPARSE:  # the selected keys among the visible, the one mask of the kernel and the loss
-            selected = visible & IndexScoring.as_mask(indices, keys)
+            chosen = torch.zeros(*indices.shape[:2], keys, dtype=torch.bool, device=x.device)
+            selected = visible & chosen.scatter_(-1, indices, True).unsqueeze(1)
         out = attend(q, k, v, self.softmax_scale, start, cache_mask=cache_mask, documents=documents,
                      selected=selected)
         out = self.output(out)

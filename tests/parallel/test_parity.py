@@ -33,6 +33,8 @@ DEEPSEEK_V3_MTP = [*DEEPSEEK_V3, "model.mtp_depth=1"]
 # heads: with 4, a key's score is exactly 0 wherever all 4 ReLUs are (1 in 16), and such near-ties at the top-k's
 # edge were seen to flip under a layout's other summation order (one row or another off by ~1e-4 from step 2 on)
 DEEPSEEK_V32 = [*DEEPSEEK_V3, "model.index_topk=8", "model.index_n_heads=16", "model.index_head_dim=8"]
+# the top 2 of 32: the kernel that gathers each query's keys (moe/attention/gathered.py), the top 8 the masked one
+DEEPSEEK_V32_GATHERED = [*DEEPSEEK_V32, "model.index_topk=2"]
 # DeepSeek-V4's attention at toy size on today's residual stream: a sliding layer, a heavily compressed one (8
 # entries of 4 positions) and a compressed sparse one (16 entries of 2, the top 4 kept; 16 indexer heads against
 # ties, as DeepSeek-V3.2's), 4 heads in 2 output groups
@@ -42,8 +44,6 @@ DEEPSEEK_V4_ATTENTION = [
     "compressed_sparse_attention]", "model.index_topk=4", "model.index_n_heads=16", "model.index_head_dim=8",
     "model.compressed_attention.csa_rate=2", "model.compressed_attention.hca_rate=4",
     "model.compressed_attention.o_groups=2", "model.compressed_attention.o_lora_rank=8"]
-# the top 2 of 32: the kernel that gathers each query's keys (moe/attention/gathered.py), the top 8 the masked one
-DEEPSEEK_V32_GATHERED = [*DEEPSEEK_V32, "model.index_topk=2"]
 # Muon (training/muon.py), on rows whose layouts cover its cases: matrices gathered from FSDP's dp_shard (the dense
 # weights of the ep=2 row), from tp (with sequence parallelism), from etp, and from dp_shard and tp together (the
 # QK-clip row); experts whole under ep; pp's stages
@@ -72,6 +72,10 @@ DEEPSEEK_V4 = [*DEEPSEEK_V4_RESIDUAL, "model.n_kv_heads=null", "model.head_dim=1
                "model.index_n_heads=2", "model.index_head_dim=8", "model.compressed_attention.csa_rate=4",
                "model.compressed_attention.hca_rate=8", "model.compressed_attention.o_groups=2",
                "model.compressed_attention.o_lora_rank=8"]
+# MiniMax-M2's at toy size: one RMSNorm over all heads' queries and one over all keys, partial rotary, sigmoid
+# routing by the correction bias (trained by aux-loss-free balancing), every layer MoE
+MINIMAX_M2 = ["model.qk_norm=true", "model.qk_norm_type=per_layer", "model.n_kv_heads=2", "model.rotary_dim=4",
+              "moe.score_func=sigmoid", "moe.bias_update_rate=0.01"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -170,6 +174,8 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # attends as before; at cp=4 in chunks of 4 positions (rule chunks of 8), the last one from 7 maps composed
     pytest.param(["parallel.cp=2", "parallel.dp_shard=1", *QWEN3_NEXT], 2, "null", id="cp=2-qwen3-next"),
     pytest.param(["parallel.cp=4", "parallel.dp_shard=1", *QWEN3_NEXT], 4, "null", id="cp=4-qwen3-next"),
+    # MiniMax-M2: its per-layer q/k norms FSDP-sharded, the experts under ep
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *MINIMAX_M2], 2, "null", id="ep=2-minimax-m2"),
     # packed documents masked from each other (data.document_mask): GPT-OSS's sinks split by heads and its blocked
     # window masked by document, on sequence slices; and latent attention in two pipeline stages, each given the
     # batch's document ids by the schedule
@@ -219,9 +225,13 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # and split by heads: the indexer whole on every tp rank, its target summed over the ranks' heads
     pytest.param(["parallel.tp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="tp=2-deepseek-v3.2"),
     # DeepSeek-V4's attention split by heads (one output group per rank), its key/value head, compressors and
-    # indexer whole on every rank; with sequence parallelism
+    # indexer whole on every rank, with sequence parallelism; and the whole of V4 (the hyper-connected streams, a
+    # hash-routed layer) under tp
     pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *DEEPSEEK_V4_ATTENTION], 2, "null",
                  id="tp=2-sp-deepseek-v4-attention"),
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V4_ATTENTION, *DEEPSEEK_V4_RESIDUAL,
+                  "model.mlp_layer_types=[hash_moe, moe, moe]"], 2, "null", id="tp=2-deepseek-v4"),
+    pytest.param(["parallel.cp=2", *DEEPSEEK_V4_ATTENTION], 2, "null", id="cp=2-deepseek-v4-attention"),
     # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
     # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.grad_reduce=step",

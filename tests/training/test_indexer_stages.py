@@ -88,3 +88,14 @@ def test_a_started_optimizer_state_steps_as_a_fresh_one(optimizer):
             opt.step()
     for first, second in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(first, second)
+
+
+def test_glm_5_shared_selection_layers_train_through_both_stages(tmp_path):
+    """Layer 1 shares layer 0's selection (no indexer of its own): the warm-up freezes it whole, the sparse stage
+    (the top 2 of 32 keys: the gathered kernel) trains it; the indexer loss is layer 0's."""
+    records, state = run([*SETTINGS, "model.indexer_types=[full,shared]", "model.index_topk=2", "train.steps=3"], 1,
+                         tmp_path)
+    assert any("layers.0.attn.indexer." in name for name in state)
+    assert not any("layers.1.attn.indexer." in name for name in state)
+    losses = [r["train/indexer_loss"] for r in records]
+    assert len(losses) == 3 and all(0 < loss < float("inf") for loss in losses)
