@@ -37,7 +37,6 @@ from parallel.groups import ParallelGroups
 from parallel.hardware import (
     check_hardware,
     choose_precision,
-    current_memory_bytes,
     keep_freed_memory,
     planned_precision,
 )
@@ -165,28 +164,19 @@ def check(args: argparse.Namespace, world_size: int | None = None) -> tuple[RunC
     return config, resolved
 
 
-def process_baseline_bytes(device) -> int:
-    """What the process holds before the run builds anything, on a CPU: the peak it logs there is the resident set,
-    which counts the interpreter, torch's libraries and their allocations (~0.3 GiB) beside the training state the
-    memory model predicts. A GPU's logged peak is CUDA's allocated bytes, which hold none of these: 0 there."""
-    return current_memory_bytes(device) if device.type == "cpu" else 0
-
-
-def memory_banner(needs: list[int], held: int, precision: str) -> str:
-    """The start-up line that predicts the peak the run will log as perf/memory_peak_gib, saying what it counts:
-    the memory model counts live tensor bytes (a GPU's allocated memory, not the caching allocator's reserve); a
-    CPU's logged peak is the resident set, which also holds what glibc keeps of freed memory (asked to, by
-    ``keep_freed_memory``) and oneDNN's primitive cache, neither counted (docs/planning-validation.md)."""
+def memory_banner(needs: list[int], precision: str, device_type: str) -> str:
+    """The start-up line that predicts the peak the run will log as perf/memory_peak_gib, and says which quantity
+    both are: live tensor bytes. A GPU run logs CUDA's peak allocated bytes (not the caching allocator's reserve);
+    a CPU run measures the live tensor peak of some of its steps (``training.live_memory``), since its resident set
+    also holds what glibc keeps of freed memory and oneDNN's caches (logged apart, docs/planning-validation.md)."""
     stages = " per rank of each pipeline stage" if len(needs) > 1 else " per rank"
     text = ("memory model: " + ", ".join(f"{need / 2**30:.2f} GiB" for need in needs)
-            + f" of live tensors{stages} ({precision}")
-    if held:
-        text += (f"; plus the {held / 2**30:.2f} GiB this process holds already (interpreter, torch and its "
-                 "libraries): " + ", ".join(f"{(need + held) / 2**30:.2f} GiB" for need in needs)
-                 + "; the resident peak a CPU run logs as perf/memory_peak_gib also holds freed memory glibc keeps "
-                 "for reuse and oneDNN's caches, which this does not count, and grows with the steps)")
-        return text
-    return text + "; allocated, not reserved: the run logs perf/memory_peak_gib to compare)"
+            + f" of live tensors{stages} ({precision}; ")
+    if device_type == "cpu":
+        return text + ("the run measures the live tensor peak of its steps 1, 2, 4, 8, ... as perf/memory_peak_gib "
+                       "to compare; the resident set, which also holds freed memory glibc keeps and oneDNN's caches, "
+                       "is logged apart as perf/memory_resident_peak_gib)")
+    return text + "allocated, not reserved: the run logs perf/memory_peak_gib to compare)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,11 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             groups = ParallelGroups.build(resolved.layout, runtime.device.type)
             if runtime.is_main and resolved.layout.world_size > 1:
                 print(groups.describe(), file=sys.stderr)
-            held = process_baseline_bytes(device)
             if runtime.is_main:
-                print(memory_banner(needs, held, precision.precision), file=sys.stderr)
+                print(memory_banner(needs, precision.precision, device.type), file=sys.stderr)
             train(config, run_dir, runtime, groups, resume=args.resume, init_weights=init_weights,
-                  resolved=resolved, precision=precision, memory_predicted=[need + held for need in needs])
+                  resolved=resolved, precision=precision, memory_predicted=needs)
         finally:
             shutdown_runtime()
         return 0

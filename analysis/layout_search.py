@@ -146,16 +146,16 @@ def memory_bytes(config: RunConfig, layout: Layout, resolved: tuple[Layout, int,
 
 def evaluate(config: RunConfig, layout: Layout, hardware: Hardware, gpus_per_node: int,
              efficiency: float = EFFICIENCY, memory_total: int | None = None, imbalance: float = 1.0,
-             device_memory: float | None = None) -> Plan:
+             device_memory: float | None = None, replicas: tuple[int, ...] = REPLICA_CHOICES) -> Plan:
     """The plan of ``config`` (already set to ``layout``): memory of the busiest rank and the step estimate. Under
     expert parallelism with ``imbalance`` > 1 (the busiest ep rank's rows over the mean), the wait for that rank
-    and the replica slots (``parallel.ep_replicas`` in ``REPLICA_CHOICES``, 0, 1, 2) that make it least, among those
+    and the replica slots (``parallel.ep_replicas`` in ``replicas``, default 0, 1, 2) that make it least, among those
     whose memory fits ``device_memory`` (``analysis.replica_time.straggler_wait``): where the best R's slots do not
-    fit, the best of the other R's, down to 0."""
+    fit, the best of the other R's. One R (fixed by ``--set``): that one, its slots weighed already in ``config``."""
     size, microbatches = micro_batching(config, layout.dp, layout.pp)
     if memory_total is None:
         memory_total = memory_bytes(config, layout)[0]
-    allowed = REPLICA_CHOICES
+    allowed = replicas
     while (wait := straggler_wait(config, layout, size, microbatches, hardware, gpus_per_node, efficiency,
                                   imbalance, allowed)).replicas:
         replicated = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
@@ -449,7 +449,7 @@ class _Weighing:
 def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_node: int = 8,
            hardware: Hardware = HARDWARE["h100"], efficiency: float = EFFICIENCY,
            top: int | None = None, faster_than: float | None = None, fixed: dict[str, int] | None = None,
-           imbalance: float = 1.0) -> Search:
+           imbalance: float = 1.0, replicas: tuple[int, ...] = REPLICA_CHOICES) -> Search:
     """Rank the candidates: the ``top`` fastest that fit exactly (all of them by default), or every plan faster
     than ``faster_than`` seconds.
 
@@ -459,7 +459,8 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
     micro-batch size's) and puts it back in line: only those still within reach are weighed, the most promising
     first. Equal steps are ranked by the evenness of their pipeline split (``split_spread``), then by memory, then
     by the candidates' order, so the plans are the full search's whatever the order they were found in.
-    ``imbalance``: the routing ``evaluate`` prices under ep (1.0: balanced, no replica slots).
+    ``imbalance``: the routing ``evaluate`` prices under ep (1.0: balanced, no replica slots), with the R among
+    ``replicas`` that pays best.
     """
     pool = candidates(config, world_size, hardware, efficiency, fixed)
     queue = [(candidate.bound, index, 0) for index, candidate in enumerate(pool)]  # sorted, so a heap already
@@ -484,7 +485,7 @@ def search(config: RunConfig, world_size: int, device_memory: float, gpus_per_no
         if need is None or need > device_memory:
             continue
         result = evaluate(candidate.config, candidate.layout, hardware, gpus_per_node, efficiency, need, imbalance,
-                          device_memory)
+                          device_memory, replicas)
         plans.append((result, index))
         if top is not None:
             heapq.heappush(steps, -result.step)

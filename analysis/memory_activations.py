@@ -317,7 +317,7 @@ def micro_batch_activations(config: RunConfig, layout: Layout, micro_batch_size:
     if mtp:
         _add_mtp(parts, mb, layers, micro_batch_size, first, stream_dtype, vocab)
     parts.add_offloaded()
-    rotary = [i for i in layers if i < model.n_layers and model.layer(i).attention != "gated_delta"]  # RoPE's kinds
+    rotary = [i for i in layers if i < model.n_layers and attention_kind(model.layer(i)).reads_document_tables]
     if layout.cp > 1 and rotary:  # the cos and sin rows of this rank's positions
         parts.add("rotary tables (cp positions)", 2 * (tokens // micro_batch_size) * (model.rope_dim // 2) * FP32)
     if first:

@@ -36,7 +36,8 @@ forced-balanced routing every published throughput figure assumes; 1.3 is what `
 measures at ep=8 under its skewed routing, ``analysis.replica_time.IMBALANCE``): above 1, under ep each plan adds
 the wait for the busiest rank (column ``imbal``), with the replica slots ``parallel.ep_replicas`` in {0, 1, 2} that
 make it least once their copies are paid (``analysis.replica_time.straggler_wait``; shown as ``R=`` and set in the
-plan's command), if their memory fits. The default stays balanced because what R slots leave of the excess is
+plan's command), if their memory fits, else the best R that fits; ``--set parallel.ep_replicas=R`` prices that R
+alone (0: without replicas). The default stays balanced because what R slots leave of the excess is
 taken from one benchmark row, not worked out per model (``analysis/replica_time.py``).
 """
 
@@ -49,7 +50,7 @@ from collections.abc import Callable
 from analysis import memory
 from analysis.gpu_presets import HARDWARE, Hardware, add_hardware_arguments, hardware_from_args
 from analysis.layout_search import DEGREE_KEYS, Plan, Search, evaluate, pipeline_split, search
-from analysis.replica_time import IMBALANCE
+from analysis.replica_time import IMBALANCE, REPLICA_CHOICES
 from analysis.step_time import EFFICIENCY, node_shape
 from config.cli import (
     add_config_arguments,
@@ -184,6 +185,12 @@ def fixed_degrees(overrides: list[str]) -> dict[str, int]:
     return fixed
 
 
+def fixed_replicas(overrides: list[str]) -> tuple[int, ...]:
+    """The replica slots the planner may choose: the one a ``--set parallel.ep_replicas=R`` fixes, else 0, 1, 2."""
+    fixed = [int(item.partition("=")[2]) for item in overrides if item.partition("=")[0] == "parallel.ep_replicas"]
+    return (fixed[-1],) if fixed else REPLICA_CHOICES
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser("moe-plan", __doc__)
     add_config_arguments(parser, set_help="config overrides; a parallel degree set here (parallel.tp=2) is fixed, "
@@ -199,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--imbalance", type=float, default=1.0,
                         help=f"routing assumed under ep: the busiest ep rank's rows over the mean (default 1, forced "
                              f"balance; {IMBALANCE}: benchmarks/ep_replication.py's skewed routing at ep=8); above 1 "
-                             "priced with replica slots parallel.ep_replicas in {0, 1, 2}")
+                             "priced with the replica slots parallel.ep_replicas in {0, 1, 2} that pay best, or "
+                             "with those a --set parallel.ep_replicas=R fixes")
     parser.add_argument("--headroom", type=float, default=memory.DEFAULT_HEADROOM,
                         help=f"fraction of each GPU's memory a plan leaves free (default {memory.DEFAULT_HEADROOM}: "
                              "the CUDA context, NCCL buffers and allocator fragmentation, which the memory model "
@@ -219,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         hardware = hardware_from_args(args, args.device_memory)
         usable = memory.usable_bytes(hardware.memory_gib * GIB, args.headroom)
         found = search(config, world_size, usable, hardware.gpus_per_node, hardware,
-                       args.efficiency, args.top, fixed=fixed_degrees(args.overrides), imbalance=args.imbalance)
+                       args.efficiency, args.top, fixed=fixed_degrees(args.overrides), imbalance=args.imbalance,
+                       replicas=fixed_replicas(args.overrides))
         command = lambda p: launch_command(p, config, args.config, args.overrides, hardware.gpus_per_node)  # noqa: E731
         print(format_plans(config, found, world_size, hardware.memory_gib * GIB, hardware, args.efficiency,
                            args.top, usable, command))

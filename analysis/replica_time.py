@@ -98,11 +98,11 @@ def straggler_wait(config: RunConfig, layout: Layout, micro_batch_size: int, mic
                    hardware: Hardware, gpus_per_node: int, efficiency: float, imbalance_before: float,
                    allowed: tuple[int, ...] = REPLICA_CHOICES) -> StragglerWait:
     """Per step, on the stage with the most MoE layers: each layer and micro-batch costs ``layer_seconds`` of the
-    R chosen among ``allowed`` (``best_replicas``) less its balanced time. A rank's routed rows are its tokens'
-    (micro-batch × S / cp) × k, shared by its tp ranks (rows over tp / etp, hidden over etp); the copies are
-    one expert's etp-shard in the compute dtype on the ep link: NVLink where the ep group (tp · ep contiguous
-    ranks) fits a node, else the rank's network adapter. Recompute of the MoE layers is not priced. Zero without
-    expert parallelism or with balanced routing."""
+    R chosen among ``allowed`` (the least time, the smaller R on a tie; one R: that one) less its balanced time.
+    A rank's routed rows are its tokens' (micro-batch × S / cp) × k, shared by its tp ranks (rows over tp / etp,
+    hidden over etp); the copies are one expert's etp-shard in the compute dtype on the ep link: NVLink where the ep
+    group (tp · ep contiguous ranks) fits a node, else the rank's network adapter. Recompute of the MoE layers is
+    not priced. Zero without expert parallelism or with balanced routing."""
     if layout.ep == 1 or imbalance_before <= 1 or config.model.n_moe_layers == 0:
         return StragglerWait(0, 0.0)
     model, moe = config.model, config.moe
@@ -114,8 +114,9 @@ def straggler_wait(config: RunConfig, layout: Layout, micro_batch_size: int, mic
         bandwidth = hardware.intra_node * hardware.intra_efficiency
     else:
         bandwidth = hardware.inter_node * hardware.network_efficiency
-    options = [o for o in replica_options(imbalance_before) if o.replicas in allowed]
-    option = best_replicas(imbalance_before, options, expert_s, expert_bytes, bandwidth)
+    options = [o for o in (ReplicaOption(0, imbalance_before, 0.0), *replica_options(imbalance_before))
+               if o.replicas in allowed]
+    option = min(options, key=lambda o: (layer_seconds(o, expert_s, expert_bytes, bandwidth), o.replicas))
     layers = max(sum(1 for i in local_layers(config, layout, stage)[0] if model.is_moe_layer(i))
                  for stage in range(layout.pp))
     extra = layer_seconds(option, expert_s, expert_bytes, bandwidth) - expert_s

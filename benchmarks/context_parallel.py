@@ -8,7 +8,7 @@ Trains ``--config`` (default ``moe-8x``) at ``--seq-len`` positions (default 16,
   four in every layer, FSDP over the four;
 - ``python train.py ...``: one process, the whole sequence.
 
-and prints each rank's training memory (peak resident memory less what the process held before the model, as
+and prints each rank's training memory (the live tensor peak less the tensors held before the model, as
 ``benchmarks/large_model.py`` measures it), the step time (the median over the steps after the first, from
 ``perf/tokens_per_s`` at a log interval of 1) and the first and last losses, which agree between the two runs
 (the same sequences, the same model). Dropless routing: capacity-limited routing is not served under cp.
@@ -59,8 +59,8 @@ def main() -> None:
             rows[name] = {"measured_gib": measured(summary), "step_s": step_s,
                           "losses": [records[0]["train/loss"], records[-1]["train/loss"]]}
     one = rows["one process"]
-    print(f"{args.config} at {args.seq_len:,} positions, one sequence per step: training memory per rank (peak "
-          "resident less the process before the model) and step time")
+    print(f"{args.config} at {args.seq_len:,} positions, one sequence per step: training memory per rank (live "
+          "tensor peak less the tensors before the model) and step time")
     print(f"{'run':<13}{'rank':>5}{'GiB':>8}{'vs one process':>16}{'step s':>9}{'vs one process':>16}"
           f"{'first loss':>12}{'last loss':>11}")
     for name, row in rows.items():

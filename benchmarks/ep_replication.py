@@ -10,15 +10,17 @@ micro-batches. Routings:
   ``SKEW`` against unit noise, the same on every rank, as a model's own residual direction is) through a randomly
   initialised router of DeepSeek-V3's expert count and top-k (256 experts, top-8);
 - ``random``: the same router on plain Gaussian tokens (nearly balanced: the floor of what sampling alone gives).
-- ``trained``: with ``--checkpoint`` (a run directory or checkpoint of a trained ``moe-8x``, e.g. 200 steps of
-  ``python train.py --config moe-8x --set train.steps=200 --run-dir DIR``), that model's own routing of its own
-  validation text (the tail of its data source, ``data.val_fraction``): each ep rank runs its own sequences
-  through the model (dropless: ``inference.load_model``), and every MoE layer's counts are one sample; its
-  experts (8) allow ep up to 8, and the DeepSeek-V3 pricing columns do not apply to them.
+- ``trained``: with ``--checkpoint`` (a run directory or checkpoint of a trained model, e.g. 200 steps of
+  ``python train.py --config moe-8x --set train.steps=200 --run-dir DIR``, or the 64-expert model of
+  docs/parallelism.md's table), that model's own routing of its own validation text (the tail of its data source,
+  ``data.val_fraction``): each ep rank runs its own sequences through the model (dropless:
+  ``inference.load_model``), and every MoE layer's counts are one sample, at each of the ep degrees above that
+  divide its experts (moe-8x's 8: ep=8 only); the DeepSeek-V3 pricing columns do not apply to them.
 
 It also answers whether weights should move per micro-batch (the plan from the micro-batch's own counts, what
 ``parallel/replica_exchange.py`` does) or once per step from the previous step's loads: ``stale`` keeps the slot
-placement of the previous micro-batch's plan and only splits the rows of the current one over it
+placement planned from the previous step's counts (``--step-micro-batches`` S micro-batches of one layer summed;
+S = 1: the previous micro-batch) and only splits the rows of each micro-batch of the current step over it
 (``stale_loads``): that is the best a placement fixed in advance can do. And it prices the copies: the bytes of the
 experts the busiest sender copies per layer and micro-batch (forward; their gradients return in backward, as many)
 against the dispatch's bytes, for DeepSeek-V3's shapes (d_model 7168, expert hidden 2048, bf16); and, for that layer on
@@ -28,6 +30,7 @@ forced-balanced routing's (the straggler's compute plus the copies both ways).
 This is a measurement, never a pass/fail test.
 
     python benchmarks/ep_replication.py [--tokens 4096] [--micro-batches 8] [--json PATH] [--checkpoint RUN_DIR]
+                                        [--step-micro-batches 1]
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from analysis.step_time import EFFICIENCY
 from config.model import MoEConfig
 from data.cache import load_tokens
 from data.sampler import eval_batches, split_tokens
-from inference.load import load_model
+from inference.load import LoadedModel, load_model
 from moe.init import initialize
 from moe.router import TopKRouter
 from parallel.replication import ReplicaPlan, imbalance, plan_replicas, weight_moves
@@ -53,7 +56,6 @@ from parallel.replication import ReplicaPlan, imbalance, plan_replicas, weight_m
 SKEW = 0.45  # as benchmarks/moe_layer.py's skewed tokens
 D_MODEL, EXPERTS, TOP_K = 512, 256, 8  # the router's width; DeepSeek-V3's routed experts and choices
 EP_DEGREES, REPLICAS = (8, 16, 64), (1, 2)
-TRAINED_EP = 8  # a trained moe-8x's 8 experts: one per rank
 V3_D_MODEL, V3_HIDDEN, V3_BYTES = 7168, 2048, 2  # one DeepSeek-V3 expert: three [7168, 2048] matrices in bf16
 
 
@@ -110,42 +112,56 @@ def v3_modelled(row: dict, tokens: int) -> tuple[int, float]:
     return option.replicas, layer_seconds(option, expert_s, V3_EXPERT_BYTES, bandwidth) / expert_s
 
 
+def previous_step_counts(steps: list[list[list[int]]], series: int, step: int) -> dict[int, list[list[int]]]:
+    """For each sample that has a previous step in its run of ``series`` micro-batches (one layer's), that step's
+    ``step`` micro-batches' counts summed: what a placement moved once per step would be planned from."""
+    previous = {}
+    for i in range(len(steps)):
+        start = i - i % series + (i % series // step - 1) * step  # the previous step's first micro-batch
+        if i % series >= step:
+            previous[i] = [[sum(steps[j][r][e] for j in range(start, start + step)) for e in range(len(steps[i][r]))]
+                           for r in range(len(steps[i]))]
+    return previous
+
+
 def summarize(routing: str, ep: int, steps: list[list[list[int]]], tokens: int, v3: bool = True,
-              series: int | None = None) -> dict:
+              series: int | None = None, step: int = 1) -> dict:
     """One table row from the counts [ep][E] of each sample (a micro-batch, or a layer of one); ``v3``: price the
     copies at DeepSeek-V3's shapes (the counts are of its 256 experts, top-8). ``series``: the samples are runs of
-    that many micro-batches of one layer each, and a placement is kept only within its run (default: one run)."""
+    that many micro-batches of one layer each, and a placement is kept only within its run (default: one run);
+    ``step``: micro-batches per step, the previous placement planned from the previous step's."""
     series = series or len(steps)
-    follows = [i for i in range(1, len(steps)) if i % series]  # samples with a previous micro-batch of their layer
+    previous = previous_step_counts(steps, series, step)
     row = {"routing": routing, "ep": ep, "before": [plan_replicas(c, 0).imbalance_before for c in steps]}
     dispatch = tokens * TOP_K * V3_D_MODEL * V3_BYTES  # a rank's rows out, all of them
     for r in REPLICAS:
         plans = [plan_replicas(c, r) for c in steps]
         row[f"R={r}"] = [p.imbalance_after for p in plans]
-        row[f"R={r} stale"] = [imbalance(stale_loads(plans[i - 1], steps[i])) for i in follows]
+        row[f"R={r} stale"] = [imbalance(stale_loads(plan_replicas(counts, r), steps[i]))
+                               for i, counts in previous.items()]
         row[f"R={r} sent"] = statistics.mean(experts_sent(p) for p in plans)
         row[f"R={r} copy/dispatch"] = row[f"R={r} sent"] * V3_EXPERT_BYTES / dispatch if v3 else None
     row["V3 R"], row["V3 time / balanced"] = v3_modelled(row, tokens) if v3 else (None, None)
     return row
 
 
-def measure(routing: str, tokens: int, micro_batches: int) -> list[dict]:
+def measure(routing: str, tokens: int, micro_batches: int, step: int = 1,
+            ep_degrees: tuple[int, ...] = EP_DEGREES) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     router = TopKRouter(D_MODEL, MoEConfig(num_experts=EXPERTS, top_k=TOP_K))
     initialize(router, seed=0, std=0.02, out_std=0.01)
     direction = torch.randn(D_MODEL, generator=generator) if routing == "skewed" else None
     rows = []
-    for ep in EP_DEGREES:
+    for ep in ep_degrees:
         steps = [route_counts(router, ep, tokens, direction, generator) for _ in range(micro_batches)]
-        rows.append(summarize(routing, ep, steps, tokens))
+        rows.append(summarize(routing, ep, steps, tokens, step=step))
     return rows
 
 
-def trained_counts(checkpoint: str, ep: int, tokens: int, micro_batches: int) -> list[list[list[int]]]:
+def trained_counts(loaded: LoadedModel, ep: int, tokens: int, micro_batches: int) -> list[list[list[int]]]:
     """A trained model's routing of its own validation text: for each MoE layer and micro-batch (layer by layer),
     [ep][E] counts, ep rank r's from its own tokens // seq_len sequences (windows spread over the validation
     split)."""
-    loaded = load_model(checkpoint)
     config, model = loaded.config, loaded.model
     data = config.data
     val = split_tokens(load_tokens(data.source, data.cache_dir, config.model.vocab_size, data.tokenizer),
@@ -170,18 +186,32 @@ def trained_counts(checkpoint: str, ep: int, tokens: int, micro_batches: int) ->
     return [counts for layer in samples for counts in layer]
 
 
+def trained_rows(loaded: LoadedModel, tokens: int, micro_batches: int, step: int) -> list[dict]:
+    """The trained model's rows: at each ep degree of ``EP_DEGREES`` that divides its experts."""
+    moe = loaded.config.moe
+    name = f"trained, {moe.num_experts} experts top-{moe.top_k}"
+    return [summarize(name, ep, trained_counts(loaded, ep, tokens, micro_batches), tokens, v3=False,
+                      series=micro_batches, step=step)
+            for ep in EP_DEGREES if moe.num_experts % ep == 0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per ep rank and micro-batch")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--checkpoint", default=None,
-                        help="a trained moe-8x's run directory or checkpoint: add its routing of its validation text")
+                        help="a trained model's run directory or checkpoint: add its routing of its validation text")
+    parser.add_argument("--step-micro-batches", type=int, default=1,
+                        help="micro-batches per step: the previous placement is planned from the previous step's")
     args = parser.parse_args()
-    rows = [row for routing in ("skewed", "random") for row in measure(routing, args.tokens, args.micro_batches)]
+    if not 1 <= args.step_micro_batches < args.micro_batches:
+        parser.error(f"--step-micro-batches must be at least 1 and below --micro-batches ({args.micro_batches}), "
+                     f"so that a step has a previous one; got {args.step_micro_batches}")
+    rows = [row for routing in ("skewed", "random")
+            for row in measure(routing, args.tokens, args.micro_batches, args.step_micro_batches)]
     if args.checkpoint:
-        steps = trained_counts(args.checkpoint, TRAINED_EP, args.tokens, args.micro_batches)
-        rows.append(summarize("trained moe-8x", TRAINED_EP, steps, args.tokens, v3=False, series=args.micro_batches))
+        rows += trained_rows(load_model(args.checkpoint), args.tokens, args.micro_batches, args.step_micro_batches)
 
     def cell(values: list[float]) -> str:
         return f"{statistics.mean(values):.3f} ({max(values):.3f})"
@@ -190,7 +220,8 @@ def main() -> None:
         return "-" if value is None else format(value, spec)
 
     print(f"imbalance (busiest ep rank's rows / mean): mean (worst) over {args.micro_batches} micro-batches of "
-          f"{args.tokens} tokens per rank; {EXPERTS} experts, top-{TOP_K}")
+          f"{args.tokens} tokens per rank; {EXPERTS} experts, top-{TOP_K}; previous placement: the previous "
+          f"step's of {args.step_micro_batches} micro-batch(es)")
     if args.checkpoint:
         print(f"trained: {args.checkpoint}'s routing of its validation text, each MoE layer's micro-batches "
               "samples")

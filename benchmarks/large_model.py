@@ -8,9 +8,9 @@ moments) for its few steps twice, with ``train.py`` as a user would:
   allocating only its shards);
 - ``python train.py --config moe-large``: one process, the whole model.
 
-and prints, per rank, the peak memory the run logged (``perf/memory_peak_gib_per_rank`` in summary.json:
-peak resident memory on a CPU, with glibc told to return freed tensors: see ``train``) less what the process
-held just before building the model (interpreter, torch, data: ``perf/memory_before_model_gib_per_rank``),
+and prints, per rank, the peak memory the run logged (``perf/memory_peak_gib_per_rank`` in summary.json: on a
+CPU the live tensor peak of the steps it measures, ``training/live_memory.py``) less what the process held just
+before building the model (``perf/memory_before_model_gib_per_rank``), and its resident peak,
 beside the memory model's prediction for that rank (``analysis.memory``: the larger of forward/backward's
 peak and the optimizer step's). A measurement,
 never a pass/fail test: the checks ``make test`` runs are in tests/parallel/test_materialize.py.
@@ -44,11 +44,7 @@ def train(config: str, overrides: list[str], nproc: int, run_dir: Path) -> dict:
             "--set", "checkpoint.interval=null", "checkpoint.final=false", *overrides]
     command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
                if nproc > 1 else [sys.executable, *args])
-    # glibc keeps freed heap memory (and raises its mmap threshold as large blocks come and go), so without this
-    # the resident peak counts long-freed tensors; 128 KiB makes every larger tensor its own mapping, returned
-    # to the system when freed, and the peak resident memory tracks the live tensors
-    env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
-           "MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -78,16 +74,16 @@ def main() -> None:
             summary = train(args.config, overrides, nproc, Path(tmp) / name.replace(" ", "_"))
             predicted = estimate(config, nproc, planned_precision(config.train.precision)).total / GIB
             rows[name] = {"measured_gib": measured(summary), "predicted_gib": predicted,
-                          "peak_gib": summary["perf/memory_peak_gib_per_rank"], "loss": summary["train/loss"]}
+                          "resident_gib": summary["perf/memory_resident_peak_gib"], "loss": summary["train/loss"]}
     one = rows["one process"]["measured_gib"][0]
-    print(f"{args.config}: training memory per rank (peak resident less the process before the model), GiB")
+    print(f"{args.config}: training memory per rank (live tensor peak less the tensors before the model), GiB")
     print(f"{'run':<14}{'rank':>5}{'measured':>10}{'predicted':>11}{'error':>8}{'vs one process':>16}"
-          f"{'peak RSS':>10}{'final loss':>12}")
+          f"{'resident (largest rank)':>25}{'final loss':>12}")
     for name, row in rows.items():
         for rank, gib in enumerate(row["measured_gib"]):
             error = 100 * (gib - row["predicted_gib"]) / row["predicted_gib"]
             print(f"{name:<14}{rank:>5}{gib:>10.2f}{row['predicted_gib']:>11.2f}{error:>+7.1f}%{gib / one:>16.2f}"
-                  f"{row['peak_gib'][rank]:>10.2f}{row['loss']:>12.4f}")
+                  f"{row['resident_gib']:>25.2f}{row['loss']:>12.4f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

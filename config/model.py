@@ -14,9 +14,11 @@ from config.hyper_connections import validate_hyper_connections
 from config.schema import require
 from config.sparse_attention import validate_sparse_attention
 
+QK_NORM_TYPES = ("per_head", "per_layer")  # ``qk_norm_type``'s words (MiniMax-M2's config.json names them so)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention",  # ``layer_types``' words (HF's)
                          "heavily_compressed_attention", "compressed_sparse_attention")
-FEED_FORWARD_LAYER_TYPES = ("dense", "moe", "hash_moe")  # ``mlp_layer_types``' words; hash_moe: V4's hash routing
+# ``mlp_layer_types``' words; "hash_moe": an MoE layer whose experts a fixed table of the token id picks (DeepSeek-V4)
+FEED_FORWARD_LAYER_TYPES = ("dense", "moe", "hash_moe")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class ModelConfig:
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (plain multi-head)
     head_dim: int | None = None  # per-head width; None = d_model / n_heads (Qwen3-MoE: 128 with d_model 2048, 32 heads)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3; ViT-22B's QK normalization)
+    # what one q/k norm spans: "per_head" (Qwen3, GLM-4.5: each head's hd channels, one weight [hd] for all heads) or
+    # "per_layer" (MiniMax-M2: all heads' queries as one vector, weight [nh·hd], and all keys likewise, [nkv·hd])
+    qk_norm_type: str = "per_head"
     qkv_bias: bool = False  # biases on the query, key and value projections (GLM-4.5, Qwen2); none on the output
     attn_output_bias: bool = False  # a bias on the attention output projection wo (GPT-OSS, with qkv_bias)
     # GPT-OSS's attention sinks: one learned logit per head that joins each softmax's denominator, with no value
@@ -206,9 +211,6 @@ class ModelConfig:
         """Layer ``index``'s place in the layer pattern; indices n_layers + k are the multi-token-prediction modules'
         blocks (full attention, the feed-forward ``is_moe_layer`` says; with ``compressed_attention``, the last
         layer's attention)."""
-        if self.compressed_attention is not None:
-            kind = COMPRESSED_LAYER_KINDS[self.layer_types[min(index, self.n_layers - 1)]]
-            return LayerSpec(kind, "moe" if self.is_moe_layer(index) else "dense", self.sliding_window)
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
             shared = index < self.n_layers and self.indexer_types is not None and self.indexer_types[index] == "shared"
@@ -216,6 +218,9 @@ class ModelConfig:
         if index < self.n_layers and self.layer_types is not None and self.layer_types[index] == "linear_attention":
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
+        if self.compressed_attention is not None:  # DeepSeek-V4's kinds, every one within the window
+            attention = COMPRESSED_LAYER_KINDS[self.layer_types[min(index, self.n_layers - 1)]]
+            window = self.sliding_window
         feed_forward = "moe" if self.is_moe_layer(index) else "dense"
         if self.mlp_layer_types is not None and index < self.n_layers:
             feed_forward = self.mlp_layer_types[index]
@@ -252,6 +257,10 @@ class ModelConfig:
             0 <= self.first_moe_layer < self.n_layers or self.moe_every == 0,
             f"model.first_moe_layer={self.first_moe_layer} must be in [0, n_layers={self.n_layers})",
         )
+        require(self.qk_norm_type in QK_NORM_TYPES,
+                f"model.qk_norm_type={self.qk_norm_type!r} must be one of {', '.join(QK_NORM_TYPES)}")
+        require(self.qk_norm or self.qk_norm_type == "per_head",
+                f"model.qk_norm_type={self.qk_norm_type!r} needs model.qk_norm=true")
         require(0 <= self.mtp_depth < self.seq_len - 1,
                 f"model.mtp_depth={self.mtp_depth} must be between 0 (off) and model.seq_len - 2={self.seq_len - 2}")
         require(self.mtp_loss_weight >= 0, f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
@@ -299,9 +308,8 @@ class ModelConfig:
         require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
                 "model.layer_types has sliding_attention layers: set model.sliding_window (GPT-OSS: 128)")
         compressed = [word for word in self.layer_types if word.endswith("compressed_attention")]
-        require(not compressed or self.compressed_attention is not None,
-                f"model.layer_types has {compressed[0] if compressed else ''} layers, DeepSeek-V4's: set "
-                "model.compressed_attention (a mapping; {} for V4-Flash's settings)")
+        require(not compressed or self.compressed_attention is not None, f"model.layer_types has {compressed[:1]} "
+                "layers, DeepSeek-V4's: set model.compressed_attention (a mapping; {} for V4-Flash's settings)")
 
     @property
     def linear_attention(self) -> bool:

@@ -8,8 +8,9 @@
 Families (``FAMILIES``, by the architecture config.json names): Mixtral (``interop/hf_mixtral.py``), Qwen3-MoE
 (``interop/hf_qwen3_moe.py``), DeepSeek-V3 (``interop/hf_deepseek_v3.py``), GLM-4.5 (``interop/hf_glm4_moe.py``),
 GPT-OSS (``interop/hf_gpt_oss.py``), DeepSeek-V3.2 (``interop/hf_deepseek_v32.py``), GLM-5
-(``interop/hf_glm_moe_dsa.py``), Qwen3-Next (``interop/hf_qwen3_next.py``) and Qwen3.5-MoE's text model
-(``interop/hf_qwen3_5_moe.py``), each a config mapping and its tensor names over the pieces they share
+(``interop/hf_glm_moe_dsa.py``), Qwen3-Next (``interop/hf_qwen3_next.py``), Qwen3.5-MoE's text model
+(``interop/hf_qwen3_5_moe.py``), MiniMax-M2 (``interop/hf_minimax_m2.py``) and DeepSeek-V4
+(``interop/hf_deepseek_v4.py``), each a config mapping and its tensor names over the pieces they share
 (``interop/hf_family.py``). A folder (``interop/hf_folder.py``) is ``config.json`` plus ``model.safetensors``, or
 shards named in ``model.safetensors.index.json``; quantised weights (DeepSeek-V3's block-scaled fp8, GPT-OSS's MXFP4
 expert stacks) are dequantised to bf16 box by box as they are read. Everything streams:
@@ -38,10 +39,12 @@ from config.tokenizer_identity import FINGERPRINT_METADATA_KEY
 from interop import (
     fp8,
     hf_deepseek_v3,
+    hf_deepseek_v4,
     hf_deepseek_v32,
     hf_glm4_moe,
     hf_glm_moe_dsa,
     hf_gpt_oss,
+    hf_minimax_m2,
     hf_mixtral,
     hf_qwen3_5_moe,
     hf_qwen3_moe,
@@ -74,7 +77,7 @@ from storage.files import atomic_folder
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
     hf_mixtral.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_glm4_moe.FAMILY, hf_gpt_oss.FAMILY,
     hf_deepseek_v32.FAMILY, hf_glm_moe_dsa.FAMILY, hf_qwen3_next.FAMILY, hf_qwen3_5_moe.TEXT_FAMILY,
-    hf_qwen3_5_moe.FAMILY)}
+    hf_qwen3_5_moe.FAMILY, hf_minimax_m2.FAMILY, hf_deepseek_v4.FAMILY)}
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -165,6 +168,14 @@ class HFWeights:
             self._checked[hf_name] = DTYPES.get(code)
         return self._checked[hf_name]
 
+    def _index_dtype(self, hf_name: str) -> torch.dtype:
+        """An integer table's dtype (``Source`` "index"); a float one refused: its values would be cast to ids."""
+        dtype = DTYPES.get(self.folder.slice(hf_name).get_dtype())
+        if dtype is None or dtype.is_floating_point or dtype == torch.bool:
+            raise ConfigError(f"{self.folder.folder}: tensor '{hf_name}' is an index table (token id -> experts) "
+                              f"stored as {self.folder.slice(hf_name).get_dtype()}: it must hold integers")
+        return dtype
+
     @classmethod
     def of_family(cls, folder: HFFolder, model: ModelConfig, moe: MoEConfig) -> HFWeights:
         """The folder's weights under our names, through the family its config.json names."""
@@ -217,7 +228,7 @@ class HFWeights:
             return (*first[:-1], first[-1] // source.columns[1])
         if source.kind == "copy" and source.rows is not None:
             return (len(source.rows), *first[1:])
-        if source.kind == "copy":
+        if source.kind in ("copy", "index"):
             return first
         for hf_name in source.names[1:]:
             shape = self._hf_shape(hf_name)
@@ -230,6 +241,8 @@ class HFWeights:
         source = self._source(name)
         if source.kind == "zeros" or source.offset:
             return torch.float32
+        if source.kind == "index":
+            return self._index_dtype(source.names[0])
         # every tensor of a stack checked (one expert may be stored otherwise); the stack has their common dtype
         read_as = [torch.bfloat16 if self._packed(hf_name) else self._stored_dtype(hf_name) or torch.bfloat16
                    for hf_name in source.names]  # MXFP4 and fp8 are dequantised to bf16 as read
@@ -240,6 +253,9 @@ class HFWeights:
         box = box or tuple(slice(0, n) for n in self.shape(name))  # () is the whole tensor
         if source.kind == "zeros":
             return torch.zeros(box[0].stop - box[0].start)
+        if source.kind == "index":
+            self._index_dtype(source.names[0])
+            return self.folder.slice(source.names[0])[box]
         if source.kind == "copy" and source.columns is not None:  # our columns [c0:c1] of every parts-th HF one
             part, parts = source.columns
             *outer, cols = box
@@ -389,7 +405,8 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
     def values(ours: tuple[str, ...]) -> list[Tensor]:
         if set(cache) != set(ours):
             cache.clear()  # tensors are asked for in order: one of ours (or one interleaved pair) in memory at a time
-            cache.update({name: read(name) if cast is None else read(name).to(cast) for name in ours})
+            cache.update({name: read(name) if cast is None or not entries[name][1].is_floating_point
+                          else read(name).to(cast) for name in ours})  # integer tables (tid2eid) as they are
         return [cache[name] for name in ours]
 
     def hf_tensor(name: str) -> Tensor:
@@ -411,7 +428,8 @@ def export_folder(source: Path, out: Path, architecture: str | None = None, dtyp
         if target.rows is not None:
             hf_entries[name] = (torch.Size((len(target.rows), *shape[1:])), cast or stored)
             continue
-        hf_entries[name] = (torch.Size((*shape[:-1], shape[-1] * len(target.ours))), cast or stored)
+        kept = stored if not stored.is_floating_point else cast or stored
+        hf_entries[name] = (torch.Size((*shape[:-1], shape[-1] * len(target.ours))), kept)
     hf_config["torch_dtype"] = str(next(iter(hf_entries.values()))[1]).removeprefix("torch.")
     foreign = sorted(path.name for path in out.iterdir() if not is_export_file(path.name)) if out.is_dir() else []
     if foreign:  # the folder is replaced whole: never what this command did not write

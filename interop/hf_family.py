@@ -103,8 +103,9 @@ class HFShape:
 
 @dataclass(frozen=True)
 class Source:
-    """Where our tensor comes from: one HF tensor as it is (``kind`` "copy"), E stacked and transposed
-    ("stack_t": names[e] is expert e), or nothing (the router's zero balancing bias, "zeros").
+    """Where our tensor comes from: one HF tensor as it is (``kind`` "copy"; "index" for an integer table read as
+    stored, DeepSeek-V4's hash routing's ``tid2eid``), E stacked and transposed ("stack_t": names[e] is expert e),
+    or nothing (the router's zero balancing bias, "zeros").
 
     ``rows`` (copies only): our row i is the HF tensor's row ``rows[i]``, for a family that lays out the rotary
     channels of a head in another order than ours (DeepSeek's interleaved pairs); None: rows as they are.
@@ -268,7 +269,7 @@ def decoder_shape(hf: dict, family: str, rope_theta: float, yarn: bool = False, 
             "n_kv_heads": get_key(hf, "num_key_value_heads", family, heads, required=False),
             "head_dim": None if head_dim is None or head_dim * heads == hidden else head_dim,
             "tie_embeddings": bool(get_key(hf, "tie_word_embeddings", family, False, required=False)),
-            **rope_keys(hf, rope_theta, yarn, partial_rotary), "rotary_dim": None,
+            **rope_keys(hf, rope_theta, yarn, partial_rotary), "rotary_dim": None, "qk_norm_type": "per_head",
             "qkv_bias": bool(hf.get("attention_bias", False)) if qkv_bias else False,
             # grouped-query attention unless the family says otherwise (the base config's latent keys would stay)
             "q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None,
@@ -425,7 +426,7 @@ def hf_targets(sources: dict[str, Source]) -> dict[str, Target]:
             parts = out.get(source.names[0], Target(())).ours + (ours,)
             hf_rows = [row for part in parts for row in sources[part].rows]  # the import's order, inverted
             out[source.names[0]] = Target(parts, None, tuple(sorted(range(len(hf_rows)), key=hf_rows.__getitem__)))
-        elif source.kind == "copy" and source.names[0] not in out:  # tied: the head is the embedding, once
+        elif source.kind in ("copy", "index") and source.names[0] not in out:  # tied: the head is the embedding
             out[source.names[0]] = Target((ours,), offset=source.offset)
         elif source.kind == "stack_t":
             out.update({name: Target((ours,), e) for e, name in enumerate(source.names)})

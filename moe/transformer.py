@@ -53,9 +53,9 @@ class MoETransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         pattern = config.layer_pattern  # each block's attention and feed-forward kinds
         self.layers = nn.ModuleDict({str(i): Block(config, moe_config, pattern[i]) for i in range(config.n_layers)})
-        share_selections([block.attn for block in self.layers.values()])  # GLM-5's layers sharing a selection
         # with hyper-connections (``model.hc_mult`` > 1) the streams' final collapse, before the norm
         self.hc_head = HyperHead(config) if config.hc_mult > 1 else None
+        share_selections([block.attn for block in self.layers.values()])  # GLM-5's layers sharing a selection
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # multi-token prediction: its blocks are of the kind the layers after the last would be

@@ -174,14 +174,19 @@ def current_memory_bytes(device: torch.device) -> int:
 def memory_per_rank(device: torch.device, peak: bool = True) -> list[int]:
     """Every rank's ``peak_memory_bytes`` (or ``current_memory_bytes``): a collective over the default group."""
     mine = peak_memory_bytes(device) if peak else current_memory_bytes(device)
+    return [values[0] for values in gather_per_rank([mine], device)]
+
+
+def gather_per_rank(mine: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's ``mine`` (as many integers on each), in rank order: one collective over the default group."""
     if not (dist.is_available() and dist.is_initialized()):
-        return [mine]
-    local = torch.tensor([mine], dtype=torch.int64, device=device)  # NCCL takes device tensors
+        return [list(mine)]
+    local = torch.tensor(mine, dtype=torch.int64, device=device)  # NCCL takes device tensors
     # all_gather into a list: torch 2.13 deprecates all_gather_into_tensor with a FutureWarning that every rank
     # printed at every log line, and its replacement does not exist in the older torch that pyproject allows
     every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(every, local)
-    return [int(value) for value in every]
+    return [[int(value) for value in values] for values in every]
 
 
 def check_hardware(config, device_type: str) -> None:

@@ -122,12 +122,12 @@ def _check_model(d: dict[str, int], model: ModelConfig, moe: MoEConfig) -> None:
         ("tp", model.compressed_attention is None or model.compressed_attention.o_groups % d["tp"] == 0,
          f"parallel.tp={d['tp']} does not divide model.compressed_attention.o_groups="
          f"{model.compressed_attention and model.compressed_attention.o_groups} (each rank holds whole output groups)"),
-        ("cp", model.compressed_attention is None or d["cp"] == 1,
-         f"parallel.cp={d['cp']}: DeepSeek-V4's attention (model.compressed_attention) is not split over cp yet; use "
-         "cp=1"),
         ("pp", d["pp"] <= model.n_layers, f"parallel.pp={d['pp']} is more pipeline stages than "
                                           f"model.n_layers={model.n_layers}"),
         ("tp", model.n_heads % d["tp"] == 0, f"parallel.tp={d['tp']} does not divide model.n_heads={model.n_heads}"),
+        ("tp", d["tp"] == 1 or not model.qk_norm or model.qk_norm_type == "per_head",
+         f"parallel.tp={d['tp']} with model.qk_norm_type=per_layer: each q/k norm spans every head's channels, "
+         "which tp splits over ranks (not served yet); use parallel.tp=1"),
         ("tp", model.compressed_attention is not None or model.kv_heads % d["tp"] == 0,  # V4: one head, whole
          f"parallel.tp={d['tp']} does not divide the key/value heads model.n_kv_heads={model.kv_heads}"),
         ("tp", not has_dense_ffn or model.ffn_hidden % d["tp"] == 0,

@@ -125,7 +125,13 @@ def load_weights(module: nn.Module, source: WeightSource, where: str) -> int:
             raise ConfigError(f"{where}: tensor '{name}' has shape {shape}, this model needs "
                               f"{target.global_shape}; the file is of another model shape")
         box = tuple(slice(lo, lo + n) for lo, n in zip(target.offset, target.local.shape, strict=True))
-        target.local.copy_(checked_weight(source.read(name, box), name, where))
+        value = source.read(name, box)
+        if target.local.is_floating_point():
+            value = checked_weight(value, name, where)
+        elif value.is_floating_point() or value.dtype == torch.bool:  # an integer table (hash routing's tid2eid)
+            raise ConfigError(f"{where}: tensor '{name}' holds {value.dtype} values; this model's is an integer "
+                              "table (the file is damaged or of another model)")
+        target.local.copy_(value)
     return len(targets)
 
 

@@ -165,7 +165,7 @@ def test_attention_runs_through_the_one_kernel_core():
                      if "scaled_dot_product_attention(" in path.read_text(encoding="utf-8"))
     assert callers == ["moe.attention.kernel", "moe.sequence_shards"]
     # linear attention (Gated DeltaNet) has no softmax kernel: its recurrence is its own; the kinds' helpers
-    # (compressors, indexers, RoPE variants) are no kinds
+    # (compressors, indexers, RoPE variants, the delta rule's kernels) are no kinds
     from moe.attention import KINDS
     kinds = sorted({kind.__module__ for kind in KINDS.values()} - {"moe.attention.gated_delta"})
     assert kinds

@@ -30,7 +30,7 @@ from moe.transformer import MoETransformer
 from parallel.build import build_model
 from parallel.context import sequence_shards
 from parallel.groups import ParallelGroups
-from parallel.hardware import PrecisionChoice, choose_precision, memory_per_rank, model_flops_utilization
+from parallel.hardware import PrecisionChoice, choose_precision, model_flops_utilization
 from parallel.layout import Layout
 from parallel.materialize import InitialWeights
 from parallel.pipeline import PipelineModel
@@ -45,6 +45,7 @@ from training.indexer_stages import (
     sparse_attention_layers,
     start_optimizer_state,
 )
+from training.live_memory import LiveTensorPeak, held_before_model
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, learning_rate
 from training.progress import Progress
@@ -117,7 +118,7 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp  # the sampler's: ranks drawing other sequences
     data = _load_data(config, runtime, dp_rank, dp_size)
     torch.manual_seed(config.train.seed)  # the generator that router jitter draws from
-    before_model = memory_per_rank(runtime.device, peak=False)  # the process without the model: interpreter, data
+    before_model = held_before_model(runtime.device)  # the process without the model: its data
     context = _step_context(config, groups, runtime.device, resolved, precision, data.end_id)
     checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_weights)
     first_step = checkpoints.restore(context.model, context.optimizer, data.sampler) + 1
@@ -240,6 +241,7 @@ class _Run:
         self.tokens_per_step = config.train.global_batch_size * config.model.seq_len
         self.summary: dict[str, float] = {}
         self.total_tokens = 0
+        self.memory = LiveTensorPeak(runtime.device)  # on a CPU, measures the first steps' live tensor peak
 
     def announce(self, resolved: ResolvedLayout, first_step: int) -> None:
         """The start-up banner: the model, the data and batch, the precision, the plan (rank 0's stderr)."""
@@ -277,7 +279,8 @@ class _Run:
         inputs, targets = sampler.next_batch(config.train.global_batch_size)
         warmup = in_dense_warmup(step, config.train.indexer_warmup_steps)
         set_indexer_stage(context.sparse_layers, warmup)
-        step_loss, grad_norm = train_step(context, inputs, targets, self.interval, sampler.last_sources, warmup)
+        with self.memory.measure():
+            step_loss, grad_norm = train_step(context, inputs, targets, self.interval, sampler.last_sources, warmup)
         self._stop_if(self.checkpoints.check_finite(step, step_loss, grad_norm, context.model, context.optimizer,
                                                     sampler))
         self.interval.steps += 1
@@ -302,7 +305,7 @@ class _Run:
         record.update({"train/lr": lr, "train/grad_norm": grad_norm,
                        "perf/mfu": model_flops_utilization(record["perf/tokens_per_s"], self.flops_per_token,
                                                            self.precision.peak_flops, self.runtime.world_size),
-                       "perf/memory_peak_gib": max(memory_per_rank(self.runtime.device)) / 2**30,
+                       **self.memory.metrics(),
                        **(context.qk_clip.metrics() if context.qk_clip is not None else {})})
         if sampler.mixture:  # the realised mixture: each source's share of the samples drawn so far
             record.update({f"data/share/{name}": count / sampler.samples_seen
@@ -338,13 +341,12 @@ class _Run:
         self._stop_if(self.checkpoints.finish(config.train.steps, context.model, context.optimizer,
                                               self.data.sampler, val))  # saved only if val is finite
         elapsed = time.perf_counter() - self.started
-        peaks = [peak / 2**30 for peak in memory_per_rank(self.runtime.device)]
         summary = self.summary
         summary.update({"run": self.run_dir.name, "config": config.name, "optimizer": config.train.optimizer,
                         "layout": layout_text(self.layout), "val/loss": val, **named,
                         "perf/tokens_per_s": self.total_tokens / elapsed, "time_s": elapsed,
                         "steps": config.train.steps, "precision": self.precision.precision,
-                        "perf/memory_peak_gib": max(peaks), "perf/memory_peak_gib_per_rank": peaks,
+                        **self.memory.metrics(per_rank=True),
                         "perf/memory_before_model_gib_per_rank": [held / 2**30 for held in before_model]})
         if memory_predicted:
             summary["perf/memory_predicted_gib"] = max(memory_predicted) / 2**30

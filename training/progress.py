@@ -31,6 +31,7 @@ _SUMMARY_LABELS = {
     "val/loss": "val loss",
     "perf/tokens_per_s": "throughput",
     "perf/memory_peak_gib_per_rank": "peak memory",
+    "perf/memory_resident_peak_gib": "resident peak",
     "precision": "precision",
 }
 _SAID_ELSEWHERE = {"steps", "trained_steps", "time_s", "perf/memory_peak_gib", "perf/memory_before_model_gib_per_rank",
@@ -240,6 +241,8 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             text = f"{format_count(float(value))} tokens/s (mean of this session)"
         elif key == "perf/memory_peak_gib_per_rank":
             text = _memory_text(value, summary)
+        elif key == "perf/memory_resident_peak_gib":
+            text = f"{value:.2f} GiB (the process's memory, tensors or not: the largest rank's)"
         elif key == "train/loss":
             text = f"{value:.4f} (mean of the last log interval)"
         elif isinstance(value, list):

@@ -5,8 +5,9 @@ Four figures, each drawn from the run directory's own files only (``metrics.json
 
 - ``loss.png``: training loss per logging interval and validation loss at each evaluation;
 - ``throughput.png``: tokens per second per logging interval (the first includes start-up);
-- ``memory.png``: peak memory per rank, split into what the process held before the model was built
-  (interpreter, libraries, data) and the rest, beside the memory model's prediction;
+- ``memory.png``: peak memory per rank (live tensor bytes: a GPU's allocated memory, a CPU's measured live
+  tensors), split into what was held before the model was built and the rest, beside the memory model's
+  prediction;
 - ``routing.png``: routing imbalance (the most-loaded expert's share over the mean share) per MoE layer,
   with 1.0, perfect balance, marked.
 
@@ -72,7 +73,7 @@ def memory_figure(summary: dict, name: str):
     fig, ax = _axes(f"{name}: peak memory per rank", "rank", "GiB")
     ranks = list(range(len(peaks)))
     width = 0.6 if len(ranks) > 1 else 0.3
-    ax.bar(ranks, before, width, color="lightgrey", label="held before the model (interpreter, libraries, data)")
+    ax.bar(ranks, before, width, color="lightgrey", label="held before the model")
     ax.bar(ranks, [peak - held for peak, held in zip(peaks, before, strict=True)], width, bottom=before,
            color="tab:blue", label="the rest of the peak (model, optimizer, activations)")
     predicted = summary.get("perf/memory_predicted_gib")

@@ -25,10 +25,10 @@ __all__ = ["KINDS", "AttentionKind", "CompressedSparseAttention", "GatedDeltaAtt
 
 KINDS: dict[str, type[AttentionKind]] = {"grouped_query": GroupedQueryAttention, "latent": LatentAttention,
                                          "sparse_latent": SparseLatentAttention, "gated_delta": GatedDeltaAttention,
+                                         "shared_selection": SharedSelectionAttention,
                                          "sliding_shared_kv": SharedKVAttention,
                                          "heavily_compressed": HeavilyCompressedAttention,
-                                         "compressed_sparse": CompressedSparseAttention,
-                                         "shared_selection": SharedSelectionAttention}
+                                         "compressed_sparse": CompressedSparseAttention}
 
 
 def attention_kind(layer: LayerSpec) -> type[AttentionKind]:

@@ -33,6 +33,10 @@ class AttentionKind(nn.Module):
     largest logit over the keys its queries may see.
     """
 
+    # whether the kind turns its queries by the documents' rotary tables (``positions``), which the batch's
+    # documents hold once for every layer: the memory model counts them where some layer does
+    reads_document_tables = True
+
     def __init__(self) -> None:
         super().__init__()
         self.gather_sequence = nn.Identity()

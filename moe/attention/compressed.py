@@ -30,13 +30,14 @@ from moe.attention.indexer import IndexScoring
 from moe.attention.kernel import attend_under_mask, kernel_saved_bytes, training_kernel
 from moe.attention.shared_kv import SharedKVAttention, shared_kv_saved_bytes
 from moe.attention.trailing_rope import compressed_rope_tables, rotate_trailing
+from moe.documents import Documents
 from moe.param_tensors import ParamTensor
-from moe.saved_activations import FP32, MicroBatch
+from moe.saved_activations import MicroBatch
 
 
-def window_keys(seq: int, window: int, device: torch.device) -> Tensor:
-    """[S, S] bool: query t sees the positions t - window + 1 .. t."""
-    distance = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)[None, :]
+def window_keys(query_pos: Tensor, key_pos: Tensor, window: int) -> Tensor:
+    """[Sq, S] bool: the query at position t sees the keys at positions t - window + 1 .. t."""
+    distance = query_pos[:, None] - key_pos[None, :]
     return (distance >= 0) & (distance < window)
 
 
@@ -62,19 +63,27 @@ class CompressedAttention(SharedKVAttention):
             self._tables = tuple(table.to(device) for table in compressed_rope_tables(self.config))
         return self._tables
 
-    def attend(self, x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        """q [B, nh, S, hd] against the window's kv [B, 1, S, hd] and the entries [B, 1, n, hd] -> [B, nh, S, hd]."""
-        seq, device = x.shape[1], x.device
+    def attend(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor,
+               documents: Documents | None) -> Tensor:
+        """q [B, nh, Sq, hd] against the window's kv [B, 1, S, hd] and the entries [B, 1, n, hd] -> [B, nh, Sq, hd].
+        Under context parallelism the compressor reads every position's block input in order (``keys_x`` sorted
+        from the gather's order), and positions, not indices, say what a query sees."""
+        seq, keys, device = x.shape[1], keys_x.shape[1], x.device
         cos, sin = self.compressed_tables(device)
-        entries = self.compressor(x, cos, sin)  # [B, n, hd]
-        visible = visible_entries(seq, entries.shape[1], self.compressor.rate, device)  # [S, n]
-        seen = self.entry_mask(x, query_latent, visible, cos, sin)  # [S, n] or [B, 1, S, n]
-        allowed = torch.cat((window_keys(seq, self.window, device).expand(*seen.shape[:-1], seq), seen), dim=-1)
+        query_pos, key_pos = torch.arange(seq, device=device), torch.arange(keys, device=device)
+        if documents is not None:
+            query_pos, key_pos = documents.query_pos, documents.key_pos
+            keys_x = keys_x[:, key_pos.argsort()]
+        entries = self.compressor(keys_x, cos, sin)  # [B, n, hd]
+        visible = visible_entries(query_pos, entries.shape[1], self.compressor.rate)  # [Sq, n]
+        seen = self.entry_mask(x, keys_x, query_latent, visible, query_pos)  # [Sq, n] or [B, 1, Sq, n]
+        allowed = torch.cat((window_keys(query_pos, key_pos, self.window).expand(*seen.shape[:-1], keys), seen), -1)
         keys = torch.cat((self.shared_keys(kv), self.shared_keys(entries.unsqueeze(1))), dim=2)  # [B, 1, S + n, hd]
         return attend_under_mask(q, keys, keys, self.head_dim ** -0.5, allowed, self.sinks)
 
-    def entry_mask(self, x: Tensor, query_latent: Tensor, visible: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The entries each query attends to among the ``visible`` ones [S, n]: all of them."""
+    def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
+                   query_pos: Tensor) -> Tensor:
+        """The entries each query attends to among the ``visible`` ones [Sq, n]: all of them."""
         return visible
 
     # What a compressed layer costs beyond a sliding one (``SharedKVAttention``'s statements): its compressor
@@ -113,19 +122,18 @@ class CompressedAttention(SharedKVAttention):
 
     @classmethod
     def saved_bytes(cls, model: ModelConfig, layer: LayerSpec, tp: int, mb: MicroBatch) -> int:
-        """A sliding layer's bytes (``shared_kv_saved_bytes``; the block input read by four projections, the
-        compressor's two among them) on the kernel of ``appended`` keys (``training_kernel``: a mask over the
-        window's positions and the n entries, shared by the sequences, or per sequence where the indexer
-        selects), the compressor's (``compressor_saved_bytes``), and this layer's own compressed RoPE tables, cos
-        and sin [seq_len, r/2] in fp32, which its rotations save. The indexer runs without gradient: it saves
-        nothing."""
+        """A sliding layer's bytes (``shared_kv_saved_bytes``, ``compressed``: the compressor reads the block input
+        too, and the compressed RoPE tables are this layer's own) on the kernel of ``appended`` keys
+        (``training_kernel``: a mask over the window's keys and the n entries of the whole sequence, shared by the
+        sequences, or per sequence where the indexer selects), and the compressor's (``compressor_saved_bytes``).
+        The indexer runs without gradient: it saves nothing."""
         rate = getattr(model.compressed_attention, cls.rate_key)
-        kernel = training_kernel(model, mb, layer.window, sinks=True, selected=cls.selects, appended=True)
+        kernel = training_kernel(model, mb, layer.window, sinks=True,
+                                 selected=model.index_topk if cls.selects else None, appended=True)
         kernel_bytes = kernel_saved_bytes(kernel, mb, model.n_heads // tp, 1, model.head_dim, sink=True,
-                                          appended=mb.positions // rate)
-        total = shared_kv_saved_bytes(model, tp, mb, kernel_bytes, consumers=4)
-        total += compressor_saved_bytes(mb, model.head_dim, rate, cls.overlap, model.rotary_dim)
-        return total + model.seq_len * model.rotary_dim * FP32
+                                          appended=mb.positions * mb.cp // rate)
+        total = shared_kv_saved_bytes(model, tp, mb, kernel_bytes, compressed=True)
+        return total + compressor_saved_bytes(mb, model.head_dim, rate, cls.overlap, model.rotary_dim)
 
 
 class HeavilyCompressedAttention(CompressedAttention):
@@ -153,12 +161,14 @@ class CompressedIndexer(IndexScoring):
         self.head_weights = nn.Linear(config.d_model, self.heads, bias=False)
 
     @torch.no_grad()
-    def choose(self, x: Tensor, query_latent: Tensor, visible: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The top-k ``visible`` entries ([S, n]) of each query of x [B, S, D] -> [B, 1, S, n] bool."""
+    def choose(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor, query_pos: Tensor,
+               cos: Tensor, sin: Tensor) -> Tensor:
+        """The top-k ``visible`` entries ([Sq, n]) of each query of x [B, Sq, D] at ``query_pos``, among the
+        entries of ``keys_x`` [B, S, D] (every position, in order) -> [B, 1, Sq, n] bool."""
         batch, seq, _ = x.shape
-        keys = self.compressor(x, cos, sin)  # [B, n, di]
+        keys = self.compressor(keys_x, cos, sin)  # [B, n, di]
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
-        q = rotate_trailing(q, cos[:seq, None], sin[:seq, None])
+        q = rotate_trailing(q, cos[query_pos, None], sin[query_pos, None])
         return self.select(self.weigh(x, q, keys), visible)
 
 
@@ -174,11 +184,13 @@ class CompressedSparseAttention(CompressedAttention):
         self.compressor = Compressor(config.d_model, config.head_dim, rate, overlap=True, eps=config.norm_eps)
         self.indexer = CompressedIndexer(config)
 
-    def entry_mask(self, x: Tensor, query_latent: Tensor, visible: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The visible entries [S, n] the indexer picks for each query -> [B, 1, S, n]."""
+    def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
+                   query_pos: Tensor) -> Tensor:
+        """The visible entries [Sq, n] the indexer picks for each query -> [B, 1, Sq, n]."""
         if visible.shape[-1] == 0:
             return visible
-        return visible & self.indexer.choose(x, query_latent, visible, cos, sin)
+        cos, sin = self.compressed_tables(x.device)
+        return visible & self.indexer.choose(x, keys_x, query_latent, visible, query_pos, cos, sin)
 
     @classmethod
     def parameter_tensors(cls, model: ModelConfig, i: int | None) -> list[ParamTensor]:

@@ -77,15 +77,16 @@ def compressor_saved_bytes(mb: MicroBatch, width: int, rate: int, overlap: bool,
     by the layer): the pooled values [B, n, m', d] (m' = 2m with ``overlap``: a new tensor of the two series;
     else a view of ``kv_proj``'s output) and their softmax weights, fp32 (and under bf16 their cast to the
     values' dtype too); the norm's (fused in fp32, or its fp32 upcast and output beside rstd); the RoPE tables
-    at the n window starts, cos and sin [n, r/2] in fp32."""
-    entries = mb.sequences * (mb.positions // rate)
-    slots = (2 if overlap else 1) * rate
+    at the n window starts, cos and sin [n, r/2] in fp32. Of the whole sequence (every context-parallel rank's
+    positions): n = cp·s // m."""
+    per_sequence = mb.positions * mb.cp // rate
+    entries, slots = mb.sequences * per_sequence, (2 if overlap else 1) * rate
     total = entries * slots * width * (FP32 + mb.compute + (mb.compute if mb.bf16 else 0))
-    return total + norm_bytes(entries, width, fused=not mb.bf16) + mb.positions // rate * rotary * FP32
+    return total + norm_bytes(entries, width, fused=not mb.bf16) + per_sequence * rotary * FP32
 
 
-def visible_entries(queries: int, entries: int, rate: int, device: torch.device) -> Tensor:
-    """[Sq, n] bool: query t (positions 0..) sees entry w when every position that fed w is at or before it,
+def visible_entries(query_pos: Tensor, entries: int, rate: int) -> Tensor:
+    """[Sq, n] bool: the query at position t sees entry w when every position that fed w is at or before it,
     w < (t + 1) // rate."""
-    threshold = (torch.arange(queries, device=device) + 1) // rate
-    return torch.arange(entries, device=device)[None, :] < threshold[:, None]
+    threshold = (query_pos + 1) // rate
+    return torch.arange(entries, device=query_pos.device)[None, :] < threshold[:, None]

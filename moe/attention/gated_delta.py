@@ -50,6 +50,8 @@ class GatedDeltaAttention(AttentionKind):
     the heads, each key head with its value heads.
     """
 
+    reads_document_tables = False  # no rotary positions
+
     def __init__(self, config: ModelConfig, layer: LayerSpec):
         super().__init__()
         d = config.d_model
@@ -90,7 +92,7 @@ class GatedDeltaAttention(AttentionKind):
         log_decay = -rate.exp() * F.softplus(decay_in.float() + bias)
         q, k, v, beta, log_decay = (t.transpose(1, 2) for t in (q, k, v, beta, log_decay))  # heads first
         state = None if cache is None else cache.state
-        if shards is not None:  # this cp rank's positions, the state handed on from the ranks before
+        if shards is not None:  # this cp rank's positions, the state handed on from the ranks before (torch rule)
             out = sharded_gated_delta_rule(q, k, v, log_decay, beta, self.chunk_size, self.gather_sequence, shards)
         elif cache is not None and seq == 1 and state is not None:
             out, state = recurrent_gated_delta_rule(q, k, v, log_decay, beta, state)

@@ -28,7 +28,9 @@ class GroupedQueryAttention(AttentionKind):
     With ``qk_norm`` each query and key head is RMS-normalised over its hd channels (one weight [hd] shared
     by the heads) before RoPE, as Qwen3 does: it keeps the attention logits from growing without bound
     ("QK normalization", Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters",
-    sec. 3). Per head, so it runs unchanged on the heads a tensor-parallel rank holds.
+    sec. 3). Per head, so it runs unchanged on the heads a tensor-parallel rank holds. With ``qk_norm_type``
+    "per_layer" (MiniMax-M2) one norm spans all heads' queries (weight [nh·hd]) and one all keys ([nkv·hd]), before
+    the heads are split: under tp it would span ranks (refused there, ``parallel/layout.py``).
 
     GPT-OSS's options: ``attn_output_bias`` (a bias on ``wo`` too), ``attention_sinks`` (``sinks`` [nh], one
     logit per head in every softmax's denominator with no value: ``softmax_j(l_j)`` becomes
@@ -57,17 +59,23 @@ class GroupedQueryAttention(AttentionKind):
         gated = config.attn_output_gate
         self.wg = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False) if gated else None
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if config.attention_sinks else None
-        self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.norm_per_layer = config.qk_norm_type == "per_layer"  # the norms over all heads' channels at once
+        q_width, k_width = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim) if self.norm_per_layer \
+            else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps=config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
                 documents: Documents | None = None) -> Tensor:
         """x: [B, S, D]; cos, sin: the rotary tables of at least S positions (the interface of ``AttentionKind``)."""
         batch, seq, _ = x.shape
         start, cos, sin = self.positions(x, cos, sin, cache, documents)
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # [B, S, nh, hd]
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)  # [B, S, nkv, hd]
-        if self.q_norm is not None:
+        q, k = self.wq(x), self.wk(x)
+        if self.q_norm is not None and self.norm_per_layer:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq, -1, self.head_dim)  # [B, S, nh, hd]
+        k = k.view(batch, seq, -1, self.head_dim)  # [B, S, nkv, hd]
+        if self.q_norm is not None and not self.norm_per_layer:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -109,7 +117,9 @@ class GroupedQueryAttention(AttentionKind):
             out.append(ParamTensor("attention", i, (d,)))
         if model.attention_sinks:
             out.append(ParamTensor("attention", i, (heads,), 0))
-        if model.qk_norm:
+        if model.qk_norm and model.qk_norm_type == "per_layer":
+            out += [ParamTensor("norm", i, (heads * hd,)), ParamTensor("norm", i, (kv_heads * hd,))]
+        elif model.qk_norm:
             out += [ParamTensor("norm", i, (hd,)), ParamTensor("norm", i, (hd,))]
         if model.attn_output_gate:
             out.append(ParamTensor("attention", i, (heads * hd, d), 0))
@@ -145,9 +155,10 @@ class GroupedQueryAttention(AttentionKind):
         """wq/wk/wv's input; what the kernel saves (``kernel_saved_bytes``: q and k after RoPE, v, the output and
         the log-sum-exp, on this rank's nh/tp heads, and the kernel's mask); wo's input, the output made contiguous,
         a copy unless one head per rank makes it a view; with ``qk_norm`` the per-head norms of q and k (each of
-        the T·heads rows of hd, as an RMSNorm saves them); with ``attn_output_gate`` wg's input too, and the
-        gate's sigmoid and the gated output, which wo reads. Under context parallelism k and v are views of the
-        gathered [b, kv_heads, S, 2·hd] tensor, or, by chunks, copies in position order of the same bytes."""
+        the T·heads rows of hd, as an RMSNorm saves them; per layer, T rows of heads·hd); with
+        ``attn_output_gate`` wg's input too, and the gate's sigmoid and the gated output, which wo reads. Under
+        context parallelism k and v are views of the gathered [b, kv_heads, S, 2·hd] tensor, or, by chunks, copies
+        in position order of the same bytes."""
         heads, kv_heads, hd = model.n_heads // tp, model.kv_heads // tp, model.head_size
         sink = model.attention_sinks
         kernel = training_kernel(model, mb, layer.window, sink)
@@ -155,7 +166,9 @@ class GroupedQueryAttention(AttentionKind):
         total += kernel_saved_bytes(kernel, mb, heads, kv_heads, hd, window=layer.window, sink=sink)
         contiguous_view = heads == 1 and not (sink or kernel == BLOCKED_WINDOW)
         total += 0 if contiguous_view else mb.tokens * heads * hd * mb.compute
-        if model.qk_norm:
+        if model.qk_norm and model.qk_norm_type == "per_layer":  # one row per token, all its heads' channels
+            total += head_norm_bytes(mb, mb.tokens, heads * hd, tp) + head_norm_bytes(mb, mb.tokens, kv_heads * hd, tp)
+        elif model.qk_norm:
             total += head_norm_bytes(mb, mb.tokens * heads, hd, tp) + head_norm_bytes(mb, mb.tokens * kv_heads, hd, tp)
         if model.attn_output_gate:  # the gate's sigmoid and the gated output (wo's input)
             total += 2 * mb.tokens * heads * hd * mb.compute

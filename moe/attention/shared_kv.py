@@ -16,9 +16,11 @@ A query sees itself and the ``sliding_window`` - 1 positions before it; the kern
 (``moe/attention/kernel.py``: blocked by windows when the sequence is long enough). Generation recomputes the layer
 over every position kept (``forward``). Under tensor parallelism each rank holds whole output groups of heads and
 the rest whole (``parallel/tensor.py``'s ``_shared_kv_plan``); ``shared_keys`` (an identity here) is where the
-shared key/value head's gradient, which each rank's heads give only part of, is summed over the ranks. Packed
-documents, context parallelism and QK-clip are refused by the config (``config/run.py``, ``parallel/layout.py``)
-until built.
+shared key/value head's gradient, which each rank's heads give only part of, is summed over the ranks. Under
+context parallelism every rank gathers the block input of every position once per layer and makes all the keys
+(and the compressed entries) from it: D numbers per position where the keys alone would be hd (and the
+compressors' projections), for one exchange and the key-making repeated on every rank. Packed documents and
+QK-clip are refused by the config (``config/run.py``) until built.
 
 Shapes: B sequences, S positions, D = d_model, nh heads, hd = head_dim, c' = q_lora_rank, r = rotary_dim,
 g = o_groups, o = o_lora_rank.
@@ -38,7 +40,7 @@ from moe.documents import Documents
 from moe.kv_cache import LayerCache
 from moe.norm import RMSNorm
 from moe.param_tensors import ParamTensor
-from moe.saved_activations import FP32, MicroBatch, linear_input_bytes, norm_bytes
+from moe.saved_activations import FP32, INDEX, MicroBatch, linear_input_bytes, norm_bytes
 
 
 class GroupedLinear(nn.Module):
@@ -57,9 +59,18 @@ class GroupedLinear(nn.Module):
         return torch.einsum("...gi,goi->...go", x, blocks)
 
 
+def at_positions(cos: Tensor, sin: Tensor, seq: int, positions: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The tables [L, r/2] at positions 0 .. seq - 1 (views), or at ``positions`` [seq] (context parallelism)."""
+    if positions is None:
+        return cos[:seq], sin[:seq]
+    return cos[positions], sin[positions]
+
+
 class SharedKVAttention(AttentionKind):
-    """DeepSeek-V4's attention in a sliding layer (module docstring); ``compressed_keys`` is where the compressed
-    layers add their entries."""
+    """DeepSeek-V4's attention in a sliding layer (module docstring); ``attend`` is where the compressed layers add
+    their entries."""
+
+    reads_document_tables = False  # it indexes its own tables at the queries' and keys' positions
 
     def __init__(self, config: ModelConfig, layer: LayerSpec):
         super().__init__()
@@ -79,45 +90,51 @@ class SharedKVAttention(AttentionKind):
         self.sinks = nn.Parameter(torch.empty(self.n_heads))
         self.shared_keys = nn.Identity()  # where tensor parallelism sums the shared keys' gradient over the ranks
 
-    def rotary_tables(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """The tables this layer turns by: the model's (the sliding layers' RoPE)."""
-        return cos, sin
-
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None,
                 documents: Documents | None = None) -> Tensor:
         """x: [B, S, D]; cos, sin: the model's rotary tables [>= S, r/2] (``AttentionKind``'s interface).
 
+        Under context parallelism (``documents.sharded``) x is this rank's positions, and the keys are made from
+        every rank's, gathered once (``gather_sequence``: the block input, which the compressors need too).
         Generation's ``cache`` keeps this layer's inputs (``LayerCache.state``, [B, L, D]), and each call computes
         the layer over all of them and returns the new positions' outputs: a whole sequence's forward, so exactly
         it, at O(L) projections and O(L²) scores per step where V4's own caches (the window's keys, the
         compressors' open windows and entries) would cost O(W + L / rate)."""
-        if documents is not None:
+        if documents is not None and not documents.sharded:
             raise ValueError("DeepSeek-V4's attention (model.compressed_attention) takes whole sequences: packed "
-                             "documents and context parallelism are not built for it")
+                             "documents are not built for it")
         if cache is None:
-            return self.whole_sequences(x, cos, sin)
+            return self.layer(x, x if documents is None else self.gather_sequence(x), cos, sin, documents)
         start = cache.length
         inputs = x if cache.state is None else torch.cat((cache.state, x), dim=1)
         cache.advance(inputs, x.shape[1])
-        return self.whole_sequences(inputs, cos, sin)[:, start:]
+        return self.layer(inputs, inputs, cos, sin)[:, start:]
 
-    def whole_sequences(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The layer on sequences from position 0: x [B, S, D] -> [B, S, D]."""
+    def layer(self, x: Tensor, keys_x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None = None) -> Tensor:
+        """The layer on x [B, Sq, D] (its queries' block input) against keys made of ``keys_x`` [B, S, D] (x, or
+        every context-parallel rank's positions in ``documents.key_pos``' order) -> [B, Sq, D]."""
         batch, seq, _ = x.shape
-        _, cos, sin = self.positions(x, *self.rotary_tables(cos, sin), None, None)
-        query_latent = self.q_a_norm(self.q_a_proj(x))  # [B, S, c']
+        cos, sin = self.rotary_tables(cos, sin)
+        q_cos, q_sin = at_positions(cos, sin, seq, None if documents is None else documents.query_pos)
+        k_cos, k_sin = at_positions(cos, sin, keys_x.shape[1], None if documents is None else documents.key_pos)
+        query_latent = self.q_a_norm(self.q_a_proj(x))  # [B, Sq, c']
         q = self.q_b_norm(self.q_b_proj(query_latent).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
-        q = rotate_trailing(q, cos, sin)  # [B, nh, S, hd]
-        kv = rotate_trailing(self.kv_norm(self.kv_proj(x)).unsqueeze(1), cos, sin)  # [B, 1, S, hd]
-        out = self.attend(x, query_latent, q, kv)
-        out = rotate_trailing(out, cos, sin, inverse=True).transpose(1, 2)  # [B, S, nh, hd]
-        grouped = self.o_a_proj(out.reshape(batch, seq, -1, self.group_width))  # [B, S, g, o]
+        q = rotate_trailing(q, q_cos, q_sin)  # [B, nh, Sq, hd]
+        kv = rotate_trailing(self.kv_norm(self.kv_proj(keys_x)).unsqueeze(1), k_cos, k_sin)  # [B, 1, S, hd]
+        out = self.attend(x, keys_x, query_latent, q, kv, documents)
+        out = rotate_trailing(out, q_cos, q_sin, inverse=True).transpose(1, 2)  # [B, Sq, nh, hd]
+        grouped = self.o_a_proj(out.reshape(batch, seq, -1, self.group_width))  # [B, Sq, g, o]
         return self.o_b_proj(grouped.flatten(2))
 
-    def attend(self, x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        """The kernel over the window: q [B, nh, S, hd] against the one head kv [B, 1, S, hd] -> [B, nh, S, hd]."""
+    def rotary_tables(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The tables this layer turns by: the model's (the sliding layers' RoPE)."""
+        return cos, sin
+
+    def attend(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor,
+               documents: Documents | None) -> Tensor:
+        """The kernel over the window: q [B, nh, Sq, hd] against the one head kv [B, 1, S, hd] -> [B, nh, Sq, hd]."""
         kv = self.shared_keys(kv)
-        return attend(q, kv, kv, self.head_dim ** -0.5, window=self.window, sinks=self.sinks)
+        return attend(q, kv, kv, self.head_dim ** -0.5, window=self.window, sinks=self.sinks, documents=documents)
 
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         """None: each query head and the key are RMS-normalised after their projections, which undoes any scale
@@ -126,7 +143,7 @@ class SharedKVAttention(AttentionKind):
                                   "scale them")
 
     # What this kind costs, stated beside its forward and summed over the layer pattern by ``analysis/`` and
-    # ``moe/accounting.py``. Context parallelism is refused for it (``parallel/layout.py``).
+    # ``moe/accounting.py``.
 
     @staticmethod
     def parameter_tensors(model: ModelConfig, i: int | None) -> list[ParamTensor]:
@@ -163,8 +180,9 @@ class SharedKVAttention(AttentionKind):
 
     @staticmethod
     def sequence_gather_width(model: ModelConfig, tp: int) -> int:
-        """Nothing: context parallelism is refused for this kind."""
-        return 0
+        """Elements per position that context parallelism gathers in one layer: the block input, whole on every tp
+        rank (the key/value head and the compressors are made from it)."""
+        return model.d_model
 
     @staticmethod
     def input_gradient_sums(model: ModelConfig) -> tuple[tuple[str, float], ...] | None:
@@ -179,21 +197,42 @@ class SharedKVAttention(AttentionKind):
         kernel = training_kernel(model, mb, layer.window, sinks=True)
         kernel_bytes = kernel_saved_bytes(kernel, mb, model.n_heads // tp, 1, model.head_dim, window=layer.window,
                                           sink=True)
-        return shared_kv_saved_bytes(model, tp, mb, kernel_bytes, consumers=2)
+        return shared_kv_saved_bytes(model, tp, mb, kernel_bytes, compressed=False)
 
 
-def shared_kv_saved_bytes(model: ModelConfig, tp: int, mb: MicroBatch, kernel_bytes: int, consumers: int) -> int:
+def shared_kv_saved_bytes(model: ModelConfig, tp: int, mb: MicroBatch, kernel_bytes: int, compressed: bool) -> int:
     """What a V4 layer saves on a tp rank besides its compressors, with what its kernel saves (``kernel_bytes``),
-    on this rank's nh/tp heads and g/tp groups: the block
-    input, read by ``consumers`` projections (one fp32 tensor, or a bf16 cast each under autocast); ``q_a_norm``'s
-    (its input and rstd, or under bf16 its fp32 upcast and output too) and ``q_b_proj``'s input; the per-head norm's
-    input (``q_b_proj``'s output; its fp32 upcast under bf16) and its rstd per head, in fp32; ``kv_norm``'s, as
-    ``q_a_norm``'s; ``o_a_proj``'s input as its batched matmul keeps it ([g, T, nh·hd/g], a copy) and
-    ``o_b_proj``'s [T, g·o]. The rotations save only their tables (the model's buffers here)."""
+    on this rank's nh/tp heads and g/tp groups: the block input, read by two projections (four with the
+    ``compressed`` layers' compressor) as ``linear_input_bytes`` says; ``q_a_norm``'s (its input and rstd, or under
+    bf16 its fp32 upcast and output too) and ``q_b_proj``'s input; the per-head norm's input (``q_b_proj``'s output;
+    its fp32 upcast under bf16) and its rstd per head, in fp32; ``kv_norm``'s on every key, as ``q_a_norm``'s;
+    ``o_a_proj``'s input as its batched matmul keeps it ([g, T, nh·hd/g], a copy) and ``o_b_proj``'s [T, g·o]; the
+    rotary tables the rotations save: the compressed layers' own [seq_len, r/2] cos and sin, fp32 (the sliding
+    layers' are the model's buffers).
+
+    Under context parallelism the keys are the K = cp·T gathered positions: ``kv_proj`` reads the gathered block
+    input [K, D], the compressors a copy of it in position order (with the order, K int64), each
+    ``linear_input_bytes``' way; the rotations save the tables at the queries' and the keys' positions (copies,
+    cos and sin, fp32) instead."""
     t, heads, hd, rank, a = mb.tokens, model.n_heads // tp, model.head_dim, model.q_lora_rank, mb.compute
     grouped = model.compressed_attention.o_groups // tp * model.compressed_attention.o_lora_rank
-    total = linear_input_bytes(mb, model.d_model, consumers)
+    keys, d, rotary = t * mb.cp, model.d_model, model.rotary_dim
+    if mb.cp == 1:
+        total = linear_input_bytes(mb, d, 4 if compressed else 2)
+        total += model.seq_len * rotary * FP32 if compressed else 0
+    else:
+        total = linear_input_bytes(mb, d, 1) + _input_bytes(mb, keys, d, 1)
+        total += _input_bytes(mb, keys, d, 2) + mb.positions * mb.cp * INDEX if compressed else 0
+        total += (mb.positions + mb.positions * mb.cp) * rotary * FP32
     total += norm_bytes(t, rank, fused=not mb.bf16) + t * rank * a
     total += t * heads * (hd + 1) * FP32
-    total += norm_bytes(t, hd, fused=not mb.bf16)
+    total += norm_bytes(keys, hd, fused=not mb.bf16)
     return total + kernel_bytes + t * heads * hd * a + t * grouped * a
+
+
+def _input_bytes(mb: MicroBatch, rows: int, d: int, consumers: int) -> int:
+    """``linear_input_bytes`` for an input of ``rows`` rows: one fp32 tensor, a bf16 cast per consumer, or one
+    bf16 tensor under FSDP's bf16 weights."""
+    if mb.bf16:
+        return (1 if mb.bf16_weights else consumers) * rows * d * mb.compute
+    return rows * d * FP32

@@ -65,9 +65,10 @@ def test_the_banners_memory_prediction_uses_the_precision_the_run_trains_in(tmp_
 
 
 def test_the_banner_says_what_its_prediction_counts():
-    """Live tensor bytes: a CPU's resident peak holds more (glibc's kept memory, oneDNN's caches), a GPU's logged
-    peak is allocated memory, not reserved."""
-    cpu, gpu = train.memory_banner([2**30], 2**29, "bf16"), train.memory_banner([2**30], 0, "bf16")
-    assert cpu.startswith("memory model: 1.00 GiB of live tensors per rank (bf16; plus the 0.50 GiB")
-    assert "1.50 GiB; the resident peak" in cpu and "glibc keeps" in cpu and "oneDNN's caches" in cpu
+    """Live tensor bytes, as the run measures them: a CPU run's live tensor peak (its resident peak, which holds
+    glibc's kept memory and oneDNN's caches too, logged apart), a GPU's allocated memory, not reserved."""
+    cpu, gpu = train.memory_banner([2**30], "bf16", "cpu"), train.memory_banner([2**30], "bf16", "cuda")
+    assert cpu.startswith("memory model: 1.00 GiB of live tensors per rank (bf16; the run measures the live tensor "
+                          "peak of its steps 1, 2, 4, 8, ... as perf/memory_peak_gib")
+    assert "perf/memory_resident_peak_gib" in cpu and "glibc keeps" in cpu and "oneDNN's caches" in cpu
     assert "allocated, not reserved" in gpu and "glibc" not in gpu

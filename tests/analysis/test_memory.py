@@ -99,7 +99,7 @@ def _measure(config, layout: Layout, micro: int, precision: str, model, seed: in
 
 @pytest.mark.parametrize("name", ["moe-8x", "dense", "dropless", "switch-top1", "mixtral-8x7b", "deepseek-v3-shape",
                                   "qwen3-30b-a3b", "deepseek-v3", "kimi-k2", "glm-4.5", "gpt-oss-20b",
-                                  "gpt-oss-120b"])
+                                  "gpt-oss-120b", "minimax-m2"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_parameter_tensors_add_up_to_the_accounting(name, tie):
     config = load_config(name, [f"model.tie_embeddings={str(tie).lower()}"])
@@ -174,6 +174,12 @@ SINGLE = {
     "Qwen3 attention: q/k norms, wide heads": ("fp32", ["model.qk_norm=true", "model.head_dim=16",
                                                         "moe.renormalize=false", "moe.force_balance=true"]),
     "bf16, Qwen3 attention": ("bf16", ["model.qk_norm=true", "model.head_dim=16", "moe.force_balance=true"]),
+    # MiniMax-M2's: one q norm over every head's channels, one k norm likewise, partial rotary
+    "MiniMax-M2 attention: q/k norms per layer": ("fp32", ["model.qk_norm=true", "model.qk_norm_type=per_layer",
+                                                           "model.n_kv_heads=2", "model.rotary_dim=4",
+                                                           "moe.force_balance=true"]),
+    "bf16, MiniMax-M2 attention": ("bf16", ["model.qk_norm=true", "model.qk_norm_type=per_layer",
+                                            "model.n_kv_heads=2", "moe.force_balance=true"]),
     "bf16, recompute moe": ("bf16", ["parallel.activation_checkpointing=moe", "moe.num_shared_experts=1",
                                      "moe.force_balance=true"]),
     "latent attention": ("fp32", [*MLA, "moe.force_balance=true"]),
@@ -202,6 +208,10 @@ SINGLE = {
     "sparse attention (DSA), top-k binding": ("fp32", [*DSA, "model.index_topk=6"]),
     "sparse attention (DSA), every key selected": ("fp32", [*DSA, "model.index_topk=32"]),
     "bf16, sparse attention (DSA), top-k binding": ("bf16", [*DSA, "model.index_topk=6"]),
+    "DeepSeek-V4 attention: CSA then HCA": ("fp32", [*V4_ATTENTION, "model.layer_types=[compressed_sparse_attention,"
+                                                                    "heavily_compressed_attention]"]),
+    "bf16, DeepSeek-V4 attention: sliding then CSA": ("bf16", [*V4_ATTENTION, "model.layer_types=[sliding_attention,"
+                                                                            "compressed_sparse_attention]"]),
     # the top 2 of 32 keys: each query's keys gathered (the gathered kernel, latent attention absorbed)
     "sparse attention (DSA), gathered keys": ("fp32", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
     "bf16, sparse attention (DSA), gathered keys": ("bf16", [*DSA, "model.index_topk=2", "model.seq_len=32"]),
@@ -209,10 +219,6 @@ SINGLE = {
     "GLM-5 shared selection, masked": ("fp32", [*DSA, "model.index_topk=6", "model.indexer_types=[full,shared]"]),
     "GLM-5 shared selection, gathered": ("fp32", [*DSA, "model.index_topk=2", "model.seq_len=32",
                                                   "model.indexer_types=[full,shared]"]),
-    "DeepSeek-V4 attention: CSA then HCA": ("fp32", [*V4_ATTENTION, "model.layer_types=[compressed_sparse_attention,"
-                                                                    "heavily_compressed_attention]"]),
-    "bf16, DeepSeek-V4 attention: sliding then CSA": ("bf16", [*V4_ATTENTION, "model.layer_types=[sliding_attention,"
-                                                                            "compressed_sparse_attention]"]),
     "Gated DeltaNet linear attention beside full attention": ("fp32", [*HYBRID, "moe.force_balance=true"]),
     "bf16, Gated DeltaNet linear attention": ("bf16", [*HYBRID, "moe.force_balance=true"]),
     # Qwen3-Next's other parts: gated attention, partial rotary, q/k norms, a gated shared expert
@@ -399,10 +405,15 @@ SPAWNED = [
     ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
     ("bf16", ["parallel.dp_shard=2", *DSA, "model.index_topk=6"]),
     ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *DSA, "model.index_topk=6"]),
-    # DeepSeek-V4's attention split by whole output groups over tp, with sequence parallelism, and in bf16
+    # DeepSeek-V4's attention split by whole output groups over tp, with sequence parallelism, and in bf16; over cp,
+    # the block input gathered (and put in position order for the compressors)
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", *V4_ATTENTION,
               "model.layer_types=[compressed_sparse_attention,heavily_compressed_attention]"]),
     ("bf16", ["parallel.tp=2", "parallel.dp_shard=1", *V4_ATTENTION,
+              "model.layer_types=[sliding_attention,compressed_sparse_attention]"]),
+    ("fp32", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *V4_ATTENTION,
+              "model.layer_types=[compressed_sparse_attention,heavily_compressed_attention]"]),
+    ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *V4_ATTENTION,
               "model.layer_types=[sliding_attention,compressed_sparse_attention]"]),
     # Qwen3-Next: the linear heads split over tp (the gated norm on each rank's heads, a DTensor); under FSDP's bf16
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *HYBRID, *QWEN3_NEXT]),

@@ -8,7 +8,17 @@ import shlex
 import pytest
 
 import train
-from analysis import gpu_presets, layout_search, link_time, memory, planner, step_time, traffic, traffic_items
+from analysis import (
+    gpu_presets,
+    layout_search,
+    link_time,
+    memory,
+    planner,
+    replica_time,
+    step_time,
+    traffic,
+    traffic_items,
+)
 from config.errors import ConfigError
 from config.run import load_config
 from moe.accounting import (
@@ -621,9 +631,12 @@ def test_where_the_best_replica_slots_do_not_fit_the_planner_takes_the_best_that
         slots = dataclasses.replace(planned.parallel, ep_replicas=replicas)
         return layout_search.memory_bytes(dataclasses.replace(planned, parallel=slots), layout)[0]
 
-    def chosen(device_memory):
-        return layout_search.evaluate(planned, layout, H100, 8, imbalance=1.3,
-                                      device_memory=device_memory).config.parallel.ep_replicas
+    def chosen(device_memory, replicas=replica_time.REPLICA_CHOICES):
+        return layout_search.evaluate(planned, layout, H100, 8, imbalance=1.3, device_memory=device_memory,
+                                      replicas=replicas).config.parallel.ep_replicas
 
     assert need(0) < need(1) < need(2)
     assert [chosen(None), chosen(need(2)), chosen(need(1)), chosen(need(2) - 1), chosen(need(0))] == [2, 2, 1, 1, 0]
+    # --set parallel.ep_replicas=R prices that R alone, 0 included (the figure without replicas)
+    assert planner.fixed_replicas(["parallel.ep_replicas=0"]) == (0,) and planner.fixed_replicas([]) == (0, 1, 2)
+    assert [chosen(None, (0,)), chosen(None, (1,))] == [0, 1]

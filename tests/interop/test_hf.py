@@ -210,13 +210,13 @@ def test_the_help_and_the_docs_name_every_family_that_init_from_takes(capsys):
         train_command.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     docs = Path(__file__).resolve().parents[2] / "docs"
-    folder_line = " ".join((docs / "huggingface.md").read_text().split()).split("`HF_DIR` is a Hugging Face")[1][:300]
+    folder_line = " ".join((docs / "huggingface.md").read_text().split()).split("`HF_DIR` is a Hugging Face")[1][:360]
     row = next(line for line in (docs / "configuration.md").read_text().splitlines() if "`--init-from" in line)
     names = {"MixtralForCausalLM": "Mixtral", "Qwen3MoeForCausalLM": "Qwen3-MoE",
              "DeepseekV3ForCausalLM": "DeepSeek-V3", "Glm4MoeForCausalLM": "GLM-4.5", "GptOssForCausalLM": "GPT-OSS",
              "DeepseekV32ForCausalLM": "DeepSeek-V3.2", "GlmMoeDsaForCausalLM": "GLM-5",
              "Qwen3NextForCausalLM": "Qwen3-Next", "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE",
-             "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE"}
+             "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE", "DeepseekV4ForCausalLM": "DeepSeek-V4"}
     assert set(FAMILIES) == set(names)
     for architecture, name in names.items():
         assert architecture in text, architecture

@@ -53,6 +53,9 @@ SMALL = [
                  attn_output_gate=True, seq_len=16, ffn_hidden=48, layer_types=["linear_attention", "full_attention"],
                  linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5),
      MoEConfig(expert_hidden=24, num_shared_experts=1, shared_expert_gate=True)),
+    # MiniMax-M2's: one q norm over all heads' channels and one k norm, partial rotary, sigmoid routing
+    (ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True, qk_norm_type="per_layer",
+                 rotary_dim=4, seq_len=16, ffn_hidden=48), MoEConfig(expert_hidden=24, score_func="sigmoid")),
 ]
 
 
@@ -162,6 +165,16 @@ def test_glm_4_5_is_within_one_percent_of_its_published_size():
     counts = parameter_counts(config.model, config.moe)
     assert counts.total == pytest.approx(355e9, rel=0.01)
     assert counts.active - counts.embedding == pytest.approx(32e9, rel=0.03)
+
+
+def test_minimax_m2_has_its_published_size():
+    """MiniMax-M2: "230 billion total parameters with 10 billion active" (its model card). Ours, without its
+    multi-token-prediction modules: 228.69B (0.6% under) and 10.42B active besides the embedding, which round to
+    the card's figures."""
+    config = load_config("minimax-m2")
+    counts = parameter_counts(config.model, config.moe)
+    assert counts.total == pytest.approx(230e9, rel=0.01)
+    assert round((counts.active - counts.embedding) / 1e9) * 1e9 == 10e9
 
 
 @pytest.mark.parametrize("name, total, active", [("gpt-oss-20b", 20.9e9, 3.6e9), ("gpt-oss-120b", 116.8e9, 5.1e9)])

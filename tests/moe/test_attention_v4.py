@@ -123,7 +123,7 @@ def assert_selection_binds_and_is_unambiguous(ours: CompressedSparseAttention, m
         keys = indexer.compressor(x, cos, sin)
         q = indexer.wq(latent).view(*x.shape[:2], indexer.heads, indexer.head_dim)
         scores = indexer.weigh(x, rotate_trailing(q, cos[:seq, None], sin[:seq, None]), keys)
-    visible = visible_entries(seq, keys.shape[1], CSA_RATE, x.device)
+    visible = visible_entries(torch.arange(seq), keys.shape[1], CSA_RATE)
     binding = visible.sum(-1) > TOPK
     assert binding.sum() >= 8 and keys.shape[1] >= 2 * TOPK
     ranked = scores.masked_fill(~visible, float("-inf")).sort(dim=-1, descending=True).values[:, binding]
@@ -175,15 +175,13 @@ def test_stated_parameters_are_the_built_ones(index):
     assert stated == sorted(tuple(param.shape) for param in build_attention(model, layer).parameters())
 
 
-@pytest.mark.parametrize("override, message", [("parallel.tp=2", "does not divide model.compressed_attention.o_groups"),
-                                               ("parallel.cp=2", "not split over cp")])
-def test_layouts_not_built_are_refused(override, message):
-    """tp must keep whole output groups on each rank (3 groups over 2 ranks cannot); cp is not built."""
+def test_tensor_parallelism_needs_whole_output_groups_per_rank():
+    """3 output groups cannot be split over 2 ranks: refused before any work, by name."""
     overrides = [f"model.{key}={value}" for key, value in MODEL.items() if key != "layer_types"]
     config = load_config("moe-8x", [*overrides, "model.layer_types=[sliding_attention,heavily_compressed_attention,"
                                     "compressed_sparse_attention]", "model.compressed_attention.o_groups=3",
-                                    "model.n_kv_heads=null", "parallel.dp_shard=1", override])
-    with pytest.raises(ConfigError, match=message):
+                                    "model.n_kv_heads=null", "parallel.dp_shard=1", "parallel.tp=2"])
+    with pytest.raises(ConfigError, match="does not divide model.compressed_attention.o_groups=3"):
         resolve_layout(config, 2)
 
 

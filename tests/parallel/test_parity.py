@@ -64,6 +64,18 @@ QWEN3_NEXT = ["model.layer_types=[linear_attention, full_attention]", "model.lin
 DEEPSEEK_V4_RESIDUAL = ["model.hc_mult=4", "model.mlp_layer_types=[moe, hash_moe]", "moe.score_func=sqrtsoftplus",
                         "moe.routed_scaling_factor=1.5", "moe.activation=limited_swiglu", "moe.swiglu_limit=1.0",
                         "moe.num_shared_experts=1"]
+# the whole DeepSeek-V4: the same with its attention, a compressed sparse layer (the indexer's top 2 of up to 8
+# entries) then a heavily compressed one, 2 output groups, one key/value head, windows of 8
+DEEPSEEK_V4 = [*DEEPSEEK_V4_RESIDUAL, "model.n_kv_heads=null", "model.head_dim=16", "model.rotary_dim=8",
+               "model.q_lora_rank=12", "model.sliding_window=8",
+               "model.layer_types=[compressed_sparse_attention, heavily_compressed_attention]", "model.index_topk=2",
+               "model.index_n_heads=2", "model.index_head_dim=8", "model.compressed_attention.csa_rate=4",
+               "model.compressed_attention.hca_rate=8", "model.compressed_attention.o_groups=2",
+               "model.compressed_attention.o_lora_rank=8"]
+# MiniMax-M2's at toy size: one RMSNorm over all heads' queries and one over all keys, partial rotary, sigmoid
+# routing by the correction bias (trained by aux-loss-free balancing), every layer MoE
+MINIMAX_M2 = ["model.qk_norm=true", "model.qk_norm_type=per_layer", "model.n_kv_heads=2", "model.rotary_dim=4",
+              "moe.score_func=sigmoid", "moe.bias_update_rate=0.01"]
 LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.dp_shard=2"], 2, "null", id="dp_shard=2-dropless"),
     # weights kept gathered from forward to backward (one all-gather fewer per block)
@@ -113,11 +125,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # in two pipeline stages (the dense block, then the MoE block)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3_MTP], 2, "null", id="ep=2-deepseek-v3-mtp"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3], 2, "1.25", id="pp=2-deepseek-v3"),
-    # the widened stream [micro, S, 4, D] between the stages, and the token ids to the second stage's hash layer: the
-    # same model under ep, the hash layer's tokens exchanged to the experts its table picks
-    pytest.param(["parallel.pp=2", *DEEPSEEK_V4_RESIDUAL], 2, "null", id="pp=2-deepseek-v4-residual"),
-    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4_RESIDUAL], 2, "null",
-                 id="ep=2-deepseek-v4-residual"),
+    # the whole V4: the widened stream [micro, S, 4, D] between the stages, and the token ids to the second stage's
+    # hash layer; the same model under FSDP and ep, the hash layer's tokens exchanged to the experts its table picks
+    pytest.param(["parallel.pp=2", *DEEPSEEK_V4], 2, "null", id="pp=2-deepseek-v4"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4], 2, "null", id="ep=2-deepseek-v4"),
     # each tp rank the whole streams (replicated), each cp rank its positions' streams and ids
     pytest.param(["parallel.tp=2", "parallel.cp=2", *DEEPSEEK_V4_RESIDUAL], 4, "null",
                  id="tp=2xcp=2-deepseek-v4-residual"),
@@ -163,6 +174,8 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # attends as before; at cp=4 in chunks of 4 positions (rule chunks of 8), the last one from 7 maps composed
     pytest.param(["parallel.cp=2", "parallel.dp_shard=1", *QWEN3_NEXT], 2, "null", id="cp=2-qwen3-next"),
     pytest.param(["parallel.cp=4", "parallel.dp_shard=1", *QWEN3_NEXT], 4, "null", id="cp=4-qwen3-next"),
+    # MiniMax-M2: its per-layer q/k norms FSDP-sharded, the experts under ep
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *MINIMAX_M2], 2, "null", id="ep=2-minimax-m2"),
     # packed documents masked from each other (data.document_mask): GPT-OSS's sinks split by heads and its blocked
     # window masked by document, on sequence slices; and latent attention in two pipeline stages, each given the
     # batch's document ids by the schedule
@@ -212,9 +225,13 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # and split by heads: the indexer whole on every tp rank, its target summed over the ranks' heads
     pytest.param(["parallel.tp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="tp=2-deepseek-v3.2"),
     # DeepSeek-V4's attention split by heads (one output group per rank), its key/value head, compressors and
-    # indexer whole on every rank; with sequence parallelism
+    # indexer whole on every rank, with sequence parallelism; and the whole of V4 (the hyper-connected streams, a
+    # hash-routed layer) under tp
     pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *DEEPSEEK_V4_ATTENTION], 2, "null",
                  id="tp=2-sp-deepseek-v4-attention"),
+    pytest.param(["parallel.tp=2", *DEEPSEEK_V4_ATTENTION, *DEEPSEEK_V4_RESIDUAL,
+                  "model.mlp_layer_types=[hash_moe, moe, moe]"], 2, "null", id="tp=2-deepseek-v4"),
+    pytest.param(["parallel.cp=2", *DEEPSEEK_V4_ATTENTION], 2, "null", id="cp=2-deepseek-v4-attention"),
     # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
     # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
     pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.grad_reduce=step",

@@ -153,7 +153,8 @@ def test_close_prints_summary(tmp_path) -> None:
     progress.close(
         {"train/loss": 3.1234, "val/loss": 3.21, "perf/tokens_per_s": 12_300.0, "steps_skipped": 2, "steps": 300,
          "time_s": 312.0, "perf/memory_peak_gib": 0.8, "perf/memory_peak_gib_per_rank": [0.7905],
-         "perf/memory_before_model_gib_per_rank": [0.3338], "perf/memory_predicted_gib": 0.801},
+         "perf/memory_before_model_gib_per_rank": [0.3338], "perf/memory_predicted_gib": 0.801,
+         "perf/memory_resident_peak_gib": 1.234},
         {"metrics": tmp_path / "metrics.jsonl", "plots": tmp_path / "plots", "elsewhere": Path("/ckpt/run")}, tmp_path)
     out = stream.getvalue()
     bar, summary = out.split("\n", 1)
@@ -164,6 +165,7 @@ def test_close_prints_summary(tmp_path) -> None:
         "  val loss       3.2100\n"
         "  throughput     12.3k tokens/s (mean of this session)\n"
         "  peak memory    0.79 GiB (0.33 GiB of it held before the model; memory model 0.80 GiB)\n"
+        "  resident peak  1.23 GiB (the process's memory, tensors or not: the largest rank's)\n"
         "  steps_skipped  2\n"
         f"files in {tmp_path}:\n"
         "  metrics        metrics.jsonl\n"

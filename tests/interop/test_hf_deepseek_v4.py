@@ -1,0 +1,118 @@
+"""DeepSeek-V4 interop against the oracle: ``transformers``' DeepseekV4ForCausalLM built from a tiny random config
+with all three attention layer types (sliding, compressed sparse with the indexer's top 2 of 4 entries binding,
+heavily compressed), a hash-routed and two learned MoE layers and 4 hyper-connected streams; imported by us (logits
+within 1e-5 fp32), exported back (every tensor bit for bit, the hash table's integers included), and loaded by
+``transformers`` from our export to the same logits; greedy generation of 20 tokens equal to ``transformers``'
+``generate`` (ours recomputing the sequence at each step: the V4 attention kinds have no cache path yet)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from config.run import load_config
+from inference import load_model
+from inference.generate import generate
+from interop.hf import import_folder
+from tests.interop.hf_models import assert_each_edit_refused, assert_oracle_and_export_back, our_model, save_random
+
+transformers = pytest.importorskip("transformers")
+SEQ, VOCAB, EXPERTS, TOP_K = 16, 256, 4, 2
+LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+
+
+def make_v4(folder: Path, seed: int = 0) -> torch.nn.Module:
+    """A random tiny DeepSeek-V4 saved to ``folder``: every weight drawn (its init leaves the hyper-connections'
+    biases at zero and scales at one, the sinks and position biases at zero), the correction biases drawn so that
+    they change the experts chosen, and each token id's hash experts distinct and random."""
+    config = transformers.DeepseekV4Config(
+        vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        head_dim=16, q_lora_rank=12, partial_rotary_factor=0.25, n_routed_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=2,
+        sliding_window=4, hc_mult=4, layer_types=LAYER_TYPES, mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        max_position_embeddings=64, initializer_range=0.1, swiglu_limit=1.0, rms_norm_eps=1e-6)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV4ForCausalLM(config)
+    with torch.no_grad():
+        for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("tid2eid"):
+                tensor.copy_(torch.rand(VOCAB, EXPERTS).topk(TOP_K, dim=-1).indices)
+            elif name.endswith(("e_score_correction_bias", "sinks", "position_bias", "base", "scale", "hc_base",
+                                "hc_scale")):
+                tensor.normal_(0, 0.3)
+    return save_random(model, folder)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def test_import_and_export_match_transformers(tmp_path):
+    hf = make_v4(tmp_path / "hf")
+    config = import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+    assert [spec.attention for spec in config.model.layer_pattern] == ["sliding_shared_kv", "compressed_sparse",
+                                                                        "heavily_compressed"]
+    assert [spec.feed_forward for spec in config.model.layer_pattern] == ["hash_moe", "moe", "moe"]
+    assert (config.model.hc_mult, config.moe.score_func, config.moe.activation) == (4, "sqrtsoftplus",
+                                                                                     "limited_swiglu")
+    ours = our_model(tmp_path / "ours.safetensors")
+    assert torch.equal(ours.layers["0"].moe.router.tid2eid, hf.model.layers[0].mlp.gate.tid2eid)
+    assert_oracle_and_export_back(tmp_path, hf, ours, tokens(), "DeepseekV4ForCausalLM", tied=False)
+
+
+def test_settings_we_do_not_implement_are_refused(tmp_path):
+    make_v4(tmp_path / "hf")
+    assert_each_edit_refused(tmp_path / "hf", [
+        ({"num_key_value_heads": 2}, "num_key_value_heads must be 1"),
+        ({"n_shared_experts": 2}, "n_shared_experts must be 1"),
+        ({"scoring_func": "relu"}, "scoring_func='relu'"),
+        ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                  "expert_dtype": "fp4"}}, "quantization_config"),
+        ({"mlp_layer_types": ["dense", "moe", "moe"]}, "hash_moe or moe"),
+    ], tmp_path / "out.safetensors", load_config("moe-8x"), SEQ)
+
+
+def test_greedy_generation_matches_transformers(tmp_path):
+    hf = make_v4(tmp_path / "hf", seed=1)
+    generator = load_model(f"hf:{tmp_path / 'hf'}", seq_len=32).model
+    prompt = [5, 77, 200, 3, 41, 9, 120, 18]
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                             generation_config=transformers.GenerationConfig(pad_token_id=0))
+    assert generate(generator, prompt, 20, temperature=0, use_cache=False) == theirs[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name, total, active", [("deepseek-v4-flash", 284_332_230_231, 13_270_091_351),
+                                                 ("deepseek-v4-pro", 1_572_973_188_067, 48_828_388_323)])
+def test_published_configs_count_what_transformers_builds(name, total, active):
+    """Our V4 configs at published size: the config.json we export of each, built by ``transformers`` on the meta
+    device (without the multi-token-prediction layer, which it does not build), has our parameter count; Flash's
+    shape is transformers' defaults (its docstring's checkpoint, DeepSeek-V4-Flash-Base) but for its layer types.
+    Published: Flash "284B total, 13B activated", Pro "1.6T total, 49B activated" (activated without the
+    embedding lookup)."""
+    from interop.hf_deepseek_v4 import hf_from_config
+    from moe.accounting import parameter_counts
+
+    config = load_config(name)
+    exported = hf_from_config(config.model, config.moe)
+    hf_config = transformers.DeepseekV4Config(**{key: value for key, value in exported.items()
+                                                 if key not in ("architectures", "model_type")})
+    if name == "deepseek-v4-flash":
+        defaults = transformers.DeepseekV4Config()
+        for key in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "head_dim", "q_lora_rank", "qk_rope_head_dim", "num_experts_per_tok", "n_routed_experts",
+                    "scoring_func", "routed_scaling_factor", "compress_rates", "compress_rope_theta", "hc_mult",
+                    "hc_sinkhorn_iters", "hc_eps", "mlp_layer_types", "swiglu_limit", "sliding_window", "o_groups",
+                    "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps"):
+            assert getattr(hf_config, key) == getattr(defaults, key), key
+    with torch.device("meta"):
+        built = transformers.DeepseekV4ForCausalLM(hf_config)
+    counts = parameter_counts(config.model, config.moe)
+    assert counts.total == sum(param.numel() for param in built.parameters()) == total
+    assert counts.active - counts.embedding == active
+    assert round(counts.total / 1e9) == 284 if name == "deepseek-v4-flash" else round(counts.total / 1e11) == 16
+    assert round(active / 1e9) == (13 if name == "deepseek-v4-flash" else 49)
