@@ -42,8 +42,9 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
   normalised latent and the rotated shared key, [micro, S, c + r]; for Gated DeltaNet linear attention, two
   gathers that do not grow with S: each of the 2·cp chunks' last kernel - 1 convolution inputs, [micro, 2·cp·(k -
   1), C] in the compute dtype, and its state map, [2·cp, micro, nv/tp, dk, dk + dv] fp32: the kind's
-  ``context_gathers``), again under full recompute; backward, its reduce-scatter, the same bytes. Per MoE layer and forward (and recompute), the all-reduce of the balancing
-  loss's assignment counts, [sequences, E] fp32 (one row per micro-batch with the batch-wide scope). FSDP
+  ``context_gathers``), again under full recompute; backward, its reduce-scatter, the same bytes. Per MoE layer
+  and forward (and recompute), the all-reduce of the balancing loss's assignment counts, [sequences, E] fp32 (one
+  row per micro-batch with the batch-wide scope). FSDP
   shards over dp_shard × cp (its groups below are that flattened axis).
 - pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/cp; /tp under
   sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
