@@ -44,8 +44,8 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
   1), C] in the compute dtype, and its state map, [2·cp, micro, nv/tp, dk, dk + dv] fp32: the kind's
   ``context_gathers``), again under full recompute; backward, its reduce-scatter, the same bytes. Per MoE layer
   and forward (and recompute), the all-reduce of the balancing loss's assignment counts, [sequences, E] fp32 (one
-  row per micro-batch with the batch-wide scope). FSDP
-  shards over dp_shard × cp (its groups below are that flattened axis).
+  row per micro-batch with the batch-wide scope). FSDP shards over dp_shard × cp (its groups below are that
+  flattened axis).
 - pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/cp; /tp under
   sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
   the micro-batch losses (float64) from the last stage.
