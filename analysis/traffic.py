@@ -39,10 +39,13 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
 - cp (``parallel/context.py``): each rank holds S/cp positions of every sequence, so every per-token item above
   counts its S/cp. Per attention layer and micro-batch, forward, one all-gather of the keys and values over the
   cp group (k and v in one tensor, [micro, kv_heads/tp, S, 2·hd] in the compute dtype; for latent attention the
-  normalised latent and the rotated shared key, [micro, S, c + r]), again under full recompute; backward, its
-  reduce-scatter, the same bytes. Per MoE layer and forward (and recompute), the all-reduce of the balancing
-  loss's assignment counts, [sequences, E] fp32 (one row per micro-batch with the batch-wide scope). FSDP
-  shards over dp_shard × cp (its groups below are that flattened axis).
+  normalised latent and the rotated shared key, [micro, S, c + r]; for Gated DeltaNet linear attention, two
+  gathers that do not grow with S: each of the 2·cp chunks' last kernel - 1 convolution inputs, [micro, 2·cp·(k -
+  1), C] in the compute dtype, and its state map, [2·cp, micro, nv/tp, dk, dk + dv] fp32: the kind's
+  ``context_gathers``), again under full recompute; backward, its reduce-scatter, the same bytes. Per MoE layer
+  and forward (and recompute), the all-reduce of the balancing loss's assignment counts, [sequences, E] fp32 (one
+  row per micro-batch with the batch-wide scope). FSDP shards over dp_shard × cp (its groups below are that
+  flattened axis).
 - pp (``parallel/pipeline.py``): per micro-batch a send of the fp32 hidden states [micro, S (/cp; /tp under
   sequence parallelism), D] to the next stage and of their gradient to the previous one, and the broadcast of
   the micro-batch losses (float64) from the last stage.
@@ -80,7 +83,8 @@ interleaved 1F1B with FSDP (GPipe with FSDP matched too when checked once), mult
 dp_shard, ep over tp with sequence parallelism and pp; and with 2 micro-batches under
 both ``grad_reduce`` settings for FSDP, HSDP with ep, ep over edp=2, and pp with FSDP (and under ``step`` for
 tp with sequence parallelism over FSDP); and context parallelism: cp=2 with 2 micro-batches and full recompute,
-latent attention in bf16, cp × tp × ep with sequence parallelism, cp × dp_shard with latent attention. The time
+latent attention in bf16, cp × tp × ep with sequence parallelism, cp × dp_shard with latent attention, Qwen3-Next's
+hybrid in fp32 and in bf16 under full recompute. The time
 of each item (``analysis.link_time.seconds``, the time column of ``moe-communication``) is its latency (NCCL's ring
 model, ``startup``) plus its bytes over the link's bandwidth; overlap with compute is the planner's business.
 """

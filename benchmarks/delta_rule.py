@@ -8,12 +8,15 @@ What is measured. (1) The rule by chunks, forward and forward + backward (the tr
 what the rule's main FLOPs cost at this machine's GEMM speed. The ratio is the rule's overhead over its
 arithmetic. (2) The bytes one layer's generation cache holds after prompts of growing length
 (``moe.kv_cache.LayerCache``, filled by the real layers at small widths): a full-attention layer's keys and
-values grow with the context, a linear layer's state and convolution inputs do not.
+values grow with the context, a linear layer's state and convolution inputs do not. (3) With ``--cp N``, what one
+of N context-parallel ranks computes of the rule (``moe/attention/delta_rule_shards.py``: the state maps of its
+two chunks, then the rule over each from the state entering it; the gather between them left out, a network's),
+against 1/N of the one-process rule over the whole sequence: the price of handing the state on in parallel.
 
 Noise. Medians of ``--repeats``; 2 threads by default on a shared machine: read the ratios within one run. A
 measurement, never a pass/fail test.
 
-    python -m benchmarks.delta_rule [--quick] [--seq 4096 --heads 8 --dim 128 --chunk 64 --repeats 3]
+    python -m benchmarks.delta_rule [--quick] [--seq 4096 --heads 8 --dim 128 --chunk 64 --repeats 3] [--cp 4]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from config.model import ModelConfig
 from moe.attention import build_attention
-from moe.attention.delta_rule import gated_delta_rule
+from moe.attention.delta_rule import gated_delta_rule, state_map
 from moe.kv_cache import LayerCache
 from moe.rope import rope_tables
 
@@ -63,6 +66,29 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def cp_rank_share(inputs: list[torch.Tensor], cp: int, chunk: int, repeats: int) -> tuple[float, float]:
+    """Forward + backward seconds of one cp rank's part of the rule (rank 0's chunks, the first and the last: the
+    others' cost the same) and of the whole sequence's rule in one process."""
+    seq = inputs[0].shape[2]
+    piece = seq // (2 * cp)
+    own = [torch.cat((t[:, :, :piece], t[:, :, seq - piece:]), dim=2) for t in inputs]
+    dk, dv = inputs[1].shape[-1], inputs[2].shape[-1]
+    entering = torch.randn(1, inputs[2].shape[1], dk, dv) * 0.1  # the back chunk's start (composed maps in a run)
+
+    def rank():
+        leaves = [t.detach().requires_grad_() for t in own]
+        start = entering.clone().requires_grad_()  # its gradient goes back to the earlier ranks in a run
+        halves = list(zip(*(t.chunk(2, dim=2) for t in leaves), strict=True))
+        maps = torch.stack([state_map(*part[1:], chunk) for part in halves])
+        outs = [gated_delta_rule(*halves[0], chunk)[0], gated_delta_rule(*halves[1], chunk, start)[0]]
+        (torch.cat(outs, dim=2).sum() + maps.sum()).backward()
+
+    def whole():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        gated_delta_rule(*leaves, chunk)[0].sum().backward()
+    return median_seconds(rank, repeats), median_seconds(whole, repeats)
+
+
 def cache_bytes(cache: LayerCache) -> int:
     return sum(t.numel() * t.element_size() for t in (cache.keys, cache.values, cache.state, cache.conv_inputs)
                if t is not None)
@@ -94,6 +120,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cp", type=int, default=0, help="also time one of this many context-parallel ranks' part")
     parser.add_argument("--quick", action="store_true", help="small shapes, one repeat: seconds, for a smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -118,6 +145,11 @@ def main() -> None:
     print(f"  GEMM floor (the forward's matmuls, batched)  {bare * 1e3:9.1f} ms")
     print(f"  forward by chunks                            {rule * 1e3:9.1f} ms   {rule / bare:5.2f} x floor")
     print(f"  forward + backward (recomputed)              {train * 1e3:9.1f} ms   {train / bare:5.2f} x floor")
+    if args.cp > 1:
+        rank, whole = cp_rank_share(inputs, args.cp, args.chunk, args.repeats)
+        share = whole / args.cp
+        print(f"  one of {args.cp} cp ranks, forward + backward  {rank * 1e3:9.1f} ms   {rank / share:5.2f} x "
+              f"the one-process rule / {args.cp} ({whole * 1e3:.1f} ms whole)")
     cache_growth([256, 1024] if args.quick else [256, 1024, 4096])
 
 

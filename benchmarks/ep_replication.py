@@ -30,7 +30,7 @@ forced-balanced routing's (the straggler's compute plus the copies both ways).
 This is a measurement, never a pass/fail test.
 
     python benchmarks/ep_replication.py [--tokens 4096] [--micro-batches 8] [--json PATH] [--checkpoint RUN_DIR]
-                                        [--step-micro-batches 1]
+                                        [--step-micro-batches 1] [--no-synthetic]
 """
 
 from __future__ import annotations
@@ -204,11 +204,13 @@ def main() -> None:
                         help="a trained model's run directory or checkpoint: add its routing of its validation text")
     parser.add_argument("--step-micro-batches", type=int, default=1,
                         help="micro-batches per step: the previous placement is planned from the previous step's")
+    parser.add_argument("--no-synthetic", action="store_true",
+                        help="leave out the skewed and random rows (with --checkpoint: the trained model's alone)")
     args = parser.parse_args()
     if not 1 <= args.step_micro_batches < args.micro_batches:
         parser.error(f"--step-micro-batches must be at least 1 and below --micro-batches ({args.micro_batches}), "
                      f"so that a step has a previous one; got {args.step_micro_batches}")
-    rows = [row for routing in ("skewed", "random")
+    rows = [row for routing in ("skewed", "random") if not args.no_synthetic
             for row in measure(routing, args.tokens, args.micro_batches, args.step_micro_batches)]
     if args.checkpoint:
         rows += trained_rows(load_model(args.checkpoint), args.tokens, args.micro_batches, args.step_micro_batches)
@@ -219,9 +221,10 @@ def main() -> None:
     def figure(value: float | int | None, spec: str = "") -> str:
         return "-" if value is None else format(value, spec)
 
+    synthetic = "" if args.no_synthetic else f"; skewed and random: {EXPERTS} experts, top-{TOP_K}"
     print(f"imbalance (busiest ep rank's rows / mean): mean (worst) over {args.micro_batches} micro-batches of "
-          f"{args.tokens} tokens per rank; {EXPERTS} experts, top-{TOP_K}; previous placement: the previous "
-          f"step's of {args.step_micro_batches} micro-batch(es)")
+          f"{args.tokens} tokens per rank{synthetic}; previous placement: the previous step's of "
+          f"{args.step_micro_batches} micro-batch(es)")
     if args.checkpoint:
         print(f"trained: {args.checkpoint}'s routing of its validation text, each MoE layer's micro-batches "
               "samples")

@@ -11,7 +11,8 @@ normalised latent and the shared rotary key, c + r channels, and the values the 
 sparse kernels take the same (one 576-channel key per position, its first 512 the value). Gathering one shared
 head is nh times less than gathering every head's keys and values.
 
-Backward is written out (``GatheredAttention``) as flash attention's is (Dao et al. 2022, alg. 2): forward saves
+Backward is written out (``GatheredAttention``) as flash attention's is (Dao et al. 2022, FlashAttention, sec. 3.1:
+recomputation): forward saves
 the queries, keys, indices, output and each row's log-sum-exp, and backward recomputes each block's scores from
 them, so no [Sq, k] probabilities outlive their block; the keys' gradient is scattered back by index.
 

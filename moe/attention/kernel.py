@@ -265,7 +265,8 @@ def fold_in_sink(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor,
 def kernel_saved_bytes(kernel: str, mb: MicroBatch, heads: int, kv_heads: int, width: int,
                        value_width: int | None = None, window: int | None = None, sink: bool = False,
                        appended: int = 0) -> int:
-    """What ``kernel`` saves for backward in one layer on ``mb``'s positions (``choose_kernel``'s answer for it):
+    """What ``kernel`` saves for backward in one layer on ``mb``'s positions (``choose_kernel``'s answer for it;
+    ``gathered``, which reads latents and no SDPA, is counted by its one user, ``sparse_latent.gathered_kernel_bytes``):
     SDPA's q and output ([b, heads, s, width] each), k and v (every rank's s·cp keys under context parallelism,
     ``value_width`` wide where the kind stores its values otherwise: latent attention's view of its up-projection),
     the [b, heads, s] log-sum-exp (fp32), and the kernel's mask: an additive [s, K] one in the compute dtype for

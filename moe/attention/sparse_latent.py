@@ -81,7 +81,10 @@ def indexer_loss(scores: Tensor, attention: Tensor, keys: Tensor) -> Tensor:
     """The indexer's KL loss (DeepSeek-V3.2 report, eqs. 3 and 4): the mean over queries of
     KL(p(t, ·) || softmax(I(t, ·))) over each query's ``keys`` ([.., Sq, K] bool: every visible key in the dense
     warm-up, the selected ones in the sparse stage), where p is the main attention's probabilities ``attention``
-    [B, Sq, K] summed over its heads and L1-normalised over the same keys (no gradient). ``scores`` [B, Sq, K]."""
+    [B, Sq, K] summed over its heads and L1-normalised over the same keys (no gradient). ``scores`` [B, Sq, K],
+    taken to fp32: a bf16 log-softmax (CPU autocast keeps its input's dtype) rounds each log-probability by about
+    0.4%, more than the KL itself once the indexer is close (a logged loss below zero)."""
+    scores = scores.float()
     hidden = ~keys.reshape(-1, *keys.shape[-2:])
     target = attention.masked_fill(hidden, 0.0)
     target = target / target.sum(dim=-1, keepdim=True)
@@ -263,7 +266,7 @@ class SparseLatentAttention(LatentAttention):
         [T·hi, di] its scores' matmul reads, the ReLU's output [T·hi, K] and the head weights [T, hi] that weigh
         it, all in the compute dtype (under autocast the matmuls' bf16 copies); its loss's: the hidden keys' mask
         (bool, [s, K] shared by the sequences where every visible key counts, else [b, s, K]), the log-softmax's
-        output [T, K] (compute dtype), the target [T, K] (fp32) and the loss itself. The indexer's inputs are the
+        output and the target, [T, K] each (fp32), and the loss itself. The indexer's inputs are the
         block input and the query latent, saved already, but under bf16 autocast (fp32 weights) ``wk`` and
         ``head_weights`` each save their own cast of the block input [T, D] (measured); under FSDP's bf16 weights
         the LayerNorm's mean and rstd are bf16. The main attention's probabilities are made without gradient, and
@@ -283,7 +286,7 @@ class SparseLatentAttention(LatentAttention):
         if kernel == GATHERED:
             return total + gathered_saved_bytes(model, tp, mb)
         total += (mb.sequences if kernel == SPARSE else 1) * mb.positions * keys
-        return total + t * keys * (mb.compute + FP32) + FP32
+        return total + t * keys * 2 * FP32 + FP32
 
 
 def selected_attention_flops(model: ModelConfig) -> float:
@@ -314,10 +317,10 @@ def gathered_saved_bytes(model: ModelConfig, tp: int, mb: MicroBatch) -> int:
     """What the sparse stage saves on the ``gathered`` kernel beyond latent attention's projections and the
     indexer's scores: the kernel's (``gathered_kernel_bytes``) and the indexer's loss over the k keys: its scores
     [T, K] (compute dtype: the gather's backward keeps its input), the hidden keys' mask (bool), the log-softmax's
-    output (compute dtype) and the target (fp32), [T, k] each, and the loss itself."""
+    output and the target (fp32), [T, k] each, and the loss itself."""
     t, a = mb.tokens, mb.compute
     total = gathered_kernel_bytes(model, tp, mb) + t * mb.positions * mb.cp * a
-    return total + t * model.index_topk * (1 + a + FP32) + FP32
+    return total + t * model.index_topk * (1 + 2 * FP32) + FP32
 
 
 class SharedSelectionAttention(SparseLatentAttention):

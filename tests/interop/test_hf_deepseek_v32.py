@@ -79,6 +79,13 @@ def test_glm_5_layers_sharing_a_selection_match_transformers(tmp_path, topk, len
         ours.layers[i].attn.dense_warmup = True
     with torch.no_grad():
         assert (ours(x) - hf(x).logits).abs().max() > 1e-3
+    if length == SEQ:  # and generation through the cache, each step's selection shared as in the whole forward
+        generator = load_model(f"hf:{tmp_path / 'hf'}", seq_len=48).model
+        prompt = [5, 77, 200, 3, 41, 9, 120, 18]
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                 generation_config=transformers.GenerationConfig(pad_token_id=0))
+        assert generate(generator, prompt, 12, temperature=0) == theirs[0, len(prompt):].tolist()
 
 
 def test_glm_5_indexer_types_derive_as_transformers_derives_them():

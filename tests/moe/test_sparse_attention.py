@@ -268,3 +268,17 @@ def test_shared_selection_layers_are_refused_under_pipeline_parallelism():
     with pytest.raises(ConfigError, match=r"model.indexer_types with 'shared' layers under parallel.pp=2"):
         load_config("deepseek-v3.2", ["model.n_layers=4", "model.indexer_types=[full,shared,full,shared]",
                                       "parallel.pp=2"])
+
+
+def test_the_indexer_loss_of_bf16_scores_is_the_fp32_kl():
+    """Under bf16 autocast the indexer's scores are bf16; the KL is taken in fp32 from them, so a near-perfect
+    indexer's small loss keeps its value (a bf16 log-softmax rounded it below zero for about half of such batches)."""
+    torch.manual_seed(7)
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    logits = torch.randn(2, 64, 64) * 2
+    attention = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    scores = (logits + 0.02 * torch.randn_like(logits)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = indexer_loss(scores, attention, causal)
+    torch.testing.assert_close(got, naive_kl(scores.float(), attention, causal.expand(2, 64, 64)))
+    assert got > 0

@@ -222,6 +222,9 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     pytest.param(["parallel.pp=2", *DEEPSEEK_V32, "train.indexer_warmup_steps=2"], 2, "null",
                  id="pp=2-deepseek-v3.2-warmup"),
     pytest.param(["parallel.cp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="cp=2-deepseek-v3.2"),
+    # GLM-5's second layer attending to the first's selection, under cp (each rank's queries, the whole sequence)
+    pytest.param(["parallel.cp=2", *DEEPSEEK_V32_GATHERED, "model.indexer_types=[full,shared]"], 2, "null",
+                 id="cp=2-glm-5-shared-selection"),
     # and split by heads: the indexer whole on every tp rank, its target summed over the ranks' heads
     pytest.param(["parallel.tp=2", *DEEPSEEK_V32_GATHERED], 2, "null", id="tp=2-deepseek-v3.2"),
     # DeepSeek-V4's attention split by heads (one output group per rank), its key/value head, compressors and
