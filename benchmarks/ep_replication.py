@@ -210,6 +210,8 @@ def main() -> None:
     if not 1 <= args.step_micro_batches < args.micro_batches:
         parser.error(f"--step-micro-batches must be at least 1 and below --micro-batches ({args.micro_batches}), "
                      f"so that a step has a previous one; got {args.step_micro_batches}")
+    if args.no_synthetic and not args.checkpoint:
+        parser.error("--no-synthetic leaves only the trained model's rows: give --checkpoint")
     rows = [row for routing in ("skewed", "random") if not args.no_synthetic
             for row in measure(routing, args.tokens, args.micro_batches, args.step_micro_batches)]
     if args.checkpoint:
