@@ -216,7 +216,8 @@ def test_the_help_and_the_docs_name_every_family_that_init_from_takes(capsys):
              "DeepseekV3ForCausalLM": "DeepSeek-V3", "Glm4MoeForCausalLM": "GLM-4.5", "GptOssForCausalLM": "GPT-OSS",
              "DeepseekV32ForCausalLM": "DeepSeek-V3.2", "GlmMoeDsaForCausalLM": "GLM-5",
              "Qwen3NextForCausalLM": "Qwen3-Next", "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE",
-             "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE", "DeepseekV4ForCausalLM": "DeepSeek-V4"}
+             "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE", "DeepseekV4ForCausalLM": "DeepSeek-V4",
+             "MiniMaxM2ForCausalLM": "MiniMax-M2"}
     assert set(FAMILIES) == set(names)
     for architecture, name in names.items():
         assert architecture in text, architecture

@@ -12,7 +12,7 @@ from config.errors import ConfigError
 from config.run import TrainConfig, load_config
 from moe.attention.latent import LatentAttention
 from moe.documents import document_ids
-from moe.rope import apply_rope
+from moe.rope import apply_partial_rope, apply_rope
 from moe.transformer import MoETransformer
 from parallel.groups import ParallelGroups
 from parallel.layout import Layout
@@ -67,8 +67,8 @@ def reference_max_logits(attention, x, cos, sin, documents=None) -> torch.Tensor
         window = None
     else:
         hd = attention.head_dim
-        q = attention._rotate(attention.wq(x).view(batch, seq, -1, hd).transpose(1, 2), cos, sin)
-        k = attention._rotate(attention.wk(x).view(batch, seq, -1, hd).transpose(1, 2), cos, sin)
+        q = apply_partial_rope(attention.wq(x).view(batch, seq, -1, hd).transpose(1, 2), cos, sin, attention.rotary_dim)
+        k = apply_partial_rope(attention.wk(x).view(batch, seq, -1, hd).transpose(1, 2), cos, sin, attention.rotary_dim)
         k = k.repeat_interleave(attention.n_heads // attention.n_kv_heads, dim=1)
         logits = q @ k.transpose(-2, -1) / math.sqrt(hd)
         window = attention.window
