@@ -29,7 +29,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from parallel.hardware import current_memory_bytes, gather_per_rank, peak_memory_bytes
+from parallel.hardware import gather_per_rank, peak_memory_bytes
 
 GIB = 2**30
 MEMORY_EVENT = "[memory]"  # the profiler's name for an allocator's allocation or free
@@ -60,7 +60,7 @@ def live_tensor_bytes() -> int:
 def held_before_model(device: torch.device) -> list[int]:
     """Each rank's memory before its model is built, in the quantity its peak is logged in: live tensor bytes on a
     CPU, CUDA's allocated bytes on a GPU (a collective over the default group)."""
-    mine = live_tensor_bytes() if device.type == "cpu" else current_memory_bytes(device)
+    mine = live_tensor_bytes() if device.type == "cpu" else torch.cuda.memory_allocated(device)
     return [values[0] for values in gather_per_rank([mine], device)]
 
 
