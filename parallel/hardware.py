@@ -160,23 +160,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
-def current_memory_bytes(device: torch.device) -> int:
-    """Memory in use now: CUDA's allocated bytes on a GPU, resident memory on a CPU (Linux; 0 where unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return 0
-
-
-def memory_per_rank(device: torch.device, peak: bool = True) -> list[int]:
-    """Every rank's ``peak_memory_bytes`` (or ``current_memory_bytes``): a collective over the default group."""
-    mine = peak_memory_bytes(device) if peak else current_memory_bytes(device)
-    return [values[0] for values in gather_per_rank([mine], device)]
-
-
 def gather_per_rank(mine: list[int], device: torch.device) -> list[list[int]]:
     """Every rank's ``mine`` (as many integers on each), in rank order: one collective over the default group."""
     if not (dist.is_available() and dist.is_initialized()):

@@ -9,9 +9,10 @@ tensor's storage comes from (the temporaries inside an operator too), and the ru
 added to the bytes of the storages alive when the step starts, is the live tensor bytes at each moment; its
 maximum is the step's peak.
 
-Measuring costs time: every operator recorded, the Python objects scanned for the storages alive at the start
-(``gc.get_objects``) and the events read back (on a loaded 2-core machine, 0.9 s and 0.5 s for ``moe-8x``'s
-290,000 objects and 22,000 events). So a session measures its 1st, 2nd, 4th, 8th, ... steps (``measured_step``):
+Measuring costs time, mostly around the step: a ``moe-8x`` step (one thread) takes as long profiled as not, then
+stopping the profiler and reading its 22,000 events back take 0.16 s and the scan of 300,000 Python objects for
+the storages alive at the start (``gc.get_objects``) 0.21 s, against the step's 0.8 s (docs/planning-validation.md).
+So a session measures its 1st, 2nd, 4th, 8th, ... steps (``measured_step``):
 log2(N) + 1 of N steps, a few in a thousand, yet spread over the whole run. Both ends matter: the first step
 starts without AdamW's moments (its update creates them) and the second holds them from its start; later, a
 capacity-limited router that dropped a third of its tokens in the first steps (``moe-8x``) drops a few percent,
@@ -29,7 +30,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from parallel.hardware import current_memory_bytes, gather_per_rank, peak_memory_bytes
+from parallel.hardware import gather_per_rank, peak_memory_bytes
 
 GIB = 2**30
 MEMORY_EVENT = "[memory]"  # the profiler's name for an allocator's allocation or free
@@ -61,7 +62,7 @@ def live_tensor_bytes() -> int:
 def held_before_model(device: torch.device) -> list[int]:
     """Each rank's memory before its model is built, in the quantity its peak is logged in: live tensor bytes on a
     CPU, CUDA's allocated bytes on a GPU (a collective over the default group)."""
-    mine = live_tensor_bytes() if device.type == "cpu" else current_memory_bytes(device)
+    mine = live_tensor_bytes() if device.type == "cpu" else torch.cuda.memory_allocated(device)
     return [values[0] for values in gather_per_rank([mine], device)]
 
 

@@ -241,7 +241,7 @@ class _Run:
         self.tokens_per_step = config.train.global_batch_size * config.model.seq_len
         self.summary: dict[str, float] = {}
         self.total_tokens = 0
-        self.memory = LiveTensorPeak(runtime.device)  # on a CPU, measures the first steps' live tensor peak
+        self.memory = LiveTensorPeak(runtime.device)  # on a CPU, the live tensor peak of steps 1, 2, 4, 8, ...
 
     def announce(self, resolved: ResolvedLayout, first_step: int) -> None:
         """The start-up banner: the model, the data and batch, the precision, the plan (rank 0's stderr)."""
