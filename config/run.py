@@ -234,6 +234,10 @@ class LoggingConfig:
     # PNGs of loss, throughput, peak memory per rank and routing imbalance in run_dir/plots at the end of the run
     # (needs matplotlib; without it the run says so once and writes none)
     plots: bool = True
+    # a CPU run measures its live tensor peak on steps 1, 2, 4, 8, ... (training/live_memory.py; about 0.4 s a
+    # measured step) and logs it as perf/memory_peak_gib; false: neither measured nor logged on a CPU (the tests'
+    # short runs that do not read it). A GPU's peak costs nothing and is always logged.
+    memory_peak: bool = True
 
     def validate(self) -> None:
         require(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}")

@@ -59,10 +59,14 @@ def live_tensor_bytes() -> int:
     return sum(storage.nbytes() for storage in live_storages().values())
 
 
-def held_before_model(device: torch.device) -> list[int]:
+def held_before_model(device: torch.device, measured: bool = True) -> list[int]:
     """Each rank's memory before its model is built, in the quantity its peak is logged in: live tensor bytes on a
-    CPU, CUDA's allocated bytes on a GPU (a collective over the default group)."""
-    mine = live_tensor_bytes() if device.type == "cpu" else torch.cuda.memory_allocated(device)
+    CPU (0 where the peak is not ``measured``: ``logging.memory_peak``), CUDA's allocated bytes on a GPU (a
+    collective over the default group)."""
+    if device.type == "cpu":
+        mine = live_tensor_bytes() if measured else 0
+    else:
+        mine = torch.cuda.memory_allocated(device)
     return [values[0] for values in gather_per_rank([mine], device)]
 
 
@@ -75,8 +79,9 @@ class LiveTensorPeak:
     """The largest live tensor bytes seen in the measured steps (``measure``) on a CPU, and the memory figures a run
     logs (``metrics``)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, measured: bool = True):
         self.device = device
+        self.measured = measured or device.type != "cpu"  # ``logging.memory_peak``: a CPU's costs time
         self.steps = 0  # of this session, measured or not
         self.peak = 0
 
@@ -84,14 +89,17 @@ class LiveTensorPeak:
         """``perf/memory_peak_gib``: the largest rank's peak, CUDA's peak allocated bytes on a GPU, the live tensor
         peak of the measured steps on a CPU (0 before the first); each rank's too with ``per_rank``. On a CPU also
         ``perf/memory_resident_peak_gib``, the largest rank's resident peak (the process's memory, tensors or
-        not). One collective over the default group."""
+        not). One collective over the default group. A CPU run that does not measure (``logging.memory_peak:
+        false``) logs the resident peak alone."""
         cpu = self.device.type == "cpu"
         mine = [self.peak, peak_memory_bytes(self.device)] if cpu else [peak_memory_bytes(self.device)]
         rows = gather_per_rank(mine, self.device)
         peaks = [row[0] / GIB for row in rows]
-        metrics: dict[str, float | list[float]] = {"perf/memory_peak_gib": max(peaks)}
-        if per_rank:
-            metrics["perf/memory_peak_gib_per_rank"] = peaks
+        metrics: dict[str, float | list[float]] = {}
+        if self.measured:
+            metrics["perf/memory_peak_gib"] = max(peaks)
+            if per_rank:
+                metrics["perf/memory_peak_gib_per_rank"] = peaks
         if cpu:
             metrics["perf/memory_resident_peak_gib"] = max(row[1] for row in rows) / GIB
         return metrics
@@ -101,7 +109,7 @@ class LiveTensorPeak:
         """One step: measured if it is a measured step of the session (``measured_step``) on a CPU, else run as
         it is."""
         self.steps += 1
-        if self.device.type != "cpu" or not measured_step(self.steps):
+        if self.device.type != "cpu" or not self.measured or not measured_step(self.steps):
             yield
             return
         # kineto announces each profile on stderr at its USDT level, above ERROR: its own setting, unless set

@@ -118,7 +118,8 @@ def _train(config: RunConfig, run_dir: Path, runtime: Runtime, groups: ParallelG
     dp_rank, dp_size = groups.coords()["dp"], groups.layout.dp  # the sampler's: ranks drawing other sequences
     data = _load_data(config, runtime, dp_rank, dp_size)
     torch.manual_seed(config.train.seed)  # the generator that router jitter draws from
-    before_model = held_before_model(runtime.device)  # the process without the model: its data
+    # the process without the model: its data
+    before_model = held_before_model(runtime.device, config.logging.memory_peak)
     context = _step_context(config, groups, runtime.device, resolved, precision, data.end_id)
     checkpoints = Checkpointer(config, run_dir, runtime, groups, resume, init_weights)
     first_step = checkpoints.restore(context.model, context.optimizer, data.sampler) + 1
@@ -241,7 +242,8 @@ class _Run:
         self.tokens_per_step = config.train.global_batch_size * config.model.seq_len
         self.summary: dict[str, float] = {}
         self.total_tokens = 0
-        self.memory = LiveTensorPeak(runtime.device)  # on a CPU, the live tensor peak of steps 1, 2, 4, 8, ...
+        # on a CPU, the live tensor peak of steps 1, 2, 4, 8, ... (unless logging.memory_peak is false)
+        self.memory = LiveTensorPeak(runtime.device, config.logging.memory_peak)
 
     def announce(self, resolved: ResolvedLayout, first_step: int) -> None:
         """The start-up banner: the model, the data and batch, the precision, the plan (rank 0's stderr)."""

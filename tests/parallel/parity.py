@@ -34,7 +34,7 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_le
         "moe.num_experts=4", "moe.expert_hidden=32", "train.global_batch_size=8",
         "train.warmup_steps=2", "train.lr=1e-2", "train.precision=fp32", "train.eval_interval=0",
         "train.eval_batches=2", "logging.wandb=disabled", "logging.log_interval=1", "logging.progress=lines",
-        "logging.plots=false"]
+        "logging.plots=false", "logging.memory_peak=false"]
 
 
 def documents_corpus() -> Path:
