@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from config.schema import require
+from config.sparse_attention import require_indexer_sizes
 
 # ``model.layer_types``' words for V4's attention, and the kind each layer of that word gets (``moe/attention/``)
 COMPRESSED_LAYER_KINDS = {"sliding_attention": "sliding_shared_kv",
@@ -85,11 +86,6 @@ class CompressedAttentionConfig:
         require(model.rope_scaling == "none", "model.rope_scaling is the sliding layers' RoPE, which V4 does not "
                                               "stretch: set the compressed layers' YaRN in model.compressed_attention")
         if "compressed_sparse_attention" in model.layer_types:
-            for key in ("index_topk", "index_n_heads", "index_head_dim"):
-                value = getattr(model, key)
-                require(value is not None and value > 0,
-                        f"model.{key}={value}: compressed_sparse_attention layers' indexer needs a positive integer "
-                        "(V4-Flash: index_topk 512, index_n_heads 64, index_head_dim 128)")
-            require(model.rotary_dim <= model.index_head_dim,
-                    f"model.index_head_dim={model.index_head_dim} must hold the rotary channels, "
-                    f"model.rotary_dim={model.rotary_dim}")
+            require_indexer_sizes(model, "compressed_sparse_attention layers' indexer",
+                                  "V4-Flash: index_topk 512, index_n_heads 64, index_head_dim 128", "rotary_dim",
+                                  "the rotary channels")
