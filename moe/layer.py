@@ -183,7 +183,8 @@ class HashMoELayer(MoELayer):
     """An MoE layer whose experts the token ids pick (``HashRouter``; ``mlp_layer_types``' ``hash_moe``): the rest,
     dispatch, experts, shared experts and balancing statistics, is ``MoELayer``'s. Its forward takes the tokens'
     ids beside their states (``MoELayer.forward``'s ``token_ids``); the balancing losses still attach (their
-    gradient reaches the gate through the weights) unless their coefficients are zero."""
+    gradient reaches the gate through the weights) unless their coefficients are zero. Its parameters are
+    ``MoELayer``'s: the table is a buffer."""
 
     def __init__(self, d_model: int, config: MoEConfig, vocab_size: int):
         super().__init__(d_model, config)
@@ -192,8 +193,3 @@ class HashMoELayer(MoELayer):
     @classmethod
     def for_block(cls, model: ModelConfig, moe: MoEConfig) -> HashMoELayer:
         return cls(model.d_model, moe, model.vocab_size)
-
-    @staticmethod
-    def parameter_tensors(model: ModelConfig, moe: MoEConfig, i: int | None) -> list[ParamTensor]:
-        """``MoELayer``'s: the table is a buffer."""
-        return MoELayer.parameter_tensors(model, moe, i)
