@@ -45,6 +45,7 @@ from moe.feed_forward import FeedForward
 from moe.hyper_connections import HyperConnection, HyperHead
 from moe.norm import uses_fused_backward
 from moe.saved_activations import FP32, INDEX, MicroBatch, linear_input_bytes, norm_bytes
+from moe.swiglu_experts import runs_fused
 from parallel.expert import exchanges_by_node, exchanges_pairs
 from parallel.layout import Layout
 from parallel.ranks import ExpertNodes, expert_nodes
@@ -90,7 +91,6 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
     kept = kept_assignments(mb.tokens, moe)
     rows = largest_chunk(kept, layout.tp // layout.etp)  # this rank's share (the largest)
     hidden = moe.expert_hidden // layout.etp
-    swiglu = moe.gated
     local_experts = moe.num_experts // layout.ep
     pairs = exchanges_pairs(layout.ep, layout.tp, moe.top_k, replicas)
     if pairs:  # the exchange by (token, rank) pairs keeps its own indices, counted with the combine
@@ -113,12 +113,12 @@ def _moe(model: ModelConfig, moe: MoEConfig, layout: Layout, mb: MicroBatch,
     # and up before their clamps, the clamped gate, its sigmoid, g·sigmoid, clamped up + 1 and the product; the
     # limited SwiGLU (``moe.experts.limited_swiglu``) SwiGLU's four and the gate and up before their clamps
     activations = {"swiglu": 4, "clamped_swiglu": 7, "limited_swiglu": 6}.get(moe.activation, 2)
-    experts += rows * d * a + activations * rows * hidden * a + (3 if swiglu else 2) * local_experts * OFFSET
+    experts += rows * d * a + activations * rows * hidden * a + expert_offsets(moe, mb.cpu) * local_experts * OFFSET
     if moe.expert_proj_bias:  # each row's expert, by which the bias adds gather (one index for the three)
         experts += rows * INDEX
     parts = {"MoE router": _router(moe, d, mb), "MoE experts": experts,
              **({"MoE replica slots": replica_slot_bytes(model, moe, layout, mb.compute, replicas,
-                                                             (layout.ep - 1) * replicas)}
+                                                             (layout.ep - 1) * replicas, mb.cpu)}
                 if layout.ep > 1 and replicas else {}),
              # expert outputs, their weights, the order and the token index
              "MoE combine": kept * d * a + kept * a + 2 * kept * INDEX}
@@ -143,8 +143,16 @@ def expert_weight_elements(model: ModelConfig, moe: MoEConfig, etp: int) -> int:
     return matrices * d * hidden + biases
 
 
+def expert_offsets(moe: MoEConfig, cpu: bool) -> int:
+    """The int32 group-offset tensors of [experts] one call of the routed experts saves: none where they run as one
+    node holding the group sizes on the host (``moe.swiglu_experts.runs_fused``), else one per grouped GEMM."""
+    if runs_fused("cpu" if cpu else "cuda", moe.activation, moe.expert_proj_bias):
+        return 0
+    return 3 if moe.gated else 2
+
+
 def replica_slot_bytes(model: ModelConfig, moe: MoEConfig, layout: Layout, compute: int, filled: int,
-                       sent: int) -> int:
+                       sent: int, cpu: bool) -> int:
     """What ``filled`` replica slots of one MoE layer add to a rank's saved tensors (``parallel.ep_replicas``,
     ``parallel/replica_exchange.py``), when it sends ``sent`` of its experts to other ranks' slots: the slots'
     weights fetched from their owners in the compute dtype (one tensor, which the slots' grouped GEMM saves),
@@ -159,7 +167,7 @@ def replica_slot_bytes(model: ModelConfig, moe: MoEConfig, layout: Layout, compu
     relieve computes more, as it would without replicas. ``tests/analysis/test_memory.py`` holds it exact on
     skewed routing, with the rows and slots each rank's plan gave it."""
     weights = expert_weight_elements(model, moe, layout.etp) * compute
-    return filled * (weights + (3 if moe.gated else 2) * OFFSET) + (filled + sent) * INDEX
+    return filled * (weights + expert_offsets(moe, cpu) * OFFSET) + (filled + sent) * INDEX
 
 
 def replica_slot_gradient_bytes(config: RunConfig, layout: Layout, precision: str) -> int:

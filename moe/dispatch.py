@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moe import workspace
+
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """Slots per expert: ``C = ceil(capacity_factor * k * T / E)`` (Switch Transformer sec. 2.2, for k choices)."""
@@ -120,7 +122,8 @@ class _Permute(torch.autograd.Function):
     def forward(ctx, x, token_index, assignment_row):
         ctx.save_for_backward(assignment_row)
         ctx.num_tokens = x.shape[0]
-        return x.index_select(0, token_index)
+        out = workspace.empty((token_index.numel(), x.shape[1]), x.dtype, x.device)
+        return torch.index_select(x, 0, token_index, out=out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -135,7 +138,7 @@ class _Permute(torch.autograd.Function):
 def sum_choices(grouped: Tensor, rows: Tensor) -> Tensor:
     """``out[t] = sum_j grouped[rows[t, j]]``, added in choice order: a gather, not a scatter-add, so the sum
     is the same on every run and device. ``rows`` [T, k]; a dropped assignment points at a zero row."""
-    out = grouped.index_select(0, rows[:, 0])
+    out = _gather_rows(grouped, rows[:, 0])
     for choice in range(1, rows.shape[1]):
         out += grouped.index_select(0, rows[:, choice])
     return out
@@ -148,6 +151,15 @@ def unpermute_and_combine(expert_out: Tensor, plan: DispatchPlan, weights: Tenso
     contributing exactly nothing (and receiving no gradient). See ``_WeightedCombine``.
     """
     return _WeightedCombine.apply(expert_out, weights, plan.order, plan.token_index, plan.assignment_row)
+
+
+def _gather_rows(rows: Tensor, index: Tensor) -> Tensor:
+    """``rows[index]``, on a workspace buffer (``moe/workspace.py``: kept between steps on a CPU) where autograd
+    is not recording it (inside an autograd node's forward or backward; ``out=`` has no gradient)."""
+    if torch.is_grad_enabled() and rows.requires_grad:
+        return rows.index_select(0, index)
+    return torch.index_select(rows, 0, index, out=workspace.empty((index.numel(), rows.shape[1]), rows.dtype,
+                                                                  rows.device))
 
 
 class _WeightedCombine(torch.autograd.Function):
@@ -168,7 +180,7 @@ class _WeightedCombine(torch.autograd.Function):
         num_tokens, top_k = weights.shape
         num_rows, dim = expert_out.shape
         grouped_weights = weights.reshape(-1).index_select(0, order).to(expert_out.dtype)  # [N]
-        scaled = expert_out.new_empty(num_rows + 1, dim)
+        scaled = workspace.empty((num_rows + 1, dim), expert_out.dtype, expert_out.device)
         torch.mul(expert_out, grouped_weights.unsqueeze(1), out=scaled[:num_rows])
         scaled[num_rows] = 0  # what dropped assignments read
         out = sum_choices(scaled, assignment_row.view(num_tokens, top_k))
@@ -180,10 +192,11 @@ class _WeightedCombine(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         expert_out, grouped_weights, order, token_index = ctx.saved_tensors
-        grad_rows = grad_out.index_select(0, token_index)  # [N, D]: d out[t] for each grouped row
+        grad_rows = _gather_rows(grad_out, token_index)  # [N, D]: d out[t] for each grouped row
         grad_expert_out = grad_weights = None
         if ctx.needs_input_grad[0]:
-            grad_expert_out = grad_rows * grouped_weights.unsqueeze(1)
+            grad_expert_out = torch.mul(grad_rows, grouped_weights.unsqueeze(1), out=workspace.empty(
+                grad_rows.shape, grad_rows.dtype, grad_rows.device))
         if ctx.needs_input_grad[1]:
             grad_grouped = grad_rows.mul_(expert_out).sum(-1).to(ctx.weights_dtype)  # [N]; grad_rows is spent
             grad_weights = grad_grouped.new_zeros(ctx.weights_shape.numel())  # zero for dropped assignments

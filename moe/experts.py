@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from config.errors import ConfigError
+from moe import workspace
+from moe.swiglu_experts import runs_fused, swiglu_experts
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
@@ -78,7 +80,14 @@ class _UseCopy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad.to(ctx.dtype), None
+        return _cast(grad, ctx.dtype), None
+
+
+def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor.to(dtype)`` on a workspace buffer (``moe/workspace.py``: kept between steps on a CPU)."""
+    if tensor.dtype == dtype:
+        return tensor
+    return workspace.empty(tensor.shape, dtype, tensor.device).copy_(tensor)
 
 
 class ComputeCopies:
@@ -112,7 +121,7 @@ class ComputeCopies:
         kept = self._copies.get(name)
         if kept is None or kept[0] != key:
             with torch.no_grad():
-                kept = (key, weight.detach().to(dtype))
+                kept = (key, _cast(weight.detach(), dtype))
             self._copies[name] = kept
         return _UseCopy.apply(weight, kept[1])
 
@@ -329,11 +338,18 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
     if backend == "megablocks":
         tokens_per_expert = tokens_per_expert.to("cpu", torch.int64)
     dtype = compute_dtype(x)
-    x = x.to(dtype)
+    x = _cast(x, dtype)
     padding, multiple = None, row_multiple_on(x.device.type, dtype)
     if multiple > 1 and not torch.compiler.is_compiling():  # CPU only, where the backend is torch's
         padding = GroupPadding(tokens_per_expert, multiple)
         x, tokens_per_expert = padding.pad(x), padding.padded_counts
+    activation = "gelu" if w_gate is None else "swiglu" if clamp is None else "clamped"
+    if (backend == "torch" and runs_fused(x.device.type, activation, biases is not None)
+            and not torch.compiler.is_compiling()):
+        w_in, w_gate, w_out = (copies.get(name, weight, dtype) for name, weight in
+                               (("w_in", w_in), ("w_gate", w_gate), ("w_out", w_out)))
+        out = swiglu_experts(x, tokens_per_expert, w_gate, w_in, w_out)
+        return out if padding is None else padding.unpad(out)
     row_expert = None
     if biases is not None:  # output_size given: no host sync to size the result
         experts = torch.arange(w_in.shape[0], device=x.device)
@@ -426,10 +442,11 @@ class _MoveRows(torch.autograd.Function):
         if num_rows is None:  # its backward pads: it needs the padding rows too
             ctx.save_for_backward(destination, padding_rows)
             ctx.num_rows = x.shape[0]
-            return x.index_select(0, destination)
+            return torch.index_select(x, 0, destination,
+                                      out=workspace.empty((destination.numel(), x.shape[1]), x.dtype, x.device))
         ctx.save_for_backward(destination)
         ctx.num_rows = None
-        padded = x.new_empty(num_rows, x.shape[1]).index_copy_(0, destination, x)
+        padded = workspace.empty((num_rows, x.shape[1]), x.dtype, x.device).index_copy_(0, destination, x)
         return padded.index_fill_(0, padding_rows, 0)
 
     @staticmethod

@@ -482,9 +482,9 @@ def _filled_slots(rank: int, results: dict) -> None:
     ep_rank = groups.coords()["ep"]
     for plan in plans:
         moves = weight_moves(plan, ep_rank)
-        predicted += (plan.loads_after[ep_rank] - balanced) * per_row + replica_slot_bytes(
-            model_, moe, layout, fp32, len(moves.recv_slots), len(moves.send_local)) - replica_slot_bytes(
-            model_, moe, layout, fp32, 1, 1)
+        filled = replica_slot_bytes(model_, moe, layout, fp32, len(moves.recv_slots), len(moves.send_local), cpu=True)
+        predicted += (plan.loads_after[ep_rank] - balanced) * per_row + filled - replica_slot_bytes(
+            model_, moe, layout, fp32, 1, 1, cpu=True)
     results[("filled", rank)] = (predicted, measured, [plan.slots for plan in plans])
 
 
