@@ -94,6 +94,7 @@ from config.cli import (
 )
 from config.errors import ConfigError
 from config.run import RunConfig, load_config
+from moe import workspace
 from moe.accounting import parameter_counts
 from moe.attention.kernel import attends_by_chunks
 from moe.experts import ComputeCopies
@@ -259,7 +260,9 @@ def saved_activation_bytes(model: torch.nn.Module, inputs: Tensor, targets: Tens
         packed.append(weakref.ref(alias))
         return alias
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), loss_context(vocab_parallel):
+    # kept buffers bypassed (``moe.workspace``): a tensor on a larger kept storage would count at the storage's size
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), loss_context(vocab_parallel),
+          workspace.bypassed()):
         logits = model(inputs)
         loss = lm_loss(logits, targets)
     state = {local_tensor(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}

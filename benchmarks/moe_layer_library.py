@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -72,8 +73,10 @@ def _floor_step(precision: str):
     return make_strict_floor_step(layer, STANDARD, precision)
 
 
-def child(kind: str, precision: str) -> float:
-    """Tokens per second of ``kind`` ("layer" or "floor") in this process: the median of 10 steps after 3."""
+def child(kind: str, precision: str) -> tuple[float, float]:
+    """Tokens per second of ``kind`` ("layer" or "floor") in this process, the median of 10 steps after 3, and the
+    MiB of pages faulted in per step over them (minor faults: fresh memory the allocator mapped; unlike times,
+    they do not depend on what else the machine runs)."""
     from benchmarks.moe_layer_cases import STANDARD
 
     torch.set_num_threads(THREADS)
@@ -82,14 +85,16 @@ def child(kind: str, precision: str) -> float:
     for _ in range(WARMUP):
         step()
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(STEPS):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return STANDARD.tokens / statistics.median(times)
+    faulted = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) * resource.getpagesize() / STEPS / 2**20
+    return STANDARD.tokens / statistics.median(times), faulted
 
 
-def _run_child(kind: str, precision: str, tuned_allocator: bool) -> float:
+def _run_child(kind: str, precision: str, tuned_allocator: bool) -> tuple[float, float]:
     environment = {key: value for key, value in os.environ.items()
                    if not (key.startswith("MALLOC_") and key.endswith("_")) and key != "GLIBC_TUNABLES"}
     if tuned_allocator:
@@ -97,7 +102,8 @@ def _run_child(kind: str, precision: str, tuned_allocator: bool) -> float:
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-m", "benchmarks.moe_layer_library", kind, precision],
                           env=environment, cwd=ROOT, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["tokens_per_s"], result["faulted_mib_per_step"]
 
 
 def host() -> str:
@@ -123,17 +129,21 @@ def measure(precisions: tuple[str, ...], processes: int, tuned_allocator: bool) 
 
     results = []
     for precision in precisions:
-        layer, floor = [], []
+        layer, floor, faulted = [], [], []
         for p in range(processes):
             order = ("layer", "floor") if p % 2 == 0 else ("floor", "layer")
             for kind in order:
-                (layer if kind == "layer" else floor).append(_run_child(kind, precision, tuned_allocator))
+                tokens_per_s, mib = _run_child(kind, precision, tuned_allocator)
+                (layer if kind == "layer" else floor).append(tokens_per_s)
+                if kind == "layer":
+                    faulted.append(mib)
         floor_tokens = statistics.median(floor)
         floor_flops = 18 * STANDARD.tokens * STANDARD.top_k * STANDARD.d_model * STANDARD.hidden
         results.append(dict(precision=precision, layer_tokens_per_s=statistics.median(layer),
                             floor_tokens_per_s=floor_tokens,
                             of_floor=statistics.median(layer) / floor_tokens,
                             floor_tflops=floor_tokens / STANDARD.tokens * floor_flops / 1e12,
+                            layer_faulted_mib_per_step=statistics.median(faulted),
                             layer_per_process=layer, floor_per_process=floor))
     return results
 
@@ -142,11 +152,13 @@ def print_results(results: list[dict], processes: int, tuned_allocator: bool) ->
     allocator = "glibc thresholds as keep_freed_memory sets them" if tuned_allocator else "default allocator"
     print(f"MoE layer as a library: {host()}; torch {torch.__version__}, {THREADS} threads, {allocator}, "
           f"{processes} processes each, median of {STEPS} steps after {WARMUP}")
-    print(f"{'prec':<5} {'layer tok/s':>12} {'floor tok/s':>12} {'of floor':>9} {'floor TFLOP/s':>14}")
+    print(f"{'prec':<5} {'layer tok/s':>12} {'floor tok/s':>12} {'of floor':>9} {'floor TFLOP/s':>14} "
+          f"{'layer MiB faulted/step':>23}")
     for r in results:
         print(f"{r['precision']:<5} {r['layer_tokens_per_s']:>12.0f} {r['floor_tokens_per_s']:>12.0f} "
-              f"{r['of_floor']:>9.2f} {r['floor_tflops']:>14.2f}")
+              f"{r['of_floor']:>9.2f} {r['floor_tflops']:>14.2f} {r['layer_faulted_mib_per_step']:>23.1f}")
 
 
 if __name__ == "__main__":
-    print(json.dumps({"tokens_per_s": child(sys.argv[1], sys.argv[2])}))
+    tokens_per_s, faulted = child(sys.argv[1], sys.argv[2])
+    print(json.dumps({"tokens_per_s": tokens_per_s, "faulted_mib_per_step": faulted}))

@@ -20,13 +20,17 @@ step to step where groups are padded), so a tensor may sit on a storage slightly
 memory measurement reads, and what the process holds. Idle storages are never more than those in use: when a
 request finds none to reuse, the least recently used idle ones are released until that holds, and
 ``release_workspace()`` releases every idle one. Only CPU tensors are kept (``empty`` on other devices is
-``torch.empty``): a GPU's caching allocator already does this.
+``torch.empty``): a GPU's caching allocator already does this. Measurements of memory read the allocator's
+events, which a kept storage handed out again does not make: they run ``bypassed()``, and count what is in use,
+as a GPU's allocated bytes do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -91,13 +95,26 @@ class Workspace:
 
 
 _CPU_WORKSPACE = Workspace()
+_bypassed = 0  # how many ``bypassed()`` contexts are open
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """``torch.empty(shape, dtype=dtype, device=device)``, from the workspace on a CPU."""
-    if device.type != "cpu" or torch.compiler.is_compiling():  # compiled graphs plan their own buffers
+    if device.type != "cpu" or _bypassed or torch.compiler.is_compiling():  # compiled graphs plan their own buffers
         return torch.empty(shape, dtype=dtype, device=device)
     return _CPU_WORKSPACE.empty(shape, dtype)
+
+
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """Every buffer from the allocator while open: what a measurement of allocated memory must see
+    (``training.live_memory`` reads the allocator's events; a kept storage handed out makes none)."""
+    global _bypassed
+    _bypassed += 1
+    try:
+        yield
+    finally:
+        _bypassed -= 1
 
 
 def release_workspace() -> None:

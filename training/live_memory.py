@@ -30,6 +30,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from moe import workspace
 from parallel.hardware import gather_per_rank, peak_memory_bytes
 
 GIB = 2**30
@@ -118,7 +119,8 @@ class LiveTensorPeak:
         # before the profile (c10 prints a warning instead), so such a block counts to the step's end either way
         held = live_storages()
         start = sum(storage.nbytes() for storage in held.values())
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        # the layers' kept buffers (``moe.workspace``) bypassed: each tensor on one would be no allocator event
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, workspace.bypassed():
             yield
         events = sorted((event for event in prof.profiler.kineto_results.events()
                          if event.name() == MEMORY_EVENT and event.device_type() == DeviceType.CPU),

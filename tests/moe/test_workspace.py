@@ -74,3 +74,11 @@ def test_small_tensors_and_other_devices_are_not_kept(pool):
     meta = workspace.empty((4096, 4096), torch.float32, torch.device("meta"))
     assert small.shape == (8, 8) and meta.device.type == "meta"
     assert pool.storages() == []
+
+
+def test_bypassed_hands_out_allocator_buffers(pool):
+    """Memory measurements read the allocator's events: inside ``bypassed`` nothing is kept or reused."""
+    kept = address(workspace.empty((64, 32), torch.float32, torch.device("cpu")))
+    with workspace.bypassed():
+        fresh = workspace.empty((64, 32), torch.float32, torch.device("cpu"))
+    assert address(fresh) != kept and len(pool.storages()) == 1
