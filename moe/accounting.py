@@ -16,6 +16,7 @@ from config.model import LayerSpec, ModelConfig, MoEConfig
 from moe.attention import attention_kind
 from moe.block import feed_forward_kind
 from moe.hyper_connections import HyperConnection, HyperHead
+from moe.mtp import prediction_module
 from moe.param_tensors import ParamTensor
 
 T = TypeVar("T")
@@ -79,7 +80,8 @@ def _parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
     d = model.d_model
     embedding = model.vocab_size * d
     head = 0 if model.tie_embeddings else model.vocab_size * d
-    total = embedding + d + head + model.mtp_depth * (2 * d * d + 3 * d)  # the final norm; MTP's projections, norms
+    total = embedding + d + head + sum(_mtp_extra_parameters(model, model.n_layers + k)  # the final norm; MTP's
+                                       for k in range(model.mtp_depth))  # modules besides their blocks
     total += sum(param.numel for param in HyperHead.parameter_tensors(model)) if model.hc_mult > 1 else 0
     active, routed = total, 0
     for layer in model.layer_pattern:
@@ -141,8 +143,14 @@ def head_flops_per_token(model: ModelConfig) -> float:
 def mtp_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
     """Training FLOPs of one token through the multi-token-prediction modules (``moe/mtp.py``), on the terms of
     ``training_flops_per_token``: each module a block of its kind (``ModelConfig.layer(n_layers + k)``), its
-    2d -> d projection and three norms, and the shared head once more. They run beside the head, on the last
-    pipeline stage, which the stage split weighs with them (``parallel/pipeline.py``)."""
-    d = model.d_model
-    return sum(block_flops_per_token(model, moe, model.layer(model.n_layers + k))
-               + 6.0 * (2 * d * d + 3 * d + model.vocab_size * d) for k in range(model.mtp_depth))
+    projections and norms (and collapse: ``_mtp_extra_parameters``), and the shared head once more. They run beside
+    the head, on the last pipeline stage, which the stage split weighs with them (``parallel/pipeline.py``)."""
+    return sum(block_flops_per_token(model, moe, model.layer(i))
+               + 6.0 * (_mtp_extra_parameters(model, i) + model.vocab_size * model.d_model)
+               for i in range(model.n_layers, model.n_layers + model.mtp_depth))
+
+
+def _mtp_extra_parameters(model: ModelConfig, i: int) -> int:
+    """A multi-token-prediction module's parameters besides its block (layer i): its projections and norms, and
+    with hyper-connections its collapse of the streams (``moe/mtp.py``)."""
+    return sum(param.numel for param in prediction_module(model).parameter_tensors(model, i))

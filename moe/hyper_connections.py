@@ -129,10 +129,10 @@ class HyperHead(nn.Module):
         return FP32 * t * (2 * n * d + 1 + 3 * n)
 
     @staticmethod
-    def parameter_tensors(model: ModelConfig) -> list[ParamTensor]:
+    def parameter_tensors(model: ModelConfig, i: int | None = None) -> list[ParamTensor]:
+        """The model's head (i None), or a multi-token-prediction module's own (layer i, ``moe/mtp.py``)."""
         n, d = model.hc_mult, model.d_model
-        return [ParamTensor("hyper", None, (n, n * d)), ParamTensor("hyper", None, (n,)),
-                ParamTensor("hyper", None, (1,))]
+        return [ParamTensor("hyper", i, (n, n * d)), ParamTensor("hyper", i, (n,)), ParamTensor("hyper", i, (1,))]
 
 
 def widen(embedded: Tensor, streams: int) -> Tensor:
