@@ -115,29 +115,50 @@ def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
     Kaplan et al. 2020 sec. 2.1) over the active parameters that do matmuls (the
     embedding lookup does none; a tied head still does), plus ``attention_flops_per_token`` per layer
     for attention scores and values; multi-token prediction's modules count as blocks, with the shared head once
-    more each (their shorter sequences, S - k, are not discounted).
+    more each (their shorter sequences, S - k, are not discounted). With hyper-connections, each block's and
+    collapse's products of the streams (``hyper_flops_per_token``).
     """
     counts = parameter_counts(model, moe)
     matmul_params = counts.active - counts.embedding
     if model.tie_embeddings:
         matmul_params += model.vocab_size * model.d_model
     matmul_params += model.mtp_depth * model.vocab_size * model.d_model  # the shared head, once per MTP module
-    return 6.0 * matmul_params + sum(attention_flops_per_token(model, layer) for layer in model.layer_pattern)
+    hyper = (len(model.layer_pattern) * hyper_flops_per_token(model)  # every block, main and MTP
+             + (1 + model.mtp_depth) * hyper_head_flops_per_token(model))  # the model's collapse and each module's
+    return 6.0 * matmul_params + sum(attention_flops_per_token(model, layer) for layer in model.layer_pattern) + hyper
+
+
+def hyper_flops_per_token(model: ModelConfig) -> float:
+    """Training FLOPs of one token's stream products in one block's two hyper-connections beyond their projections
+    (``HyperConnection.flops_per_token``); none without hyper-connections."""
+    return 2 * HyperConnection.flops_per_token(model) if model.hc_mult > 1 else 0.0
+
+
+def hyper_head_flops_per_token(model: ModelConfig) -> float:
+    """The same of one final collapse of the streams (``HyperHead``: the model's, and each MTP module's)."""
+    return HyperHead.flops_per_token(model) if model.hc_mult > 1 else 0.0
 
 
 def block_flops_per_token(model: ModelConfig, moe: MoEConfig, layer: LayerSpec) -> float:
     """Training FLOPs of one token through one transformer block of ``layer``'s kinds, on the terms of
     ``training_flops_per_token``: ``6 *`` the block's active matmul parameters (attention, its two norms, and the
-    dense FFN or the router, shared experts and top_k routed experts) ``+ attention_flops_per_token``.
-    A MoE block with top_k experts of the dense FFN's size costs more than a dense block; the
-    pipeline split (``parallel/pipeline.py``) balances stages by these numbers.
+    dense FFN or the router, shared experts and top_k routed experts, and its hyper-connections')
+    ``+ attention_flops_per_token`` (``+ hyper_flops_per_token``). A MoE block with top_k experts of the dense FFN's
+    size costs more than a dense block; the pipeline split (``parallel/pipeline.py``) balances stages by these
+    numbers.
     """
-    return 6.0 * _block_kind_parameters(model, moe, layer)[1] + attention_flops_per_token(model, layer)
+    return (6.0 * _block_kind_parameters(model, moe, layer)[1] + attention_flops_per_token(model, layer)
+            + hyper_flops_per_token(model))
 
 
 def head_flops_per_token(model: ModelConfig) -> float:
-    """Training FLOPs of one token through the final norm and the LM head (the embedding lookup has none)."""
-    return 6.0 * (model.vocab_size * model.d_model + model.d_model)
+    """Training FLOPs of one token through the final norm and the LM head (the embedding lookup has none), and the
+    streams' collapse before them with hyper-connections."""
+    hyper = 0.0
+    if model.hc_mult > 1:
+        weights = sum(param.numel for param in HyperHead.parameter_tensors(model))
+        hyper = 6.0 * weights + hyper_head_flops_per_token(model)
+    return 6.0 * (model.vocab_size * model.d_model + model.d_model) + hyper
 
 
 def mtp_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
@@ -147,7 +168,7 @@ def mtp_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
     the head, on the last pipeline stage, which the stage split weighs with them (``parallel/pipeline.py``)."""
     return sum(block_flops_per_token(model, moe, model.layer(i))
                + 6.0 * (_mtp_extra_parameters(model, i) + model.vocab_size * model.d_model)
-               for i in range(model.n_layers, model.n_layers + model.mtp_depth))
+               + hyper_head_flops_per_token(model) for i in range(model.n_layers, model.n_layers + model.mtp_depth))
 
 
 def _mtp_extra_parameters(model: ModelConfig, i: int) -> int:

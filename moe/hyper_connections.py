@@ -95,6 +95,16 @@ class HyperConnection(nn.Module):
         return FP32 * t * (2 * n * d + 1 + (2 + n) * n + 4 * n + n * n + (divisions + 1) * n * n + divisions * n + d)
 
     @staticmethod
+    def flops_per_token(model: ModelConfig) -> float:
+        """Training FLOPs of one token's stream products in one hyper-connection, beyond its projection's (counted
+        with its parameters, 6 per weight): the collapse sum_j pre_j x_j (n · D multiply-adds), the merge's
+        comb^T x (n² · D) and post_k f (n · D); 2 FLOPs a multiply-add, 3 times that for forward and backward:
+        6 · n · D · (n + 2). The elementwise work (normalisation, sigmoids, softmax, Sinkhorn's divisions on
+        n × n) is left out, as norms' and activations' is."""
+        n = model.hc_mult
+        return 6.0 * n * model.d_model * (n + 2)
+
+    @staticmethod
     def parameter_tensors(model: ModelConfig, i: int | None) -> list[ParamTensor]:
         """Its weight, bias and scales: replicated under every layout, as the router's gate is."""
         n, d = model.hc_mult, model.d_model
@@ -127,6 +137,12 @@ class HyperHead(nn.Module):
         """Its input streams, the normalisation's 1/rms and output, the mixes, their sigmoid and pre (fp32)."""
         t, n, d = mb.stream, model.hc_mult, model.d_model
         return FP32 * t * (2 * n * d + 1 + 3 * n)
+
+    @staticmethod
+    def flops_per_token(model: ModelConfig) -> float:
+        """Training FLOPs of one token's collapse sum_j pre_j x_j beyond the projection (``HyperConnection``'s
+        terms): 6 · n · D."""
+        return 6.0 * model.hc_mult * model.d_model
 
     @staticmethod
     def parameter_tensors(model: ModelConfig, i: int | None = None) -> list[ParamTensor]:
