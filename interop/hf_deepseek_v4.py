@@ -18,8 +18,9 @@ matrices are stacked and transposed as for every family.
 Published folders whose weights are stored otherwise than as floats or DeepSeek-V3's block-scaled fp8
 (``interop/fp8.py``) are refused by name when their ``quantization_config`` is read. The multi-token-prediction
 layers (``mtp.{k}.*``, ``mtp_sources``) are read into our hyper-connected MTP modules under ``model.mtp_depth`` and
-written back by export; without it an import leaves them out. They have one name in both schemes, DeepSeek's:
-``transformers`` builds no MTP layer, ignores any ``mtp.`` tensor it loads and so saves none.
+written back by export; without it an import leaves them out. ``transformers`` builds no MTP layer, ignores any
+``mtp.`` tensor it loads and so saves none: the names are DeepSeek's, the layer's own tensors spelled as the
+folder spells its layers' (the attention's ``norm``, published ``kv_norm``: ``stored_name``).
 """
 
 from __future__ import annotations
@@ -247,9 +248,10 @@ def mtp_sources(model: ModelConfig, moe: MoEConfig, k: int, names_by_kind: dict[
 
 def stored_name(name: str) -> str:
     """A tensor name of a DeepSeek-V4 folder as ``hf_sources`` reads it: DeepSeek's published folders keep their
-    names without ``transformers``' ``model.`` prefix and call the embedding ``embed`` and the head's collapse
-    ``hc_head_fn``/``_base``/``_scale`` (the renames of ``transformers``' conversion mapping for ``deepseek_v4``);
-    the names ``transformers`` saves are left as they are."""
+    names without ``transformers``' ``model.`` prefix and call the embedding ``embed``, the head's collapse
+    ``hc_head_fn``/``_base``/``_scale`` and the attention's key/value norm ``attn.kv_norm`` (the renames of
+    ``transformers``' conversion mapping for ``deepseek_v4``, which saves that norm as ``attn.norm``); the names
+    ``transformers`` saves are left as they are."""
     if name == "embed.weight":
         return "model.embed_tokens.weight"
     if name.startswith("hc_head_"):

@@ -80,8 +80,8 @@ def _parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
     d = model.d_model
     embedding = model.vocab_size * d
     head = 0 if model.tie_embeddings else model.vocab_size * d
-    total = embedding + d + head + sum(_mtp_extra_parameters(model, model.n_layers + k)  # the final norm; MTP's
-                                       for k in range(model.mtp_depth))  # modules besides their blocks
+    mtp = sum(_mtp_extra_parameters(model, model.n_layers + k) for k in range(model.mtp_depth))
+    total = embedding + d + head + mtp  # the final norm; the MTP modules' projections and norms (and collapses)
     total += sum(param.numel for param in HyperHead.parameter_tensors(model)) if model.hc_mult > 1 else 0
     active, routed = total, 0
     for layer in model.layer_pattern:
