@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from config.errors import ConfigError
 from config.run import load_config
 from interop.hf import export_folder, import_folder
 from tests.interop.hf_models import hf_tensors, our_model
@@ -95,6 +96,18 @@ def test_the_mtp_layer_imports_and_exports_back_under_both_naming_schemes(tmp_pa
     assert state.keys() == again.keys()
     for name, value in state.items():
         assert torch.equal(value, again[name]), name
+
+
+def test_mtp_asked_of_a_folder_without_it_is_refused_by_name(tmp_path):
+    """A folder ``transformers`` saved (no MTP layer, though its config.json says num_nextn_predict_layers 1)
+    imported under model.mtp_depth=1: refused, saying what to set; without it, imported."""
+    make_v4(tmp_path / "hf")
+    with pytest.raises(ConfigError, match=r"model.mtp_depth=1, but the folder stores no multi-token-prediction "
+                                          r"layer \(no 'mtp.0.enorm.weight'\): set model.mtp_depth=0"):
+        import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x", ["model.mtp_depth=1"]),
+                      seq_len=SEQ)
+    assert import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"),
+                         seq_len=SEQ).model.mtp_depth == 0
 
 
 def rms_norm(weight: torch.Tensor, eps: float) -> torch.nn.Module:
