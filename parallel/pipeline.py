@@ -72,7 +72,7 @@ from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.parallel import ParallelConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, mtp_flops_per_token, per_model
-from moe.attention import SparseLatentAttention
+from moe.attention.indexer import IndexedAttention
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
@@ -255,7 +255,7 @@ class PipelineModel:
         self.last_mtp_loss: Tensor | None = None  # the latest step's mean MTP loss, on every rank (``step``)
         self._routing: list[list[dict[int, RoutingStats]]] = [[] for _ in stages]
         self._mtp: list[Tensor] = []  # each training micro-batch's MTP losses [D], on the last stage
-        # sparse attention's indexer loss of each of this rank's sparse layers in each training micro-batch
+        # the indexer loss of each of this rank's layers with an indexer in each training micro-batch
         self.last_indexer_loss: Tensor | None = None  # their mean over every stage's (``step``)
         self._indexer: list[Tensor] = []
         for records, stage in zip(self._routing, stages, strict=True):
@@ -271,7 +271,7 @@ class PipelineModel:
                 if module.mtp is not None:
                     mtp.append(module.last_mtp_losses)
                 indexer.extend(block.attn.last_indexer_loss for block in module.blocks()
-                               if isinstance(block.attn, SparseLatentAttention) and block.attn.indexer is not None)
+                               if isinstance(block.attn, IndexedAttention) and block.attn.last_indexer_loss is not None)
         return record
 
     def describe(self) -> str:
