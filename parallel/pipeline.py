@@ -374,14 +374,14 @@ class PipelineModel:
         losses = self._run(inputs, targets, backward=True, documents=documents)
         if self.mtp:
             self._sum_embedding_gradients()
-        if self.stages[0].config.sparse_attention:
+        if self.stages[0].config.lightning_indexer:
             self._gather_indexer_loss(inputs.device)
         routing = [{i: s for records in self._routing for i, s in records[m].items()}
                    for m in range(self.microbatches)]
         return losses.sum(), routing
 
     def _gather_indexer_loss(self, device: torch.device) -> None:
-        """The step's mean indexer loss over every stage's sparse layers and micro-batches (one all-reduce of a sum
+        """The step's mean indexer loss over every stage's layers with an indexer and micro-batches (one all-reduce of a sum
         and a count over the pipeline group), in ``last_indexer_loss``: on the device, read by the host only when
         logged."""
         zero = torch.zeros((), dtype=torch.float64, device=device)
