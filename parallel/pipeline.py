@@ -381,9 +381,9 @@ class PipelineModel:
         return losses.sum(), routing
 
     def _gather_indexer_loss(self, device: torch.device) -> None:
-        """The step's mean indexer loss over every stage's layers with an indexer and micro-batches (one all-reduce of a sum
-        and a count over the pipeline group), in ``last_indexer_loss``: on the device, read by the host only when
-        logged."""
+        """The step's mean indexer loss over every stage's layers with an indexer and micro-batches (one all-reduce
+        of a sum and a count over the pipeline group), in ``last_indexer_loss``: on the device, read by the host only
+        when logged."""
         zero = torch.zeros((), dtype=torch.float64, device=device)
         total = torch.stack((sum((loss.double() for loss in self._indexer), zero), zero + len(self._indexer)))
         dist.all_reduce(total, group=self.pp_group)

@@ -4,8 +4,8 @@ DeepSeek-V4's compressed sparse attention, whose report gives no other recipe).
 
 The dense warm-up (the first ``train.indexer_warmup_steps`` steps): attention stays dense and only the lightning
 indexers learn, from their KL loss against the main attention (``moe.attention.indexer.indexer_loss``); every other
-weight is frozen. The sparse stage (every step after): attention runs over the selected keys and every weight learns, the
-indexers from their loss alone (their inputs are detached in the model), the rest from the language-model loss.
+weight is frozen. The sparse stage (every step after): attention runs over the selected keys and every weight learns,
+the indexers from their loss alone (their inputs are detached in the model), the rest from the language-model loss.
 
 The stage is a function of the step, so a run resumed on either side of the change is in the stage it left. Freezing
 is done on the gradients, not on ``requires_grad`` (which FSDP and the pipeline fix when they wrap the model): the
