@@ -91,9 +91,9 @@ class SparseLatentAttention(LatentAttention, IndexedAttention):
     ``dense_warmup`` (set by the trainer: ``training.indexer_stages.set_indexer_stage``) keeps attention dense;
     the training forward records the indexer's loss and attaches it (``IndexedAttention.learn``). Under context
     parallelism the indexer's keys join the latents' one exchange, so each rank's queries select among the whole
-    sequence's keys. Under tensor parallelism the indexer is whole on every rank and its target, the attention probabilities
-    summed over the heads, is summed over the ranks' heads at ``head_sum`` (an identity here); on the gathered
-    kernel the latent's gradient from this rank's heads is summed at ``shared_latent`` (``wkv_b``'s split input
+    sequence's keys. Under tensor parallelism the indexer is whole on every rank and its target, the attention
+    probabilities summed over the heads, is summed over the ranks' heads at ``head_sum`` (an identity here); on the
+    gathered kernel the latent's gradient from this rank's heads is summed at ``shared_latent`` (``wkv_b``'s split input
     does it on the others). Its selection is left in ``relay`` for the shared-selection layers after it.
     """
 
