@@ -166,6 +166,12 @@ class ModelConfig:
         return self.index_topk is not None and self.compressed_attention is None
 
     @property
+    def lightning_indexer(self) -> bool:
+        """Whether some layer selects keys by a lightning indexer that training warms up: sparse attention's
+        (``sparse_attention``) or DeepSeek-V4's compressed sparse layers'."""
+        return self.sparse_attention or "compressed_sparse_attention" in (self.layer_types or ())
+
+    @property
     def rope_dim(self) -> int:
         """The channels of a query or key head that RoPE rotates: MLA's ``qk_rope_head_dim``, else ``rotary_dim``
         (partial rotary: the first ones), else hd."""

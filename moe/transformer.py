@@ -13,8 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from config.model import ModelConfig, MoEConfig
+from moe.attention.indexer import IndexedAttention
 from moe.attention.kernel import attends_by_chunks
-from moe.attention.sparse_latent import SparseLatentAttention, share_selections
+from moe.attention.sparse_latent import share_selections
 from moe.block import Block
 from moe.documents import documents_of
 from moe.hyper_connections import HyperHead, widen
@@ -180,6 +181,6 @@ class MoETransformer(nn.Module):
         self.aux_loss_scale = scale
         for layer in self.moe_layers().values():
             layer.aux_loss_scale = scale
-        for block in self.blocks():  # sparse attention's indexer loss (``moe/attention/sparse_latent.py``)
-            if isinstance(block.attn, SparseLatentAttention):
+        for block in self.blocks():  # an indexer's loss (``moe/attention/indexer.py``)
+            if isinstance(block.attn, IndexedAttention):
                 block.attn.indexer_loss_scale = scale
