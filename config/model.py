@@ -167,8 +167,7 @@ class ModelConfig:
 
     @property
     def lightning_indexer(self) -> bool:
-        """Whether some layer selects keys by a lightning indexer that training warms up: sparse attention's
-        (``sparse_attention``) or DeepSeek-V4's compressed sparse layers'."""
+        """Whether some layer selects keys by a lightning indexer (``sparse_attention``'s, V4's compressed sparse)."""
         return self.sparse_attention or "compressed_sparse_attention" in (self.layer_types or ())
 
     @property
