@@ -2,11 +2,11 @@
 
 Autograd's composition of the same math (``grouped_mm`` for the gate and up projections, ``_SwiGLU``, ``grouped_mm``
 for the down projection) allocates every [N, H] activation and gradient afresh: seven per step, four saved for
-backward and three in it. On a GPU the caching allocator makes that free; on a CPU each one of 1 MiB or more is
-pages faulted in anew (``moe/workspace.py``). Written out, the forward and backward put every large tensor they make
-on the workspace's kept storages, and the backward makes two [N, H] gradients instead of three (the activation's
-gradient is written over the down projection's, which nothing else reads). Same kernels in the same order, same
-saved tensors (the memory model's count is unchanged): outputs and gradients are autograd's to the bit
+backward and three in it. On a GPU the caching allocator makes that free; on a CPU each one of 1 MiB or more has
+its pages faulted in anew (``moe/workspace.py``). Written out, the forward and backward put every large tensor they
+make on the workspace's kept storages, and the backward makes two [N, H] gradients instead of three (the
+activation's gradient is written over the down projection's, which nothing else reads). Same kernels in the same
+order, the same saved activations: outputs and gradients are autograd's to the bit
 (``tests/moe/test_swiglu_experts.py``).
 
 The grouped GEMMs are one ``torch.mm`` per expert into its rows of the output, which is what torch's CPU
