@@ -15,10 +15,17 @@ DeepSeek's published folders (``stored_name``: no ``model.`` prefix, ``embed``, 
 tensors keep ``transformers``' layouts, so they are copied as they are (``attention_file_name``); the expert
 matrices are stacked and transposed as for every family.
 
-Published folders whose weights are stored otherwise than as floats or DeepSeek-V3's block-scaled fp8
-(``interop/fp8.py``) are refused by name when their ``quantization_config`` is read. The multi-token-prediction
-layers (``num_nextn_predict_layers``; ``mtp.*`` in published folders) are not read: ``transformers`` does not build
-them either.
+DeepSeek's published folders (DeepSeek-V4-Flash, -Pro) store their weights in low precision, dequantised to bf16
+as they are read, box by box: ``quantization_config`` ``{quant_method: fp8, fmt: e4m3, scale_fmt: ue8m0,
+weight_block_size: [128, 128], activation_scheme: dynamic}`` with ``expert_dtype: fp4`` at config.json's top level
+(V4.1 and ``transformers`` keep it inside ``quantization_config``; both read). The linear weights are ``F8_E4M3``
+with one ``F8_E8M0`` scale per 128 × 128 block, stored as ``X.scale`` (``stored_name`` calls it
+``X.weight_scale_inv``, as ``transformers``' fp8 quantizer does; ``interop/fp8.py``); the routed experts are MXFP4,
+``I8`` [out, in / 2] with ``F8_E8M0`` scales [out, in / 32] (``interop/mxfp4.py``, which names its sources); what
+the published folders keep in bf16 (the compressors', the indexer's ``weights_proj``, norms, the router) is read as
+stored. Any other scale format, expert format or packing is refused by name (dequantise the folder to bf16
+first). The multi-token-prediction layers (``num_nextn_predict_layers``; ``mtp.*`` in published folders) are not
+read: ``transformers`` does not build them either.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
-from interop.fp8 import block_size
+from interop.fp8 import SCALE_SUFFIX, scheme
 from interop.hf_family import (
     Family,
     HFShape,
@@ -51,7 +58,7 @@ _KEYS = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "hc_sinkhorn_iters", "hc_eps", "swiglu_limit", "sliding_window", "o_groups", "o_lora_rank",
          "index_n_heads", "index_head_dim", "index_topk", "num_nextn_predict_layers", "moe_intermediate_size",
          "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "scoring_func", "norm_topk_prob",
-         "routed_scaling_factor", "router_jitter_noise", "quantization_config"}
+         "routed_scaling_factor", "router_jitter_noise", "quantization_config", "expert_dtype"}
 _SCORES = ("sqrtsoftplus", "sigmoid", "softmax")
 # our V4 attention kinds' module names -> DeepSeek's short names that its checkpoints store (any other part of a
 # name, ``compressor``, ``indexer``, ``weight``, is the same in both)
@@ -88,7 +95,7 @@ def _rope(hf: dict) -> tuple[dict, dict]:
 def shape_from_hf(hf: dict) -> HFShape:
     """Map a DeepSeek-V4 config.json onto our ``model``/``moe`` keys; any setting we do not implement is an error."""
     check_keys(hf, _KEYS, FAMILY_NAME)
-    block_size(hf)  # block-scaled fp8 is dequantised as read; any other quantization refused by name
+    scheme(hf)  # block-scaled fp8 (and V4's fp4 experts) dequantised as read; any other quantization refused
     check_requirements(hf, {
         "num_key_value_heads": (1, "num_key_value_heads must be 1 (one key/value head shared by every query head)"),
         "norm_topk_prob": (True, "norm_topk_prob must be true (transformers' V4 routers always renormalise)"),
@@ -223,7 +230,10 @@ def stored_name(name: str) -> str:
     """A tensor name of a DeepSeek-V4 folder as ``hf_sources`` reads it: DeepSeek's published folders keep their
     names without ``transformers``' ``model.`` prefix and call the embedding ``embed`` and the head's collapse
     ``hc_head_fn``/``_base``/``_scale`` (the renames of ``transformers``' conversion mapping for ``deepseek_v4``);
-    the names ``transformers`` saves are left as they are."""
+    the names ``transformers`` saves are left as they are. A weight's block scales ``X.scale`` are read as
+    ``X.weight_scale_inv`` (no V4 tensor of its own ends in ``.scale``: the hyper-connections' are ``hc_*_scale``)."""
+    if name.endswith(".scale"):
+        name = name.removesuffix(".scale") + ".weight" + SCALE_SUFFIX
     if name == "embed.weight":
         return "model.embed_tokens.weight"
     if name.startswith("hc_head_"):

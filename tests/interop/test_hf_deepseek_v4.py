@@ -23,17 +23,19 @@ SEQ, VOCAB, EXPERTS, TOP_K = 16, 256, 4, 2
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
 
-def make_v4(folder: Path, seed: int = 0) -> torch.nn.Module:
+def make_v4(folder: Path, seed: int = 0, **sizes) -> torch.nn.Module:
     """A random tiny DeepSeek-V4 saved to ``folder``: every weight drawn (its init leaves the hyper-connections'
     biases at zero and scales at one, the sinks and position biases at zero), the correction biases drawn so that
-    they change the experts chosen, and each token id's hash experts distinct and random."""
-    config = transformers.DeepseekV4Config(
-        vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
-        head_dim=16, q_lora_rank=12, partial_rotary_factor=0.25, n_routed_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=2,
-        sliding_window=4, hc_mult=4, layer_types=LAYER_TYPES, mlp_layer_types=["hash_moe", "moe", "moe"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-        max_position_embeddings=64, initializer_range=0.1, swiglu_limit=1.0, rms_norm_eps=1e-6)
+    they change the experts chosen, and each token id's hash experts distinct and random (``sizes``: config
+    values that override the tiny ones)."""
+    config = transformers.DeepseekV4Config(**{
+        "vocab_size": VOCAB, "hidden_size": 32, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "head_dim": 16, "q_lora_rank": 12, "partial_rotary_factor": 0.25,
+        "n_routed_experts": EXPERTS, "num_experts_per_tok": TOP_K, "o_groups": 2, "o_lora_rank": 8,
+        "index_n_heads": 2, "index_head_dim": 8, "index_topk": 2, "sliding_window": 4, "hc_mult": 4,
+        "layer_types": LAYER_TYPES, "mlp_layer_types": ["hash_moe", "moe", "moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "max_position_embeddings": 64, "initializer_range": 0.1, "swiglu_limit": 1.0, "rms_norm_eps": 1e-6} | sizes)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.DeepseekV4ForCausalLM(config)
@@ -71,7 +73,7 @@ def test_settings_we_do_not_implement_are_refused(tmp_path):
         ({"n_shared_experts": 2}, "n_shared_experts must be 1"),
         ({"scoring_func": "relu"}, "scoring_func='relu'"),
         ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                                  "expert_dtype": "fp4"}}, "quantization_config"),
+                                  "expert_dtype": "int8"}}, "expert_dtype='int8' is not supported"),
         ({"mlp_layer_types": ["dense", "moe", "moe"]}, "hash_moe or moe"),
     ], tmp_path / "out.safetensors", load_config("moe-8x"), SEQ)
 
