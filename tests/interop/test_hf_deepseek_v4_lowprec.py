@@ -25,7 +25,7 @@ from tests.interop.hf_models import edit_config, our_model
 from tests.interop.test_hf_deepseek_v4 import SEQ, make_v4, tokens
 
 transformers = pytest.importorskip("transformers")
-BLOCK = (8, 16)  # the fp8 scale block (published: 128 × 128); small, so matrices hold several, some cut by an edge
+BLOCK = (4, 16)  # the fp8 scale block (published: 128 × 128); small: several per matrix, some cut by its edge
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # OCP MX v1.0 table 5: the magnitudes of codes 0..7 (bit 3: sign)
 FP8_WEIGHTS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
                "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
@@ -141,6 +141,23 @@ def test_published_low_precision_folder_imports_as_its_dequantisation(v4):
         assert torch.equal(weights.read(name, box), weights.read(name, ())[box])
 
 
+def test_transformers_reads_the_folder_as_the_reference(v4, monkeypatch):
+    """``transformers``' own dequantising load of the published folder (``FineGrainedFP8Config(dequantize=True)``,
+    the rest from its config.json: its ``.scale`` renaming, fp4 unpacking and E8M0 decoding) holds the naive
+    dequantisation bit for bit: the folder is in the layout ``transformers`` reads too, and our import equals both.
+    (Its fp8 quantizer asks for ``accelerate``, for device placement, which a dequantising CPU load does not use
+    and this environment lacks: the check is answered yes.)"""
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    root, reference = v4[0], transformers.DeepseekV4ForCausalLM.from_pretrained(v4[0] / "float").state_dict()
+    monkeypatch.setattr(quantizer_finegrained_fp8, "is_accelerate_available", lambda: True)
+    theirs = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        root / "published", quantization_config=transformers.FineGrainedFP8Config(dequantize=True)).state_dict()
+    assert theirs.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(theirs[name].float(), value.float()), name
+
+
 def refused(source: Path, target: Path, message: str, tensors=None, **config) -> None:
     """A copy of ``source`` with ``tensors`` (an edit of the published dict) and ``config`` changed: its import
     refused with ``message`` (literal text), writing nothing."""
@@ -195,12 +212,12 @@ def test_ue8m0_scales_as_bytes_or_floats_read_as_their_powers_of_two(tmp_path):
     weight = torch.randn(16, 32) * 3
     quantized, exponents, reference = encode_fp8(weight)
     box = (slice(0, 16), slice(0, 32))
-    as_floats = torch.ldexp(torch.ones(exponents.shape), exponents.int() - 127)
+    grid, as_floats = tuple(exponents.shape), torch.ldexp(torch.ones(exponents.shape), exponents.int() - 127)
     for stored in (exponents, as_floats, exponents.view(torch.float8_e8m0fnu)):
         assert torch.equal(dequantize(quantized, stored, *box, BLOCK), reference.to(torch.bfloat16))
-    check_scaled("w", "F8_E4M3", (16, 32), ("U8", (2, 2)), Scheme(BLOCK, ue8m0=True, fp4_experts=False))
+    check_scaled("w", "F8_E4M3", (16, 32), ("U8", grid), Scheme(BLOCK, ue8m0=True, fp4_experts=False))
     with pytest.raises(ConfigError, match=re.escape("'w_scale_inv' holds U8 values: block scales are floating")):
-        check_scaled("w", "F8_E4M3", (16, 32), ("U8", (2, 2)), Scheme(BLOCK, ue8m0=False, fp4_experts=False))
+        check_scaled("w", "F8_E4M3", (16, 32), ("U8", grid), Scheme(BLOCK, ue8m0=False, fp4_experts=False))
 
 
 def test_config_json_as_published_declares_the_scheme():
