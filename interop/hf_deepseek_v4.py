@@ -22,8 +22,9 @@ weight_block_size: [128, 128], activation_scheme: dynamic}`` with ``expert_dtype
 with one ``F8_E8M0`` scale per 128 × 128 block, stored as ``X.scale`` (``stored_name`` calls it
 ``X.weight_scale_inv``, as ``transformers``' fp8 quantizer does; ``interop/fp8.py``); the routed experts are MXFP4,
 ``I8`` [out, in / 2] with ``F8_E8M0`` scales [out, in / 32] (``interop/mxfp4.py``, which names its sources); what
-the published folders keep in bf16 (the compressors', the indexer's ``weights_proj``, norms, the router) is read as
-stored. Any other scale format, expert format or packing is refused by name (dequantise the folder to bf16
+the published folders keep in bf16 is read as stored (``transformers``' ``modeling_deepseek_v4`` names the
+compressors' projections and the indexer's ``weights_proj``; a published tensor list gives norms, router, embedding
+and head no scales). Any other scale format, expert format or packing is refused by name (dequantise the folder to bf16
 first). The multi-token-prediction layers (``num_nextn_predict_layers``; ``mtp.*`` in published folders) are not
 read: ``transformers`` does not build them either.
 """
