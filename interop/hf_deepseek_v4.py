@@ -60,6 +60,11 @@ _KEYS = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "index_n_heads", "index_head_dim", "index_topk", "num_nextn_predict_layers", "moe_intermediate_size",
          "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "scoring_func", "norm_topk_prob",
          "routed_scaling_factor", "router_jitter_noise", "quantization_config", "expert_dtype"}
+# DeepSeek's published config.json (DeepSeek-V4-Flash, -Pro) names four settings the way its inference code does;
+# transformers' DeepseekV4Config folds them into the keys above in its __post_init__, and ``_fold_published`` alike
+_PUBLISHED_KEYS = {"compress_ratios", "num_hash_layers", "rope_scaling", "topk_method"}
+_RATIO_LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+_YARN_KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
 _SCORES = ("sqrtsoftplus", "sigmoid", "softmax")
 # our V4 attention kinds' module names -> DeepSeek's short names that its checkpoints store (any other part of a
 # name, ``compressor``, ``indexer``, ``weight``, is the same in both)
@@ -93,9 +98,51 @@ def _rope(hf: dict) -> tuple[dict, dict]:
     return {"rope_theta": float(main.get("rope_theta", hf.get("rope_theta", 10000.0)))}, section
 
 
+def _fold_published(hf: dict) -> dict:
+    """config.json with the published folders' names folded as ``transformers``' ``DeepseekV4Config`` folds them:
+    ``compress_ratios`` (one per layer, 0/4/128; entries past the last layer are the MTP layers') into
+    ``layer_types``, ``num_hash_layers`` into ``mlp_layer_types`` (the first ones hash-routed), ``rope_scaling`` into
+    ``rope_parameters`` (the sliding layers plain at ``rope_theta``, the compressed ones its YaRN at
+    ``compress_rope_theta``, attention factor 1), ``qk_rope_head_dim`` into ``partial_rotary_factor``;
+    ``topk_method`` must be ``noaux_tc`` (the correction-biased top-k every V4 router takes). Both a name and its
+    fold in one file is refused: one of them would be dropped."""
+    hf = dict(hf)
+    for published, folded in (("compress_ratios", "layer_types"), ("num_hash_layers", "mlp_layer_types"),
+                              ("rope_scaling", "rope_parameters")):
+        if published in hf and folded in hf:
+            raise ConfigError(f"config.json has both {published} and {folded}: say it once ({folded})")
+    layers = get_key(hf, "num_hidden_layers", FAMILY_NAME)
+    ratios = hf.pop("compress_ratios", None)
+    if ratios is not None:
+        if not isinstance(ratios, list) or len(ratios) < layers or set(ratios[:layers]) - set(_RATIO_LAYER_TYPES):
+            raise ConfigError(f"config.json compress_ratios={ratios!r}: one of {sorted(_RATIO_LAYER_TYPES)} per layer "
+                              f"(num_hidden_layers={layers})")
+        hf["layer_types"] = [_RATIO_LAYER_TYPES[ratio] for ratio in ratios[:layers]]
+    if "num_hash_layers" in hf:
+        hashed = min(layers, hf.pop("num_hash_layers"))
+        hf["mlp_layer_types"] = ["hash_moe"] * hashed + ["moe"] * (layers - hashed)
+    scaling = hf.pop("rope_scaling", None)
+    if scaling is not None:
+        unknown = sorted(set(scaling) - _YARN_KEYS)
+        if unknown:
+            raise ConfigError(f"config.json rope_scaling setting '{unknown[0]}' is not supported for {FAMILY_NAME} "
+                              f"(it takes {', '.join(sorted(_YARN_KEYS))})")
+        compress = {key: value for key, value in scaling.items() if key != "type"}
+        compress |= {"rope_type": scaling.get("rope_type", scaling.get("type", "default")), "attention_factor": 1.0}
+        hf["rope_parameters"] = {"main": {"rope_type": "default"}, "compress": compress}
+    method = hf.pop("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ConfigError(f"config.json topk_method={method!r}: {FAMILY_NAME} routes by noaux_tc (the "
+                          "correction-biased top-k)")
+    if "qk_rope_head_dim" in hf and "partial_rotary_factor" not in hf:
+        hf["partial_rotary_factor"] = hf["qk_rope_head_dim"] / get_key(hf, "head_dim", FAMILY_NAME)
+    return hf
+
+
 def shape_from_hf(hf: dict) -> HFShape:
     """Map a DeepSeek-V4 config.json onto our ``model``/``moe`` keys; any setting we do not implement is an error."""
-    check_keys(hf, _KEYS, FAMILY_NAME)
+    check_keys(hf, _KEYS | _PUBLISHED_KEYS, FAMILY_NAME)
+    hf = _fold_published(hf)
     scheme(hf)  # block-scaled fp8 (and V4's fp4 experts) dequantised as read; any other quantization refused
     check_requirements(hf, {
         "num_key_value_heads": (1, "num_key_value_heads must be 1 (one key/value head shared by every query head)"),

@@ -141,3 +141,39 @@ def test_published_tensor_names_are_read(tmp_path):
         torch.testing.assert_close(reloaded(tokens()).logits, expected, rtol=0, atol=1e-6)
         import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
         torch.testing.assert_close(our_model(tmp_path / "ours.safetensors")(tokens()), expected, rtol=0, atol=1e-5)
+
+
+def test_published_config_json_is_read_as_transformers_folds_it(tmp_path):
+    """DeepSeek's published config.json (DeepSeek-V4-Flash's keys: ``compress_ratios`` with an entry past the last
+    layer for the MTP layer, ``num_hash_layers``, ``rope_scaling`` YaRN, ``qk_rope_head_dim``, ``topk_method``,
+    ``expert_dtype`` beside ``quantization_config``) in place of the keys ``transformers`` writes: our import of the
+    folder gives the logits of ``transformers``' load of the same folder (which folds those keys itself); keys that
+    would contradict each other are refused."""
+    import json
+
+    make_v4(tmp_path / "hf", compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+    config_file = tmp_path / "hf" / "config.json"
+    config = json.loads(config_file.read_text())
+    for key in ("layer_types", "mlp_layer_types", "rope_parameters", "partial_rotary_factor", "compress_rates"):
+        config.pop(key)
+    config |= {"compress_ratios": [0, 4, 128, 0], "num_hash_layers": 1, "qk_rope_head_dim": 4, "rope_theta": 10000,
+               "compress_rope_theta": 160000, "topk_method": "noaux_tc", "rope_scaling": {
+                   "type": "yarn", "factor": 8, "original_max_position_embeddings": 8, "beta_fast": 32,
+                   "beta_slow": 1}}
+    config_file.write_text(json.dumps(config))
+    imported = import_folder(tmp_path / "hf", tmp_path / "ours.safetensors", load_config("moe-8x"), seq_len=SEQ)
+    section = imported.model.compressed_attention
+    assert [spec.attention for spec in imported.model.layer_pattern] == ["sliding_shared_kv", "compressed_sparse",
+                                                                          "heavily_compressed"]
+    assert [spec.feed_forward for spec in imported.model.layer_pattern] == ["hash_moe", "moe", "moe"]
+    assert (section.rope_scaling, section.rope_factor, section.rope_theta) == ("yarn", 8.0, 160000.0)
+    oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(our_model(tmp_path / "ours.safetensors")(tokens()), oracle(tokens()).logits,
+                                   rtol=0, atol=1e-5)
+    assert_each_edit_refused(tmp_path / "hf", [
+        ({"layer_types": LAYER_TYPES}, "both compress_ratios and layer_types"),
+        ({"compress_ratios": [0, 4, 64]}, r"compress_ratios=\[0, 4, 64\]: one of \[0, 4, 128\] per layer"),
+        ({"topk_method": "greedy"}, "topk_method='greedy'"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4, "mscale": 1.0}}, "rope_scaling setting 'mscale'"),
+    ], tmp_path / "out.safetensors", load_config("moe-8x"), SEQ)
