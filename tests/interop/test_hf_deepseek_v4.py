@@ -7,6 +7,7 @@ within 1e-5 fp32), exported back (every tensor bit for bit, the hash table's int
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,42 @@ def test_published_config_json_is_read_as_transformers_folds_it(tmp_path):
         ({"topk_method": "greedy"}, "topk_method='greedy'"),
         ({"rope_scaling": {"type": "yarn", "factor": 4, "mscale": 1.0}}, "rope_scaling setting 'mscale'"),
     ], tmp_path / "out.safetensors", load_config("moe-8x"), SEQ)
+
+
+# DeepSeek-V4-Flash's config.json as published (transcribed from the file; the ``compress_ratios`` entry past the
+# 43 layers is the MTP layer's)
+FLASH_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
+    "eos_token_id": 1, "expert_dtype": "fp4", "hc_eps": 1e-06, "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512,
+    "hidden_act": "silu", "hidden_size": 4096, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512,
+    "initializer_range": 0.02, "max_position_embeddings": 1048576, "model_type": "deepseek_v4",
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 64, "num_experts_per_tok": 6, "num_hidden_layers": 43, "num_hash_layers": 3,
+    "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 8, "o_lora_rank": 1024, "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64, "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16,
+                                            "original_max_position_embeddings": 65536, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128,
+    "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.1", "use_cache": True, "vocab_size": 129280, "compress_rope_theta": 160000,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0]}
+
+
+def test_published_flash_config_json_is_our_flash_config():
+    """The published config.json of DeepSeek-V4-Flash maps onto exactly ``configs/deepseek-v4-flash.yaml``'s model
+    and routing, and our fold of its published keys is ``transformers``' (layer and MLP types, both RoPEs)."""
+    from interop.hf_deepseek_v4 import _fold_published, shape_from_hf
+
+    shape, ours = shape_from_hf(FLASH_CONFIG), load_config("deepseek-v4-flash")
+    section = shape.model.pop("compressed_attention")
+    assert {key: getattr(ours.model.compressed_attention, key) for key in section} == section
+    assert {key: getattr(ours.model, key) for key in shape.model} == shape.model
+    assert {key: getattr(ours.moe, key) for key in shape.moe} == shape.moe | {"shared_expert_hidden": None}
+    folded = _fold_published(FLASH_CONFIG)
+    theirs = transformers.DeepseekV4Config(**copy.deepcopy(FLASH_CONFIG))  # which edits the dicts it is given
+    assert (folded["layer_types"], folded["mlp_layer_types"]) == (theirs.layer_types, theirs.mlp_layer_types)
+    compress = {key: value for key, value in theirs.rope_parameters["compress"].items() if key != "type"}
+    assert compress == folded["rope_parameters"]["compress"] | {"rope_theta": 160000, "partial_rotary_factor": 0.125}
+    assert theirs.rope_parameters["main"]["rope_theta"] == shape.model["rope_theta"] == 10000
