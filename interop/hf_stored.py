@@ -39,7 +39,8 @@ class StoredTensors:
         both; an integer table without scales, ``tid2eid``, is not one). Integers with scales where config.json
         does not say fp4 are refused here, before their bytes' shape is taken for the matrix's."""
         code = self.folder.slice(hf_name).get_dtype()
-        scaled = code.startswith(("I", "U")) and hf_name + fp8.SCALE_SUFFIX in self.folder.files  # I8.., U8..
+        packed = code.startswith(("I", "U")) or code == "F4"  # I8.., U8..; F4: torch's float4_e2m1fn_x2
+        scaled = packed and hf_name + fp8.SCALE_SUFFIX in self.folder.files
         if self.fp8 is None or not self.fp8.fp4_experts:
             if scaled:
                 raise ConfigError(f"{self.folder.folder}: tensor '{hf_name}' is {code} with scales "

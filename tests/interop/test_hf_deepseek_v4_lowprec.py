@@ -191,8 +191,13 @@ def test_what_cannot_be_read_is_refused_by_name(v4, tmp_path):
                                         "values, which take one scale per 32 of a row: [64, 1]", scale_of_16)
     refused(root, tmp_path / "f32", f"'{scales}' holds F32 values: fp4 experts' scales are E8M0 exponents",
             float_scales)
+    def float4_pairs(state):  # torch's float4_e2m1fn_x2 (safetensors F4): the same bytes, another dtype's shape
+        state[EXPERT + ".weight"] = state[EXPERT + ".weight"].view(torch.float4_e2m1fn_x2)
+
     refused(root, tmp_path / "u8", f"tensor '{weight}' is U8, but expert_dtype fp4 experts are stored as I8",
             bytes_unsigned)
+    refused(root, tmp_path / "f4", f"tensor '{weight}' is F4, but expert_dtype fp4 experts are stored as I8",
+            float4_pairs)
     first = "model.layers.0.ffn.experts.0.w3.weight"  # the first expert read
     refused(root, tmp_path / "fp8experts", f"tensor '{first}' is I8 with scales '{first}_scale_inv': packed fp4, "
                                            "which config.json does not declare", expert_dtype="fp8")
