@@ -223,9 +223,16 @@ def _mtp_extras(model: ModelConfig, mb: MicroBatch, sequences: int, k: int, fuse
     normalised input too (the decomposed path)."""
     d, scored = model.d_model, sequences * (model.seq_len - k - 1)
     upcasts = int(stream_bf16) + int(stream_bf16 or (mb.bf16 and k > 1))  # of the embedding, of the hidden states
+    head_and_loss = norm_bytes(mb.tokens, d, fused) + scored * d * mb.compute + scored * vocab * FP32 + scored * INDEX
+    if model.hc_mult > 1:
+        # DeepSeek-V4's (``HyperPredictionModule``): the hidden norm's rstd per stream (its input, the streams, is
+        # saved by the collapse that made them), the two projections' inputs ([T', D] and [T', n, D]), and the
+        # module's own collapse of its block's output streams
+        n = model.hc_mult
+        return ((1 + n) * mb.tokens * FP32 + linear_input_bytes(mb, d, 1) + linear_input_bytes(mb, n * d, 1)
+                + HyperHead.saved_bytes(model, mb) + head_and_loss + FP32)
     return (2 * mb.tokens * FP32 + upcasts * 2 * mb.tokens * d * FP32 + linear_input_bytes(mb, 2 * d, 1)
-            + norm_bytes(mb.tokens, d, fused) + scored * d * mb.compute + scored * vocab * FP32
-            + scored * INDEX + FP32)
+            + head_and_loss + FP32)
 
 
 def _weight_copies(config: RunConfig, layout: Layout, layers: list[int], first: bool, last: bool) -> int:
@@ -365,8 +372,8 @@ class _Parts:
             block["hyper-connections"] = 2 * HyperConnection.saved_bytes(model, mb)
         if not layer.is_moe:
             block["dense FFN"] = FeedForward.saved_bytes(mb, d, model.ffn_hidden // layout.tp)
-        elif par.activation_checkpointing == "moe":
-            block["MoE inputs (recompute)"] = mb.tokens * d * stream_bytes
+        elif par.activation_checkpointing == "moe":  # (with hyper-connections, the streams' fp32 collapse, normed)
+            block["MoE inputs (recompute)"] = mb.tokens * d * (FP32 if model.hc_mult > 1 else stream_bytes)
         else:
             moe_parts = _moe(model, self.config.moe, layout, mb, par.ranks_per_node, par.ep_replicas)
             if par.activation_offload == "moe":
@@ -398,21 +405,29 @@ def _add_mtp(parts: _Parts, mb: MicroBatch, layers: list[int], micro_batch_size:
         # their one call gathers Emb(t), saved by the embedding norm; outside sequence parallelism it is the first
         # block's input, saved already (the hidden states come whole from the final norm, which gathered its input)
         parts.add("MTP gathered inputs", tokens * d * stream_dtype.itemsize)
-    if mb.bf16 and not mb.bf16_weights:
+    if mb.bf16 and not mb.bf16_weights and model.hc_mult == 1:
         # module 1's hidden input is the final norm's fp32 output, which the head keeps only as its bf16 copy: the
         # hidden norm saves it (in fp32, and with bf16 weights, the head saves that tensor itself)
         parts.add("MTP normed hidden states", tokens * d * FP32)
     if not first:  # the last pipeline stage looks the tokens up in its copy of the embedding
         parts.add("MTP embedding copy", tokens * INDEX + tokens * d * stream_dtype.itemsize)
-    mtp_fused = uses_fused_backward(stream_dtype, distributed=False) and not mb.bf16
+    elif model.hc_mult > 1:  # Emb(t), which the widened streams copied and no block saves, the embedding norms' input
+        parts.add("MTP embeddings", tokens * d * stream_dtype.itemsize)
+    hyper = model.hc_mult > 1
+    mtp_fused = uses_fused_backward(stream_dtype, distributed=False) and (hyper or not mb.bf16)
     for i in layers:
         if i >= model.n_layers:
             k = i - model.n_layers + 1
             positions = micro_batch_size * (model.seq_len - k)
             # under bf16 autocast the module's stream is the projection's bf16 output: its norms are decomposed and
-            # return bf16, which the projections after them share uncast (as under FSDP's bf16 weights)
-            mb_k = dataclasses.replace(mb, tokens=positions, stream=positions, bf16_weights=mb.bf16)
+            # return bf16, which the projections after them share uncast (as under FSDP's bf16 weights); with
+            # hyper-connections the branches' inputs are the streams' fp32 collapse, as in the main blocks, and the
+            # first merge makes an fp32 copy of the bf16 streams
+            mb_k = dataclasses.replace(mb, tokens=positions, stream=positions,
+                                       bf16_weights=mb.bf16_weights if hyper else mb.bf16)
             parts.add_blocks(model.layer(i), 1, mb_k, mtp_fused, mb.compute if mb.bf16 else FP32, prefix="MTP ")
+            if hyper and mb.bf16 and not mb.bf16_weights and par.activation_checkpointing != "full":
+                parts.add("MTP streams' fp32 copy", positions * model.hc_mult * d * FP32)
             parts.add("MTP projection, norms, head + loss", _mtp_extras(model, mb_k, micro_batch_size, k, mtp_fused,
                                                                           mb.bf16_weights, vocab)
                       + (FP32 if k == 1 else 0))  # the modules' mean loss, which ``attach_loss`` keeps

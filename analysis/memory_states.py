@@ -32,6 +32,7 @@ from config.model import LayerSpec, ModelConfig, MoEConfig
 from config.run import RunConfig
 from moe.accounting import block_tensors, per_model
 from moe.hyper_connections import HyperHead
+from moe.mtp import prediction_module
 from moe.param_tensors import ParamTensor
 from parallel.layout import Layout
 from parallel.pipeline import stage_layers
@@ -117,9 +118,8 @@ def _parameter_tensors(model: ModelConfig, moe: MoEConfig) -> list[ParamTensor]:
     d, out = model.d_model, []
     for i in range(model.n_layers):
         out += block_tensors(model, moe, model.layer(i), i)
-    for i in mtp_layers(model):  # each module: its block, the two input norms, the 2d -> d projection, its final norm
-        out += [*block_tensors(model, moe, model.layer(i), i), ParamTensor("norm", i, (d,)),
-                ParamTensor("norm", i, (d,)), ParamTensor("projection", i, (d, 2 * d)), ParamTensor("norm", i, (d,))]
+    for i in mtp_layers(model):  # each module: its block, then its projections and norms (``moe/mtp.py``)
+        out += [*block_tensors(model, moe, model.layer(i), i), *prediction_module(model).parameter_tensors(model, i)]
     out += [ParamTensor("embedding", None, (model.vocab_size, d)), ParamTensor("norm", None, (d,))]
     if not model.tie_embeddings:
         out.append(ParamTensor("head", None, (model.vocab_size, d)))

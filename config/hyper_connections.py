@@ -10,15 +10,11 @@ from config.schema import require
 
 
 def validate_hyper_connections(model) -> None:
-    """Refuse impossible hyper-connection settings of ``model`` (a ``config.model.ModelConfig``), and the pairings
-    not implemented, before any tensor exists."""
+    """Refuse impossible hyper-connection settings of ``model`` (a ``config.model.ModelConfig``) before any tensor
+    exists."""
     require(model.hc_mult >= 1, f"model.hc_mult={model.hc_mult} must be >= 1 (1: the plain residual stream; "
                                 "DeepSeek-V4: 4 streams)")
     require(model.hc_sinkhorn_iters >= 1, f"model.hc_sinkhorn_iters={model.hc_sinkhorn_iters} must be >= 1 "
                                           "(DeepSeek-V4: 20 Sinkhorn-Knopp iterations)")
     require(model.hc_eps > 0 and math.isfinite(model.hc_eps),
             f"model.hc_eps={model.hc_eps} must be a small positive number (DeepSeek-V4: 1e-6)")
-    if model.hc_mult > 1:
-        require(model.mtp_depth == 0,
-                f"model.mtp_depth={model.mtp_depth} with model.hc_mult={model.hc_mult}: multi-token prediction over "
-                "hyper-connected streams is not implemented; set model.mtp_depth: 0")

@@ -166,6 +166,11 @@ class ModelConfig:
         return self.index_topk is not None and self.compressed_attention is None
 
     @property
+    def lightning_indexer(self) -> bool:
+        """Whether some layer selects keys by a lightning indexer (``sparse_attention``'s, V4's compressed sparse)."""
+        return self.sparse_attention or "compressed_sparse_attention" in (self.layer_types or ())
+
+    @property
     def rope_dim(self) -> int:
         """The channels of a query or key head that RoPE rotates: MLA's ``qk_rope_head_dim``, else ``rotary_dim``
         (partial rotary: the first ones), else hd."""
@@ -209,8 +214,9 @@ class ModelConfig:
 
     def layer(self, index: int) -> LayerSpec:
         """Layer ``index``'s place in the layer pattern; indices n_layers + k are the multi-token-prediction modules'
-        blocks (full attention, the feed-forward ``is_moe_layer`` says; with ``compressed_attention``, the last
-        layer's attention)."""
+        blocks (full attention, the feed-forward ``is_moe_layer`` says; with ``compressed_attention``, DeepSeek-V4's
+        sliding layer: its published configs' ``compress_ratios`` give the MTP layer a 0, and its published
+        ``mtp.*`` tensors have no compressor)."""
         attention = "latent" if self.latent_attention else "grouped_query"
         if self.sparse_attention:
             shared = index < self.n_layers and self.indexer_types is not None and self.indexer_types[index] == "shared"
@@ -219,7 +225,8 @@ class ModelConfig:
             attention = "gated_delta"
         window = self.attention_window(index) if index < self.n_layers else None
         if self.compressed_attention is not None:  # DeepSeek-V4's kinds, every one within the window
-            attention = COMPRESSED_LAYER_KINDS[self.layer_types[min(index, self.n_layers - 1)]]
+            word = self.layer_types[index] if index < self.n_layers else "sliding_attention"
+            attention = COMPRESSED_LAYER_KINDS[word]
             window = self.sliding_window
         feed_forward = "moe" if self.is_moe_layer(index) else "dense"
         if self.mlp_layer_types is not None and index < self.n_layers:

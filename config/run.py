@@ -184,8 +184,9 @@ class TrainConfig:
     eval_batches: int = 8  # micro-batches per validation pass
     # non-finite steps in a row (each skipped, weights untouched) before the run stops with a checkpoint
     max_bad_steps: int = 3
-    # sparse attention (model.index_topk): the first indexer_warmup_steps steps are DeepSeek-V3.2's dense warm-up
-    # (attention dense, only the lightning indexers learn, every other weight frozen), the rest the sparse stage
+    # sparse attention (model.index_topk; DeepSeek-V4's compressed sparse layers): the first indexer_warmup_steps
+    # steps are DeepSeek-V3.2's dense warm-up (attention dense, only the lightning indexers learn, every other weight
+    # frozen), the rest the sparse stage
     # (training/indexer_stages.py); 0 = sparse from the first step (DeepSeek-V3.2: 1,000 warm-up steps)
     indexer_warmup_steps: int = 0
 
@@ -313,9 +314,10 @@ class RunConfig:
         require(not (self.train.compile and self.parallel.activation_offload != "none"),
                  "train.compile with parallel.activation_offload is not supported yet (its saved-tensor hooks would "
                  "split every compiled block); set one of them off")
-        require(not self.train.indexer_warmup_steps or self.model.sparse_attention,
+        require(not self.train.indexer_warmup_steps or self.model.lightning_indexer,
                 f"train.indexer_warmup_steps={self.train.indexer_warmup_steps} warms up sparse attention's indexer, "
-                "but the model has none: set model.index_topk (with its index_n_heads and index_head_dim) or 0")
+                "but the model has none: set model.index_topk (with its index_n_heads and index_head_dim; with "
+                "model.compressed_attention, compressed_sparse_attention layers) or 0")
         require(not (self.data.document_mask and self.model.mtp_depth),
                  f"data.document_mask=true with model.mtp_depth={self.model.mtp_depth}: the multi-token prediction "
                  "modules do not take the document mask yet; set model.mtp_depth=0 or data.document_mask=false")

@@ -128,6 +128,10 @@ class HFWeights:
         if family.stored_names is not None:
             folder.rename(family.stored_names)
         weights = cls(folder, family.hf_sources(model, moe), moe.num_experts, family.architecture)
+        mtp = [name for ours, source in weights.sources.items() if ours.startswith("mtp.") for name in source.names]
+        if mtp and not any(name in folder.files for name in mtp):  # (transformers saves no MTP layer of V4's)
+            raise ConfigError(f"{folder.folder}: model.mtp_depth={model.mtp_depth}, but the folder stores no "
+                              f"multi-token-prediction layer (no '{mtp[0]}'): set model.mtp_depth=0")
         weights.check_all_read(model, family.left_out_for(model))
         return weights
 

@@ -24,9 +24,12 @@ with one ``F8_E8M0`` scale per 128 × 128 block, stored as ``X.scale`` (``stored
 ``I8`` [out, in / 2] with ``F8_E8M0`` scales [out, in / 32] (``interop/mxfp4.py``, which names its sources); what
 the published folders keep in bf16 is read as stored (``transformers``' ``modeling_deepseek_v4`` names the
 compressors' projections and the indexer's ``weights_proj``; a published tensor list gives norms, router, embedding
-and head no scales). Any other scale format, expert format or packing is refused by name (dequantise the folder to bf16
-first). The multi-token-prediction layers (``num_nextn_predict_layers``; ``mtp.*`` in published folders) are not
-read: ``transformers`` does not build them either.
+and head no scales). Any other scale format, expert format or packing is refused by name (dequantise the folder to
+bf16 first). The multi-token-prediction layers (``mtp.{k}.*``, ``mtp_sources``) are read into our hyper-connected
+MTP modules under ``model.mtp_depth`` and written back by export; without it an import leaves them out.
+``transformers`` builds no MTP layer, ignores any ``mtp.`` tensor it loads and so saves none: the names are
+DeepSeek's, the layer's own tensors spelled as the folder spells its layers' (the attention's ``norm``, published
+``kv_norm``: ``stored_name``).
 """
 
 from __future__ import annotations
@@ -207,8 +210,7 @@ def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
         (moe.router_bias or moe.expert_proj_bias or moe.shared_expert_gate,
          "router, expert or shared-gate biases: DeepSeek-V4 has none"),
         (moe.force_balance or moe.jitter_eps != 0, "debug routing or jitter: DeepSeek-V4 has neither"),
-        (model.tie_embeddings, "model.tie_embeddings=true: DeepSeek-V4's head is its own"),
-        (model.mtp_depth > 0, f"model.mtp_depth={model.mtp_depth}: DeepSeek-V4's MTP layers are not exported")])
+        (model.tie_embeddings, "model.tie_embeddings=true: DeepSeek-V4's head is its own")])
     decoder = decoder_config(model)
     compress = {"rope_type": "default", "rope_theta": section.rope_theta,
                 "partial_rotary_factor": model.rotary_dim / model.head_dim}
@@ -232,7 +234,7 @@ def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
             "moe_intermediate_size": moe.expert_hidden, "n_routed_experts": moe.num_experts,
             "num_experts_per_tok": moe.top_k, "n_shared_experts": 1, "scoring_func": moe.score_func,
             "norm_topk_prob": True, "routed_scaling_factor": moe.routed_scaling_factor,
-            "swiglu_limit": moe.swiglu_limit, "num_nextn_predict_layers": 0, "mlp_bias": False}
+            "swiglu_limit": moe.swiglu_limit, "num_nextn_predict_layers": model.mtp_depth, "mlp_bias": False}
 
 
 def attention_file_name(name: str) -> str:
@@ -246,39 +248,66 @@ def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
     out = {"tok_embeddings.weight": Source("copy", ("model.embed_tokens.weight",))}
     names_by_kind: dict[str, list[str]] = {}
     for i in range(model.n_layers):
-        ours, theirs, layer = f"layers.{i}.", f"model.layers.{i}.", model.layer(i)
-        if layer.attention not in names_by_kind:
-            with torch.device("meta"):
-                names_by_kind[layer.attention] = list(build_attention(model, layer).state_dict())
-        out[f"{ours}attn_norm.weight"] = Source("copy", (f"{theirs}attn_norm.weight",))
-        out |= {f"{ours}attn.{name}": Source("copy", (f"{theirs}attn.{attention_file_name(name)}",))
-                for name in names_by_kind[layer.attention]}
-        out[f"{ours}ffn_norm.weight"] = Source("copy", (f"{theirs}ffn_norm.weight",))
-        out[f"{ours}moe.router.gate"] = Source("copy", (f"{theirs}ffn.gate.weight",))
-        out |= expert_stacks(ours, f"{theirs}ffn.experts",
-                             {f"moe.experts.{name}": f"{stored}.weight" for name, stored in _MLP.items()},
-                             moe.num_experts)
-        if layer.feed_forward == "hash_moe":  # the table; the balancing bias stays zero (expert_stacks')
-            out[f"{ours}moe.router.tid2eid"] = Source("index", (f"{theirs}ffn.gate.tid2eid",))
-        else:
-            out[f"{ours}moe.router.expert_bias"] = Source("copy", (f"{theirs}ffn.gate.bias",))
-        shared = f"{theirs}ffn.shared_experts."
-        out |= {f"{ours}moe.shared_experts.{name}.weight": Source("copy", (f"{shared}{stored}.weight",))
-                for name, stored in _MLP.items()}
-        for branch in ("attn", "ffn"):
-            out |= {f"{ours}{branch}_hc.{name}": Source("copy", (f"{theirs}hc_{branch}_{stored}",))
-                    for name, stored in _HYPER.items()}
+        out |= _block_sources(model, moe, i, f"layers.{i}.", f"model.layers.{i}.", names_by_kind)
     out |= {f"hc_head.{name}": Source("copy", (f"model.hc_head.hc_{stored}",)) for name, stored in _HYPER.items()}
     out["norm.weight"] = Source("copy", ("model.norm.weight",))
     out["output.weight"] = Source("copy", ("head.weight",))
+    for k in range(model.mtp_depth):
+        out |= mtp_sources(model, moe, k, names_by_kind)
+    return out
+
+
+def _block_sources(model: ModelConfig, moe: MoEConfig, i: int, ours: str, theirs: str,
+                   names_by_kind: dict[str, list[str]]) -> dict[str, Source]:
+    """Block i's tensors (i >= n_layers: a multi-token-prediction module's) under ``ours`` and ``theirs``."""
+    layer = model.layer(i)
+    if layer.attention not in names_by_kind:
+        with torch.device("meta"):
+            names_by_kind[layer.attention] = list(build_attention(model, layer).state_dict())
+    out = {f"{ours}attn_norm.weight": Source("copy", (f"{theirs}attn_norm.weight",))}
+    out |= {f"{ours}attn.{name}": Source("copy", (f"{theirs}attn.{attention_file_name(name)}",))
+            for name in names_by_kind[layer.attention]}
+    out[f"{ours}ffn_norm.weight"] = Source("copy", (f"{theirs}ffn_norm.weight",))
+    out[f"{ours}moe.router.gate"] = Source("copy", (f"{theirs}ffn.gate.weight",))
+    out |= expert_stacks(ours, f"{theirs}ffn.experts",
+                         {f"moe.experts.{name}": f"{stored}.weight" for name, stored in _MLP.items()},
+                         moe.num_experts)
+    if layer.feed_forward == "hash_moe":  # the table; the balancing bias stays zero (expert_stacks')
+        out[f"{ours}moe.router.tid2eid"] = Source("index", (f"{theirs}ffn.gate.tid2eid",))
+    else:
+        out[f"{ours}moe.router.expert_bias"] = Source("copy", (f"{theirs}ffn.gate.bias",))
+    shared = f"{theirs}ffn.shared_experts."
+    out |= {f"{ours}moe.shared_experts.{name}.weight": Source("copy", (f"{shared}{stored}.weight",))
+            for name, stored in _MLP.items()}
+    for branch in ("attn", "ffn"):
+        out |= {f"{ours}{branch}_hc.{name}": Source("copy", (f"{theirs}hc_{branch}_{stored}",))
+                for name, stored in _HYPER.items()}
+    return out
+
+
+def mtp_sources(model: ModelConfig, moe: MoEConfig, k: int, names_by_kind: dict[str, list[str]]) -> dict[str, Source]:
+    """Multi-token-prediction module k (``moe/mtp.py``'s ``HyperPredictionModule``) as DeepSeek's published folders
+    store it under ``mtp.{k}.`` (the names of ``MTPBlock`` in DeepSeek's ``inference/model.py``, which vLLM's
+    ``deepseek_v4_mtp.py`` loader reads): ``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, the block's tensors under
+    a layer's names (a sliding layer with a learned router), its ``hc_head_fn``/``_base``/``_scale`` and ``norm``;
+    the embedding and head are the main model's."""
+    ours, theirs = f"mtp.{k}.", f"mtp.{k}."
+    out = {f"{ours}embed_norm.weight": Source("copy", (f"{theirs}enorm.weight",)),
+           f"{ours}hidden_norm.weight": Source("copy", (f"{theirs}hnorm.weight",)),
+           f"{ours}embed_proj.weight": Source("copy", (f"{theirs}e_proj.weight",)),
+           f"{ours}hidden_proj.weight": Source("copy", (f"{theirs}h_proj.weight",))}
+    out |= _block_sources(model, moe, model.n_layers + k, f"{ours}block.", theirs, names_by_kind)
+    out |= {f"{ours}hc_head.{name}": Source("copy", (f"{theirs}hc_head_{stored}",)) for name, stored in _HYPER.items()}
+    out[f"{ours}norm.weight"] = Source("copy", (f"{theirs}norm.weight",))
     return out
 
 
 def stored_name(name: str) -> str:
     """A tensor name of a DeepSeek-V4 folder as ``hf_sources`` reads it: DeepSeek's published folders keep their
-    names without ``transformers``' ``model.`` prefix and call the embedding ``embed`` and the head's collapse
-    ``hc_head_fn``/``_base``/``_scale`` (the renames of ``transformers``' conversion mapping for ``deepseek_v4``);
-    the names ``transformers`` saves are left as they are. A weight's block scales ``X.scale`` are read as
+    names without ``transformers``' ``model.`` prefix and call the embedding ``embed``, the head's collapse
+    ``hc_head_fn``/``_base``/``_scale`` and the attention's key/value norm ``attn.kv_norm`` (the renames of
+    ``transformers``' conversion mapping for ``deepseek_v4``, which saves that norm as ``attn.norm``); the names
+    ``transformers`` saves are left as they are. A weight's block scales ``X.scale`` are read as
     ``X.weight_scale_inv`` (no V4 tensor of its own ends in ``.scale``: the hyper-connections' are ``hc_*_scale``)."""
     if name.endswith(".scale"):
         name = name.removesuffix(".scale") + ".weight" + SCALE_SUFFIX
@@ -286,11 +315,13 @@ def stored_name(name: str) -> str:
         return "model.embed_tokens.weight"
     if name.startswith("hc_head_"):
         return "model.hc_head.hc_" + name.removeprefix("hc_head_")
+    if name.endswith(".attn.kv_norm.weight"):  # published: ``kv_norm``; transformers saves its rename's inverse
+        name = name.removesuffix("kv_norm.weight") + "norm.weight"
     if name == "norm.weight" or name.startswith("layers."):
         return "model." + name
     return name
 
 
-# published folders store the multi-token-prediction layer under ``mtp.``: not read (transformers builds none)
-FAMILY = Family(ARCHITECTURE, "deepseek_v4", shape_from_hf, hf_from_config, hf_sources, left_out=("mtp.",),
+# the multi-token-prediction layers under ``mtp.``: read under model.mtp_depth, left out otherwise
+FAMILY = Family(ARCHITECTURE, "deepseek_v4", shape_from_hf, hf_from_config, hf_sources, mtp_prefix="mtp.",
                 stored_names=stored_name)

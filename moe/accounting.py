@@ -16,6 +16,7 @@ from config.model import LayerSpec, ModelConfig, MoEConfig
 from moe.attention import attention_kind
 from moe.block import feed_forward_kind
 from moe.hyper_connections import HyperConnection, HyperHead
+from moe.mtp import prediction_module
 from moe.param_tensors import ParamTensor
 
 T = TypeVar("T")
@@ -79,7 +80,8 @@ def _parameter_counts(model: ModelConfig, moe: MoEConfig) -> ParameterCounts:
     d = model.d_model
     embedding = model.vocab_size * d
     head = 0 if model.tie_embeddings else model.vocab_size * d
-    total = embedding + d + head + model.mtp_depth * (2 * d * d + 3 * d)  # the final norm; MTP's projections, norms
+    mtp = sum(_mtp_extra_parameters(model, model.n_layers + k) for k in range(model.mtp_depth))
+    total = embedding + d + head + mtp  # the final norm; the MTP modules' projections and norms (and collapses)
     total += sum(param.numel for param in HyperHead.parameter_tensors(model)) if model.hc_mult > 1 else 0
     active, routed = total, 0
     for layer in model.layer_pattern:
@@ -113,36 +115,63 @@ def training_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
     Kaplan et al. 2020 sec. 2.1) over the active parameters that do matmuls (the
     embedding lookup does none; a tied head still does), plus ``attention_flops_per_token`` per layer
     for attention scores and values; multi-token prediction's modules count as blocks, with the shared head once
-    more each (their shorter sequences, S - k, are not discounted).
+    more each (their shorter sequences, S - k, are not discounted). With hyper-connections, each block's and
+    collapse's products of the streams (``hyper_flops_per_token``).
     """
     counts = parameter_counts(model, moe)
     matmul_params = counts.active - counts.embedding
     if model.tie_embeddings:
         matmul_params += model.vocab_size * model.d_model
     matmul_params += model.mtp_depth * model.vocab_size * model.d_model  # the shared head, once per MTP module
-    return 6.0 * matmul_params + sum(attention_flops_per_token(model, layer) for layer in model.layer_pattern)
+    hyper = (len(model.layer_pattern) * hyper_flops_per_token(model)  # every block, main and MTP
+             + (1 + model.mtp_depth) * hyper_head_flops_per_token(model))  # the model's collapse and each module's
+    return 6.0 * matmul_params + sum(attention_flops_per_token(model, layer) for layer in model.layer_pattern) + hyper
+
+
+def hyper_flops_per_token(model: ModelConfig) -> float:
+    """Training FLOPs of one token's stream products in one block's two hyper-connections beyond their projections
+    (``HyperConnection.flops_per_token``); none without hyper-connections."""
+    return 2 * HyperConnection.flops_per_token(model) if model.hc_mult > 1 else 0.0
+
+
+def hyper_head_flops_per_token(model: ModelConfig) -> float:
+    """The same of one final collapse of the streams (``HyperHead``: the model's, and each MTP module's)."""
+    return HyperHead.flops_per_token(model) if model.hc_mult > 1 else 0.0
 
 
 def block_flops_per_token(model: ModelConfig, moe: MoEConfig, layer: LayerSpec) -> float:
     """Training FLOPs of one token through one transformer block of ``layer``'s kinds, on the terms of
     ``training_flops_per_token``: ``6 *`` the block's active matmul parameters (attention, its two norms, and the
-    dense FFN or the router, shared experts and top_k routed experts) ``+ attention_flops_per_token``.
-    A MoE block with top_k experts of the dense FFN's size costs more than a dense block; the
-    pipeline split (``parallel/pipeline.py``) balances stages by these numbers.
+    dense FFN or the router, shared experts and top_k routed experts, and its hyper-connections')
+    ``+ attention_flops_per_token`` (``+ hyper_flops_per_token``). A MoE block with top_k experts of the dense FFN's
+    size costs more than a dense block; the pipeline split (``parallel/pipeline.py``) balances stages by these
+    numbers.
     """
-    return 6.0 * _block_kind_parameters(model, moe, layer)[1] + attention_flops_per_token(model, layer)
+    return (6.0 * _block_kind_parameters(model, moe, layer)[1] + attention_flops_per_token(model, layer)
+            + hyper_flops_per_token(model))
 
 
 def head_flops_per_token(model: ModelConfig) -> float:
-    """Training FLOPs of one token through the final norm and the LM head (the embedding lookup has none)."""
-    return 6.0 * (model.vocab_size * model.d_model + model.d_model)
+    """Training FLOPs of one token through the final norm and the LM head (the embedding lookup has none), and the
+    streams' collapse before them with hyper-connections."""
+    hyper = 0.0
+    if model.hc_mult > 1:
+        weights = sum(param.numel for param in HyperHead.parameter_tensors(model))
+        hyper = 6.0 * weights + hyper_head_flops_per_token(model)
+    return 6.0 * (model.vocab_size * model.d_model + model.d_model) + hyper
 
 
 def mtp_flops_per_token(model: ModelConfig, moe: MoEConfig) -> float:
     """Training FLOPs of one token through the multi-token-prediction modules (``moe/mtp.py``), on the terms of
     ``training_flops_per_token``: each module a block of its kind (``ModelConfig.layer(n_layers + k)``), its
-    2d -> d projection and three norms, and the shared head once more. They run beside the head, on the last
-    pipeline stage, which the stage split weighs with them (``parallel/pipeline.py``)."""
-    d = model.d_model
-    return sum(block_flops_per_token(model, moe, model.layer(model.n_layers + k))
-               + 6.0 * (2 * d * d + 3 * d + model.vocab_size * d) for k in range(model.mtp_depth))
+    projections and norms (and collapse: ``_mtp_extra_parameters``), and the shared head once more. They run beside
+    the head, on the last pipeline stage, which the stage split weighs with them (``parallel/pipeline.py``)."""
+    return sum(block_flops_per_token(model, moe, model.layer(i))
+               + 6.0 * (_mtp_extra_parameters(model, i) + model.vocab_size * model.d_model)
+               + hyper_head_flops_per_token(model) for i in range(model.n_layers, model.n_layers + model.mtp_depth))
+
+
+def _mtp_extra_parameters(model: ModelConfig, i: int) -> int:
+    """A multi-token-prediction module's parameters besides its block (layer i): its projections and norms, and
+    with hyper-connections its collapse of the streams (``moe/mtp.py``)."""
+    return sum(param.numel for param in prediction_module(model).parameter_tensors(model, i))

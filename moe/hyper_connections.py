@@ -95,6 +95,16 @@ class HyperConnection(nn.Module):
         return FP32 * t * (2 * n * d + 1 + (2 + n) * n + 4 * n + n * n + (divisions + 1) * n * n + divisions * n + d)
 
     @staticmethod
+    def flops_per_token(model: ModelConfig) -> float:
+        """Training FLOPs of one token's stream products in one hyper-connection, beyond its projection's (counted
+        with its parameters, 6 per weight): the collapse sum_j pre_j x_j (n · D multiply-adds), the merge's
+        comb^T x (n² · D) and post_k f (n · D); 2 FLOPs a multiply-add, 3 times that for forward and backward:
+        6 · n · D · (n + 2). The elementwise work (normalisation, sigmoids, softmax, Sinkhorn's divisions on
+        n × n) is left out, as norms' and activations' is."""
+        n = model.hc_mult
+        return 6.0 * n * model.d_model * (n + 2)
+
+    @staticmethod
     def parameter_tensors(model: ModelConfig, i: int | None) -> list[ParamTensor]:
         """Its weight, bias and scales: replicated under every layout, as the router's gate is."""
         n, d = model.hc_mult, model.d_model
@@ -129,10 +139,16 @@ class HyperHead(nn.Module):
         return FP32 * t * (2 * n * d + 1 + 3 * n)
 
     @staticmethod
-    def parameter_tensors(model: ModelConfig) -> list[ParamTensor]:
+    def flops_per_token(model: ModelConfig) -> float:
+        """Training FLOPs of one token's collapse sum_j pre_j x_j beyond the projection (``HyperConnection``'s
+        terms): 6 · n · D."""
+        return 6.0 * model.hc_mult * model.d_model
+
+    @staticmethod
+    def parameter_tensors(model: ModelConfig, i: int | None = None) -> list[ParamTensor]:
+        """The model's head (i None), or a multi-token-prediction module's own (layer i, ``moe/mtp.py``)."""
         n, d = model.hc_mult, model.d_model
-        return [ParamTensor("hyper", None, (n, n * d)), ParamTensor("hyper", None, (n,)),
-                ParamTensor("hyper", None, (1,))]
+        return [ParamTensor("hyper", i, (n, n * d)), ParamTensor("hyper", i, (n,)), ParamTensor("hyper", i, (1,))]
 
 
 def widen(embedded: Tensor, streams: int) -> Tensor:

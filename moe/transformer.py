@@ -13,8 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from config.model import ModelConfig, MoEConfig
+from moe.attention.indexer import IndexedAttention
 from moe.attention.kernel import attends_by_chunks
-from moe.attention.sparse_latent import SparseLatentAttention, share_selections
+from moe.attention.sparse_latent import share_selections
 from moe.block import Block
 from moe.documents import documents_of
 from moe.hyper_connections import HyperHead, widen
@@ -22,7 +23,7 @@ from moe.init import Slice, initialize, whole
 from moe.kv_cache import KVCache
 from moe.layer import MoELayer, RoutingStats
 from moe.losses import attach_loss
-from moe.mtp import PredictionModule, PredictionModules
+from moe.mtp import PredictionModules, prediction_module
 from moe.norm import RMSNorm
 from moe.rope import rope_tables
 from moe.router import HashRouter
@@ -58,9 +59,11 @@ class MoETransformer(nn.Module):
         share_selections([block.attn for block in self.layers.values()])  # GLM-5's layers sharing a selection
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        # multi-token prediction: its blocks are of the kind the layers after the last would be
+        # multi-token prediction: its blocks are of the kind the layers after the last would be (hyper-connected
+        # modules with hyper-connections)
+        module = prediction_module(config)
         self.mtp = PredictionModules(
-            PredictionModule(config, moe_config, Block(config, moe_config, pattern[config.n_layers + k]))
+            module(config, moe_config, Block(config, moe_config, pattern[config.n_layers + k]))
             for k in range(config.mtp_depth)) if config.mtp_depth else None
         self.last_mtp_losses: Tensor | None = None
         self.aux_loss_scale = 1.0  # the trainer's loss scale (``set_aux_loss_scale``), for the MTP loss too
@@ -134,6 +137,7 @@ class MoETransformer(nn.Module):
         for name, block in self.layers.items():
             x = (block(x, self.rope_cos, self.rope_sin, documents=docs, **hashed) if cache is None
                  else block(x, self.rope_cos, self.rope_sin, cache.layer(name), **hashed))
+        streams = x  # with hyper-connections the last block's output streams, hyper-connected MTP's h^0
         if self.hc_head is not None:  # (None on a pipeline stage before the last: the streams go out)
             x = self.hc_head(x)
         normed = self.norm(x)
@@ -142,7 +146,8 @@ class MoETransformer(nn.Module):
             # the modules' mean loss, weighted, reaches backward through the logits (as the balancing losses do)
             if ids is not None:
                 tokens, embedded = ids, self.tok_embeddings(ids)
-            losses = self.mtp(normed, embedded, tokens, self.output, self.rope_cos, self.rope_sin)
+            hidden = streams if self.hc_head is not None else normed
+            losses = self.mtp(hidden, embedded, tokens, self.output, self.rope_cos, self.rope_sin)
             self.last_mtp_losses = losses.detach()
             logits = attach_loss(logits, losses.mean(), self.config.mtp_loss_weight * self.aux_loss_scale)
         return logits
@@ -176,6 +181,6 @@ class MoETransformer(nn.Module):
         self.aux_loss_scale = scale
         for layer in self.moe_layers().values():
             layer.aux_loss_scale = scale
-        for block in self.blocks():  # sparse attention's indexer loss (``moe/attention/sparse_latent.py``)
-            if isinstance(block.attn, SparseLatentAttention):
+        for block in self.blocks():  # an indexer's loss (``moe/attention/indexer.py``)
+            if isinstance(block.attn, IndexedAttention):
                 block.attn.indexer_loss_scale = scale

@@ -72,7 +72,7 @@ from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from config.parallel import ParallelConfig
 from moe.accounting import block_flops_per_token, head_flops_per_token, mtp_flops_per_token, per_model
-from moe.attention import SparseLatentAttention
+from moe.attention.indexer import IndexedAttention
 from moe.layer import MoELayer, RoutingStats
 from moe.transformer import MoETransformer
 from parallel import parallelize, set_gradient_sync
@@ -255,7 +255,7 @@ class PipelineModel:
         self.last_mtp_loss: Tensor | None = None  # the latest step's mean MTP loss, on every rank (``step``)
         self._routing: list[list[dict[int, RoutingStats]]] = [[] for _ in stages]
         self._mtp: list[Tensor] = []  # each training micro-batch's MTP losses [D], on the last stage
-        # sparse attention's indexer loss of each of this rank's sparse layers in each training micro-batch
+        # the indexer loss of each of this rank's layers with an indexer in each training micro-batch
         self.last_indexer_loss: Tensor | None = None  # their mean over every stage's (``step``)
         self._indexer: list[Tensor] = []
         for records, stage in zip(self._routing, stages, strict=True):
@@ -271,7 +271,7 @@ class PipelineModel:
                 if module.mtp is not None:
                     mtp.append(module.last_mtp_losses)
                 indexer.extend(block.attn.last_indexer_loss for block in module.blocks()
-                               if isinstance(block.attn, SparseLatentAttention) and block.attn.indexer is not None)
+                               if isinstance(block.attn, IndexedAttention) and block.attn.last_indexer_loss is not None)
         return record
 
     def describe(self) -> str:
@@ -374,16 +374,16 @@ class PipelineModel:
         losses = self._run(inputs, targets, backward=True, documents=documents)
         if self.mtp:
             self._sum_embedding_gradients()
-        if self.stages[0].config.sparse_attention:
+        if self.stages[0].config.lightning_indexer:
             self._gather_indexer_loss(inputs.device)
         routing = [{i: s for records in self._routing for i, s in records[m].items()}
                    for m in range(self.microbatches)]
         return losses.sum(), routing
 
     def _gather_indexer_loss(self, device: torch.device) -> None:
-        """The step's mean indexer loss over every stage's sparse layers and micro-batches (one all-reduce of a sum
-        and a count over the pipeline group), in ``last_indexer_loss``: on the device, read by the host only when
-        logged."""
+        """The step's mean indexer loss over every stage's layers with an indexer and micro-batches (one all-reduce
+        of a sum and a count over the pipeline group), in ``last_indexer_loss``: on the device, read by the host only
+        when logged."""
         zero = torch.zeros((), dtype=torch.float64, device=device)
         total = torch.stack((sum((loss.double() for loss in self._indexer), zero), zero + len(self._indexer)))
         dist.all_reduce(total, group=self.pp_group)

@@ -175,8 +175,8 @@ def _grouped_query_plan(block: Block, stream: Placement) -> dict:
 
 class _SumOutput(ParallelStyle):
     """The module's output summed over the tp ranks in forward (an all-reduce), for a value made without gradient
-    from each rank's heads: sparse attention's sum of the attention probabilities over the heads, the indexer's
-    target, which every rank then holds whole."""
+    from each rank's heads: sparse attention's (and V4's compressed sparse attention's) sum of the attention
+    probabilities over the heads, the indexer's target, which every rank then holds whole."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def hook(_module, _inputs, output: Tensor) -> Tensor:
@@ -219,11 +219,17 @@ def _shared_kv_plan(block: Block, stream: Placement) -> dict:
             "attn.o_b_proj": RowwiseParallel(output_layouts=stream)}
 
 
+def _compressed_sparse_plan(block: Block, stream: Placement) -> dict:
+    """DeepSeek-V4's compressed sparse attention: the split of ``_shared_kv_plan``, and its indexer's target, the
+    attention probabilities of the entries summed over the heads, summed over the ranks' heads (``head_sum``)."""
+    return _shared_kv_plan(block, stream) | {"attn.head_sum": _SumOutput()}
+
+
 # each attention kind's split over the tp ranks (a new kind adds its plan here)
 ATTENTION_PLANS = {GroupedQueryAttention: _grouped_query_plan, LatentAttention: _latent_attention_plan,
                    SparseLatentAttention: _sparse_latent_plan, GatedDeltaAttention: _gated_delta_plan,
                    SharedKVAttention: _shared_kv_plan, HeavilyCompressedAttention: _shared_kv_plan,
-                   CompressedSparseAttention: _shared_kv_plan, SharedSelectionAttention: _sparse_latent_plan}
+                   CompressedSparseAttention: _compressed_sparse_plan, SharedSelectionAttention: _sparse_latent_plan}
 # parameters of a kind that are not a Linear's, split with its heads on dim 0 (``apply_tensor_parallel``)
 HEAD_PARAMETERS = ("sinks", "conv_q", "conv_k", "conv_v", "decay_bias", "log_decay_rate", "o_a_proj.weight")
 

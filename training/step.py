@@ -177,7 +177,7 @@ class StepContext:
     ``end_id``: the token ending each document, when ``data.document_mask`` masks them from each other.
     ``shards``: this rank's positions of each sequence under context parallelism.
     ``qk_clip``: QK-clip after the optimizer step (``train.qk_clip_threshold``).
-    ``sparse_layers``: the model's sparse attention layers (this rank's), found once: their stage and indexer loss.
+    ``sparse_layers``: the model's layers with an indexer (this rank's), found once: their stage and indexer loss.
     """
 
     model: MoETransformer | PipelineModel

@@ -12,8 +12,15 @@ Its RoPE, the entries' and its queries', is the compressed one (``model.compress
   indexer (``CompressedIndexer``) scores highest among those it may see (all of them when they are fewer).
 
 The kernel computes every score of the [S, S + n] keys and masks what a query may not see (``attend_under_mask``):
-dense cost, where V4's own kernels read the window and the selected entries alone. As in ``transformers``, the
-indexer takes no gradient (the selection passes none and nothing else reads it): it is not trained here.
+dense cost, where V4's own kernels read the window and the selected entries alone.
+
+The selection passes no gradient, so CSA's indexer learns from a loss of its own, as DeepSeek-V3.2's
+(``indexer.indexer_loss``; V4's report gives no other recipe): the KL between the main attention's distribution over
+the compressed entries and the indexer's. The target is each head's probabilities of the entries in the layer's one
+softmax (window, entries and sink), summed over the heads and L1-normalised over the entries the loss covers: every
+visible one in the dense warm-up (``dense_warmup``: attention over every visible entry, as HCA), the selected ones
+in the sparse stage. The indexer reads detached inputs (block input, query latent), so its loss trains it alone,
+its own compressor included, and the language-model loss the rest (``training/indexer_stages.py``).
 
 Shapes: B sequences, S positions, D = d_model, nh heads, hd = head_dim, n entries, c' = q_lora_rank, hi/di the
 indexer's heads and width, r rotary channels.
@@ -23,16 +30,17 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.compressor import Compressor, compressor_saved_bytes, compressor_tensors, visible_entries
-from moe.attention.indexer import IndexScoring
+from moe.attention.indexer import IndexedAttention, IndexScoring, indexer_loss
 from moe.attention.kernel import attend_under_mask, kernel_saved_bytes, training_kernel
-from moe.attention.shared_kv import SharedKVAttention, shared_kv_saved_bytes
+from moe.attention.shared_kv import SharedKVAttention, at_positions, shared_kv_saved_bytes
 from moe.attention.trailing_rope import compressed_rope_tables, rotate_trailing
 from moe.documents import Documents
 from moe.param_tensors import ParamTensor
-from moe.saved_activations import MicroBatch
+from moe.saved_activations import FP32, MicroBatch
 
 
 def window_keys(query_pos: Tensor, key_pos: Tensor, window: int) -> Tensor:
@@ -76,15 +84,37 @@ class CompressedAttention(SharedKVAttention):
             keys_x = keys_x[:, key_pos.argsort()]
         entries = self.compressor(keys_x, cos, sin)  # [B, n, hd]
         visible = visible_entries(query_pos, entries.shape[1], self.compressor.rate)  # [Sq, n]
-        seen = self.entry_mask(x, keys_x, query_latent, visible, query_pos)  # [Sq, n] or [B, 1, Sq, n]
+        query_tables = at_positions(cos, sin, seq, None if documents is None else documents.query_pos)
+        seen, scores = self.entry_mask(x, keys_x, query_latent, visible, query_tables)
         allowed = torch.cat((window_keys(query_pos, key_pos, self.window).expand(*seen.shape[:-1], keys), seen), -1)
         keys = torch.cat((self.shared_keys(kv), self.shared_keys(entries.unsqueeze(1))), dim=2)  # [B, 1, S + n, hd]
-        return attend_under_mask(q, keys, keys, self.head_dim ** -0.5, allowed, self.sinks)
+        out = attend_under_mask(q, keys, keys, self.head_dim ** -0.5, allowed, self.sinks)
+        if scores is not None:  # an indexer that learns (CSA's, ``IndexedAttention``), from the entries' target
+            out = self.learn(out, indexer_loss(scores, self.entry_probabilities(q, keys, allowed, scores.shape[-1]),
+                                               seen))
+        return out
 
     def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
-                   query_pos: Tensor) -> Tensor:
-        """The entries each query attends to among the ``visible`` ones [Sq, n]: all of them."""
-        return visible
+                   query_tables: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
+        """The entries each query attends to among the ``visible`` ones [Sq, n] (all of them), and the scores of an
+        indexer that learns from this forward (none here)."""
+        return visible, None
+
+    @torch.no_grad()
+    def entry_probabilities(self, q: Tensor, keys: Tensor, allowed: Tensor, entries: int) -> Tensor:
+        """The attention's probabilities of the last ``entries`` keys (the compressed entries) in each head's softmax
+        over the ``allowed`` keys and its sink, summed over the heads: q [B, nh, Sq, hd], keys [B, 1, S + n, hd] ->
+        [B, Sq, n] fp32, the indexer's target before normalising. One head at a time, so one [B, Sq, S + n] score
+        tensor is alive; under tensor parallelism this rank's heads, summed over the ranks at ``head_sum``."""
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
+        hidden = ~allowed.reshape(-1, *allowed.shape[-2:])
+        keys_t = keys[:, 0].float().transpose(-1, -2)  # [B, hd, S + n]
+        total = torch.zeros(q.shape[0], q.shape[2], entries, dtype=torch.float32, device=q.device)
+        for head in range(q.shape[1]):
+            logits = (q[:, head].float() @ keys_t * self.head_dim ** -0.5).masked_fill(hidden, float("-inf"))
+            sink = sinks[head].float().expand(*logits.shape[:-1], 1)
+            total += torch.softmax(torch.cat((sink, logits), dim=-1), dim=-1)[..., -entries:]
+        return self.head_sum(total)
 
     # What a compressed layer costs beyond a sliding one (``SharedKVAttention``'s statements): its compressor
     # (``rate`` positions per entry, ``overlap`` or not), and for CSA its indexer. Subclasses name them.
@@ -125,15 +155,39 @@ class CompressedAttention(SharedKVAttention):
         """A sliding layer's bytes (``shared_kv_saved_bytes``, ``compressed``: the compressor reads the block input
         too, and the compressed RoPE tables are this layer's own) on the kernel of ``appended`` keys
         (``training_kernel``: a mask over the window's keys and the n entries of the whole sequence, shared by the
-        sequences, or per sequence where the indexer selects), and the compressor's (``compressor_saved_bytes``).
-        The indexer runs without gradient: it saves nothing."""
+        sequences, or per sequence where the indexer selects), and the compressor's (``compressor_saved_bytes``);
+        CSA's indexer's too (``indexer_saved_bytes``)."""
         rate = getattr(model.compressed_attention, cls.rate_key)
         kernel = training_kernel(model, mb, layer.window, sinks=True,
                                  selected=model.index_topk if cls.selects else None, appended=True)
         kernel_bytes = kernel_saved_bytes(kernel, mb, model.n_heads // tp, 1, model.head_dim, sink=True,
                                           appended=mb.positions * mb.cp // rate)
         total = shared_kv_saved_bytes(model, tp, mb, kernel_bytes, compressed=True)
+        total += indexer_saved_bytes(model, mb) if cls.selects else 0
         return total + compressor_saved_bytes(mb, model.head_dim, rate, cls.overlap, model.rotary_dim)
+
+
+def indexer_saved_bytes(model: ModelConfig, mb: MicroBatch) -> int:
+    """What CSA's indexer saves in a training forward of the sparse stage (which the memory model plans for), with
+    n = cp·s / rate entries per sequence (none: nothing): its compressor's (``compressor_saved_bytes``, di wide); its
+    scores' (``IndexScoring.weigh``): the rotated queries [T·hi, di] and keys [B, n, di] their matmul reads, the
+    ReLU's output [T·hi, n] and the head weights [T, hi] that weigh it, all in the compute dtype (under autocast the
+    matmuls' bf16 copies); its loss's: the hidden entries' mask (bool [B, s, n], the selection's), the
+    log-softmax's output and the target ([T, n] each, fp32) and the loss itself. Its inputs are detached views of
+    the block input and the query latent, saved already, but under bf16 autocast (fp32 weights) its compressor's
+    two projections save their own casts of the keys' block input [cp·T, D] and ``head_weights`` one of the
+    queries' [T, D]; under context parallelism its queries turn by tables at their positions (copies, cos and sin
+    [s, r/2], fp32). The main attention's probabilities, its target, are made without gradient: saved by nothing."""
+    rate, rotary = model.compressed_attention.csa_rate, model.rotary_dim
+    t, entries, heads, width = mb.tokens, mb.positions * mb.cp // rate, model.index_n_heads, model.index_head_dim
+    if entries == 0:
+        return 0
+    total = compressor_saved_bytes(mb, width, rate, True, rotary)
+    total += (t * heads * width + mb.sequences * entries * width + t * heads * entries + t * heads) * mb.compute
+    total += t * entries + t * entries * 2 * FP32 + FP32
+    if mb.bf16 and not mb.bf16_weights:
+        total += (2 * mb.cp + 1) * t * model.d_model * mb.compute
+    return total + (mb.positions * rotary * FP32 if mb.cp > 1 else 0)
 
 
 class HeavilyCompressedAttention(CompressedAttention):
@@ -160,21 +214,24 @@ class CompressedIndexer(IndexScoring):
         self.wq = nn.Linear(config.q_lora_rank, self.heads * self.head_dim, bias=False)
         self.head_weights = nn.Linear(config.d_model, self.heads, bias=False)
 
-    @torch.no_grad()
-    def choose(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor, query_pos: Tensor,
-               cos: Tensor, sin: Tensor) -> Tensor:
-        """The top-k ``visible`` entries ([Sq, n]) of each query of x [B, Sq, D] at ``query_pos``, among the
-        entries of ``keys_x`` [B, S, D] (every position, in order) -> [B, 1, Sq, n] bool."""
+    def scores(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, cos: Tensor, sin: Tensor,
+               query_tables: tuple[Tensor, Tensor]) -> Tensor:
+        """I(t, s) of each query of x [B, Sq, D] (its query latent [B, Sq, c'], its RoPE ``query_tables`` [Sq, r/2])
+        against the entries of ``keys_x`` [B, S, D] (every position, in order; ``cos``, ``sin`` the whole tables)
+        -> [B, Sq, n] fp32, before any mask (``IndexScoring.weigh``)."""
         batch, seq, _ = x.shape
         keys = self.compressor(keys_x, cos, sin)  # [B, n, di]
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
-        q = rotate_trailing(q, cos[query_pos, None], sin[query_pos, None])
-        return self.select(self.weigh(x, q, keys), visible)
+        q_cos, q_sin = query_tables
+        return self.weigh(x, rotate_trailing(q, q_cos.unsqueeze(-2), q_sin.unsqueeze(-2)), keys)
 
 
-class CompressedSparseAttention(CompressedAttention):
+class CompressedSparseAttention(CompressedAttention, IndexedAttention):
     """CSA: the ``index_topk`` entries its indexer picks among the visible ones, of overlapping windows of
-    2 · ``csa_rate`` positions."""
+    2 · ``csa_rate`` positions; every visible one in the dense warm-up (``dense_warmup``). A training forward
+    trains the indexer (module docstring). Under tensor parallelism the indexer is whole on every rank, on whole
+    inputs, and its target, summed over the heads, is summed over the ranks' heads at ``head_sum`` (an identity
+    here)."""
 
     rate_key, overlap, selects = "csa_rate", True, True
 
@@ -183,31 +240,41 @@ class CompressedSparseAttention(CompressedAttention):
         rate = config.compressed_attention.csa_rate
         self.compressor = Compressor(config.d_model, config.head_dim, rate, overlap=True, eps=config.norm_eps)
         self.indexer = CompressedIndexer(config)
+        self.head_sum = nn.Identity()  # where tensor parallelism sums the indexer's target over every rank's heads
 
     def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
-                   query_pos: Tensor) -> Tensor:
-        """The visible entries [Sq, n] the indexer picks for each query -> [B, 1, Sq, n]."""
+                   query_tables: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
+        """The visible entries [Sq, n] the indexer picks for each query -> [B, 1, Sq, n] (in the dense warm-up all
+        of them, [Sq, n]), and in training the indexer's scores [B, Sq, n] of detached inputs, to learn from."""
         if visible.shape[-1] == 0:
-            return visible
+            return visible, None
         cos, sin = self.compressed_tables(x.device)
-        return visible & self.indexer.choose(x, keys_x, query_latent, visible, query_pos, cos, sin)
+        scores = self.indexer.scores(x.detach(), keys_x.detach(), query_latent.detach(), cos, sin, query_tables)
+        seen = visible if self.dense_warmup else visible & self.indexer.select(scores, visible)
+        return seen, scores if self.training else None
 
     @classmethod
     def parameter_tensors(cls, model: ModelConfig, i: int | None) -> list[ParamTensor]:
         """A compressed layer's, then the indexer's: its compressor (``index_head_dim`` wide, overlapping), ``wq``
-        [hi·di, c'], ``head_weights`` [hi, D], all whole on every rank and none trained (no autocast copies)."""
+        [hi·di, c'], ``head_weights`` [hi, D], all whole on every rank; their inputs are detached, so no autocast
+        copy of them is saved."""
         heads, width, rate = model.index_n_heads, model.index_head_dim, model.compressed_attention.csa_rate
         return [*super().parameter_tensors(model, i),
-                *compressor_tensors(model.d_model, width, rate, True, i, trained=False),
+                *compressor_tensors(model.d_model, width, rate, True, i, input_grad=False),
                 ParamTensor("attention", i, (heads * width, model.q_lora_rank), input_grad=False),
                 ParamTensor("attention", i, (heads, model.d_model), input_grad=False)]
 
     @classmethod
     def flops_per_token(cls, model: ModelConfig) -> float:
         """The attention's (``CompressedAttention.flops_per_token``) and the indexer's q·k over every entry in
-        each of its heads, forward only (it takes no gradient)."""
+        each of its heads (forward and backward: its loss trains it)."""
         entries = model.seq_len // model.compressed_attention.csa_rate
-        return super().flops_per_token(model) + 2.0 * model.index_n_heads * model.index_head_dim * entries
+        return super().flops_per_token(model) + 6.0 * model.index_n_heads * model.index_head_dim * entries
+
+    @staticmethod
+    def forward_sums(model: ModelConfig) -> tuple[tuple[str, int], ...]:
+        """Under tp, the indexer's target summed over the ranks' heads (``head_sum``): over every entry."""
+        return (("indexer target", model.seq_len // model.compressed_attention.csa_rate),)
 
     @classmethod
     def projection_gemms(cls, model: ModelConfig, tp: int, tokens: int) -> list[tuple[float, int, int, int]]:

@@ -62,13 +62,14 @@ class Compressor(nn.Module):
 
 
 def compressor_tensors(d_model: int, width: int, rate: int, overlap: bool, i: int | None,
-                       trained: bool = True) -> list[ParamTensor]:
+                       input_grad: bool = True) -> list[ParamTensor]:
     """A compressor's weights, whole on every rank: ``kv_proj`` and ``gate_proj`` [s·d, D] (s = 2 with
     ``overlap``), ``position_bias`` [m, s·d] (added, no matmul's weight: no autocast copy), ``kv_norm`` [d].
-    Not ``trained`` (the indexer's, run without gradient): no autocast copy of its weights is saved either."""
+    Without ``input_grad`` (the indexer's, which reads the block input detached): no autocast copy of its weights
+    is saved either."""
     series = 2 if overlap else 1
-    return [ParamTensor("attention", i, (series * width, d_model), input_grad=trained),
-            ParamTensor("attention", i, (series * width, d_model), input_grad=trained),
+    return [ParamTensor("attention", i, (series * width, d_model), input_grad=input_grad),
+            ParamTensor("attention", i, (series * width, d_model), input_grad=input_grad),
             ParamTensor("attention", i, (rate, series * width), input_grad=False), ParamTensor("norm", i, (width,))]
 
 

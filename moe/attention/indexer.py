@@ -8,6 +8,12 @@ shared by the heads, a weight w(t, j) per head projected from the block input (`
 (``sparse_latent.LightningIndexer``), V4's one per compressed entry (``compressed.CompressedIndexer``), and in how
 RoPE turns queries and keys. Each indexer makes ``wq``, ``head_weights`` and its keys; this base scores and selects.
 
+Both are trained the same way (DeepSeek-V3.2 report, sec. 2.1.1; V4's report describes no other recipe for its
+indexer, so V4's follows it over the compressed entries): ``indexer_loss`` is the KL between the main attention's
+distribution, summed over its heads, and the indexer's, over the keys a query attends to, and a kind with an indexer
+(``IndexedAttention``) attaches it to its output with the indexer's inputs detached, so that loss trains the indexer
+alone. ``training/indexer_stages.py`` runs the dense warm-up and the sparse stage on every such kind.
+
 Shapes: B sequences, Sq queries, K keys, D = d_model, hi/di the indexer's heads and width.
 """
 
@@ -16,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from moe.losses import attach_loss
 
 
 class IndexScoring(nn.Module):
@@ -54,3 +62,38 @@ class IndexScoring(nn.Module):
         visible keys to drop)."""
         ranked, _ = self.top_keys(scores, visible)
         return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ranked, True).unsqueeze(1)
+
+
+def indexer_loss(scores: Tensor, attention: Tensor, keys: Tensor) -> Tensor:
+    """The indexer's KL loss (DeepSeek-V3.2 report, eqs. 3 and 4): the mean over queries of
+    KL(p(t, ·) || softmax(I(t, ·))) over each query's ``keys`` ([.., Sq, K] bool: every visible key in the dense
+    warm-up, the selected ones in the sparse stage), where p is the main attention's probabilities ``attention``
+    [B, Sq, K] summed over its heads and L1-normalised over the same keys (no gradient); a query with none of them
+    (a V4 query before the first whole entry) adds 0. ``scores`` [B, Sq, K], taken to fp32: a bf16 log-softmax (CPU
+    autocast keeps its input's dtype) rounds each log-probability by about 0.4%, more than the KL itself once the
+    indexer is close (a logged loss below zero)."""
+    scores = scores.float()
+    hidden = ~keys.reshape(-1, *keys.shape[-2:])
+    tiny = torch.finfo(torch.float32).tiny
+    target = attention.masked_fill(hidden, 0.0)
+    target = target / target.sum(dim=-1, keepdim=True).clamp_min(tiny)
+    log_predicted = torch.log_softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).masked_fill(hidden, 0.0)
+    return (target * (target.clamp_min(tiny).log() - log_predicted)).sum(dim=-1).mean()
+
+
+class IndexedAttention:
+    """An attention kind whose ``indexer`` (None in a layer that shares another's selection) the trainer trains
+    (``training.indexer_stages``): DeepSeek-V3.2's sparse latent attention, DeepSeek-V4's compressed sparse
+    attention. The trainer sets ``dense_warmup`` (attention over every visible key while only the indexers learn)
+    and ``indexer_loss_scale`` (its 1 / micro-batches, as the balancing losses'); a training forward records its
+    indexer loss in ``last_indexer_loss`` and attaches it to the layer's output (``learn``)."""
+
+    indexer: IndexScoring | None
+    dense_warmup: bool = False
+    indexer_loss_scale: float = 1.0
+    last_indexer_loss: Tensor | None = None
+
+    def learn(self, out: Tensor, loss: Tensor) -> Tensor:
+        """The indexer's ``loss`` recorded and attached to ``out``, to reach backward (``moe.losses.attach_loss``)."""
+        self.last_indexer_loss = loss.detach()
+        return attach_loss(out, loss, self.indexer_loss_scale)

@@ -34,12 +34,11 @@ from torch.distributed.tensor import DTensor
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.gathered import gathered_attention
-from moe.attention.indexer import IndexScoring
+from moe.attention.indexer import IndexedAttention, IndexScoring, indexer_loss
 from moe.attention.kernel import GATHERED, SPARSE, attend, choose_kernel, training_kernel, visible_keys
 from moe.attention.latent import LatentAttention, latent_saved_bytes
 from moe.documents import Documents
 from moe.kv_cache import LayerCache
-from moe.losses import attach_loss
 from moe.param_tensors import ParamTensor
 from moe.rope import apply_partial_rope
 from moe.saved_activations import FP32, INDEX, MicroBatch, linear_input_bytes
@@ -77,21 +76,6 @@ class LightningIndexer(IndexScoring):
         return self.weigh(x, apply_partial_rope(q, cos, sin, self.rope_dim), keys)
 
 
-def indexer_loss(scores: Tensor, attention: Tensor, keys: Tensor) -> Tensor:
-    """The indexer's KL loss (DeepSeek-V3.2 report, eqs. 3 and 4): the mean over queries of
-    KL(p(t, ·) || softmax(I(t, ·))) over each query's ``keys`` ([.., Sq, K] bool: every visible key in the dense
-    warm-up, the selected ones in the sparse stage), where p is the main attention's probabilities ``attention``
-    [B, Sq, K] summed over its heads and L1-normalised over the same keys (no gradient). ``scores`` [B, Sq, K],
-    taken to fp32: a bf16 log-softmax (CPU autocast keeps its input's dtype) rounds each log-probability by about
-    0.4%, more than the KL itself once the indexer is close (a logged loss below zero)."""
-    scores = scores.float()
-    hidden = ~keys.reshape(-1, *keys.shape[-2:])
-    target = attention.masked_fill(hidden, 0.0)
-    target = target / target.sum(dim=-1, keepdim=True)
-    log_predicted = torch.log_softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).masked_fill(hidden, 0.0)
-    return (target * (target.clamp_min(torch.finfo(target.dtype).tiny).log() - log_predicted)).sum(dim=-1).mean()
-
-
 class SelectionRelay:
     """The keys a layer with its own indexer selected in its latest forward, ``indices`` and ``valid`` [B, Sq, k]
     (``LightningIndexer.select``), or None where it selected none (dense attention): what the shared-selection
@@ -101,16 +85,15 @@ class SelectionRelay:
         self.latest: tuple[Tensor, Tensor] | None = None
 
 
-class SparseLatentAttention(LatentAttention):
+class SparseLatentAttention(LatentAttention, IndexedAttention):
     """Latent attention over the keys its ``indexer`` selects.
 
     ``dense_warmup`` (set by the trainer: ``training.indexer_stages.set_indexer_stage``) keeps attention dense;
-    the training forward records the indexer's loss in ``last_indexer_loss`` and weighs its gradient by
-    ``indexer_loss_scale`` (the trainer's 1 / micro-batches, as the balancing losses). Under context parallelism
-    the indexer's keys join the latents' one exchange, so each rank's queries select among the whole sequence's
-    keys. Under tensor parallelism the indexer is whole on every rank and its target, the attention probabilities
-    summed over the heads, is summed over the ranks' heads at ``head_sum`` (an identity here); on the gathered
-    kernel the latent's gradient from this rank's heads is summed at ``shared_latent`` (``wkv_b``'s split input
+    the training forward records the indexer's loss and attaches it (``IndexedAttention.learn``). Under context
+    parallelism the indexer's keys join the latents' one exchange, so each rank's queries select among the whole
+    sequence's keys. Under tensor parallelism the indexer is whole on every rank and its target, the attention
+    probabilities summed over the heads, is summed over the ranks' heads at ``head_sum`` (an identity here); on the
+    gathered kernel the latent's gradient from this rank's heads is summed at ``shared_latent`` (``wkv_b``'s split input
     does it on the others). Its selection is left in ``relay`` for the shared-selection layers after it.
     """
 
@@ -121,9 +104,6 @@ class SparseLatentAttention(LatentAttention):
         self.relay = SelectionRelay()
         self.head_sum = nn.Identity()  # where tensor parallelism sums the target over every rank's heads
         self.shared_latent = nn.Identity()  # where it sums the gathered kernel's latent gradient over the heads
-        self.dense_warmup = False
-        self.indexer_loss_scale = 1.0
-        self.last_indexer_loss: Tensor | None = None
 
     @staticmethod
     def make_indexer(config: ModelConfig) -> LightningIndexer | None:
@@ -157,7 +137,7 @@ class SparseLatentAttention(LatentAttention):
         if kernel == GATHERED:
             out, summed = self._attend_gathered(q, latent, k_rope, indices, valid, documents)
             if learns:
-                out = self._learn(out, indexer_loss(scores.gather(-1, indices), self.head_sum(summed), valid))
+                out = self.learn(out, indexer_loss(scores.gather(-1, indices), self.head_sum(summed), valid))
             return out
         k, v = self.keys_values(latent, k_rope, q.shape[1])
         self.track(q, k, self.softmax_scale, cache, documents)
@@ -170,7 +150,7 @@ class SparseLatentAttention(LatentAttention):
         out = self.output(out)
         if learns:
             mask = visible if selected is None else selected
-            out = self._learn(out, indexer_loss(scores, self.attention_probabilities(q, k, mask), mask))
+            out = self.learn(out, indexer_loss(scores, self.attention_probabilities(q, k, mask), mask))
         return out
 
     def shared_selection(self, queries: int) -> tuple[Tensor, Tensor]:
@@ -200,11 +180,6 @@ class SparseLatentAttention(LatentAttention):
         keys = torch.cat((self.shared_latent(latent), k_rope.squeeze(1).to(latent.dtype)), dim=-1)  # [B, K, c + r]
         out, summed = gathered_attention(absorbed, keys, self.kv_rank, self.softmax_scale, indices, valid)
         return self.output(torch.einsum("bhsc,hvc->bhsv", out, up[:, self.nope_dim:])), summed
-
-    def _learn(self, out: Tensor, loss: Tensor) -> Tensor:
-        """The indexer's ``loss`` recorded and attached to the layer's output ``out``, to reach backward."""
-        self.last_indexer_loss = loss.detach()
-        return attach_loss(out, loss, self.indexer_loss_scale)
 
     @torch.no_grad()
     def attention_probabilities(self, q: Tensor, k: Tensor, keys: Tensor) -> Tensor:

@@ -86,6 +86,10 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     "tp=2, DeepSeek-V4 attention, sequence parallel, bf16": [
         "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
         *V4_ATTENTION],
+    # and its CSA indexer trained: its gradients reduce-scattered with the rest under FSDP; under cp the block input
+    # gathered per layer (the indexer's keys made from it too)
+    "fsdp, DeepSeek-V4 attention": ["parallel.dp_shard=2", *V4_ATTENTION],
+    "cp=2, DeepSeek-V4 attention": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *V4_ATTENTION],
     # Muon's gathers of the sharded matrices (the optimizer's own section)
     "muon, fsdp with ep=2 (experts whole)": ["parallel.dp_shard=2", "parallel.ep=2", "train.optimizer=muon",
                                              *DENSE_FIRST],

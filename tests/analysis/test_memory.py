@@ -134,7 +134,7 @@ def test_parameter_tensors_count_router_and_expert_biases(overrides):
     ["model.n_kv_heads=null", "model.q_lora_rank=10", "model.kv_lora_rank=12", "model.qk_nope_head_dim=6",
      "model.qk_rope_head_dim=4", "model.v_head_dim=5"],
     ["model.mtp_depth=2", "model.first_moe_layer=1", "model.moe_every=2"],  # a dense and an MoE module
-    HYBRID, [*HYBRID, *QWEN3_NEXT], DEEPSEEK_V4_RESIDUAL])
+    HYBRID, [*HYBRID, *QWEN3_NEXT], DEEPSEEK_V4_RESIDUAL, [*DEEPSEEK_V4_RESIDUAL, "model.mtp_depth=2"]])
 def test_parameter_tensors_are_the_real_models(overrides):
     config = _tiny(*overrides)
     real = sorted(tuple(p.shape) for p in MoETransformer(config.model, config.moe).parameters())
@@ -229,6 +229,11 @@ SINGLE = {
     "DeepSeek-V4 residual: hyper-connections, hash routing, limited SwiGLU": ("fp32", DEEPSEEK_V4_RESIDUAL),
     "bf16, DeepSeek-V4 residual, no z-loss": ("bf16", [*DEEPSEEK_V4_RESIDUAL, "moe.z_loss_coef=0"]),
     "DeepSeek-V4 residual, recompute full": ("fp32", [*DEEPSEEK_V4_RESIDUAL, "parallel.activation_checkpointing=full"]),
+    # DeepSeek-V4's multi-token prediction over the streams: its input norms, two projections, collapse
+    "DeepSeek-V4 multi-token prediction, 2 modules": ("fp32", [*DEEPSEEK_V4_RESIDUAL, "model.mtp_depth=2"]),
+    "bf16, DeepSeek-V4 multi-token prediction, 2 modules": ("bf16", [*DEEPSEEK_V4_RESIDUAL, "model.mtp_depth=2"]),
+    "bf16, DeepSeek-V4 multi-token prediction, recompute moe": ("bf16", [*DEEPSEEK_V4_RESIDUAL, "model.mtp_depth=1",
+                                                                         "parallel.activation_checkpointing=moe"]),
 }
 
 

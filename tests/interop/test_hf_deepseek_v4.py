@@ -24,17 +24,18 @@ SEQ, VOCAB, EXPERTS, TOP_K = 16, 256, 4, 2
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
 
-def make_v4(folder: Path, seed: int = 0, **sizes) -> torch.nn.Module:
+def make_v4(folder: Path, seed: int = 0, layer_types: list[str] = LAYER_TYPES,
+            mlp_layer_types: tuple[str, ...] = ("hash_moe", "moe", "moe"), **sizes) -> torch.nn.Module:
     """A random tiny DeepSeek-V4 saved to ``folder``: every weight drawn (its init leaves the hyper-connections'
     biases at zero and scales at one, the sinks and position biases at zero), the correction biases drawn so that
-    they change the experts chosen, and each token id's hash experts distinct and random (``sizes``: config
-    values that override the tiny ones)."""
+    they change the experts chosen, and each token id's hash experts distinct and random. One layer per entry of
+    ``layer_types`` and ``mlp_layer_types``; ``sizes``: config values that override the tiny ones."""
     config = transformers.DeepseekV4Config(**{
-        "vocab_size": VOCAB, "hidden_size": 32, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+        "vocab_size": VOCAB, "hidden_size": 32, "moe_intermediate_size": 16, "num_hidden_layers": len(layer_types),
         "num_attention_heads": 4, "head_dim": 16, "q_lora_rank": 12, "partial_rotary_factor": 0.25,
         "n_routed_experts": EXPERTS, "num_experts_per_tok": TOP_K, "o_groups": 2, "o_lora_rank": 8,
         "index_n_heads": 2, "index_head_dim": 8, "index_topk": 2, "sliding_window": 4, "hc_mult": 4,
-        "layer_types": LAYER_TYPES, "mlp_layer_types": ["hash_moe", "moe", "moe"],
+        "layer_types": layer_types, "mlp_layer_types": list(mlp_layer_types),
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         "max_position_embeddings": 64, "initializer_range": 0.1, "swiglu_limit": 1.0, "rms_norm_eps": 1e-6} | sizes)
     config._attn_implementation = "eager"
@@ -121,18 +122,25 @@ def test_published_configs_count_what_transformers_builds(name, total, active):
     assert round(active / 1e9) == (13 if name == "deepseek-v4-flash" else 49)
 
 
+def published_name(name: str) -> str:
+    """A tensor's name in DeepSeek's published folders (their index lists ``embed.weight``, ``hc_head_fn``,
+    ``layers.0.attn.kv_norm.weight``, ``mtp.0.attn.kv_norm.weight``) from the name ``transformers`` saves."""
+    name = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}.get(name, name)
+    if name.endswith(".attn.norm.weight"):
+        name = name.removesuffix("norm.weight") + "kv_norm.weight"
+    return name.replace("model.hc_head.hc_", "hc_head_").removeprefix("model.")
+
+
 def test_published_tensor_names_are_read(tmp_path):
-    """A folder under DeepSeek's published names (no ``model.`` prefix, ``embed``, ``hc_head_fn``, an ``mtp.``
-    layer beside): ``transformers`` loads it to the oracle's logits (so the names are those its conversion mapping
-    takes), and so does our import, which leaves the ``mtp.`` tensors out."""
+    """A folder under DeepSeek's published names (no ``model.`` prefix, ``embed``, ``hc_head_fn``, the attention's
+    ``kv_norm``, an ``mtp.`` layer beside): ``transformers`` loads it to the oracle's logits (so the names are those
+    its conversion mapping takes), and so does our import, which leaves the ``mtp.`` tensors out."""
     from safetensors.torch import load_file, save_file
 
     hf = make_v4(tmp_path / "hf")
     published = {}
     for name, tensor in load_file(str(tmp_path / "hf" / "model.safetensors")).items():
-        name = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}.get(name, name)
-        name = name.replace("model.hc_head.hc_", "hc_head_").removeprefix("model.")
-        published[name] = tensor
+        published[published_name(name)] = tensor
     published["mtp.0.eh_proj.weight"] = torch.zeros(32, 64)
     (tmp_path / "hf" / "model.safetensors").unlink()
     save_file(published, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})

@@ -6,6 +6,7 @@ import torch
 from config.model import ModelConfig, MoEConfig
 from config.run import load_config
 from moe.accounting import (
+    attention_flops_per_token,
     block_flops_per_token,
     head_flops_per_token,
     mtp_flops_per_token,
@@ -199,6 +200,31 @@ def test_mtp_flops_are_what_the_modules_add_to_the_model(overrides):
              - training_flops_per_token(without.model, without.moe))
     assert mtp_flops_per_token(with_mtp.model, with_mtp.moe) == pytest.approx(added, rel=1e-12)
     assert mtp_flops_per_token(without.model, without.moe) == 0
+
+
+V4_RESIDUAL = ["model.hc_mult=4", "model.mlp_layer_types=[hash_moe, moe]", "moe.score_func=sqrtsoftplus",
+               "moe.activation=limited_swiglu", "moe.num_shared_experts=1"]
+
+
+def test_hyper_connections_flops_by_hand():
+    """With 4 hyper-connected streams (D = 192, 2 layers, one MTP module), beyond 6 per active weight (their
+    projections among them) and attention's scores: per branch the collapse sum_j pre_j x_j (n · D multiply-adds)
+    and the merge's comb^T x (n² · D) and post_k f (n · D), two branches a block; per final collapse (the model's
+    and the module's) n · D; each multiply-add 2 FLOPs, forward and backward 3 times that."""
+    config = load_config("moe-8x", [*V4_RESIDUAL, "model.n_layers=2", "model.mtp_depth=1"])
+    model, moe = config.model, config.moe
+    n, d, blocks = 4, model.d_model, 3
+    counts = parameter_counts(model, moe)
+    weights = counts.active - counts.embedding + model.vocab_size * d  # the shared head once more, for the module
+    attention = sum(attention_flops_per_token(model, layer) for layer in model.layer_pattern)
+    branch = 2 * (n * d + n * n * d + n * d)
+    expected = 6 * weights + attention + 3 * (blocks * 2 * branch + 2 * 2 * n * d)
+    assert d == 192 and len(model.layer_pattern) == blocks
+    assert training_flops_per_token(model, moe) == expected
+    # the pieces the pipeline split and the step-time model sum: blocks, head (with the collapse), MTP
+    pieces = (sum(block_flops_per_token(model, moe, model.layer(i)) for i in range(model.n_layers))
+              + head_flops_per_token(model) + mtp_flops_per_token(model, moe))
+    assert pieces == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("name, family, total, active", [

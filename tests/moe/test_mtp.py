@@ -73,9 +73,10 @@ def test_losses_and_gradients_match_the_paper(depth, tie):
 
 
 def test_counts_include_the_modules():
-    """Parameters and FLOPs: each module a block of the next layer's kind, the projection and three norms."""
-    for depth in (1, 2):
-        config = ModelConfig(**MODEL, mtp_depth=depth)
+    """Parameters and FLOPs: each module a block of the next layer's kind, the projection and three norms (over
+    hyper-connected streams, DeepSeek-V4's: two projections, and the streams' collapse)."""
+    for depth, streams in ((1, 1), (2, 1), (2, 4)):
+        config = ModelConfig(**MODEL, mtp_depth=depth, hc_mult=streams)
         model = MoETransformer(config, MOE)
         counts = parameter_counts(config, MOE)
         assert counts.total == sum(p.numel() for p in model.parameters())

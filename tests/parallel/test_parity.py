@@ -125,10 +125,12 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
     # in two pipeline stages (the dense block, then the MoE block)
     pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V3_MTP], 2, "null", id="ep=2-deepseek-v3-mtp"),
     pytest.param(["parallel.pp=2", *DEEPSEEK_V3], 2, "1.25", id="pp=2-deepseek-v3"),
-    # the whole V4: the widened stream [micro, S, 4, D] between the stages, and the token ids to the second stage's
-    # hash layer; the same model under FSDP and ep, the hash layer's tokens exchanged to the experts its table picks
-    pytest.param(["parallel.pp=2", *DEEPSEEK_V4], 2, "null", id="pp=2-deepseek-v4"),
-    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4], 2, "null", id="ep=2-deepseek-v4"),
+    # the whole V4 with its MTP module: the widened stream [micro, S, 4, D] between the stages, the token ids to the
+    # second stage's hash layer, the hyper-connected MTP module there with the embedding copy; the same model under
+    # FSDP and ep, the hash layer's tokens exchanged to the experts its table picks, the MTP module an FSDP unit
+    pytest.param(["parallel.pp=2", *DEEPSEEK_V4, "model.mtp_depth=1"], 2, "null", id="pp=2-deepseek-v4-mtp"),
+    pytest.param(["parallel.dp_shard=2", "parallel.ep=2", *DEEPSEEK_V4, "model.mtp_depth=1"], 2, "null",
+                 id="ep=2-deepseek-v4-mtp"),
     # each tp rank the whole streams (replicated), each cp rank its positions' streams and ids
     pytest.param(["parallel.tp=2", "parallel.cp=2", *DEEPSEEK_V4_RESIDUAL], 4, "null",
                  id="tp=2xcp=2-deepseek-v4-residual"),

@@ -144,14 +144,16 @@ def test_stages_chained_match_the_whole_model_with_aux_losses():
     assert grads[router].abs().sum() > 0
 
 
-def test_last_stage_runs_multi_token_prediction_with_a_copy_of_the_embedding():
+@pytest.mark.parametrize("streams", [1, 4])
+def test_last_stage_runs_multi_token_prediction_with_a_copy_of_the_embedding(streams):
     """With ``model.mtp_depth`` the last stage holds the MTP module and a copy of the embedding under the same name
     and with the same values; given the token ids beside the hidden states it gives the whole model's logits and
     MTP losses, and the two embeddings' gradients add up to the whole model's (what ``PipelineModel.step``'s
-    all-reduce makes of them). Every other parameter's gradient is the whole model's on the stage holding it."""
+    all-reduce makes of them). Every other parameter's gradient is the whole model's on the stage holding it. With
+    hyper-connections (4 streams, DeepSeek-V4's MTP module) the streams cross the cut and feed the module there."""
     torch.manual_seed(0)
     model_config = ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, ffn_hidden=48, moe_every=2,
-                               mtp_depth=1)
+                               mtp_depth=1, hc_mult=streams)
     moe_config = MoEConfig(num_experts=4, top_k=2, expert_hidden=32)
     model = MoETransformer(model_config, moe_config)
     first, last = (cut_stage(model, r, k == 0, k == 1) for k, r in enumerate(stage_layers(model_config, moe_config, 2)))

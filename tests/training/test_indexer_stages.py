@@ -99,3 +99,45 @@ def test_glm_5_shared_selection_layers_train_through_both_stages(tmp_path):
     assert not any("layers.1.attn.indexer." in name for name in state)
     losses = [r["train/indexer_loss"] for r in records]
     assert len(losses) == 3 and all(0 < loss < float("inf") for loss in losses)
+
+
+# DeepSeek-V4's attention: a sliding layer, a heavily compressed one and a compressed sparse one whose indexer keeps
+# the top 4 of up to 16 entries (of 2 positions each)
+DEEPSEEK_V4_ATTENTION = [
+    "model.n_layers=3", "model.n_kv_heads=null", "model.head_dim=8", "model.rotary_dim=4", "model.q_lora_rank=12",
+    "model.sliding_window=8", "model.layer_types=[sliding_attention,heavily_compressed_attention,"
+    "compressed_sparse_attention]", "model.index_topk=4", "model.index_n_heads=4", "model.index_head_dim=8",
+    "model.compressed_attention.csa_rate=2", "model.compressed_attention.hca_rate=4",
+    "model.compressed_attention.o_groups=2", "model.compressed_attention.o_lora_rank=8"]
+
+
+def test_deepseek_v4_compressed_sparse_indexer_trains_through_both_stages(tmp_path):
+    """V4's CSA indexer (its own compressor included) learns alone in the warm-up, every weight after; the indexer
+    loss is the CSA layer's."""
+    states, original = {}, Checkpointer.after_step
+
+    def record(self, step, model, *args):
+        states[step] = full_state(model)
+        original(self, step, model, *args)
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(Checkpointer, "after_step", record)
+        records, _ = run([*DEEPSEEK_V4_ATTENTION, "train.steps=3", "train.indexer_warmup_steps=2",
+                          "checkpoint.interval=1"], 1, tmp_path)
+    indexer = [name for name in states[1] if ".indexer." in name]
+    others = [name for name in states[1] if ".indexer." not in name]
+    assert {name.split(".indexer.")[0] for name in indexer} == {"layers.2.attn"}
+    assert any(".indexer.compressor." in name for name in indexer)
+    assert all(not torch.equal(states[1][name], states[2][name]) for name in indexer)
+    assert all(torch.equal(states[1][name], states[2][name]) for name in others)  # frozen in the warm-up
+    changed = [name for name in others if not torch.equal(states[2][name], states[3][name])]
+    assert any(".attn.compressor." in name for name in changed) and any(".experts." in name for name in changed)
+    assert all(not torch.equal(states[2][name], states[3][name]) for name in indexer)
+    losses = [r["train/indexer_loss"] for r in records]
+    assert len(losses) == 3 and all(0 < loss < float("inf") for loss in losses)
+
+
+def test_a_warm_up_of_deepseek_v4_without_compressed_sparse_layers_is_refused():
+    layers = "model.layer_types=[sliding_attention,heavily_compressed_attention,heavily_compressed_attention]"
+    with pytest.raises(ConfigError, match=r"train.indexer_warmup_steps=5 warms up sparse attention's indexer"):
+        load_config("moe-8x", [*DEEPSEEK_V4_ATTENTION, layers, "train.indexer_warmup_steps=5"])
