@@ -22,7 +22,8 @@ from config.run import load_config
 from interop.hf import HFWeights, import_folder
 from interop.hf_folder import HFFolder
 from tests.interop.hf_models import edit_config, our_model
-from tests.interop.test_hf_deepseek_v4 import SEQ, make_v4, tokens
+from tests.interop.test_hf_deepseek_v4 import SEQ, published_name, tokens
+from tests.interop.test_hf_deepseek_v4_mtp import make_v4_with_mtp
 
 transformers = pytest.importorskip("transformers")
 BLOCK = (4, 16)  # the fp8 scale block (published: 128 × 128); small: several per matrix, some cut by its edge
@@ -32,12 +33,6 @@ FP8_WEIGHTS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "
 QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
                 "weight_block_size": list(BLOCK)}
 EXPERT = "layers.1.ffn.experts.2.w2"  # a routed expert's down projection [64, 32]: one scale per row
-
-
-def published_name(name: str) -> str:
-    """DeepSeek's name of a tensor ``transformers`` saves (no ``model.`` prefix, ``embed``, ``hc_head_*``)."""
-    name = {"model.embed_tokens.weight": "embed.weight"}.get(name, name)
-    return name.replace("model.hc_head.hc_", "hc_head_").removeprefix("model.")
 
 
 def e8m0_exponent(amax: torch.Tensor, largest: float) -> torch.Tensor:
@@ -103,9 +98,10 @@ def publish(folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
-    """The published folder, its reference, and a float folder of that reference (``transformers``' layout)."""
+    """The published folder (with its MTP layer, quantised alike), its reference, and a float folder of that
+    reference (``transformers``' layout)."""
     root = tmp_path_factory.mktemp("v4")
-    make_v4(root / "float", hidden_size=64, moe_intermediate_size=32)  # inputs a multiple of 32, as fp4 needs
+    make_v4_with_mtp(root / "float", hidden_size=64, moe_intermediate_size=32)  # inputs a multiple of 32, as fp4
     shutil.copytree(root / "float", root / "published")
     reference, codes = publish(root / "published")
     save_file(reference, root / "float" / "model.safetensors", metadata={"format": "pt"})
@@ -132,6 +128,13 @@ def test_published_low_precision_folder_imports_as_its_dequantisation(v4):
     oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(root / "float").eval()
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens()), oracle(tokens()).logits, rtol=0, atol=1e-5)
+
+    with_mtp = load_config("moe-8x", ["model.mtp_depth=1"])
+    import_folder(root / "published", root / "mtp.safetensors", with_mtp, seq_len=SEQ)
+    state = load_file(root / "mtp.safetensors")
+    assert torch.equal(state["mtp.0.block.moe.experts.w_in"][1].float(),
+                       reference["mtp.0.ffn.experts.1.w3.weight"].t())
+    assert torch.equal(state["mtp.0.block.attn.o_b_proj.weight"].float(), reference["mtp.0.attn.wo_b.weight"])
 
     with HFFolder(root / "published") as folder:
         weights = HFWeights.of_family(folder, config.model, config.moe)
