@@ -28,17 +28,12 @@ from config.model import LayerSpec, ModelConfig
 from moe.attention.compressor import Compressor, compressor_saved_bytes, compressor_tensors, visible_entries
 from moe.attention.indexer import IndexScoring
 from moe.attention.kernel import attend_under_mask, kernel_saved_bytes, training_kernel
-from moe.attention.shared_kv import SharedKVAttention, shared_kv_saved_bytes
+from moe.attention.shared_kv import SharedKVAttention, shared_kv_saved_bytes, window_keys
 from moe.attention.trailing_rope import compressed_rope_tables, rotate_trailing
 from moe.documents import Documents
+from moe.kv_cache import CompressorCache, LayerCache
 from moe.param_tensors import ParamTensor
 from moe.saved_activations import MicroBatch
-
-
-def window_keys(query_pos: Tensor, key_pos: Tensor, window: int) -> Tensor:
-    """[Sq, S] bool: the query at position t sees the keys at positions t - window + 1 .. t."""
-    distance = query_pos[:, None] - key_pos[None, :]
-    return (distance >= 0) & (distance < window)
 
 
 class CompressedAttention(SharedKVAttention):
@@ -69,20 +64,27 @@ class CompressedAttention(SharedKVAttention):
         Under context parallelism the compressor reads every position's block input in order (``keys_x`` sorted
         from the gather's order), and positions, not indices, say what a query sees."""
         seq, keys, device = x.shape[1], keys_x.shape[1], x.device
-        cos, sin = self.compressed_tables(device)
         query_pos, key_pos = torch.arange(seq, device=device), torch.arange(keys, device=device)
         if documents is not None:
             query_pos, key_pos = documents.query_pos, documents.key_pos
             keys_x = keys_x[:, key_pos.argsort()]
-        entries = self.compressor(keys_x, cos, sin)  # [B, n, hd]
+        return self.attend_positions(x, keys_x, query_latent, q, kv, query_pos, key_pos, None)
+
+    def attend_positions(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor,
+                         query_pos: Tensor, key_pos: Tensor, cache: LayerCache | None) -> Tensor:
+        """q at ``query_pos`` against the window's keys kv at ``key_pos`` and the entries the compressor makes of
+        ``keys_x`` (every position in order; in generation the new ones, the rest in the ``cache``), in one
+        softmax -> [B, nh, Sq, hd]."""
+        cos, sin = self.compressed_tables(x.device)
+        entries = self.compressor(keys_x, cos, sin, None if cache is None else cache.compressor("attention"))
         visible = visible_entries(query_pos, entries.shape[1], self.compressor.rate)  # [Sq, n]
-        seen = self.entry_mask(x, keys_x, query_latent, visible, query_pos)  # [Sq, n] or [B, 1, Sq, n]
-        allowed = torch.cat((window_keys(query_pos, key_pos, self.window).expand(*seen.shape[:-1], keys), seen), -1)
+        seen = self.entry_mask(x, keys_x, query_latent, visible, query_pos, cache)  # [Sq, n] or [B, 1, Sq, n]
+        window = window_keys(query_pos, key_pos, self.window).expand(*seen.shape[:-1], key_pos.shape[0])
         keys = torch.cat((self.shared_keys(kv), self.shared_keys(entries.unsqueeze(1))), dim=2)  # [B, 1, S + n, hd]
-        return attend_under_mask(q, keys, keys, self.head_dim ** -0.5, allowed, self.sinks)
+        return attend_under_mask(q, keys, keys, self.head_dim ** -0.5, torch.cat((window, seen), -1), self.sinks)
 
     def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
-                   query_pos: Tensor) -> Tensor:
+                   query_pos: Tensor, cache: LayerCache | None) -> Tensor:
         """The entries each query attends to among the ``visible`` ones [Sq, n]: all of them."""
         return visible
 
@@ -162,14 +164,18 @@ class CompressedIndexer(IndexScoring):
 
     @torch.no_grad()
     def choose(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor, query_pos: Tensor,
-               cos: Tensor, sin: Tensor) -> Tensor:
+               cos: Tensor, sin: Tensor, cache: CompressorCache | None = None) -> Tensor:
         """The top-k ``visible`` entries ([Sq, n]) of each query of x [B, Sq, D] at ``query_pos``, among the
-        entries of ``keys_x`` [B, S, D] (every position, in order) -> [B, 1, Sq, n] bool."""
+        entries of ``keys_x`` [B, S, D] (every position, in order; in generation the new ones, the rest in its
+        compressor's ``cache``, which takes them in even while no entry is visible) -> [B, 1, Sq, n] bool (or
+        ``visible`` itself where it is empty)."""
         batch, seq, _ = x.shape
-        keys = self.compressor(keys_x, cos, sin)  # [B, n, di]
+        keys = self.compressor(keys_x, cos, sin, cache)  # [B, n, di]
+        if visible.shape[-1] == 0:
+            return visible
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
         q = rotate_trailing(q, cos[query_pos, None], sin[query_pos, None])
-        return self.select(self.weigh(x, q, keys), visible)
+        return visible & self.select(self.weigh(x, q, keys), visible)
 
 
 class CompressedSparseAttention(CompressedAttention):
@@ -185,12 +191,12 @@ class CompressedSparseAttention(CompressedAttention):
         self.indexer = CompressedIndexer(config)
 
     def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
-                   query_pos: Tensor) -> Tensor:
-        """The visible entries [Sq, n] the indexer picks for each query -> [B, 1, Sq, n]."""
-        if visible.shape[-1] == 0:
-            return visible
+                   query_pos: Tensor, cache: LayerCache | None) -> Tensor:
+        """The visible entries [Sq, n] the indexer picks for each query -> [B, 1, Sq, n]. In generation the
+        indexer's compressor keeps its own state in the layer's ``cache``, as the attention's does."""
         cos, sin = self.compressed_tables(x.device)
-        return visible & self.indexer.choose(x, keys_x, query_latent, visible, query_pos, cos, sin)
+        state = None if cache is None else cache.compressor("indexer")
+        return self.indexer.choose(x, keys_x, query_latent, visible, query_pos, cos, sin, state)
 
     @classmethod
     def parameter_tensors(cls, model: ModelConfig, i: int | None) -> list[ParamTensor]:
