@@ -118,7 +118,7 @@ class CompressorCache:
             values = torch.cat((self.open_window[0], values), dim=1)
             gates = torch.cat((self.open_window[1], gates), dim=1)
         whole = values.shape[1] // rate * rate
-        self.open_window = values[:, whole:], gates[:, whole:]
+        self.open_window = values[:, whole:].clone(), gates[:, whole:].clone()  # not views of all of them
         first, self.windows = self.windows, self.windows + whole // rate
         return values[:, :whole], gates[:, :whole], first
 

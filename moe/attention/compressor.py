@@ -12,7 +12,8 @@ last: every position makes two projections, ``kv_proj`` and ``gate_proj`` 2·d w
 (series a) feeding the next entry and the last d (series b) its own, so entry w pools series a of window w - 1 and
 series b of window w (entry 0's missing half takes no weight). Positions after the last whole window feed nothing
 yet; in generation they wait in the cache until their window closes (``moe/kv_cache.py``'s ``CompressorCache``:
-each entry is made once, from the projections kept). The lightning indexer of compressed sparse attention compresses its own keys the same way, d = index_head_dim.
+each entry is made once, from the projections kept). The lightning indexer of compressed sparse attention
+compresses its own keys the same way, d = index_head_dim.
 
 Shapes: B sequences, S positions, D = d_model, m = ``rate``, n = S // m entries, d = ``width``, r rotary channels.
 """

@@ -16,12 +16,11 @@ A query sees itself and the ``sliding_window`` - 1 positions before it; the kern
 (``moe/attention/kernel.py``: blocked by windows when the sequence is long enough). Generation keeps the last
 window - 1 positions' key/value head (``LayerCache.slide``), all a new query reaches back to. Under tensor
 parallelism each rank holds whole output groups of heads and the rest whole (``parallel/tensor.py``'s
-``_shared_kv_plan``); ``shared_keys`` (an identity here) is where the
-shared key/value head's gradient, which each rank's heads give only part of, is summed over the ranks. Under
-context parallelism every rank gathers the block input of every position once per layer and makes all the keys
-(and the compressed entries) from it: D numbers per position where the keys alone would be hd (and the
-compressors' projections), for one exchange and the key-making repeated on every rank. Packed documents and
-QK-clip are refused by the config (``config/run.py``) until built.
+``_shared_kv_plan``); ``shared_keys`` (an identity here) is where the shared key/value head's gradient, which each
+rank's heads give only part of, is summed over the ranks. Under context parallelism every rank gathers the block
+input of every position once per layer and makes all the keys (and the compressed entries) from it: D numbers per
+position where the keys alone would be hd (and the compressors' projections), for one exchange and the key-making
+repeated on every rank. Packed documents and QK-clip are refused by the config (``config/run.py``) until built.
 
 Shapes: B sequences, S positions, D = d_model, nh heads, hd = head_dim, c' = q_lora_rank, r = rotary_dim,
 g = o_groups, o = o_lora_rank.
@@ -76,8 +75,8 @@ def window_keys(query_pos: Tensor, key_pos: Tensor, window: int) -> Tensor:
 
 
 class SharedKVAttention(AttentionKind):
-    """DeepSeek-V4's attention in a sliding layer (module docstring); ``attend`` is where the compressed layers add
-    their entries."""
+    """DeepSeek-V4's attention in a sliding layer (module docstring); ``attend`` and ``attend_positions`` are where
+    the compressed layers add their entries."""
 
     reads_document_tables = False  # it indexes its own tables at the queries' and keys' positions
 
