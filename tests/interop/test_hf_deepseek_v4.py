@@ -3,7 +3,7 @@ with all three attention layer types (sliding, compressed sparse with the indexe
 heavily compressed), a hash-routed and two learned MoE layers and 4 hyper-connected streams; imported by us (logits
 within 1e-5 fp32), exported back (every tensor bit for bit, the hash table's integers included), and loaded by
 ``transformers`` from our export to the same logits; greedy generation of 20 tokens equal to ``transformers``'
-``generate`` (ours recomputing the sequence at each step: the V4 attention kinds have no cache path yet)."""
+``generate`` (its cache), ours through our cache and recomputing the sequence at each step alike."""
 
 from __future__ import annotations
 
@@ -87,7 +87,9 @@ def test_greedy_generation_matches_transformers(tmp_path):
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                              generation_config=transformers.GenerationConfig(pad_token_id=0))
-    assert generate(generator, prompt, 20, temperature=0, use_cache=False) == theirs[0, len(prompt):].tolist()
+    written = generate(generator, prompt, 20, temperature=0)
+    assert written == theirs[0, len(prompt):].tolist()
+    assert generate(generator, prompt, 20, temperature=0, use_cache=False) == written
 
 
 @pytest.mark.parametrize("name, total, active", [("deepseek-v4-flash", 284_332_230_231, 13_270_091_351),
