@@ -37,7 +37,6 @@ from config.model import ModelConfig, MoEConfig
 from config.run import RunConfig, config_from_dict
 from config.tokenizer_identity import FINGERPRINT_METADATA_KEY
 from interop import (
-    fp8,
     hf_deepseek_v3,
     hf_deepseek_v4,
     hf_deepseek_v32,
@@ -49,17 +48,16 @@ from interop import (
     hf_qwen3_5_moe,
     hf_qwen3_moe,
     hf_qwen3_next,
-    mxfp4,
 )
 from interop.export import (
     CONFIG_METADATA_KEY,
-    SAFETENSORS_DTYPES,
     model_tensors,
     write_safetensors_streaming,
 )
 from interop.hf_family import Family, Source, check_context, hf_targets
 from interop.hf_folder import HFFolder
 from interop.hf_shards import INDEX_FILE, parse_size, write_weights
+from interop.hf_stored import COMPANION_SUFFIXES, DTYPES, StoredTensors
 from interop.hf_tokenizer import (
     GENERATION_CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
@@ -81,7 +79,6 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
 
 HF_PREFIX = "hf:"
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()} | {"F8_E4M3": None, "F8_E5M2": None}
 
 
 def family_of(hf_config: dict) -> Family:
@@ -114,59 +111,7 @@ class HFWeights:
 
     def __init__(self, folder: HFFolder, sources: dict[str, Source], num_experts: int, architecture: str):
         self.folder, self.sources, self.num_experts, self.architecture = folder, sources, num_experts, architecture
-        # MXFP4 expert stacks (``interop/mxfp4.py``), or fp8 weights' scale blocks (``interop/fp8.py``), if any
-        self.mxfp4 = mxfp4.declared(folder.config)
-        self.block = None if self.mxfp4 else fp8.block_size(folder.config)
-        self._checked: dict[str, torch.dtype | None] = {}  # _stored_dtype's answers
-
-    def _packed(self, hf_name: str) -> bool:
-        """Whether HF tensor ``hf_name`` is stored as MXFP4 blocks and scales rather than under its own name."""
-        return self.mxfp4 and hf_name not in self.folder.files and hf_name + mxfp4.BLOCKS_SUFFIX in self.folder.files
-
-    def _hf_shape(self, hf_name: str) -> tuple[int, ...]:
-        if self._packed(hf_name):
-            parts = [self.folder.slice(hf_name + suffix) for suffix in (mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX)]
-            try:
-                return mxfp4.logical_shape(hf_name, *(tuple(part.get_shape()) for part in parts),
-                                           tuple(part.get_dtype() for part in parts))
-            except ConfigError as exc:
-                raise ConfigError(f"{self.folder.folder}: {exc}") from None
-        return tuple(self.folder.slice(hf_name).get_shape())
-
-    def _hf_box(self, hf_name: str, box: tuple[slice, ...]) -> Tensor:
-        """The box of HF tensor ``hf_name``, dequantised to bf16 if it is an fp8 weight with block scales or an
-        MXFP4 expert stack."""
-        if self._packed(hf_name):
-            self._hf_shape(hf_name)  # blocks that do not match their scales: named before any is read
-            return mxfp4.read_box(self.folder.slice(hf_name + mxfp4.BLOCKS_SUFFIX),
-                                  self.folder.slice(hf_name + mxfp4.SCALES_SUFFIX), box, hf_name)
-        values = self.folder.slice(hf_name)[box]
-        if self._stored_dtype(hf_name) is not None:  # not fp8: read as stored
-            return values
-        rows, cols = box
-        scales = self.folder.slice(hf_name + fp8.SCALE_SUFFIX)[fp8.scale_box(rows, cols, self.block)]
-        return fp8.dequantize(values, scales, rows, cols, self.block)
-
-    def _stored_dtype(self, hf_name: str) -> torch.dtype | None:
-        """The dtype HF tensor ``hf_name`` is read as, None for an fp8 weight (dequantised to bf16), checked once:
-        an fp8 weight against its scales (``fp8.check_scaled``), anything else floating point (an integer weight or
-        correction bias would be cast without a word)."""
-        if hf_name not in self._checked:
-            code = self.folder.slice(hf_name).get_dtype()
-            if code.startswith("F8_"):
-                scale = hf_name + fp8.SCALE_SUFFIX
-                scales = ((self.folder.slice(scale).get_dtype(), tuple(self.folder.slice(scale).get_shape()))
-                          if scale in self.folder.files else None)
-                try:
-                    fp8.check_scaled(hf_name, code, self._hf_shape(hf_name), scales, self.block)
-                except ConfigError as exc:
-                    raise ConfigError(f"{self.folder.folder}: {exc}") from None
-            elif DTYPES.get(code) is None or not DTYPES[code].is_floating_point:
-                raise ConfigError(f"{self.folder.folder}: tensor '{hf_name}' has dtype {code}: weights (and "
-                                  "correction biases) are floating point; an integer tensor would be cast without "
-                                  "its meaning")
-            self._checked[hf_name] = DTYPES.get(code)
-        return self._checked[hf_name]
+        self.stored = StoredTensors(folder)  # floats, or quantised ones dequantised as read
 
     def _index_dtype(self, hf_name: str) -> torch.dtype:
         """An integer table's dtype (``Source`` "index"); a float one refused: its values would be cast to ids."""
@@ -199,11 +144,10 @@ class HFWeights:
         the embedding and head; and what the family leaves out by name (``left_out``: Qwen3.5-MoE's vision tower)."""
         read = {name for source in self.sources.values() for name in source.names}
         missing = [name for source in self.sources.values() for name in source.names
-                   if name not in self.folder.files and not self._packed(name)]
+                   if name not in self.folder.files and not self.stored.blocked(name)]
         if missing:  # a tensor the model needs and the folder lacks says more than one it has and the model does not
             self.folder.slice(missing[0])  # its error names it
-        read |= {name + suffix for name in read
-                 for suffix in (fp8.SCALE_SUFFIX, mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX)}
+        read |= {name + suffix for name in read for suffix in COMPANION_SUFFIXES}
         declared = self.folder.config.get("num_nextn_predict_layers") or 0
         mtp_layers = [f"model.layers.{model.n_layers + k}." for k in range(declared if isinstance(declared, int) else 0)
                       if f"model.layers.{model.n_layers + k}.eh_proj.weight" in self.folder.files]  # one, not a block
@@ -229,7 +173,7 @@ class HFWeights:
         source = self._source(name)
         if source.kind == "zeros":
             return (self.num_experts,)
-        first = self._hf_shape(source.names[0])
+        first = self.stored.shape(source.names[0])
         if source.kind == "copy" and source.columns is not None:
             return (*first[:-1], first[-1] // source.columns[1])
         if source.kind == "copy" and source.rows is not None:
@@ -237,7 +181,7 @@ class HFWeights:
         if source.kind in ("copy", "index"):
             return first
         for hf_name in source.names[1:]:
-            shape = self._hf_shape(hf_name)
+            shape = self.stored.shape(hf_name)
             if shape != first:
                 raise ConfigError(f"{self.folder.folder}: tensor '{hf_name}' has shape {shape}, its layer's other "
                                   f"experts {first}")
@@ -250,8 +194,8 @@ class HFWeights:
         if source.kind == "index":
             return self._index_dtype(source.names[0])
         # every tensor of a stack checked (one expert may be stored otherwise); the stack has their common dtype
-        read_as = [torch.bfloat16 if self._packed(hf_name) else self._stored_dtype(hf_name) or torch.bfloat16
-                   for hf_name in source.names]  # MXFP4 and fp8 are dequantised to bf16 as read
+        read_as = [self.stored.dtype(hf_name) or torch.bfloat16
+                   for hf_name in source.names]  # MXFP4, fp4 and fp8 are dequantised to bf16 as read
         return functools.reduce(torch.promote_types, read_as)
 
     def read(self, name: str, box: tuple[slice, ...]) -> Tensor:
@@ -265,19 +209,19 @@ class HFWeights:
         if source.kind == "copy" and source.columns is not None:  # our columns [c0:c1] of every parts-th HF one
             part, parts = source.columns
             *outer, cols = box
-            span = self._hf_box(source.names[0], (*outer, slice(cols.start * parts, cols.stop * parts)))
+            span = self.stored.box(source.names[0], (*outer, slice(cols.start * parts, cols.stop * parts)))
             return span[..., part::parts]
         if source.kind == "copy" and source.offset:
-            return self._hf_box(source.names[0], box).float() + source.offset
+            return self.stored.box(source.names[0], box).float() + source.offset
         if source.kind == "copy" and source.rows is None:
-            return self._hf_box(source.names[0], box)
+            return self.stored.box(source.names[0], box)
         if source.kind == "copy":  # our rows [r0:r1] are HF rows rows[r0:r1]: read their span, then pick
             wanted = source.rows[box[0]]
             low = min(wanted)
-            span = self._hf_box(source.names[0], (slice(low, max(wanted) + 1), *box[1:]))
+            span = self.stored.box(source.names[0], (slice(low, max(wanted) + 1), *box[1:]))
             return span[torch.tensor(wanted) - low]
         experts, rows, cols = box  # our [E, in, out] box: HF's [out, in] matrices, transposed
-        return torch.stack([self._hf_box(hf_name, (cols, rows)).t() for hf_name in source.names[experts]])
+        return torch.stack([self.stored.box(hf_name, (cols, rows)).t() for hf_name in source.names[experts]])
 
 
 def hf_run_config(config: RunConfig, folder: Path | str, seq_len: int | None = None,

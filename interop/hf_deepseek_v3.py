@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
-from interop.fp8 import block_size
+from interop.fp8 import scheme
 from interop.hf_family import (
     DECODER_KEYS,
     GATED_EXPERTS,
@@ -170,7 +170,7 @@ def latent_moe_shape(hf: dict, family: str, keys: frozenset[str] = frozenset()) 
     check_keys(hf, DECODER_KEYS | SIGMOID_MOE_KEYS | _LATENT | _IGNORED | keys
                | {"scoring_func", "topk_method", "moe_layer_freq", "rope_interleave", "quantization_config"},
                family)
-    block_size(hf)  # fp8 with block scales is dequantised as it is read (``interop/fp8.py``); others refused
+    scheme(hf)  # fp8 with block scales is dequantised as it is read (``interop/fp8.py``); others refused
     check_requirements(hf, {
         "scoring_func": ("sigmoid", "scoring_func must be 'sigmoid' (DeepSeek-V3's router)"),
         "topk_method": ("noaux_tc", "topk_method must be 'noaux_tc' (group-limited top-k on the biased scores)"),

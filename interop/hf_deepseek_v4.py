@@ -15,12 +15,21 @@ DeepSeek's published folders (``stored_name``: no ``model.`` prefix, ``embed``, 
 tensors keep ``transformers``' layouts, so they are copied as they are (``attention_file_name``); the expert
 matrices are stacked and transposed as for every family.
 
-Published folders whose weights are stored otherwise than as floats or DeepSeek-V3's block-scaled fp8
-(``interop/fp8.py``) are refused by name when their ``quantization_config`` is read. The multi-token-prediction
-layers (``mtp.{k}.*``, ``mtp_sources``) are read into our hyper-connected MTP modules under ``model.mtp_depth`` and
-written back by export; without it an import leaves them out. ``transformers`` builds no MTP layer, ignores any
-``mtp.`` tensor it loads and so saves none: the names are DeepSeek's, the layer's own tensors spelled as the
-folder spells its layers' (the attention's ``norm``, published ``kv_norm``: ``stored_name``).
+DeepSeek's published folders (DeepSeek-V4-Flash, -Pro) store their weights in low precision, dequantised to bf16
+as they are read, box by box: ``quantization_config`` ``{quant_method: fp8, fmt: e4m3, scale_fmt: ue8m0,
+weight_block_size: [128, 128], activation_scheme: dynamic}`` with ``expert_dtype: fp4`` at config.json's top level
+(V4.1 and ``transformers`` keep it inside ``quantization_config``; both read). The linear weights are ``F8_E4M3``
+with one ``F8_E8M0`` scale per 128 × 128 block, stored as ``X.scale`` (``stored_name`` calls it
+``X.weight_scale_inv``, as ``transformers``' fp8 quantizer does; ``interop/fp8.py``); the routed experts are MXFP4,
+``I8`` [out, in / 2] with ``F8_E8M0`` scales [out, in / 32] (``interop/mxfp4.py``, which names its sources); what
+the published folders keep in bf16 is read as stored (``transformers``' ``modeling_deepseek_v4`` names the
+compressors' projections and the indexer's ``weights_proj``; a published tensor list gives norms, router, embedding
+and head no scales). Any other scale format, expert format or packing is refused by name (dequantise the folder to
+bf16 first). The multi-token-prediction layers (``mtp.{k}.*``, ``mtp_sources``) are read into our hyper-connected
+MTP modules under ``model.mtp_depth`` and written back by export; without it an import leaves them out.
+``transformers`` builds no MTP layer, ignores any ``mtp.`` tensor it loads and so saves none: the names are
+DeepSeek's, the layer's own tensors spelled as the folder spells its layers' (the attention's ``norm``, published
+``kv_norm``: ``stored_name``).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import torch
 
 from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
-from interop.fp8 import block_size
+from interop.fp8 import SCALE_SUFFIX, scheme
 from interop.hf_family import (
     Family,
     HFShape,
@@ -53,7 +62,12 @@ _KEYS = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "hc_sinkhorn_iters", "hc_eps", "swiglu_limit", "sliding_window", "o_groups", "o_lora_rank",
          "index_n_heads", "index_head_dim", "index_topk", "num_nextn_predict_layers", "moe_intermediate_size",
          "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "scoring_func", "norm_topk_prob",
-         "routed_scaling_factor", "router_jitter_noise", "quantization_config"}
+         "routed_scaling_factor", "router_jitter_noise", "quantization_config", "expert_dtype"}
+# DeepSeek's published config.json (DeepSeek-V4-Flash, -Pro) names four settings the way its inference code does;
+# transformers' DeepseekV4Config folds them into the keys above in its __post_init__, and ``_fold_published`` alike
+_PUBLISHED_KEYS = {"compress_ratios", "num_hash_layers", "rope_scaling", "topk_method"}
+_RATIO_LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+_YARN_KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
 _SCORES = ("sqrtsoftplus", "sigmoid", "softmax")
 # our V4 attention kinds' module names -> DeepSeek's short names that its checkpoints store (any other part of a
 # name, ``compressor``, ``indexer``, ``weight``, is the same in both)
@@ -87,10 +101,52 @@ def _rope(hf: dict) -> tuple[dict, dict]:
     return {"rope_theta": float(main.get("rope_theta", hf.get("rope_theta", 10000.0)))}, section
 
 
+def _fold_published(hf: dict) -> dict:
+    """config.json with the published folders' names folded as ``transformers``' ``DeepseekV4Config`` folds them:
+    ``compress_ratios`` (one per layer, 0/4/128; entries past the last layer are the MTP layers') into
+    ``layer_types``, ``num_hash_layers`` into ``mlp_layer_types`` (the first ones hash-routed), ``rope_scaling`` into
+    ``rope_parameters`` (the sliding layers plain at ``rope_theta``, the compressed ones its YaRN at
+    ``compress_rope_theta``, attention factor 1), ``qk_rope_head_dim`` into ``partial_rotary_factor``;
+    ``topk_method`` must be ``noaux_tc`` (the correction-biased top-k every V4 router takes). Both a name and its
+    fold in one file is refused: one of them would be dropped."""
+    hf = dict(hf)
+    for published, folded in (("compress_ratios", "layer_types"), ("num_hash_layers", "mlp_layer_types"),
+                              ("rope_scaling", "rope_parameters")):
+        if published in hf and folded in hf:
+            raise ConfigError(f"config.json has both {published} and {folded}: say it once ({folded})")
+    layers = get_key(hf, "num_hidden_layers", FAMILY_NAME)
+    ratios = hf.pop("compress_ratios", None)
+    if ratios is not None:
+        if not isinstance(ratios, list) or len(ratios) < layers or set(ratios[:layers]) - set(_RATIO_LAYER_TYPES):
+            raise ConfigError(f"config.json compress_ratios={ratios!r}: one of {sorted(_RATIO_LAYER_TYPES)} per layer "
+                              f"(num_hidden_layers={layers})")
+        hf["layer_types"] = [_RATIO_LAYER_TYPES[ratio] for ratio in ratios[:layers]]
+    if "num_hash_layers" in hf:
+        hashed = min(layers, hf.pop("num_hash_layers"))
+        hf["mlp_layer_types"] = ["hash_moe"] * hashed + ["moe"] * (layers - hashed)
+    scaling = hf.pop("rope_scaling", None)
+    if scaling is not None:
+        unknown = sorted(set(scaling) - _YARN_KEYS)
+        if unknown:
+            raise ConfigError(f"config.json rope_scaling setting '{unknown[0]}' is not supported for {FAMILY_NAME} "
+                              f"(it takes {', '.join(sorted(_YARN_KEYS))})")
+        compress = {key: value for key, value in scaling.items() if key != "type"}
+        compress |= {"rope_type": scaling.get("rope_type", scaling.get("type", "default")), "attention_factor": 1.0}
+        hf["rope_parameters"] = {"main": {"rope_type": "default"}, "compress": compress}
+    method = hf.pop("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ConfigError(f"config.json topk_method={method!r}: {FAMILY_NAME} routes by noaux_tc (the "
+                          "correction-biased top-k)")
+    if "qk_rope_head_dim" in hf and "partial_rotary_factor" not in hf:
+        hf["partial_rotary_factor"] = hf["qk_rope_head_dim"] / get_key(hf, "head_dim", FAMILY_NAME)
+    return hf
+
+
 def shape_from_hf(hf: dict) -> HFShape:
     """Map a DeepSeek-V4 config.json onto our ``model``/``moe`` keys; any setting we do not implement is an error."""
-    check_keys(hf, _KEYS, FAMILY_NAME)
-    block_size(hf)  # block-scaled fp8 is dequantised as read; any other quantization refused by name
+    check_keys(hf, _KEYS | _PUBLISHED_KEYS, FAMILY_NAME)
+    hf = _fold_published(hf)
+    scheme(hf)  # block-scaled fp8 (and V4's fp4 experts) dequantised as read; any other quantization refused
     check_requirements(hf, {
         "num_key_value_heads": (1, "num_key_value_heads must be 1 (one key/value head shared by every query head)"),
         "norm_topk_prob": (True, "norm_topk_prob must be true (transformers' V4 routers always renormalise)"),
@@ -251,7 +307,10 @@ def stored_name(name: str) -> str:
     names without ``transformers``' ``model.`` prefix and call the embedding ``embed``, the head's collapse
     ``hc_head_fn``/``_base``/``_scale`` and the attention's key/value norm ``attn.kv_norm`` (the renames of
     ``transformers``' conversion mapping for ``deepseek_v4``, which saves that norm as ``attn.norm``); the names
-    ``transformers`` saves are left as they are."""
+    ``transformers`` saves are left as they are. A weight's block scales ``X.scale`` are read as
+    ``X.weight_scale_inv`` (no V4 tensor of its own ends in ``.scale``: the hyper-connections' are ``hc_*_scale``)."""
+    if name.endswith(".scale"):
+        name = name.removesuffix(".scale") + ".weight" + SCALE_SUFFIX
     if name == "embed.weight":
         return "model.embed_tokens.weight"
     if name.startswith("hc_head_"):

@@ -14,6 +14,17 @@ In a checkpoint (GPT-OSS's, ``quantization_config: {quant_method: mxfp4}``) the 
 ``X_blocks`` [E, out, G, 16] and ``X_scales`` [E, out, G]: its rows are the output channels and the blocks run
 along the input. The experts use ``X`` as [E, in, out] (``transformers``' conversion transposes the last two dims
 after dequantising), so ``read_box`` gives a box of that transposed view, reading only the blocks under it.
+
+DeepSeek-V4 stores its routed experts in the same format, one matrix at a time and laid out as the matrix
+(``expert_dtype: fp4`` beside an fp8 ``quantization_config``; ``interop/fp8.py``): ``X.weight`` [out, in / 2] of
+``I8`` (two E2M1 values per byte, packed along the input, the lower index in the low nibble) and ``X.scale``
+[out, in / 32] of ``F8_E8M0``. Sources: DeepSeek's ``inference/model.py`` (an fp4 ``Linear`` holds a weight
+[out, in // 2] of ``float4_e2m1fn_x2`` and a scale [out, in // 32] of ``float8_e8m0fnu``, "1 scale per 32 fp4
+elements along K") and ``inference/convert.py`` (its ``FP4_TABLE`` decodes ``x & 0x0F`` before ``x >> 4``), as
+quoted by the projects that port them; a published index lists ``layers.0.ffn.experts.0.w1.weight I8 [2048, 2048]``
+and ``.scale F8_E8M0 [2048, 128]`` (Flash: in = 4096); ``transformers``' ``FP8Experts`` allocates fp4 experts alike
+(``int8``, K halved, scales per row and 32 along K) and its ``Fp8Dequantize`` unpacks ``int8`` low nibble first.
+``read_packed_box`` reads a box of such a matrix through ``dequantize_mxfp4``.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 # quantization_config keys besides quant_method: which modules stay unquantised (the tensors say it too) and
 # transformers' own loading switch; neither changes what the bytes mean
 _CONFIG_KEYS = {"quant_method", "modules_to_not_convert", "dequantize"}
+PACKED_CODE = "I8"  # DeepSeek-V4's packed E2M1 pairs
+PACKED_SCALE_CODES = {"F8_E8M0", "U8"}  # E8M0 exponents, as the float8 type or as bytes
 
 
 def decode_e2m1(codes: Tensor) -> Tensor:
@@ -116,3 +129,41 @@ def read_box(blocks, scales, box: tuple[slice, slice, slice], name: str = "block
                               torch.bfloat16, name)  # [e, out, (last - first) · 32]
     offset = first * VALUES_PER_BLOCK
     return values[..., rows.start - offset:rows.stop - offset].transpose(1, 2)
+
+
+def packed_shape(name: str, code: str, shape: tuple[int, ...], scales: tuple[str, tuple[int, ...]] | None,
+                 scale_name: str) -> tuple[int, int]:
+    """The [out, in] of DeepSeek-V4's packed matrix ``name`` (dtype ``code``, stored ``shape`` [out, in / 2]) with
+    scales ``scale_name`` (``scales``: their dtype code and shape, or None); an error naming what does not match
+    that layout (another dtype, no scales, non-E8M0 scales, or not one scale per 32 values of each row)."""
+    if code != PACKED_CODE:
+        raise ConfigError(f"tensor '{name}' is {code}, but expert_dtype fp4 experts are stored as {PACKED_CODE} (two "
+                          "E2M1 values per byte, DeepSeek-V4's layout); convert it to that layout or to bf16")
+    if len(shape) != 2:
+        raise ConfigError(f"fp4 tensor '{name}' is not a matrix ({list(shape)}): DeepSeek-V4's fp4 experts are "
+                          "[out, in / 2] bytes")
+    if scales is None:
+        raise ConfigError(f"fp4 tensor '{name}' comes without its E8M0 scales '{scale_name}'")
+    scale_code, scale_shape = scales
+    if scale_code not in PACKED_SCALE_CODES:
+        raise ConfigError(f"'{scale_name}' holds {scale_code} values: fp4 experts' scales are E8M0 exponents "
+                          f"({', '.join(sorted(PACKED_SCALE_CODES))}); another dtype is another format")
+    out, columns = shape[0], shape[1] * 2
+    if tuple(scale_shape) != (out, columns // VALUES_PER_BLOCK) or columns % VALUES_PER_BLOCK:
+        raise ConfigError(f"'{scale_name}' is {list(scale_shape)}, but fp4 tensor '{name}' {list(shape)} holds "
+                          f"[{out}, {columns}] values, which take one scale per {VALUES_PER_BLOCK} of a row: "
+                          f"[{out}, {columns / VALUES_PER_BLOCK:g}]")
+    return out, columns
+
+
+def read_packed_box(packed, scales, box: tuple[slice, slice], name: str = "packed") -> Tensor:
+    """The [rows, cols] ``box`` of DeepSeek-V4's packed matrix whose safetensors slices are ``packed``
+    [out, in / 2] and ``scales`` [out, in / 32], dequantised to bf16: only the 32-value blocks under the box's
+    columns are read."""
+    rows, cols = box
+    first, last = cols.start // VALUES_PER_BLOCK, -(-cols.stop // VALUES_PER_BLOCK)
+    blocks = packed[rows, first * BYTES_PER_BLOCK:last * BYTES_PER_BLOCK].view(torch.uint8)
+    exponents = scales[rows, first:last].view(torch.uint8)
+    values = dequantize_mxfp4(blocks.reshape(*exponents.shape, BYTES_PER_BLOCK), exponents, torch.bfloat16, name)
+    offset = first * VALUES_PER_BLOCK
+    return values[:, cols.start - offset:cols.stop - offset]

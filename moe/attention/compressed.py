@@ -36,17 +36,12 @@ from config.model import LayerSpec, ModelConfig
 from moe.attention.compressor import Compressor, compressor_saved_bytes, compressor_tensors, visible_entries
 from moe.attention.indexer import IndexedAttention, IndexScoring, indexer_loss
 from moe.attention.kernel import attend_under_mask, kernel_saved_bytes, training_kernel
-from moe.attention.shared_kv import SharedKVAttention, at_positions, shared_kv_saved_bytes
+from moe.attention.shared_kv import SharedKVAttention, shared_kv_saved_bytes, window_keys
 from moe.attention.trailing_rope import compressed_rope_tables, rotate_trailing
 from moe.documents import Documents
+from moe.kv_cache import CompressorCache, LayerCache
 from moe.param_tensors import ParamTensor
 from moe.saved_activations import FP32, MicroBatch
-
-
-def window_keys(query_pos: Tensor, key_pos: Tensor, window: int) -> Tensor:
-    """[Sq, S] bool: the query at position t sees the keys at positions t - window + 1 .. t."""
-    distance = query_pos[:, None] - key_pos[None, :]
-    return (distance >= 0) & (distance < window)
 
 
 class CompressedAttention(SharedKVAttention):
@@ -77,16 +72,23 @@ class CompressedAttention(SharedKVAttention):
         Under context parallelism the compressor reads every position's block input in order (``keys_x`` sorted
         from the gather's order), and positions, not indices, say what a query sees."""
         seq, keys, device = x.shape[1], keys_x.shape[1], x.device
-        cos, sin = self.compressed_tables(device)
         query_pos, key_pos = torch.arange(seq, device=device), torch.arange(keys, device=device)
         if documents is not None:
             query_pos, key_pos = documents.query_pos, documents.key_pos
             keys_x = keys_x[:, key_pos.argsort()]
-        entries = self.compressor(keys_x, cos, sin)  # [B, n, hd]
+        return self.attend_positions(x, keys_x, query_latent, q, kv, query_pos, key_pos, None)
+
+    def attend_positions(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor,
+                         query_pos: Tensor, key_pos: Tensor, cache: LayerCache | None) -> Tensor:
+        """q at ``query_pos`` against the window's keys kv at ``key_pos`` and the entries the compressor makes of
+        ``keys_x`` (every position in order; in generation the new ones, the rest in the ``cache``), in one
+        softmax -> [B, nh, Sq, hd]."""
+        cos, sin = self.compressed_tables(x.device)
+        entries = self.compressor(keys_x, cos, sin, None if cache is None else cache.compressor("attention"))
         visible = visible_entries(query_pos, entries.shape[1], self.compressor.rate)  # [Sq, n]
-        query_tables = at_positions(cos, sin, seq, None if documents is None else documents.query_pos)
-        seen, scores = self.entry_mask(x, keys_x, query_latent, visible, query_tables)
-        allowed = torch.cat((window_keys(query_pos, key_pos, self.window).expand(*seen.shape[:-1], keys), seen), -1)
+        seen, scores = self.entry_mask(x, keys_x, query_latent, visible, query_pos, cache)  # [Sq, n] or [B, 1, Sq, n]
+        window = window_keys(query_pos, key_pos, self.window).expand(*seen.shape[:-1], key_pos.shape[0])
+        allowed = torch.cat((window, seen), -1)
         keys = torch.cat((self.shared_keys(kv), self.shared_keys(entries.unsqueeze(1))), dim=2)  # [B, 1, S + n, hd]
         out = attend_under_mask(q, keys, keys, self.head_dim ** -0.5, allowed, self.sinks)
         if scores is not None:  # an indexer that learns (CSA's, ``IndexedAttention``), from the entries' target
@@ -94,8 +96,8 @@ class CompressedAttention(SharedKVAttention):
                                                seen))
         return out
 
-    def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
-                   query_tables: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
+    def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor, query_pos: Tensor,
+                   cache: LayerCache | None) -> tuple[Tensor, Tensor | None]:
         """The entries each query attends to among the ``visible`` ones [Sq, n] (all of them), and the scores of an
         indexer that learns from this forward (none here)."""
         return visible, None
@@ -214,16 +216,19 @@ class CompressedIndexer(IndexScoring):
         self.wq = nn.Linear(config.q_lora_rank, self.heads * self.head_dim, bias=False)
         self.head_weights = nn.Linear(config.d_model, self.heads, bias=False)
 
-    def scores(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, cos: Tensor, sin: Tensor,
-               query_tables: tuple[Tensor, Tensor]) -> Tensor:
-        """I(t, s) of each query of x [B, Sq, D] (its query latent [B, Sq, c'], its RoPE ``query_tables`` [Sq, r/2])
-        against the entries of ``keys_x`` [B, S, D] (every position, in order; ``cos``, ``sin`` the whole tables)
-        -> [B, Sq, n] fp32, before any mask (``IndexScoring.weigh``)."""
+    def scores(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, query_pos: Tensor, cos: Tensor, sin: Tensor,
+               cache: CompressorCache | None = None) -> Tensor | None:
+        """I(t, s) of each query of x [B, Sq, D] at ``query_pos`` (its query latent [B, Sq, c']) against the entries
+        of ``keys_x`` [B, S, D] (every position, in order; in generation the new ones, the rest in its compressor's
+        ``cache``, which takes them in even while no entry is made) -> [B, Sq, n] fp32, before any mask
+        (``IndexScoring.weigh``); None while there is no entry."""
         batch, seq, _ = x.shape
-        keys = self.compressor(keys_x, cos, sin)  # [B, n, di]
+        keys = self.compressor(keys_x, cos, sin, cache)  # [B, n, di]
+        if keys.shape[1] == 0:
+            return None
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
-        q_cos, q_sin = query_tables
-        return self.weigh(x, rotate_trailing(q, q_cos.unsqueeze(-2), q_sin.unsqueeze(-2)), keys)
+        q = rotate_trailing(q, cos[query_pos, None], sin[query_pos, None])
+        return self.weigh(x, q, keys)
 
 
 class CompressedSparseAttention(CompressedAttention, IndexedAttention):
@@ -243,13 +248,15 @@ class CompressedSparseAttention(CompressedAttention, IndexedAttention):
         self.head_sum = nn.Identity()  # where tensor parallelism sums the indexer's target over every rank's heads
 
     def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
-                   query_tables: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
+                   query_pos: Tensor, cache: LayerCache | None) -> tuple[Tensor, Tensor | None]:
         """The visible entries [Sq, n] the indexer picks for each query -> [B, 1, Sq, n] (in the dense warm-up all
-        of them, [Sq, n]), and in training the indexer's scores [B, Sq, n] of detached inputs, to learn from."""
-        if visible.shape[-1] == 0:
-            return visible, None
+        of them, [Sq, n]), and in training the indexer's scores [B, Sq, n] of detached inputs, to learn from. In
+        generation the indexer's compressor keeps its own state in the layer's ``cache``, as the attention's does."""
         cos, sin = self.compressed_tables(x.device)
-        scores = self.indexer.scores(x.detach(), keys_x.detach(), query_latent.detach(), cos, sin, query_tables)
+        state = None if cache is None else cache.compressor("indexer")
+        scores = self.indexer.scores(x.detach(), keys_x.detach(), query_latent.detach(), query_pos, cos, sin, state)
+        if scores is None or visible.shape[-1] == 0:
+            return visible, None
         seen = visible if self.dense_warmup else visible & self.indexer.select(scores, visible)
         return seen, scores if self.training else None
 

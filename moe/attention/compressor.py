@@ -11,7 +11,9 @@ other. Compressed sparse attention's (``overlap`` true) pools windows of 2 · ra
 last: every position makes two projections, ``kv_proj`` and ``gate_proj`` 2·d wide, the first d channels
 (series a) feeding the next entry and the last d (series b) its own, so entry w pools series a of window w - 1 and
 series b of window w (entry 0's missing half takes no weight). Positions after the last whole window feed nothing
-yet. The lightning indexer of compressed sparse attention compresses its own keys the same way, d = index_head_dim.
+yet; in generation they wait in the cache until their window closes (``moe/kv_cache.py``'s ``CompressorCache``:
+each entry is made once, from the projections kept). The lightning indexer of compressed sparse attention
+compresses its own keys the same way, d = index_head_dim.
 
 Shapes: B sequences, S positions, D = d_model, m = ``rate``, n = S // m entries, d = ``width``, r rotary channels.
 """
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from moe.attention.trailing_rope import rotate_trailing
+from moe.kv_cache import CompressorCache
 from moe.norm import RMSNorm
 from moe.param_tensors import ParamTensor
 from moe.saved_activations import FP32, MicroBatch, norm_bytes
@@ -39,26 +42,45 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(rate, series * width))  # B: one per place in the window
         self.kv_norm = RMSNorm(width, eps=eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [B, S, D]; cos, sin: the compressed RoPE's tables of positions 0.. [>= S, r/2] -> [B, n, d]."""
-        batch, seq, _ = x.shape
-        entries, m = seq // self.rate, self.rate
-        used = x[:, :entries * m]
-        values = self.kv_proj(used).view(batch, entries, m, self.kv_proj.out_features)  # [B, n, m, d or 2d]
-        gates = self.gate_proj(used).view(batch, entries, m, self.gate_proj.out_features) + self.position_bias
-        if self.overlap:
-            values, gates = self._overlapping(values, 0.0), self._overlapping(gates, float("-inf"))
-        weights = torch.softmax(gates.float(), dim=2).to(values.dtype)  # over the window's positions, per channel
-        pooled = self.kv_norm((weights * values).sum(dim=2))  # [B, n, d]
-        starts = torch.arange(entries, device=x.device) * m
-        return rotate_trailing(pooled, cos[starts], sin[starts])
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: CompressorCache | None = None) -> Tensor:
+        """x [B, S, D]; cos, sin: the compressed RoPE's tables of positions 0.. [>= S, r/2] -> [B, n, d].
 
-    def _overlapping(self, series: Tensor, missing: float) -> Tensor:
-        """[B, n, m, 2d] (series a | series b per position) -> [B, n, 2m, d]: window w - 1's series a (``missing``
-        before the first window), then window w's series b."""
+        In generation x is the new positions, and ``cache`` keeps the open window's projections and the entries
+        (``moe/kv_cache.py``): the result is every entry made so far, each made once, when its window closes."""
+        if cache is None:
+            used = x[:, :x.shape[1] // self.rate * self.rate]  # the whole windows' positions
+            return self.pool(self.kv_proj(used), self.gate_proj(used), 0, None, cos, sin)[0]
+        values, gates, first = cache.whole_windows(self.kv_proj(x), self.gate_proj(x), self.rate)  # [B, S, s·d]
+        entries, previous = self.pool(values, gates, first, cache.previous, cos, sin)
+        return cache.add(entries, previous)
+
+    def pool(self, values: Tensor, gates: Tensor, first: int, previous: tuple[Tensor, Tensor] | None, cos: Tensor,
+             sin: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """The entries [B, k, d] of k whole windows' values and gates [B, k·m, s·d] (before the position bias),
+        the first being window ``first``; and, overlapping, the last window's series a (values and biased gates
+        [B, 1, m, d]) for the entry after them (None when k = 0 or the windows do not overlap). ``previous``: the
+        series a of window ``first`` - 1 (None: nothing before, which takes no weight)."""
+        batch, entries, m = values.shape[0], values.shape[1] // self.rate, self.rate
+        values = values.view(batch, entries, m, self.kv_proj.out_features)  # [B, k, m, d or 2d]
+        gates = gates.view(batch, entries, m, self.gate_proj.out_features) + self.position_bias
+        last = None
+        if self.overlap:
+            if entries > 0:
+                last = values[:, -1:, :, :self.width].clone(), gates[:, -1:, :, :self.width].clone()
+            before = previous or (values.new_zeros(batch, 1, m, self.width),
+                                  gates.new_full((batch, 1, m, self.width), float("-inf")))
+            values, gates = self._overlapping(values, before[0]), self._overlapping(gates, before[1])
+        weights = torch.softmax(gates.float(), dim=2).to(values.dtype)  # over the window's positions, per channel
+        pooled = self.kv_norm((weights * values).sum(dim=2))  # [B, k, d]
+        starts = (first + torch.arange(entries, device=values.device)) * m
+        return rotate_trailing(pooled, cos[starts], sin[starts]), last
+
+    def _overlapping(self, series: Tensor, before: Tensor) -> Tensor:
+        """[B, k, m, 2d] (series a | series b per position) -> [B, k, 2m, d]: window w - 1's series a (``before``
+        [B, 1, m, d] for the first window), then window w's series b."""
         previous, own = series[..., :self.width], series[..., self.width:]
-        before_first = torch.full_like(previous[:, :1], missing)
-        return torch.cat((torch.cat((before_first, previous[:, :-1]), dim=1), own), dim=2)
+        before = before[:, :series.shape[1]].to(previous.dtype)  # none where there is no window
+        return torch.cat((torch.cat((before, previous[:, :-1]), dim=1), own), dim=2)
 
 
 def compressor_tensors(d_model: int, width: int, rate: int, overlap: bool, i: int | None,

@@ -13,14 +13,14 @@ block-diagonal matrix), and one matrix mixes the groups to d_model (``o_b_proj``
 ``transformers``' names.
 
 A query sees itself and the ``sliding_window`` - 1 positions before it; the kernel core runs it
-(``moe/attention/kernel.py``: blocked by windows when the sequence is long enough). Generation recomputes the layer
-over every position kept (``forward``). Under tensor parallelism each rank holds whole output groups of heads and
-the rest whole (``parallel/tensor.py``'s ``_shared_kv_plan``); ``shared_keys`` (an identity here) is where the
-shared key/value head's gradient, which each rank's heads give only part of, is summed over the ranks. Under
-context parallelism every rank gathers the block input of every position once per layer and makes all the keys
-(and the compressed entries) from it: D numbers per position where the keys alone would be hd (and the
-compressors' projections), for one exchange and the key-making repeated on every rank. Packed documents and
-QK-clip are refused by the config (``config/run.py``) until built.
+(``moe/attention/kernel.py``: blocked by windows when the sequence is long enough). Generation keeps the last
+window - 1 positions' key/value head (``LayerCache.slide``), all a new query reaches back to. Under tensor
+parallelism each rank holds whole output groups of heads and the rest whole (``parallel/tensor.py``'s
+``_shared_kv_plan``); ``shared_keys`` (an identity here) is where the shared key/value head's gradient, which each
+rank's heads give only part of, is summed over the ranks. Under context parallelism every rank gathers the block
+input of every position once per layer and makes all the keys (and the compressed entries) from it: D numbers per
+position where the keys alone would be hd (and the compressors' projections), for one exchange and the key-making
+repeated on every rank. Packed documents and QK-clip are refused by the config (``config/run.py``) until built.
 
 Shapes: B sequences, S positions, D = d_model, nh heads, hd = head_dim, c' = q_lora_rank, r = rotary_dim,
 g = o_groups, o = o_lora_rank.
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.base import AttentionKind
-from moe.attention.kernel import attend, kernel_saved_bytes, training_kernel
+from moe.attention.kernel import attend, attend_under_mask, kernel_saved_bytes, training_kernel
 from moe.attention.trailing_rope import rotate_trailing
 from moe.documents import Documents
 from moe.kv_cache import LayerCache
@@ -59,16 +59,24 @@ class GroupedLinear(nn.Module):
         return torch.einsum("...gi,goi->...go", x, blocks)
 
 
-def at_positions(cos: Tensor, sin: Tensor, seq: int, positions: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The tables [L, r/2] at positions 0 .. seq - 1 (views), or at ``positions`` [seq] (context parallelism)."""
+def at_positions(cos: Tensor, sin: Tensor, seq: int, positions: Tensor | None,
+                 start: int = 0) -> tuple[Tensor, Tensor]:
+    """The tables [L, r/2] at positions start .. start + seq - 1 (views), or at ``positions`` [seq] (context
+    parallelism)."""
     if positions is None:
-        return cos[:seq], sin[:seq]
+        return cos[start:start + seq], sin[start:start + seq]
     return cos[positions], sin[positions]
 
 
+def window_keys(query_pos: Tensor, key_pos: Tensor, window: int) -> Tensor:
+    """[Sq, S] bool: the query at position t sees the keys at positions t - window + 1 .. t."""
+    distance = query_pos[:, None] - key_pos[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 class SharedKVAttention(AttentionKind):
-    """DeepSeek-V4's attention in a sliding layer (module docstring); ``attend`` is where the compressed layers add
-    their entries."""
+    """DeepSeek-V4's attention in a sliding layer (module docstring); ``attend`` and ``attend_positions`` are where
+    the compressed layers add their entries."""
 
     reads_document_tables = False  # it indexes its own tables at the queries' and keys' positions
 
@@ -96,32 +104,34 @@ class SharedKVAttention(AttentionKind):
 
         Under context parallelism (``documents.sharded``) x is this rank's positions, and the keys are made from
         every rank's, gathered once (``gather_sequence``: the block input, which the compressors need too).
-        Generation's ``cache`` keeps this layer's inputs (``LayerCache.state``, [B, L, D]), and each call computes
-        the layer over all of them and returns the new positions' outputs: a whole sequence's forward, so exactly
-        it, at O(L) projections and O(L²) scores per step where V4's own caches (the window's keys, the
-        compressors' open windows and entries) would cost O(W + L / rate)."""
+        In generation x is the new positions, after the ``cache``'s (``moe/kv_cache.py``): their queries see the
+        window's keys kept there and their own (``attend_cached``)."""
         if documents is not None and not documents.sharded:
             raise ValueError("DeepSeek-V4's attention (model.compressed_attention) takes whole sequences: packed "
                              "documents are not built for it")
         if cache is None:
             return self.layer(x, x if documents is None else self.gather_sequence(x), cos, sin, documents)
-        start = cache.length
-        inputs = x if cache.state is None else torch.cat((cache.state, x), dim=1)
-        cache.advance(inputs, x.shape[1])
-        return self.layer(inputs, inputs, cos, sin)[:, start:]
+        return self.layer(x, x, cos, sin, cache=cache)
 
-    def layer(self, x: Tensor, keys_x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None = None) -> Tensor:
+    def layer(self, x: Tensor, keys_x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None = None,
+              cache: LayerCache | None = None) -> Tensor:
         """The layer on x [B, Sq, D] (its queries' block input) against keys made of ``keys_x`` [B, S, D] (x, or
-        every context-parallel rank's positions in ``documents.key_pos``' order) -> [B, Sq, D]."""
+        every context-parallel rank's positions in ``documents.key_pos``' order, or with a ``cache`` the new
+        positions after its ``length``) -> [B, Sq, D]."""
         batch, seq, _ = x.shape
+        start = 0 if cache is None else cache.length
         cos, sin = self.rotary_tables(cos, sin)
-        q_cos, q_sin = at_positions(cos, sin, seq, None if documents is None else documents.query_pos)
-        k_cos, k_sin = at_positions(cos, sin, keys_x.shape[1], None if documents is None else documents.key_pos)
+        q_cos, q_sin = at_positions(cos, sin, seq, None if documents is None else documents.query_pos, start)
+        k_cos, k_sin = at_positions(cos, sin, keys_x.shape[1], None if documents is None else documents.key_pos,
+                                    start)
         query_latent = self.q_a_norm(self.q_a_proj(x))  # [B, Sq, c']
         q = self.q_b_norm(self.q_b_proj(query_latent).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
         q = rotate_trailing(q, q_cos, q_sin)  # [B, nh, Sq, hd]
         kv = rotate_trailing(self.kv_norm(self.kv_proj(keys_x)).unsqueeze(1), k_cos, k_sin)  # [B, 1, S, hd]
-        out = self.attend(x, keys_x, query_latent, q, kv, documents)
+        if cache is None:
+            out = self.attend(x, keys_x, query_latent, q, kv, documents)
+        else:
+            out = self.attend_cached(x, query_latent, q, kv, start, cache)
         out = rotate_trailing(out, q_cos, q_sin, inverse=True).transpose(1, 2)  # [B, Sq, nh, hd]
         grouped = self.o_a_proj(out.reshape(batch, seq, -1, self.group_width))  # [B, Sq, g, o]
         return self.o_b_proj(grouped.flatten(2))
@@ -135,6 +145,24 @@ class SharedKVAttention(AttentionKind):
         """The kernel over the window: q [B, nh, Sq, hd] against the one head kv [B, 1, S, hd] -> [B, nh, Sq, hd]."""
         kv = self.shared_keys(kv)
         return attend(q, kv, kv, self.head_dim ** -0.5, window=self.window, sinks=self.sinks, documents=documents)
+
+    def attend_cached(self, x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor, start: int,
+                      cache: LayerCache) -> Tensor:
+        """Generation: q [B, nh, Sq, hd] at positions start.. against the window's keys the cache keeps and the new
+        ones kv [B, 1, Sq, hd] (``LayerCache.slide``) -> [B, nh, Sq, hd]."""
+        keys = cache.slide(kv, self.window)
+        end = start + q.shape[2]
+        query_pos = torch.arange(start, end, device=q.device)
+        key_pos = torch.arange(end - keys.shape[2], end, device=q.device)
+        return self.attend_positions(x, x, query_latent, q, keys, query_pos, key_pos, cache)
+
+    def attend_positions(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor,
+                         query_pos: Tensor, key_pos: Tensor, cache: LayerCache | None) -> Tensor:
+        """q [B, nh, Sq, hd] at ``query_pos`` against the keys kv [B, 1, K, hd] at ``key_pos`` that lie within its
+        window -> [B, nh, Sq, hd]: generation's, and the compressed layers', which add their entries."""
+        kv = self.shared_keys(kv)
+        allowed = window_keys(query_pos, key_pos, self.window)
+        return attend_under_mask(q, kv, kv, self.head_dim ** -0.5, allowed, self.sinks)
 
     def heads_to_clip(self) -> list[tuple[Tensor, Tensor]]:
         """None: each query head and the key are RMS-normalised after their projections, which undoes any scale

@@ -32,13 +32,14 @@ MLP_TYPES = ("hash_moe", "moe", "moe")
 MTP = "mtp.0."
 
 
-def make_v4_with_mtp(folder: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def make_v4_with_mtp(folder: Path, **sizes) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """``make_v4``'s model saved to ``folder`` with an MTP layer beside it under ``mtp.0.`` (the names
     ``transformers`` gives a layer, as this model saves them): its decoder layer is layer 3 of a four-layer
     transformers model drawn with the same seed (returned: its layer 3 is the oracle's), ``e_proj``/``h_proj``,
     ``enorm``/``hnorm``/``norm`` and ``hc_head_fn``/``_base``/``_scale`` drawn here. Returns the deeper model and the
-    MTP tensors."""
-    deep = make_v4(folder, layer_types=[*LAYER_TYPES, "sliding_attention"], mlp_layer_types=(*MLP_TYPES, "moe"))
+    MTP tensors (``sizes``: ``make_v4``'s)."""
+    deep = make_v4(folder, layer_types=[*LAYER_TYPES, "sliding_attention"], mlp_layer_types=(*MLP_TYPES, "moe"),
+                   **sizes)
     tensors, d, n = load_file(folder / "model.safetensors"), deep.config.hidden_size, deep.config.hc_mult
     last = "model.layers.3."
     mtp = {MTP + name.removeprefix(last): tensors.pop(name) for name in list(tensors) if name.startswith(last)}
