@@ -36,7 +36,7 @@ from config.model import LayerSpec, ModelConfig
 from moe.attention.compressor import Compressor, compressor_saved_bytes, compressor_tensors, visible_entries
 from moe.attention.indexer import IndexedAttention, IndexScoring, indexer_loss
 from moe.attention.kernel import attend_under_mask, kernel_saved_bytes, training_kernel
-from moe.attention.shared_kv import SharedKVAttention, shared_kv_saved_bytes, window_keys
+from moe.attention.shared_kv import SharedKVAttention, at_positions, shared_kv_saved_bytes, window_keys
 from moe.attention.trailing_rope import compressed_rope_tables, rotate_trailing
 from moe.documents import Documents
 from moe.kv_cache import CompressorCache, LayerCache
@@ -76,17 +76,21 @@ class CompressedAttention(SharedKVAttention):
         if documents is not None:
             query_pos, key_pos = documents.query_pos, documents.key_pos
             keys_x = keys_x[:, key_pos.argsort()]
-        return self.attend_positions(x, keys_x, query_latent, q, kv, query_pos, key_pos, None)
+        cos, sin = self.compressed_tables(device)  # views of the tables where no gather is needed: nothing saved anew
+        query_tables = at_positions(cos, sin, seq, None if documents is None else documents.query_pos)
+        return self.attend_positions(x, keys_x, query_latent, q, kv, query_pos, key_pos, None, query_tables)
 
     def attend_positions(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor,
-                         query_pos: Tensor, key_pos: Tensor, cache: LayerCache | None) -> Tensor:
+                         query_pos: Tensor, key_pos: Tensor, cache: LayerCache | None,
+                         query_tables: tuple[Tensor, Tensor]) -> Tensor:
         """q at ``query_pos`` against the window's keys kv at ``key_pos`` and the entries the compressor makes of
         ``keys_x`` (every position in order; in generation the new ones, the rest in the ``cache``), in one
         softmax -> [B, nh, Sq, hd]."""
         cos, sin = self.compressed_tables(x.device)
         entries = self.compressor(keys_x, cos, sin, None if cache is None else cache.compressor("attention"))
         visible = visible_entries(query_pos, entries.shape[1], self.compressor.rate)  # [Sq, n]
-        seen, scores = self.entry_mask(x, keys_x, query_latent, visible, query_pos, cache)  # [Sq, n] or [B, 1, Sq, n]
+        # the entries each query attends to ([Sq, n], or [B, 1, Sq, n] where an indexer picks), its scores to learn
+        seen, scores = self.entry_mask(x, keys_x, query_latent, visible, query_tables, cache)
         window = window_keys(query_pos, key_pos, self.window).expand(*seen.shape[:-1], key_pos.shape[0])
         allowed = torch.cat((window, seen), -1)
         keys = torch.cat((self.shared_keys(kv), self.shared_keys(entries.unsqueeze(1))), dim=2)  # [B, 1, S + n, hd]
@@ -96,8 +100,8 @@ class CompressedAttention(SharedKVAttention):
                                                seen))
         return out
 
-    def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor, query_pos: Tensor,
-                   cache: LayerCache | None) -> tuple[Tensor, Tensor | None]:
+    def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
+                   query_tables: tuple[Tensor, Tensor], cache: LayerCache | None) -> tuple[Tensor, Tensor | None]:
         """The entries each query attends to among the ``visible`` ones [Sq, n] (all of them), and the scores of an
         indexer that learns from this forward (none here)."""
         return visible, None
@@ -216,9 +220,10 @@ class CompressedIndexer(IndexScoring):
         self.wq = nn.Linear(config.q_lora_rank, self.heads * self.head_dim, bias=False)
         self.head_weights = nn.Linear(config.d_model, self.heads, bias=False)
 
-    def scores(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, query_pos: Tensor, cos: Tensor, sin: Tensor,
-               cache: CompressorCache | None = None) -> Tensor | None:
-        """I(t, s) of each query of x [B, Sq, D] at ``query_pos`` (its query latent [B, Sq, c']) against the entries
+    def scores(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, query_tables: tuple[Tensor, Tensor],
+               cos: Tensor, sin: Tensor, cache: CompressorCache | None = None) -> Tensor | None:
+        """I(t, s) of each query of x [B, Sq, D] (its query latent [B, Sq, c'], its RoPE ``query_tables`` [Sq, r/2])
+        against the entries
         of ``keys_x`` [B, S, D] (every position, in order; in generation the new ones, the rest in its compressor's
         ``cache``, which takes them in even while no entry is made) -> [B, Sq, n] fp32, before any mask
         (``IndexScoring.weigh``); None while there is no entry."""
@@ -227,7 +232,8 @@ class CompressedIndexer(IndexScoring):
         if keys.shape[1] == 0:
             return None
         q = self.wq(query_latent).view(batch, seq, self.heads, self.head_dim)
-        q = rotate_trailing(q, cos[query_pos, None], sin[query_pos, None])
+        q_cos, q_sin = query_tables
+        q = rotate_trailing(q, q_cos.unsqueeze(-2), q_sin.unsqueeze(-2))
         return self.weigh(x, q, keys)
 
 
@@ -248,13 +254,14 @@ class CompressedSparseAttention(CompressedAttention, IndexedAttention):
         self.head_sum = nn.Identity()  # where tensor parallelism sums the indexer's target over every rank's heads
 
     def entry_mask(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, visible: Tensor,
-                   query_pos: Tensor, cache: LayerCache | None) -> tuple[Tensor, Tensor | None]:
+                   query_tables: tuple[Tensor, Tensor], cache: LayerCache | None) -> tuple[Tensor, Tensor | None]:
         """The visible entries [Sq, n] the indexer picks for each query -> [B, 1, Sq, n] (in the dense warm-up all
         of them, [Sq, n]), and in training the indexer's scores [B, Sq, n] of detached inputs, to learn from. In
         generation the indexer's compressor keeps its own state in the layer's ``cache``, as the attention's does."""
         cos, sin = self.compressed_tables(x.device)
         state = None if cache is None else cache.compressor("indexer")
-        scores = self.indexer.scores(x.detach(), keys_x.detach(), query_latent.detach(), query_pos, cos, sin, state)
+        scores = self.indexer.scores(x.detach(), keys_x.detach(), query_latent.detach(), query_tables, cos, sin,
+                                     state)
         if scores is None or visible.shape[-1] == 0:
             return visible, None
         seen = visible if self.dense_warmup else visible & self.indexer.select(scores, visible)

@@ -131,7 +131,7 @@ class SharedKVAttention(AttentionKind):
         if cache is None:
             out = self.attend(x, keys_x, query_latent, q, kv, documents)
         else:
-            out = self.attend_cached(x, query_latent, q, kv, start, cache)
+            out = self.attend_cached(x, query_latent, q, kv, start, cache, (q_cos, q_sin))
         out = rotate_trailing(out, q_cos, q_sin, inverse=True).transpose(1, 2)  # [B, Sq, nh, hd]
         grouped = self.o_a_proj(out.reshape(batch, seq, -1, self.group_width))  # [B, Sq, g, o]
         return self.o_b_proj(grouped.flatten(2))
@@ -147,19 +147,21 @@ class SharedKVAttention(AttentionKind):
         return attend(q, kv, kv, self.head_dim ** -0.5, window=self.window, sinks=self.sinks, documents=documents)
 
     def attend_cached(self, x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor, start: int,
-                      cache: LayerCache) -> Tensor:
-        """Generation: q [B, nh, Sq, hd] at positions start.. against the window's keys the cache keeps and the new
-        ones kv [B, 1, Sq, hd] (``LayerCache.slide``) -> [B, nh, Sq, hd]."""
+                      cache: LayerCache, query_tables: tuple[Tensor, Tensor]) -> Tensor:
+        """Generation: q [B, nh, Sq, hd] at positions start.. (this layer's RoPE ``query_tables`` there) against the
+        window's keys the cache keeps and the new ones kv [B, 1, Sq, hd] (``LayerCache.slide``) -> [B, nh, Sq, hd]."""
         keys = cache.slide(kv, self.window)
         end = start + q.shape[2]
         query_pos = torch.arange(start, end, device=q.device)
         key_pos = torch.arange(end - keys.shape[2], end, device=q.device)
-        return self.attend_positions(x, x, query_latent, q, keys, query_pos, key_pos, cache)
+        return self.attend_positions(x, x, query_latent, q, keys, query_pos, key_pos, cache, query_tables)
 
     def attend_positions(self, x: Tensor, keys_x: Tensor, query_latent: Tensor, q: Tensor, kv: Tensor,
-                         query_pos: Tensor, key_pos: Tensor, cache: LayerCache | None) -> Tensor:
+                         query_pos: Tensor, key_pos: Tensor, cache: LayerCache | None,
+                         query_tables: tuple[Tensor, Tensor]) -> Tensor:
         """q [B, nh, Sq, hd] at ``query_pos`` against the keys kv [B, 1, K, hd] at ``key_pos`` that lie within its
-        window -> [B, nh, Sq, hd]: generation's, and the compressed layers', which add their entries."""
+        window -> [B, nh, Sq, hd]: generation's, and the compressed layers', which add their entries (and turn
+        their indexer's queries by ``query_tables``, this layer's RoPE at ``query_pos``)."""
         kv = self.shared_keys(kv)
         allowed = window_keys(query_pos, key_pos, self.window)
         return attend_under_mask(q, kv, kv, self.head_dim ** -0.5, allowed, self.sinks)
