@@ -19,9 +19,8 @@ DSA = ["model.n_kv_heads=null", "model.kv_lora_rank=12", "model.q_lora_rank=10",
 SETTINGS = [*DSA, "train.steps=4", "train.indexer_warmup_steps=2", "checkpoint.interval=1"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference: 4 steps in one go (2 of warm-up), each step's weights recorded."""
+def run_recording_weights(settings, directory):
+    """``run``'s records and state, and each step's weights (recorded after the step)."""
     states, original = {}, Checkpointer.after_step
 
     def record(self, step, model, *args):
@@ -30,8 +29,14 @@ def uninterrupted(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(Checkpointer, "after_step", record)
-        records, state = run(SETTINGS, 1, tmp_path_factory.mktemp("uninterrupted"))
+        records, state = run(settings, 1, directory)
     return records, state, states
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 4 steps in one go (2 of warm-up), each step's weights recorded."""
+    return run_recording_weights(SETTINGS, tmp_path_factory.mktemp("uninterrupted"))
 
 
 def test_the_warm_up_trains_the_indexers_alone_then_everything_trains(uninterrupted):
@@ -114,16 +119,8 @@ DEEPSEEK_V4_ATTENTION = [
 def test_deepseek_v4_compressed_sparse_indexer_trains_through_both_stages(tmp_path):
     """V4's CSA indexer (its own compressor included) learns alone in the warm-up, every weight after; the indexer
     loss is the CSA layer's."""
-    states, original = {}, Checkpointer.after_step
-
-    def record(self, step, model, *args):
-        states[step] = full_state(model)
-        original(self, step, model, *args)
-
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(Checkpointer, "after_step", record)
-        records, _ = run([*DEEPSEEK_V4_ATTENTION, "train.steps=3", "train.indexer_warmup_steps=2",
-                          "checkpoint.interval=1"], 1, tmp_path)
+    records, _, states = run_recording_weights([*DEEPSEEK_V4_ATTENTION, "train.steps=3", "train.indexer_warmup_steps=2",
+                                                "checkpoint.interval=1"], tmp_path)
     indexer = [name for name in states[1] if ".indexer." in name]
     others = [name for name in states[1] if ".indexer." not in name]
     assert {name.split(".indexer.")[0] for name in indexer} == {"layers.2.attn"}
