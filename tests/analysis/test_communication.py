@@ -160,7 +160,7 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
     "ep=2 x etp=2 over tp=2 x dp_shard=2, sequence parallel": [
         "parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "moe.capacity_factor=null",
         "parallel.sequence_parallel=true", "moe.num_shared_experts=1"],
-    # FSDP's gradient reduction making each hyper-connection weight's partial gradient whole over tp (its own all-reduce)
+    # FSDP's gradient reduction making each hyper-connection weight's partial gradient whole over tp, one by one
     "tp=2 x dp_shard=2, sequence parallel, DeepSeek-V4's residual": ["parallel.dp_shard=2", "parallel.tp=2",
                                                                      "parallel.sequence_parallel=true", *V4_RESIDUAL,
                                                                      "model.mlp_layer_types=[hash_moe,moe]"],
