@@ -28,10 +28,10 @@ column-parallel input).
 Between the pairs the activations are replicated over the tp group by default. Two options shard more:
 
 - **sequence parallelism** (``sequence_parallel``; Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.2.2):
-  the residual stream and the norms work on a 1/tp slice of the sequence, so the activations outside the
-  pairs (the residual stream, the norms' inputs and outputs) take 1/tp of the memory. Each pair's
-  forward all-reduce becomes an all-gather of the sequence before it and a reduce-scatter after it: the
-  same bytes. The MoE layer gathers the whole sequence before routing and keeps its slice of the output:
+  the residual stream, the norms and DeepSeek-V4's hyper-connections (``_PerTokenSlice``) work on a 1/tp slice
+  of the sequence, so the activations outside the pairs take 1/tp of the memory. Each pair's forward all-reduce
+  becomes an all-gather of the sequence before it and a reduce-scatter after it: the same bytes. The MoE
+  layer gathers the whole sequence before routing and keeps its slice of the output:
   routing a slice would route different token groups (capacity) and take the balancing loss over a part
   of the batch, so the model would no longer be the single-process one. The multi-token-prediction modules
   run on the whole sequence, gathered for them (``_ends_plan``).
