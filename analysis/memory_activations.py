@@ -408,20 +408,21 @@ def _add_mtp(parts: _Parts, mb: MicroBatch, layers: list[int], micro_batch_size:
     the whole sequence (``parallel.tensor._ends_plan``): their norms' inputs are plain tensors under sequence
     parallelism too."""
     model, par, layout, d = parts.config.model, parts.config.parallel, parts.layout, parts.config.model.d_model
-    tokens = mb.tokens
-    if par.sequence_parallel and layout.tp > 1:
+    tokens, hyper = mb.tokens, model.hc_mult > 1
+    gathered = par.sequence_parallel and layout.tp > 1
+    if gathered:
         # their one call gathers Emb(t), saved by the embedding norm; outside sequence parallelism it is the first
-        # block's input, saved already (the hidden states come whole from the final norm, which gathered its input)
-        parts.add("MTP gathered inputs", tokens * d * stream_dtype.itemsize)
+        # block's input, saved already (the hidden states come whole from the final norm, which gathered its input;
+        # with hyper-connections they are the last block's fp32 streams, gathered too and saved by the hidden norm)
+        parts.add("MTP gathered inputs", tokens * d * stream_dtype.itemsize + hyper * tokens * model.hc_mult * d * FP32)
     if mb.bf16 and not mb.bf16_weights and model.hc_mult == 1:
         # module 1's hidden input is the final norm's fp32 output, which the head keeps only as its bf16 copy: the
         # hidden norm saves it (in fp32, and with bf16 weights, the head saves that tensor itself)
         parts.add("MTP normed hidden states", tokens * d * FP32)
     if not first:  # the last pipeline stage looks the tokens up in its copy of the embedding
         parts.add("MTP embedding copy", tokens * INDEX + tokens * d * stream_dtype.itemsize)
-    elif model.hc_mult > 1:  # Emb(t), which the widened streams copied and no block saves, the embedding norms' input
-        parts.add("MTP embeddings", tokens * d * stream_dtype.itemsize)
-    hyper = model.hc_mult > 1
+    elif hyper and not gathered:  # Emb(t), which the widened streams copied and no block saves, the embedding norm's
+        parts.add("MTP embeddings", tokens * d * stream_dtype.itemsize)  # input
     mtp_fused = uses_fused_backward(stream_dtype, distributed=False) and (hyper or not mb.bf16)
     for i in layers:
         if i >= model.n_layers:

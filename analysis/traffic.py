@@ -64,11 +64,13 @@ What the code does, read from it and confirmed by counting (tests/analysis/test_
 
 Left out, as latency-bound scalars or once-per-log-interval work (the tests measure them below 2 % of the
 step): the gradient-norm all-reduces (one vector of per-parameter norms per mesh, and over pp), the
-step-loss and aux-free-bias all-reduces over dp, routing statistics at log intervals, and, under sequence
-parallelism without FSDP, the norm weights' gradients, which DTensor leaves partial and the gradient-norm
-step makes whole (one all-reduce of [D] each; with FSDP its gradient reduction makes them whole once per
-micro-batch, and that is counted); the same for the per-head query/key norms (``model.qk_norm``, [hd] each)
-under any tp.
+step-loss and aux-free-bias all-reduces over dp, and routing statistics at log intervals.
+
+Counted in tp's part: the gradients that DTensor leaves partial over tp, those of the replicated weights that see
+part of the activations (under sequence parallelism the norms' and DeepSeek-V4's hyper-connections', a sequence
+slice; under any tp the per-head query/key norms' and Gated DeltaNet's gated norm's, this rank's heads): with FSDP
+its gradient reduction makes each whole (the norms', per micro-batch that it syncs); without it
+``parallel.sum_partial_gradients`` makes them all whole in one all-reduce per step, before the gradient norm.
 
 Element sizes: gradients are reduced in fp32; parameters are gathered in fp32, or under bf16 in bf16 (FSDP2's
 mixed precision), but for the routers, fp32 units of their own. Under bf16 autocast the projections'

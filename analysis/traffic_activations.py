@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import defaultdict
 
 import torch
@@ -15,8 +16,9 @@ from analysis.dispatch_reach import exchange_counts, node_exchange_counts
 from analysis.memory_states import rank_blocks, root_tensors, sharded_numel
 from analysis.traffic_items import Traffic, _add, _gradient_syncs, _Step, coordinates
 from config.run import RunConfig
-from moe.attention import attention_kind
+from moe.attention import GatedDeltaAttention, GroupedQueryAttention, attention_kind
 from moe.dispatch import expert_capacity
+from moe.hyper_connections import HyperConnection, HyperHead
 from parallel.expert import exchanges_by_node, exchanges_pairs
 from parallel.ranks import expert_nodes
 from parallel.replication import ReplicaPlan, rows_to_copies, weight_moves
@@ -145,20 +147,38 @@ def _tp_moe(out: list[Traffic], step: _Step) -> None:
 
 
 def _tp_norm_gradients(out: list[Traffic], step: _Step) -> None:
-    """The gradients of the norm weights that see part of the activations (a sequence slice, or this rank's heads),
-    made whole over tp by FSDP's gradient reduction."""
+    """The gradients of the replicated weights that see part of the activations (the sequence-parallel norms and
+    hyper-connections a sequence slice, the per-head norms this rank's heads), which DTensor leaves partial: made
+    whole over tp by FSDP's gradient reduction, or without FSDP by ``parallel.sum_partial_gradients``, all of them
+    in one all-reduce per step."""
     layout, model, fp32 = step.layout, step.config.model, 4
-    group = step.group("tp")
-    if step.config.parallel.sequence_parallel and layout.dp_cp > 1:
-        # the norms' weights see a sequence slice: DTensor leaves their gradients partial, and FSDP's gradient
-        # reduction makes them whole over tp first (without FSDP the gradient-norm step does, once: left out)
-        norms = 2 * len(step.layers) + (step.last and not step.mtp)  # beside MTP the final norm runs whole
-        syncs = _gradient_syncs(step)
+    group, sp = step.group("tp"), step.config.parallel.sequence_parallel
+    norms = 2 * len(step.layers) + (step.last and not step.mtp)  # beside MTP the final norm runs whole
+    if layout.dp_cp == 1:
+        hyper = sum(math.prod(p.shape) for p in HyperConnection.parameter_tensors(model, 0)) * 2 * len(step.layers)
+        hyper += sum(math.prod(p.shape) for p in HyperHead.parameter_tensors(model)) * step.last
+        blocks = [*step.layers, *step.mtp]  # the modules' blocks are split by heads as the layers' are
+        kinds = [attention_kind(model.layer(i)) for i in blocks]
+        linear = kinds.count(GatedDeltaAttention)  # its gated norm on this rank's value heads, [dv]
+        elements = (sp * (norms * model.d_model + (model.hc_mult > 1) * hyper)
+                    + model.qk_norm * 2 * kinds.count(GroupedQueryAttention) * model.head_size
+                    + (linear and linear * model.linear_value_head_dim))
+        _add(out, "tp", "all_reduce", "partial weight gradients made whole (once per step)", int(elements > 0),
+             elements * fp32, group)
+        return
+    syncs = _gradient_syncs(step)
+    if sp:  # FSDP's gradient reduction makes each whole over tp first, tensor by tensor
         _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
              model.d_model * fp32, group)
-    if model.qk_norm and layout.dp_cp > 1:  # the per-head q/k norms see this rank's heads: the same, [hd] each
+    if sp and model.hc_mult > 1:  # each block's two hyper-connections' weight, bias and scales; the final collapse's
+        for tensors, calls in ((HyperConnection.parameter_tensors(model, 0), 2 * len(step.layers)),
+                               (HyperHead.parameter_tensors(model), int(step.last))):
+            for tensor in tensors:
+                _add(out, "tp", "all_reduce", "hyper-connection weights' gradients (backward)", calls * syncs,
+                     math.prod(tensor.shape) * fp32, group)
+    if model.qk_norm:  # the per-head q/k norms see this rank's heads: the same, [hd] each
         _add(out, "tp", "all_reduce", "query/key norm weights' gradients (backward)",
-             2 * len(step.layers) * _gradient_syncs(step), model.head_size * fp32, group)
+             2 * len(step.layers) * syncs, model.head_size * fp32, group)
 
 
 def _tp_embedding_and_head(out: list[Traffic], step: _Step) -> None:
@@ -177,9 +197,13 @@ def _tp_embedding_and_head(out: list[Traffic], step: _Step) -> None:
     if step.last:
         if sp:  # at the final norm's input beside MTP (which runs the norm whole), at the head's otherwise
             _add(out, "tp", "all_gather", "head input sequence (forward)", m, full * fp32, group)
-        if sp and step.mtp:  # their one call gathers Emb(t) (the hidden states come whole from the final norm);
-            # its gradient comes back as this rank's slice, with no collective
+        if sp and step.mtp:  # their one call gathers Emb(t) (the hidden states come whole from the final norm;
+            # with hyper-connections they are the last block's fp32 streams, gathered too); the gradients come back
+            # as this rank's slices, with no collective
             _add(out, "tp", "all_gather", "MTP input: Emb(t) (forward)", m, full * fp32, group)
+            if model.hc_mult > 1:
+                _add(out, "tp", "all_gather", "MTP input: the last block's streams (forward)", m,
+                     full * model.hc_mult * fp32, group)
         if par.vocab_parallel:  # beside MTP the head takes the whole sequence (the final norm gathers it)
             _add(out, "tp", "reduce_scatter" if sp and not step.mtp else "all_reduce",
                  "head input gradient (backward)", m, full * fp32, group)

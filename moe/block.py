@@ -71,9 +71,9 @@ class Block(nn.Module):
     def _hyper_forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None,
                        documents: Documents | None, token_ids: Tensor | None) -> Tensor:
         """Each branch between its hyper-connection's collapse and merge."""
-        collapsed, post, comb = self.attn_hc.collapse(x)
+        collapsed, post, comb = self.attn_hc(x)
         x = HyperConnection.merge(x, self._attend(self.attn_norm(collapsed), cos, sin, cache, documents), post, comb)
-        collapsed, post, comb = self.ffn_hc.collapse(x)
+        collapsed, post, comb = self.ffn_hc(x)
         return HyperConnection.merge(x, self._feed(self.ffn_norm(collapsed), token_ids), post, comb)
 
     def _attend(self, normed: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None,

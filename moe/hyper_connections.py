@@ -46,7 +46,9 @@ def sinkhorn(matrix: Tensor, iterations: int, eps: float) -> Tensor:
 
 
 class HyperConnection(nn.Module):
-    """One branch's hyper-connection: ``collapse`` the streams into the branch's input, ``merge`` its output back.
+    """One branch's hyper-connection: collapse the streams into the branch's input (``forward``), ``merge`` its
+    output back. A module call, so that tensor parallelism's hooks see it (under sequence parallelism it works on
+    the rank's sequence slice, ``parallel/tensor.py``).
 
     Parameters: ``weight`` [(2 + n) n, n D] (the pre, post and comb projections stacked), ``bias`` [(2 + n) n] and
     ``scale`` [3] (one per projection). Initialised as the reference does: weight N(0, init_std), bias zeros,
@@ -62,7 +64,7 @@ class HyperConnection(nn.Module):
         self.bias = nn.Parameter(torch.empty((2 + n) * n))
         self.scale = nn.Parameter(torch.empty(3))
 
-    def collapse(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """streams [B, S, n, D] -> (the branch's input [B, S, D], post [B, S, n], comb [B, S, n, n]), all fp32."""
         n = self.streams
         with torch.autocast(device_type=streams.device.type, enabled=False):

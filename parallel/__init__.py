@@ -33,10 +33,11 @@ from parallel.sharding import (
     experts_spread,
     set_gradient_sync,
     shard_experts,
+    sum_partial_gradients,
 )
 from parallel.tensor import apply_tensor_parallel
 
-__all__ = ["clip_grad_norm_", "parallelize", "set_gradient_sync"]
+__all__ = ["clip_grad_norm_", "parallelize", "set_gradient_sync", "sum_partial_gradients"]
 
 
 def parallelize(model: MoETransformer, groups: ParallelGroups, parallel: ParallelConfig | None = None,

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from moe.transformer import MoETransformer
 from parallel.layout import Layout
@@ -176,6 +176,26 @@ def set_gradient_sync(model: nn.Module, grad_reduce: str, last: bool) -> None:
 
 def _mesh_key(tensor: Tensor) -> object:
     return tensor.device_mesh if isinstance(tensor, DTensor) else None
+
+
+@torch.no_grad()
+def sum_partial_gradients(parameters: Iterable[nn.Parameter]) -> None:
+    """Make whole, in place, the gradients that DTensor left partial over tp (``parallel/tensor.py``): those of the
+    replicated weights that see part of the activations (the sequence-parallel norms and hyper-connections a
+    sequence slice, the per-head norms this rank's heads). Under FSDP its gradient reduction has made them whole
+    already. Otherwise one all-reduce per mesh of their concatenation, once per step, before the gradient norm:
+    left partial, the norm and then the optimizer would each all-reduce every one of them on its own."""
+    partial: dict[tuple[DeviceMesh, torch.dtype], list[nn.Parameter]] = {}
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements == (Partial(),) and param.placements == (Replicate(),):
+            partial.setdefault((grad.device_mesh, grad.dtype), []).append(param)
+    for (mesh, _), params in partial.items():
+        locals_ = [param.grad.to_local() for param in params]
+        summed = torch.cat([g.flatten() for g in locals_])
+        dist.all_reduce(summed, group=mesh.get_group())
+        for param, local, whole in zip(params, locals_, summed.split([g.numel() for g in locals_]), strict=True):
+            param.grad = DTensor.from_local(whole.view_as(local), mesh, [Replicate()], run_check=False)
 
 
 @torch.no_grad()

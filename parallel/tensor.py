@@ -28,10 +28,10 @@ column-parallel input).
 Between the pairs the activations are replicated over the tp group by default. Two options shard more:
 
 - **sequence parallelism** (``sequence_parallel``; Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.2.2):
-  the residual stream and the norms work on a 1/tp slice of the sequence, so the activations outside the
-  pairs (the residual stream, the norms' inputs and outputs) take 1/tp of the memory. Each pair's
-  forward all-reduce becomes an all-gather of the sequence before it and a reduce-scatter after it: the
-  same bytes. The MoE layer gathers the whole sequence before routing and keeps its slice of the output:
+  the residual stream, the norms and DeepSeek-V4's hyper-connections (``_PerTokenSlice``) work on a 1/tp slice
+  of the sequence, so the activations outside the pairs take 1/tp of the memory. Each pair's forward all-reduce
+  becomes an all-gather of the sequence before it and a reduce-scatter after it: the same bytes. The MoE
+  layer gathers the whole sequence before routing and keeps its slice of the output:
   routing a slice would route different token groups (capacity) and take the balancing loss over a part
   of the batch, so the model would no longer be the single-process one. The multi-token-prediction modules
   run on the whole sequence, gathered for them (``_ends_plan``).
@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -102,9 +102,6 @@ def check_tensor_parallel(tp: int, model: ModelConfig, sequence_parallel: bool, 
         if size % tp:
             raise ConfigError(f"parallel.{key}=true splits {what}={size} over parallel.tp={tp} ranks, which does "
                               f"not divide it; use a tp that divides {size}, or parallel.{key}=false")
-    if sequence_parallel and model.hc_mult > 1:  # their weights' gradients would be each rank's slice's alone
-        raise ConfigError(f"parallel.sequence_parallel=true with model.hc_mult={model.hc_mult}: hyper-connections "
-                          "over a sequence slice are not implemented; set parallel.sequence_parallel=false")
 
 
 def _feed_forward_plan(prefix: str, stream: Placement) -> dict:
@@ -138,6 +135,28 @@ class _SumGradient(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
+
+
+class _PerTokenSlice(ParallelStyle):
+    """Replicated weights acting on each token alone, run on this rank's sequence slice: the hyper-connections
+    (``moe/hyper_connections.py``) under sequence parallelism. As ``SequenceParallel`` does for the norms, its
+    parameters become replicated DTensors and its first input the slice as a DTensor sharded on dim 1, so its
+    weights' gradients, each rank's tokens' part, come out partial and are summed over tp (by FSDP's gradient
+    reduction, or by DTensor where next used); plain tensors would keep each rank's part alone. Its outputs (a
+    tuple for the collapse) leave as this rank's plain slices; no collective runs in forward or backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(_name: str, owner: nn.Module, mesh: DeviceMesh) -> None:
+            for name, param in list(owner.named_parameters(recurse=False)):
+                owner.register_parameter(name, nn.Parameter(DTensor.from_local(param, mesh, run_check=False)))
+
+        def slice_in(_module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return DTensor.from_local(inputs[0], mesh, [Shard(1)], run_check=False), *inputs[1:]
+
+        def slices_out(_module: nn.Module, outputs, _mesh: DeviceMesh):
+            return tuple(o.to_local() for o in outputs) if isinstance(outputs, tuple) else outputs.to_local()
+
+        return distribute_module(module, device_mesh, replicate, slice_in, slices_out)
 
 
 def _latent_attention_plan(block: Block, stream: Placement) -> dict:
@@ -244,6 +263,8 @@ def _block_plan(block: Block, sequence_parallel: bool) -> dict:
         plan.update(_feed_forward_plan("moe.shared_experts", Replicate()))
     if sequence_parallel:
         plan.update({"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        if block.attn_hc is not None:  # the hyper-connections on the slice of the streams, [B, S / tp, n, D]
+            plan.update({"attn_hc": _PerTokenSlice(), "ffn_hc": _PerTokenSlice()})
         if block.moe is not None:  # route the whole sequence, as one process does; keep this rank's slice of the output
             plan["moe"] = PrepareModuleInputOutput(
                 input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
@@ -265,9 +286,13 @@ def _ends_plan(model: MoETransformer, sequence_parallel: bool, vocab_parallel: b
     stream = Shard(1) if sequence_parallel else Replicate()
     whole_head = sequence_parallel and model.mtp is not None
     plan = {}
+    if sequence_parallel and model.hc_head is not None:  # the streams' final collapse, on their slice
+        plan["hc_head"] = _PerTokenSlice()
     if whole_head:
-        # the final norm's output comes whole (it gathers its input, below); the embedding's is a slice
-        plan["mtp"] = PrepareModuleInput(input_layouts=(Replicate(), Shard(1), None, None, None, None),
+        # the final norm's output comes whole (it gathers its input, below), the last block's streams (with
+        # hyper-connections) and the embedding's output as slices
+        hidden = Replicate() if model.hc_head is None else Shard(1)
+        plan["mtp"] = PrepareModuleInput(input_layouts=(hidden, Shard(1), None, None, None, None),
                                          desired_input_layouts=(Replicate(), Replicate(), None, None, None, None),
                                          use_local_output=True)
     if isinstance(model.tok_embeddings, nn.Embedding):

@@ -26,7 +26,7 @@ from moe.documents import document_ids
 from moe.layer import RoutingStats
 from moe.sequence_shards import SequenceShards
 from moe.transformer import MoETransformer
-from parallel import clip_grad_norm_, set_gradient_sync
+from parallel import clip_grad_norm_, set_gradient_sync, sum_partial_gradients
 from parallel.pipeline import PipelineModel
 from parallel.replication import imbalance
 from parallel.tensor import lm_loss, loss_context
@@ -220,6 +220,7 @@ def train_step(context: StepContext, inputs: torch.Tensor, targets: torch.Tensor
         interval.add_routing(stats)
         for i, layer_stats in stats.items():
             step_load[i] = step_load.get(i, 0) + layer_stats.tokens_per_expert
+    sum_partial_gradients(model.parameters())  # once, before the norm and the optimizer read them
     copies = model.copies() if isinstance(model, PipelineModel) else []
     grad_norm = clip_grad_norm_(model.parameters(), context.grad_clip if context.grad_clip > 0 else math.inf,
                                 pp_group=context.pp_group, copies=copies)

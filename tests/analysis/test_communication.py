@@ -49,6 +49,9 @@ V4_ATTENTION = ["model.n_layers=3", "model.n_kv_heads=null", "model.head_dim=8",
                 "compressed_sparse_attention]", "model.compressed_attention.csa_rate=2",
                 "model.compressed_attention.hca_rate=4", "model.compressed_attention.o_groups=2",
                 "model.compressed_attention.o_lora_rank=8"]
+# DeepSeek-V4's residual: 4 hyper-connected streams, a hash-routed layer first
+V4_RESIDUAL = ["model.hc_mult=4", "model.mlp_layer_types=[hash_moe,moe,moe]", "moe.score_func=sqrtsoftplus",
+               "moe.num_shared_experts=1"]
 CASES_2 = {  # name -> overrides, on 2 ranks
     "fsdp, 2 micro-batches": ["parallel.dp_shard=2", "train.micro_batch_size=2"],
     "fsdp, 2 micro-batches, reduce-scatter per micro-batch": ["parallel.dp_shard=2", "train.micro_batch_size=2",
@@ -89,6 +92,11 @@ CASES_2 = {  # name -> overrides, on 2 ranks
     # and its CSA indexer trained: its gradients reduce-scattered with the rest under FSDP; under cp the block input
     # gathered per layer (the indexer's keys made from it too)
     "fsdp, DeepSeek-V4 attention": ["parallel.dp_shard=2", *V4_ATTENTION],
+    # the whole V4 with sequence parallelism: the hyper-connections on each rank's slice of the streams (their weights'
+    # partial gradients made whole with the norms', one all-reduce per step), the MTP module's inputs gathered
+    "tp=2, DeepSeek-V4, sequence parallel, MTP, bf16": [
+        "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+        *V4_ATTENTION, *V4_RESIDUAL, "model.mtp_depth=1"],
     "cp=2, DeepSeek-V4 attention": ["parallel.dp_shard=1", "parallel.cp=2", "moe.capacity_factor=null", *V4_ATTENTION],
     # Muon's gathers of the sharded matrices (the optimizer's own section)
     "muon, fsdp with ep=2 (experts whole)": ["parallel.dp_shard=2", "parallel.ep=2", "train.optimizer=muon",
@@ -152,6 +160,10 @@ CASES_4 = {  # on 4 ranks: groups that differ from one another
     "ep=2 x etp=2 over tp=2 x dp_shard=2, sequence parallel": [
         "parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "moe.capacity_factor=null",
         "parallel.sequence_parallel=true", "moe.num_shared_experts=1"],
+    # FSDP's gradient reduction making each hyper-connection weight's partial gradient whole over tp, one by one
+    "tp=2 x dp_shard=2, sequence parallel, DeepSeek-V4's residual": ["parallel.dp_shard=2", "parallel.tp=2",
+                                                                     "parallel.sequence_parallel=true", *V4_RESIDUAL,
+                                                                     "model.mlp_layer_types=[hash_moe,moe]"],
     "tp=2 x dp_shard=2, Qwen3's query/key norms": ["parallel.dp_shard=2", "parallel.tp=2", "model.qk_norm=true",
                                                     "model.head_dim=16"],
     "etp=2 in tp=2, dp_shard=2, 3 experts": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.etp=2",

@@ -420,6 +420,11 @@ SPAWNED = [
               "model.layer_types=[compressed_sparse_attention,heavily_compressed_attention]"]),
     ("bf16", ["parallel.cp=2", "parallel.dp_shard=1", "moe.capacity_factor=null", *V4_ATTENTION,
               "model.layer_types=[sliding_attention,compressed_sparse_attention]"]),
+    # the whole of V4 with sequence parallelism: the hyper-connections on each rank's slice of the streams, the MTP
+    # module on the whole sequence (its inputs, the last block's streams among them, gathered)
+    ("bf16", ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", *DEEPSEEK_V4_RESIDUAL,
+              "model.first_moe_layer=0", *V4_ATTENTION,
+              "model.layer_types=[compressed_sparse_attention,heavily_compressed_attention]", "model.mtp_depth=1"]),
     # Qwen3-Next: the linear heads split over tp (the gated norm on each rank's heads, a DTensor); under FSDP's bf16
     ("fp32", ["parallel.tp=2", "parallel.dp_shard=1", *HYBRID, *QWEN3_NEXT]),
     ("bf16", ["parallel.dp_shard=2", *HYBRID, *QWEN3_NEXT]),

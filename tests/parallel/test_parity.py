@@ -236,6 +236,10 @@ LAYOUTS = [  # (overrides, world size, capacity factor)
                  id="tp=2-sp-deepseek-v4-attention"),
     pytest.param(["parallel.tp=2", *DEEPSEEK_V4_ATTENTION, *DEEPSEEK_V4_RESIDUAL,
                   "model.mlp_layer_types=[hash_moe, moe, moe]"], 2, "null", id="tp=2-deepseek-v4"),
+    # and with sequence parallelism: the streams [B, S / tp, 4, D] between the blocks, the hyper-connections on each
+    # rank's slice (their weights' gradients summed over tp), the hash layer's ids whole (the reference above's)
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true", *DEEPSEEK_V4_ATTENTION, *DEEPSEEK_V4_RESIDUAL,
+                  "model.mlp_layer_types=[hash_moe, moe, moe]"], 2, "null", id="tp=2-sp-deepseek-v4"),
     pytest.param(["parallel.cp=2", *DEEPSEEK_V4_ATTENTION], 2, "null", id="cp=2-deepseek-v4-attention"),
     # gradient accumulation, 2 micro-batches per rank, both parallel.grad_reduce settings: reduced once per
     # step (unsharded gradients accumulated), or reduce-scattered per micro-batch with HSDP's all-reduce once
