@@ -36,26 +36,26 @@ def _new(shape: tuple[int, ...], like: Tensor) -> Tensor:
 
 
 class _Groups:
-    """Each expert's rows of the grouped tensor, from the group sizes (read on the host: a CPU's own memory)."""
+    """Each expert's rows of the grouped tensor, from the group sizes (read on the host: a CPU's own memory). The
+    blocks are views made by one ``split`` per tensor, so an expert costs one Python call, its ``torch.mm``."""
 
     def __init__(self, tokens_per_expert: Tensor):
-        starts = [0]
-        for size in tokens_per_expert.tolist():
-            starts.append(starts[-1] + size)
-        self.rows = [slice(start, stop) for start, stop in zip(starts, starts[1:], strict=False)]
+        self.sizes = tokens_per_expert.tolist()
 
     def matmul(self, rows: Tensor, weight: Tensor) -> Tensor:
         """Row block e of ``rows`` [N, in] times ``weight[e]`` [in, out] (a transposed view is fine) -> [N, out]."""
         out = _new((rows.shape[0], weight.shape[-1]), rows)
-        for e, block in enumerate(self.rows):
-            torch.mm(rows[block], weight[e], out=out[block])
+        for block, matrix, result in zip(rows.split(self.sizes), weight.unbind(0), out.split(self.sizes),
+                                         strict=True):
+            torch.mm(block, matrix, out=result)
         return out
 
     def weight_gradient(self, rows: Tensor, grad: Tensor) -> Tensor:
         """Per expert e, ``rows[block e].T @ grad[block e]``: [E, in, out] (zero for an empty group)."""
-        out = _new((len(self.rows), rows.shape[1], grad.shape[1]), rows)
-        for e, block in enumerate(self.rows):
-            torch.mm(rows[block].t(), grad[block], out=out[e])
+        out = _new((len(self.sizes), rows.shape[1], grad.shape[1]), rows)
+        for block, grad_block, result in zip(rows.split(self.sizes), grad.split(self.sizes), out.unbind(0),
+                                             strict=True):
+            torch.mm(block.t(), grad_block, out=result)
         return out
 
 
