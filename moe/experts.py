@@ -331,7 +331,8 @@ def expert_ffn(x: Tensor, tokens_per_expert: Tensor, w_in: Tensor, w_gate: Tenso
     (``row_multiple_on``) the groups are padded to whole blocks of rows around them. ``biases`` (the local
     experts' slices) are added to each row from its expert's; ``clamp`` bounds the gated activation
     (``gated_activation``). The bias adds are one elementwise pass each over the
-    rows, not fused into the GEMM (neither grouped GEMM backend takes a per-group bias).
+    rows, not fused into the GEMM (neither grouped GEMM backend takes a per-group bias). On a CPU, plain SwiGLU
+    without biases runs as one autograd node on kept buffers (``moe.swiglu_experts``, ``runs_fused``).
     """
     if backend == "auto":
         backend = _auto_backend(x.device)
