@@ -122,8 +122,7 @@ class _Permute(torch.autograd.Function):
     def forward(ctx, x, token_index, assignment_row):
         ctx.save_for_backward(assignment_row)
         ctx.num_tokens = x.shape[0]
-        out = workspace.empty((token_index.numel(), x.shape[1]), x.dtype, x.device)
-        return torch.index_select(x, 0, token_index, out=out)
+        return workspace.gather_rows(x, token_index)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -138,7 +137,7 @@ class _Permute(torch.autograd.Function):
 def sum_choices(grouped: Tensor, rows: Tensor) -> Tensor:
     """``out[t] = sum_j grouped[rows[t, j]]``, added in choice order: a gather, not a scatter-add, so the sum
     is the same on every run and device. ``rows`` [T, k]; a dropped assignment points at a zero row."""
-    out = _gather_rows(grouped, rows[:, 0])
+    out = workspace.gather_rows(grouped, rows[:, 0])
     for choice in range(1, rows.shape[1]):
         out += grouped.index_select(0, rows[:, choice])
     return out
@@ -151,15 +150,6 @@ def unpermute_and_combine(expert_out: Tensor, plan: DispatchPlan, weights: Tenso
     contributing exactly nothing (and receiving no gradient). See ``_WeightedCombine``.
     """
     return _WeightedCombine.apply(expert_out, weights, plan.order, plan.token_index, plan.assignment_row)
-
-
-def _gather_rows(rows: Tensor, index: Tensor) -> Tensor:
-    """``rows[index]``, on a workspace buffer (``moe/workspace.py``: kept between steps on a CPU) where autograd
-    is not recording it (inside an autograd node's forward or backward; ``out=`` has no gradient)."""
-    if torch.is_grad_enabled() and rows.requires_grad:
-        return rows.index_select(0, index)
-    return torch.index_select(rows, 0, index, out=workspace.empty((index.numel(), rows.shape[1]), rows.dtype,
-                                                                  rows.device))
 
 
 class _WeightedCombine(torch.autograd.Function):
@@ -192,7 +182,7 @@ class _WeightedCombine(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         expert_out, grouped_weights, order, token_index = ctx.saved_tensors
-        grad_rows = _gather_rows(grad_out, token_index)  # [N, D]: d out[t] for each grouped row
+        grad_rows = workspace.gather_rows(grad_out, token_index)  # [N, D]: d out[t] for each grouped row
         grad_expert_out = grad_weights = None
         if ctx.needs_input_grad[0]:
             grad_expert_out = torch.mul(grad_rows, grouped_weights.unsqueeze(1), out=workspace.empty(

@@ -443,8 +443,7 @@ class _MoveRows(torch.autograd.Function):
         if num_rows is None:  # its backward pads: it needs the padding rows too
             ctx.save_for_backward(destination, padding_rows)
             ctx.num_rows = x.shape[0]
-            return torch.index_select(x, 0, destination,
-                                      out=workspace.empty((destination.numel(), x.shape[1]), x.dtype, x.device))
+            return workspace.gather_rows(x, destination)
         ctx.save_for_backward(destination)
         ctx.num_rows = None
         padded = workspace.empty((num_rows, x.shape[1]), x.dtype, x.device).index_copy_(0, destination, x)

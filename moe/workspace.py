@@ -90,7 +90,7 @@ class Workspace:
             self._kept = deque(storage for storage in self._kept if _users(storage) > 0)
 
     def storages(self) -> list[torch.UntypedStorage]:
-        """Every storage kept now, idle or busy (what a measurement of live memory must count)."""
+        """Every storage kept now, idle or busy."""
         return list(self._kept)
 
 
@@ -103,6 +103,15 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
     if device.type != "cpu" or _bypassed or torch.compiler.is_compiling():  # compiled graphs plan their own buffers
         return torch.empty(shape, dtype=dtype, device=device)
     return _CPU_WORKSPACE.empty(shape, dtype)
+
+
+def gather_rows(rows: Tensor, index: Tensor) -> Tensor:
+    """``rows.index_select(0, index)``, on a kept buffer where autograd is not recording it (inside an autograd
+    node's forward or backward: ``out=`` has no gradient)."""
+    if torch.is_grad_enabled() and rows.requires_grad:
+        return rows.index_select(0, index)
+    out = empty((index.numel(), *rows.shape[1:]), rows.dtype, rows.device)
+    return torch.index_select(rows, 0, index, out=out)
 
 
 @contextlib.contextmanager
@@ -120,8 +129,3 @@ def bypassed() -> Iterator[None]:
 def release_workspace() -> None:
     """Hand every idle kept storage back to the allocator (e.g. after training, before other work)."""
     _CPU_WORKSPACE.release()
-
-
-def kept_storages() -> list[torch.UntypedStorage]:
-    """The CPU workspace's storages, idle or busy."""
-    return _CPU_WORKSPACE.storages()

@@ -14,10 +14,12 @@ D, H = 16, 24
 
 
 @pytest.fixture(autouse=True)
-def keep_every_buffer(monkeypatch):
+def pool(monkeypatch):
     """Every storage of 1 KiB or more goes through a fresh workspace, so the tiny shapes here exercise it."""
+    fresh = workspace.Workspace()
     monkeypatch.setattr(workspace, "MIN_BYTES", 1024)
-    monkeypatch.setattr(workspace, "_CPU_WORKSPACE", workspace.Workspace())
+    monkeypatch.setattr(workspace, "_CPU_WORKSPACE", fresh)
+    return fresh
 
 
 def composition(x, counts, w_gate, w_in, w_out):
@@ -39,7 +41,7 @@ def inputs(dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_outputs_and_gradients_equal_autograds_to_the_bit(dtype):
+def test_outputs_and_gradients_equal_autograds_to_the_bit(dtype, pool):
     counts = torch.tensor(COUNTS)
     for step in range(2):  # the second step runs on the first one's kept buffers
         x, weights, grad = inputs(dtype, seed=step)
@@ -50,7 +52,7 @@ def test_outputs_and_gradients_equal_autograds_to_the_bit(dtype):
         assert torch.equal(ours, reference)
         for mine, theirs in zip(our_grads, ref_grads, strict=True):
             assert torch.equal(mine, theirs)
-    assert workspace.kept_storages()  # the buffers came from the workspace
+    assert pool.storages()  # the buffers came from the workspace
 
 
 def saved_bytes(function, *args):
