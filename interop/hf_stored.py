@@ -27,7 +27,7 @@ class StoredTensors:
         self.folder = folder
         self.mxfp4 = mxfp4.declared(folder.config)
         self.fp8 = None if self.mxfp4 else fp8.scheme(folder.config)
-        self._checked: dict[str, torch.dtype | None] = {}  # dtype's answers
+        self._checked: dict[str, tuple[str, torch.dtype | None]] = {}  # _stored's answers
 
     def blocked(self, hf_name: str) -> bool:
         """Whether ``hf_name`` is stored as MXFP4 blocks and scales rather than under its own name."""
@@ -54,7 +54,8 @@ class StoredTensors:
         scale = hf_name + fp8.SCALE_SUFFIX
         if scale not in self.folder.files:
             return None
-        return self.folder.slice(scale).get_dtype(), tuple(self.folder.slice(scale).get_shape())
+        part = self.folder.slice(scale)
+        return part.get_dtype(), tuple(part.get_shape())
 
     def _named(self, check, *args):
         """``check(*args)``, its error prefixed with the folder."""
@@ -79,36 +80,46 @@ class StoredTensors:
         return tuple(self.folder.slice(hf_name).get_shape())
 
     def dtype(self, hf_name: str) -> torch.dtype | None:
-        """The dtype ``hf_name`` is read as, None for a quantised weight (dequantised to bf16), checked once: an fp8
-        weight against its scales (``fp8.check_scaled``), an fp4 one or MXFP4 stack likewise, anything else
+        """The dtype ``hf_name`` is read as, None for a quantised weight (dequantised to bf16)."""
+        return self._stored(hf_name)[1]
+
+    def _stored(self, hf_name: str) -> tuple[str, torch.dtype | None]:
+        """How ``hf_name`` is stored ("mxfp4", "fp8", "fp4" or "plain") and the dtype it is read as, checked once:
+        an fp8 weight against its scales (``fp8.check_scaled``), an fp4 one or MXFP4 stack likewise, anything else
         floating point (an integer weight or correction bias would be cast without a word)."""
         if hf_name not in self._checked:
             if self.blocked(hf_name):
                 self.shape(hf_name)
-                self._checked[hf_name] = None
-                return None
-            code = self.folder.slice(hf_name).get_dtype()
+                self._checked[hf_name] = ("mxfp4", None)
+                return self._checked[hf_name]
+            stored = self.folder.slice(hf_name)
+            code = stored.get_dtype()
             if code.startswith("F8_"):
-                self._named(fp8.check_scaled, hf_name, code, self.shape(hf_name), self._scales(hf_name), self.fp8)
+                self._named(fp8.check_scaled, hf_name, code, tuple(stored.get_shape()), self._scales(hf_name),
+                            self.fp8)
+                self._checked[hf_name] = ("fp8", DTYPES.get(code))
             elif self._fp4(hf_name):
                 self._packed_shape(hf_name)
+                self._checked[hf_name] = ("fp4", None)
             elif DTYPES.get(code) is None or not DTYPES[code].is_floating_point:
                 raise ConfigError(f"{self.folder.folder}: tensor '{hf_name}' has dtype {code}: weights (and "
                                   "correction biases) are floating point; an integer tensor would be cast without "
                                   "its meaning")
-            self._checked[hf_name] = None if self._fp4(hf_name) else DTYPES.get(code)
+            else:
+                self._checked[hf_name] = ("plain", DTYPES[code])
         return self._checked[hf_name]
 
     def box(self, hf_name: str, box: tuple[slice, ...]) -> Tensor:
         """The box of ``hf_name``'s values: as stored, or dequantised to bf16 (an fp8 weight with block scales, an
         MXFP4 expert stack, a packed fp4 matrix)."""
-        if self.dtype(hf_name) is not None:  # not quantised: read as stored
+        kind, dtype = self._stored(hf_name)
+        if dtype is not None:  # not quantised: read as stored
             return self.folder.slice(hf_name)[box]
-        if self.blocked(hf_name):
+        if kind == "mxfp4":
             return mxfp4.read_box(self.folder.slice(hf_name + mxfp4.BLOCKS_SUFFIX),
                                   self.folder.slice(hf_name + mxfp4.SCALES_SUFFIX), box, hf_name)
         scales = self.folder.slice(hf_name + fp8.SCALE_SUFFIX)
-        if self._fp4(hf_name):
+        if kind == "fp4":
             return mxfp4.read_packed_box(self.folder.slice(hf_name), scales, box, hf_name)
         rows, cols = box
         return fp8.dequantize(self.folder.slice(hf_name)[box], scales[fp8.scale_box(rows, cols, self.fp8.block)],
