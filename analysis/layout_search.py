@@ -158,6 +158,8 @@ def evaluate(config: RunConfig, layout: Layout, hardware: Hardware, gpus_per_nod
     allowed = replicas
     while (wait := straggler_wait(config, layout, size, microbatches, hardware, gpus_per_node, efficiency,
                                   imbalance, allowed)).replicas:
+        if wait.replicas == config.parallel.ep_replicas:  # R fixed by --set: config and memory_total are its own
+            break
         replicated = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
                                                                               ep_replicas=wait.replicas))
         need = memory_bytes(replicated, layout)[0]

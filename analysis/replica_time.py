@@ -52,15 +52,15 @@ def layer_seconds(option: ReplicaOption, expert_s: float, expert_bytes: int, ban
     return expert_s * option.imbalance + 2 * option.experts_sent * expert_bytes / bandwidth
 
 
+def least_time(options: list[ReplicaOption], expert_s: float, expert_bytes: int, bandwidth: float) -> ReplicaOption:
+    """The option of least ``layer_seconds``; the smaller R on a tie."""
+    return min(options, key=lambda o: (layer_seconds(o, expert_s, expert_bytes, bandwidth), o.replicas))
+
+
 def best_replicas(imbalance_before: float, options: list[ReplicaOption], expert_s: float, expert_bytes: int,
                   bandwidth: float) -> ReplicaOption:
     """The option of least ``layer_seconds`` (R = 0: ``imbalance_before``, no copies); the smaller R on a tie."""
-    best = ReplicaOption(0, imbalance_before, 0.0)
-    for option in sorted(options, key=lambda o: o.replicas):
-        if layer_seconds(option, expert_s, expert_bytes, bandwidth) < layer_seconds(best, expert_s, expert_bytes,
-                                                                                     bandwidth):
-            best = option
-    return best
+    return least_time([ReplicaOption(0, imbalance_before, 0.0), *options], expert_s, expert_bytes, bandwidth)
 
 
 def choose_replicas(imbalance_before: float, options: list[ReplicaOption], expert_s: float, expert_bytes: int,
@@ -118,7 +118,7 @@ def straggler_wait(config: RunConfig, layout: Layout, micro_batch_size: int, mic
         bandwidth = hardware.inter_node * hardware.network_efficiency
     options = [o for o in (ReplicaOption(0, imbalance_before, 0.0), *replica_options(imbalance_before))
                if o.replicas in allowed]
-    option = min(options, key=lambda o: (layer_seconds(o, expert_s, expert_bytes, bandwidth), o.replicas))
+    option = least_time(options, expert_s, expert_bytes, bandwidth)
     layers = max(sum(1 for i in local_layers(config, layout, stage)[0] if model.is_moe_layer(i))
                  for stage in range(layout.pp))
     extra = layer_seconds(option, expert_s, expert_bytes, bandwidth) - expert_s
