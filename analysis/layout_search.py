@@ -155,9 +155,8 @@ def evaluate(config: RunConfig, layout: Layout, hardware: Hardware, gpus_per_nod
     size, microbatches = micro_batching(config, layout.dp, layout.pp)
     if memory_total is None:
         memory_total = memory_bytes(config, layout)[0]
-    allowed = replicas
     while (wait := straggler_wait(config, layout, size, microbatches, hardware, gpus_per_node, efficiency,
-                                  imbalance, allowed)).replicas:
+                                  imbalance, replicas)).replicas:
         if wait.replicas == config.parallel.ep_replicas:  # R fixed by --set: config and memory_total are its own
             break
         replicated = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
@@ -166,7 +165,7 @@ def evaluate(config: RunConfig, layout: Layout, hardware: Hardware, gpus_per_nod
         if device_memory is None or need <= device_memory:
             config, memory_total = replicated, need
             break
-        allowed = tuple(r for r in allowed if r != wait.replicas)  # its slots do not fit: the best of the others
+        replicas = tuple(r for r in replicas if r != wait.replicas)  # its slots do not fit: the best of the others
     balance = shared_balance(config, layout, hardware.sharing)
     compute = compute_seconds(config, layout, hardware.bf16_flops * efficiency, hardware.memory_bandwidth) * balance
     bubble = bubble_seconds(compute, layout, microbatches, config.parallel.pp_virtual_stages, hardware.sharing,

@@ -101,14 +101,13 @@ class CompressorCache:
     ``entries`` [B, n, d]: made so far, normalised and rotated. ``open_window``: the values and gates (before the
     position bias) [B, p < rate, s·d] of the positions after the last whole window. ``previous``: overlapping
     windows' last whole window's series a, values and gates (with its position bias) [B, 1, rate, d], which the
-    next entry pools beside its own series b. ``windows``: the whole windows so far (the next one starts at
-    position windows · rate)."""
+    next entry pools beside its own series b. Each whole window made one entry, so the next window's index is the
+    number of entries."""
 
     def __init__(self) -> None:
         self.entries: Tensor | None = None
         self.open_window: tuple[Tensor, Tensor] | None = None
         self.previous: tuple[Tensor, Tensor] | None = None
-        self.windows = 0
 
     def whole_windows(self, values: Tensor, gates: Tensor, rate: int) -> tuple[Tensor, Tensor, int]:
         """Add the new positions' values and gates [B, S_new, s·d]; return those of the windows now whole
@@ -119,7 +118,7 @@ class CompressorCache:
             gates = torch.cat((self.open_window[1], gates), dim=1)
         whole = values.shape[1] // rate * rate
         self.open_window = values[:, whole:].clone(), gates[:, whole:].clone()  # not views of all of them
-        first, self.windows = self.windows, self.windows + whole // rate
+        first = 0 if self.entries is None else self.entries.shape[1]
         return values[:, :whole], gates[:, :whole], first
 
     def add(self, entries: Tensor, previous: tuple[Tensor, Tensor] | None) -> Tensor:

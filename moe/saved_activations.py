@@ -55,12 +55,14 @@ def head_norm_bytes(mb: MicroBatch, rows: int, d: int, tp: int) -> int:
     return norm_bytes(rows, d, uses_fused_backward(torch.bfloat16 if mb.bf16 else torch.float32, distributed=tp > 1))
 
 
-def linear_input_bytes(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool = True) -> int:
-    """The [T, d] input of ``consumers`` column-parallel projections: one fp32 tensor, or one bf16 cast each
-    (autocast casting it per matmul), or one bf16 cast they share when their weights are gathered in bf16
-    (measured: ``tests/analysis/test_memory.py``'s bf16 FSDP layouts)."""
+def linear_input_bytes(mb: MicroBatch, d: int, consumers: int, saved_in_fp32: bool = True,
+                       rows: int | None = None) -> int:
+    """The [T, d] input (``rows`` rows if given: T) of ``consumers`` column-parallel projections: one fp32 tensor,
+    or one bf16 cast each (autocast casting it per matmul), or one bf16 cast they share when their weights are
+    gathered in bf16 (measured: ``tests/analysis/test_memory.py``'s bf16 FSDP layouts)."""
+    rows = mb.tokens if rows is None else rows
     if mb.bf16 and mb.bf16_weights:
-        return mb.tokens * d * mb.compute
+        return rows * d * mb.compute
     if mb.bf16:
-        return consumers * mb.tokens * d * mb.compute
-    return mb.tokens * d * FP32 if saved_in_fp32 else 0
+        return consumers * rows * d * mb.compute
+    return rows * d * FP32 if saved_in_fp32 else 0

@@ -61,7 +61,13 @@ class IndexScoring(nn.Module):
         """``top_keys`` as a mask [B, 1, Sq, K] bool (the invisible ones among them left for the kernel's mask of
         visible keys to drop)."""
         ranked, _ = self.top_keys(scores, visible)
-        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ranked, True).unsqueeze(1)
+        return selection_mask(ranked, scores.shape[-1])
+
+
+def selection_mask(indices: Tensor, keys: int) -> Tensor:
+    """The keys ``indices`` [B, Sq, k] picks, as a mask [B, 1, Sq, keys] bool."""
+    chosen = torch.zeros(*indices.shape[:-1], keys, dtype=torch.bool, device=indices.device)
+    return chosen.scatter_(-1, indices, True).unsqueeze(1)
 
 
 def indexer_loss(scores: Tensor, attention: Tensor, keys: Tensor) -> Tensor:

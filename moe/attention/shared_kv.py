@@ -251,18 +251,11 @@ def shared_kv_saved_bytes(model: ModelConfig, tp: int, mb: MicroBatch, kernel_by
         total = linear_input_bytes(mb, d, 4 if compressed else 2)
         total += model.seq_len * rotary * FP32 if compressed else 0
     else:
-        total = linear_input_bytes(mb, d, 1) + _input_bytes(mb, keys, d, 1)
-        total += _input_bytes(mb, keys, d, 2) + mb.positions * mb.cp * INDEX if compressed else 0
+        total = linear_input_bytes(mb, d, 1) + linear_input_bytes(mb, d, 1, rows=keys)
+        total += (linear_input_bytes(mb, d, 2, rows=keys) + mb.positions * mb.cp * INDEX) if compressed else 0
         total += (mb.positions + mb.positions * mb.cp) * rotary * FP32
     total += norm_bytes(t, rank, fused=not mb.bf16) + t * rank * a
     total += t * heads * (hd + 1) * FP32
     total += norm_bytes(keys, hd, fused=not mb.bf16)
     return total + kernel_bytes + t * heads * hd * a + t * grouped * a
 
-
-def _input_bytes(mb: MicroBatch, rows: int, d: int, consumers: int) -> int:
-    """``linear_input_bytes`` for an input of ``rows`` rows: one fp32 tensor, a bf16 cast per consumer, or one
-    bf16 tensor under FSDP's bf16 weights."""
-    if mb.bf16:
-        return (1 if mb.bf16_weights else consumers) * rows * d * mb.compute
-    return rows * d * FP32

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from config.model import LayerSpec, ModelConfig
 from moe.attention.gathered import gathered_attention
-from moe.attention.indexer import IndexedAttention, IndexScoring, indexer_loss
+from moe.attention.indexer import IndexedAttention, IndexScoring, indexer_loss, selection_mask
 from moe.attention.kernel import GATHERED, SPARSE, attend, choose_kernel, training_kernel, visible_keys
 from moe.attention.latent import LatentAttention, latent_saved_bytes
 from moe.documents import Documents
@@ -143,8 +143,7 @@ class SparseLatentAttention(LatentAttention, IndexedAttention):
         self.track(q, k, self.softmax_scale, cache, documents)
         k, v, cache_mask = (k, v, None) if cache is None else cache.extend(k, v)
         if kernel == SPARSE:  # the selected keys among the visible, the one mask of the kernel and the loss
-            chosen = torch.zeros(*indices.shape[:2], keys, dtype=torch.bool, device=x.device)
-            selected = visible & chosen.scatter_(-1, indices, True).unsqueeze(1)
+            selected = visible & selection_mask(indices, keys)
         out = attend(q, k, v, self.softmax_scale, start, cache_mask=cache_mask, documents=documents,
                      selected=selected)
         out = self.output(out)
