@@ -115,10 +115,11 @@ class HFWeights:
 
     def _index_dtype(self, hf_name: str) -> torch.dtype:
         """An integer table's dtype (``Source`` "index"); a float one refused: its values would be cast to ids."""
-        dtype = DTYPES.get(self.folder.slice(hf_name).get_dtype())
+        code = self.folder.slice(hf_name).get_dtype()
+        dtype = DTYPES.get(code)
         if dtype is None or dtype.is_floating_point or dtype == torch.bool:
             raise ConfigError(f"{self.folder.folder}: tensor '{hf_name}' is an index table (token id -> experts) "
-                              f"stored as {self.folder.slice(hf_name).get_dtype()}: it must hold integers")
+                              f"stored as {code}: it must hold integers")
         return dtype
 
     @classmethod

@@ -40,6 +40,7 @@ from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from interop.fp8 import SCALE_SUFFIX, scheme
 from interop.hf_family import (
+    W13_EXPERTS,
     Family,
     HFShape,
     Source,
@@ -211,18 +212,17 @@ def hf_from_config(model: ModelConfig, moe: MoEConfig) -> dict:
          "router, expert or shared-gate biases: DeepSeek-V4 has none"),
         (moe.force_balance or moe.jitter_eps != 0, "debug routing or jitter: DeepSeek-V4 has neither"),
         (model.tie_embeddings, "model.tie_embeddings=true: DeepSeek-V4's head is its own")])
-    decoder = decoder_config(model)
-    compress = {"rope_type": "default", "rope_theta": section.rope_theta,
-                "partial_rotary_factor": model.rotary_dim / model.head_dim}
+    decoder, rotary_factor = decoder_config(model), model.rotary_dim / model.head_dim
+    compress = {"rope_type": "default", "rope_theta": section.rope_theta, "partial_rotary_factor": rotary_factor}
     if section.rope_scaling == "yarn":
         compress |= {"rope_type": "yarn", "factor": section.rope_factor, "attention_factor": 1.0,
                      "original_max_position_embeddings": section.rope_original_seq_len,
                      "beta_fast": section.yarn_beta_fast, "beta_slow": section.yarn_beta_slow}
     return {"architectures": [ARCHITECTURE], "model_type": "deepseek_v4", **decoder, "num_key_value_heads": 1,
             "sliding_window": model.sliding_window, "q_lora_rank": model.q_lora_rank,
-            "partial_rotary_factor": model.rotary_dim / model.head_dim,
+            "partial_rotary_factor": rotary_factor,
             "rope_parameters": {"main": {"rope_type": "default", "rope_theta": model.rope_theta,
-                                         "partial_rotary_factor": model.rotary_dim / model.head_dim},
+                                         "partial_rotary_factor": rotary_factor},
                                 "compress": compress},
             "compress_rope_theta": section.rope_theta, "layer_types": list(model.layer_types),
             "mlp_layer_types": [model.layer(i).feed_forward for i in range(model.n_layers)],
@@ -269,9 +269,7 @@ def _block_sources(model: ModelConfig, moe: MoEConfig, i: int, ours: str, theirs
             for name in names_by_kind[layer.attention]}
     out[f"{ours}ffn_norm.weight"] = Source("copy", (f"{theirs}ffn_norm.weight",))
     out[f"{ours}moe.router.gate"] = Source("copy", (f"{theirs}ffn.gate.weight",))
-    out |= expert_stacks(ours, f"{theirs}ffn.experts",
-                         {f"moe.experts.{name}": f"{stored}.weight" for name, stored in _MLP.items()},
-                         moe.num_experts)
+    out |= expert_stacks(ours, f"{theirs}ffn.experts", W13_EXPERTS, moe.num_experts)
     if layer.feed_forward == "hash_moe":  # the table; the balancing bias stays zero (expert_stacks')
         out[f"{ours}moe.router.tid2eid"] = Source("index", (f"{theirs}ffn.gate.tid2eid",))
     else:

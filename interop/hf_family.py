@@ -361,6 +361,8 @@ def check_context(shape: HFShape, seq_len: int) -> None:
 # our stacked experts' weights -> each HF expert's gated-MLP projection (DeepSeek-V3, GLM-4.5, Qwen3-MoE name them so)
 GATED_EXPERTS = {"moe.experts.w_in": "up_proj.weight", "moe.experts.w_gate": "gate_proj.weight",
                  "moe.experts.w_out": "down_proj.weight"}
+# ... or as Mixtral's w1 (gate), w3 (up), w2 (down) (Mixtral, MiniMax-M2, DeepSeek-V4)
+W13_EXPERTS = {"moe.experts.w_in": "w3.weight", "moe.experts.w_gate": "w1.weight", "moe.experts.w_out": "w2.weight"}
 ATTENTION_COPIES = {"attn_norm.weight": "input_layernorm.weight", "attn.wq.weight": "self_attn.q_proj.weight",
                     "attn.wk.weight": "self_attn.k_proj.weight", "attn.wv.weight": "self_attn.v_proj.weight",
                     "attn.wo.weight": "self_attn.o_proj.weight", "attn.q_norm.weight": "self_attn.q_norm.weight",

@@ -23,6 +23,7 @@ from config.errors import ConfigError
 from config.model import ModelConfig, MoEConfig
 from interop.hf_family import (
     DECODER_KEYS,
+    W13_EXPERTS,
     Family,
     HFShape,
     Source,
@@ -39,7 +40,6 @@ from interop.hf_family import (
 
 ARCHITECTURE = "MiniMaxM2ForCausalLM"
 FAMILY_NAME = "MiniMax-M2"
-_EXPERTS = {"moe.experts.w_in": "w3.weight", "moe.experts.w_gate": "w1.weight", "moe.experts.w_out": "w2.weight"}
 _KEYS = {"intermediate_size", "num_local_experts", "num_experts_per_tok", "router_jitter_noise", "use_qk_norm",
          "qk_norm_type", "rotary_dim", "partial_rotary_factor", "scoring_func", "use_routing_bias",
          "shared_intermediate_size", "attn_type_list", "use_mtp", "num_mtp_modules", "mtp_transformer_layers",
@@ -127,7 +127,7 @@ def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
     """Each of our state-dict names (our model's order) and its HF source."""
     def layer(i: int, ours: str, theirs: str) -> dict[str, Source]:
         out = {f"{ours}moe.router.gate": Source("copy", (f"{theirs}block_sparse_moe.gate.weight",)),
-               **expert_stacks(ours, f"{theirs}block_sparse_moe.experts", _EXPERTS, moe.num_experts)}
+               **expert_stacks(ours, f"{theirs}block_sparse_moe.experts", W13_EXPERTS, moe.num_experts)}
         out[f"{ours}moe.router.expert_bias"] = Source("copy", (f"{theirs}block_sparse_moe.e_score_correction_bias",))
         return out
     return decoder_sources(model, layer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from config.model import ModelConfig, MoEConfig
 from interop.hf_family import (
     DECODER_KEYS,
+    W13_EXPERTS,
     Family,
     HFShape,
     Source,
@@ -30,7 +31,6 @@ from interop.hf_family import (
 )
 
 ARCHITECTURE = "MixtralForCausalLM"
-_EXPERTS = {"moe.experts.w_in": "w3.weight", "moe.experts.w_gate": "w1.weight", "moe.experts.w_out": "w2.weight"}
 
 
 def shape_from_hf(hf: dict) -> HFShape:
@@ -62,7 +62,7 @@ def hf_sources(model: ModelConfig, moe: MoEConfig) -> dict[str, Source]:
     """Each of our state-dict names (our model's order) and its HF source."""
     def layer(i: int, ours: str, theirs: str) -> dict[str, Source]:
         return {f"{ours}moe.router.gate": Source("copy", (f"{theirs}block_sparse_moe.gate.weight",)),
-                **expert_stacks(ours, f"{theirs}block_sparse_moe.experts", _EXPERTS, moe.num_experts)}
+                **expert_stacks(ours, f"{theirs}block_sparse_moe.experts", W13_EXPERTS, moe.num_experts)}
     return decoder_sources(model, layer)
 
 
