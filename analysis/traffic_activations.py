@@ -154,13 +154,15 @@ def _tp_norm_gradients(out: list[Traffic], step: _Step) -> None:
     layout, model, fp32 = step.layout, step.config.model, 4
     group, sp = step.group("tp"), step.config.parallel.sequence_parallel
     norms = 2 * len(step.layers) + (step.last and not step.mtp)  # beside MTP the final norm runs whole
+    # under sp, each block's two hyper-connections' weight, bias and scales, and the final collapse's: (tensors, calls)
+    hyper = (((HyperConnection.parameter_tensors(model, 0), 2 * len(step.layers)),
+              (HyperHead.parameter_tensors(model), int(step.last))) if sp and model.hc_mult > 1 else ())
     if layout.dp_cp == 1:
-        hyper = sum(math.prod(p.shape) for p in HyperConnection.parameter_tensors(model, 0)) * 2 * len(step.layers)
-        hyper += sum(math.prod(p.shape) for p in HyperHead.parameter_tensors(model)) * step.last
+        hyper_elements = sum(math.prod(t.shape) * calls for tensors, calls in hyper for t in tensors)
         blocks = [*step.layers, *step.mtp]  # the modules' blocks are split by heads as the layers' are
         kinds = [attention_kind(model.layer(i)) for i in blocks]
         linear = kinds.count(GatedDeltaAttention)  # its gated norm on this rank's value heads, [dv]
-        elements = (sp * (norms * model.d_model + (model.hc_mult > 1) * hyper)
+        elements = (sp * norms * model.d_model + hyper_elements
                     + model.qk_norm * 2 * kinds.count(GroupedQueryAttention) * model.head_size
                     + (linear and linear * model.linear_value_head_dim))
         _add(out, "tp", "all_reduce", "partial weight gradients made whole (once per step)", int(elements > 0),
@@ -170,12 +172,10 @@ def _tp_norm_gradients(out: list[Traffic], step: _Step) -> None:
     if sp:  # FSDP's gradient reduction makes each whole over tp first, tensor by tensor
         _add(out, "tp", "all_reduce", "sequence-parallel norm weights' gradients (backward)", norms * syncs,
              model.d_model * fp32, group)
-    if sp and model.hc_mult > 1:  # each block's two hyper-connections' weight, bias and scales; the final collapse's
-        for tensors, calls in ((HyperConnection.parameter_tensors(model, 0), 2 * len(step.layers)),
-                               (HyperHead.parameter_tensors(model), int(step.last))):
-            for tensor in tensors:
-                _add(out, "tp", "all_reduce", "hyper-connection weights' gradients (backward)", calls * syncs,
-                     math.prod(tensor.shape) * fp32, group)
+    for tensors, calls in hyper:
+        for tensor in tensors:
+            _add(out, "tp", "all_reduce", "hyper-connection weights' gradients (backward)", calls * syncs,
+                 math.prod(tensor.shape) * fp32, group)
     if model.qk_norm:  # the per-head q/k norms see this rank's heads: the same, [hd] each
         _add(out, "tp", "all_reduce", "query/key norm weights' gradients (backward)",
              2 * len(step.layers) * syncs, model.head_size * fp32, group)
