@@ -18,28 +18,16 @@ it scores every pair (hi·di per pair, O(S²) as published) and is the same for 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 
+from benchmarks.moe_layer_library import host
 from moe.attention.gathered import gathered_attention
 from moe.attention.kernel import GATHER_RATIO, attend
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 16, 32, 16, 32, 64
-
-
-def cpu_model() -> str:
-    """The host's CPU model name (``/proc/cpuinfo``), or what ``platform`` says."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def selection(seq: int, topk: int) -> torch.Tensor:
@@ -95,7 +83,7 @@ def main() -> None:
         args.topk, args.max_len, args.dense_max_len, args.by_k_len, args.repeats = 64, 2048, 2048, 1024, 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"{cpu_model()}; torch {torch.__version__}, {args.threads} threads; {HEADS} heads, k = {args.topk}; "
+    print(f"{host()}; torch {torch.__version__}, {args.threads} threads; {HEADS} heads, k = {args.topk}; "
           f"forward + backward, fp32, medians of {args.repeats}; choose_kernel gathers from S >= "
           f"{GATHER_RATIO}·k = {GATHER_RATIO * args.topk}")
     for step in (masked_step, gathered_step):  # warm-up: the first calls pay for allocation and dispatch
