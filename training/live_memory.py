@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 from collections.abc import Iterator
 
@@ -126,8 +127,5 @@ class LiveTensorPeak:
                          if event.name() == MEMORY_EVENT and event.device_type() == DeviceType.CPU),
                         key=lambda event: event.start_ns())  # stable: events of one moment keep their order
         del held
-        running = highest = 0
-        for nbytes in (event.nbytes() for event in events):
-            running += nbytes
-            highest = max(highest, running)
+        highest = max(itertools.accumulate((event.nbytes() for event in events), initial=0))  # the running sum's
         self.peak = max(self.peak, start + highest)
